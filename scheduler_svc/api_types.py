@@ -1,0 +1,101 @@
+"""Types at the edge between the gRPC layer and the engine.
+
+The servicer validates a client's request into a :class:`GenerationRequest`
+(every field checked, limits applied) and the engine streams
+:class:`RequestOutput` deltas back. Nothing here knows about protobuf or blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from scheduler_svc.plan import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    # Values match pagedserve.v1.FinishReason so the servicer maps them 1:1.
+    UNSPECIFIED = 0
+    LENGTH = 1
+    STOP = 2
+    EOS = 3
+    ABORTED = 4
+
+
+@dataclass(slots=True)
+class RequestParams:
+    """A request's generation settings, already validated.
+
+    ``sampling`` is the per-sequence template sent to executors; with n > 1,
+    choice i samples with seed ``sampling.seed + i`` (when a seed is given).
+    """
+
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    n: int = 1
+    beam_width: int = 1  # > 1: beam search (deterministic, sampling ignored)
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k >= 0: sampled + top-k
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: RequestParams
+    arrival_time: float = 0.0
+    deadline: float | None = None  # time.monotonic() after which the engine aborts it
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """What advanced for one choice since the last message."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason = FinishReason.UNSPECIFIED
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    choices: list[ChoiceDelta]
+    usage: Usage | None = None  # set on the last message only
+    finished: bool = False
+
+
+class EngineError(Exception):
+    """Base of the errors the servicer maps to gRPC status codes."""
+
+
+class QueueFull(EngineError):
+    """More requests queued than the configured limit (RESOURCE_EXHAUSTED)."""
+
+
+class NoExecutor(EngineError):
+    """No executor is registered, or the request ran out of migrations (UNAVAILABLE)."""
+
+
+class RequestFailed(EngineError):
+    """An internal failure of this request only (INTERNAL)."""
