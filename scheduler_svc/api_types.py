@@ -99,3 +99,42 @@ class NoExecutor(EngineError):
 
 class RequestFailed(EngineError):
     """An internal failure of this request only (INTERNAL)."""
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the servicer needs to validate requests and answer GetModelInfo."""
+
+    model_name: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_executors: int
+    eos_token_id: int | None = None
+
+
+@dataclass(slots=True)
+class ExecutorStats:
+    id: str
+    state: str  # "ready" | "draining" | "dead"
+    kv_blocks_total: int
+    kv_blocks_used: int  # held by live sequences
+    kv_blocks_cached: int  # free but still holding prefix-cache content
+    kv_blocks_shared: int  # held with refcount > 1 (parallel sampling / beam search)
+    cpu_blocks_total: int
+    cpu_blocks_used: int
+    num_running: int = 0
+    num_waiting: int = 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    num_preemptions: int = 0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_migrations: int = 0
+    executors: list[ExecutorStats] = field(default_factory=list)
