@@ -1,0 +1,65 @@
+"""Command-line flags that can also come from ``PAGEDSERVE_*`` environment variables.
+
+Kubernetes passes configuration through a ConfigMap as environment variables;
+the command line still wins. This is the only place either service reads the
+environment for its flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+ENV_PREFIX = "PAGEDSERVE_"
+
+
+def env_name(option: str) -> str:
+    """``--max-num-seqs`` -> ``PAGEDSERVE_MAX_NUM_SEQS``."""
+    return ENV_PREFIX + option.lstrip("-").replace("-", "_").upper()
+
+
+def parse_with_env(parser: argparse.ArgumentParser, argv: list[str] | None,
+                   environ: dict[str, str] | None = None) -> argparse.Namespace:
+    """Parse ``argv``; flags not given there fall back to ``PAGEDSERVE_<FLAG>``.
+
+    Environment values go through the same type conversion and choices checks
+    as command-line values, so a bad ConfigMap entry fails with the flag's name.
+    """
+    environ = os.environ if environ is None else environ
+    args = list(sys.argv[1:] if argv is None else argv)
+    given = set(_options_in(args))
+    env_args: list[str] = []
+    for action in parser._actions:  # argparse has no public iterator over actions
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if not longs or action.dest == "help" or any(o in given for o in action.option_strings):
+            continue
+        value = environ.get(env_name(longs[0]))
+        if value is None:
+            continue
+        if action.nargs == 0:  # store_true / store_false
+            if value.strip().lower() in ("1", "true", "yes", "on"):
+                env_args.append(longs[0])
+            elif value.strip().lower() not in ("0", "false", "no", "off", ""):
+                parser.error(f"{env_name(longs[0])}: expected a boolean, got {value!r}")
+        else:
+            env_args += [longs[0], value]
+    return parser.parse_args(args + env_args)
+
+
+def _options_in(argv: list[str]) -> list[str]:
+    return [re.split("=", a, maxsplit=1)[0] for a in argv if a.startswith("-")]
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"`` -> 2147483648; plain integers are bytes. For argparse ``type=``."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: expected a number with an optional unit (KiB, MiB, GiB, MB, GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
