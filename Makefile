@@ -4,6 +4,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 TINY_MODEL ?= models/tiny-llama
+MODEL ?= $(TINY_MODEL)
 
 .PHONY: setup proto test lint run tiny-model bench gpu-check images clean
 
@@ -36,7 +37,7 @@ tiny-model: setup
 	test -f $(TINY_MODEL)/config.json || $(PY) -m executor_svc.tiny_model --out $(TINY_MODEL)
 
 run: setup tiny-model
-	$(PY) -m scheduler_svc.demo --model $(TINY_MODEL)
+	$(PY) -m pagedserve.demo --model $(MODEL)
 
 bench: setup
 	$(PY) -m benchmarks.run_all --quick

@@ -1,0 +1,215 @@
+"""ZeroMQ transport to the executors: registry, handshakes, heartbeats, steps.
+
+Executors dial in to one ROUTER socket (their routing id is their executor
+id). The hub accepts or refuses each handshake, keeps a heartbeat both ways,
+declares an executor dead after ``DEAD_AFTER_INTERVALS`` silent intervals or a
+failed send, and turns a ``BatchPlan`` into a ``StepResult`` for the engine.
+It owns no scheduling state: it reports joins, drains and deaths through
+callbacks and lets the engine decide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from scheduler_svc import plan as wire
+
+log = logging.getLogger(__name__)
+
+DEAD_AFTER_INTERVALS = 5
+
+
+class ExecutorLost(Exception):
+    """The executor died (or was replaced) while a step was in flight."""
+
+
+@dataclass(slots=True, eq=False)
+class ExecutorConn:
+    identity: bytes
+    info: wire.Handshake
+    state: str = "ready"  # "ready" | "draining" | "dead"
+    last_seen: float = field(default_factory=time.monotonic)
+    pending: asyncio.Future | None = None  # the in-flight step's result
+    pending_step: int = -1
+    drain_deadline: float | None = None
+
+    @property
+    def id(self) -> str:
+        return self.info.executor_id
+
+
+class ExecutorHub:
+    """Accepts executors and runs steps on them. One per scheduler process."""
+
+    def __init__(self, endpoint: str, *, block_size: int, heartbeat_interval_s: float,
+                 on_join: Callable[[ExecutorConn], None],
+                 on_drain: Callable[[ExecutorConn], None],
+                 on_dead: Callable[[ExecutorConn, str], None]) -> None:
+        self.endpoint = endpoint
+        self.block_size = block_size
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._on_join, self._on_drain, self._on_dead = on_join, on_drain, on_dead
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.conns: dict[bytes, ExecutorConn] = {}
+        self.model_fingerprint: str | None = None  # fixed by the first accepted executor
+        self.bound_port: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted executor takes over its id
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
+        sock.bind(self.endpoint)
+        self.bound_port = int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        self._sock = sock
+        self._tasks = [asyncio.create_task(self._recv_loop(), name="executor-recv"),
+                       asyncio.create_task(self._heartbeat_loop(), name="executor-heartbeat")]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        self._ctx.term()
+
+    def live(self) -> list[ExecutorConn]:
+        return [c for c in self.conns.values() if c.state != "dead"]
+
+    # ------------------------------------------------------------------ steps
+
+    async def run_step(self, conn: ExecutorConn, plan: wire.BatchPlan) -> wire.StepResult:
+        """Send one plan and wait for its result; ExecutorLost if the executor dies."""
+        if conn.state == "dead":
+            raise ExecutorLost(conn.id)
+        if conn.pending is not None:
+            raise RuntimeError(f"executor {conn.id}: a step is already in flight (one step at a time)")
+        fut = asyncio.get_running_loop().create_future()
+        conn.pending, conn.pending_step = fut, plan.step_id
+        try:
+            if not await self._send(conn, plan):
+                raise ExecutorLost(conn.id)
+            return await fut
+        finally:
+            conn.pending = None
+
+    # ------------------------------------------------------------------ internals
+
+    async def _send(self, conn: ExecutorConn, msg: wire.Message) -> bool:
+        try:
+            await self._sock.send_multipart([conn.identity, wire.encode(msg)])
+            return True
+        except zmq.ZMQError as exc:
+            self._declare_dead(conn, f"send failed: {exc}")
+            return False
+
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                frames = await self._sock.recv_multipart()
+            except zmq.ZMQError as exc:
+                log.warning("executor socket receive failed: %s", exc)
+                await asyncio.sleep(0.05)
+                continue
+            if len(frames) != 2:
+                log.warning("dropping a message of %d frames (expected identity + payload)", len(frames))
+                continue
+            identity, payload = frames
+            try:
+                msg = wire.decode(payload)
+            except wire.WireError as exc:
+                log.warning("dropping malformed frame from %r: %s", identity, exc)
+                continue
+            try:
+                await self._dispatch(identity, msg)
+            except Exception:  # a bug in a callback must not kill the transport
+                log.exception("error while handling %s from %r", type(msg).__name__, identity)
+
+    async def _dispatch(self, identity: bytes, msg: wire.Message) -> None:
+        if isinstance(msg, wire.Handshake):
+            await self._handshake(identity, msg)
+            return
+        conn = self.conns.get(identity)
+        if conn is None or conn.state == "dead":
+            log.info("ignoring %s from unregistered peer %r", type(msg).__name__, identity)
+            return
+        conn.last_seen = time.monotonic()
+        if isinstance(msg, wire.StepResult):
+            if conn.pending is None or msg.step_id != conn.pending_step:
+                log.warning("executor %s: unexpected result for step %d", conn.id, msg.step_id)
+            elif not conn.pending.done():
+                conn.pending.set_result(msg)
+        elif isinstance(msg, wire.Drain):
+            if conn.state == "ready":
+                conn.state = "draining"
+                conn.drain_deadline = time.monotonic() + msg.grace_seconds
+                log.info("executor %s is draining (grace %.1fs)", conn.id, msg.grace_seconds)
+                self._on_drain(conn)
+
+    def _refusal(self, hs: wire.Handshake) -> str | None:
+        if hs.wire_version != wire.WIRE_VERSION:
+            return f"wire version {hs.wire_version}, scheduler speaks {wire.WIRE_VERSION}"
+        if hs.block_size != self.block_size:
+            return f"block size {hs.block_size}, scheduler uses {self.block_size}"
+        if hs.num_device_blocks < 1:
+            return f"num_device_blocks must be >= 1, got {hs.num_device_blocks}"
+        if self.model_fingerprint is not None and hs.model_fingerprint != self.model_fingerprint:
+            return (f"model fingerprint {hs.model_fingerprint[:12]} differs from the served model's "
+                    f"{self.model_fingerprint[:12]}")
+        return None
+
+    async def _handshake(self, identity: bytes, hs: wire.Handshake) -> None:
+        old = self.conns.get(identity)
+        if old is not None and old.state != "dead":
+            # Same id dialled in again: that process restarted and lost its KV cache.
+            self._declare_dead(old, "executor reconnected (its state is gone)")
+        reason = self._refusal(hs)
+        reply = wire.HandshakeReply(reason is None, reason or "", self.heartbeat_interval_s)
+        try:
+            await self._sock.send_multipart([identity, wire.encode(reply)])
+        except zmq.ZMQError as exc:
+            log.warning("could not answer handshake of %r: %s", identity, exc)
+            return
+        if reason is not None:
+            log.warning("refused executor %s: %s", hs.executor_id, reason)
+            return
+        self.model_fingerprint = self.model_fingerprint or hs.model_fingerprint
+        conn = ExecutorConn(identity, hs)
+        self.conns[identity] = conn
+        log.info("executor %s joined: %d device blocks, %d cpu blocks, %s/%s",
+                 hs.executor_id, hs.num_device_blocks, hs.num_cpu_blocks, hs.device, hs.dtype)
+        self._on_join(conn)
+
+    def _declare_dead(self, conn: ExecutorConn, why: str) -> None:
+        if conn.state == "dead":
+            return
+        conn.state = "dead"
+        log.warning("executor %s declared dead: %s", conn.id, why)
+        if conn.pending is not None and not conn.pending.done():
+            conn.pending.set_exception(ExecutorLost(f"{conn.id}: {why}"))
+        if self.conns.get(conn.identity) is conn:
+            del self.conns[conn.identity]
+        self._on_dead(conn, why)
+
+    async def _heartbeat_loop(self) -> None:
+        limit = DEAD_AFTER_INTERVALS * self.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            now = time.monotonic()
+            for conn in list(self.conns.values()):
+                if now - conn.last_seen > limit:
+                    self._declare_dead(conn, f"silent for {now - conn.last_seen:.1f}s")
+                else:
+                    await self._send(conn, wire.Heartbeat(time.time()))
