@@ -1,0 +1,179 @@
+"""A simulated executor in virtual time, with a cost model of OPT-13B on one A100-40GB.
+
+The real :class:`~scheduler_svc.scheduler.Scheduler` plans every step; this
+executor applies the plan deltas exactly as a real one would (it keeps each
+sequence's token count and computed count, see the order in ``plan.py``), draws
+a token for every sequence that finished its pending tokens, and instead of
+running a model returns how long the step *would* take on the paper's hardware.
+
+Cost model (paper §6.1 / Table 1: OPT-13B, one NVIDIA A100 40 GB)
+-----------------------------------------------------------------
+A step is memory-bound (decode) or compute-bound (prefill), whichever is slower,
+plus framework overhead::
+
+    t_mem     = (W + kv_bytes_per_token * (sum of context tokens) * k_paged) / (BW * eff_bw)
+    t_compute = (2 * P * batched_tokens + 4 * L * H * attended_pairs) / (FLOPS * eff_flops)
+    t_step    = max(t_mem, t_compute) + t_fixed + t_seq * num_seqs
+
+=====================  ============  ====================================================
+constant               value         where it comes from
+=====================  ============  ====================================================
+P (parameters)         12.85e9       OPT-13B (Zhang et al. 2022, Table 1 of the OPT paper)
+W (weight bytes)       25.7e9        P x 2 bytes (fp16): every decode step reads all weights
+L, H                   40, 5120      OPT-13B layers and hidden size
+kv_bytes_per_token     819200        2 (K,V) x L x H x 2 bytes = 800 KB (paper §3)
+BW                     1.555e12 B/s  A100-40GB SXM HBM2 datasheet bandwidth
+eff_bw                 0.8           typical achievable share of peak HBM bandwidth
+FLOPS                  312e12        A100 dense fp16 tensor-core peak (datasheet)
+eff_flops              0.5           typical large-GEMM efficiency in serving engines
+k_paged                1.2           PagedAttention kernel 20-26% slower than a contiguous
+                                     one (paper §7.1, Fig. 18a); applied to every
+                                     allocator alike, so it never favours paging
+t_fixed                5 ms          assumption: per-step Python scheduling, input
+                                     preparation, kernel launches, sampling (2023 vLLM)
+t_seq                  0.2 ms        assumption: per-sequence host work per step
+=====================  ============  ====================================================
+
+The two overhead terms are assumptions, not measurements; with them a step of
+30 sequences holding ~12K context tokens takes ~42 ms, which is what Little's
+law implies for the paper's Fig. 13 point (30.42 batched requests at 2 req/s,
+338 output tokens per request: 30.42 / (2 x 338) = 45 ms per step).
+
+Every allocator is simulated with this same executor and cost model: only the
+scheduler's memory management differs between the curves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from scheduler_svc.plan import BatchPlan, SeqLogprobs, StepResult
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Step time of OPT-13B on one A100-40GB as a function of the batch's shape."""
+
+    num_params: float = 12.85e9
+    weight_bytes: float = 25.7e9
+    num_layers: int = 40
+    hidden_size: int = 5120
+    kv_bytes_per_token: int = 819_200
+    hbm_bandwidth: float = 1.555e12
+    bandwidth_efficiency: float = 0.8
+    peak_flops: float = 312e12
+    flops_efficiency: float = 0.5
+    paged_kernel_factor: float = 1.2
+    fixed_overhead_s: float = 5e-3
+    per_seq_overhead_s: float = 2e-4
+
+    def step_time(self, batched_tokens: int, context_tokens: int, attended_pairs: int, num_seqs: int) -> float:
+        """Seconds for one step.
+
+        ``batched_tokens``: new tokens computed this step (prefill chunks + 1 per decode);
+        ``context_tokens``: sum over scheduled sequences of their context length after the step
+        (the KV read by attention); ``attended_pairs``: sum over new tokens of the positions each
+        attends to (attention FLOPs); ``num_seqs``: scheduled sequences.
+        """
+        if num_seqs == 0:
+            return 0.0
+        kv_read = self.kv_bytes_per_token * context_tokens * self.paged_kernel_factor
+        t_mem = (self.weight_bytes + kv_read) / (self.hbm_bandwidth * self.bandwidth_efficiency)
+        flops = 2.0 * self.num_params * batched_tokens + 4.0 * self.num_layers * self.hidden_size * attended_pairs
+        t_compute = flops / (self.peak_flops * self.flops_efficiency)
+        return max(t_mem, t_compute) + self.fixed_overhead_s + self.per_seq_overhead_s * num_seqs
+
+
+# KV cache of the paper's setting: 12 GiB for OPT-13B on A100-40GB = 15.7K token slots (§6.1).
+KV_CACHE_BYTES = 12 * 1024**3
+BLOCK_SIZE = 16
+PAPER_NUM_SLOTS = KV_CACHE_BYTES // CostModel().kv_bytes_per_token  # 15728
+PAPER_NUM_BLOCKS = PAPER_NUM_SLOTS // BLOCK_SIZE  # 983
+
+
+@dataclass(slots=True)
+class _SeqState:
+    num_tokens: int
+    num_computed: int
+    beam_candidates: int
+
+
+@dataclass(slots=True)
+class StepShape:
+    """What the last executed step looked like (for statistics)."""
+
+    num_seqs: int = 0
+    batched_tokens: int = 0
+    context_tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class SimExecutor:
+    """Applies plan deltas like a real executor and returns simulated step times.
+
+    Sampled tokens are random ids that are never ``eos_token_id``; beam sequences
+    get ``beam_candidates`` random (token, log-prob) pairs, best first.
+    """
+
+    cost: CostModel = field(default_factory=CostModel)
+    eos_token_id: int | None = 2
+    vocab_size: int = 50272
+    seed: int = 0
+    seqs: dict[int, _SeqState] = field(default_factory=dict)
+    last: StepShape = field(default_factory=StepShape)
+
+    def __post_init__(self) -> None:
+        self._rng = np.random.default_rng(self.seed)
+
+    def execute(self, plan: BatchPlan) -> StepResult:
+        self._apply_deltas(plan)
+        result = StepResult(step_id=plan.step_id)
+        shape = StepShape(num_seqs=len(plan.scheduled_seq_ids))
+        pairs = 0
+        for seq_id, n_new in zip(plan.scheduled_seq_ids, plan.num_new_tokens):
+            st = self.seqs.get(seq_id)
+            if st is None:
+                raise RuntimeError(f"plan {plan.step_id} schedules unknown sequence {seq_id}")
+            if st.num_computed + n_new > st.num_tokens:
+                raise RuntimeError(f"seq {seq_id}: computing {n_new} tokens past its {st.num_tokens} tokens")
+            shape.batched_tokens += n_new
+            shape.context_tokens += st.num_computed + n_new
+            pairs += n_new * st.num_computed + n_new * (n_new + 1) // 2
+            st.num_computed += n_new
+            if st.num_computed == st.num_tokens:
+                self._sample(seq_id, st, result)
+        shape.seconds = self.cost.step_time(shape.batched_tokens, shape.context_tokens, pairs, shape.num_seqs)
+        result.model_seconds = shape.seconds
+        self.last = shape
+        return result
+
+    def _apply_deltas(self, plan: BatchPlan) -> None:
+        for seq_id in plan.free_seq_ids:
+            self.seqs.pop(seq_id, None)
+        for ns in plan.new_seqs:
+            self.seqs[ns.seq_id] = _SeqState(len(ns.token_ids), ns.num_computed_tokens,
+                                             ns.sampling.beam_candidates)
+        for fk in plan.forks:
+            parent = self.seqs[fk.parent_seq_id]
+            self.seqs[fk.child_seq_id] = _SeqState(parent.num_tokens, parent.num_computed,
+                                                   parent.beam_candidates)
+        for seq_id, _token in plan.append_tokens:
+            self.seqs[seq_id].num_tokens += 1
+
+    def _token(self) -> int:
+        tok = int(self._rng.integers(4, self.vocab_size))
+        return tok + 1 if tok == self.eos_token_id else tok
+
+    def _sample(self, seq_id: int, st: _SeqState, result: StepResult) -> None:
+        if st.beam_candidates > 0:
+            k = st.beam_candidates
+            logprobs = np.sort(np.log(self._rng.dirichlet(np.ones(k * 4))))[::-1][:k]
+            result.beam_candidates.append(SeqLogprobs(seq_id, 0.0, [self._token() for _ in range(k)],
+                                                      [float(x) for x in logprobs]))
+            return
+        result.sampled_seq_ids.append(seq_id)
+        result.sampled_token_ids.append(self._token())
+        st.num_tokens += 1
