@@ -1,0 +1,71 @@
+"""Per-layer paged KV block pools on the device and the CPU swap pool.
+
+Layout (docs/ARCHITECTURE.md): per layer a key and a value tensor, each
+``[num_blocks, block_size, num_kv_heads, head_size]``, contiguous. The number
+of blocks comes from a memory budget; it is reported in the handshake and the
+scheduler owns which block holds what.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from executor_svc.model.config import ModelConfig
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_memory_size(text: str | int) -> int:
+    """'2GiB', '512MiB', '1.5GB', '4096' -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"memory size: expected a number with an optional unit like '2GiB' or '512MB', "
+                         f"got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Keys and values of one block in every layer."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def num_blocks_for(budget_bytes: int, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return budget_bytes // bytes_per_block(cfg, block_size, dtype)
+
+
+class KVCache:
+    """The device block pools (``layers``) and the CPU swap pool (``cpu_layers``)."""
+
+    def __init__(self, cfg: ModelConfig, block_size: int, num_blocks: int, num_cpu_blocks: int,
+                 dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
+        if block_size <= 0 or num_blocks <= 0:
+            raise ValueError(f"kv cache: block_size ({block_size}) and num_blocks ({num_blocks}) must be > 0; "
+                             f"raise the KV cache memory budget")
+        if num_cpu_blocks < 0:
+            raise ValueError(f"kv cache: num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+        self.block_size, self.num_blocks, self.num_cpu_blocks = block_size, num_blocks, num_cpu_blocks
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zeroed: masked-out slots are still multiplied by zero attention weights, and 0 * NaN
+        # garbage would poison the output.
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                        torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        cpu_shape = (num_cpu_blocks, *shape[1:])
+        # Swap blocks are only ever read after being written from the device pool: no need to zero.
+        self.cpu_layers = [(torch.empty(cpu_shape, dtype=dtype), torch.empty(cpu_shape, dtype=dtype))
+                           for _ in range(cfg.num_layers)] if num_cpu_blocks else []
+
+    @classmethod
+    def from_budget(cls, cfg: ModelConfig, block_size: int, device_bytes: int, cpu_bytes: int,
+                    dtype: torch.dtype, device: str | torch.device = "cpu") -> KVCache:
+        num = num_blocks_for(device_bytes, cfg, block_size, dtype)
+        if num <= 0:
+            need = bytes_per_block(cfg, block_size, dtype)
+            raise ValueError(f"kv cache memory: {device_bytes} bytes is less than one block ({need} bytes)")
+        return cls(cfg, block_size, num, num_blocks_for(cpu_bytes, cfg, block_size, dtype), dtype, device)

@@ -1,0 +1,122 @@
+"""Our own Llama-family transformer (Llama, Mistral, Qwen2) over packed tokens.
+
+A step is one flat sequence of tokens from many sequences (no padding); the
+attention backend uses :class:`AttentionMetadata` to keep sequences apart and
+to read/write the paged KV cache. q/k/v and gate/up projections are fused
+into one matmul each (the loader concatenates the HF weights).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor_svc.attention import AttentionBackend, AttentionMetadata, KVCaches
+from executor_svc.model.config import ModelConfig
+from executor_svc.model.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, as HF Llama does.
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
+    layer = nn.Linear(n_in, n_out, bias=bias, device="meta")
+    layer.requires_grad_(False)
+    return layer
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = _linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
+        self.o_proj = _linear(self.q_size, cfg.hidden_size, cfg.o_bias)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        backend.write_kv(k, v, cache[0], cache[1], meta)
+        o = backend.forward(q, cache[0], cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, False)
+        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache, meta, backend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameters are created on the meta device; the loader materialises them."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+        self.embed_tokens.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False)
+        self.rotary: RotaryEmbedding | None = None  # built by the loader on the target device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: KVCaches,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions [num_tokens] int64 -> final hidden states [num_tokens, hidden]."""
+        if self.rotary is None:
+            raise RuntimeError("model used before load_model() built its rotary embedding")
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = layer(x, cos, sin, cache, meta, backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, vocab] float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).to(torch.float32)
