@@ -1,0 +1,214 @@
+"""`pagedserve`: command-line client of the pagedserve.v1 gRPC API.
+
+    pagedserve [--server HOST:PORT] generate "prompt" --max-tokens 32 --stream
+    pagedserve info
+    pagedserve stats
+    pagedserve health
+
+Generated text goes to stdout; finish reasons and token counts to stderr, so
+``pagedserve generate ... > out.txt`` keeps only the text. ``--json`` prints
+the server's messages as JSON lines instead. Exit status: 0 on success, 1 when
+the server refused or failed (the gRPC status code and message are printed),
+2 for bad command-line usage, 130 on Ctrl-C (the request is cancelled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import TextIO
+
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+DEFAULT_SERVER = "localhost:50051"
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedserve", description="Client of a pagedserve server.")
+    p.add_argument("--server", default=os.environ.get("PAGEDSERVE_SERVER", DEFAULT_SERVER),
+                   help="HOST:PORT of the scheduler (env PAGEDSERVE_SERVER; default %(default)s)")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds for the call")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print the server's messages as JSON")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", parents=[common], help="generate a completion")
+    g.add_argument("prompt", nargs="?", help="text prompt (or use --token-ids)")
+    g.add_argument("--token-ids", type=_int_list, help="comma-separated prompt token ids instead of a prompt")
+    g.add_argument("--request-id", default="")
+    g.add_argument("--max-tokens", type=int, default=0, help="0: server default (16, capped by context)")
+    g.add_argument("--stream", action="store_true", help="print text as it is generated")
+    for flag, typ in (("--temperature", float), ("--top-p", float), ("--top-k", int), ("--min-p", float),
+                      ("--seed", int), ("--length-penalty", float), ("--logprobs", int),
+                      ("--repetition-penalty", float), ("--presence-penalty", float),
+                      ("--frequency-penalty", float)):
+        g.add_argument(flag, type=typ, default=None)
+    g.add_argument("--n", type=int, default=0, help="number of choices")
+    g.add_argument("--beam-width", type=int, default=0, help="> 1: beam search")
+    g.add_argument("--early-stopping", action="store_true")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-ids", type=_int_list, default=[])
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(func=_cmd_generate)
+
+    sub.add_parser("info", parents=[common], help="describe the served model").set_defaults(func=_cmd_info)
+    sub.add_parser("stats", parents=[common], help="scheduler and KV-cache stats").set_defaults(func=_cmd_stats)
+    sub.add_parser("health", parents=[common], help="readiness and liveness").set_defaults(func=_cmd_health)
+    return p
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
+    """The GenerateRequest the ``generate`` arguments describe (unset options stay unset)."""
+    sp = pb.SamplingParams(max_tokens=args.max_tokens, n=args.n, beam_width=args.beam_width,
+                           early_stopping=args.early_stopping, stop=args.stop,
+                           stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "length_penalty", "logprobs",
+                 "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(sp, name, value)
+    req = pb.GenerateRequest(request_id=args.request_id, sampling=sp)
+    if args.prompt is not None:
+        req.prompt = args.prompt
+    if args.token_ids:
+        req.prompt_token_ids.extend(args.token_ids)
+    return req
+
+
+def _cmd_generate(channel: grpc.Channel, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    if args.prompt is None and not args.token_ids:
+        print("error: give a prompt or --token-ids", file=err)
+        return 2
+    stream = pb_grpc.GenerationStub(channel).Generate(build_request(args), timeout=args.timeout)
+    texts: dict[int, list[str]] = {}
+    finish: dict[int, int] = {}
+    usage = None
+    inline = args.stream and not args.json and max(args.n, 1) == 1
+    try:
+        for msg in stream:
+            if args.json:
+                print(_to_json(msg), file=out, flush=True)
+            for c in msg.choices:
+                texts.setdefault(c.index, []).append(c.text)
+                if c.finish_reason:
+                    finish[c.index] = c.finish_reason
+                if inline:
+                    out.write(c.text)
+                    out.flush()
+            if msg.HasField("usage"):
+                usage = msg.usage
+    except KeyboardInterrupt:
+        stream.cancel()
+        raise
+    if not args.json:
+        _print_choices(texts, finish, inline, out)
+        _print_summary(finish, usage, err)
+    return 0
+
+
+def _print_choices(texts: dict[int, list[str]], finish: dict[int, int], inline: bool, out: TextIO) -> None:
+    if inline:
+        out.write("\n")
+        return
+    for index in sorted(texts):
+        if len(texts) > 1:
+            print(f"--- choice {index} ({_reason(finish.get(index, 0))}) ---", file=out)
+        print("".join(texts[index]), file=out)
+
+
+def _print_summary(finish: dict[int, int], usage: pb.Usage | None, err: TextIO) -> None:
+    reasons = ", ".join(f"{i}: {_reason(r)}" for i, r in sorted(finish.items()))
+    line = f"[finish {reasons}]"
+    if usage is not None:
+        line += (f" [prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens}"
+                 f" cached_prompt_tokens={usage.cached_prompt_tokens}]")
+    print(line, file=err)
+
+
+def _reason(value: int) -> str:
+    return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+
+
+def _cmd_info(channel: grpc.Channel, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    info = pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout)
+    _print_message(info, args.json, out)
+    return 0
+
+
+def _cmd_stats(channel: grpc.Channel, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    stats = pb_grpc.GenerationStub(channel).GetStats(pb.GetStatsRequest(), timeout=args.timeout)
+    if args.json:
+        _print_message(stats, True, out)
+        return 0
+    executors = list(stats.executors)
+    stats.ClearField("executors")
+    _print_message(stats, False, out)
+    print(f"executors: {len(executors)}", file=out)
+    for e in executors:
+        usage = e.kv_blocks_used / e.kv_blocks_total if e.kv_blocks_total else 0.0
+        print(f"  {e.id} [{e.state}] kv {e.kv_blocks_used}/{e.kv_blocks_total} used ({usage:.1%}),"
+              f" {e.kv_blocks_cached} cached, {e.kv_blocks_shared} shared; cpu {e.cpu_blocks_used}/"
+              f"{e.cpu_blocks_total}; running {e.num_running}, waiting {e.num_waiting}", file=out)
+    return 0
+
+
+def _cmd_health(channel: grpc.Channel, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    result = {}
+    for service in ("liveness", "", "pagedserve.v1.Generation"):
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=args.timeout)
+        result[service or '""'] = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    if args.json:
+        print(json.dumps(result), file=out)
+    else:
+        for service, status in result.items():
+            print(f"{service}: {status}", file=out)
+    return 0 if all(s == "SERVING" for s in result.values()) else 1
+
+
+def _to_json(msg) -> str:
+    return json.dumps(json_format.MessageToDict(msg, preserving_proto_field_name=True))
+
+
+def _print_message(msg, as_json: bool, out: TextIO) -> None:
+    data = json_format.MessageToDict(msg, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)
+    if as_json:
+        print(json.dumps(data, indent=2), file=out)
+        return
+    for key, value in data.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items())
+        print(f"{key}: {value}", file=out)
+
+
+def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    out, err = out or sys.stdout, err or sys.stderr
+    try:
+        with grpc.insecure_channel(args.server) as channel:
+            return args.func(channel, args, out, err)
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()} (server {args.server})", file=err)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; request cancelled", file=err)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

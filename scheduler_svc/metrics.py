@@ -1,0 +1,159 @@
+"""Prometheus metrics in the vLLM dashboard style (``pagedserve:`` prefix).
+
+One :class:`Metrics` object owns a dedicated ``CollectorRegistry`` (never the
+global default, so tests and several engines in one process do not collide).
+The engine calls its small ``on_*`` methods and :meth:`Metrics.observe_stats`
+once per loop iteration (or on a timer); :func:`start_metrics_server` serves
+``/metrics`` over HTTP on ``--metrics-port``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from scheduler_svc.api_types import EngineStats, FinishReason
+
+P = "pagedserve:"
+# Buckets follow vLLM's, so its Grafana dashboard reads these unchanged.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+               50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class Metrics:
+    """All pagedserve metrics, registered in ``self.registry``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        ex = ["executor"]
+        self.num_running = Gauge(P + "num_requests_running", "Requests running on executors.", registry=r)
+        self.num_waiting = Gauge(P + "num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
+        self.num_swapped = Gauge(P + "num_requests_swapped", "Requests swapped out to CPU memory.", registry=r)
+        self.kv_usage = Gauge(P + "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", ex, registry=r)
+        self.kv_shared = Gauge(P + "kv_blocks_shared", "KV blocks with refcount > 1.", ex, registry=r)
+        self.kv_cached = Gauge(P + "kv_blocks_cached", "Free KV blocks holding prefix-cache content.", ex,
+                               registry=r)
+        self.cpu_usage = Gauge(P + "cpu_cache_usage_perc", "Fraction of CPU swap blocks in use (0..1).", ex,
+                               registry=r)
+        self.num_executors = Gauge(P + "num_executors", "Executors known to the scheduler, by state.",
+                                   ["state"], registry=r)
+        self.prefix_queries = Counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      registry=r)
+        self.prefix_hits = Counter(P + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
+        self.preemptions = Counter(P + "num_preemptions", "Preemptions (recompute and swap).", registry=r)
+        self.migrations = Counter(P + "request_migrations", "Requests moved to another executor.", registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", registry=r)
+        self.success = Counter(P + "request_success", "Finished requests, by finish reason.",
+                               ["finished_reason"], registry=r)
+        self.rejected = Counter(P + "request_rejected", "Requests refused or failed, by gRPC status code.",
+                                ["code"], registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive tokens.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish.", buckets=E2E_BUCKETS,
+                             registry=r)
+        self.queue_time = Histogram(P + "request_queue_time_seconds", "Arrival to first scheduled.",
+                                    buckets=E2E_BUCKETS, registry=r)
+        self.req_prompt_tokens = Histogram(P + "request_prompt_tokens", "Prompt tokens per request.",
+                                           buckets=TOKEN_BUCKETS, registry=r)
+        self.req_generation_tokens = Histogram(P + "request_generation_tokens", "Generated tokens per request.",
+                                               buckets=TOKEN_BUCKETS, registry=r)
+        self._last = {"pq": 0, "ph": 0, "pre": 0, "mig": 0}  # cumulative engine counters already counted
+        self._executors: set[str] = set()
+        self._states: set[str] = set()
+
+    # ---- called by the engine -------------------------------------------------
+    def observe_stats(self, stats: EngineStats) -> None:
+        """Set gauges from a snapshot and advance counters by what the engine's totals grew."""
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.num_swapped.set(stats.num_swapped)
+        self._advance(self.prefix_queries, "pq", stats.prefix_cache_query_tokens)
+        self._advance(self.prefix_hits, "ph", stats.prefix_cache_hit_tokens)
+        self._advance(self.preemptions, "pre", stats.num_preemptions)
+        self._advance(self.migrations, "mig", stats.num_migrations)
+        seen: set[str] = set()
+        states: dict[str, int] = {}
+        for e in stats.executors:
+            seen.add(e.id)
+            states[e.state] = states.get(e.state, 0) + 1
+            self.kv_usage.labels(e.id).set(e.kv_blocks_used / e.kv_blocks_total if e.kv_blocks_total else 0.0)
+            self.kv_shared.labels(e.id).set(e.kv_blocks_shared)
+            self.kv_cached.labels(e.id).set(e.kv_blocks_cached)
+            self.cpu_usage.labels(e.id).set(e.cpu_blocks_used / e.cpu_blocks_total if e.cpu_blocks_total else 0.0)
+        for gone in self._executors - seen:  # an executor that left stops being reported
+            for g in (self.kv_usage, self.kv_shared, self.kv_cached, self.cpu_usage):
+                g.remove(gone)
+        self._executors = seen
+        for state in self._states | states.keys():
+            self.num_executors.labels(state).set(states.get(state, 0))
+        self._states |= states.keys()
+
+    def on_scheduled(self, queue_seconds: float) -> None:
+        """A request was scheduled for the first time ``queue_seconds`` after arrival."""
+        self.queue_time.observe(queue_seconds)
+
+    def on_prompt_tokens(self, n: int) -> None:
+        self.prompt_tokens.inc(n)
+
+    def on_generation_tokens(self, n: int) -> None:
+        self.generation_tokens.inc(n)
+
+    def on_first_token(self, seconds: float) -> None:
+        """Arrival to the first generated token of a request."""
+        self.ttft.observe(seconds)
+
+    def on_token(self, seconds: float) -> None:
+        """Time since the previous token of the same sequence."""
+        self.itl.observe(seconds)
+
+    def on_finish(self, reason: FinishReason, e2e_seconds: float, prompt_tokens: int,
+                  generation_tokens: int) -> None:
+        """A request finished (its last choice did)."""
+        self.success.labels(FinishReason(reason).name.lower()).inc()
+        self.e2e.observe(e2e_seconds)
+        self.req_prompt_tokens.observe(prompt_tokens)
+        self.req_generation_tokens.observe(generation_tokens)
+
+    # ---- called by the servicer -----------------------------------------------
+    def on_rejected(self, code: str) -> None:
+        """A request ended with a non-OK status (e.g. "INVALID_ARGUMENT")."""
+        self.rejected.labels(code).inc()
+
+    def _advance(self, counter: Counter, key: str, total: int) -> None:
+        last = self._last[key]
+        counter.inc(total - last if total >= last else total)  # a smaller total: the source restarted
+        self._last[key] = total
+
+
+@dataclass(slots=True)
+class MetricsServer:
+    """The running /metrics HTTP server (a daemon thread)."""
+
+    httpd: WSGIServer
+    thread: threading.Thread
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
+
+
+def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> MetricsServer:
+    """Serve ``registry`` at http://host:port/metrics (port 0: a free port, see ``.port``)."""
+    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(httpd, thread)

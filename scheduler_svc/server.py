@@ -1,0 +1,288 @@
+"""The public gRPC API: the pagedserve.v1.Generation servicer, health and reflection.
+
+This is the one place engine errors become gRPC status codes:
+
+    ValidationError -> INVALID_ARGUMENT    QueueFull -> RESOURCE_EXHAUSTED
+    NoExecutor, no model info, shutting down -> UNAVAILABLE
+    RequestFailed, anything unexpected -> INTERNAL (this request only; logged)
+    a request_id already in flight -> ALREADY_EXISTS
+
+The servicer talks to the engine only through the interface in
+docs/ARCHITECTURE.md ("Engine <-> servicer"). When the client cancels or its
+deadline passes, the handler is cancelled and the engine's generator is closed
+right away (``aclose``), which is the engine's signal to abort the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from tokenizers import Tokenizer
+
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.api_types import (
+    EngineStats,
+    GenerationRequest,
+    ModelInfo,
+    NoExecutor,
+    QueueFull,
+    RequestFailed,
+    RequestOutput,
+)
+from scheduler_svc.metrics import Metrics
+from scheduler_svc.validation import ServerLimits, ValidationError, validate_generate_request
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "pagedserve.v1.Generation"
+LIVENESS_SERVICE = "liveness"
+# Prompts longer than this are tokenized in a worker thread, off the event loop.
+THREAD_TOKENIZE_CHARS = 4096
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Engine(Protocol):
+    def model_info(self) -> ModelInfo | None: ...
+    def is_ready(self) -> bool: ...
+    def stats(self) -> EngineStats: ...
+    def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
+
+
+class _Refused(Exception):
+    """A request ends with a non-OK status (raised inside the servicer only)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    """pagedserve.v1.Generation over an engine."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, limits: ServerLimits,
+                 metrics: Metrics | None = None) -> None:
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._limits = limits
+        self._metrics = metrics
+        self._in_flight: set[str] = set()
+        self.shutting_down = False
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            greq = await self._admit(request, context)
+        except _Refused as e:
+            await self._abort(context, e.code, str(e))
+            return
+        self._in_flight.add(greq.request_id)
+        try:
+            # aclosing: a cancel at our yield must close the engine's stream now, not at GC.
+            async with contextlib.aclosing(self._run(greq)) as outputs:
+                async for out in outputs:
+                    yield _response(out)
+        except _Refused as e:
+            await self._abort(context, e.code, str(e))
+        finally:
+            self._in_flight.discard(greq.request_id)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+                           ) -> pb.ModelInfo:
+        info = self._engine.model_info()
+        if info is None:
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "no executor has registered yet")
+        msg = pb.ModelInfo(
+            model_name=info.model_name, architecture=info.architecture, max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size, block_size=info.block_size, num_executors=info.num_executors,
+            limits=self._limits.to_proto(),
+        )
+        if info.eos_token_id is not None:
+            msg.eos_token_id = info.eos_token_id
+        return msg
+
+    async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.Stats:
+        try:
+            return _stats(self._engine.stats())
+        except Exception:
+            log.exception("engine.stats() failed")
+            await self._abort(context, grpc.StatusCode.INTERNAL, "could not collect stats")
+
+    async def _admit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationRequest:
+        """Validate, tokenize and stamp arrival time and deadline; raise _Refused."""
+        if self.shutting_down:
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        info = self._engine.model_info()
+        if info is None:
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, "no executor has registered yet; retry later")
+        arrival = time.monotonic()
+        args = (request, info, self._limits, self._tokenize)
+        try:
+            if request.HasField("prompt") and len(request.prompt) > THREAD_TOKENIZE_CHARS:
+                greq = await asyncio.to_thread(validate_generate_request, *args)
+            else:
+                greq = validate_generate_request(*args)
+        except ValidationError as e:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        if greq.request_id in self._in_flight:
+            raise _Refused(grpc.StatusCode.ALREADY_EXISTS, f"request_id {greq.request_id!r} is already running")
+        greq.arrival_time = arrival
+        remaining = context.time_remaining()  # None: the client set no deadline
+        if remaining is not None:
+            greq.deadline = time.monotonic() + remaining
+        return greq
+
+    async def _run(self, greq: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """The engine's stream, errors mapped to _Refused; always closes the engine's generator."""
+        stream = None
+        try:
+            stream = self._engine.generate(greq)
+            async for out in stream:
+                yield out
+        except QueueFull as e:
+            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request queue is full: {e}") from e
+        except NoExecutor as e:
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, f"no executor available: {e}") from e
+        except RequestFailed as e:
+            log.warning("request %s failed: %s", greq.request_id, e)
+            raise _Refused(grpc.StatusCode.INTERNAL, f"request failed: {e}") from e
+        except Exception as e:
+            log.exception("request %s: unexpected engine error", greq.request_id)
+            raise _Refused(grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__})") from e
+        finally:
+            # Cancellation or deadline: closing the generator tells the engine to abort and free blocks.
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
+
+    async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        if self._metrics is not None:
+            self._metrics.on_rejected(code.name)
+        await context.abort(code, message)
+
+
+def _response(out: RequestOutput) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=out.request_id)
+    for c in out.choices:
+        choice = msg.choices.add(index=c.index, text=c.text, token_ids=c.token_ids,
+                                 finish_reason=int(c.finish_reason))
+        for lp in c.logprobs:
+            entry = choice.logprobs.add(token_id=lp.token_id, logprob=lp.logprob)
+            for tid, tlp in zip(lp.top_token_ids, lp.top_logprobs, strict=True):
+                entry.top_logprobs.add(token_id=tid, logprob=tlp)
+    if out.usage is not None:
+        msg.usage.prompt_tokens = out.usage.prompt_tokens
+        msg.usage.completion_tokens = out.usage.completion_tokens
+        msg.usage.cached_prompt_tokens = out.usage.cached_prompt_tokens
+    return msg
+
+
+def _stats(s: EngineStats) -> pb.Stats:
+    msg = pb.Stats(
+        num_running=s.num_running, num_waiting=s.num_waiting, num_swapped=s.num_swapped,
+        num_preemptions=s.num_preemptions, prefix_cache_query_tokens=s.prefix_cache_query_tokens,
+        prefix_cache_hit_tokens=s.prefix_cache_hit_tokens, num_migrations=s.num_migrations,
+    )
+    for e in s.executors:
+        msg.executors.add(
+            id=e.id, state=e.state, kv_blocks_total=e.kv_blocks_total, kv_blocks_used=e.kv_blocks_used,
+            kv_blocks_cached=e.kv_blocks_cached, kv_blocks_shared=e.kv_blocks_shared,
+            cpu_blocks_total=e.cpu_blocks_total, cpu_blocks_used=e.cpu_blocks_used,
+            num_running=e.num_running, num_waiting=e.num_waiting,
+        )
+    return msg
+
+
+@dataclass
+class ApiServer:
+    """A running gRPC server: Generation + health + reflection on one port."""
+
+    server: grpc.aio.Server
+    servicer: GenerationServicer
+    health: health_aio.HealthServicer
+    engine: Engine
+    port: int
+    _poller: asyncio.Task | None = field(default=None, repr=False)
+
+    async def update_health(self) -> None:
+        """Recompute readiness; the engine calls this on executor join/leave (a poll also does)."""
+        ready = self.engine.is_ready() and not self.servicer.shutting_down
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, SERVING if ready else NOT_SERVING)
+
+    async def begin_shutdown(self) -> None:
+        """Readiness off and new Generate calls refused (UNAVAILABLE); running requests continue."""
+        self.servicer.shutting_down = True
+        await self.update_health()
+
+    async def stop(self, grace: float) -> None:
+        """Stop the server: running RPCs get ``grace`` seconds, then are cancelled (engine aborts them)."""
+        if self._poller is not None:
+            self._poller.cancel()
+        await self.server.stop(grace)
+
+    async def shutdown(self, grace: float) -> None:
+        """begin_shutdown() then stop(grace)."""
+        await self.begin_shutdown()
+        await self.stop(grace)
+
+    async def _poll_health(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.update_health()
+            except Exception:  # a probe must never kill the server
+                log.exception("health update failed")
+
+
+async def start_grpc_server(
+    engine: Engine,
+    tokenizer: Tokenizer,
+    host: str = "0.0.0.0",
+    port: int = 50051,
+    limits: ServerLimits | None = None,
+    metrics: Metrics | None = None,
+    health_poll_interval: float | None = 1.0,
+) -> ApiServer:
+    """Bind and start the server (port 0: a free port, see ``.port``); must run in the engine's loop.
+
+    ``health_poll_interval`` re-reads ``engine.is_ready()`` periodically as a
+    safety net; the engine should still call ``update_health()`` on changes.
+    """
+    servicer = GenerationServicer(engine, tokenizer, limits or ServerLimits(), metrics)
+    health = health_aio.HealthServicer()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    api = ApiServer(server, servicer, health, engine, bound)
+    await health.set(LIVENESS_SERVICE, SERVING)
+    await api.update_health()
+    await server.start()
+    if health_poll_interval is not None:
+        api._poller = asyncio.get_running_loop().create_task(api._poll_health(health_poll_interval))
+    log.info("gRPC API listening on %s:%d", host, bound)
+    return api

@@ -1,0 +1,235 @@
+"""Validation at the API edge: a protobuf GenerateRequest becomes a GenerationRequest.
+
+Every check raises :class:`ValidationError` (a ValueError) whose message names
+the field, the limit and the value given; the servicer maps it to
+INVALID_ARGUMENT. Nothing here touches the engine, so it is pure and runs
+in a worker thread when a prompt is long enough for tokenization to matter.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pagedserve.v1 import generation_pb2 as pb
+from scheduler_svc.api_types import GenerationRequest, ModelInfo, RequestParams
+from scheduler_svc.plan import SamplingParams
+
+# Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
+GREEDY_TEMPERATURE_EPS = 1e-5
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI presence / frequency penalties
+MAX_SEED = 2**63 - 1  # executors seed int64 generators
+
+
+class ValidationError(ValueError):
+    """A client error in one field of a request."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """Per-request limits the servicer enforces (built once in __main__)."""
+
+    max_n: int = 16
+    max_beam_width: int = 16
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256  # characters
+    max_stop_token_ids: int = 64
+    max_logprobs: int = 20
+    default_max_tokens: int = 16  # when max_tokens is 0/unset (capped by the context left)
+    max_request_id_len: int = 128
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServerLimits.{name} must be an integer >= 1 (got {value!r})")
+
+    def to_proto(self) -> pb.ServerLimits:
+        return pb.ServerLimits(**{name: getattr(self, name) for name in pb.ServerLimits.DESCRIPTOR.fields_by_name})
+
+
+def validate_generate_request(
+    req: pb.GenerateRequest,
+    model: ModelInfo,
+    limits: ServerLimits,
+    tokenize: Callable[[str], list[int]],
+) -> GenerationRequest:
+    """Check every field of ``req`` and build the engine's request.
+
+    ``tokenize`` turns a text prompt into token ids (special tokens included).
+    ``arrival_time`` and ``deadline`` are left for the caller to fill.
+    """
+    request_id = _request_id(req.request_id, limits)
+    prompt_ids = _prompt_token_ids(req, model, tokenize)
+    sp = req.sampling
+    max_tokens = _max_tokens(sp.max_tokens, len(prompt_ids), model, limits)
+    n, beam_width = _n_and_beam_width(sp, limits)
+    params = RequestParams(
+        max_tokens=max_tokens,
+        sampling=_sampling(sp, limits, n),
+        n=n,
+        beam_width=beam_width,
+        length_penalty=_finite("sampling.length_penalty", sp.length_penalty)
+        if sp.HasField("length_penalty") else 1.0,
+        early_stopping=sp.early_stopping,
+        stop=_stop_strings(sp.stop, limits),
+        stop_token_ids=_stop_token_ids(sp.stop_token_ids, model, limits),
+        ignore_eos=sp.ignore_eos,
+        logprobs=_logprobs(sp, limits),
+    )
+    return GenerationRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params)
+
+
+def _request_id(request_id: str, limits: ServerLimits) -> str:
+    if not request_id:
+        return uuid.uuid4().hex
+    if len(request_id) > limits.max_request_id_len:
+        raise ValidationError(
+            "request_id", f"must be at most {limits.max_request_id_len} characters (got {len(request_id)})"
+        )
+    if not request_id.isprintable():
+        raise ValidationError("request_id", f"must be printable (got {request_id!r})")
+    return request_id
+
+
+def _prompt_token_ids(
+    req: pb.GenerateRequest, model: ModelInfo, tokenize: Callable[[str], list[int]]
+) -> list[int]:
+    has_text, has_ids = req.HasField("prompt"), len(req.prompt_token_ids) > 0
+    if has_text == has_ids:
+        got = "both" if has_text else "neither"
+        raise ValidationError("prompt", f"exactly one of prompt and prompt_token_ids must be set (got {got})")
+    if has_text:
+        if not req.prompt:
+            raise ValidationError("prompt", "must not be empty (got '')")
+        ids = list(tokenize(req.prompt))
+        if not ids:
+            raise ValidationError("prompt", f"tokenizes to 0 tokens (got {req.prompt[:40]!r})")
+        field = "prompt"
+    else:
+        ids = list(req.prompt_token_ids)
+        field = "prompt_token_ids"
+    _check_vocab(field, ids, model.vocab_size)
+    if len(ids) >= model.max_model_len:
+        raise ValidationError(
+            field,
+            f"has {len(ids)} tokens; max_model_len is {model.max_model_len}, "
+            "so it must have at most max_model_len - 1 tokens to leave room to generate",
+        )
+    return ids
+
+
+def _check_vocab(field: str, ids: Sequence[int], vocab_size: int) -> None:
+    for i, tok in enumerate(ids):
+        if not 0 <= tok < vocab_size:
+            raise ValidationError(f"{field}[{i}]", f"must be a token id in [0, vocab_size={vocab_size}) (got {tok})")
+
+
+def _max_tokens(max_tokens: int, prompt_len: int, model: ModelInfo, limits: ServerLimits) -> int:
+    room = model.max_model_len - prompt_len  # >= 1, checked with the prompt
+    if max_tokens == 0:
+        return min(limits.default_max_tokens, room)
+    if max_tokens < 1:
+        raise ValidationError("sampling.max_tokens", f"must be >= 1, or 0 for the default (got {max_tokens})")
+    if max_tokens > room:
+        raise ValidationError(
+            "sampling.max_tokens",
+            f"prompt tokens ({prompt_len}) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
+            f"exceeds max_model_len ({model.max_model_len}); at most {room} allowed",
+        )
+    return max_tokens
+
+
+def _n_and_beam_width(sp: pb.SamplingParams, limits: ServerLimits) -> tuple[int, int]:
+    n = _int_range("sampling.n", sp.n, 0, limits.max_n) or 1
+    beam_width = _int_range("sampling.beam_width", sp.beam_width, 0, limits.max_beam_width) or 1
+    if n > 1 and beam_width > 1:
+        raise ValidationError(
+            "sampling.n",
+            f"must be 0 or 1 with beam search (beam_width={beam_width} returns the best beam); got n={n}",
+        )
+    return n, beam_width
+
+
+def _sampling(sp: pb.SamplingParams, limits: ServerLimits, n: int) -> SamplingParams:
+    out = SamplingParams()
+    if sp.HasField("temperature"):
+        t = _finite("sampling.temperature", sp.temperature)
+        if t < 0:
+            raise ValidationError("sampling.temperature", f"must be >= 0 (got {t:g})")
+        out.temperature = 0.0 if t < GREEDY_TEMPERATURE_EPS else t
+    if sp.HasField("top_p"):
+        if not 0.0 < sp.top_p <= 1.0:  # also refuses NaN
+            raise ValidationError("sampling.top_p", f"must be in (0, 1] (got {sp.top_p:g})")
+        out.top_p = float(sp.top_p)
+    if sp.HasField("top_k"):
+        out.top_k = _int_range("sampling.top_k", sp.top_k, 0, None)
+    if sp.HasField("min_p"):
+        if not 0.0 <= sp.min_p <= 1.0:
+            raise ValidationError("sampling.min_p", f"must be in [0, 1] (got {sp.min_p:g})")
+        out.min_p = float(sp.min_p)
+    if sp.HasField("seed"):
+        out.seed = _int_range("sampling.seed", sp.seed, 0, MAX_SEED - limits.max_n)
+    if sp.HasField("repetition_penalty"):
+        rp = _finite("sampling.repetition_penalty", sp.repetition_penalty)
+        if rp <= 0:
+            raise ValidationError("sampling.repetition_penalty", f"must be > 0 (got {rp:g})")
+        out.repetition_penalty = rp
+    lo, hi = PENALTY_RANGE
+    for name in ("presence_penalty", "frequency_penalty"):
+        if sp.HasField(name):
+            value = getattr(sp, name)
+            if not lo <= value <= hi:
+                raise ValidationError(f"sampling.{name}", f"must be in [{lo:g}, {hi:g}] (got {value:g})")
+            setattr(out, name, float(value))
+    if sp.HasField("logprobs"):
+        out.want_logprobs = True
+        out.logprobs = _int_range("sampling.logprobs", sp.logprobs, 0, limits.max_logprobs)
+    return out
+
+
+def _logprobs(sp: pb.SamplingParams, limits: ServerLimits) -> int | None:
+    if not sp.HasField("logprobs"):
+        return None
+    return _int_range("sampling.logprobs", sp.logprobs, 0, limits.max_logprobs)
+
+
+def _stop_strings(stop: Sequence[str], limits: ServerLimits) -> list[str]:
+    if len(stop) > limits.max_stop_strings:
+        raise ValidationError("sampling.stop", f"at most {limits.max_stop_strings} stop strings (got {len(stop)})")
+    for i, s in enumerate(stop):
+        if not s:
+            raise ValidationError(f"sampling.stop[{i}]", "must not be empty (got '')")
+        if len(s) > limits.max_stop_string_len:
+            raise ValidationError(
+                f"sampling.stop[{i}]", f"must be at most {limits.max_stop_string_len} characters (got {len(s)})"
+            )
+    return list(dict.fromkeys(stop))  # duplicates change nothing
+
+
+def _stop_token_ids(ids: Sequence[int], model: ModelInfo, limits: ServerLimits) -> list[int]:
+    if len(ids) > limits.max_stop_token_ids:
+        raise ValidationError(
+            "sampling.stop_token_ids", f"at most {limits.max_stop_token_ids} ids (got {len(ids)})"
+        )
+    _check_vocab("sampling.stop_token_ids", ids, model.vocab_size)
+    return list(dict.fromkeys(ids))
+
+
+def _finite(field: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise ValidationError(field, f"must be finite (got {value:g})")
+    return float(value)
+
+
+def _int_range(field: str, value: int, lo: int, hi: int | None) -> int:
+    if value < lo or (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValidationError(field, f"must be {bound} (got {value})")
+    return int(value)
