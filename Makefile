@@ -6,7 +6,7 @@ STAMP := .venv/.installed
 TINY_MODEL ?= models/tiny-llama
 MODEL ?= $(TINY_MODEL)
 
-.PHONY: setup proto test lint run tiny-model bench gpu-check images clean
+.PHONY: setup proto test lint run tiny-model bench gpu-check images tools clean
 
 setup: $(STAMP) proto
 
@@ -27,7 +27,7 @@ proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. \
 	  proto/pagedserve/v1/*.proto
 
-test: setup
+test: setup tools
 	$(PY) -m pytest -q
 
 lint: setup
@@ -47,3 +47,29 @@ gpu-check: setup
 
 clean:
 	rm -rf .venv models .pytest_cache .hypothesis
+
+# Offline checkers for k8s/ and docker/ (checkov, kubernetes-validate), in their own venv:
+# checkov's ~80 dependencies stay out of the project's. tests/test_k8s_manifests.py uses it.
+TOOLS_VENV := .venv-tools
+$(TOOLS_VENV)/.installed: k8s/tools-requirements.txt
+	test -x $(TOOLS_VENV)/bin/python || python3 -m venv $(TOOLS_VENV)
+	$(TOOLS_VENV)/bin/pip install -q --upgrade pip
+	$(TOOLS_VENV)/bin/pip install -q -r k8s/tools-requirements.txt
+	touch $@
+
+tools: $(TOOLS_VENV)/.installed
+	@command -v kubectl >/dev/null 2>&1 || echo "warning: kubectl not found; tests/test_k8s_manifests.py needs it (kubectl kustomize)"
+
+# Container images (needs a Docker engine; none runs on the dev machines, CI doesn't build them).
+# EXECUTOR_VARIANT=cpu builds a CPU-only executor for k8s/overlays/cpu. Names match k8s/overlays/*.
+IMAGE_REGISTRY ?= ghcr.io/pagedserve
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+EXECUTOR_VARIANT ?= gpu
+EXECUTOR_ARGS_gpu :=
+EXECUTOR_ARGS_cpu := --build-arg BASE_IMAGE=python:3.11-slim-bookworm \
+  --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu --build-arg EXTRAS=
+
+images:
+	docker build -f docker/Dockerfile.scheduler -t $(IMAGE_REGISTRY)/pagedserve-scheduler:$(IMAGE_TAG) .
+	docker build -f docker/Dockerfile.executor $(EXECUTOR_ARGS_$(EXECUTOR_VARIANT)) \
+	  -t $(IMAGE_REGISTRY)/pagedserve-executor:$(IMAGE_TAG) .
