@@ -1,0 +1,145 @@
+"""Edge validation: GenerateRequest -> GenerationRequest, limits at and past their bounds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from grpc_fakes import make_tokenizer, model_info
+
+from pagedserve.v1 import generation_pb2 as pb
+from scheduler_svc.validation import (
+    GREEDY_TEMPERATURE_EPS,
+    MAX_SEED,
+    ServerLimits,
+    ValidationError,
+    validate_generate_request,
+)
+
+LIMITS = ServerLimits(max_n=4, max_beam_width=3, max_stop_strings=2, max_stop_string_len=5,
+                      max_stop_token_ids=2, max_logprobs=5, default_max_tokens=16)
+
+
+def validate(limits: ServerLimits = LIMITS, max_model_len: int = 64, **fields):
+    tok = make_tokenizer()
+    sampling = pb.SamplingParams(**fields.pop("sampling", {}))
+    fields.setdefault("prompt", "Hello")
+    if fields["prompt"] is None:
+        del fields["prompt"]
+    req = pb.GenerateRequest(sampling=sampling, **fields)
+    return validate_generate_request(req, model_info(tok, max_model_len), limits,
+                                     lambda text: tok.encode(text).ids)
+
+
+def refused(field: str, **fields) -> str:
+    with pytest.raises(ValidationError) as info:
+        validate(**fields)
+    assert info.value.field == field
+    return str(info.value)
+
+
+@pytest.mark.parametrize("name,limit", [("n", 4), ("beam_width", 3), ("logprobs", 5)])
+def test_integer_limits_are_inclusive(name, limit):
+    validate(sampling={name: limit})
+    msg = refused(f"sampling.{name}", sampling={name: limit + 1})
+    assert str(limit) in msg and str(limit + 1) in msg
+
+
+def test_stop_limits_are_inclusive():
+    validate(sampling={"stop": ["abcde", "x"], "stop_token_ids": [1, 2]})
+    refused("sampling.stop", sampling={"stop": ["a", "b", "c"]})
+    refused("sampling.stop[0]", sampling={"stop": ["abcdef"]})
+    refused("sampling.stop_token_ids", sampling={"stop_token_ids": [1, 2, 3]})
+
+
+def test_unset_n_and_beam_width_mean_one_and_beam_allows_n_one():
+    p = validate().params
+    assert (p.n, p.beam_width) == (1, 1)
+    p = validate(sampling={"n": 1, "beam_width": 3, "length_penalty": 0.5, "early_stopping": True}).params
+    assert (p.n, p.beam_width, p.length_penalty, p.early_stopping) == (1, 3, 0.5, True)
+
+
+def test_max_tokens_default_is_capped_by_the_context_left():
+    assert validate().params.max_tokens == 16
+    ids = [0] + [5] * 59  # 60 tokens of 64
+    assert validate(prompt=None, prompt_token_ids=ids).params.max_tokens == 4
+    assert validate(prompt=None, prompt_token_ids=ids, sampling={"max_tokens": 4}).params.max_tokens == 4
+    msg = refused("sampling.max_tokens", prompt=None, prompt_token_ids=ids, sampling={"max_tokens": 5})
+    assert "60" in msg and "65" in msg and "64" in msg
+    refused("prompt_token_ids", prompt=None, prompt_token_ids=[5] * 64)  # no room left at all
+
+
+def test_prompt_is_tokenized_with_special_tokens():
+    tok = make_tokenizer()
+    req = validate(prompt="naïve café 🙂")
+    assert req.prompt_token_ids == tok.encode("naïve café 🙂").ids and req.prompt_token_ids[0] == 0
+
+
+def test_temperature_near_zero_is_greedy():
+    assert validate(sampling={"temperature": GREEDY_TEMPERATURE_EPS / 2}).params.sampling.temperature == 0.0
+    assert validate(sampling={"temperature": 0.0}).params.sampling.temperature == 0.0
+    assert validate(sampling={"temperature": 1.5}).params.sampling.temperature == 1.5
+
+
+@pytest.mark.parametrize("field,ok,bad", [
+    ("top_p", [1.0, 1e-6], [0.0, -0.5, 1.01, math.nan]),
+    ("min_p", [0.0, 1.0], [-1e-3, 1.01, math.nan]),
+    ("presence_penalty", [-2.0, 2.0], [-2.01, 2.01, math.nan]),
+    ("frequency_penalty", [-2.0, 0.0, 2.0], [-2.5, math.inf]),
+    ("repetition_penalty", [0.01, 1.0, 10.0], [0.0, -1.0, math.inf, math.nan]),
+    ("length_penalty", [-1.0, 0.0, 2.0], [math.inf, -math.inf, math.nan]),
+    ("top_k", [0, 1, 100000], [-1]),
+])
+def test_range_boundaries(field, ok, bad):
+    for value in ok:
+        validate(sampling={field: value})
+    for value in bad:
+        refused(f"sampling.{field}", sampling={field: value})
+
+
+def test_logprobs_unset_zero_and_k():
+    assert validate().params.logprobs is None and not validate().params.sampling.want_logprobs
+    p = validate(sampling={"logprobs": 0}).params
+    assert (p.logprobs, p.sampling.want_logprobs, p.sampling.logprobs) == (0, True, 0)
+    p = validate(sampling={"logprobs": 3}).params
+    assert (p.logprobs, p.sampling.want_logprobs, p.sampling.logprobs) == (3, True, 3)
+
+
+def test_seed_bound_leaves_room_for_n_choices():
+    top = MAX_SEED - LIMITS.max_n
+    assert validate(sampling={"seed": top, "n": 4}).params.sampling.seed == top
+    refused("sampling.seed", sampling={"seed": top + 1})
+
+
+def test_duplicate_stops_collapse_and_request_id_is_kept():
+    req = validate(request_id="abc", sampling={"stop": ["x", "x"], "stop_token_ids": [3, 3]})
+    assert (req.request_id, req.params.stop, req.params.stop_token_ids) == ("abc", ["x"], [3])
+    refused("request_id", request_id="a\nb")
+
+
+def test_tokenizer_ids_outside_the_model_vocabulary_are_refused():
+    tok = make_tokenizer()
+    req = pb.GenerateRequest(prompt="Hello")
+    info = model_info(tok)
+    info.vocab_size = 10  # a tokenizer larger than the model's embedding table
+    with pytest.raises(ValidationError) as err:
+        validate_generate_request(req, info, LIMITS, lambda t: tok.encode(t).ids)
+    assert err.value.field.startswith("prompt[") and "vocab_size=10" in str(err.value)
+
+
+def test_prompt_that_tokenizes_to_nothing_is_refused():
+    req = pb.GenerateRequest(prompt="   ")
+    with pytest.raises(ValidationError, match="0 tokens"):
+        validate_generate_request(req, model_info(make_tokenizer()), LIMITS, lambda t: [])
+
+
+@pytest.mark.parametrize("bad", [{"max_n": 0}, {"max_logprobs": -1}, {"default_max_tokens": 1.5}])
+def test_server_limits_are_checked(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        ServerLimits(**bad)
+
+
+def test_server_limits_to_proto():
+    msg = LIMITS.to_proto()
+    assert (msg.max_n, msg.max_beam_width, msg.max_stop_strings, msg.max_stop_string_len,
+            msg.max_stop_token_ids, msg.max_logprobs, msg.default_max_tokens) == (4, 3, 2, 5, 2, 5, 16)
