@@ -1,0 +1,189 @@
+"""Turn a batch of logits rows into tokens, one row per sampling sequence.
+
+Per row, in this order (each step only for rows that ask for it):
+
+1. beam rows (``beam_candidates > 0``): report the top ``beam_candidates`` of
+   ``log_softmax(raw logits)`` and sample nothing (the scheduler picks);
+2. penalties on the raw logits: repetition (HF: over prompt + output tokens,
+   positive logits divided by the penalty, negative ones multiplied), then
+   frequency and presence (OpenAI: ``logit -= f * count + p * (count > 0)``
+   over output tokens);
+3. ``temperature == 0``: greedy argmax (ties go to the lowest id);
+4. otherwise divide by the temperature, keep the top-k, then the smallest
+   top-probability set reaching top-p (renormalised after top-k), then drop
+   tokens whose probability is below ``min_p`` times the best one;
+5. draw by inverse CDF over the kept tokens with ONE uniform number ``u``.
+   With a seed, ``u = hash(seed, j)`` for output position ``j``, so the draw
+   depends only on (seed, j): the same alone, in any batch, after preemption.
+
+Logprobs are ``log_softmax`` of the final processed distribution: after
+penalties, temperature and truncation (greedy rows: after penalties), the
+distribution the token was actually drawn from. Alternatives are its top
+``logprobs`` entries; tokens removed by truncation are never listed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from scheduler_svc.plan import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_GREEDY_EPS = 1e-5  # temperatures below this are greedy
+
+
+class SampleInput(Protocol):
+    """What the sampler reads of a sequence (the runner's state objects qualify)."""
+
+    sampling: SamplingParams
+    token_ids: list[int]  # prompt then outputs so far
+    num_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    token_ids: list[int | None]  # [num_rows]; None for beam rows
+    logprobs: list[TokenLogprobs | None]  # [num_rows]; set where want_logprobs
+    beam: list[TokenLogprobs | None]  # [num_rows]; set for beam rows (token_logprob unused, 0.0)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) that depends only on (seed, output position)."""
+    z = _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
+    return (z >> 11) * (1.0 / (1 << 53))
+
+
+def apply_penalties(logits: torch.Tensor, seqs: Sequence[SampleInput]) -> None:
+    """In place on logits [num_rows, vocab]; rows without penalties are untouched."""
+    vocab = logits.shape[1]
+    for i, s in enumerate(seqs):
+        p = s.sampling
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(s.token_ids)), dtype=torch.int64, device=logits.device)
+            vals = logits[i, ids]
+            logits[i, ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            out = s.token_ids[s.num_prompt_tokens:]
+            if out:
+                counts = torch.bincount(torch.tensor(out, device=logits.device), minlength=vocab)[:vocab]
+                counts = counts.to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def truncate_sorted(sorted_logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Apply top-k, top-p, min-p to logits sorted descending [n, vocab]; removed -> -inf."""
+    n, vocab = sorted_logits.shape
+    dev = sorted_logits.device
+    ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+    rank = torch.arange(vocab, device=dev)[None, :]
+    out = sorted_logits.masked_fill(rank >= ks[:, None], float("-inf"))
+    probs = torch.softmax(out, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=dev)[:, None]
+    exclusive = torch.cumsum(probs, dim=-1) - probs
+    drop = (exclusive >= top_p) & (top_p < 1.0)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=dev)[:, None]
+    drop |= probs < min_p * probs[:, :1]
+    drop[:, 0] = False  # the best token always survives
+    return out.masked_fill(drop, float("-inf"))
+
+
+def _draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """Inverse-CDF draw per row of probs [n, vocab] -> column indices [n] int64."""
+    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
+    target = torch.tensor(uniforms, dtype=torch.float64, device=probs.device)[:, None] * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, target, right=True)[:, 0]
+    return idx.clamp_(max=probs.shape[1] - 1)
+
+
+def _top(logprobs_row: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+    if k <= 0:
+        return [], []
+    vals, ids = torch.topk(logprobs_row, min(k, logprobs_row.shape[0]))
+    keep = torch.isfinite(vals)
+    return ids[keep].tolist(), vals[keep].tolist()
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)  # for unseeded sequences only
+
+    def _uniform(self, s: SampleInput) -> float:
+        seed = s.sampling.seed
+        if seed is None:
+            return self._rng.random()
+        return seeded_uniform(seed, len(s.token_ids) - s.num_prompt_tokens)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: Sequence[SampleInput]) -> SampleOutput:
+        """logits [num_rows, vocab] float32 (modified in place), one row per sequence."""
+        n = len(seqs)
+        out = SampleOutput([None] * n, [None] * n, [None] * n)
+        beam = [i for i, s in enumerate(seqs) if s.sampling.beam_candidates > 0]
+        if beam:
+            lp = torch.log_softmax(logits[beam], dim=-1)
+            for r, i in enumerate(beam):
+                ids, vals = _top(lp[r], seqs[i].sampling.beam_candidates)
+                out.beam[i] = TokenLogprobs(0.0, ids, vals)
+        rest = [i for i, s in enumerate(seqs) if s.sampling.beam_candidates <= 0]
+        if not rest:
+            return out
+        apply_penalties(logits, seqs)
+        greedy = [i for i in rest if seqs[i].sampling.temperature < _GREEDY_EPS]
+        rand = [i for i in rest if seqs[i].sampling.temperature >= _GREEDY_EPS]
+        if greedy:
+            self._greedy(logits, seqs, greedy, out)
+        if rand:
+            self._random(logits, seqs, rand, out)
+        return out
+
+    @staticmethod
+    def _greedy(logits, seqs, rows: list[int], out: SampleOutput) -> None:
+        sel = logits[rows]
+        tokens = torch.argmax(sel, dim=-1).tolist()
+        want = [r for r, i in enumerate(rows) if seqs[i].sampling.want_logprobs]
+        lp = torch.log_softmax(sel[want], dim=-1) if want else None
+        for r, i in enumerate(rows):
+            out.token_ids[i] = tokens[r]
+        for w, r in enumerate(want):
+            i = rows[r]
+            ids, vals = _top(lp[w], seqs[i].sampling.logprobs)
+            out.logprobs[i] = TokenLogprobs(float(lp[w, tokens[r]]), ids, vals)
+
+    def _random(self, logits, seqs, rows: list[int], out: SampleOutput) -> None:
+        params = [seqs[i].sampling for i in rows]
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+        scaled = logits[rows] / temps[:, None]
+        order = None
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+            scaled, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+            scaled = truncate_sorted(scaled, params)
+        lp = torch.log_softmax(scaled, dim=-1)
+        cols = _draw(lp.exp(), [self._uniform(seqs[i]) for i in rows])
+        tokens = cols if order is None else order.gather(1, cols[:, None])[:, 0]
+        token_list = tokens.tolist()
+        for r, i in enumerate(rows):
+            out.token_ids[i] = token_list[r]
+            if params[r].want_logprobs:
+                ids, vals = _top(lp[r], params[r].logprobs)
+                if order is not None:
+                    ids = order[r, ids].tolist()
+                out.logprobs[i] = TokenLogprobs(float(lp[r, cols[r]]), ids, vals)

@@ -1,0 +1,169 @@
+"""Our torch model through the runner versus transformers' own forward/generate (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from executor_plans import GREEDY, PlanDriver, hf_greedy, hf_logits, make_runner
+from transformers import AutoModelForCausalLM
+
+from executor_svc.model import load_model
+
+REL_TOL = 1e-4
+
+
+def _hf(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _prompt(n: int, offset: int = 0, vocab: int = 500) -> list[int]:
+    g = torch.Generator().manual_seed(1000 + n + offset)
+    return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+def arch_setup(request, tiny_checkpoint):
+    path = tiny_checkpoint(request.param, "small")
+    return request.param, path, load_model(path), _hf(path)
+
+
+def test_config_shapes_cover_the_variants(tiny_llama_dir, tiny_qwen2_dir):
+    llama, qwen = load_model(tiny_llama_dir).cfg, load_model(tiny_qwen2_dir).cfg
+    assert llama.num_kv_heads < llama.num_heads and not llama.tie_word_embeddings
+    assert qwen.qkv_bias and qwen.tie_word_embeddings
+
+
+def test_one_sequence_greedy_and_logits(arch_setup):
+    _, path, model, hf = arch_setup
+    runner = make_runner(path, model=model)
+    runner.keep_logits = True
+    drv = PlanDriver(runner)
+    prompt = _prompt(21)
+    drv.add(1, prompt)
+    logits = []
+    for _ in range(20):
+        drv.step({1: 64})
+        logits.append(runner.last_logits[0])
+    assert drv.seqs[1].outputs == hf_greedy(hf, prompt, 20)
+    ref = hf_logits(hf, drv.seqs[1].tokens)[len(prompt) - 1: -1]
+    assert _rel_err(torch.stack(logits), ref) < REL_TOL
+
+
+def test_mixed_prompt_lengths_in_one_batch(arch_setup):
+    _, path, model, hf = arch_setup
+    drv = PlanDriver(make_runner(path, model=model))
+    prompts = {i: _prompt(n, i) for i, n in enumerate([3, 17, 33, 40])}
+    for sid, p in prompts.items():
+        drv.add(sid, p)
+    drv.run_until(12)
+    for sid, p in prompts.items():
+        assert drv.seqs[sid].outputs == hf_greedy(hf, p, 12), sid
+
+
+def test_chunked_prefill_mixed_with_decodes(tiny_llama_dir):
+    hf = _hf(tiny_llama_dir)
+    drv = PlanDriver(make_runner(tiny_llama_dir))
+    short, long = _prompt(4, 7), _prompt(45, 8)
+    drv.add(1, short)
+    drv.step({1: 4})  # seq 1 now decodes while seq 2 prefills in chunks of 5
+    drv.add(2, long)
+    drv.run_until(10, chunk=5)
+    assert drv.seqs[1].outputs == hf_greedy(hf, short, 10)
+    assert drv.seqs[2].outputs == hf_greedy(hf, long, 10)
+
+
+def test_second_sequence_reuses_cached_prefix(tiny_qwen2_dir):
+    hf = _hf(tiny_qwen2_dir)
+    runner = make_runner(tiny_qwen2_dir)
+    drv = PlanDriver(runner)
+    first = _prompt(40, 3)
+    drv.add(1, first)
+    drv.run_until(1)
+    # Seq 2 shares the first two full blocks (32 tokens) and only computes its own suffix.
+    second = first[:32] + _prompt(9, 4)
+    drv.add(2, second, computed=32, table=drv.seqs[1].table[:2])
+    res = drv.step({2: 64})
+    assert res.sampled_seq_ids == [2]
+    drv.run_until(8, seq_ids=[2])
+    assert drv.seqs[2].outputs == hf_greedy(hf, second, 8)
+
+
+def test_swap_out_and_in_restores_the_cache(tiny_llama_dir):
+    hf = _hf(tiny_llama_dir)
+    runner = make_runner(tiny_llama_dir)
+    drv = PlanDriver(runner)
+    prompt = _prompt(37, 5)
+    drv.add(1, prompt)
+    drv.run_until(4)
+    s = drv.seqs[1]
+    cpu = list(range(len(s.table)))
+    drv.step({}, swap_out=list(zip(s.table, cpu)), free_seq_ids=[1])
+    for k, v in runner.kv.layers:  # whatever ran on these blocks since: garbage
+        k[s.table] = 7.0
+        v[s.table] = -7.0
+    new_table = drv.alloc(len(s.table))
+    drv.seqs.pop(1)
+    drv.add(1, s.tokens, computed=s.computed, table=new_table, num_prompt=len(prompt))
+    drv.seqs[1].outputs = s.outputs
+    drv.step({1: 1}, swap_in=list(zip(cpu, new_table)))
+    drv.run_until(12)
+    assert drv.seqs[1].outputs == hf_greedy(hf, prompt, 12)
+
+
+def test_fork_append_tokens_and_copy_on_write(tiny_mistral_dir):
+    hf = _hf(tiny_mistral_dir)
+    runner = make_runner(tiny_mistral_dir)
+    drv = PlanDriver(runner)
+    prompt = _prompt(20, 6)  # the last block is partly filled: a fork must copy it before writing
+    beam = GREEDY.__class__(temperature=0.0, beam_candidates=2)
+    drv.add(1, prompt, beam)
+    res = drv.step({1: 64})
+    cand = res.beam_candidates[0]
+    ref = torch.log_softmax(hf_logits(hf, prompt)[-1], dim=-1)
+    top = torch.topk(ref, 2)
+    assert cand.top_token_ids == top.indices.tolist()
+    assert torch.allclose(torch.tensor(cand.top_logprobs), top.values, rtol=1e-4, atol=1e-5)
+    assert res.sampled_seq_ids == []  # beam mode appends nothing itself
+    parent = drv.seqs[1]
+    child_block = drv.alloc(1)
+    drv.seqs[2] = type(parent)(list(parent.tokens), parent.num_prompt, parent.table[:-1] + child_block,
+                               parent.computed)
+    c0, c1 = cand.top_token_ids
+    for sid, tok in ((1, c0), (2, c1)):
+        drv.seqs[sid].tokens.append(tok)
+    from scheduler_svc.plan import BlockUpdate, Fork
+    steps = 6
+    res = drv.step({1: 1, 2: 1}, forks=[Fork(1, 2)], append_tokens=[(1, c0), (2, c1)],
+                   block_updates=[BlockUpdate(2, len(parent.table) - 1, child_block)],
+                   copies=[(parent.table[-1], child_block[0])])
+    for _ in range(steps - 1):  # the "scheduler" appends each beam's best candidate: greedy
+        appends = [(c.seq_id, c.top_token_ids[0]) for c in res.beam_candidates]
+        for sid, tok in appends:
+            drv.seqs[sid].tokens.append(tok)
+        res = drv.step({1: 1, 2: 1}, append_tokens=appends)
+    for sid, first in ((1, c0), (2, c1)):
+        got = drv.seqs[sid].tokens[len(prompt) + 1:]
+        assert got == hf_greedy(hf, prompt + [first], steps - 1), sid
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+])
+def test_rope_scaling_logits_match(tiny_checkpoint, rope):
+    path = tiny_checkpoint("llama", "small", rope_parameters=rope)
+    hf = _hf(path)
+    runner = make_runner(path)
+    runner.keep_logits = True
+    drv = PlanDriver(runner)
+    prompt = _prompt(50, 9)
+    drv.add(1, prompt)
+    drv.step({1: 64})
+    assert _rel_err(runner.last_logits[0], hf_logits(hf, prompt)[-1]) < REL_TOL
+    drv.run_until(8)
+    assert drv.seqs[1].outputs == hf_greedy(hf, prompt, 8)
