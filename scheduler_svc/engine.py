@@ -1,0 +1,415 @@
+"""The engine: admit -> schedule -> send -> receive -> update -> stream out.
+
+One asyncio task per executor runs that loop against the executor's own
+:class:`Scheduler` (its own KV pool). All scheduler state is mutated only by
+these loops, on the event loop thread, between their awaits: gRPC handlers
+never touch it, they post additions and aborts to a slot's inbox and wake its
+loop. A slow executor only slows its own loop.
+
+When an executor dies (or its drain grace runs out) its requests are taken
+out of its scheduler and re-queued elsewhere with the tokens already
+streamed, so a client sees neither a gap nor a repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from scheduler_svc import plan as wire
+from scheduler_svc.api_types import (
+    EngineStats,
+    ExecutorStats,
+    FinishReason,
+    GenerationRequest,
+    ModelInfo,
+    NoExecutor,
+    QueueFull,
+    RequestFailed,
+    RequestOutput,
+)
+from scheduler_svc.executors import ExecutorConn, ExecutorHub, ExecutorLost
+from scheduler_svc.outputs import RequestStream
+from scheduler_svc.request import MigratedRequest
+from scheduler_svc.routing import choose_executor
+from scheduler_svc.sched_config import SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.25  # an idle loop still wakes to notice drain deadlines
+STATS_EVERY_S = 0.25  # how often gauges are refreshed from scheduler counters
+
+
+@dataclass(slots=True, eq=False)
+class Tracked:
+    """A request as the engine follows it, across executors."""
+
+    stream: RequestStream
+    queue: asyncio.Queue  # RequestOutput | Exception
+    slot: ExecutorSlot | None = None
+    migrations: int = 0
+    resume: MigratedRequest | None = None  # set while waiting to be re-queued elsewhere
+
+    @property
+    def request_id(self) -> str:
+        return self.stream.req.request_id
+
+
+@dataclass(slots=True, eq=False)
+class ExecutorSlot:
+    conn: ExecutorConn
+    scheduler: Scheduler
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    adds: list[Tracked] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    requests: dict[str, Tracked] = field(default_factory=dict)
+    task: asyncio.Task | None = None
+    step_id: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.conn.id
+
+    def queued_tokens(self) -> int:
+        return sum(len(t.stream.req.prompt_token_ids) for t in self.adds)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    scheduler: SchedulerConfig
+    executor_endpoint: str
+    heartbeat_interval_s: float = 1.0
+    max_queued_requests: int = 1024
+    max_migrations: int = 3
+    model_name: str = ""
+    architecture: str = ""
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, tokenizer: Tokenizer, eos_token_id: int | None,
+                 metrics=None) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.metrics = metrics
+        self.hub = ExecutorHub(cfg.executor_endpoint, block_size=cfg.scheduler.block_size,
+                               heartbeat_interval_s=cfg.heartbeat_interval_s, on_join=self._on_join,
+                               on_drain=self._on_drain, on_dead=self._on_dead)
+        self.slots: dict[str, ExecutorSlot] = {}
+        self.tracked: dict[str, Tracked] = {}
+        self.orphans: list[Tracked] = []  # waiting for an executor after a failure
+        self._closing = False
+        self._num_migrations = 0
+        self._retired_preemptions = 0  # counters of schedulers of executors now gone
+        self._retired_prefix = (0, 0)
+        self._last_observed = 0.0
+        self.on_readiness_change = lambda: None  # the servicer's health hook
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        await self.hub.start()
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Stop admitting, let running requests finish for ``grace_s``, abort the rest."""
+        self._closing = True
+        self.on_readiness_change()
+        deadline = time.monotonic() + grace_s
+        while self.tracked and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for t in list(self.tracked.values()):
+            self._abort(t, notify=True)
+        for slot in self.slots.values():
+            slot.wakeup.set()
+        await asyncio.sleep(0.05)  # let loops send the frees
+        for slot in list(self.slots.values()):
+            if slot.task:
+                slot.task.cancel()
+        await asyncio.gather(*(s.task for s in self.slots.values() if s.task), return_exceptions=True)
+        await self.hub.close()
+
+    # ------------------------------------------------------------------ servicer API
+
+    def is_ready(self) -> bool:
+        return not self._closing and any(s.conn.state == "ready" for s in self.slots.values())
+
+    def model_info(self) -> ModelInfo | None:
+        live = [s.conn.info for s in self.slots.values() if s.conn.state != "dead"]
+        if not live:
+            return None
+        return ModelInfo(model_name=live[0].model_name, architecture=live[0].architecture,
+                         max_model_len=min(i.max_model_len for i in live),
+                         vocab_size=live[0].vocab_size, block_size=self.cfg.scheduler.block_size,
+                         num_executors=len(live), eos_token_id=self.eos_token_id)
+
+    def stats(self) -> EngineStats:
+        st = EngineStats(num_preemptions=self._retired_preemptions,
+                         prefix_cache_query_tokens=self._retired_prefix[0],
+                         prefix_cache_hit_tokens=self._retired_prefix[1],
+                         num_migrations=self._num_migrations)
+        st.num_waiting = len(self.orphans)
+        for slot in self.slots.values():
+            s = slot.scheduler
+            st.num_running += s.num_running
+            st.num_waiting += s.num_waiting + len(slot.adds)
+            st.num_swapped += s.num_swapped
+            st.num_preemptions += s.num_preemptions
+            st.prefix_cache_query_tokens += s.prefix_cache_query_tokens
+            st.prefix_cache_hit_tokens += s.prefix_cache_hit_tokens
+            info = slot.conn.info
+            st.executors.append(ExecutorStats(
+                id=slot.id, state=slot.conn.state, kv_blocks_total=info.num_device_blocks,
+                kv_blocks_used=s.num_used_blocks, kv_blocks_cached=s.num_cached_blocks,
+                kv_blocks_shared=s.num_shared_blocks, cpu_blocks_total=info.num_cpu_blocks,
+                cpu_blocks_used=s.num_cpu_blocks_used, num_running=s.num_running,
+                num_waiting=s.num_waiting + len(slot.adds)))
+        return st
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        t = self._admit(req)
+        try:
+            while True:
+                item = await t.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not t.stream.done and t.request_id in self.tracked:
+                self._abort(t, notify=False)  # client went away or deadline passed
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self, req: GenerationRequest) -> Tracked:
+        if self._closing:
+            raise NoExecutor("the server is shutting down")
+        if not self.is_ready():
+            raise NoExecutor("no executor is connected; try again once one has registered")
+        if self._num_queued() >= self.cfg.max_queued_requests:
+            raise QueueFull(f"{self._num_queued()} requests are queued, the limit "
+                            f"(max_queued_requests) is {self.cfg.max_queued_requests}")
+        if not req.request_id or req.request_id in self.tracked:
+            req.request_id = req.request_id + "-" + uuid.uuid4().hex[:8] if req.request_id \
+                else uuid.uuid4().hex
+        p = req.params
+        stream = RequestStream(req, self.tokenizer, num_choices=max(p.n, p.beam_width))
+        t = Tracked(stream, asyncio.Queue())
+        self.tracked[req.request_id] = t
+        self._place(t)
+        return t
+
+    def _num_queued(self) -> int:
+        return len(self.orphans) + sum(s.scheduler.num_waiting + len(s.adds) for s in self.slots.values())
+
+    def _place(self, t: Tracked) -> None:
+        slot = choose_executor(list(self.slots.values()), t.stream.req.prompt_token_ids)
+        if slot is None:
+            self.orphans.append(t)
+            return
+        t.slot = slot
+        slot.adds.append(t)
+        slot.wakeup.set()
+
+    def _abort(self, t: Tracked, notify: bool) -> None:
+        self.tracked.pop(t.request_id, None)
+        if t in self.orphans:
+            self.orphans.remove(t)
+        slot = t.slot
+        if slot is not None:
+            if t in slot.adds:
+                slot.adds.remove(t)
+            elif t.request_id in slot.requests:
+                slot.aborts.append(t.request_id)
+                slot.wakeup.set()
+        out = t.stream.abort()
+        if notify:
+            t.queue.put_nowait(out)
+        if self.metrics:
+            self.metrics.on_finish(FinishReason.ABORTED, time.monotonic() - t.stream.created,
+                                   len(t.stream.req.prompt_token_ids),
+                                   sum(len(v) for v in t.stream.outputs.values()))
+
+    # ------------------------------------------------------------------ executor events
+
+    def _on_join(self, conn: ExecutorConn) -> None:
+        info = conn.info
+        sc = self.cfg.scheduler
+        cfg = SchedulerConfig(block_size=sc.block_size, max_num_seqs=sc.max_num_seqs,
+                              max_num_batched_tokens=sc.max_num_batched_tokens,
+                              max_model_len=info.max_model_len, preemption_mode=sc.preemption_mode,
+                              watermark=sc.watermark, enable_prefix_caching=sc.enable_prefix_caching)
+        slot = ExecutorSlot(conn, Scheduler(cfg, info.num_device_blocks, info.num_cpu_blocks,
+                                            self.eos_token_id))
+        self.slots[conn.id] = slot
+        slot.task = asyncio.create_task(self._run(slot), name=f"engine-{conn.id}")
+        orphans, self.orphans = self.orphans, []
+        for t in orphans:
+            self._place(t)
+        self.on_readiness_change()
+
+    def _on_drain(self, conn: ExecutorConn) -> None:
+        slot = self.slots.get(conn.id)
+        if slot is not None:
+            slot.wakeup.set()
+        self.on_readiness_change()
+
+    def _on_dead(self, conn: ExecutorConn, why: str) -> None:
+        slot = self.slots.get(conn.id)
+        if slot is not None and slot.conn is conn:
+            slot.wakeup.set()  # its loop sees the state, evacuates and exits
+        self.on_readiness_change()
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _run(self, slot: ExecutorSlot) -> None:
+        try:
+            while slot.conn.state != "dead":
+                self._drain_inbox(slot)
+                if slot.conn.state == "draining" and time.monotonic() > (slot.conn.drain_deadline or 0):
+                    self._evacuate(slot, "drain grace period ended")
+                plan = slot.scheduler.schedule()
+                if plan is None:
+                    await self._idle(slot)
+                    continue
+                slot.step_id += 1
+                plan.step_id = slot.step_id
+                try:
+                    result = await self.hub.run_step(slot.conn, plan)
+                except ExecutorLost:
+                    break
+                self._publish(slot, slot.scheduler.update(result))
+                self._observe()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("engine loop for executor %s failed; failing its requests", slot.id)
+            for t in list(slot.requests.values()):
+                self._fail(t, RequestFailed("internal error in the scheduler loop"))
+            raise
+        finally:
+            if slot.conn.state == "dead" or not self._closing:
+                self._evacuate(slot, "executor lost")
+                self._retire(slot)
+
+    async def _idle(self, slot: ExecutorSlot) -> None:
+        slot.wakeup.clear()
+        if slot.adds or slot.aborts:
+            return
+        try:
+            await asyncio.wait_for(slot.wakeup.wait(), IDLE_POLL_S)
+        except TimeoutError:
+            pass
+
+    def _drain_inbox(self, slot: ExecutorSlot) -> None:
+        aborts, slot.aborts = slot.aborts, []
+        for rid in aborts:
+            slot.scheduler.abort_request(rid)
+            slot.requests.pop(rid, None)
+        adds, slot.adds = slot.adds, []
+        for t in adds:
+            slot.requests[t.request_id] = t
+            if t.resume is not None:
+                slot.scheduler.add_migrated(t.resume)
+                t.resume = None
+            else:
+                slot.scheduler.add_request(t.stream.req)
+
+    def _publish(self, slot: ExecutorSlot, updates) -> None:
+        for upd in updates:
+            t = slot.requests.get(upd.request_id)
+            if t is None:
+                continue  # aborted while the step ran
+            if upd.error:
+                slot.requests.pop(upd.request_id, None)
+                self._fail(t, RequestFailed(f"executor {slot.id} failed the step: {upd.error}"))
+                continue
+            prev_token_at = t.stream.last_token_at
+            out, stopped = t.stream.apply(upd)
+            for index in stopped:
+                slot.scheduler.finish_sequence(upd.request_id, index, FinishReason.STOP)
+            self._account(t, out, prev_token_at)
+            if out.choices or out.finished:
+                t.queue.put_nowait(out)
+            if out.finished:
+                slot.requests.pop(upd.request_id, None)
+                self.tracked.pop(upd.request_id, None)
+
+    def _observe(self) -> None:
+        now = time.monotonic()
+        if self.metrics and now - self._last_observed > STATS_EVERY_S:
+            self._last_observed = now
+            self.metrics.observe_stats(self.stats())
+
+    def _account(self, t: Tracked, out: RequestOutput, prev_token_at: float | None) -> None:
+        if not self.metrics:
+            return
+        n = sum(len(c.token_ids) for c in out.choices)
+        if n:
+            s = t.stream
+            self.metrics.on_generation_tokens(n)
+            if prev_token_at is None:
+                self.metrics.on_prompt_tokens(len(s.req.prompt_token_ids))
+                self.metrics.on_first_token(s.first_token_at - s.created)
+            else:
+                for _ in range(n):
+                    self.metrics.on_token((s.last_token_at - prev_token_at) / n)
+        if out.finished:
+            s = t.stream
+            reason = next((c.finish_reason for c in out.choices), FinishReason.LENGTH)
+            self.metrics.on_finish(reason, time.monotonic() - s.created, len(s.req.prompt_token_ids),
+                                   out.usage.completion_tokens if out.usage else 0)
+
+    def _fail(self, t: Tracked, exc: Exception) -> None:
+        self.tracked.pop(t.request_id, None)
+        t.stream.abort()
+        t.queue.put_nowait(exc)
+
+    def _evacuate(self, slot: ExecutorSlot, why: str) -> None:
+        """Move every request of ``slot`` elsewhere (executor dead or drain over)."""
+        moving = slot.adds + [slot.requests[m.request.request_id]
+                              for m in self._take(slot) if m.request.request_id in slot.requests]
+        slot.adds, slot.requests = [], {}
+        for t in moving:
+            if t.request_id not in self.tracked:
+                continue
+            t.migrations += 1
+            if t.migrations > self.cfg.max_migrations:
+                self._fail(t, NoExecutor(f"request moved {t.migrations - 1} times after executor "
+                                         f"failures (max_migrations={self.cfg.max_migrations}); "
+                                         f"last: {slot.id}: {why}"))
+                continue
+            self._num_migrations += 1
+            t.slot = None
+            self._place(t)
+
+    def _take(self, slot: ExecutorSlot) -> list[MigratedRequest]:
+        taken = slot.scheduler.take_all_requests()
+        by_id = {m.request.request_id: m for m in taken}
+        for rid, m in by_id.items():
+            t = slot.requests.get(rid)
+            if t is not None:
+                t.resume = m
+        return taken
+
+    def _retire(self, slot: ExecutorSlot) -> None:
+        if self.slots.get(slot.id) is slot:
+            s = slot.scheduler
+            self._retired_preemptions += s.num_preemptions
+            q, h = self._retired_prefix
+            self._retired_prefix = (q + s.prefix_cache_query_tokens, h + s.prefix_cache_hit_tokens)
+            del self.slots[slot.id]
+
+
+def executor_endpoint(host: str, port: int) -> str:
+    return f"tcp://{host}:{port}"
+
+
+__all__ = ["Engine", "EngineConfig", "executor_endpoint", "wire"]

@@ -1,0 +1,112 @@
+"""Turning the scheduler's per-step token updates into streamed client deltas.
+
+One :class:`RequestStream` per request: it detokenizes each choice
+incrementally, applies stop strings (which the scheduler cannot see: they live
+in text space), keeps usage counts and timings, and builds the
+:class:`RequestOutput` messages the servicer streams. It survives migration to
+another executor, so text already streamed is never repeated.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from scheduler_svc.api_types import (
+    ChoiceDelta,
+    FinishReason,
+    GenerationRequest,
+    RequestOutput,
+    Usage,
+)
+from scheduler_svc.detokenize import IncrementalDetokenizer
+from scheduler_svc.request import RequestUpdate
+
+
+@dataclass(slots=True, eq=False)
+class RequestStream:
+    req: GenerationRequest
+    tokenizer: Tokenizer
+    num_choices: int
+    detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    finish: dict[int, FinishReason] = field(default_factory=dict)
+    outputs: dict[int, list[int]] = field(default_factory=dict)  # tokens streamed per choice
+    cached_prompt_tokens: int = 0
+    created: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return len(self.finish) >= self.num_choices
+
+    def _detok(self, index: int) -> IncrementalDetokenizer:
+        d = self.detoks.get(index)
+        if d is None:
+            d = IncrementalDetokenizer(self.tokenizer, self.req.prompt_token_ids, self.req.params.stop)
+            self.detoks[index] = d
+        return d
+
+    def apply(self, update: RequestUpdate) -> tuple[RequestOutput, list[int]]:
+        """Fold one scheduler update in; return the delta and the choices a stop string ended.
+
+        The caller must tell the scheduler to finish the returned choices (their
+        blocks are released there), unless the update already finished them.
+        """
+        if update.num_cached_prompt_tokens:
+            self.cached_prompt_tokens = update.num_cached_prompt_tokens
+        choices: list[ChoiceDelta] = []
+        stopped: list[int] = []
+        for su in update.seqs:
+            if su.index in self.finish:
+                continue  # late tokens of a choice a stop string already ended
+            delta = ChoiceDelta(index=su.index)
+            detok = self._detok(su.index)
+            out = self.outputs.setdefault(su.index, [])
+            logprobs = su.logprobs or []
+            for i, tok in enumerate(su.new_token_ids):
+                delta.text += detok.step(tok)
+                delta.token_ids.append(tok)
+                out.append(tok)
+                if i < len(logprobs):
+                    delta.logprobs.append(logprobs[i])
+                if detok.stop_matched is not None:
+                    delta.finish_reason = FinishReason.STOP
+                    break
+            if delta.finish_reason != FinishReason.STOP and su.finish_reason is not None:
+                delta.finish_reason = su.finish_reason
+                delta.text += detok.finish()
+            if delta.finish_reason == FinishReason.STOP and su.finish_reason is None:
+                stopped.append(su.index)
+            if delta.finish_reason != FinishReason.UNSPECIFIED:
+                self.finish[su.index] = delta.finish_reason
+            if delta.token_ids or delta.text or delta.finish_reason != FinishReason.UNSPECIFIED:
+                choices.append(delta)
+        if any(c.token_ids for c in choices):
+            now = time.monotonic()
+            self.first_token_at = self.first_token_at or now
+            self.last_token_at = now
+        return self._output(choices), stopped
+
+    def abort(self, reason: FinishReason = FinishReason.ABORTED) -> RequestOutput:
+        """Finish every open choice (abort, shutdown, failure) and release held text."""
+        choices = []
+        for index in range(self.num_choices):
+            if index in self.finish:
+                continue
+            detok = self.detoks.get(index)
+            choices.append(ChoiceDelta(index=index, text=detok.finish() if detok else "",
+                                       finish_reason=reason))
+            self.finish[index] = reason
+        return self._output(choices)
+
+    def _output(self, choices: list[ChoiceDelta]) -> RequestOutput:
+        done = self.done
+        usage = None
+        if done:
+            usage = Usage(prompt_tokens=len(self.req.prompt_token_ids),
+                          completion_tokens=sum(len(v) for v in self.outputs.values()),
+                          cached_prompt_tokens=self.cached_prompt_tokens)
+        return RequestOutput(self.req.request_id, choices, usage, finished=done)

@@ -1,0 +1,122 @@
+"""Real processes for end-to-end tests: a scheduler and executors on loopback.
+
+Each service runs as ``python -m scheduler_svc`` / ``python -m executor_svc``
+exactly as deployed, talking real gRPC and real ZeroMQ. Logs go to files in
+the test's tmp dir and are printed when a test fails to start a stack.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """One scheduler plus any number of executors, started and stopped by a test."""
+
+    def __init__(self, model: Path, logdir: Path, scheduler_args: list[str] | None = None) -> None:
+        self.model, self.logdir = model, logdir
+        self.port, self.executor_port = free_port(), free_port()
+        self.scheduler_args = scheduler_args or []
+        self.scheduler: subprocess.Popen | None = None
+        self.executors: dict[str, subprocess.Popen] = {}
+        self.channel: grpc.Channel | None = None
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.logdir / f"{name}.log", "wb")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        return subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def start_scheduler(self) -> None:
+        self.scheduler = self._spawn("scheduler", [
+            "-m", "scheduler_svc", "--model", str(self.model), "--host", "127.0.0.1",
+            "--port", str(self.port), "--executor-host", "127.0.0.1",
+            "--executor-port", str(self.executor_port), "--metrics-port", "0",
+            "--heartbeat-interval", "0.5", *self.scheduler_args])
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.wait_health(liveness=True)
+
+    def start_executor(self, name: str, *extra: str) -> subprocess.Popen:
+        proc = self._spawn(name, [
+            "-m", "executor_svc", "--model", str(self.model), "--scheduler",
+            f"tcp://127.0.0.1:{self.executor_port}", "--device", "cpu", "--executor-id", name,
+            "--kv-cache-memory", "64MiB", "--health-port", "0", *extra])
+        self.executors[name] = proc
+        return proc
+
+    @property
+    def stub(self) -> pb_grpc.GenerationStub:
+        return pb_grpc.GenerationStub(self.channel)
+
+    def health(self, service: str = "pagedserve.v1.Generation") -> int:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
+
+    def wait_health(self, liveness: bool = False, timeout_s: float = 60.0) -> None:
+        service = "liveness" if liveness else "pagedserve.v1.Generation"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                if self.health(service) == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{service} not SERVING after {timeout_s}s\n{self.logs()}")
+
+    def wait_executors(self, n: int, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                if self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2).num_executors == n:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{n} executors not registered after {timeout_s}s\n{self.logs()}")
+
+    def stats(self) -> pb.Stats:
+        return self.stub.GetStats(pb.GetStatsRequest(), timeout=5)
+
+    def _check_alive(self) -> None:
+        if self.scheduler is not None and self.scheduler.poll() is not None:
+            raise RuntimeError(f"scheduler exited with {self.scheduler.returncode}\n{self.logs()}")
+
+    def logs(self) -> str:
+        out = []
+        for f in sorted(self.logdir.glob("*.log")):
+            out.append(f"----- {f.name}\n" + f.read_text(errors="replace")[-4000:])
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        procs = list(self.executors.values()) + ([self.scheduler] if self.scheduler else [])
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
