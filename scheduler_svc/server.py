@@ -84,8 +84,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        # A coroutine writing with context.write (not an async generator): a cancel or deadline
+        # raises CancelledError here, inside aclosing, so the engine's stream is closed at once.
         try:
             greq = await self._admit(request, context)
         except _Refused as e:
@@ -93,10 +94,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return
         self._in_flight.add(greq.request_id)
         try:
-            # aclosing: a cancel at our yield must close the engine's stream now, not at GC.
             async with contextlib.aclosing(self._run(greq)) as outputs:
                 async for out in outputs:
-                    yield _response(out)
+                    await context.write(_response(out))
         except _Refused as e:
             await self._abort(context, e.code, str(e))
         finally:

@@ -63,7 +63,8 @@ class FakeEngine:
 
     ``mode`` picks a behaviour: "ok", "queue_full", "no_executor" (raised before
     the first output), "fail" (RequestFailed after one output), "crash"
-    (ZeroDivisionError after one output).
+    (ZeroDivisionError after one output), "endless" (1 KB deltas forever, never
+    awaiting: a cancel can then only land in the servicer's write).
     """
 
     def __init__(self, tok: Tokenizer, max_model_len: int = 64) -> None:
@@ -98,6 +99,8 @@ class FakeEngine:
                 raise QueueFull("1024 requests queued")
             if self.mode == "no_executor":
                 raise NoExecutor("all executors left")
+            while self.mode == "endless":
+                yield RequestOutput(req.request_id, [ChoiceDelta(index=0, text="x" * 1024, token_ids=[5])])
             async for out in self._stream(req):
                 yield out
                 if self.mode == "fail":

@@ -222,6 +222,15 @@ def test_cancel_mid_stream_closes_the_engine_generator(stub, engine):
     assert engine.closed == [("cancel-me", False)]  # closed early, not run to completion
 
 
+def test_cancel_while_the_server_writes_closes_the_engine_generator(stub, engine):
+    engine.mode = "endless"  # the engine never awaits: the cancel lands in context.write
+    call = stub.Generate(pb.GenerateRequest(request_id="flood", prompt="Hi"), timeout=30)
+    next(call)
+    call.cancel()
+    assert engine.closed_event.wait(2.0), "engine generator not closed after cancel"
+    assert engine.closed == [("flood", False)]
+
+
 def test_deadline_propagates_and_expiry_closes_the_generator(stub, engine):
     generate(stub, prompt="Hi", timeout=5.0)
     req = engine.requests[-1]
