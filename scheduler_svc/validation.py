@@ -31,6 +31,10 @@ class ValidationError(ValueError):
         self.field = field
 
 
+# Limits that may be 0: that feature is then off (max_logprobs=0 still allows the sampled token's).
+_ZERO_ALLOWED = frozenset({"max_stop_strings", "max_stop_token_ids", "max_logprobs"})
+
+
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
     """Per-request limits the servicer enforces (built once in __main__)."""
@@ -47,8 +51,9 @@ class ServerLimits:
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ServerLimits.{name} must be an integer >= 1 (got {value!r})")
+            low = 0 if name in _ZERO_ALLOWED else 1
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"ServerLimits.{name} must be an integer >= {low} (got {value!r})")
 
     def to_proto(self) -> pb.ServerLimits:
         return pb.ServerLimits(**{name: getattr(self, name) for name in pb.ServerLimits.DESCRIPTOR.fields_by_name})

@@ -139,6 +139,14 @@ def test_server_limits_are_checked(bad):
         ServerLimits(**bad)
 
 
+def test_zero_limits_turn_features_off():
+    off = ServerLimits(max_logprobs=0, max_stop_strings=0, max_stop_token_ids=0)
+    assert validate(limits=off, sampling={"logprobs": 0}).params.logprobs == 0  # the sampled token's only
+    refused("sampling.logprobs", limits=off, sampling={"logprobs": 1})
+    refused("sampling.stop", limits=off, sampling={"stop": ["x"]})
+    refused("sampling.stop_token_ids", limits=off, sampling={"stop_token_ids": [2]})
+
+
 def test_server_limits_to_proto():
     msg = LIMITS.to_proto()
     assert (msg.max_n, msg.max_beam_width, msg.max_stop_strings, msg.max_stop_string_len,
