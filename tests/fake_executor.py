@@ -1,0 +1,197 @@
+"""A deterministic stand-in for an executor, strict about the plans it gets.
+
+It keeps per-sequence state exactly as a real executor does from the plan
+deltas (tokens, block table, computed count), applies a plan in plan.py's
+order, and simulates the KV cache: every slot a sequence computes stores a
+fingerprint of (all tokens up to that position). Before a sequence computes
+and after every step, every computed position of every sequence must read
+back its own fingerprint through its block table — so a missing copy-on-write,
+a wrong swap mapping, a bad prefix-cache hit or a block reused too early fails
+the test instead of silently giving wrong attention.
+
+"Sampling" is a hash of (seed, token ids so far) mod vocab: the same history
+always gives the same token, so a request's output does not depend on
+batching, preemption or pool size.
+"""
+
+from __future__ import annotations
+
+import zlib
+from array import array
+from dataclasses import dataclass
+
+from scheduler_svc import plan as wire
+from scheduler_svc.plan import BatchPlan, SamplingParams, SeqLogprobs, StepResult
+
+
+class PlanError(AssertionError):
+    """The plan is inconsistent with what the executor holds."""
+
+
+@dataclass
+class _Seq:
+    tokens: list[int]
+    num_prompt: int
+    table: list[int]
+    computed: int
+    sampling: SamplingParams
+
+
+def _h(*parts: int) -> int:
+    return zlib.crc32(array("q", parts).tobytes())
+
+
+def fingerprints(tokens: list[int]) -> list[int]:
+    out, prev = [], 0
+    for t in tokens:
+        prev = _h(prev, t)
+        out.append(prev)
+    return out
+
+
+def sample_token(seq_tokens: list[int], seed: int | None, vocab: int) -> int:
+    """The fake model: deterministic in (seed, history)."""
+    return zlib.crc32(array("q", [seed or 0, *seq_tokens]).tobytes()) % vocab
+
+
+def beam_candidates(seq_tokens: list[int], k: int, vocab: int) -> tuple[list[int], list[float]]:
+    """k distinct tokens with descending log-probs, deterministic in the history."""
+    base = zlib.crc32(array("q", seq_tokens).tobytes())
+    toks: list[int] = []
+    i = 0
+    while len(toks) < k:
+        t = _h(base, i) % vocab
+        if t not in toks:
+            toks.append(t)
+        i += 1
+    lps = sorted((-(_h(base, t, 7) % 4000) / 1000.0 - 0.01 for t in toks), reverse=True)
+    return toks, lps
+
+
+class FakeExecutor:
+    def __init__(self, num_device_blocks: int, num_cpu_blocks: int, block_size: int,
+                 vocab_size: int = 64, through_wire: bool = True) -> None:
+        self.bs = block_size
+        self.vocab = vocab_size
+        self.wire = through_wire
+        self.dev: list[list[int | None]] = [[None] * block_size for _ in range(num_device_blocks)]
+        self.cpu: list[list[int | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
+        self.seqs: dict[int, _Seq] = {}
+        self.steps = 0
+        self.tokens_computed = 0
+        self.max_batch_tokens = 0
+
+    # ------------------------------------------------------------------ entry
+    def run(self, plan: BatchPlan) -> StepResult:
+        if self.wire:
+            plan = wire.decode(wire.encode(plan))  # type: ignore[assignment]
+        res = self._apply(plan)
+        self.verify_all()
+        self.steps += 1
+        if self.wire:
+            res = wire.decode(wire.encode(res))  # type: ignore[assignment]
+        return res
+
+    def _apply(self, plan: BatchPlan) -> StepResult:
+        for d, c in plan.swap_out:
+            self.cpu[self._cblk(c)] = list(self.dev[self._dblk(d)])
+        for sid in plan.free_seq_ids:
+            if self.seqs.pop(sid, None) is None:
+                raise PlanError(f"free of unknown seq {sid}")
+        for ns in plan.new_seqs:
+            if ns.seq_id in self.seqs:
+                raise PlanError(f"NewSeq {ns.seq_id} is already registered")
+            for b in ns.block_ids:
+                self._dblk(b)
+            self.seqs[ns.seq_id] = _Seq(list(ns.token_ids), ns.num_prompt_tokens, list(ns.block_ids),
+                                        ns.num_computed_tokens, ns.sampling)
+        for f in plan.forks:
+            p = self._seq(f.parent_seq_id)
+            if f.child_seq_id in self.seqs:
+                raise PlanError(f"fork into registered seq {f.child_seq_id}")
+            sp = p.sampling if f.seed is None else _with_seed(p.sampling, f.seed)
+            self.seqs[f.child_seq_id] = _Seq(list(p.tokens), p.num_prompt, list(p.table), p.computed, sp)
+        for sid, tok in plan.append_tokens:
+            self._seq(sid).tokens.append(tok)
+        for u in plan.block_updates:
+            s = self._seq(u.seq_id)
+            if not 0 <= u.start <= len(s.table):
+                raise PlanError(f"block update of seq {u.seq_id} at {u.start}, table has {len(s.table)}")
+            for b in u.block_ids:
+                self._dblk(b)
+            s.table[u.start:] = u.block_ids
+        for c, d in plan.swap_in:
+            self.dev[self._dblk(d)] = list(self.cpu[self._cblk(c)])
+        for src, dst in plan.copies:
+            self.dev[self._dblk(dst)] = list(self.dev[self._dblk(src)])
+        return self._forward(plan)
+
+    def _forward(self, plan: BatchPlan) -> StepResult:
+        if len(set(plan.scheduled_seq_ids)) != len(plan.scheduled_seq_ids):
+            raise PlanError("a sequence is scheduled twice in one step")
+        res = StepResult(plan.step_id)
+        self.max_batch_tokens = max(self.max_batch_tokens, sum(plan.num_new_tokens))
+        for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True):
+            s = self._seq(sid)
+            if n <= 0 or s.computed + n > len(s.tokens):
+                raise PlanError(f"seq {sid}: {n} new tokens from {s.computed} of {len(s.tokens)}")
+            if len(s.table) * self.bs < s.computed + n:
+                raise PlanError(f"seq {sid}: table of {len(s.table)} blocks for {s.computed + n} tokens")
+            fps = fingerprints(s.tokens[: s.computed + n])
+            self._check_context(sid, s, fps)
+            for pos in range(s.computed, s.computed + n):
+                self.dev[s.table[pos // self.bs]][pos % self.bs] = fps[pos]
+            s.computed += n
+            self.tokens_computed += n
+            if s.computed == len(s.tokens):
+                self._sample(sid, s, res)
+        return res
+
+    def _sample(self, sid: int, s: _Seq, res: StepResult) -> None:
+        sp = s.sampling
+        if sp.beam_candidates > 0:
+            toks, lps = beam_candidates(s.tokens, sp.beam_candidates, self.vocab)
+            res.beam_candidates.append(SeqLogprobs(sid, 0.0, toks, lps))
+            return
+        tok = sample_token(s.tokens, sp.seed, self.vocab)
+        s.tokens.append(tok)
+        res.sampled_seq_ids.append(sid)
+        res.sampled_token_ids.append(tok)
+        if sp.want_logprobs:
+            lp = -(_h(tok, len(s.tokens)) % 1000) / 100.0
+            res.logprobs.append(SeqLogprobs(sid, lp, [tok], [lp]))
+
+    # ------------------------------------------------------------------ checks
+    def _check_context(self, sid: int, s: _Seq, fps: list[int]) -> None:
+        for pos in range(s.computed):
+            got = self.dev[s.table[pos // self.bs]][pos % self.bs]
+            if got != fps[pos]:
+                raise PlanError(f"seq {sid}: KV at position {pos} (block {s.table[pos // self.bs]}) "
+                                f"is not this sequence's (stale, overwritten or never copied)")
+
+    def verify_all(self) -> None:
+        for sid, s in self.seqs.items():
+            if s.computed:
+                self._check_context(sid, s, fingerprints(s.tokens[: s.computed]))
+
+    def _seq(self, sid: int) -> _Seq:
+        s = self.seqs.get(sid)
+        if s is None:
+            raise PlanError(f"unknown seq {sid}")
+        return s
+
+    def _dblk(self, b: int) -> int:
+        if not 0 <= b < len(self.dev):
+            raise PlanError(f"device block {b} out of range")
+        return b
+
+    def _cblk(self, b: int) -> int:
+        if not 0 <= b < len(self.cpu):
+            raise PlanError(f"CPU block {b} out of range")
+        return b
+
+
+def _with_seed(sp: SamplingParams, seed: int) -> SamplingParams:
+    out = SamplingParams.from_wire(sp.to_wire())
+    out.seed = seed
+    return out
