@@ -59,7 +59,7 @@ def test_state_follows_the_deltas(runner):
     assert res.sampled_seq_ids == [1]
     s = runner.seqs[1]
     assert s.num_computed_tokens == 5 and len(s.token_ids) == 6 and s.token_ids[-1] == res.sampled_token_ids[0]
-    res = runner.execute(BatchPlan(1, [2], [6], forks=[Fork(1, 2, seed=5)],
+    res = runner.execute(BatchPlan(1, [2], [1], forks=[Fork(1, 2, seed=5)],
                                    block_updates=[BlockUpdate(2, 0, [3])], free_seq_ids=[]))
     child = runner.seqs[2]
     assert child.block_ids == [3] and child.sampling.seed == 5 and runner.seqs[1].block_ids == [0]
