@@ -1,0 +1,436 @@
+"""k8s/ and docker/, checked offline: every overlay renders, validates against the Kubernetes
+schemas (strict), passes checkov, and its commands, ports, env names and probe service names
+match what the services really parse and serve. The end-to-end stand-in for a cluster lives
+in tests/test_k8s_standin.py.
+
+Needs kubectl (kustomize) and `make tools` (.venv-tools: checkov, kubernetes-validate)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomllib  # Python >= 3.11, as on the dev machines and CI
+import yaml
+from k8s_helpers import (
+    NAMESPACE,
+    REPO,
+    Doc,
+    all_containers,
+    configmap_data,
+    connection_allowed,
+    container,
+    container_env,
+    find,
+    pod_spec,
+    policy_allows,
+    probe_seconds,
+    render,
+    render_with_components,
+    third_party_imports,
+    tool,
+    workloads,
+)
+
+OVERLAYS = ("gpu", "cpu")
+# Overlay + optional components, rendered as a user would add them.
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "gpu": ("gpu", []),
+    "cpu": ("cpu", []),
+    "gpu+keda": ("gpu", ["keda-autoscaling", "servicemonitor"]),
+    "gpu+hpa": ("gpu", ["hpa-autoscaling"]),
+    "cpu+keda": ("cpu", ["keda-autoscaling"]),
+}
+# Custom resources: kubernetes-validate has schemas for built-in kinds only.
+CUSTOM_RESOURCES = {
+    ("keda.sh/v1alpha1", "ScaledObject"): "KEDA CRD; no schema ships with kubernetes-validate",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "Prometheus Operator CRD; no schema ships with kubernetes-validate",
+}
+SCHED, EXEC = "pagedserve-scheduler", "pagedserve-executor"
+SCHED_LABELS = {"app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/component": "scheduler"}
+EXEC_LABELS = {"app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/component": "executor"}
+OTHER_LABELS = {"app": "something-else"}
+QUEUE_METRIC = "pagedserve:num_requests_waiting"
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> dict[str, list[Doc]]:
+    tmp = tmp_path_factory.mktemp("kustomize")
+    return {name: render(REPO / "k8s" / "overlays" / overlay) if not comps
+            else render_with_components(tmp, overlay, comps)
+            for name, (overlay, comps) in VARIANTS.items()}
+
+
+@pytest.fixture(scope="module")
+def rendered_dir(rendered, tmp_path_factory) -> Path:
+    """Each variant as one multi-document file, plus the Dockerfiles (for checkov)."""
+    out = tmp_path_factory.mktemp("rendered")
+    for name, docs in rendered.items():
+        (out / f"{name}.yaml").write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    for dockerfile in (REPO / "docker").glob("Dockerfile.*"):
+        (out / dockerfile.name).write_text(dockerfile.read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkov_reports(rendered_dir) -> dict[str, dict[str, Any]]:
+    """One checkov run over every variant and both Dockerfiles (checkov is the slow part)."""
+    out = subprocess.run([tool("checkov"), "--framework", "kubernetes", "dockerfile", "--skip-download",
+                          "-d", str(rendered_dir), "-o", "json"],
+                         capture_output=True, text=True, timeout=300, cwd=rendered_dir)
+    try:
+        reports = json.loads(out.stdout)
+    except json.JSONDecodeError:
+        raise AssertionError(f"checkov gave no JSON (rc {out.returncode}):\n{out.stderr[-3000:]}") from None
+    reports = reports if isinstance(reports, list) else [reports]
+    return {r["check_type"]: r for r in reports}
+
+
+def project_scripts() -> dict[str, str]:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def parser_for(script: str):
+    """Console script -> its service's build_arg_parser, via pyproject's [project.scripts]."""
+    package = project_scripts()[script].split(":")[0].split(".")[0]
+    return importlib.import_module(f"{package}.config").build_arg_parser
+
+
+def parse_container(docs: list[Doc], c: Doc) -> tuple[argparse.Namespace, dict[str, str]]:
+    """Parse the container's command + args + environment with its service's real parser."""
+    from scheduler_svc.envargs import parse_with_env
+
+    env = container_env(docs, c, pod_name=f"{c['name']}-7d9f8b6c5-x2x4z")
+    build = parser_for(c["command"][0])
+    return parse_with_env(build(), c["command"][1:] + c.get("args", []), env), env
+
+
+def flag_env_names(build) -> set[str]:
+    from scheduler_svc.envargs import env_name
+
+    return {env_name(o) for a in build()._actions for o in a.option_strings if o.startswith("--")}
+
+
+# ------------------------------------------------------------------ rendering and schemas
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_renders_the_whole_deployment_in_its_namespace(rendered, variant):
+    docs = rendered[variant]
+    for kind, name in [("Namespace", NAMESPACE), ("Deployment", SCHED), ("Deployment", EXEC),
+                       ("Service", SCHED), ("Service", "pagedserve-scheduler-executors"),
+                       ("PodDisruptionBudget", EXEC), ("NetworkPolicy", "default-deny-ingress"),
+                       ("ServiceAccount", SCHED), ("ServiceAccount", EXEC)]:
+        find(docs, kind, name)
+    for d in docs:
+        if d["kind"] != "Namespace":
+            assert d["metadata"].get("namespace") == NAMESPACE, f"{d['kind']}/{d['metadata']['name']}"
+    for w in workloads(docs):  # every image is a registry path with a pinned tag
+        for c in all_containers(w):
+            assert re.fullmatch(r"[\w.-]+(/[\w.-]+)+:[\w.-]+", c["image"]), c["image"]
+            assert not c["image"].endswith(":latest")
+
+
+def test_kubernetes_validate_strict_accepts_every_builtin_object(rendered, tmp_path):
+    files = []
+    for name, docs in rendered.items():
+        builtin = [d for d in docs if (d["apiVersion"], d["kind"]) not in CUSTOM_RESOURCES]
+        custom = {(d["apiVersion"], d["kind"]) for d in docs} - {(d["apiVersion"], d["kind"]) for d in builtin}
+        assert custom <= CUSTOM_RESOURCES.keys()
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump_all(builtin))
+        files.append(str(path))
+    out = subprocess.run([tool("kubernetes-validate"), "--strict", "--quiet", *files],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and not out.stdout.strip(), out.stdout + out.stderr
+
+
+def test_kubernetes_validate_strict_rejects_an_unknown_field(rendered, tmp_path):
+    """The validator really is strict: a misspelt field in the executor fails it."""
+    bad = copy.deepcopy(find(rendered["gpu"], "Deployment", EXEC))
+    container(bad)["terminationGracePeriod"] = 60
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    out = subprocess.run([tool("kubernetes-validate"), "--strict", "--quiet", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "terminationGracePeriod" in out.stdout + out.stderr
+
+
+def test_custom_resources_target_the_executors(rendered):
+    scaled = find(rendered["gpu+keda"], "ScaledObject", EXEC)["spec"]
+    assert scaled["scaleTargetRef"]["name"] == EXEC and scaled["minReplicaCount"] >= 1
+    (trigger,) = scaled["triggers"]
+    assert trigger["type"] == "prometheus" and QUEUE_METRIC in trigger["metadata"]["query"]
+    monitor = find(rendered["gpu+keda"], "ServiceMonitor", SCHED)["spec"]
+    client = find(rendered["gpu+keda"], "Service", SCHED)
+    assert monitor["selector"]["matchLabels"].items() <= client["metadata"]["labels"].items()
+    assert {e["port"] for e in monitor["endpoints"]} <= {p["name"] for p in client["spec"]["ports"]}
+
+
+# ------------------------------------------------------------------ checkov
+
+def _annotation_skips(doc: Doc) -> dict[str, str]:
+    out = {}
+    for key, value in doc["metadata"].get("annotations", {}).items():
+        if key.startswith("checkov.io/skip"):
+            check, _, reason = value.partition("=")
+            out[check] = reason
+    return out
+
+
+def test_checkov_passes_every_variant_with_reasoned_skips_only(checkov_reports, rendered):
+    report = checkov_reports["kubernetes"]
+    results = report["results"]
+    assert report["summary"]["parsing_errors"] == 0 and not results["parsing_errors"]
+    failed = [(c["check_id"], c["file_path"], c["resource"]) for c in results["failed_checks"]]
+    assert not failed
+    scanned = {c["file_path"].lstrip("/") for c in results["passed_checks"]}
+    assert scanned == {f"{v}.yaml" for v in VARIANTS}
+    for c in results["skipped_checks"]:
+        variant = c["file_path"].lstrip("/").removesuffix(".yaml")
+        kind, _ns, name = c["resource"].split(".", 2)
+        skips = _annotation_skips(find(rendered[variant], kind, name))
+        assert skips.get(c["check_id"]), f"{c['check_id']} skipped on {c['resource']} without an annotation"
+        assert c["check_result"]["suppress_comment"].strip() == skips[c["check_id"]].strip()
+
+
+def test_checkov_passes_the_dockerfiles_with_reasoned_skips_only(checkov_reports):
+    report = checkov_reports["dockerfile"]
+    assert not report["results"]["failed_checks"] and report["summary"]["passed"] > 0
+    for c in report["results"]["skipped_checks"]:
+        text = (REPO / "docker" / c["file_path"].lstrip("/")).read_text()
+        assert re.search(rf"# checkov:skip={c['check_id']}: \S", text), c["check_id"]
+
+
+# ------------------------------------------------------------------ commands, ports, probes
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_scheduler_command_parses_and_matches_ports_and_probes(rendered, overlay):
+    from scheduler_svc import config as sc
+
+    docs = rendered[overlay]
+    deploy = find(docs, "Deployment", SCHED)
+    c = container(deploy)
+    args, env = parse_container(docs, c)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"grpc": args.port, "executors": args.executor_port, "metrics": args.metrics_port}
+    assert (args.port, args.executor_port, args.metrics_port) == (
+        sc.DEFAULT_GRPC_PORT, sc.DEFAULT_EXECUTOR_PORT, sc.DEFAULT_METRICS_PORT)
+    assert args.host == "0.0.0.0" and args.executor_host == "0.0.0.0"  # reachable from other pods
+    for probe, service in [("startupProbe", sc.HEALTH_LIVENESS), ("livenessProbe", sc.HEALTH_LIVENESS),
+                           ("readinessProbe", sc.HEALTH_READINESS)]:
+        assert c[probe]["grpc"] == {"port": args.port, "service": service}, probe
+    annotations = deploy["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == args.metrics_port
+    # Every PAGEDSERVE_* variable it gets is one of its flags (a typo would be ignored silently).
+    unknown = {k for k in env if k.startswith("PAGEDSERVE_")} - flag_env_names(sc.build_arg_parser)
+    assert not unknown
+    assert str(args.model).startswith(c["volumeMounts"][0]["mountPath"] + "/")
+    # Exactly one scheduler, never two at once (they would split the executors).
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
+    grace = pod_spec(deploy)["terminationGracePeriodSeconds"]
+    pre_stop = probe_seconds(c["lifecycle"]["preStop"]["exec"]["command"])
+    assert grace >= pre_stop + args.shutdown_grace_seconds + 5
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_executor_command_parses_and_matches_health_scheduler_and_drain(rendered, overlay):
+    from executor_svc import config as ec
+
+    docs = rendered[overlay]
+    deploy = find(docs, "Deployment", EXEC)
+    c = container(deploy)
+    args, env = parse_container(docs, c)
+    assert [p["containerPort"] for p in c["ports"]] == [args.health_port]
+    assert args.health_port == ec.build_arg_parser().get_default("health_port")
+    for probe, service in [("startupProbe", ec.HEALTH_EXECUTOR), ("livenessProbe", ec.HEALTH_LIVENESS),
+                           ("readinessProbe", ec.HEALTH_EXECUTOR)]:
+        assert c[probe]["grpc"] == {"port": args.health_port, "service": service}, probe
+    unknown = {k for k in env if k.startswith("PAGEDSERVE_")} - flag_env_names(ec.build_arg_parser)
+    assert not unknown
+    assert args.executor_id == env["PAGEDSERVE_EXECUTOR_ID"]  # the pod name, via the downward API
+    # It dials the internal Service, which leads to the scheduler's executor port.
+    sched_args, _ = parse_container(docs, container(find(docs, "Deployment", SCHED)))
+    m = re.fullmatch(r"tcp://([\w-]+):(\d+)", args.scheduler)
+    assert m, args.scheduler
+    svc = find(docs, "Service", m.group(1))
+    (port,) = [p for p in svc["spec"]["ports"] if p["port"] == int(m.group(2))]
+    sched_ports = {p["name"]: p["containerPort"] for p in container(find(docs, "Deployment", SCHED))["ports"]}
+    assert sched_ports[port["targetPort"]] == sched_args.executor_port
+    # The scheduler turns ready only after an executor registered through this Service.
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == SCHED_LABELS
+    # Both services read the same model and block size.
+    assert (str(args.model), args.block_size) == (str(sched_args.model), sched_args.block_size)
+    # The drain fits the grace period: preStop, then SIGTERM -> drain -> exit.
+    grace = pod_spec(deploy)["terminationGracePeriodSeconds"]
+    pre_stop = probe_seconds(c["lifecycle"]["preStop"]["exec"]["command"])
+    assert grace >= pre_stop + args.drain_timeout + 10
+    # Long enough for loading a model before liveness takes over.
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+
+
+def test_console_scripts_in_the_manifests_exist(rendered):
+    scripts = project_scripts()
+    for docs in rendered.values():
+        for name in (SCHED, EXEC):
+            assert container(find(docs, "Deployment", name))["command"][0] in scripts
+
+
+# ------------------------------------------------------------------ per-overlay specifics
+
+def test_gpu_executors_get_one_gpu_shm_and_the_model_read_only(rendered):
+    docs = rendered["gpu"]
+    deploy = find(docs, "Deployment", EXEC)
+    c, spec = container(deploy), pod_spec(deploy)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory"
+    model = volumes[mounts["/models"]["name"]]
+    assert model["persistentVolumeClaim"] == {"claimName": "pagedserve-models", "readOnly": True}
+    assert mounts["/models"]["readOnly"] is True
+    find(docs, "PersistentVolumeClaim", "pagedserve-models")
+    assert container_env(docs, c)["PAGEDSERVE_DEVICE"] == "cuda"
+
+
+def test_gpu_model_download_job_fills_what_the_pods_wait_for(rendered):
+    docs = rendered["gpu"]
+    job = find(docs, "Job", "pagedserve-model-download")
+    download = container(job)
+    script = download["command"][-1]
+    dl_env = container_env(docs, download)
+    model_dir = container_env(docs, container(find(docs, "Deployment", EXEC)))["PAGEDSERVE_MODEL"]
+    assert dl_env["MODEL_DIR"] == model_dir
+    marker = re.search(r'touch "\$MODEL_DIR/([^"]+)"\s*$', script).group(1)
+    for name in (SCHED, EXEC):
+        (wait,) = pod_spec(find(docs, "Deployment", name))["initContainers"]
+        assert f"$PAGEDSERVE_MODEL/{marker}" in wait["command"][-1]
+        assert container_env(docs, wait)["PAGEDSERVE_MODEL"] == model_dir
+    volumes = {v["name"]: v for v in pod_spec(job)["volumes"]}
+    assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "pagedserve-models"
+    assert volumes["hf-token"]["secret"]["optional"] is True
+
+
+def test_cpu_overlay_builds_the_tiny_model_where_the_services_read_it(rendered):
+    docs = rendered["cpu"]
+    for name in (SCHED, EXEC):
+        deploy = find(docs, "Deployment", name)
+        (init,) = pod_spec(deploy)["initContainers"]
+        assert init["command"][:3] == ["python", "-m", "executor_svc.tiny_model"]
+        out = init["command"][init["command"].index("--out") + 1]
+        assert container_env(docs, container(deploy))["PAGEDSERVE_MODEL"] == out
+        assert "nvidia.com/gpu" not in str(deploy)
+    executor = container(find(docs, "Deployment", EXEC))
+    assert container_env(docs, executor)["PAGEDSERVE_DEVICE"] == "cpu"
+
+
+@pytest.mark.parametrize("variant", ["gpu+keda", "gpu+hpa", "cpu+keda"])
+def test_autoscaled_executors_leave_replicas_to_the_autoscaler(rendered, variant):
+    docs = rendered[variant]
+    assert "replicas" not in find(docs, "Deployment", EXEC)["spec"]
+    assert find(docs, "Deployment", SCHED)["spec"]["replicas"] == 1
+
+
+def test_hpa_metric_is_what_the_adapter_serves_and_the_scheduler_exports(rendered):
+    from scheduler_svc.metrics import Metrics
+
+    exported = {family.name for family in Metrics().registry.collect()}
+    assert QUEUE_METRIC in exported
+    hpa = find(rendered["gpu+hpa"], "HorizontalPodAutoscaler", EXEC)["spec"]
+    assert hpa["scaleTargetRef"]["name"] == EXEC and hpa["minReplicas"] >= 1
+    (metric,) = hpa["metrics"]
+    values = yaml.safe_load((REPO / "k8s/components/hpa-autoscaling/prometheus-adapter-values.yaml").read_text())
+    (rule,) = values["rules"]["external"]
+    assert rule["seriesQuery"].startswith(QUEUE_METRIC)
+    # prometheus-adapter's `name: {matches, as}` rename, with Go's ${1} syntax.
+    served = re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${", "\\g<").replace("}", ">"),
+                    QUEUE_METRIC)
+    assert metric["external"]["metric"]["name"] == served
+
+
+# ------------------------------------------------------------------ security and policies
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_container_is_hardened_with_resources(rendered, variant):
+    for w in workloads(rendered[variant]):
+        spec = pod_spec(w)
+        assert spec["automountServiceAccountToken"] is False
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for c in all_containers(w):
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsUser"] == 10001
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= c["resources"][kind].keys(), (c["name"], kind)
+        mounted = {m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", [])}
+        emptydirs = {v["name"] for v in spec["volumes"] if "emptyDir" in v}
+        for c in spec["containers"]:
+            writable = {m["mountPath"] for m in c["volumeMounts"] if m["name"] in emptydirs}
+            assert {"/tmp", "/cache"} <= writable or "/tmp" in mounted and "/cache" in mounted
+
+
+def test_dockerfiles_run_as_the_uid_the_manifests_expect():
+    for name in ("scheduler", "executor"):
+        text = (REPO / "docker" / f"Dockerfile.{name}").read_text()
+        assert re.search(r"^USER 10001:10001$", text, re.M), name
+
+
+def test_network_policies_let_only_executors_reach_the_executor_port(rendered):
+    policies = [d for d in rendered["gpu"] if d["kind"] == "NetworkPolicy"]
+    allowed = lambda src, dst, port, proto="TCP": connection_allowed(policies, src, dst, port, proto)  # noqa: E731
+    assert allowed(EXEC_LABELS, SCHED_LABELS, 5556)
+    assert not allowed(OTHER_LABELS, SCHED_LABELS, 5556)
+    assert allowed(OTHER_LABELS, SCHED_LABELS, 50051) and allowed(OTHER_LABELS, SCHED_LABELS, 9100)
+    for src in (OTHER_LABELS, SCHED_LABELS, EXEC_LABELS):  # nothing dials an executor
+        assert not allowed(src, EXEC_LABELS, 8090)
+    assert not allowed(EXEC_LABELS, OTHER_LABELS, 443)  # executors reach the scheduler only
+    # ... and DNS (kube-dns lives in another namespace: only the egress side applies here).
+    assert policy_allows(policies, "Egress", EXEC_LABELS, {"k8s-app": "kube-dns"}, 53, "UDP")
+    assert policy_allows(policies, "Egress", SCHED_LABELS, {"k8s-app": "kube-dns"}, 53, "UDP")
+    assert not allowed(SCHED_LABELS, EXEC_LABELS, 8090) and not allowed(SCHED_LABELS, OTHER_LABELS, 443)
+    assert not allowed(OTHER_LABELS, {"app": "another"}, 80)  # default deny for the namespace
+
+
+def test_pdb_covers_the_executors(rendered):
+    pdb = find(rendered["gpu"], "PodDisruptionBudget", EXEC)["spec"]
+    assert pdb["selector"]["matchLabels"] == EXEC_LABELS and pdb["maxUnavailable"] == 1
+    executor = find(rendered["gpu"], "Deployment", EXEC)
+    assert executor["spec"]["template"]["metadata"]["labels"].items() >= EXEC_LABELS.items()
+
+
+def test_scheduler_image_installs_every_import_of_the_scheduler_and_no_torch():
+    """The scheduler image lists its packages by hand (no torch): that list must cover every
+    third-party import reachable from scheduler_svc.__main__."""
+    from importlib.metadata import packages_distributions
+
+    text = (REPO / "docker" / "Dockerfile.scheduler").read_text()
+    block = text.split("# SCHEDULER_REQUIREMENTS_BEGIN")[1].split("# SCHEDULER_REQUIREMENTS_END")[0]
+    listed = {re.split(r"[<>=\[ ]", r)[0].lower().replace("_", "-") for r in re.findall(r'"([^"]+)"', block)}
+    assert not listed & {"torch", "transformers", "cupy-cuda12x"}
+    dists = packages_distributions()
+    imports = third_party_imports("scheduler_svc.__main__", ("scheduler_svc", "pagedserve", "executor_svc"))
+    assert "torch" not in imports
+    for module in imports:
+        provided = {d.lower().replace("_", "-") for d in dists.get(module, [module])}
+        assert provided & listed, f"scheduler imports {module} ({provided}); Dockerfile.scheduler lacks it"
+
+
+def test_configmaps_split_shared_and_per_service_settings(rendered):
+    from executor_svc import config as ec
+    from scheduler_svc import config as sc
+
+    both = flag_env_names(sc.build_arg_parser) & flag_env_names(ec.build_arg_parser)
+    for docs in rendered.values():
+        common = next(d for d in docs if d["kind"] == "ConfigMap"
+                      and d["metadata"]["name"].startswith("pagedserve-common-"))
+        assert set(common["data"]) <= both  # every shared key means something to both services
+        assert configmap_data(docs, common["metadata"]["name"])["PAGEDSERVE_MODEL"].startswith("/models/")
