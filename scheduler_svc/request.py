@@ -95,6 +95,10 @@ class Request:
     forked: bool = True  # False while an n > 1 request still prefills its one shared prompt
     beam: BeamState | None = None
     emitted_seqs: int = 0  # seqs already reported finished (so "finished" is sent once)
+    # Stop rules, resolved once at arrival (read per sampled token).
+    eos_token_id: int | None = None  # None when ignore_eos
+    stop_token_ids: frozenset[int] = frozenset()
+    max_tokens: int = 0
 
     @property
     def request_id(self) -> str:

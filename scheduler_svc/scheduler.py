@@ -74,6 +74,7 @@ class Scheduler:
         self._pending_free: list[int] = []  # executor-resident seq ids to forget in the next plan
         self._inflight: _Work | None = None  # what the plan in flight computes
         self._stale_step: int | None = None  # a plan dropped by take_all_requests
+        self._preempted = False  # set during one schedule() when someone was preempted
         self.num_preemptions = 0
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
@@ -85,9 +86,10 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already queued")
         self._validate(req)
-        r = Request(req, self._next_arrival)
-        self._next_arrival += 1
         p = req.params
+        r = Request(req, self._next_arrival, eos_token_id=None if p.ignore_eos else self.eos_token_id,
+                    stop_token_ids=frozenset(p.stop_token_ids), max_tokens=p.max_tokens)
+        self._next_arrival += 1
         if p.beam_width > 1:
             r.beam = BeamState(p.beam_width)
             sp = dataclasses.replace(p.sampling, beam_candidates=2 * p.beam_width, temperature=0.0)
@@ -222,29 +224,55 @@ class Scheduler:
         return plan
 
     def _schedule_running(self, plan: BatchPlan, budget: _Budget) -> bool:
-        preempted = False
+        """Running requests oldest first; returns whether anyone was preempted."""
+        self._preempted = False
+        running, kv_allocate = self.running, self.kv.allocate
+        ids, nums, inflight = plan.scheduled_seq_ids, plan.num_new_tokens, self._inflight
         i = 0
-        running = self.running
         while i < len(running) and budget.tokens > 0 and budget.seqs > 0:
             r = running[i]
-            work = self._group_work(r, budget)
-            if not work:
-                i += 1
-                continue
-            intros = self._intros(r)
-            changes = self._allocate(work, 0)
-            while changes is None:
-                victim = running[-1]
-                self._preempt(victim, plan)
-                preempted = True
-                if victim is r:
-                    break
-                changes = self._allocate(work, 0)
-            if changes is None:
+            live = r.live
+            if len(live) == 1 and r.beam is None and r.forked and live[0].resident:
+                # Hot path (one resident sequence, nothing owed), inlined for speed.
+                seq = live[0]
+                n = len(seq.token_ids) - seq.num_computed_tokens
+                if n > budget.tokens:
+                    n = budget.tokens
+                ch = kv_allocate(seq, n)
+                if ch is not None:
+                    if ch is not NO_CHANGE:
+                        self._emit_change(seq, ch, plan)
+                    ids.append(seq.seq_id)
+                    nums.append(n)
+                    inflight.append((seq, n))  # type: ignore[union-attr]
+                    budget.tokens -= n
+                    budget.seqs -= 1
+                    i += 1
+                    continue
+            if not self._schedule_with_preemption(r, plan, budget):
                 break  # r itself was preempted: everyone after it is gone too
-            self._emit(work, changes, intros, plan, budget)
             i += 1
-        return preempted
+        return self._preempted
+
+    def _schedule_with_preemption(self, r: Request, plan: BatchPlan, budget: _Budget) -> bool:
+        """Schedule ``r``, preempting the latest arrivals while blocks are short.
+
+        Returns False when ``r`` itself had to be preempted.
+        """
+        work = self._group_work(r, budget)
+        if not work:
+            return True
+        intros = self._intros(r)
+        changes = self._allocate(work, 0)
+        while changes is None:
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            self._preempted = True
+            if victim is r:
+                return False
+            changes = self._allocate(work, 0)
+        self._emit(work, changes, intros, plan, budget)
+        return True
 
     def _group_work(self, r: Request, budget: _Budget) -> _Work | None:
         """What ``r`` computes this step within ``budget``, or None if it does not fit."""
@@ -314,10 +342,7 @@ class Scheduler:
         total = 0
         for (seq, n), ch in zip(work, changes, strict=True):
             if ch is not NO_CHANGE:
-                if ch.block_ids:
-                    plan.block_updates.append(BlockUpdate(seq.seq_id, ch.start, ch.block_ids))
-                if ch.copy is not None:
-                    plan.copies.append(ch.copy)
+                self._emit_change(seq, ch, plan)
             if seq.pending_tokens:
                 plan.append_tokens.extend((seq.seq_id, t) for t in seq.pending_tokens)
                 seq.pending_tokens.clear()
@@ -327,6 +352,13 @@ class Scheduler:
             total += n
         budget.tokens -= total
         budget.seqs -= len(work)
+
+    @staticmethod
+    def _emit_change(seq: Sequence, ch: SlotChange, plan: BatchPlan) -> None:
+        if ch.block_ids:
+            plan.block_updates.append(BlockUpdate(seq.seq_id, ch.start, ch.block_ids))
+        if ch.copy is not None:
+            plan.copies.append(ch.copy)
 
     def _preempt(self, r: Request, plan: BatchPlan) -> None:
         """Take the whole request off the device: swap (if asked and room) or recompute."""
@@ -367,6 +399,8 @@ class Scheduler:
                     self._emit(work, changes, intros, plan, budget)
 
     def _schedule_waiting(self, plan: BatchPlan, budget: _Budget) -> None:
+        if not self.waiting:
+            return
         cfg = self.config
         num_live = sum(_footprint(r) for r in self.running)
         while self.waiting and budget.tokens > 0:
@@ -440,7 +474,7 @@ class Scheduler:
         bs = self.config.block_size
         commit = self.kv.commit_computed
         for seq, n in work:
-            if seq.finish_reason is not None or seq.request.state is not RequestState.RUNNING:
+            if seq.finish_reason is not None:
                 continue  # finished or aborted while the step ran
             old = seq.num_computed_tokens
             seq.num_computed_tokens = new = old + n

@@ -25,9 +25,10 @@ class OutputProcessor:
 
     def process(self, result: StepResult) -> list[RequestUpdate]:
         s = self.s
-        seqs, eos, max_len = s.seqs, s.eos_token_id, s.config.max_model_len
+        seqs, max_len = s.seqs, s.config.max_model_len
         lps = {x.seq_id: x for x in result.logprobs} if result.logprobs else None
-        updates: dict[str, RequestUpdate] = {}
+        out: list[RequestUpdate] = []
+        multi: dict[str, RequestUpdate] = {}  # n > 1: one update per request, several seqs
         for sid, tok in zip(result.sampled_seq_ids, result.sampled_token_ids, strict=True):
             seq = seqs.get(sid)
             if seq is None:
@@ -37,28 +38,32 @@ class OutputProcessor:
                 raise ValueError(f"result samples seq {sid}, which had tokens left to compute")
             toks.append(tok)
             r = seq.request
-            p = r.req.params
-            if tok == eos and not p.ignore_eos:
+            if tok == r.eos_token_id:
                 reason: FinishReason | None = FinishReason.EOS
-            elif p.stop_token_ids and tok in p.stop_token_ids:
+            elif tok in r.stop_token_ids:
                 reason = FinishReason.STOP
-            elif len(toks) - seq.num_prompt_tokens >= p.max_tokens or len(toks) >= max_len:
+            elif len(toks) - seq.num_prompt_tokens >= r.max_tokens or len(toks) >= max_len:
                 reason = FinishReason.LENGTH
             else:
                 reason = None
-            lp = _token_logprob(lps.get(sid), tok) if lps else None
-            su = SeqUpdate(seq.index, [tok], lp, reason)
-            ru = updates.get(r.req.request_id)
-            if ru is None:
-                updates[r.req.request_id] = ru = RequestUpdate(
-                    r.req.request_id, [su], False, seq.num_prompt_tokens, r.num_cached_prompt_tokens)
+            su = SeqUpdate(seq.index, [tok], _token_logprob(lps.get(sid), tok) if lps else None, reason)
+            if len(r.seqs) == 1:  # at most one token per sequence per step
+                ru = RequestUpdate(r.req.request_id, [su], False, seq.num_prompt_tokens,
+                                   r.num_cached_prompt_tokens)
+                out.append(ru)
             else:
-                ru.seqs.append(su)
+                ru = multi.get(r.req.request_id)  # type: ignore[assignment]
+                if ru is None:
+                    multi[r.req.request_id] = ru = RequestUpdate(
+                        r.req.request_id, [su], False, seq.num_prompt_tokens, r.num_cached_prompt_tokens)
+                    out.append(ru)
+                else:
+                    ru.seqs.append(su)
             if reason is not None:
                 ru.finished = self._finish(seq, reason)
         if result.beam_candidates:
-            self._beams(result.beam_candidates, updates)
-        return list(updates.values())
+            self._beams(result.beam_candidates, out)
+        return out
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> bool:
         r = seq.request
@@ -82,7 +87,7 @@ class OutputProcessor:
         return out
 
     # ------------------------------------------------------------------ beam search
-    def _beams(self, cands: list[SeqLogprobs], updates: dict[str, RequestUpdate]) -> None:
+    def _beams(self, cands: list[SeqLogprobs], updates: list[RequestUpdate]) -> None:
         by_req: dict[int, tuple[Request, dict[int, tuple[list[int], list[float]]]]] = {}
         for c in cands:
             seq = self.s.seqs.get(c.seq_id)
@@ -96,7 +101,7 @@ class OutputProcessor:
             self._beam_request(r, per_seq, updates)
 
     def _beam_request(self, r: Request, cands: dict[int, tuple[list[int], list[float]]],
-                      updates: dict[str, RequestUpdate]) -> None:
+                      updates: list[RequestUpdate]) -> None:
         s, p = self.s, r.req.params
         beams = list(r.live)
         length_reached = (beams[0].num_output_tokens + 1 >= p.max_tokens
@@ -109,9 +114,9 @@ class OutputProcessor:
             return
         hyps = final_hypotheses(r.beam, beams, lim)  # type: ignore[arg-type]
         s._finish_request(r, FinishReason.LENGTH)
-        updates[r.request_id] = RequestUpdate(
+        updates.append(RequestUpdate(
             r.request_id, [SeqUpdate(i, h.output_token_ids, None, h.finish_reason) for i, h in enumerate(hyps)],
-            True, r.num_prompt_tokens, r.num_cached_prompt_tokens)
+            True, r.num_prompt_tokens, r.num_cached_prompt_tokens))
 
     def _apply_beams(self, r: Request, running: list[BeamCandidate]) -> None:
         """Survivors continue: first choice of a parent reuses it, others fork it; the rest are freed."""
