@@ -94,9 +94,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return
         self._in_flight.add(greq.request_id)
         try:
-            async with contextlib.aclosing(self._run(greq)) as outputs:
-                async for out in outputs:
-                    await context.write(_response(out))
+            async with contextlib.aclosing(self._run(greq)) as responses:
+                async for msg in responses:
+                    await context.write(msg)
         except _Refused as e:
             await self._abort(context, e.code, str(e))
         finally:
@@ -147,13 +147,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             greq.deadline = time.monotonic() + remaining
         return greq
 
-    async def _run(self, greq: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """The engine's stream, errors mapped to _Refused; always closes the engine's generator."""
+    async def _run(self, greq: GenerationRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """The engine's stream as protobuf, errors mapped to _Refused; always closes the engine's generator."""
         stream = None
         try:
             stream = self._engine.generate(greq)
             async for out in stream:
-                yield out
+                yield _response(out)  # inside the try: a malformed output is INTERNAL too
         except QueueFull as e:
             raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request queue is full: {e}") from e
         except NoExecutor as e:

@@ -63,7 +63,8 @@ class FakeEngine:
 
     ``mode`` picks a behaviour: "ok", "queue_full", "no_executor" (raised before
     the first output), "fail" (RequestFailed after one output), "crash"
-    (ZeroDivisionError after one output), "endless" (1 KB deltas forever, never
+    (ZeroDivisionError after one output), "bad_logprobs" (top ids and
+    top logprobs of different lengths), "endless" (1 KB deltas forever, never
     awaiting: a cancel can then only land in the servicer's write).
     """
 
@@ -133,7 +134,8 @@ class FakeEngine:
         produced[i] += 1
         delta = ChoiceDelta(index=i, token_ids=[tid])
         if p.logprobs is not None:
-            delta.logprobs = [TokenLogprob(tid, -0.5, list(range(p.logprobs)), [-1.0] * p.logprobs)]
+            k = p.logprobs + (1 if self.mode == "bad_logprobs" else 0)
+            delta.logprobs = [TokenLogprob(tid, -0.5, list(range(k)), [-1.0] * p.logprobs)]
         if tid == 1:
             delta.text, delta.finish_reason = detok.finish(), FinishReason.EOS
         else:

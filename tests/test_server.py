@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -198,6 +199,27 @@ def test_engine_errors_map_to_status_codes(stub, engine, mode, code):
     assert engine.closed_event.wait(5)
     engine.reset()
     assert joined(generate(stub, prompt="Hello"))[0][0]  # the server keeps serving
+
+
+def test_malformed_engine_output_is_internal(stub, engine):
+    engine.mode = "bad_logprobs"
+    assert status_of(stub, prompt="Hi", sampling={"logprobs": 2}).code() == grpc.StatusCode.INTERNAL
+    assert engine.closed_event.wait(2.0) and engine.closed[0][1] is False
+
+
+def test_concurrent_streams_do_not_mix(stub, engine):
+    engine.token_delay = 0.002
+    engine.completions = ["Grüße aus München", "The quick brown fox", "日本語のテキスト"]
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        futures = [pool.submit(generate, stub, request_id=f"c{i}", prompt="Hi",
+                               sampling={"n": 1 + i % 3, "max_tokens": 60})
+                   for i in range(24)]
+        results = [f.result() for f in futures]
+    for i, responses in enumerate(results):
+        assert {r.request_id for r in responses} == {f"c{i}"}
+        choices = joined(responses)
+        assert [choices[k][0] for k in sorted(choices)] == engine.completions[: 1 + i % 3]
+    assert len(engine.closed) == 24 and all(done for _, done in engine.closed)
 
 
 def test_no_model_info_is_unavailable(stub, engine):
