@@ -22,7 +22,7 @@ from executor_svc.attention import AttentionBackend, AttentionMetadata
 from executor_svc.kv_cache import KVCache
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.plan_check import PlanChecker, PlanError
-from executor_svc.sampler import Sampler, SampleOutput
+from executor_svc.sampler import SampleOutput, Sampler
 from scheduler_svc.plan import BatchPlan, SamplingParams, SeqLogprobs, StepResult
 
 log = logging.getLogger(__name__)

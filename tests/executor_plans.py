@@ -78,9 +78,9 @@ class PlanDriver:
         self.step_id += 1
         res = self.runner.execute(plan)
         assert res.error is None, res.error
-        for sid, n in zip(ids, counts):
+        for sid, n in zip(ids, counts, strict=True):
             self.seqs[sid].computed += n
-        for sid, tok in zip(res.sampled_seq_ids, res.sampled_token_ids):
+        for sid, tok in zip(res.sampled_seq_ids, res.sampled_token_ids, strict=True):
             self.seqs[sid].tokens.append(tok)
             self.seqs[sid].outputs.append(tok)
         return res

@@ -101,7 +101,7 @@ def test_swap_out_and_in_restores_the_cache(tiny_llama_dir):
     drv.run_until(4)
     s = drv.seqs[1]
     cpu = list(range(len(s.table)))
-    drv.step({}, swap_out=list(zip(s.table, cpu)), free_seq_ids=[1])
+    drv.step({}, swap_out=list(zip(s.table, cpu, strict=True)), free_seq_ids=[1])
     for k, v in runner.kv.layers:  # whatever ran on these blocks since: garbage
         k[s.table] = 7.0
         v[s.table] = -7.0
@@ -109,7 +109,7 @@ def test_swap_out_and_in_restores_the_cache(tiny_llama_dir):
     drv.seqs.pop(1)
     drv.add(1, s.tokens, computed=s.computed, table=new_table, num_prompt=len(prompt))
     drv.seqs[1].outputs = s.outputs
-    drv.step({1: 1}, swap_in=list(zip(cpu, new_table)))
+    drv.step({1: 1}, swap_in=list(zip(cpu, new_table, strict=True)))
     drv.run_until(12)
     assert drv.seqs[1].outputs == hf_greedy(hf, prompt, 12)
 

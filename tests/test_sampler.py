@@ -68,7 +68,7 @@ def _allowed(logits: torch.Tensor, p: SamplingParams) -> set[int]:
         order = order[:p.top_k]
     probs = torch.softmax(scaled[order], 0).tolist()
     kept, total = [], 0.0
-    for t, pr in zip(order, probs):
+    for t, pr in zip(order, probs, strict=True):
         if total >= p.top_p and kept:
             break
         if pr < p.min_p * probs[0]:

@@ -1,0 +1,100 @@
+"""``python -m executor_svc`` / ``pagedserve-executor``: one executor process.
+
+Start-up order: health server (liveness while weights load), config.json
+check, weights, KV pools sized from the memory budget, then dial the scheduler.
+SIGTERM drains (see worker.py); a second SIGTERM or SIGINT exits at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+import torch
+
+from executor_svc.attention import make_attention_backend
+from executor_svc.config import ExecutorConfig, parse_config
+from executor_svc.kv_cache import KVCache
+from executor_svc.model import load_model, load_model_config, model_fingerprint
+from executor_svc.model.config import ModelConfig
+from executor_svc.runner import ModelRunner
+from executor_svc.sampler import Sampler
+from executor_svc.worker import ExecutorWorker
+from scheduler_svc import plan as wire
+
+log = logging.getLogger("executor_svc")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_CUDA_ACTIVATION_RESERVE = 1 << 30  # bytes left free on the GPU for activations and logits
+
+
+def resolve_dtype(cfg: ExecutorConfig, model_cfg: ModelConfig) -> torch.dtype:
+    """auto: float32 on CPU (bf16/fp16 matmuls are far slower there), the checkpoint's on CUDA."""
+    if cfg.dtype != "auto":
+        return _DTYPES[cfg.dtype]
+    if cfg.device == "cpu":
+        return torch.float32
+    return _DTYPES.get(model_cfg.torch_dtype, torch.float32)
+
+
+def device_kv_bytes(cfg: ExecutorConfig) -> int:
+    """KV budget: the flag on CPU; on CUDA what is left of the utilisation share after the weights."""
+    if cfg.device == "cpu":
+        return cfg.kv_cache_memory
+    free, total = torch.cuda.mem_get_info()
+    used = total - free
+    return max(0, int(cfg.gpu_memory_utilization * total) - used - _CUDA_ACTIVATION_RESERVE)
+
+
+def build_runner(cfg: ExecutorConfig) -> tuple[ModelRunner, wire.Handshake]:
+    model_cfg = load_model_config(cfg.model_dir)  # refuse unsupported models before reading weights
+    dtype = resolve_dtype(cfg, model_cfg)
+    if cfg.device == "cpu" and dtype != torch.float32:
+        log.warning("computing in %s on CPU: expect it to be much slower than float32", dtype)
+    model = load_model(cfg.model_dir, cfg.device, dtype)
+    kv = KVCache.from_budget(model_cfg, cfg.block_size, device_kv_bytes(cfg), cfg.swap_space, dtype, cfg.device)
+    max_len = min(model_cfg.max_position_embeddings, kv.num_blocks * cfg.block_size)
+    runner = ModelRunner(model, kv, make_attention_backend(cfg.device), Sampler(), max_model_len=max_len)
+    log.info("%s: %d layers, %d KV blocks of %d tokens (%d CPU swap blocks), max length %d, %s",
+             model_cfg.architecture, model_cfg.num_layers, kv.num_blocks, cfg.block_size,
+             kv.num_cpu_blocks, max_len, str(dtype).removeprefix("torch."))
+    hs = wire.Handshake(
+        executor_id=cfg.executor_id, wire_version=wire.WIRE_VERSION,
+        model_fingerprint=model_fingerprint(cfg.model_dir), model_name=cfg.model_dir.resolve().name,
+        architecture=model_cfg.architecture, vocab_size=model_cfg.vocab_size, block_size=cfg.block_size,
+        num_device_blocks=kv.num_blocks, num_cpu_blocks=kv.num_cpu_blocks, max_model_len=max_len,
+        dtype=str(dtype).removeprefix("torch."), device=cfg.device)
+    return runner, hs
+
+
+def run(cfg: ExecutorConfig) -> int:
+    health = None
+    if cfg.health_port:
+        from executor_svc.health import HealthServer
+
+        health = HealthServer(cfg.health_port).start()
+    try:
+        runner, hs = build_runner(cfg)
+        worker = ExecutorWorker(cfg.scheduler, runner, hs, drain_timeout=cfg.drain_timeout, health=health)
+        signal.signal(signal.SIGTERM, lambda *_: worker.request_drain())
+        signal.signal(signal.SIGINT, lambda *_: (worker.request_drain(), worker.request_drain()))
+        return worker.run()
+    finally:
+        if health is not None:
+            health.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(argv)
+    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        code = run(cfg)
+    except (ValueError, FileNotFoundError) as exc:  # bad model dir, unsupported model, budget too small
+        log.error("cannot start: %s", exc)
+        code = 1
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

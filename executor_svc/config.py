@@ -1,0 +1,94 @@
+"""The executor process's configuration: flags, environment, validation.
+
+Built once in ``__main__`` and frozen. Every flag also reads
+``PAGEDSERVE_<FLAG>`` from the environment (the command line wins); this is
+the only place the executor reads the environment. Values learned at run time
+(how many KV blocks fit) go into the handshake, never back into this object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from scheduler_svc.envargs import parse_bytes, parse_with_env
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("cpu", "cuda")
+HEALTH_LIVENESS = "liveness"
+HEALTH_EXECUTOR = "executor"
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorConfig:
+    model_dir: Path
+    scheduler: str  # ZeroMQ endpoint of the scheduler's ROUTER, e.g. tcp://host:5556
+    device: str
+    kv_cache_memory: int  # bytes for the device block pools on CPU
+    gpu_memory_utilization: float  # fraction of GPU memory this process may use (CUDA)
+    swap_space: int  # bytes for the CPU swap pool
+    block_size: int
+    dtype: str
+    executor_id: str
+    health_port: int  # 0 = no health server
+    drain_timeout: float  # seconds to keep serving after SIGTERM
+    log_level: str
+
+
+def _number(kind: type, name: str, low: float, low_inclusive: bool = False, high: float | None = None):
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: expected a {kind.__name__}, got {text!r}") from None
+        if value < low or (value == low and not low_inclusive) or (high is not None and value > high):
+            bound = f"{'>=' if low_inclusive else '>'} {low}" + (f" and <= {high}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"{name}: must be {bound}, got {value}")
+        return value
+    return convert
+
+
+def _endpoint(text: str) -> str:
+    if not text.startswith(("tcp://", "ipc://", "inproc://")):
+        raise argparse.ArgumentTypeError(f"--scheduler: expected tcp://HOST:PORT, got {text!r}")
+    return text
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pagedserve-executor",
+        description="Run a Llama-family model on a paged KV cache for a pagedserve scheduler. "
+                    "Every flag also reads PAGEDSERVE_<FLAG> from the environment.")
+    p.add_argument("--model", required=True, help="HF model directory (config.json, *.safetensors)")
+    p.add_argument("--scheduler", required=True, type=_endpoint, help="scheduler endpoint, tcp://HOST:5556")
+    p.add_argument("--device", choices=DEVICES, default="cpu")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("2GiB"),
+                   help="KV cache size on CPU (e.g. 2GiB)")
+    p.add_argument("--gpu-memory-utilization", type=_number(float, "--gpu-memory-utilization", 0.0, high=1.0),
+                   default=0.9, help="fraction of GPU memory for weights + KV cache (CUDA)")
+    p.add_argument("--swap-space", type=parse_bytes, default=parse_bytes("4GiB"),
+                   help="CPU swap pool size (e.g. 4GiB; 0 disables swapping)")
+    p.add_argument("--block-size", type=_number(int, "--block-size", 0), default=16,
+                   help="tokens per KV block; must match the scheduler's")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="compute dtype; auto = float32 on CPU, the checkpoint's on CUDA")
+    p.add_argument("--executor-id", default=None, help="name in the scheduler's registry (default HOST-PID)")
+    p.add_argument("--health-port", type=_number(int, "--health-port", 0, low_inclusive=True, high=65535),
+                   default=8090, help="grpc.health.v1 port (0 disables)")
+    p.add_argument("--drain-timeout", type=_number(float, "--drain-timeout", 0.0, low_inclusive=True),
+                   default=30.0, help="seconds to keep serving plans after SIGTERM")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> ExecutorConfig:
+    args = parse_with_env(build_arg_parser(), argv, environ)
+    return ExecutorConfig(
+        model_dir=Path(args.model), scheduler=args.scheduler, device=args.device,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        swap_space=args.swap_space, block_size=args.block_size, dtype=args.dtype,
+        executor_id=args.executor_id or f"{socket.gethostname()}-{os.getpid()}",
+        health_port=args.health_port, drain_timeout=args.drain_timeout, log_level=args.log_level)

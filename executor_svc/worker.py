@@ -1,0 +1,235 @@
+"""The executor's ZeroMQ side: dial in, handshake, heartbeats, plans in, results out.
+
+Two threads. The main thread owns the DEALER socket: it handshakes, answers
+and sends heartbeats, watches for a silent scheduler, forwards plans to the
+compute thread and sends back what it returns. The compute thread owns the
+runner and runs plans strictly in arrival order; torch releases the GIL in its
+kernels, so heartbeats keep flowing during a long step. Results come back over
+an inproc PAIR socket (ZeroMQ sockets are never shared between threads).
+
+Connection generations: every (re)connection gets a new number. Plans are
+tagged with it; after a reconnect the compute thread skips stale plans and
+resets the runner (the scheduler has declared us dead and re-sends whatever it
+still wants us to run), and stale results are dropped.
+
+Never exits on losing the scheduler: it reconnects and handshakes again. Exits
+with 0 after a drain, 2 when the scheduler refuses the handshake.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import zmq
+
+from executor_svc.runner import ModelRunner
+from scheduler_svc import plan as wire
+
+log = logging.getLogger(__name__)
+
+DEAD_AFTER_INTERVALS = 5  # scheduler silent this many heartbeat intervals -> reconnect
+DEFAULT_HEARTBEAT_S = 1.0  # until the scheduler's reply tells us its interval
+EXIT_OK, EXIT_REFUSED = 0, 2
+_RESET = "reset"
+_STOP = "stop"
+_POLL_MS = 50
+
+
+class ComputeThread(threading.Thread):
+    def __init__(self, runner: ModelRunner, ctx: zmq.Context, endpoint: str) -> None:
+        super().__init__(name="executor-compute", daemon=True)
+        self.runner, self.ctx, self.endpoint = runner, ctx, endpoint
+        self.inbox: queue.Queue[tuple[int, wire.BatchPlan | str]] = queue.Queue()
+        self.current_gen = 0  # written by the main thread only
+
+    def run(self) -> None:
+        sock = self.ctx.socket(zmq.PAIR)
+        sock.connect(self.endpoint)
+        try:
+            while True:
+                gen, item = self.inbox.get()
+                if item == _STOP:
+                    return
+                if item == _RESET:
+                    self.runner.reset()
+                elif gen == self.current_gen:
+                    result = self.runner.execute(item)
+                    sock.send_multipart([str(gen).encode(), wire.encode(result)])
+        finally:
+            sock.close(linger=0)
+
+
+class ExecutorWorker:
+    def __init__(self, scheduler: str, runner: ModelRunner, handshake: wire.Handshake, *,
+                 drain_timeout: float = 30.0, health=None, ctx: zmq.Context | None = None) -> None:
+        self.scheduler, self.handshake, self.health = scheduler, handshake, health
+        self.drain_timeout = drain_timeout
+        self.ctx = ctx or zmq.Context()
+        self._pair = self.ctx.socket(zmq.PAIR)
+        endpoint = f"inproc://executor-results-{id(self)}"
+        self._pair.bind(endpoint)
+        self.compute = ComputeThread(runner, self.ctx, endpoint)
+        self.gen = 0
+        self.sock: zmq.Socket | None = None
+        self.accepted = False
+        self.interval = DEFAULT_HEARTBEAT_S
+        self.inflight = 0
+        self.last_recv = self.last_hb = self.last_plan = 0.0
+        self._signals = 0  # SIGTERMs received (set from the signal handler)
+        self.draining = False
+        self.drain_deadline = 0.0
+
+    def request_drain(self) -> None:
+        """Signal-handler safe: the loop notices on its next turn (within ~50 ms)."""
+        self._signals += 1
+
+    # ---------------------------------------------------------------- connection
+
+    def _connect(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, self.handshake.executor_id.encode())
+        sock.setsockopt(zmq.LINGER, 1000)  # let the last results/Drain go out on exit
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
+        sock.connect(self.scheduler)
+        self.sock = sock
+        self.accepted = False
+        self.interval = DEFAULT_HEARTBEAT_S
+        self.last_recv = time.monotonic()
+        self._send(self.handshake)
+        log.info("dialled %s as %s; handshake sent", self.scheduler, self.handshake.executor_id)
+
+    def _reconnect(self, why: str) -> None:
+        log.warning("lost the scheduler (%s); reconnecting and dropping all sequence state", why)
+        self.gen += 1
+        self.compute.current_gen = self.gen
+        self.compute.inbox.put((self.gen, _RESET))
+        self.inflight = 0
+        if self.health is not None:
+            self.health.set_ready(False)
+        self._connect()
+
+    def _send(self, msg: wire.Message) -> None:
+        try:
+            self.sock.send(wire.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("send queue full; dropped a %s", type(msg).__name__)
+
+    # ---------------------------------------------------------------- main loop
+
+    def run(self) -> int:
+        self.compute.start()
+        self._connect()
+        try:
+            return self._loop()
+        finally:
+            self.compute.inbox.put((-1, _STOP))
+            self.compute.join(timeout=5.0)
+            self.sock.close()
+            self._pair.close(linger=0)
+
+    def _loop(self) -> int:
+        poller = zmq.Poller()
+        while True:
+            if self._signals >= 2:
+                log.warning("second termination signal: exiting now")
+                return EXIT_OK
+            if self._signals and not self.draining and (code := self._start_drain()) is not None:
+                return code
+            now = time.monotonic()
+            if self.draining and (now >= self.drain_deadline or (
+                    self.inflight == 0 and now - self.last_plan >= max(2 * self.interval, 0.5))):
+                log.info("drained; exiting")
+                return EXIT_OK
+            poller.register(self.sock, zmq.POLLIN)
+            poller.register(self._pair, zmq.POLLIN)
+            events = dict(poller.poll(_POLL_MS))
+            poller.unregister(self.sock)
+            poller.unregister(self._pair)
+            if self._pair in events:
+                self._forward_results()
+            if self.sock in events and (code := self._receive()) is not None:
+                return code
+            if (code := self._timers()) is not None:
+                return code
+
+    def _start_drain(self) -> int | None:
+        if not self.accepted:
+            log.info("termination requested while not registered: exiting")
+            return EXIT_OK
+        log.info("termination requested: draining for up to %.1fs", self.drain_timeout)
+        self.draining = True
+        self.drain_deadline = time.monotonic() + self.drain_timeout
+        self.last_plan = time.monotonic()
+        if self.health is not None:
+            self.health.set_ready(False)
+        self._send(wire.Drain(self.drain_timeout))
+        return None
+
+    def _forward_results(self) -> None:
+        while True:
+            try:
+                gen, payload = self._pair.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if int(gen) == self.gen:
+                self.inflight -= 1
+                self.sock.send(payload, zmq.NOBLOCK)
+
+    def _receive(self) -> int | None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            for frame in frames:
+                if not frame:
+                    continue  # tolerate an empty delimiter frame
+                try:
+                    msg = wire.decode(frame)
+                except wire.WireError as exc:
+                    log.warning("dropping malformed frame (%d bytes): %s", len(frame), exc)
+                    continue
+                if (code := self._dispatch(msg)) is not None:
+                    return code
+
+    def _dispatch(self, msg: wire.Message) -> int | None:
+        self.last_recv = time.monotonic()
+        if isinstance(msg, wire.HandshakeReply):
+            if self.accepted:
+                return None
+            if not msg.accepted:
+                log.error("scheduler refused this executor: %s", msg.reason)
+                return EXIT_REFUSED
+            self.accepted = True
+            self.interval = msg.heartbeat_interval_s if msg.heartbeat_interval_s > 0 else DEFAULT_HEARTBEAT_S
+            self.last_hb = 0.0
+            if self.health is not None and not self.draining:
+                self.health.set_ready(True)
+            log.info("registered with the scheduler (heartbeat %.2fs)", self.interval)
+        elif isinstance(msg, wire.BatchPlan):
+            if not self.accepted:
+                log.warning("dropping plan %d received before the handshake was accepted", msg.step_id)
+                return None
+            self.inflight += 1
+            self.last_plan = self.last_recv
+            self.compute.inbox.put((self.gen, msg))
+        elif not isinstance(msg, wire.Heartbeat):
+            log.warning("dropping unexpected %s from the scheduler", type(msg).__name__)
+        return None
+
+    def _timers(self) -> int | None:
+        now = time.monotonic()
+        if self.accepted and now - self.last_hb >= self.interval:
+            self.last_hb = now
+            self._send(wire.Heartbeat(time.time()))
+        if now - self.last_recv > DEAD_AFTER_INTERVALS * self.interval:
+            if self.draining:
+                log.info("scheduler gone while draining; exiting")
+                return EXIT_OK
+            self._reconnect(f"silent for {now - self.last_recv:.1f}s")
+        return None
