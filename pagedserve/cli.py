@@ -44,7 +44,7 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--token-ids", type=_int_list, help="comma-separated prompt token ids instead of a prompt")
     g.add_argument("--request-id", default="")
     g.add_argument("--max-tokens", type=int, default=0, help="0: server default (16, capped by context)")
-    g.add_argument("--stream", action="store_true", help="print text as it is generated")
+    g.add_argument("--stream", action="store_true", help="print text as it is generated (one choice; with several, each is printed when done)")
     for flag, typ in (("--temperature", float), ("--top-p", float), ("--top-k", int), ("--min-p", float),
                       ("--seed", int), ("--length-penalty", float), ("--logprobs", int),
                       ("--repetition-penalty", float), ("--presence-penalty", float),

@@ -139,6 +139,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 greq = validate_generate_request(*args)
         except ValidationError as e:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        except Exception as e:  # e.g. the tokenizer failed: a server bug, not the client's
+            log.exception("validating a request failed")
+            raise _Refused(grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__})") from e
         if greq.request_id in self._in_flight:
             raise _Refused(grpc.StatusCode.ALREADY_EXISTS, f"request_id {greq.request_id!r} is already running")
         greq.arrival_time = arrival
