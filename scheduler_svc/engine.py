@@ -71,7 +71,6 @@ class ExecutorSlot:
     aborts: list[str] = field(default_factory=list)
     requests: dict[str, Tracked] = field(default_factory=dict)
     task: asyncio.Task | None = None
-    step_id: int = 0
 
     @property
     def id(self) -> str:
@@ -164,11 +163,12 @@ class Engine:
             st.prefix_cache_query_tokens += s.prefix_cache_query_tokens
             st.prefix_cache_hit_tokens += s.prefix_cache_hit_tokens
             info = slot.conn.info
+            blocks = s.block_stats()
             st.executors.append(ExecutorStats(
                 id=slot.id, state=slot.conn.state, kv_blocks_total=info.num_device_blocks,
-                kv_blocks_used=s.num_used_blocks, kv_blocks_cached=s.num_cached_blocks,
-                kv_blocks_shared=s.num_shared_blocks, cpu_blocks_total=info.num_cpu_blocks,
-                cpu_blocks_used=s.num_cpu_blocks_used, num_running=s.num_running,
+                kv_blocks_used=blocks["used"], kv_blocks_cached=blocks["cached"],
+                kv_blocks_shared=blocks["shared"], cpu_blocks_total=info.num_cpu_blocks,
+                cpu_blocks_used=blocks["cpu_used"], num_running=s.num_running,
                 num_waiting=s.num_waiting + len(slot.adds)))
         return st
 
@@ -279,8 +279,6 @@ class Engine:
                 if plan is None:
                     await self._idle(slot)
                     continue
-                slot.step_id += 1
-                plan.step_id = slot.step_id
                 try:
                     result = await self.hub.run_step(slot.conn, plan)
                 except ExecutorLost:
@@ -316,11 +314,8 @@ class Engine:
         adds, slot.adds = slot.adds, []
         for t in adds:
             slot.requests[t.request_id] = t
-            if t.resume is not None:
-                slot.scheduler.add_migrated(t.resume)
-                t.resume = None
-            else:
-                slot.scheduler.add_request(t.stream.req)
+            slot.scheduler.add_request(t.stream.req, resume=t.resume)
+            t.resume = None
 
     def _publish(self, slot: ExecutorSlot, updates) -> None:
         for upd in updates:
