@@ -25,6 +25,9 @@ from __future__ import annotations
 import bisect
 import enum
 
+from scheduler_svc.kv_cache_manager import NO_CHANGE, NO_HIT, KVCacheManagerBase, PrefixHit, SlotChange
+from scheduler_svc.request import Sequence
+
 
 class ReservationPolicy(enum.Enum):
     MAX = "max"
@@ -110,11 +113,11 @@ class FirstFitSpace:
 
     def holes(self) -> list[tuple[int, int]]:
         """(start, length) of every free range, in address order."""
-        return list(zip(self._starts, self._lens))
+        return list(zip(self._starts, self._lens, strict=True))
 
     def check_integrity(self) -> None:
         """Holes and live ranges tile [0, size) exactly, holes never adjacent."""
-        spans = sorted([(s, n, "hole") for s, n in zip(self._starts, self._lens)]
+        spans = sorted([(s, n, "hole") for s, n in zip(self._starts, self._lens, strict=True)]
                        + [(s, n, "live") for s, n in self._live.items()])
         pos = 0
         prev_kind = ""
@@ -128,3 +131,115 @@ class FirstFitSpace:
             raise RuntimeError(f"ranges cover {pos} of {self.size} units")
         if self.num_free != sum(self._lens):
             raise RuntimeError(f"num_free {self.num_free} != sum of holes {sum(self._lens)}")
+
+
+# ---------------------------------------------------------------------------
+# the contiguous allocator behind the scheduler's KV-manager surface
+
+
+class ContiguousKVCacheManager(KVCacheManagerBase):
+    """Orca-style KV allocation: one contiguous chunk per request, reserved at admission.
+
+    The chunk (``reservation_slots`` rounded up to whole blocks) is taken
+    first-fit when the scheduler first asks for room for a sequence; later
+    tokens of that sequence always fit inside it, so running requests never
+    need more memory and are never preempted. The block ids handed to the
+    scheduler are the chunk's blocks, in order, so a plan looks exactly like a
+    paged one whose block tables happen to be consecutive.
+
+    ``num_free_blocks`` is the largest hole: that is what one allocation can
+    take now. No sharing (n > 1, beam search), no prefix caching, no swapping:
+    the baselines in the paper have none of them.
+    """
+
+    def __init__(self, policy: ReservationPolicy | str, block_size: int, num_device_blocks: int,
+                 max_model_len: int) -> None:
+        self.policy = ReservationPolicy(policy)
+        self.block_size = block_size
+        self.num_device_blocks = num_device_blocks
+        self.num_cpu_blocks = 0
+        self.max_model_len = max_model_len
+        self.space = FirstFitSpace(num_device_blocks)
+        self._chunks: dict[int, tuple[int, int]] = {}  # seq_id -> (first block, number of blocks)
+        self._handed: dict[int, int] = {}  # seq_id -> blocks of the chunk given to the table so far
+
+    # ------------------------------------------------------------------ sizing
+    def final_len(self, seq: Sequence) -> int:
+        """Tokens the request ends with (prompt + max_tokens, capped by the model)."""
+        return min(seq.num_prompt_tokens + seq.request.req.params.max_tokens, self.max_model_len)
+
+    def chunk_blocks(self, seq: Sequence) -> int:
+        slots = reservation_slots(self.policy, self.final_len(seq), self.max_model_len)
+        return -(-slots // self.block_size)
+
+    def chunk(self, seq: Sequence) -> tuple[int, int] | None:
+        """(first block, number of blocks) of the sequence's reservation, if it holds one."""
+        return self._chunks.get(seq.seq_id)
+
+    # ------------------------------------------------------------------ KVCacheManagerBase
+    @property
+    def num_free_blocks(self) -> int:
+        return self.space.largest_hole()
+
+    def lookup_prefix(self, seq: Sequence) -> PrefixHit:
+        return NO_HIT
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> int:
+        return 0 if seq.seq_id in self._chunks else self.chunk_blocks(seq)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> SlotChange | None:
+        if hit.blocks:
+            raise RuntimeError("contiguous baseline got a prefix hit, but it never reports one")
+        sid = seq.seq_id
+        if sid not in self._chunks:
+            n = self.chunk_blocks(seq)
+            start = self.space.allocate(n)
+            if start is None:
+                return None  # no hole large enough: the request keeps waiting (FCFS)
+            self._chunks[sid] = (start, n)
+            self._handed[sid] = 0
+        start, n = self._chunks[sid]
+        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        have = self._handed[sid]
+        if need > n:
+            raise RuntimeError(f"seq {sid} needs {need} blocks but reserved {n}: reservation too small")
+        if need <= have:
+            return NO_CHANGE
+        self._handed[sid] = need
+        return SlotChange(have, list(range(start + have, start + need)))
+
+    def commit_computed(self, seq: Sequence) -> None:
+        return None
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        raise RuntimeError("contiguous baselines cannot share KV: use n == 1 and beam_width == 1")
+
+    def free(self, seq: Sequence) -> None:
+        chunk = self._chunks.pop(seq.seq_id, None)
+        if chunk is not None:
+            self.space.free(chunk[0])
+            del self._handed[seq.seq_id]
+
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]] | None:
+        return None  # no CPU pool: a preempted request is recomputed
+
+    def swap_in(self, seqs: list[Sequence], reserve: int = 0) -> list[tuple[int, int]] | None:
+        return None
+
+    def block_ids(self, seq: Sequence) -> list[int]:
+        chunk = self._chunks.get(seq.seq_id)
+        if chunk is None:
+            return []
+        return list(range(chunk[0], chunk[0] + self._handed[seq.seq_id]))
+
+    def stats(self) -> dict[str, int]:
+        return {"used": self.num_device_blocks - self.space.num_free, "cached": 0, "shared": 0,
+                "cpu_used": 0, "largest_hole": self.space.largest_hole()}
+
+    def check_integrity(self) -> None:
+        self.space.check_integrity()
+        if sum(n for _, n in self._chunks.values()) != self.num_device_blocks - self.space.num_free:
+            raise RuntimeError("reserved chunks do not add up to the space's used blocks")
+        for sid, (_, n) in self._chunks.items():
+            if not 0 <= self._handed[sid] <= n:
+                raise RuntimeError(f"seq {sid} was handed {self._handed[sid]} of its {n} blocks")

@@ -124,7 +124,7 @@ def beam_usage(prompt_len: int, output_len: int, width: int, rng: np.random.Gene
                 continue
             # the parent continues as its first child; the others fork from it
             children = [b] + [pool.fork(b) for _ in scores[1:]]
-            for child, score in zip(children, scores):
+            for child, score in zip(children, scores, strict=True):
                 child.score = score
                 new_beams.append(child)
         for child in new_beams:

@@ -29,15 +29,18 @@ eff_flops              0.5           typical large-GEMM efficiency in serving en
 k_paged                1.2           PagedAttention kernel 20-26% slower than a contiguous
                                      one (paper §7.1, Fig. 18a); applied to every
                                      allocator alike, so it never favours paging
-t_fixed                5 ms          assumption: per-step Python scheduling, input
+t_fixed                8 ms          assumption: per-step Python scheduling, input
                                      preparation, kernel launches, sampling (2023 vLLM)
-t_seq                  0.2 ms        assumption: per-sequence host work per step
+t_seq                  0.05 ms       assumption: per-sequence host work per step
 =====================  ============  ====================================================
 
 The two overhead terms are assumptions, not measurements; with them a step of
-30 sequences holding ~12K context tokens takes ~42 ms, which is what Little's
+30 sequences holding ~12K context tokens takes ~40 ms, close to what Little's
 law implies for the paper's Fig. 13 point (30.42 batched requests at 2 req/s,
-338 output tokens per request: 30.42 / (2 x 338) = 45 ms per step).
+338 output tokens per request: 30.42 / (2 x 338) = 45 ms per step). A larger
+per-sequence term (0.2 ms, our first choice) makes big batches host-bound and
+erases the paged allocator's advantage on the short Alpaca requests, where
+batches exceed 100 sequences; PERF.md discusses this sensitivity.
 
 Every allocator is simulated with this same executor and cost model: only the
 scheduler's memory management differs between the curves.
@@ -66,8 +69,8 @@ class CostModel:
     peak_flops: float = 312e12
     flops_efficiency: float = 0.5
     paged_kernel_factor: float = 1.2
-    fixed_overhead_s: float = 5e-3
-    per_seq_overhead_s: float = 2e-4
+    fixed_overhead_s: float = 8e-3
+    per_seq_overhead_s: float = 5e-5
 
     def step_time(self, batched_tokens: int, context_tokens: int, attended_pairs: int, num_seqs: int) -> float:
         """Seconds for one step.
@@ -133,7 +136,7 @@ class SimExecutor:
         result = StepResult(step_id=plan.step_id)
         shape = StepShape(num_seqs=len(plan.scheduled_seq_ids))
         pairs = 0
-        for seq_id, n_new in zip(plan.scheduled_seq_ids, plan.num_new_tokens):
+        for seq_id, n_new in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True):
             st = self.seqs.get(seq_id)
             if st is None:
                 raise RuntimeError(f"plan {plan.step_id} schedules unknown sequence {seq_id}")
@@ -177,3 +180,58 @@ class SimExecutor:
         result.sampled_seq_ids.append(seq_id)
         result.sampled_token_ids.append(self._token())
         st.num_tokens += 1
+
+
+# ---------------------------------------------------------------------------
+# the virtual-time loop
+
+
+@dataclass(slots=True)
+class SimRun:
+    """Outcome of one trace: when each request finished and how many tokens it got."""
+
+    finish_time: dict[str, float] = field(default_factory=dict)  # request id -> virtual seconds
+    output_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens streamed
+    num_steps: int = 0
+    virtual_seconds: float = 0.0
+
+
+def simulate(scheduler, executor: SimExecutor, requests: list, on_step=None, max_steps: int = 10**8) -> SimRun:
+    """Drive ``scheduler`` with ``executor`` over ``requests`` in virtual time.
+
+    ``requests`` are ``GenerationRequest`` objects sorted by ``arrival_time``
+    (seconds of virtual time). A request is added once the clock reaches its
+    arrival; when nothing can run, the clock jumps to the next arrival.
+    ``on_step(now, plan, seconds)`` is called after each plan is executed and
+    before the scheduler sees the result, i.e. with the memory state of the step.
+    """
+    run = SimRun()
+    now, i, n = 0.0, 0, len(requests)
+    while i < n or len(run.finish_time) < n:
+        while i < n and requests[i].arrival_time <= now:
+            scheduler.add_request(requests[i])
+            i += 1
+        plan = scheduler.schedule()
+        if plan is None or not plan.scheduled_seq_ids:
+            if plan is not None:
+                scheduler.update(executor.execute(plan))
+            if i >= n:
+                raise RuntimeError(f"simulation stalled: {n - len(run.finish_time)} requests never finish")
+            now = max(now, requests[i].arrival_time)
+            continue
+        result = executor.execute(plan)
+        if on_step is not None:
+            on_step(now, plan, result.model_seconds)
+        now += result.model_seconds
+        run.num_steps += 1
+        if run.num_steps > max_steps:
+            raise RuntimeError(f"simulation exceeded {max_steps} steps")
+        for upd in scheduler.update(result):
+            if upd.error is not None:
+                raise RuntimeError(f"request {upd.request_id} failed in simulation: {upd.error}")
+            got = sum(len(s.new_token_ids) for s in upd.seqs)
+            run.output_tokens[upd.request_id] = run.output_tokens.get(upd.request_id, 0) + got
+            if upd.finished:
+                run.finish_time[upd.request_id] = now
+    run.virtual_seconds = now
+    return run

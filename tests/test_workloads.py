@@ -63,7 +63,7 @@ def test_trace_is_reproducible_and_seed_dependent():
     c = synthetic_trace("sharegpt", 200, 2.0, seed=6)
     assert a == b
     assert [r.output_len for r in a] != [r.output_len for r in c]
-    assert all(x.arrival_time < y.arrival_time for x, y in zip(a, a[1:]))
+    assert all(x.arrival_time < y.arrival_time for x, y in zip(a, a[1:], strict=False))
     assert len({r.request_id for r in a}) == 200
 
 

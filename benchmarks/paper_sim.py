@@ -1,0 +1,139 @@
+"""Reproduce the vLLM paper's memory and throughput figures by simulation.
+
+Runs the real scheduler with each allocator (paged; Orca Oracle / Pow2 / Max)
+over synthetic ShareGPT-like and Alpaca-like traces in virtual time (OPT-13B
+on one A100-40GB, see ``sim_executor.py``) and writes:
+
+* ``docs/figures/fig2_memory.png``   share of KV memory per use, per allocator (paper Fig. 2)
+* ``docs/figures/fig13_batched.png`` mean batched requests (paper Fig. 13)
+* ``docs/figures/fig12_latency.png`` normalized latency vs request rate (paper Fig. 12)
+* a markdown report (``--out-md``, default ``docs/figures/paper_sim.md``) with the tables.
+
+Usage::
+
+    python -m benchmarks.paper_sim --quick      # make bench: ~1-2 min on 2 cores
+    python -m benchmarks.paper_sim              # full: longer traces, finer rate grid
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+from benchmarks.sim_report import LATENCY_FACTOR
+from benchmarks.sim_runs import ALLOCATORS, MEM_KINDS, RunStats, run_trace
+from benchmarks.workloads import synthetic_trace
+
+# (workload, rate) of paper Fig. 13 (OPT-13B): ShareGPT at 2 req/s, Alpaca at 30 req/s.
+FIG13_POINTS = (("sharegpt", 2.0), ("alpaca", 30.0))
+
+QUICK = {"fig13_requests": {"sharegpt": 1000, "alpaca": 3000}, "sweep_requests": {"sharegpt": 400, "alpaca": 1500},
+         "rates": {"sharegpt": [0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5],
+                   "alpaca": [2.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0]}}
+FULL = {"fig13_requests": {"sharegpt": 3000, "alpaca": 9000}, "sweep_requests": {"sharegpt": 1500, "alpaca": 5000},
+        "rates": {"sharegpt": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.4, 2.8],
+                  "alpaca": [2.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 35.0, 40.0, 45.0, 50.0, 55.0, 60.0, 65.0,
+                             70.0, 80.0]}}
+
+
+def _one(job: tuple[str, str, float, int, int]) -> RunStats:
+    allocator, workload, rate, num, seed = job
+    return run_trace(allocator, synthetic_trace(workload, num, rate, seed=seed), workload, rate, seed=seed)
+
+
+def run_jobs(jobs: list[tuple[str, str, float, int, int]], workers: int) -> list[RunStats]:
+    if workers <= 1:
+        return [_one(j) for j in jobs]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(_one, jobs))
+
+
+def sustained_rate(rates: list[float], lats: list[float], threshold: float) -> tuple[float, bool]:
+    """Rate where normalized latency crosses ``threshold`` (linear interpolation).
+
+    Returns (rate, exact): ``exact`` is False when the curve never crosses
+    within the sweep (then the rate is the highest measured, a lower bound) or
+    is already above at the lowest rate (then 0.0).
+    """
+    for i, (r, lat) in enumerate(zip(rates, lats, strict=True)):
+        if lat > threshold:
+            if i == 0:
+                return 0.0, False
+            r0, l0 = rates[i - 1], lats[i - 1]
+            return r0 + (r - r0) * (threshold - l0) / (lat - l0), True
+    return rates[-1], False
+
+
+def sweep(cfg: dict, workers: int, seed: int) -> dict[str, list[RunStats]]:
+    """Normalized latency against rate for every allocator and workload (Fig. 12)."""
+    jobs = [(a, wl, r, cfg["sweep_requests"][wl], seed)
+            for wl, rates in cfg["rates"].items() for a in ALLOCATORS for r in rates]
+    out: dict[str, list[RunStats]] = {}
+    for s in run_jobs(jobs, workers):
+        out.setdefault(s.workload, []).append(s)
+    return out
+
+
+def summarise_sweep(stats: list[RunStats]) -> dict[str, dict]:
+    """Per allocator: rates, latencies, threshold and sustained rate."""
+    by_alloc: dict[str, list[RunStats]] = {}
+    for s in sorted(stats, key=lambda s: s.rate):
+        by_alloc.setdefault(s.allocator, []).append(s)
+    base = by_alloc["paged"][0].norm_latency
+    threshold = LATENCY_FACTOR * base
+    out = {}
+    for a, runs in by_alloc.items():
+        rates, lats = [s.rate for s in runs], [s.norm_latency for s in runs]
+        rate, exact = sustained_rate(rates, lats, threshold)
+        out[a] = {"rates": rates, "latency": lats, "threshold": threshold, "sustained": rate, "exact": exact}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="shorter traces and a coarser rate grid")
+    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fig-dir", default="docs/figures")
+    ap.add_argument("--out-md", default=None, help="markdown report (default: FIG_DIR/paper_sim.md)")
+    ap.add_argument("--out-json", default=None, help="raw results (default: FIG_DIR/paper_sim.json)")
+    ap.add_argument("--from-json", default=None, help="re-render figures and tables from a saved run")
+    args = ap.parse_args(argv)
+
+    cfg = QUICK if args.quick else FULL
+    mode = "quick" if args.quick else "full"
+    fig_dir = Path(args.fig_dir)
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    json_path = Path(args.out_json or fig_dir / "paper_sim.json")
+    if args.from_json:
+        raw = json.loads(Path(args.from_json).read_text())
+        fig13 = [RunStats(**d) for d in raw["fig13"]]
+        sweeps, wall, mode = raw["sweeps"], raw["wall_s"], raw["mode"]
+        cfg = QUICK if mode == "quick" else FULL
+    else:
+        t0 = time.perf_counter()
+        fig13 = run_jobs([(a, wl, r, cfg["fig13_requests"][wl], args.seed)
+                          for wl, r in FIG13_POINTS for a in ALLOCATORS], args.workers)
+        sweeps = {wl: summarise_sweep(st) for wl, st in sweep(cfg, args.workers, args.seed).items()}
+        wall = time.perf_counter() - t0
+        raw = {"mode": mode, "wall_s": wall, "fig13": [asdict(s) for s in fig13], "sweeps": sweeps,
+               "mem_kinds": MEM_KINDS}
+        json_path.write_text(json.dumps(raw, indent=1))
+    from benchmarks import sim_report  # matplotlib only when plotting
+
+    sim_report.plot_memory(fig13, fig_dir / "fig2_memory.png")
+    sim_report.plot_batched(fig13, fig_dir / "fig13_batched.png")
+    sim_report.plot_latency(sweeps, fig_dir / "fig12_latency.png")
+    md = sim_report.markdown(fig13, sweeps, cfg, mode, wall)
+    Path(args.out_md or fig_dir / "paper_sim.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
