@@ -214,7 +214,8 @@ class KVCacheManager(KVCacheManagerBase):
         computed = hit.num_tokens if hit.blocks else seq.num_computed_tokens
         have = len(table) + len(hit.blocks)
         new = max(0, -(-(computed + num_new_tokens) // bs) - have)
-        cow = computed % bs != 0 and computed // bs < len(table) and table[computed // bs].ref_cnt > 1
+        cow = (num_new_tokens > 0 and computed % bs != 0 and computed // bs < len(table)
+               and table[computed // bs].ref_cnt > 1)
         revived = sum(1 for b in hit.blocks if b.ref_cnt == 0)  # hits that leave the free list
         return new + cow + revived
 
@@ -225,7 +226,8 @@ class KVCacheManager(KVCacheManagerBase):
         if table is not None and not hit.blocks:
             # Hot path (decode): room already there and the written block is private.
             end = computed + num_new_tokens
-            if end <= len(table) * bs and (computed % bs == 0 or table[computed // bs].ref_cnt == 1):
+            if end <= len(table) * bs and (computed % bs == 0 or num_new_tokens == 0
+                                           or table[computed // bs].ref_cnt == 1):
                 return NO_CHANGE
         if hit.blocks:
             if table:
@@ -245,7 +247,7 @@ class KVCacheManager(KVCacheManagerBase):
         start = len(table)
         copy = None
         idx = computed // bs
-        if computed % bs and idx < len(table) and table[idx].ref_cnt > 1:
+        if n and computed % bs and idx < len(table) and table[idx].ref_cnt > 1:
             old, new = table[idx], pool.allocate()
             table[idx] = new
             pool.free(old)  # a sibling still holds it (refcount was > 1)
@@ -266,8 +268,10 @@ class KVCacheManager(KVCacheManagerBase):
         for b in src:
             self.pool.touch(b)
         self._tables[child.seq_id] = list(src)
-        self._hashes[child.seq_id] = list(self._hashes.get(parent.seq_id, ()))
-        self._registered[child.seq_id] = self._registered.get(parent.seq_id, 0)
+        # Only the computed prefix is known to be common; the child may diverge after it.
+        shared = child.num_computed_tokens // self.block_size
+        self._hashes[child.seq_id] = self._hashes.get(parent.seq_id, [])[:shared]
+        self._registered[child.seq_id] = min(self._registered.get(parent.seq_id, 0), shared)
 
     def free(self, seq: Sequence) -> None:
         sid = seq.seq_id

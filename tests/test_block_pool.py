@@ -1,0 +1,102 @@
+"""BlockPool: O(1) free list order, refcounts, prefix-cache lifetime, integrity checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.block_pool import BlockPool
+
+
+def test_allocate_free_and_counters():
+    pool = BlockPool(4)
+    a, b = pool.allocate(), pool.allocate()
+    assert {a.block_id, b.block_id} == {0, 1} and a.ref_cnt == b.ref_cnt == 1
+    assert pool.num_free_blocks == 2 and pool.num_used_blocks == 2
+    pool.touch(a)
+    assert a.ref_cnt == 2 and pool.num_shared_blocks == 1
+    pool.free(a)
+    pool.free(a)
+    assert pool.num_free_blocks == 3
+    pool.check_integrity([[b]])
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free(a)
+
+
+def test_empty_pool_and_bad_size():
+    pool = BlockPool(1)
+    pool.allocate()
+    with pytest.raises(RuntimeError, match="empty pool"):
+        pool.allocate()
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(0)
+
+
+def test_uncached_blocks_are_reused_before_cached_ones():
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    assert pool.cache(a, b"A") and pool.cache(b, b"B")
+    pool.free(a)
+    pool.free(c)  # no content: goes to the head
+    pool.free(b)
+    assert pool.free_list_ids() == [c.block_id, a.block_id, b.block_id]
+    assert pool.num_cached_blocks == 2
+    assert pool.allocate() is c
+    assert pool.lookup(b"A") is a  # still findable
+    assert pool.allocate() is a  # LRU: freed first, evicted first
+    assert pool.lookup(b"A") is None and a.block_hash is None
+    assert pool.lookup(b"B") is b
+    pool.check_integrity([[c], [a]])
+
+
+def test_cache_hit_revives_a_free_block_from_the_middle():
+    pool = BlockPool(3)
+    blocks = [pool.allocate() for _ in range(3)]
+    for i, blk in enumerate(blocks):
+        pool.cache(blk, bytes([i]))
+    for blk in blocks:
+        pool.free(blk)
+    mid = pool.lookup(bytes([1]))
+    pool.touch(mid)  # O(1) unlink from the middle of the list
+    assert pool.free_list_ids() == [0, 2]
+    assert pool.num_free_blocks == 2 and pool.num_cached_blocks == 2
+    pool.check_integrity([[mid]])
+
+
+def test_cache_keeps_first_copy_and_respects_switch():
+    pool = BlockPool(3)
+    a, b = pool.allocate(), pool.allocate()
+    assert pool.cache(a, b"h")
+    assert not pool.cache(b, b"h")  # duplicate content: first stays canonical
+    assert pool.lookup(b"h") is a and b.block_hash is None
+    off = BlockPool(2, enable_caching=False)
+    x = off.allocate()
+    assert not off.cache(x, b"h") and off.lookup(b"h") is None
+
+
+def test_reset_prefix_cache_forgets_only_free_blocks():
+    pool = BlockPool(2)
+    a, b = pool.allocate(), pool.allocate()
+    pool.cache(a, b"a")
+    pool.cache(b, b"b")
+    pool.free(a)
+    assert pool.reset_prefix_cache() == 1
+    assert pool.lookup(b"a") is None and pool.lookup(b"b") is b
+    pool.check_integrity([[b]])
+
+
+def test_integrity_catches_refcount_mismatch_and_broken_links():
+    pool = BlockPool(3)
+    a = pool.allocate()
+    with pytest.raises(RuntimeError, match="refcount 1 but 0"):
+        pool.check_integrity([])
+    with pytest.raises(RuntimeError, match="refcount 1 but 2"):
+        pool.check_integrity([[a, a]])
+    pool.check_integrity([[a]])
+    b = pool.blocks[1]  # on the free list
+    b.ref_cnt = 1  # corrupt: held but still linked
+    with pytest.raises(RuntimeError):
+        pool.check_integrity([[a], [b]])
+    b.ref_cnt = 0
+    b.next.prev = None  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="links"):
+        pool.check_integrity([[a]])
