@@ -37,7 +37,7 @@ from scheduler_svc.api_types import (
 from scheduler_svc.executors import ExecutorConn, ExecutorHub, ExecutorLost
 from scheduler_svc.outputs import RequestStream
 from scheduler_svc.request import MigratedRequest
-from scheduler_svc.routing import choose_executor
+from scheduler_svc.routing import Router
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 
@@ -102,6 +102,7 @@ class Engine:
                                heartbeat_interval_s=cfg.heartbeat_interval_s, on_join=self._on_join,
                                on_drain=self._on_drain, on_dead=self._on_dead)
         self.slots: dict[str, ExecutorSlot] = {}
+        self.router = Router(cfg.scheduler.block_size)
         self.tracked: dict[str, Tracked] = {}
         self.orphans: list[Tracked] = []  # waiting for an executor after a failure
         self._closing = False
@@ -210,7 +211,7 @@ class Engine:
         return len(self.orphans) + sum(s.scheduler.num_waiting + len(s.adds) for s in self.slots.values())
 
     def _place(self, t: Tracked) -> None:
-        slot = choose_executor(list(self.slots.values()), t.stream.req.prompt_token_ids)
+        slot = self.router.choose(list(self.slots.values()), t.stream.req.prompt_token_ids)
         if slot is None:
             self.orphans.append(t)
             return
@@ -395,6 +396,7 @@ class Engine:
         return taken
 
     def _retire(self, slot: ExecutorSlot) -> None:
+        self.router.forget(slot.id)
         if self.slots.get(slot.id) is slot:
             s = slot.scheduler
             self._retired_preemptions += s.num_preemptions

@@ -154,7 +154,10 @@ class ExecutorHub:
         elif isinstance(msg, wire.Drain):
             if conn.state == "ready":
                 conn.state = "draining"
-                conn.drain_deadline = time.monotonic() + msg.grace_seconds
+                # Migrate what is left a little before the executor's own deadline, so
+                # the last steps' tokens are not lost in flight when it exits.
+                margin = 2 * self.heartbeat_interval_s
+                conn.drain_deadline = time.monotonic() + max(0.0, msg.grace_seconds - margin)
                 log.info("executor %s is draining (grace %.1fs)", conn.id, msg.grace_seconds)
                 self._on_drain(conn)
 

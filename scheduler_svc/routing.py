@@ -1,26 +1,99 @@
-"""Where a new request goes: which executor's scheduler gets it.
+"""Where a new request goes: prefix-cache affinity balanced against load.
 
-For now: the ready executor with the most free KV blocks after subtracting
-what its not-yet-admitted requests will need. (Prefix-cache-aware routing
-builds on this cost; see docs/ARCHITECTURE.md.)
+The router keeps its own approximate index of which executor holds which
+prompt blocks: the chained block hashes of every prompt it routed (the same
+sha256 chain the KV cache manager uses), mapped to the executor it sent them
+to, LRU-bounded. It does not probe the executors' pools, so it also sees a
+prefix that is still being prefilled by an earlier request (the moment a hot
+prefix arrives in a burst is exactly when affinity matters most).
+
+Cost, for each ready executor ``e`` (documented in docs/ARCHITECTURE.md):
+
+    load(e)  = running + waiting + not-yet-admitted requests on e
+    hit(e)   = prompt tokens in the longest run of leading full blocks routed to e
+    eligible = { e : load(e) <= min_load + max(SKEW_ABS, SKEW_REL * min_load) }
+    choose     argmax over eligible of (hit(e), free_blocks(e) - pending_blocks(e))
+
+The skew guard is what stops one hot prefix from swamping a single executor
+(SGLang's cache-aware router "death spiral"): once the executor holding the
+prefix is more than the bound busier than the least busy one, it is not
+eligible and the request goes to the least loaded, which then caches the
+prefix too.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING
+
+from scheduler_svc.kv_cache_manager import hash_block
 
 if TYPE_CHECKING:
     from scheduler_svc.engine import ExecutorSlot
 
+SKEW_ABS = 8  # requests: the busiest eligible executor is within this of the least busy...
+SKEW_REL = 0.5  # ...or within 50% of the least busy executor's load, whichever is larger
 
-def choose_executor(slots: list[ExecutorSlot], prompt_token_ids: list[int]) -> ExecutorSlot | None:
-    ready = [s for s in slots if s.conn.state == "ready"]
-    if not ready:
-        return None
 
-    def headroom(s: ExecutorSlot) -> float:
-        block = s.scheduler.config.block_size
-        pending_blocks = sum(-(-len(t.stream.req.prompt_token_ids) // block) for t in s.adds)
-        return s.scheduler.num_free_blocks - pending_blocks
+class Router:
+    def __init__(self, block_size: int, max_entries: int = 200_000) -> None:
+        self.block_size = block_size
+        self.max_entries = max_entries
+        self._owner: OrderedDict[bytes, str] = OrderedDict()  # block hash -> executor id (LRU)
+        self.num_routed = 0
+        self.num_prefix_routed = 0  # routed to an executor because of a prefix hit
 
-    return max(ready, key=headroom)
+    def _hashes(self, prompt: list[int]) -> list[bytes]:
+        bs = self.block_size
+        out: list[bytes] = []
+        for i in range(len(prompt) // bs):
+            out.append(hash_block(out[-1] if out else None, prompt[i * bs:(i + 1) * bs]))
+        return out
+
+    def _hit_blocks(self, hashes: list[bytes], executor_id: str) -> int:
+        n = 0
+        for h in hashes:
+            if self._owner.get(h) != executor_id:
+                break
+            n += 1
+        return n
+
+    def choose(self, slots: list[ExecutorSlot], prompt: list[int]) -> ExecutorSlot | None:
+        ready = [s for s in slots if s.conn.state == "ready"]
+        if not ready:
+            return None
+        loads = {s.id: _load(s) for s in ready}
+        min_load = min(loads.values())
+        bound = min_load + max(SKEW_ABS, SKEW_REL * min_load)
+        eligible = [s for s in ready if loads[s.id] <= bound]
+        hashes = self._hashes(prompt)
+        hits = {s.id: self._hit_blocks(hashes, s.id) for s in eligible}
+        best = max(eligible, key=lambda s: (hits[s.id], _headroom(s), -loads[s.id]))
+        self.num_routed += 1
+        if hits[best.id] > 0:
+            self.num_prefix_routed += 1
+        self._remember(hashes, best.id)
+        return best
+
+    def _remember(self, hashes: list[bytes], executor_id: str) -> None:
+        owner = self._owner
+        for h in hashes:
+            owner[h] = executor_id
+            owner.move_to_end(h)
+        while len(owner) > self.max_entries:
+            owner.popitem(last=False)
+
+    def forget(self, executor_id: str) -> None:
+        """An executor left: its cache is gone, stop steering requests by it."""
+        for h in [h for h, e in self._owner.items() if e == executor_id]:
+            del self._owner[h]
+
+
+def _load(s: ExecutorSlot) -> int:
+    return s.scheduler.num_running + s.scheduler.num_waiting + s.scheduler.num_swapped + len(s.adds)
+
+
+def _headroom(s: ExecutorSlot) -> int:
+    bs = s.scheduler.config.block_size
+    pending = sum(-(-len(t.stream.req.prompt_token_ids) // bs) for t in s.adds)
+    return s.scheduler.num_free_blocks - pending
