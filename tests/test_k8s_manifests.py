@@ -1,7 +1,7 @@
 """k8s/ and docker/, checked offline: every overlay renders, validates against the Kubernetes
 schemas (strict), passes checkov, and its commands, ports, env names and probe service names
-match what the services really parse and serve. The end-to-end stand-in for a cluster lives
-in tests/test_k8s_standin.py.
+match what the services really parse and serve; and a stand-in for the cluster runs the cpu
+overlay's pods as local processes on loopback.
 
 Needs kubectl (kustomize) and `make tools` (.venv-tools: checkov, kubernetes-validate)."""
 
@@ -13,6 +13,10 @@ import importlib
 import json
 import re
 import subprocess
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,7 @@ from k8s_helpers import (
     NAMESPACE,
     REPO,
     Doc,
+    StandIn,
     all_containers,
     configmap_data,
     connection_allowed,
@@ -434,3 +439,88 @@ def test_configmaps_split_shared_and_per_service_settings(rendered):
                       and d["metadata"]["name"].startswith("pagedserve-common-"))
         assert set(common["data"]) <= both  # every shared key means something to both services
         assert configmap_data(docs, common["metadata"]["name"])["PAGEDSERVE_MODEL"].startswith("/models/")
+
+
+# ------------------------------------------------------------------ a stand-in for the cluster
+
+def _generate(channel, prompt: str, max_tokens: int) -> tuple[int, int]:
+    """One greedy request, streamed to its end: (completion tokens, finish reason)."""
+    from pagedserve.v1 import generation_pb2 as pb
+    from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+    request = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    tokens, finish = 0, 0
+    for reply in pb_grpc.GenerationStub(channel).Generate(request, timeout=120):
+        for choice in reply.choices:
+            tokens += len(choice.token_ids)
+            finish = choice.finish_reason or finish
+    return tokens, finish
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cpu_overlay_serves_on_loopback_and_survives_an_executor_sigterm(rendered, tmp_path):
+    """The cpu overlay's scheduler and two executors, started with exactly their rendered
+    commands and environment (see StandIn for the rewrites), serve requests; then one executor
+    is deleted as Kubernetes does it (preStop, SIGTERM, grace period) while requests run, and
+    every request still completes and the scheduler stays ready."""
+    import grpc
+    from grpc_health.v1 import health_pb2
+
+    from pagedserve.v1 import generation_pb2 as pb
+    from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+    docs = rendered["cpu"]
+    # Each pod's init container builds the same seeded tiny model; build it once and share it.
+    inits = {json.dumps(pod_spec(find(docs, "Deployment", d))["initContainers"]) for d in (SCHED, EXEC)}
+    assert len(inits) == 1
+    cluster = StandIn(docs, tmp_path)
+    try:
+        sched = cluster.pod(SCHED, "pagedserve-scheduler-5d8f7c9b4-q7x2m")
+        cluster.run_init(sched)
+        shared = {"models": sched.volumes["models"]}
+        executors = [cluster.pod(EXEC, f"pagedserve-executor-6c9d8f7b5-{s}", shared) for s in ("a1b2c", "d3e4f")]
+        # --executor-host is not in the rendered args; its wildcard default becomes loopback too.
+        cluster.start(sched, {"PAGEDSERVE_EXECUTOR_HOST": "127.0.0.1"})
+        cluster.wait_probe(sched, "startupProbe", 60)
+        for ex in executors:
+            cluster.start(ex)
+        for ex in executors:
+            cluster.wait_probe(ex, "startupProbe", 120)
+            cluster.wait_probe(ex, "readinessProbe", 10)
+        cluster.wait_probe(sched, "readinessProbe", 30)
+        channel = grpc.insecure_channel(f"127.0.0.1:{sched.ports[50051]}")
+        stub = pb_grpc.GenerationStub(channel)
+        assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).num_executors == 2
+        assert _generate(channel, "The quick brown fox", 8)[0] == 8, cluster.logs()
+
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{sched.ports[9100]}/metrics", timeout=5).read()
+        assert QUEUE_METRIC.encode() in metrics
+
+        # Steady traffic from three clients while one executor's pod is deleted: some requests
+        # are in flight on it when SIGTERM arrives, some start while it drains, some after.
+        stop = threading.Event()
+
+        def client(i: int) -> list[int]:
+            done = []
+            while not stop.is_set():
+                done.append(_generate(channel, f"Client {i} asks question {len(done)}", 24)[0])
+            return done
+
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            clients = [pool.submit(client, i) for i in range(3)]
+            time.sleep(1.0)
+            code, killed = cluster.terminate(executors[0])
+            time.sleep(1.0)
+            stop.set()
+            errors = [c.exception() for c in clients]
+        assert errors == [None] * 3, f"{errors}\n{cluster.logs()}"
+        assert not killed and code == 0, cluster.logs()
+        served = [n for c in clients for n in c.result()]
+        assert len(served) >= 6 and set(served) == {24}, served
+        assert cluster.probe(sched, "readinessProbe") == health_pb2.HealthCheckResponse.SERVING
+        assert cluster.probe(executors[1], "readinessProbe") == health_pb2.HealthCheckResponse.SERVING
+        assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).num_executors == 1
+        channel.close()
+    finally:
+        cluster.stop_all()
