@@ -195,3 +195,28 @@ def _with_seed(sp: SamplingParams, seed: int) -> SamplingParams:
     out = SamplingParams.from_wire(sp.to_wire())
     out.seed = seed
     return out
+
+
+def drive(sched, ex: FakeExecutor, max_steps: int = 10_000, on_step=None) -> dict[tuple[str, int], list[int]]:
+    """Run a scheduler against ``ex`` until it has no work; check integrity every step.
+
+    Returns every choice's tokens, keyed by (request_id, choice index), as
+    reported through RequestUpdates (beam search: the final choices).
+    ``on_step(plan, updates)`` is called after each step.
+    """
+    outs: dict[tuple[str, int], list[int]] = {}
+    for _ in range(max_steps):
+        if not sched.has_work():
+            return outs
+        plan = sched.schedule()
+        sched.check_integrity()
+        if plan is None:
+            raise AssertionError("scheduler has work but produced no plan (stuck)")
+        updates = sched.update(ex.run(plan))
+        sched.check_integrity()
+        for u in updates:
+            for su in u.seqs:
+                outs.setdefault((u.request_id, su.index), []).extend(su.new_token_ids)
+        if on_step is not None:
+            on_step(plan, updates)
+    raise AssertionError(f"not done after {max_steps} steps")

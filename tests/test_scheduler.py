@@ -1,0 +1,425 @@
+"""Scheduler against the strict fake executor: outputs, preemption, budgets, caching, aborts.
+
+Every test checks integrity after every step (``drive``), and every request's
+tokens are compared with an oracle that runs the fake model directly — so a
+scheduler bug that changes what a sequence sees (a lost token after
+preemption, a wrong block after swap, a bad prefix hit) changes its output.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scheduler_svc import plan as wire
+from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
+from scheduler_svc.plan import SamplingParams, StepResult
+from scheduler_svc.sched_config import SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
+from tests.fake_executor import FakeExecutor, drive, sample_token
+
+BS = 4
+EOS = 3
+VOCAB = 64
+
+
+def make(nblocks: int, ncpu: int = 0, mode: str = "recompute", seqs: int = 8, tokens: int = 32,
+         max_len: int = 256, caching: bool = True, watermark: float = 0.0):
+    cfg = SchedulerConfig(block_size=BS, max_num_seqs=seqs, max_num_batched_tokens=tokens,
+                          max_model_len=max_len, preemption_mode=mode, watermark=watermark,
+                          enable_prefix_caching=caching)
+    return Scheduler(cfg, nblocks, ncpu, eos_token_id=EOS), FakeExecutor(nblocks, ncpu, BS, VOCAB)
+
+
+def req(rid: str, prompt: list[int], max_tokens: int = 12, seed: int | None = None, **kw) -> GenerationRequest:
+    sp = SamplingParams(seed=seed, want_logprobs=kw.pop("want_logprobs", False))
+    return GenerationRequest(rid, prompt, RequestParams(max_tokens=max_tokens, sampling=sp, **kw))
+
+
+def oracle(r: GenerationRequest, choice: int = 0, max_len: int = 256) -> list[int]:
+    """What the fake model generates for choice ``choice`` of ``r``, run alone."""
+    p = r.params
+    seed = None if p.sampling.seed is None else p.sampling.seed + choice
+    toks, out = list(r.prompt_token_ids), []
+    while True:
+        t = sample_token(toks, seed, VOCAB)
+        toks.append(t)
+        out.append(t)
+        if (t == EOS and not p.ignore_eos) or t in p.stop_token_ids:
+            return out
+        if len(out) >= p.max_tokens or len(toks) >= max_len:
+            return out
+
+
+def workload(seed: int, count: int = 12, shared_prefix: bool = True) -> list[GenerationRequest]:
+    rng = random.Random(seed)
+    base = [rng.randrange(VOCAB) for _ in range(24)]
+    out = []
+    for i in range(count):
+        own = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
+        prompt = (base[: rng.randint(0, 24)] if shared_prefix else []) + own
+        out.append(req(f"r{i}", prompt, max_tokens=rng.randint(1, 24), seed=i))
+    return out
+
+
+def run_all(sched, ex, reqs, on_step=None):
+    for r in reqs:
+        sched.add_request(r)
+    return drive(sched, ex, on_step=on_step)
+
+
+def assert_all_released(sched, ex):
+    stats = sched.block_stats()
+    assert stats["used"] == 0 and stats["cpu_used"] == 0
+    assert sched.num_free_blocks == sched.kv.num_device_blocks
+    assert not ex.seqs, "the executor still holds sequences the scheduler forgot"
+    assert not sched.has_work()
+
+
+# --------------------------------------------------------------------------- outputs and preemption
+
+
+def test_outputs_match_the_model_with_a_large_pool():
+    reqs = workload(1)
+    sched, ex = make(400)
+    outs = run_all(sched, ex, reqs)
+    assert sched.num_preemptions == 0
+    for r in reqs:
+        assert outs[(r.request_id, 0)] == oracle(r)
+    assert_all_released(sched, ex)
+
+
+@pytest.mark.parametrize("nblocks", [22, 30])
+def test_recompute_preemption_gives_identical_outputs(nblocks):
+    reqs = workload(2)
+    sched, ex = make(nblocks)
+    outs = run_all(sched, ex, reqs)
+    assert sched.num_preemptions > 0
+    for r in reqs:
+        assert outs[(r.request_id, 0)] == oracle(r)
+    assert_all_released(sched, ex)
+
+
+def test_swap_preemption_gives_identical_outputs():
+    reqs = workload(3)
+    sched, ex = make(22, ncpu=64, mode="swap")
+    seen = {"out": 0, "in": 0, "cpu_peak": 0}
+
+    def watch(plan, _):
+        seen["out"] += len(plan.swap_out)
+        seen["in"] += len(plan.swap_in)
+        seen["cpu_peak"] = max(seen["cpu_peak"], sched.block_stats()["cpu_used"])
+
+    outs = run_all(sched, ex, reqs, watch)
+    assert sched.num_preemptions > 0 and seen["out"] > 0 and seen["in"] == seen["out"]
+    assert seen["cpu_peak"] > 0
+    for r in reqs:
+        assert outs[(r.request_id, 0)] == oracle(r)
+    assert_all_released(sched, ex)
+
+
+def test_swap_mode_falls_back_to_recompute_without_cpu_room():
+    reqs = workload(4)
+    sched, ex = make(22, ncpu=0, mode="swap")
+    outs = run_all(sched, ex, reqs, lambda plan, _: plan.swap_out == [] or pytest.fail("swapped"))
+    assert sched.num_preemptions > 0
+    assert all(outs[(r.request_id, 0)] == oracle(r) for r in reqs)
+    assert_all_released(sched, ex)
+
+
+def test_latest_arrival_is_preempted_first():
+    sched, ex = make(10, seqs=4)
+    reqs = [req(f"r{i}", [10 + i] * 7, max_tokens=12, ignore_eos=True) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    checked = 0
+    while sched.has_work():
+        before = [r.request_id for r in sched.running]
+        plan = sched.schedule()
+        waiting = {r.request_id for r in sched.waiting}
+        preempted = [rid for rid in before if rid in waiting]
+        if preempted:
+            assert preempted == before[len(before) - len(preempted):]  # a suffix: the latest arrivals
+            checked += 1
+        sched.update(ex.run(plan))
+        sched.check_integrity()
+    assert sched.num_preemptions > 0 and checked > 0
+
+
+# --------------------------------------------------------------------------- budgets
+
+
+def test_chunked_prefill_respects_token_and_sequence_budgets():
+    rng = random.Random(5)
+    reqs = [req(f"r{i}", [rng.randrange(VOCAB) for _ in range(rng.randint(30, 90))], seed=i)
+            for i in range(6)]
+    sched, ex = make(200, seqs=3, tokens=16)
+    chunks = []
+
+    def watch(plan, _):
+        assert sum(plan.num_new_tokens) <= 16 and len(plan.scheduled_seq_ids) <= 3
+        chunks.extend(n for n in plan.num_new_tokens if n > 1)
+
+    outs = run_all(sched, ex, reqs, watch)
+    assert max(chunks) == 16 and any(1 < n < 16 for n in chunks)  # long prompts were split
+    assert all(outs[(r.request_id, 0)] == oracle(r) for r in reqs)
+    assert_all_released(sched, ex)
+
+
+def test_decode_continues_while_a_long_prompt_prefills():
+    sched, ex = make(200, tokens=8)
+    sched.add_request(req("short", [1, 2], max_tokens=10, ignore_eos=True))
+    sched.update(ex.run(sched.schedule()))
+    sched.add_request(req("long", list(range(5, 45)), max_tokens=2))
+    plan = sched.schedule()
+    by_id = dict(zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True))
+    assert sorted(by_id.values()) == [1, 7]  # one decode token + a 7-token chunk
+    sched.update(ex.run(plan))
+    drive(sched, ex)
+
+
+def test_watermark_keeps_blocks_free_at_admission():
+    sched, ex = make(16, watermark=0.25, tokens=64)  # keep 4 blocks free
+    for i in range(6):
+        sched.add_request(req(f"r{i}", [i] * 9, max_tokens=2, ignore_eos=True))
+    plan = sched.schedule()
+    assert len(plan.new_seqs) == 4  # 3 blocks each; a 5th would leave 16 - 15 = 1 < 4
+    assert sched.num_free_blocks >= 4
+    sched.update(ex.run(plan))
+    drive(sched, ex)
+    assert_all_released(sched, ex)
+
+
+# --------------------------------------------------------------------------- prefix caching
+
+
+def test_prefix_cache_hit_skips_computing_the_shared_prompt():
+    sched, ex = make(64)
+    prompt = list(range(20, 60))  # 40 tokens = 10 full blocks
+    a = req("a", prompt, max_tokens=3, ignore_eos=True)
+    drive_outs = run_all(sched, ex, [a])
+    computed_a = ex.tokens_computed
+    b = req("b", prompt + [7, 8], max_tokens=3, seed=9)
+    sched.add_request(b)
+    cached = []
+    outs = drive(sched, ex, on_step=lambda _, ups: cached.extend(u.num_cached_prompt_tokens for u in ups))
+    assert sched.prefix_cache_hit_tokens == 40 and sched.prefix_cache_query_tokens >= 82
+    assert cached and set(cached) == {40}
+    assert ex.tokens_computed - computed_a == 2 + 2  # 2 new prompt tokens + 2 decode steps
+    assert outs[("b", 0)] == oracle(b) and drive_outs[("a", 0)] == oracle(a)
+    assert sched.block_stats()["cached"] > 0
+    assert_all_released(sched, ex)
+
+
+def test_full_prompt_hit_still_computes_the_last_token():
+    sched, ex = make(64)
+    prompt = list(range(20, 36))  # 4 full blocks
+    run_all(sched, ex, [req("a", prompt, max_tokens=1)])
+    before = ex.tokens_computed
+    b = req("b", prompt, max_tokens=2, seed=4)
+    outs = run_all(sched, ex, [b])
+    assert ex.tokens_computed - before == 4 + 1  # last block recomputed (12 hit), then one decode
+    assert outs[("b", 0)] == oracle(b)
+
+
+def test_prefix_caching_can_be_disabled():
+    sched, ex = make(64, caching=False)
+    prompt = list(range(20, 60))
+    run_all(sched, ex, [req("a", prompt, max_tokens=2), req("b", prompt, max_tokens=2)])
+    run_all(sched, ex, [req("c", prompt, max_tokens=2)])
+    assert sched.prefix_cache_hit_tokens == 0 and sched.block_stats()["cached"] == 0
+
+
+# --------------------------------------------------------------------------- stop rules and finishing
+
+
+def test_stop_reasons_and_usage():
+    sched, ex = make(64)
+    base = req("x", [5, 6, 7], max_tokens=30, seed=1, ignore_eos=True)
+    ref = oracle(base)
+    stop_tok = ref[2]
+    cases = {
+        "len": req("len", [5, 6, 7], max_tokens=4, seed=1, ignore_eos=True),
+        "stop": req("stop", [5, 6, 7], max_tokens=30, seed=1, ignore_eos=True, stop_token_ids=[stop_tok]),
+    }
+    finals = {}
+
+    def watch(_, ups):
+        for u in ups:
+            if u.finished:
+                finals[u.request_id] = (u.seqs[-1].finish_reason, u.prompt_tokens)
+
+    outs = run_all(sched, ex, list(cases.values()), watch)
+    assert finals["len"] == (FinishReason.LENGTH, 3) and outs[("len", 0)] == ref[:4]
+    assert finals["stop"][0] == FinishReason.STOP and outs[("stop", 0)] == ref[: ref.index(stop_tok) + 1]
+
+
+def test_eos_stops_unless_ignored():
+    rng = random.Random(11)
+    for _ in range(200):  # find a prompt whose continuation hits EOS early
+        prompt = [rng.randrange(VOCAB) for _ in range(5)]
+        ref = oracle(req("p", prompt, max_tokens=40, seed=0, ignore_eos=True))
+        if EOS in ref[:30]:
+            break
+    sched, ex = make(64)
+    a = req("a", prompt, max_tokens=40, seed=0)
+    b = req("b", prompt, max_tokens=40, seed=0, ignore_eos=True)
+    reasons = {}
+    outs = run_all(sched, ex, [a, b], lambda _, ups: reasons.update(
+        {u.request_id: u.seqs[-1].finish_reason for u in ups if u.finished}))
+    assert outs[("a", 0)] == ref[: ref.index(EOS) + 1] and reasons["a"] == FinishReason.EOS
+    assert outs[("b", 0)] == ref and reasons["b"] == FinishReason.LENGTH
+
+
+def test_finish_sequence_releases_at_once():
+    sched, ex = make(64)
+    sched.add_request(req("a", [1, 2, 3, 4, 5], max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        sched.update(ex.run(sched.schedule()))
+    assert sched.finish_sequence("a", 0, FinishReason.STOP) is True
+    assert sched.block_stats()["used"] == 0 and sched.has_work()
+    plan = sched.schedule()
+    assert plan.free_seq_ids and not plan.scheduled_seq_ids
+    sched.update(ex.run(plan))
+    assert sched.schedule() is None
+    assert_all_released(sched, ex)
+    assert sched.finish_sequence("a", 0, FinishReason.STOP) is True  # unknown: idempotent
+
+
+def test_logprobs_are_passed_through():
+    sched, ex = make(64)
+    seen = []
+    run_all(sched, ex, [req("a", [1, 2], max_tokens=3, want_logprobs=True)],
+            lambda _, ups: seen.extend(su.logprobs for u in ups for su in u.seqs))
+    assert len(seen) == 3 and all(lp is not None and lp.logprob <= 0 for lp in seen)
+
+
+# --------------------------------------------------------------------------- aborts, errors, migration
+
+
+def test_abort_running_waiting_and_swapped_requests():
+    sched, ex = make(22, ncpu=64, mode="swap", seqs=8)
+    reqs = workload(6, count=10)
+    for r in reqs:
+        sched.add_request(r)
+    aborted: set[str] = set()
+    for step in range(400):
+        if not sched.has_work():
+            break
+        plan = sched.schedule()
+        if plan is None:
+            break
+        res = ex.run(plan)
+        if step == 3 and sched.running:  # abort between schedule and update: results are dropped
+            rid = sched.running[0].request_id
+            sched.abort_request(rid)
+            aborted.add(rid)
+        sched.update(res)
+        sched.check_integrity()
+        for q in (sched.swapped, sched.waiting):
+            if q and len(aborted) < 4:
+                rid = q[-1].request_id
+                sched.abort_request(rid)
+                sched.abort_request(rid)  # idempotent
+                aborted.add(rid)
+                sched.check_integrity()
+    assert len(aborted) >= 3
+    assert_all_released(sched, ex)
+
+
+def test_abort_frees_blocks_now_and_tells_the_executor_next():
+    sched, ex = make(64)
+    sched.add_request(req("a", list(range(10)), max_tokens=20, ignore_eos=True))
+    sched.update(ex.run(sched.schedule()))
+    sid = sched.requests["a"].live[0].seq_id
+    sched.abort_request("a")
+    assert sched.block_stats()["used"] == 0
+    plan = sched.schedule()
+    assert plan.free_seq_ids == [sid] and not plan.scheduled_seq_ids
+    sched.update(ex.run(plan))
+    assert sched.schedule() is None and not ex.seqs
+
+
+def test_step_error_fails_that_steps_requests():
+    sched, ex = make(64)
+    sched.add_request(req("a", [1, 2, 3], max_tokens=5))
+    sched.add_request(req("b", [4, 5, 6], max_tokens=5))
+    plan = sched.schedule()
+    ups = sched.update(StepResult(plan.step_id, error="CUDA error"))
+    assert sorted(u.request_id for u in ups) == ["a", "b"]
+    assert all(u.finished and u.error == "CUDA error" for u in ups)
+    assert sched.block_stats()["used"] == 0 and not sched.requests
+
+
+def test_update_checks_the_step_id():
+    sched, ex = make(64)
+    sched.add_request(req("a", [1, 2, 3], max_tokens=5))
+    plan = sched.schedule()
+    with pytest.raises(ValueError, match="step"):
+        sched.update(StepResult(plan.step_id + 1))
+    with pytest.raises(RuntimeError, match="before update"):
+        sched.schedule()
+
+
+def test_take_all_requests_and_resume_elsewhere():
+    reqs = workload(7, count=6)
+    sched, ex = make(64)
+    for r in reqs:
+        sched.add_request(r)
+    partial: dict[tuple[str, int], list[int]] = {}
+    for _ in range(6):
+        for u in sched.update(ex.run(sched.schedule())):
+            for su in u.seqs:
+                partial.setdefault((u.request_id, su.index), []).extend(su.new_token_ids)
+    sched.schedule()  # a plan in flight when the executor dies
+    taken = sched.take_all_requests()
+    assert [m.request.request_id for m in taken] == [r.request_id for r in reqs if r.request_id in
+                                                     {m.request.request_id for m in taken}]
+    assert sched.block_stats()["used"] == 0 and not sched.requests
+    assert sched.update(StepResult(sched._step_id)) == []  # the lost plan's result is ignored
+    other, ex2 = make(64)
+    for m in taken:
+        assert m.outputs[0] == partial.get((m.request.request_id, 0), [])
+        other.add_request(m.request, resume=m)
+    rest = drive(other, ex2)
+    for m in taken:
+        rid = m.request.request_id
+        assert m.outputs[0] + rest.get((rid, 0), []) == oracle(m.request)
+    assert_all_released(other, ex2)
+
+
+# --------------------------------------------------------------------------- the wire
+
+
+def test_decode_plans_are_small_deltas():
+    sched, ex = make(400, seqs=32, tokens=512)
+    for i in range(32):
+        sched.add_request(req(f"r{i}", list(range(i, i + 20)), max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        sched.update(ex.run(sched.schedule()))
+    sizes = []
+    for _ in range(8):
+        plan = sched.schedule()
+        assert not plan.new_seqs and len(plan.scheduled_seq_ids) == 32
+        sizes.append(len(wire.encode(plan)) / 32)
+        sched.update(ex.run(plan))
+    assert max(sizes) <= 12
+
+
+def test_idle_scheduler_returns_none():
+    sched, _ = make(16)
+    assert sched.schedule() is None and not sched.has_work()
+
+
+def test_invalid_requests_are_rejected():
+    sched, _ = make(8, max_len=64)
+    with pytest.raises(ValueError, match="empty"):
+        sched.add_request(req("a", []))
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add_request(req("a", [1] * 64))
+    with pytest.raises(ValueError, match="KV blocks"):
+        sched.add_request(req("a", [1] * 40, max_tokens=30))
+    sched.add_request(req("a", [1]))
+    with pytest.raises(ValueError, match="already"):
+        sched.add_request(req("a", [1]))
