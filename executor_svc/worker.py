@@ -114,10 +114,13 @@ class ExecutorWorker:
         self._connect()
 
     def _send(self, msg: wire.Message) -> None:
+        self._send_raw(wire.encode(msg), type(msg).__name__)
+
+    def _send_raw(self, payload: bytes, what: str) -> None:
         try:
-            self.sock.send(wire.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("send queue full; dropped a %s", type(msg).__name__)
+            self.sock.send(payload, zmq.NOBLOCK)
+        except zmq.Again:  # never block the loop on a stuck peer; its silence triggers a reconnect
+            log.warning("send queue full; dropped a %s", what)
 
     # ---------------------------------------------------------------- main loop
 
@@ -178,7 +181,7 @@ class ExecutorWorker:
                 return
             if int(gen) == self.gen:
                 self.inflight -= 1
-                self.sock.send(payload, zmq.NOBLOCK)
+                self._send_raw(payload, "StepResult")
 
     def _receive(self) -> int | None:
         while True:

@@ -1,0 +1,117 @@
+"""Decode throughput of the CPU executor (torch backend) on the default tiny model.
+
+    .venv/bin/python -m benchmarks.executor_cpu [--model DIR] [--batch-sizes 1,16,64] [--threads 2]
+
+Drives ``ModelRunner`` directly with plans (no transport): prefill every
+sequence, then time ``--decode-steps`` steps that decode one token for each of
+``batch`` sequences. Reports tokens/s and, from a ``torch.profiler`` pass over
+a few more decode steps, the share of step time inside the linear layers'
+matrix products (aten::mm/addmm) versus everything else (attention, norms,
+rotary, sampling, batch building, Python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from executor_svc.attention import TorchAttentionBackend
+from executor_svc.kv_cache import KVCache
+from executor_svc.model import load_model
+from executor_svc.runner import ModelRunner
+from executor_svc.sampler import Sampler
+from scheduler_svc.plan import BatchPlan, NewSeq, SamplingParams
+
+GEMM_OPS = ("aten::mm", "aten::addmm")
+BLOCK = 16
+
+
+def _runner(model, batch: int, max_len: int) -> ModelRunner:
+    per_seq = -(-max_len // BLOCK)
+    kv = KVCache(model.cfg, BLOCK, batch * per_seq, 0, torch.float32)
+    return ModelRunner(model, kv, TorchAttentionBackend(), Sampler(seed=0))
+
+
+def _prefill(runner: ModelRunner, batch: int, prompt_len: int, max_len: int) -> None:
+    per_seq = -(-max_len // BLOCK)
+    vocab = runner.model.cfg.vocab_size
+    g = torch.Generator().manual_seed(0)
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=1)
+    news = [NewSeq(i, torch.randint(1, vocab, (prompt_len,), generator=g).tolist(), prompt_len,
+                   list(range(i * per_seq, (i + 1) * per_seq)), 0, sampling) for i in range(batch)]
+    per_step = max(1, 2048 // prompt_len)  # a token budget like the scheduler's
+    for s in range(0, batch, per_step):
+        ids = [n.seq_id for n in news[s:s + per_step]]
+        res = runner.execute(BatchPlan(s, ids, [prompt_len] * len(ids), new_seqs=news[s:s + per_step]))
+        assert res.error is None, res.error
+
+
+def _decode(runner: ModelRunner, batch: int, steps: int, step0: int) -> float:
+    start = time.perf_counter()
+    for k in range(steps):
+        res = runner.execute(BatchPlan(step0 + k, list(range(batch)), [1] * batch))
+        assert res.error is None and len(res.sampled_seq_ids) == batch, res.error
+    return time.perf_counter() - start
+
+
+def _gemm_share(runner: ModelRunner, batch: int, steps: int, step0: int) -> tuple[float, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall = _decode(runner, batch, steps, step0)
+    gemm_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_OPS)
+    attn_us = sum(e.self_cpu_time_total for e in prof.key_averages() if "scaled_dot_product" in e.key
+                  or "flash_attention" in e.key)
+    return gemm_us / 1e6 / wall, attn_us / 1e6 / wall
+
+
+def bench(model, batch: int, prompt_len: int, steps: int, profile_steps: int) -> dict:
+    max_len = prompt_len + steps + profile_steps + 2
+    runner = _runner(model, batch, max_len)
+    _prefill(runner, batch, prompt_len, max_len)
+    _decode(runner, batch, 2, 10_000)  # warm-up
+    wall = _decode(runner, batch, steps, 20_000)
+    gemm, attn = _gemm_share(runner, batch, profile_steps, 30_000)
+    return {"batch": batch, "tokens_per_s": batch * steps / wall, "ms_per_step": 1000 * wall / steps,
+            "gemm_fraction": gemm, "outside_gemm_fraction": 1 - gemm, "attention_fraction": attn}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="HF model dir (default: build the default tiny llama in a temp dir)")
+    ap.add_argument("--batch-sizes", default="1,16,64")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--json", help="also write results here")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            from executor_svc.tiny_model import build_tiny_model
+
+            model_dir = build_tiny_model(Path(tmp) / "tiny", "llama", "default")
+        model = load_model(model_dir)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model {model.cfg.architecture} {n_params / 1e6:.1f}M params, threads={torch.get_num_threads()}")
+    rows = []
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        r = bench(model, b, args.prompt_len, args.decode_steps, args.profile_steps)
+        rows.append(r)
+        print(f"batch {b:3d}: {r['tokens_per_s']:8.1f} tok/s  {r['ms_per_step']:7.2f} ms/step  "
+              f"GEMM {100 * r['gemm_fraction']:4.1f}%  outside GEMM {100 * r['outside_gemm_fraction']:4.1f}%  "
+              f"(attention {100 * r['attention_fraction']:4.1f}%)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
