@@ -1,0 +1,275 @@
+"""pagedserve end to end against Hugging Face transformers on CPU, same model, same workload.
+
+    .venv/bin/python -m benchmarks.serve_vs_hf [--quick] [--threads 2] [--out result.json]
+
+One workload (default: 64 requests, prompts of 32-256 random tokens, outputs of
+32-128 tokens, EOS ignored, greedy, all requests at once) on the embedded
+default tiny model (models/tiny-llama, built if missing), float32 on CPU:
+
+* pagedserve: real scheduler and executor processes; the requests go over
+  gRPC from this process (benchmarks/serve_bench.py's client). The executor
+  runs torch with ``--threads`` threads (OMP_NUM_THREADS), the scheduler with 1.
+* transformers ``generate`` with static left-padded batches; every batch size
+  in ``--batch-sizes`` is tried in the first repetition, the best one is kept
+  for the others.
+* transformers' continuous batching (benchmarks/hf_baselines.py).
+
+The transformers runs use ``torch.set_num_threads(--threads)`` in this
+process. Repetitions interleave the systems, so load drift on a shared
+machine hits all of them alike; each system's number is the median over
+``--reps``. Throughput is useful output tokens (the lengths asked for) per
+second of generation. A table is printed, then one JSON line (last line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+from benchmarks import hf_baselines
+from benchmarks.serve_bench import fixed_trace, parse_range, run_requests
+from benchmarks.serve_stats import summarize
+from benchmarks.workloads import TraceRequest
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+DEFAULT_MODEL = Path("models/tiny-llama")
+TARGET_VS_STATIC, TARGET_VS_CB = 3.0, 1.5
+
+
+def ensure_model(path: Path) -> Path:
+    """``path`` itself, after building the default tiny Llama there if it holds no checkpoint."""
+    if not (path / "config.json").exists():
+        from executor_svc.tiny_model import build_tiny_model
+
+        print(f"building the default tiny model into {path} ...", flush=True)
+        build_tiny_model(path, "llama", "default")
+    return path
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcesses:
+    """A scheduler and one CPU executor started as ``python -m ...`` with logs in a temp dir."""
+
+    def __init__(self, model: Path, threads: int, sched_args: list[str], exec_args: list[str]) -> None:
+        self.port, exec_port = _free_port(), _free_port()
+        self.logdir = Path(tempfile.mkdtemp(prefix="serve_vs_hf-"))
+        py = sys.executable
+        self.procs = [
+            self._spawn("scheduler", 1, [py, "-m", "scheduler_svc", "--model", str(model), "--host", "127.0.0.1",
+                                         "--port", str(self.port), "--executor-host", "127.0.0.1",
+                                         "--executor-port", str(exec_port), "--metrics-port", "0",
+                                         "--disable-prefix-caching", "--log-level", "WARNING", *sched_args]),
+            self._spawn("executor", threads, [py, "-m", "executor_svc", "--model", str(model), "--scheduler",
+                                              f"tcp://127.0.0.1:{exec_port}", "--device", "cpu",
+                                              "--dtype", "float32", "--swap-space", "0", "--health-port", "0",
+                                              "--log-level", "WARNING", *exec_args]),
+        ]
+
+    def _spawn(self, name: str, threads: int, argv: list[str]) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        log = open(self.logdir / f"{name}.log", "wb")
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def server(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.server) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            while time.monotonic() < deadline:
+                if any(p.poll() is not None for p in self.procs):
+                    raise RuntimeError(f"a pagedserve process exited early; logs in {self.logdir}")
+                try:
+                    if stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2).num_executors >= 1:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.5)
+        raise TimeoutError(f"pagedserve not ready after {timeout_s:.0f}s; logs in {self.logdir}")
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):  # executor first, then the scheduler
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def run_pagedserve(server: str, trace: list[TraceRequest]) -> hf_baselines.RunResult:
+    """All of ``trace`` at once through the gRPC API, greedy, EOS ignored."""
+    sampling = pb.SamplingParams(temperature=0.0, ignore_eos=True)
+    results, wall = asyncio.run(run_requests(server, trace, sampling, progress=False))
+    summary = summarize(results, wall)
+    if summary["failed"] or summary["short_outputs"]:
+        raise RuntimeError(f"pagedserve: {summary['failed']} failed, {summary['short_outputs']} short; "
+                           f"errors {summary['errors']}")
+    return hf_baselines.RunResult("pagedserve", wall, summary["total_output_tokens"],
+                                  summary["total_output_tokens"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--quick", action="store_true",
+                    help="16 requests, batch sizes 8/16, 1 repetition (a smoke run, a few minutes)")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--input-len", default="32:256", help="prompt length range LO:HI (tokens)")
+    ap.add_argument("--output-len", default="32:128", help="output length range LO:HI (tokens)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=3, help="repetitions; each system's median is reported")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="torch threads of the pagedserve executor and of the transformers runs")
+    ap.add_argument("--batch-sizes", default="8,16,32,64", help="static generate batch sizes to try")
+    ap.add_argument("--hf-cb-max-batch-tokens", type=int, default=512,
+                    help="transformers continuous batching: tokens per forward pass")
+    ap.add_argument("--kv-cache-memory", default="512MiB", help="pagedserve executor KV cache size")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="pagedserve scheduler: sequences per step")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="pagedserve scheduler: tokens per step (chunked prefill budget)")
+    ap.add_argument("--skip", default="", help="comma list of systems to leave out: static,cb")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
+    return ap
+
+
+def _settings(args: argparse.Namespace) -> argparse.Namespace:
+    if args.quick:
+        args.num_requests, args.reps, args.batch_sizes = min(args.num_requests, 16), 1, "8,16"
+    if args.num_requests < 1 or args.reps < 1 or args.threads < 1:
+        raise SystemExit("--num-requests, --reps and --threads must be >= 1")
+    args.batch_sizes = [int(b) for b in str(args.batch_sizes).split(",") if b]
+    args.skip = {s for s in args.skip.split(",") if s}
+    if args.skip - {"static", "cb"}:
+        raise SystemExit(f"--skip takes static and/or cb, got {sorted(args.skip)}")
+    return args
+
+
+def _log(res: hf_baselines.RunResult, rep: int) -> None:
+    print(f"[rep {rep + 1}] {res.name:<24} {res.tokens_per_s:8.1f} tok/s  ({res.useful_tokens} tokens "
+          f"in {res.wall_s:.1f}s)", flush=True)
+
+
+def _repetitions(args, server: str, model, trace: list[TraceRequest], pad_id: int) -> dict[str, list]:
+    """Every system's tok/s per repetition, interleaved; static tries all batch sizes in repetition 1."""
+    runs: dict[str, list] = {"pagedserve": [], "hf_cb": []}
+    static: dict[int, list[float]] = {b: [] for b in args.batch_sizes}
+    for rep in range(args.reps):
+        res = run_pagedserve(server, trace)
+        runs["pagedserve"].append(res.tokens_per_s)
+        _log(res, rep)
+        if "static" not in args.skip:
+            best = max(static, key=lambda b: statistics.median(static[b])) if rep else None
+            for b in args.batch_sizes if rep == 0 else [best]:
+                res = hf_baselines.run_static(model, trace, b, pad_id)
+                static[b].append(res.tokens_per_s)
+                _log(res, rep)
+        if "cb" not in args.skip:
+            res = hf_baselines.run_continuous(model, trace, args.hf_cb_max_batch_tokens)
+            runs["hf_cb"].append(res.tokens_per_s)
+            _log(res, rep)
+    runs["hf_static"] = {b: v for b, v in static.items() if v}
+    return runs
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Start pagedserve, load transformers, warm both up, run the repetitions; the result dict."""
+    model_dir = ensure_model(args.model)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    eos = cfg.get("eos_token_id")
+    pad_id = eos if isinstance(eos, int) else 0
+    trace = fixed_trace(args.num_requests, parse_range(args.input_len, "--input-len"),
+                        parse_range(args.output_len, "--output-len"), float("inf"), args.seed, cfg["vocab_size"])
+    warm = fixed_trace(4, (16, 48), (8, 8), float("inf"), args.seed + 1000, cfg["vocab_size"])
+    torch.set_num_threads(args.threads)  # the transformers runs in this process
+    stack = ServeProcesses(model_dir, args.threads,
+                           ["--max-num-seqs", str(args.max_num_seqs),
+                            "--max-num-batched-tokens", str(args.max_num_batched_tokens)],
+                           ["--kv-cache-memory", args.kv_cache_memory])
+    try:
+        stack.wait_ready()
+        run_pagedserve(stack.server, warm)
+        model = hf_baselines.load_model(model_dir)
+        hf_baselines.run_static(model, warm, len(warm), pad_id)
+        if "cb" not in args.skip:
+            hf_baselines.run_continuous(model, warm, args.hf_cb_max_batch_tokens)
+        runs = _repetitions(args, stack.server, model, trace, pad_id)
+    finally:
+        stack.stop()
+    return _report(args, trace, runs)
+
+
+def _report(args: argparse.Namespace, trace: list[TraceRequest], runs: dict) -> dict:
+    med = statistics.median
+    ps = med(runs["pagedserve"])
+    static = {b: med(v) for b, v in runs["hf_static"].items()}
+    best = max(static, key=static.get) if static else None
+    cb = med(runs["hf_cb"]) if runs["hf_cb"] else None
+    out = {
+        "benchmark": "serve_vs_hf", "model": str(args.model), "num_requests": len(trace),
+        "input_len": args.input_len, "output_len": args.output_len, "reps": args.reps,
+        "threads": args.threads, "output_tokens": sum(r.output_len for r in trace),
+        "pagedserve_tok_s": ps,
+        "hf_static_tok_s": static.get(best) if best else None, "hf_static_best_batch": best,
+        "hf_static_by_batch_tok_s": static, "hf_cb_tok_s": cb,
+        "speedup_vs_static": ps / static[best] if best else None,
+        "speedup_vs_cb": ps / cb if cb else None,
+        "runs_tok_s": runs,
+    }
+    out["meets_targets"] = bool((out["speedup_vs_static"] or 0) >= TARGET_VS_STATIC
+                                and (out["speedup_vs_cb"] or 0) >= TARGET_VS_CB)
+    return out
+
+
+def format_table(r: dict) -> str:
+    rows = [("pagedserve (scheduler + executor, gRPC)", r["pagedserve_tok_s"], None, None)]
+    for b, v in sorted(r["hf_static_by_batch_tok_s"].items()):
+        mark = " (best)" if b == r["hf_static_best_batch"] else ""
+        rows.append((f"transformers generate, static batch {b}{mark}", v, TARGET_VS_STATIC, b))
+    if r["hf_cb_tok_s"]:
+        rows.append(("transformers continuous batching", r["hf_cb_tok_s"], TARGET_VS_CB, None))
+    lines = [f"{r['num_requests']} requests, prompts {r['input_len']}, outputs {r['output_len']} tokens, "
+             f"{r['output_tokens']} output tokens; {r['threads']} threads; median of {r['reps']}",
+             f"{'system':<50}{'tok/s':>10}{'pagedserve x':>14}{'target':>8}"]
+    for name, v, target, _ in rows:
+        ratio = r["pagedserve_tok_s"] / v
+        lines.append(f"{name:<50}{v:>10.1f}{ratio:>14.2f}{(f'>={target:g}' if target else ''):>8}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _settings(build_parser().parse_args(argv))
+    result = measure(args)
+    print(format_table(result))
+    line = json.dumps(result, sort_keys=True)
+    if args.out is not None:
+        args.out.write_text(line + "\n")
+    print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
