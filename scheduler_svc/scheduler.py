@@ -442,7 +442,7 @@ class Scheduler:
             seq.forget_executor_state()  # choices forked during the attempt get NewSeq later
 
     def _count_prefix(self, r: Request, hits: list[int]) -> None:
-        for seq, h in zip(r.live, hits, strict=True):
+        for seq, h in zip(r.live[: len(hits)], hits, strict=True):  # choices forked at admission share the hit
             self.prefix_cache_query_tokens += seq.num_tokens
             self.prefix_cache_hit_tokens += h
         if r.emitted_seqs == 0 and not r.num_cached_prompt_tokens and hits:

@@ -16,6 +16,7 @@ batching, preemption or pool size.
 
 from __future__ import annotations
 
+import math
 import zlib
 from array import array
 from dataclasses import dataclass
@@ -54,18 +55,20 @@ def sample_token(seq_tokens: list[int], seed: int | None, vocab: int) -> int:
     return zlib.crc32(array("q", [seed or 0, *seq_tokens]).tobytes()) % vocab
 
 
-def beam_candidates(seq_tokens: list[int], k: int, vocab: int) -> tuple[list[int], list[float]]:
-    """k distinct tokens with descending log-probs, deterministic in the history."""
+def model_logprobs(seq_tokens: list[int], vocab: int) -> list[float]:
+    """The fake model's full next-token log-softmax, deterministic in the history."""
     base = zlib.crc32(array("q", seq_tokens).tobytes())
-    toks: list[int] = []
-    i = 0
-    while len(toks) < k:
-        t = _h(base, i) % vocab
-        if t not in toks:
-            toks.append(t)
-        i += 1
-    lps = sorted((-(_h(base, t, 7) % 4000) / 1000.0 - 0.01 for t in toks), reverse=True)
-    return toks, lps
+    logits = [(_h(base, v) % 100_000) / 10_000.0 for v in range(vocab)]
+    top = max(logits)
+    norm = top + math.log(sum(math.exp(x - top) for x in logits))
+    return [x - norm for x in logits]
+
+
+def beam_candidates(seq_tokens: list[int], k: int, vocab: int) -> tuple[list[int], list[float]]:
+    """The top k tokens of :func:`model_logprobs`, best first."""
+    lps = model_logprobs(seq_tokens, vocab)
+    toks = sorted(range(vocab), key=lambda t: lps[t], reverse=True)[:k]
+    return toks, [lps[t] for t in toks]
 
 
 class FakeExecutor:
