@@ -1,0 +1,141 @@
+"""Kernel sources, template instantiation names and the compile cache.
+
+The ``.cu`` files next to this module are compiled two ways from the same text:
+
+* at run time by CuPy (NVRTC) through ``cupy.RawModule(name_expressions=...)``, one module per
+  kernel configuration, cached for the life of the process (:func:`get_function`);
+* in CI by ``nvcc -cubin`` (tests/test_cuda_compile.py), through a translation unit that
+  instantiates a representative set of the same templates (:func:`nvcc_unit`).
+
+``common.cuh`` is pasted in place of its ``#include`` for NVRTC, so the compile cache (keyed by
+the full source text) can never serve a module built from a stale header.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+SRC_DIR = Path(__file__).resolve().parent
+SOURCES = ("paged_decode.cu", "paged_prefill.cu", "cache_ops.cu")
+
+# CUDA spelling of each supported storage type (torch / numpy dtype name -> C++ type).
+CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+HEAD_SIZES = (64, 80, 96, 128, 256)
+BLOCK_SIZES = (8, 16, 32)
+MAX_GROUP = 8  # q heads handled by one thread block (bounded by registers, see paged_decode.cu)
+PREFILL_ROWS = 16  # (query token, q head) rows per prefill thread block
+PARTITION_SIZE = 512  # tokens per partition of the split decode kernel
+MAX_PARTITIONS = 1024  # PS_MAX_PARTS in paged_decode.cu
+
+
+def group_size(q_per_kv: int) -> int:
+    """q heads per thread block: the largest divisor of q_per_kv that is at most MAX_GROUP."""
+    if q_per_kv <= 0:
+        raise ValueError(f"q_per_kv: expected >= 1, got {q_per_kv}")
+    return max(g for g in range(1, MAX_GROUP + 1) if q_per_kv % g == 0)
+
+
+def prefill_tokens(group: int) -> int:
+    """Query tokens per prefill thread block (ROWS = tokens * group <= PREFILL_ROWS)."""
+    return max(1, PREFILL_ROWS // group)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelKey:
+    """One compiled configuration; also the compile-cache key."""
+
+    kind: str  # "decode" | "decode_reduce" | "prefill" | "cache_ops"
+    dtype: str = "float32"  # key of CUDA_TYPES
+    head_size: int = 0
+    block_size: int = 0
+    group: int = 0  # q heads per block (decode, prefill)
+    tokens: int = 0  # query tokens per block (prefill)
+
+    def expression(self) -> str:
+        """The C++ name of the kernel (a template-id for the templated kernels)."""
+        t = CUDA_TYPES[self.dtype]
+        if self.kind == "decode":
+            return f"ps_paged_decode<{t}, {self.head_size}, {self.block_size}, {self.group}>"
+        if self.kind == "decode_reduce":
+            return f"ps_paged_decode_reduce<{t}, {self.head_size}>"
+        if self.kind == "prefill":
+            return (f"ps_paged_prefill<{t}, {self.head_size}, {self.block_size}, {self.group}, "
+                    f"{self.tokens}>")
+        raise ValueError(f"kernel kind: no template expression for {self.kind!r}")
+
+    @property
+    def source(self) -> str:
+        return {"decode": "paged_decode.cu", "decode_reduce": "paged_decode.cu",
+                "prefill": "paged_prefill.cu", "cache_ops": "cache_ops.cu"}[self.kind]
+
+
+@functools.cache
+def read_source(name: str, inline_header: bool = True) -> str:
+    """A kernel source; with ``inline_header`` the common header is pasted in (for NVRTC)."""
+    text = (SRC_DIR / name).read_text()
+    if inline_header:
+        header = (SRC_DIR / "common.cuh").read_text().replace("#pragma once\n", "")
+        text = text.replace('#include "common.cuh"\n', header)
+    return text
+
+
+def nvrtc_options() -> tuple[str, ...]:
+    opts = ["--std=c++17"]
+    inc = cuda_include_dir()
+    if inc is not None:
+        opts.append(f"-I{inc}")  # cuda_fp16.h / cuda_bf16.h when NVRTC lacks them built in
+    return tuple(opts)
+
+
+def cuda_include_dir() -> str | None:
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and (Path(root) / "include" / "cuda_bf16.h").is_file():
+            return str(Path(root) / "include")
+    return None
+
+
+def find_nvcc() -> str | None:
+    """nvcc from PATH, else the usual install locations."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for cand in ("/usr/local/cuda/bin/nvcc", "/opt/cuda/bin/nvcc"):
+        if os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def nvcc_unit(source: str, keys: list[KernelKey]) -> str:
+    """A translation unit for nvcc that instantiates ``keys`` (taking a kernel's address in host
+    code forces its instantiation without spelling its signature)."""
+    lines = [f'#include "{source}"', "static void* ps_instances[] = {"]
+    lines += [f"    (void*)&{k.expression()}," for k in keys]
+    lines += ["};", "void* ps_keep() { return ps_instances; }", ""]
+    return "\n".join(lines)
+
+
+_MODULES: dict[tuple[KernelKey, int], object] = {}
+
+
+def get_function(key: KernelKey, device_id: int):
+    """The compiled kernel for ``key`` on a device (compiled on first use, then cached)."""
+    import cupy  # deferred: CuPy is only needed (and only importable) on GPU machines
+
+    cache_key = (key, device_id)
+    fn = _MODULES.get(cache_key)
+    if fn is None:
+        with cupy.cuda.Device(device_id):
+            if key.kind == "cache_ops":
+                mod = cupy.RawModule(code=read_source(key.source), options=nvrtc_options())
+                fn = (mod.get_function("ps_reshape_and_cache"), mod.get_function("ps_copy_blocks"))
+            else:
+                expr = key.expression()
+                mod = cupy.RawModule(code=read_source(key.source), options=nvrtc_options(),
+                                     name_expressions=[expr])
+                fn = mod.get_function(expr)
+        _MODULES[cache_key] = fn
+    return fn

@@ -1,0 +1,93 @@
+// Helpers shared by pagedserve's CUDA kernels.
+//
+// Every .cu file here compiles under both nvcc (the CI compile test) and NVRTC (CuPy RawModule
+// at run time), so nothing below may include a host header: only cuda_fp16.h / cuda_bf16.h,
+// which both toolchains provide. The Python side pastes this file in place of the #include.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace ps {
+
+constexpr int kWarp = 32;
+
+__host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
+__host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// Running maxima start at a finite "minus infinity", so exp2(m_old - m_new) never sees
+// (-inf) - (-inf) = NaN when a whole tile is masked.
+constexpr float kNegBig = -1.0e30f;
+
+// Conversions between the storage type T and float (accumulation is always float32).
+template <typename T> struct Cvt;
+
+template <> struct Cvt<float> {
+  static constexpr int kVec = 4;  // elements per 16-byte vector
+  static __device__ __forceinline__ void unpack(const uint4& v, float* f) {
+    f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+  }
+  static __device__ __forceinline__ float2 pair(const float* p) {
+    return *reinterpret_cast<const float2*>(p);
+  }
+  static __device__ __forceinline__ float to_f(float x) { return x; }
+  static __device__ __forceinline__ float from_f(float x) { return x; }
+};
+
+template <> struct Cvt<__half> {
+  static constexpr int kVec = 8;
+  static __device__ __forceinline__ void unpack2(unsigned w, float* f) {
+    f[0] = __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
+    f[1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
+  }
+  static __device__ __forceinline__ void unpack(const uint4& v, float* f) {
+    unpack2(v.x, f); unpack2(v.y, f + 2); unpack2(v.z, f + 4); unpack2(v.w, f + 6);
+  }
+  static __device__ __forceinline__ float2 pair(const __half* p) {
+    return __half22float2(*reinterpret_cast<const __half2*>(p));
+  }
+  static __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_f(float x) { return __float2half_rn(x); }
+};
+
+template <> struct Cvt<__nv_bfloat16> {
+  static constexpr int kVec = 8;
+  // bf16 is the top half of a float32: widening is a shift or a mask.
+  static __device__ __forceinline__ void unpack2(unsigned w, float* f) {
+    f[0] = __uint_as_float(w << 16);
+    f[1] = __uint_as_float(w & 0xffff0000u);
+  }
+  static __device__ __forceinline__ void unpack(const uint4& v, float* f) {
+    unpack2(v.x, f); unpack2(v.y, f + 2); unpack2(v.z, f + 4); unpack2(v.w, f + 6);
+  }
+  static __device__ __forceinline__ float2 pair(const __nv_bfloat16* p) {
+    float f[2];
+    unpack2(*reinterpret_cast<const unsigned*>(p), f);
+    return make_float2(f[0], f[1]);
+  }
+  static __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_f(float x) { return __float2bfloat16_rn(x); }
+};
+
+__device__ __forceinline__ uint4 ldg16(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+__device__ __forceinline__ uint4 zero16() { return make_uint4(0u, 0u, 0u, 0u); }
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+}  // namespace ps

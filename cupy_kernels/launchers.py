@@ -1,0 +1,200 @@
+"""Thin launchers: check the torch arguments, pick the compiled configuration, launch.
+
+Kernels run on torch's current CUDA stream (CuPy is pointed at it through ``ExternalStream``) and
+read torch's memory in place: the launch passes each tensor's device address, so nothing is
+copied or converted (the checks in :mod:`cupy_kernels.checks` stand in for the type safety a
+CuPy array would give). CuPy is imported only when a kernel actually launches.
+
+Decode split rule (:func:`decode_partitions`): a context of at most ``PARTITION_SIZE`` tokens is
+one partition. Longer contexts are split into ``PARTITION_SIZE``-token partitions (plus a reduce
+kernel) when the single-pass grid has fewer than ``4 * num_SMs`` thread blocks (too few to keep
+every multiprocessor streaming and to balance uneven context lengths), or always beyond
+``SPLIT_ALWAYS_ABOVE`` tokens, where one block per (sequence, head) would serialise too much.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cupy_kernels import checks
+from cupy_kernels.build import (
+    MAX_PARTITIONS,
+    PARTITION_SIZE,
+    KernelKey,
+    get_function,
+    group_size,
+    prefill_tokens,
+)
+
+THREADS = 128  # PS_DECODE_THREADS / PS_PREFILL_THREADS
+SPLIT_ALWAYS_ABOVE = 8192
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    key: KernelKey
+    grid: tuple[int, int, int]
+
+
+def decode_partitions(num_seqs: int, blocks_per_seq: int, max_seq_len: int, num_sms: int) -> int:
+    """How many context partitions the decode kernel uses (1 = single pass); see module doc."""
+    if max_seq_len <= PARTITION_SIZE:
+        return 1
+    if num_seqs * blocks_per_seq >= 4 * num_sms and max_seq_len <= SPLIT_ALWAYS_ABOVE:
+        return 1
+    return math.ceil(max_seq_len / PARTITION_SIZE)
+
+
+def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                num_sms: int) -> tuple[Launch, int]:
+    """Validate decode arguments; return the main launch and the number of partitions."""
+    _, block_size, num_kv_heads, head_size = checks.check_cache_pair(k_cache, v_cache)
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    checks.check_index("seq_lens", seq_lens, torch.int32, (None,))
+    checks.check_rows("query", query, query.shape[1] if query.dim() == 3 else -1, head_size,
+                      k_cache.dtype, num_rows=num_seqs)
+    q_per_kv = checks.check_heads(query.shape[1], num_kv_heads)
+    checks.check_index("block_tables", block_tables, torch.int32, (num_seqs, None))
+    _check_len(max_seq_len, block_tables.shape[1], block_size)
+    g = group_size(q_per_kv)
+    blocks_per_seq = num_kv_heads * (q_per_kv // g)
+    parts = decode_partitions(num_seqs, blocks_per_seq, max_seq_len, num_sms)
+    if parts > MAX_PARTITIONS:
+        raise ValueError(f"max_seq_len: at most {MAX_PARTITIONS * PARTITION_SIZE} tokens, got {max_seq_len}")
+    key = KernelKey("decode", checks.DTYPES[k_cache.dtype], head_size, block_size, g)
+    return Launch(key, (blocks_per_seq, num_seqs, parts)), parts
+
+
+def plan_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                 max_query_len: int, max_seq_len: int) -> Launch:
+    _, block_size, num_kv_heads, head_size = checks.check_cache_pair(k_cache, v_cache)
+    checks.check_index("seq_lens", seq_lens, torch.int32, (None,))
+    num_seqs = seq_lens.shape[0]
+    checks.check_index("query_start_loc", query_start_loc, torch.int32, (num_seqs + 1,))
+    checks.check_rows("query", query, query.shape[1] if query.dim() == 3 else -1, head_size, k_cache.dtype)
+    q_per_kv = checks.check_heads(query.shape[1], num_kv_heads)
+    checks.check_index("block_tables", block_tables, torch.int32, (num_seqs, None))
+    _check_len(max_seq_len, block_tables.shape[1], block_size)
+    if not 0 <= max_query_len <= query.shape[0]:
+        raise ValueError(f"max_query_len: must lie in [0, {query.shape[0]}] (query rows), got {max_query_len}")
+    g = group_size(q_per_kv)
+    qt = prefill_tokens(g)
+    key = KernelKey("prefill", checks.DTYPES[k_cache.dtype], head_size, block_size, g, qt)
+    return Launch(key, (num_kv_heads * (q_per_kv // g), num_seqs, max(1, math.ceil(max_query_len / qt))))
+
+
+def _check_len(max_seq_len: int, max_blocks: int, block_size: int) -> None:
+    if not 0 <= max_seq_len <= max_blocks * block_size:
+        raise ValueError(f"max_seq_len: must lie in [0, {max_blocks * block_size}] "
+                         f"(block_tables width x block_size), got {max_seq_len}")
+
+
+def _require_cuda(**tensors: torch.Tensor) -> torch.device:
+    device = next(iter(tensors.values())).device
+    if device.type != "cuda":
+        raise ValueError(f"{next(iter(tensors))}: the CUDA kernels need CUDA tensors, got {device}")
+    checks.check_device(device, **tensors)
+    return device
+
+
+def _ptr(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@contextlib.contextmanager
+def _on_torch_stream(device: torch.device) -> Iterator[int]:
+    """CuPy's current device and stream := torch's, for the launches inside."""
+    import cupy
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index)
+    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
+        yield index
+
+
+def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                           scale: float, out: torch.Tensor | None = None,
+                           num_partitions: int | None = None) -> torch.Tensor:
+    """One query token per sequence: query ``[num_seqs, num_q_heads, head_size]`` -> out (same
+    shape, contiguous). ``max_seq_len`` must be >= every ``seq_lens`` entry (it sizes the split).
+    ``num_partitions`` overrides the split rule (tests and benchmarks)."""
+    device = _require_cuda(k_cache=k_cache, v_cache=v_cache, query=query, block_tables=block_tables,
+                           seq_lens=seq_lens)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    launch, parts = plan_decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, num_sms(index))
+    if num_partitions is not None:
+        if not 1 <= num_partitions <= MAX_PARTITIONS:
+            raise ValueError(f"num_partitions: must lie in [1, {MAX_PARTITIONS}], got {num_partitions}")
+        parts = num_partitions
+    out = _out_like(query, out)
+    num_seqs, num_q_heads, head = query.shape
+    if num_seqs == 0:
+        return out
+    psize = max(1, math.ceil(max_seq_len / parts)) if num_partitions is not None else PARTITION_SIZE
+    f32 = dict(dtype=torch.float32, device=device)
+    part_out = torch.empty((num_seqs, num_q_heads, parts, head) if parts > 1 else (1,), **f32)
+    part_max = torch.empty((num_seqs, num_q_heads, parts) if parts > 1 else (1,), **f32)
+    part_sum = torch.empty_like(part_max)
+    with _on_torch_stream(device) as dev:
+        fn = get_function(launch.key, dev)
+        grid = (launch.grid[0], launch.grid[1], parts)
+        fn(grid, (THREADS,), (
+            _ptr(out), _ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(query), _ptr(k_cache),
+            _ptr(v_cache), _ptr(block_tables), _ptr(seq_lens), np.int64(query.stride(0)),
+            np.int32(k_cache.shape[2]), np.int32(num_q_heads // k_cache.shape[2]),
+            np.int32(block_tables.shape[1]), np.int32(psize), np.float32(scale * LOG2E)))
+        if parts > 1:
+            reduce_key = KernelKey("decode_reduce", launch.key.dtype, head)
+            get_function(reduce_key, dev)((num_q_heads, num_seqs, 1), (THREADS,), (
+                _ptr(out), _ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(seq_lens),
+                np.int32(parts), np.int32(psize)))
+    return out
+
+
+def paged_attention_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
+                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed query ``[num_tokens, num_q_heads, head_size]`` (sequence i owns rows
+    ``query_start_loc[i]:query_start_loc[i+1]``) -> out, causal over each sequence's cache."""
+    device = _require_cuda(k_cache=k_cache, v_cache=v_cache, query=query, block_tables=block_tables,
+                           seq_lens=seq_lens, query_start_loc=query_start_loc)
+    launch = plan_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                          max_query_len, max_seq_len)
+    out = _out_like(query, out)
+    if query.shape[0] == 0 or seq_lens.shape[0] == 0:
+        return out
+    with _on_torch_stream(device) as dev:
+        get_function(launch.key, dev)(launch.grid, (THREADS,), (
+            _ptr(out), _ptr(query), _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), _ptr(seq_lens),
+            _ptr(query_start_loc), np.int64(query.stride(0)), np.int32(k_cache.shape[2]),
+            np.int32(query.shape[1] // k_cache.shape[2]), np.int32(block_tables.shape[1]),
+            np.float32(scale * LOG2E)))
+    return out
+
+
+def _out_like(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous {tuple(query.shape)} {query.dtype} tensor, "
+                         f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    if out.device != query.device:
+        raise ValueError(f"out: must be on {query.device}, got {out.device}")
+    return out
