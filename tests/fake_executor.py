@@ -55,10 +55,14 @@ def sample_token(seq_tokens: list[int], seed: int | None, vocab: int) -> int:
     return zlib.crc32(array("q", [seed or 0, *seq_tokens]).tobytes()) % vocab
 
 
+LIKELY_TOKEN = 3
+
+
 def model_logprobs(seq_tokens: list[int], vocab: int) -> list[float]:
     """The fake model's full next-token log-softmax, deterministic in the history."""
     base = zlib.crc32(array("q", seq_tokens).tobytes())
     logits = [(_h(base, v) % 100_000) / 10_000.0 for v in range(vocab)]
+    logits[LIKELY_TOKEN % vocab] += 2.5  # so beam searches often meet EOS (tests use EOS = 3)
     top = max(logits)
     norm = top + math.log(sum(math.exp(x - top) for x in logits))
     return [x - norm for x in logits]

@@ -171,6 +171,10 @@ CASES = [  # prompt, width, max_tokens, length_penalty, early_stopping
     ([13, 2, 50, 51, 52], 4, 7, -0.5, False),
     ([14, 9], 3, 9, 1.0, True),
     ([15, 16, 17, 18], 2, 12, 1.0, False),
+    ([19, 20], 3, 16, 1.0, False),
+    ([21, 22, 23], 4, 16, 0.5, False),
+    ([24], 2, 16, 1.0, True),
+    ([25, 26, 27, 28, 29], 3, 14, 3.0, False),
 ]
 
 
@@ -189,12 +193,12 @@ def test_beam_search_matches_transformers(case):
 @pytest.mark.parametrize("ncpu,mode", [(0, "recompute"), (64, "swap")])
 def test_beam_search_survives_preemption(ncpu, mode):
     reqs, expected = [], {}
-    for k, (prompt, width, max_tokens, lp, early) in enumerate(CASES[:5]):
+    for k, (prompt, width, max_tokens, lp, early) in enumerate(CASES):
         rid = f"b{k}"
         reqs.append(GenerationRequest(rid, prompt, RequestParams(
             max_tokens=max_tokens, beam_width=width, length_penalty=lp, early_stopping=early)))
         expected[rid] = hf_beams(prompt, width, max_tokens, lp, early)
-    sched, ex = make(24, ncpu, mode, seqs=16)
+    sched, ex = make(20, ncpu, mode, seqs=16)
     for r in reqs:
         sched.add_request(r)
     copies = []
