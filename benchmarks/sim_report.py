@@ -143,12 +143,15 @@ def markdown(fig13: list[RunStats], sweeps: dict, cfg: dict, mode: str, wall: fl
               f"{LATENCY_FACTOR:g}x the paged allocator's value at the lowest swept rate (linear "
               f"interpolation). Trace lengths: {cfg['sweep_requests']}.", ""]
     lines += _sweep_table(sweeps)
-    lines += ["", "Normalized latency (s/token) per rate:", ""]
+    lines += ["", "Normalized latency (s/token) per rate (\"-\": not run, the sweep stops once latency "
+              f"exceeds {2 * LATENCY_FACTOR:g}x its lowest-rate value):", ""]
     for wl in sorted(sweeps, key=lambda w: w != "sharegpt"):
-        rates = sweeps[wl]["paged"]["rates"]
+        rates = sorted({r for a in ALLOCATORS for r in sweeps[wl][a]["rates"]})
         lines.append(f"| {wl} req/s | " + " | ".join(f"{r:g}" for r in rates) + " |")
         lines.append("|---" * (len(rates) + 1) + "|")
         for a in ALLOCATORS:
-            lines.append(f"| {LABELS[a]} | " + " | ".join(f"{x:.3f}" for x in sweeps[wl][a]["latency"]) + " |")
+            got = dict(zip(sweeps[wl][a]["rates"], sweeps[wl][a]["latency"], strict=True))
+            cells = [f"{got[r]:.3f}" if r in got else "-" for r in rates]
+            lines.append(f"| {LABELS[a]} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines) + "\n"
