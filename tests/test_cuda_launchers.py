@@ -1,0 +1,182 @@
+"""CPU tests of the CUDA launchers' argument checks, configuration choices and references.
+
+No GPU needed: planning and validation look only at tensor metadata, and the references are
+checked against dense attention so the GPU tests compare kernels with something trustworthy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cupy_kernels import build, cache_ops, launchers
+from cupy_kernels.cases import make_case
+from cupy_kernels.reference import ref_attention, ref_copy_blocks, ref_reshape_and_cache, rel_error
+
+
+def _decode_args(**over):
+    case = make_case([5, 40], [1, 1], 8, 2, 128, 16, torch.bfloat16, "cpu", seed=1, poison=False)
+    args = dict(query=case.query, k_cache=case.k_cache, v_cache=case.v_cache,
+                block_tables=case.block_tables, seq_lens=case.seq_lens, max_seq_len=40)
+    args.update(over)
+    return args
+
+
+def test_group_size_and_prefill_tokens():
+    assert [build.group_size(r) for r in (1, 2, 4, 7, 8, 12, 16, 32)] == [1, 2, 4, 7, 8, 6, 8, 8]
+    assert [build.prefill_tokens(g) for g in (1, 4, 6, 8)] == [16, 4, 2, 2]
+    with pytest.raises(ValueError, match="q_per_kv"):
+        build.group_size(0)
+
+
+def test_decode_split_rule():
+    sms = 132
+    assert launchers.decode_partitions(1, 8, 512, sms) == 1  # short context: one pass
+    assert launchers.decode_partitions(1, 8, 2048, sms) == 4  # few blocks: split to fill the GPU
+    assert launchers.decode_partitions(64, 8, 2048, sms) == 4  # 512 blocks < 4 * 132
+    assert launchers.decode_partitions(128, 8, 2048, sms) == 1  # 1024 blocks keep every SM busy
+    assert launchers.decode_partitions(128, 8, 8193, sms) == 17  # very long: always split
+
+
+def test_plan_decode_picks_configuration():
+    launch, parts = launchers.plan_decode(**_decode_args(), num_sms=132)
+    assert launch.key == build.KernelKey("decode", "bfloat16", 128, 16, 4)
+    assert launch.grid == (2, 2, 1) and parts == 1
+    assert launch.key.expression() == "ps_paged_decode<__nv_bfloat16, 128, 16, 4>"
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda a: a.update(k_cache=a["k_cache"].float(), v_cache=a["v_cache"].float()), "query"),
+    (lambda a: a.update(v_cache=a["v_cache"][:, :, :, :64].contiguous()), "v_cache"),
+    (lambda a: a.update(k_cache=a["k_cache"].transpose(1, 2)), "k_cache"),
+    (lambda a: a.update(k_cache=a["k_cache"].to(torch.int16)), "k_cache"),
+    (lambda a: a.update(query=a["query"][:, :7]), "query"),
+    (lambda a: a.update(query=a["query"][:1]), "query"),
+    (lambda a: a.update(seq_lens=a["seq_lens"].long()), "seq_lens"),
+    (lambda a: a.update(block_tables=a["block_tables"][:1]), "block_tables"),
+    (lambda a: a.update(block_tables=a["block_tables"].t().contiguous().t()), "block_tables"),
+    (lambda a: a.update(max_seq_len=10_000), "max_seq_len"),
+    (lambda a: a.update(query=a["query"].transpose(1, 2).contiguous().transpose(1, 2)), "query"),
+])
+def test_plan_decode_rejects_bad_arguments(change, field):
+    args = _decode_args()
+    change(args)
+    with pytest.raises(ValueError, match=f"^{field}"):
+        launchers.plan_decode(**args, num_sms=132)
+
+
+def test_unsupported_head_and_block_sizes_are_named():
+    for shape, word in (((4, 16, 2, 48), "head_size"), ((4, 12, 2, 64), "block_size")):
+        c = torch.zeros(shape)
+        with pytest.raises(ValueError, match=word):
+            launchers.plan_decode(torch.zeros(1, 4, shape[3]), c, c, torch.zeros(1, 4, dtype=torch.int32),
+                                  torch.ones(1, dtype=torch.int32), 1, num_sms=1)
+
+
+def test_query_slice_of_fused_projection_is_accepted():
+    """A q view into a [tokens, (q + 2 kv) heads * head] projection has a longer row stride."""
+    args = _decode_args()
+    fused = torch.randn(2, 12 * 128).to(torch.bfloat16)
+    args["query"] = fused[:, : 8 * 128].view(2, 8, 128)
+    launchers.plan_decode(**args, num_sms=132)
+
+
+def test_plan_prefill_grid_and_checks():
+    case = make_case([20, 7], [4, 7], 12, 4, 80, 8, torch.float16, "cpu", seed=2, poison=False)
+    launch = launchers.plan_prefill(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                    case.query_start_loc, 7, 20)
+    assert launch.key == build.KernelKey("prefill", "float16", 80, 8, 3, 5)
+    assert launch.grid == (4, 2, 2)
+    with pytest.raises(ValueError, match="^query_start_loc"):
+        launchers.plan_prefill(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                               case.query_start_loc[:-1], 7, 20)
+    with pytest.raises(ValueError, match="^max_query_len"):
+        launchers.plan_prefill(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                               case.query_start_loc, 12, 20)
+
+
+def test_launchers_refuse_cpu_tensors_before_touching_cupy():
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        launchers.paged_attention_decode(**_decode_args(), scale=0.1)
+    case = make_case([3], [3], 4, 4, 64, 8, torch.float32, "cpu", seed=3, poison=False)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        cache_ops.reshape_and_cache(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        cache_ops.copy_blocks([(case.k_cache, case.v_cache)], [(0, 1)])
+
+
+def test_reshape_and_cache_checks():
+    case = make_case([3], [3], 4, 4, 64, 8, torch.float32, "cpu", seed=3, poison=False)
+    with pytest.raises(ValueError, match="^slot_mapping"):
+        cache_ops.check_reshape_and_cache(case.key, case.value, case.k_cache, case.v_cache,
+                                          case.slot_mapping.int())
+    with pytest.raises(ValueError, match="^value"):
+        cache_ops.check_reshape_and_cache(case.key, case.value[:2], case.k_cache, case.v_cache, case.slot_mapping)
+    with pytest.raises(ValueError, match="^key"):
+        cache_ops.check_reshape_and_cache(case.key.half(), case.value, case.k_cache, case.v_cache,
+                                          case.slot_mapping)
+
+
+def test_copy_blocks_pair_checks():
+    c = torch.zeros(4, 8, 1, 64)
+    for pairs, word in (([(0, 4)], "out of range"), ([(0, 1), (2, 1)], "twice"), ([(0, 1), (1, 2)], "both")):
+        with pytest.raises(ValueError, match=word):
+            cache_ops.copy_blocks([(c, c.clone())], pairs)
+
+
+def test_swap_blocks_between_pools_matches_reference():
+    """Swapping needs no kernel, so it runs on CPU pools too (the GPU test covers pinned host)."""
+    gen = torch.Generator().manual_seed(4)
+    src = [(torch.randn(6, 8, 2, 64, generator=gen), torch.randn(6, 8, 2, 64, generator=gen)) for _ in range(2)]
+    dst = [(torch.full((5, 8, 2, 64), float("nan")), torch.full((5, 8, 2, 64), float("nan"))) for _ in range(2)]
+    pairs = [(0, 1), (1, 2), (5, 0), (3, 4)]
+    cache_ops.swap_blocks(src, dst, pairs)
+    for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
+        for s, d in pairs:
+            assert torch.equal(dk[d], sk[s]) and torch.equal(dv[d], sv[s])
+        assert torch.isnan(dk[3]).all()  # untouched
+    assert cache_ops._runs(pairs) == [(0, 1, 2), (5, 0, 1), (3, 4, 1)]
+    with pytest.raises(ValueError, match="^dst_caches"):
+        cache_ops.swap_blocks(src, dst[:1], pairs)
+
+
+def test_reference_matches_dense_causal_attention():
+    """ref_attention over a shuffled paged cache == SDPA over the contiguous context."""
+    case = make_case([37, 9, 64], [5, 9, 1], 8, 2, 64, 8, torch.float32, "cpu", seed=5)
+    ref_reshape_and_cache(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
+    out = ref_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.ctx_lens,
+                        case.starts, scale=0.125)
+    starts = case.starts
+    for i, length in enumerate(case.ctx_lens):
+        lo, hi = starts[i], starts[i + 1]
+        tokens = torch.arange(length)
+        blocks = case.block_tables[i].long()[tokens // 8]
+        k = case.k_cache[blocks, tokens % 8].double().transpose(0, 1)  # [kv_heads, L, d]
+        v = case.v_cache[blocks, tokens % 8].double().transpose(0, 1)
+        q = case.query[lo:hi].double().transpose(0, 1)
+        mask = torch.ones(hi - lo, length, dtype=torch.bool).tril(diagonal=length - (hi - lo))
+        dense = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=0.125,
+                                               enable_gqa=True)[0].transpose(0, 1)
+        assert rel_error(out[lo:hi], dense) < 1e-12
+    assert not torch.isnan(out).any()
+
+
+def test_reference_copy_blocks_reads_before_writing():
+    k = torch.arange(4.0).view(4, 1, 1, 1).expand(4, 8, 1, 16).contiguous()
+    caches = [(k, k.clone())]
+    ref_copy_blocks(caches, [(0, 2), (1, 3)])
+    assert caches[0][0][:, 0, 0, 0].tolist() == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_rel_error_never_passes_nan():
+    assert rel_error(torch.tensor([float("nan"), 1.0]), torch.ones(2)) == float("inf")
+
+
+def test_nvcc_unit_names_every_instance():
+    keys = [build.KernelKey("decode", "float16", 64, 8, 2), build.KernelKey("prefill", "float32", 96, 32, 1, 16)]
+    unit = build.nvcc_unit("paged_decode.cu", keys)
+    assert "&ps_paged_decode<__half, 64, 8, 2>" in unit
+    assert "&ps_paged_prefill<float, 96, 32, 1, 16>" in unit
+    src = build.read_source("paged_decode.cu")
+    assert '#include "common.cuh"' not in src and "struct Cvt<__nv_bfloat16>" in src
