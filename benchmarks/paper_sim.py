@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="shorter traces and a coarser rate grid")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fig-dir", default="docs/figures")
+    ap.add_argument("--fig-dir", default=None,
+                    help="where figures and tables go (default: build/bench with --quick, else docs/figures)")
     ap.add_argument("--out-md", default=None, help="markdown report (default: FIG_DIR/paper_sim.md)")
     ap.add_argument("--out-json", default=None, help="raw results (default: FIG_DIR/paper_sim.json)")
     ap.add_argument("--from-json", default=None, help="re-render figures and tables from a saved run")
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = QUICK if args.quick else FULL
     mode = "quick" if args.quick else "full"
-    fig_dir = Path(args.fig_dir)
+    fig_dir = Path(args.fig_dir or ("build/bench" if args.quick else "docs/figures"))
     fig_dir.mkdir(parents=True, exist_ok=True)
     json_path = Path(args.out_json or fig_dir / "paper_sim.json")
     if args.from_json:

@@ -114,14 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer requests per trace")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fig-dir", default="docs/figures")
+    ap.add_argument("--fig-dir", default=None,
+                    help="where figures and tables go (default: build/bench with --quick, else docs/figures)")
     args = ap.parse_args(argv)
     nums = {"alpaca": 120, "sharegpt": 40} if args.quick else {"alpaca": 600, "sharegpt": 200}
     t0 = time.perf_counter()
     rows = [measure(wl, mode, w, nums[wl], args.seed)
             for wl in ("alpaca", "sharegpt") for mode in ("parallel", "beam") for w in WIDTHS]
     wall = time.perf_counter() - t0
-    fig_dir = Path(args.fig_dir)
+    fig_dir = Path(args.fig_dir or ("build/bench" if args.quick else "docs/figures"))
     fig_dir.mkdir(parents=True, exist_ok=True)
     plot(rows, fig_dir / "fig15_sharing.png")
     md = markdown(rows, wall, "quick" if args.quick else "full")

@@ -1,0 +1,84 @@
+"""Simulation pieces behind the paper figures: cost model, simulated executor, probes."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.paper_sim import sustained_rate
+from benchmarks.sim_executor import PAPER_NUM_BLOCKS, PAPER_NUM_SLOTS, CostModel, SimExecutor
+from benchmarks.sim_runs import MEM_KINDS, run_trace
+from benchmarks.workloads import synthetic_trace
+from scheduler_svc.plan import BatchPlan, NewSeq, SamplingParams
+
+
+def test_paper_kv_budget():
+    # 12 GiB of KV at 800 KB per token: the paper's 15.7K slots, ~980 blocks of 16
+    assert 15_600 < PAPER_NUM_SLOTS < 15_800
+    assert PAPER_NUM_BLOCKS == PAPER_NUM_SLOTS // 16
+
+
+def test_cost_model_regimes():
+    c = CostModel()
+    one = c.step_time(1, 100, 100, 1)
+    # a decode step is bound by reading the 26 GB of weights: ~20 ms at ~1.24 TB/s, plus overhead
+    assert 0.02 < one < 0.04
+    # more context to read costs more; more sequences cost a little more
+    assert c.step_time(30, 12_000, 12_000, 30) > c.step_time(30, 3_000, 3_000, 30) > one
+    # a 2048-token prefill is compute-bound: 2 * 12.85e9 * 2048 FLOPs at 156 TFLOP/s ~ 0.34 s
+    assert 0.3 < c.step_time(2048, 2048, 2048 * 1024, 1) < 0.45
+    assert c.step_time(0, 0, 0, 0) == 0.0
+
+
+def _new(seq_id, n_tokens, computed=0, beam=0):
+    return NewSeq(seq_id, list(range(4, 4 + n_tokens)), n_tokens, [0], computed,
+                  SamplingParams(beam_candidates=beam))
+
+
+def test_sim_executor_samples_when_caught_up_and_never_eos():
+    ex = SimExecutor(eos_token_id=5, vocab_size=7, seed=3)
+    res = ex.execute(BatchPlan(1, [1], [6], new_seqs=[_new(1, 10)]))
+    assert res.sampled_seq_ids == []  # 6 of 10 prompt tokens: nothing to sample yet
+    toks = []
+    res = ex.execute(BatchPlan(2, [1], [4]))
+    toks += res.sampled_token_ids
+    for step in range(3, 60):
+        toks += ex.execute(BatchPlan(step, [1], [1])).sampled_token_ids
+    assert len(toks) == 58 and 5 not in toks
+    assert res.model_seconds > 0 and ex.last.context_tokens == 10 + 57
+
+
+def test_sim_executor_rejects_a_plan_past_the_known_tokens():
+    ex = SimExecutor()
+    with pytest.raises(RuntimeError, match="past its"):
+        ex.execute(BatchPlan(1, [1], [11], new_seqs=[_new(1, 10)]))
+    with pytest.raises(RuntimeError, match="unknown sequence"):
+        ex.execute(BatchPlan(2, [9], [1]))
+
+
+def test_sim_executor_reports_beam_candidates_best_first():
+    ex = SimExecutor(seed=1)
+    res = ex.execute(BatchPlan(1, [1], [3], new_seqs=[_new(1, 3, beam=4)]))
+    (cand,) = res.beam_candidates
+    assert len(cand.top_token_ids) == 4 and cand.top_logprobs == sorted(cand.top_logprobs, reverse=True)
+    assert res.sampled_seq_ids == []
+
+
+def test_sustained_rate_interpolates_the_crossing():
+    assert sustained_rate([1, 2, 3], [0.1, 0.2, 0.6], 0.4) == (pytest.approx(2.5), True)
+    assert sustained_rate([1, 2], [0.1, 0.2], 0.4) == (2, False)  # never crossed: lower bound
+    assert sustained_rate([1, 2], [0.5, 0.9], 0.4) == (0.0, False)
+
+
+def test_run_trace_accounts_every_slot_and_paging_wastes_less():
+    trace = synthetic_trace("sharegpt", 60, 4.0, seed=1)
+    paged = run_trace("paged", trace, "sharegpt", 4.0)
+    oracle = run_trace("orca-oracle", trace, "sharegpt", 4.0)
+    for s in (paged, oracle):
+        assert set(s.mem) == set(MEM_KINDS)
+        assert sum(s.mem.values()) == pytest.approx(1.0)
+        assert all(v >= 0 for v in s.mem.values())
+        assert s.norm_latency > 0 and s.steps > 0
+    assert paged.mem["external_frag"] == 0 and paged.mem["reservation"] < 0.05
+    assert oracle.mem["reservation"] > 0.1
+    occupied = {s.allocator: s.mem["token_states"] / (1 - s.mem["free"]) for s in (paged, oracle)}
+    assert occupied["paged"] > 0.9 > occupied["orca-oracle"]
