@@ -121,6 +121,14 @@ def nvcc_unit(source: str, keys: list[KernelKey]) -> str:
 _MODULES: dict[tuple[KernelKey, int], object] = {}
 
 
+def precompile(keys: list[KernelKey], device_id: int, workers: int = 8) -> None:
+    """Compile many configurations at once (NVRTC runs outside the GIL), e.g. before a test run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(lambda k: get_function(k, device_id), dict.fromkeys(keys)))
+
+
 def get_function(key: KernelKey, device_id: int):
     """The compiled kernel for ``key`` on a device (compiled on first use, then cached)."""
     import cupy  # deferred: CuPy is only needed (and only importable) on GPU machines

@@ -16,8 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from cupy_kernels.build import BLOCK_SIZES, CUDA_TYPES, HEAD_SIZES, SOURCES, KernelKey, find_nvcc, \
-    prefill_tokens, read_source
+from cupy_kernels.build import (
+    BLOCK_SIZES,
+    CUDA_TYPES,
+    HEAD_SIZES,
+    SOURCES,
+    KernelKey,
+    find_nvcc,
+    prefill_tokens,
+    read_source,
+)
 
 ARCHS = ("sm_80", "sm_90")
 GROUPS = (4, 1, 8, 2, 7, 3)  # cycled; the Llama-3-8B decode shape (bf16, 128, 16, 4) is in the set
