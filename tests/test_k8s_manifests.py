@@ -376,11 +376,13 @@ def test_every_container_is_hardened_with_resources(rendered, variant):
             assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsUser"] == 10001
             for kind in ("requests", "limits"):
                 assert {"cpu", "memory"} <= c["resources"][kind].keys(), (c["name"], kind)
-        mounted = {m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", [])}
+        # Read-only root: /tmp and $HOME (caches) are writable emptyDirs in every main container.
         emptydirs = {v["name"] for v in spec["volumes"] if "emptyDir" in v}
         for c in spec["containers"]:
-            writable = {m["mountPath"] for m in c["volumeMounts"] if m["name"] in emptydirs}
-            assert {"/tmp", "/cache"} <= writable or "/tmp" in mounted and "/cache" in mounted
+            writable = {m["mountPath"] for m in c["volumeMounts"]
+                        if m["name"] in emptydirs and not m.get("readOnly")}
+            home = container_env(rendered[variant], c)["HOME"]
+            assert "/tmp" in writable and any(home == w or home.startswith(w + "/") for w in writable)
 
 
 def test_dockerfiles_run_as_the_uid_the_manifests_expect():
