@@ -11,8 +11,10 @@ import argparse
 import copy
 import importlib
 import json
+import os
 import re
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -322,6 +324,19 @@ def test_gpu_model_download_job_fills_what_the_pods_wait_for(rendered):
     volumes = {v["name"]: v for v in pod_spec(job)["volumes"]}
     assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "pagedserve-models"
     assert volumes["hf-token"]["secret"]["optional"] is True
+
+
+def test_model_download_job_uses_options_the_hf_cli_has():
+    """The executor image's `hf` comes from huggingface_hub (a transformers dependency), as here."""
+    docs = render(REPO / "k8s" / "overlays" / "gpu")
+    script = container(find(docs, "Job", "pagedserve-model-download"))["command"][-1]
+    assert re.search(r"(^|;)\s*hf download ", script)
+    hf = Path(sys.executable).parent / "hf"
+    out = subprocess.run([str(hf), "download", "--help"], capture_output=True, text=True, timeout=60,
+                         env={"PATH": os.environ.get("PATH", ""), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"})
+    assert out.returncode == 0, out.stderr
+    for option in set(re.findall(r"\s(--[a-z-]+)", script)):
+        assert option in out.stdout, option
 
 
 def test_cpu_overlay_builds_the_tiny_model_where_the_services_read_it(rendered):
