@@ -1,0 +1,122 @@
+"""``make gpu-check`` / ``python -m cupy_kernels.gpu_check``: everything that needs a GPU, in one run.
+
+1. the GPU tests (``pytest -m gpu``): every kernel against its float64 reference over the dtype /
+   head size / block size / GQA grid, the CuPy backend against the torch backend, and greedy
+   generation of the tiny model on the GPU path against the CPU path and transformers;
+2. decode-attention timing at Llama-3-8B shapes (batch 1/8/64 x context 512/2048/8192): achieved
+   bandwidth against the measured device copy bandwidth, and time against torch SDPA.
+
+Results go to ``--out`` (default ``$OUT``, else ``gpu_check_out/``) as ``gpu_check.json`` and
+``gpu_check.md`` (ready for docs/PERF.md); the table is printed last. Exit status 1 if a test
+failed. Designed to finish in well under 6 minutes on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BATCHES = (1, 8, 64)
+CONTEXTS = (512, 2048, 8192)
+TARGET_FRAC_OF_COPY = 0.70  # at batch 64, context 2048
+TARGET_VS_SDPA = 1.25
+
+
+def gpu_test_files() -> list[str]:
+    """Test files that carry GPU tests (collecting only these keeps unrelated imports out)."""
+    return sorted(str(p) for p in Path("tests").glob("test_*.py") if "mark.gpu" in p.read_text())
+
+
+def run_gpu_tests(timeout_s: int) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *gpu_test_files()]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        rc, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, output = 124, f"timed out after {timeout_s}s\n{exc.stdout or ''}"
+    tail = "\n".join(output.strip().splitlines()[-40:])
+    return {"returncode": rc, "seconds": round(time.perf_counter() - start, 1), "tail": tail}
+
+
+def device_info() -> dict:
+    import cupy
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    return {"device": props.name, "sms": props.multi_processor_count, "memory_gib": round(props.total_memory / 2**30),
+            "torch": torch.__version__, "cupy": cupy.__version__, "cuda": torch.version.cuda}
+
+
+def run_bench() -> tuple[float, list]:
+    import torch
+
+    from cupy_kernels.bench import copy_bandwidth_gbs, decode_row
+
+    copy_gbs = copy_bandwidth_gbs()
+    rows = []
+    for batch in BATCHES:
+        for ctx in CONTEXTS:
+            rows.append(decode_row(batch, ctx, copy_gbs))
+            torch.cuda.empty_cache()  # the row's caches are gone; give their memory back
+            print(f"  batch {batch:3d} context {ctx:5d}: {rows[-1].kernel_us:8.1f} us", flush=True)
+    return copy_gbs, rows
+
+
+def verdicts(rows: list) -> list[str]:
+    out = []
+    for r in rows:
+        if r.batch == 64 and r.context == 2048:
+            ok = r.frac_of_copy >= TARGET_FRAC_OF_COPY
+            out.append(f"{'PASS' if ok else 'MISS'} bandwidth at batch 64, context 2048: "
+                       f"{100 * r.frac_of_copy:.0f}% of copy (target >= {100 * TARGET_FRAC_OF_COPY:.0f}%)")
+            ok = r.vs_sdpa <= TARGET_VS_SDPA
+            out.append(f"{'PASS' if ok else 'MISS'} vs SDPA at batch 64, context 2048: {r.vs_sdpa:.2f}x "
+                       f"(target <= {TARGET_VS_SDPA}x)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cupy_kernels.gpu_check", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out", help="results directory")
+    parser.add_argument("--test-timeout", type=int, default=240, help="seconds for the GPU tests")
+    parser.add_argument("--skip-tests", action="store_true", help="timing only")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible to torch; nothing to check", file=sys.stderr)
+        return 2
+    report: dict = {"info": device_info()}
+    print("device:", report["info"], flush=True)
+    if not args.skip_tests:
+        print("running GPU tests ...", flush=True)
+        report["tests"] = run_gpu_tests(args.test_timeout)
+        print(report["tests"]["tail"], flush=True)
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2))  # keep partial results
+    from cupy_kernels.bench import markdown
+
+    print("timing decode attention ...", flush=True)
+    copy_gbs, rows = run_bench()
+    report["copy_bandwidth_gbs"] = copy_gbs
+    report["decode"] = [r.as_dict() for r in rows]
+    report["verdicts"] = verdicts(rows)
+    table = markdown(rows, copy_gbs, report["info"]["device"])
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    (out / "gpu_check.md").write_text(table + "\n\n" + "\n".join(report["verdicts"]) + "\n")
+    tests = report.get("tests", {"returncode": 0})
+    print("\n" + table + "\n\n" + "\n".join(report["verdicts"]))
+    status = "passed" if tests["returncode"] == 0 else f"FAILED (rc {tests['returncode']})"
+    print(f"GPU tests: {status}")
+    return 0 if tests["returncode"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
