@@ -62,33 +62,46 @@ class RequestStream:
         for su in update.seqs:
             if su.index in self.finish:
                 continue  # late tokens of a choice a stop string already ended
-            delta = ChoiceDelta(index=su.index)
-            detok = self._detok(su.index)
-            out = self.outputs.setdefault(su.index, [])
-            logprobs = su.logprobs or []
-            for i, tok in enumerate(su.new_token_ids):
-                delta.text += detok.step(tok)
-                delta.token_ids.append(tok)
-                out.append(tok)
-                if i < len(logprobs):
-                    delta.logprobs.append(logprobs[i])
-                if detok.stop_matched is not None:
-                    delta.finish_reason = FinishReason.STOP
-                    break
-            if delta.finish_reason != FinishReason.STOP and su.finish_reason is not None:
-                delta.finish_reason = su.finish_reason
-                delta.text += detok.finish()
+            delta = self._advance(su)
             if delta.finish_reason == FinishReason.STOP and su.finish_reason is None:
                 stopped.append(su.index)
             if delta.finish_reason != FinishReason.UNSPECIFIED:
                 self.finish[su.index] = delta.finish_reason
             if delta.token_ids or delta.text or delta.finish_reason != FinishReason.UNSPECIFIED:
                 choices.append(delta)
-        if any(c.token_ids for c in choices):
+        if choices:
             now = time.monotonic()
-            self.first_token_at = self.first_token_at or now
+            if self.first_token_at is None:
+                self.first_token_at = now
             self.last_token_at = now
         return self._output(choices), stopped
+
+    def _advance(self, su) -> ChoiceDelta:
+        """One choice's new tokens -> its delta (text, ids, logprobs, finish reason)."""
+        detok = self.detoks.get(su.index) or self._detok(su.index)
+        out = self.outputs.setdefault(su.index, [])
+        ids = su.new_token_ids
+        if len(ids) == 1 and not su.logprobs:  # the decode fast path: one token, no logprobs
+            text = detok.step(ids[0])
+            out.append(ids[0])
+            delta = ChoiceDelta(su.index, text, list(ids))
+        else:
+            delta = ChoiceDelta(su.index)
+            logprobs = su.logprobs or []
+            for i, tok in enumerate(ids):
+                delta.text += detok.step(tok)
+                delta.token_ids.append(tok)
+                out.append(tok)
+                if i < len(logprobs):
+                    delta.logprobs.append(logprobs[i])
+                if detok.stop_matched is not None:
+                    break
+        if detok.stop_matched is not None:
+            delta.finish_reason = FinishReason.STOP
+        elif su.finish_reason is not None:
+            delta.finish_reason = su.finish_reason
+            delta.text += detok.finish()
+        return delta
 
     def abort(self, reason: FinishReason = FinishReason.ABORTED) -> RequestOutput:
         """Finish every open choice (abort, shutdown, failure) and release held text."""

@@ -12,7 +12,7 @@ Cost, for each ready executor ``e`` (documented in docs/ARCHITECTURE.md):
     load(e)  = running + waiting + not-yet-admitted requests on e
     hit(e)   = prompt tokens in the longest run of leading full blocks routed to e
     eligible = { e : load(e) <= min_load + max(SKEW_ABS, SKEW_REL * min_load) }
-    choose     argmax over eligible of (hit(e), free_blocks(e) - pending_blocks(e))
+    choose     argmax over eligible of (hit(e), -load(e), free_blocks(e) - pending_blocks(e))
 
 The skew guard is what stops one hot prefix from swamping a single executor
 (SGLang's cache-aware router "death spiral"): once the executor holding the
@@ -68,7 +68,9 @@ class Router:
         eligible = [s for s in ready if loads[s.id] <= bound]
         hashes = self._hashes(prompt)
         hits = {s.id: self._hit_blocks(hashes, s.id) for s in eligible}
-        best = max(eligible, key=lambda s: (hits[s.id], _headroom(s), -loads[s.id]))
+        # Load before free blocks: a request queued in a scheduler holds no blocks
+        # yet, so free blocks alone would pile a burst onto whoever admitted first.
+        best = max(eligible, key=lambda s: (hits[s.id], -loads[s.id], _headroom(s)))
         self.num_routed += 1
         if hits[best.id] > 0:
             self.num_prefix_routed += 1
