@@ -40,6 +40,8 @@ RATES = {"alpaca": 1.0, "sharegpt": 0.05}  # low: (almost) no preemption even wi
 TOKEN_BUDGET = 6 * 2048
 PAPER = {("alpaca", "parallel"): "6.1-9.8%", ("alpaca", "beam"): "37.6-55.2%",
          ("sharegpt", "parallel"): "16.2-30.5%", ("sharegpt", "beam"): "44.3-66.3%"}
+# the paper's range ends, read as its n (or width) = 2 and = 6 bars
+PAPER_ENDS = {k: tuple(float(x) for x in v.rstrip("%").split("-")) for k, v in PAPER.items()}
 
 
 def measure(workload: str, mode: str, width: int, num_requests: int, seed: int = 0) -> dict:
@@ -89,12 +91,16 @@ def plot(rows: list[dict], path: Path) -> None:
             xs = [j * (len(WIDTHS) + 1) + i for i in range(len(rs))]
             bars = ax.bar(xs, [100 * r["saving"] for r in rs], color="#1565c0" if mode == "parallel" else "#2e7d32")
             ax.bar_label(bars, fmt="%.1f", fontsize=7)
+            lo, hi = PAPER_ENDS[(wl, mode)]
+            ax.scatter([xs[0], xs[-1]], [lo, hi], marker="x", color="k", zorder=3,
+                       label="paper (n, w = 2 and 6)" if j == 0 else None)
             for x, r in zip(xs, rs, strict=True):
                 ax.text(x, -6, f"{'n' if mode == 'parallel' else 'w'}={r['width']}", ha="center", fontsize=7)
         ax.set_xticks([1, len(WIDTHS) + 2], ["parallel sampling", "beam search"])
         ax.tick_params(axis="x", pad=14)
         ax.set_ylabel("memory saving (%)")
         ax.set_title(f"{wl}-like (simulated OPT-13B)", fontsize=9)
+        ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -62,6 +62,11 @@ def plot_batched(stats: list[RunStats], path: Path) -> None:
         xs = range(len(runs))
         bars = ax.bar(xs, [s.mean_batched for s in runs], color=[COLORS[s.allocator] for s in runs])
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
+        if wl == "sharegpt":
+            pts = [(i, PAPER_BATCHED_SHAREGPT[s.allocator]) for i, s in enumerate(runs)
+                   if s.allocator in PAPER_BATCHED_SHAREGPT]
+            ax.scatter(*zip(*pts, strict=True), marker="x", color="k", zorder=3, label="paper")
+            ax.legend(fontsize=7)
         ax.set_xticks(xs, [LABELS[s.allocator].replace(" (paged)", "") for s in runs], fontsize=7, rotation=15)
         ax.set_ylabel("mean batched requests")
         ax.set_title(f"{wl}-like @ {runs[0].rate:g} req/s", fontsize=9)
