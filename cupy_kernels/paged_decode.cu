@@ -44,6 +44,10 @@ struct DecodeShape {
   static constexpr int NT = cmax(1, cmin(8 / CPL, PS_DECODE_NTG / G)); // tokens per lane per tile
   static constexpr int TILE = NT * TPW;                     // tokens per warp per tile
   static constexpr int NW = PS_DECODE_THREADS / kWarp;
+  // Floats a lane keeps live (q, accumulators, the K and V tile, logits). Small enough -> ask for
+  // 4 resident blocks (<= 128 registers, 16 warps per SM to keep loads in flight), else 2.
+  static constexpr int LIVE = 2 * G * CPL * VEC + 8 * NT * CPL + NT * G;
+  static constexpr int MIN_BLOCKS = LIVE <= 112 ? 4 : 2;
   static_assert(HEAD % VEC == 0, "head size must be a multiple of 16 bytes");
   static_assert(G >= 1 && G <= 8, "at most 8 q heads per thread block");
 };
@@ -51,7 +55,7 @@ struct DecodeShape {
 }  // namespace ps
 
 template <typename T, int HEAD, int BS, int G>
-__global__ void __launch_bounds__(PS_DECODE_THREADS, 2)
+__global__ void __launch_bounds__(PS_DECODE_THREADS, ps::DecodeShape<T, HEAD, G>::MIN_BLOCKS)
 ps_paged_decode(T* __restrict__ out,              // [num_seqs, num_q_heads, HEAD] (num_parts == 1)
                 float* __restrict__ part_out,     // [num_seqs, num_q_heads, num_parts, HEAD]
                 float* __restrict__ part_max,     // [num_seqs, num_q_heads, num_parts] (log2 units)

@@ -180,3 +180,28 @@ def test_nvcc_unit_names_every_instance():
     assert "&ps_paged_prefill<float, 96, 32, 1, 16>" in unit
     src = build.read_source("paged_decode.cu")
     assert '#include "common.cuh"' not in src and "struct Cvt<__nv_bfloat16>" in src
+
+
+def test_kv_budget_takes_the_share_minus_peak_and_non_torch():
+    from executor_svc.gpu_memory import kv_budget
+
+    gib = 1 << 30
+    assert kv_budget(80 * gib, 20 * gib, gib, 0.9) == int(0.9 * 80 * gib) - 21 * gib
+    assert kv_budget(10 * gib, 12 * gib, 0, 0.9) == 0  # the model alone is over the share
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        kv_budget(gib, 0, 0, 1.5)
+
+
+def test_profile_step_runs_a_full_forward(tiny_llama_dir):
+    """The profiling step builds valid metadata for the token budget (checked here on CPU)."""
+    from executor_svc.attention import TorchAttentionBackend
+    from executor_svc.gpu_memory import make_profile_step
+    from executor_svc.model import load_model
+
+    model = load_model(tiny_llama_dir)
+    calls = []
+    backend = TorchAttentionBackend()
+    forward = backend.forward
+    backend.forward = lambda q, *a, **k: calls.append(q.shape) or forward(q, *a, **k)
+    make_profile_step(model, backend, num_tokens=37, block_size=16)()
+    assert calls and all(shape[0] == 37 for shape in calls)
