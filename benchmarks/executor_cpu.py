@@ -37,11 +37,18 @@ def _runner(model, batch: int, max_len: int) -> ModelRunner:
     return ModelRunner(model, kv, TorchAttentionBackend(), Sampler(seed=0))
 
 
-def _prefill(runner: ModelRunner, batch: int, prompt_len: int, max_len: int) -> None:
+SAMPLING = {
+    "top-p": SamplingParams(temperature=0.8, top_p=0.95, seed=1),  # needs a full sort of the vocabulary
+    "temperature": SamplingParams(temperature=0.8, seed=1),
+    "greedy": SamplingParams(temperature=0.0),
+}
+
+
+def _prefill(runner: ModelRunner, batch: int, prompt_len: int, max_len: int,
+             sampling: SamplingParams = SAMPLING["top-p"]) -> None:
     per_seq = -(-max_len // BLOCK)
     vocab = runner.model.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
-    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=1)
     news = [NewSeq(i, torch.randint(1, vocab, (prompt_len,), generator=g).tolist(), prompt_len,
                    list(range(i * per_seq, (i + 1) * per_seq)), 0, sampling) for i in range(batch)]
     per_step = max(1, 2048 // prompt_len)  # a token budget like the scheduler's
@@ -70,14 +77,14 @@ def _gemm_share(runner: ModelRunner, batch: int, steps: int, step0: int) -> tupl
     return gemm_us / 1e6 / wall, attn_us / 1e6 / wall
 
 
-def bench(model, batch: int, prompt_len: int, steps: int, profile_steps: int) -> dict:
+def bench(model, batch: int, prompt_len: int, steps: int, profile_steps: int, sampling: str) -> dict:
     max_len = prompt_len + steps + profile_steps + 2
     runner = _runner(model, batch, max_len)
-    _prefill(runner, batch, prompt_len, max_len)
+    _prefill(runner, batch, prompt_len, max_len, SAMPLING[sampling])
     _decode(runner, batch, 2, 10_000)  # warm-up
     wall = _decode(runner, batch, steps, 20_000)
     gemm, attn = _gemm_share(runner, batch, profile_steps, 30_000)
-    return {"batch": batch, "tokens_per_s": batch * steps / wall, "ms_per_step": 1000 * wall / steps,
+    return {"batch": batch, "sampling": sampling, "tokens_per_s": batch * steps / wall, "ms_per_step": 1000 * wall / steps,
             "gemm_fraction": gemm, "outside_gemm_fraction": 1 - gemm, "attention_fraction": attn}
 
 
@@ -88,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--sampling", choices=tuple(SAMPLING), default="top-p")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json", help="also write results here")
     args = ap.parse_args(argv)
@@ -101,10 +109,11 @@ def main(argv: list[str] | None = None) -> None:
             model_dir = build_tiny_model(Path(tmp) / "tiny", "llama", "default")
         model = load_model(model_dir)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model {model.cfg.architecture} {n_params / 1e6:.1f}M params, threads={torch.get_num_threads()}")
+    print(f"model {model.cfg.architecture} {n_params / 1e6:.1f}M params, threads={torch.get_num_threads()}, "
+          f"sampling={args.sampling}, prompt {args.prompt_len} tokens")
     rows = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        r = bench(model, b, args.prompt_len, args.decode_steps, args.profile_steps)
+        r = bench(model, b, args.prompt_len, args.decode_steps, args.profile_steps, args.sampling)
         rows.append(r)
         print(f"batch {b:3d}: {r['tokens_per_s']:8.1f} tok/s  {r['ms_per_step']:7.2f} ms/step  "
               f"GEMM {100 * r['gemm_fraction']:4.1f}%  outside GEMM {100 * r['outside_gemm_fraction']:4.1f}%  "

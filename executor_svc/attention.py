@@ -116,8 +116,10 @@ class TorchAttentionBackend(AttentionBackend):
         """tables [n, nb] -> [n, num_kv_heads, length, head_size] (first ``length`` slots)."""
         block_size = cache.shape[1]
         nb = -(-length // block_size)
-        kv = cache[tables[:, :nb].long()]  # [n, nb, block_size, kv_heads, head]
-        kv = kv.reshape(kv.shape[0], nb * block_size, *cache.shape[2:])[:, :length]
+        n = tables.shape[0]
+        # index_select is ~10x faster than advanced indexing here on CPU
+        kv = cache.index_select(0, tables[:, :nb].reshape(-1).long())  # [n * nb, block_size, kv_heads, head]
+        kv = kv.view(n, nb * block_size, *cache.shape[2:])[:, :length]
         return kv.transpose(1, 2)
 
     def _decode_batch(self, query, k_cache, v_cache, meta, scale, idx, starts, lens, out) -> None:
