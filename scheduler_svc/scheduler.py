@@ -228,16 +228,17 @@ class Scheduler:
         self._preempted = False
         running, kv_allocate = self.running, self.kv.allocate
         ids, nums, inflight = plan.scheduled_seq_ids, plan.num_new_tokens, self._inflight
+        tokens, nseqs = budget.tokens, budget.seqs  # locals in the hot loop; synced around slow paths
         i = 0
-        while i < len(running) and budget.tokens > 0 and budget.seqs > 0:
+        while i < len(running) and tokens > 0 and nseqs > 0:
             r = running[i]
             live = r.live
             if len(live) == 1 and r.beam is None and r.forked and live[0].resident:
                 # Hot path (one resident sequence, nothing owed), inlined for speed.
                 seq = live[0]
                 n = len(seq.token_ids) - seq.num_computed_tokens
-                if n > budget.tokens:
-                    n = budget.tokens
+                if n > tokens:
+                    n = tokens
                 ch = kv_allocate(seq, n)
                 if ch is not None:
                     if ch is not NO_CHANGE:
@@ -245,13 +246,17 @@ class Scheduler:
                     ids.append(seq.seq_id)
                     nums.append(n)
                     inflight.append((seq, n))  # type: ignore[union-attr]
-                    budget.tokens -= n
-                    budget.seqs -= 1
+                    tokens -= n
+                    nseqs -= 1
                     i += 1
                     continue
-            if not self._schedule_with_preemption(r, plan, budget):
+            budget.tokens, budget.seqs = tokens, nseqs
+            ok = self._schedule_with_preemption(r, plan, budget)
+            tokens, nseqs = budget.tokens, budget.seqs
+            if not ok:
                 break  # r itself was preempted: everyone after it is gone too
             i += 1
+        budget.tokens, budget.seqs = tokens, nseqs
         return self._preempted
 
     def _schedule_with_preemption(self, r: Request, plan: BatchPlan, budget: _Budget) -> bool:
