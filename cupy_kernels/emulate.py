@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from cupy_kernels import checks
-from cupy_kernels.build import CUDA_TYPES, PARTITION_SIZE, SOURCES, SRC_DIR, KernelKey
+from cupy_kernels.build import CUDA_TYPES, SOURCES, SRC_DIR, KernelKey
 from cupy_kernels.launchers import LOG2E, THREADS, plan_decode, plan_prefill
 
 EMU_DIR = SRC_DIR / "emu"
@@ -72,8 +72,8 @@ class Emulator:
 
     def decode(self, query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out,
                num_partitions: int | None = None) -> None:
-        launch, parts = plan_decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, num_sms=132)
-        psize = PARTITION_SIZE
+        launch, parts, psize = plan_decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
+                                           num_sms=132)
         if num_partitions is not None:
             parts, psize = num_partitions, max(1, math.ceil(max_seq_len / num_partitions))
         n, h, d = query.shape

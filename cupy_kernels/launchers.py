@@ -5,11 +5,13 @@ read torch's memory in place: the launch passes each tensor's device address, so
 copied or converted (the checks in :mod:`cupy_kernels.checks` stand in for the type safety a
 CuPy array would give). CuPy is imported only when a kernel actually launches.
 
-Decode split rule (:func:`decode_partitions`): a context of at most ``PARTITION_SIZE`` tokens is
-one partition. Longer contexts are split into ``PARTITION_SIZE``-token partitions (plus a reduce
-kernel) when the single-pass grid has fewer than ``4 * num_SMs`` thread blocks (too few to keep
-every multiprocessor streaming and to balance uneven context lengths), or always beyond
-``SPLIT_ALWAYS_ABOVE`` tokens, where one block per (sequence, head) would serialise too much.
+Decode split rule (:func:`decode_split`): one pass when the single-pass grid has at least
+``4 * num_SMs`` thread blocks (every SM holds 4 resident blocks: enough loads in flight and even
+balance) and the context is at most ``SPLIT_ALWAYS_ABOVE`` tokens. Otherwise the context is cut
+into partitions (plus a reduce kernel) so the grid reaches about ``4 * num_SMs`` blocks: the
+partition size is ``max_seq_len / wanted_partitions`` rounded up to a multiple of 64 tokens (one
+tile round of the 4 warps) and clamped to [``MIN_PARTITION``, ``PARTITION_SIZE``]. Partitions
+never exceed ``PARTITION_SIZE`` tokens, so long contexts always spread over many blocks.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from cupy_kernels.build import (
 
 THREADS = 128  # PS_DECODE_THREADS / PS_PREFILL_THREADS
 SPLIT_ALWAYS_ABOVE = 8192
+MIN_PARTITION = 128
 LOG2E = 1.4426950408889634
 
 
@@ -44,19 +47,27 @@ class Launch:
     grid: tuple[int, int, int]
 
 
+def decode_split(num_seqs: int, blocks_per_seq: int, max_seq_len: int, num_sms: int) -> tuple[int, int]:
+    """(partitions, partition size in tokens) for the decode kernel; (1, _) = single pass."""
+    base = max(1, num_seqs * blocks_per_seq)
+    target = 4 * num_sms
+    if (base >= target and max_seq_len <= SPLIT_ALWAYS_ABOVE) or max_seq_len <= MIN_PARTITION:
+        return 1, max(1, max_seq_len)
+    wanted = math.ceil(target / base)
+    size = 64 * math.ceil(math.ceil(max_seq_len / wanted) / 64)
+    size = min(PARTITION_SIZE, max(MIN_PARTITION, size))
+    parts = math.ceil(max_seq_len / size)
+    return (1, max_seq_len) if parts == 1 else (parts, size)
+
+
 def decode_partitions(num_seqs: int, blocks_per_seq: int, max_seq_len: int, num_sms: int) -> int:
-    """How many context partitions the decode kernel uses (1 = single pass); see module doc."""
-    if max_seq_len <= PARTITION_SIZE:
-        return 1
-    if num_seqs * blocks_per_seq >= 4 * num_sms and max_seq_len <= SPLIT_ALWAYS_ABOVE:
-        return 1
-    return math.ceil(max_seq_len / PARTITION_SIZE)
+    return decode_split(num_seqs, blocks_per_seq, max_seq_len, num_sms)[0]
 
 
 def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                num_sms: int) -> tuple[Launch, int]:
-    """Validate decode arguments; return the main launch and the number of partitions."""
+                num_sms: int) -> tuple[Launch, int, int]:
+    """Validate decode arguments; return the main launch, the partitions and their size."""
     _, block_size, num_kv_heads, head_size = checks.check_cache_pair(k_cache, v_cache)
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     checks.check_index("seq_lens", seq_lens, torch.int32, (None,))
@@ -67,11 +78,11 @@ def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _check_len(max_seq_len, block_tables.shape[1], block_size)
     g = group_size(q_per_kv)
     blocks_per_seq = num_kv_heads * (q_per_kv // g)
-    parts = decode_partitions(num_seqs, blocks_per_seq, max_seq_len, num_sms)
+    parts, psize = decode_split(num_seqs, blocks_per_seq, max_seq_len, num_sms)
     if parts > MAX_PARTITIONS:
         raise ValueError(f"max_seq_len: at most {MAX_PARTITIONS * PARTITION_SIZE} tokens, got {max_seq_len}")
     key = KernelKey("decode", checks.DTYPES[k_cache.dtype], head_size, block_size, g)
-    return Launch(key, (blocks_per_seq, num_seqs, parts)), parts
+    return Launch(key, (blocks_per_seq, num_seqs, parts)), parts, psize
 
 
 def plan_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -137,16 +148,16 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     device = _require_cuda(k_cache=k_cache, v_cache=v_cache, query=query, block_tables=block_tables,
                            seq_lens=seq_lens)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    launch, parts = plan_decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, num_sms(index))
+    launch, parts, psize = plan_decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
+                                       num_sms(index))
     if num_partitions is not None:
         if not 1 <= num_partitions <= MAX_PARTITIONS:
             raise ValueError(f"num_partitions: must lie in [1, {MAX_PARTITIONS}], got {num_partitions}")
-        parts = num_partitions
+        parts, psize = num_partitions, max(1, math.ceil(max_seq_len / num_partitions))
     out = _out_like(query, out)
     num_seqs, num_q_heads, head = query.shape
     if num_seqs == 0:
         return out
-    psize = max(1, math.ceil(max_seq_len / parts)) if num_partitions is not None else PARTITION_SIZE
     f32 = dict(dtype=torch.float32, device=device)
     part_out = torch.empty((num_seqs, num_q_heads, parts, head) if parts > 1 else (1,), **f32)
     part_max = torch.empty((num_seqs, num_q_heads, parts) if parts > 1 else (1,), **f32)

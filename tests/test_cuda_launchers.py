@@ -31,18 +31,24 @@ def test_group_size_and_prefill_tokens():
 
 
 def test_decode_split_rule():
-    sms = 132
-    assert launchers.decode_partitions(1, 8, 512, sms) == 1  # short context: one pass
-    assert launchers.decode_partitions(1, 8, 2048, sms) == 4  # few blocks: split to fill the GPU
-    assert launchers.decode_partitions(64, 8, 2048, sms) == 4  # 512 blocks < 4 * 132
-    assert launchers.decode_partitions(128, 8, 2048, sms) == 1  # 1024 blocks keep every SM busy
-    assert launchers.decode_partitions(128, 8, 8193, sms) == 17  # very long: always split
+    sms, split = 132, launchers.decode_split
+    assert split(1, 8, 100, sms) == (1, 100)  # tiny context: one pass
+    assert split(1, 8, 512, sms) == (4, 128)  # 8 blocks: short partitions to fill 132 SMs
+    assert split(1, 8, 2048, sms) == (16, 128)  # partitions of at least 128 tokens
+    assert split(8, 8, 2048, sms) == (8, 256)  # 64 blocks x 9 wanted -> 256-token partitions
+    assert split(64, 8, 2048, sms) == (4, 512)  # 512 blocks < 4 * 132
+    assert split(64, 8, 512, sms) == (2, 256)
+    assert split(128, 8, 2048, sms) == (1, 2048)  # 1024 blocks keep every SM busy
+    assert split(128, 8, 8193, sms) == (17, 512)  # very long: always split
+    for seqs, ctx in [(1, 777), (3, 5000), (64, 8192), (200, 300)]:
+        parts, size = split(seqs, 8, ctx, sms)
+        assert parts * size >= ctx and (parts == 1 or (parts - 1) * size < ctx)
 
 
 def test_plan_decode_picks_configuration():
-    launch, parts = launchers.plan_decode(**_decode_args(), num_sms=132)
+    launch, parts, size = launchers.plan_decode(**_decode_args(), num_sms=132)
     assert launch.key == build.KernelKey("decode", "bfloat16", 128, 16, 4)
-    assert launch.grid == (2, 2, 1) and parts == 1
+    assert launch.grid == (2, 2, 1) and (parts, size) == (1, 40)
     assert launch.key.expression() == "ps_paged_decode<__nv_bfloat16, 128, 16, 4>"
 
 
