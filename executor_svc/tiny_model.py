@@ -19,6 +19,7 @@ that greedy continuations keep changing.
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,14 @@ ARCHS = ("llama", "mistral", "qwen2")
 
 def train_tokenizer(vocab_size: int):
     """Byte-level BPE on the shipped corpus; id 0 is the EOS token."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
+
+
+@functools.lru_cache(maxsize=4)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    """Training is deterministic; cache it so a test session builds many checkpoints quickly."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -48,7 +57,7 @@ def train_tokenizer(vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train([str(CORPUS)], trainer)
-    return tok
+    return tok.to_str()
 
 
 def _hf_config(arch: str, size: dict[str, int], vocab: int, eos_id: int, tie: bool,

@@ -92,9 +92,10 @@ def test_tiny_checkpoint_is_a_real_hf_directory(tiny_llama_dir):
     assert all(isinstance(tok.decode([i]), str) for i in range(cfg["vocab_size"]))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_tiny_models_greedy_output_is_not_degenerate(tiny_checkpoint, arch):
-    path = tiny_checkpoint(arch, "small")
+@pytest.mark.parametrize("arch, size", [("llama", "small"), ("qwen2", "small"), ("mistral", "small"),
+                                        ("llama", "default")])
+def test_tiny_models_greedy_output_is_not_degenerate(tiny_checkpoint, arch, size):
+    path = tiny_checkpoint(arch, size)
     drv = PlanDriver(make_runner(path))
     for i, prompt in enumerate(([5, 9, 30, 41], [100, 7], [3])):
         drv.add(i, prompt)
