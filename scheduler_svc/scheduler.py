@@ -96,6 +96,10 @@ class Scheduler:
             self._new_seq(r, 0, list(req.prompt_token_ids), sp)
         elif resume is not None and any(resume.outputs):
             self._resume_seqs(r, resume)
+            if not r.live:
+                for seq in r.seqs:
+                    self.seqs.pop(seq.seq_id, None)
+                raise ValueError(f"resume of {req.request_id!r}: every choice already finished")
         else:
             self._new_seq(r, 0, list(req.prompt_token_ids), p.sampling)
             r.forked = p.n == 1
@@ -111,6 +115,9 @@ class Scheduler:
         if req.params.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {req.params.max_tokens}")
         width = max(req.params.n, req.params.beam_width)
+        if width > min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
+            raise ValueError(f"n/beam_width {width} exceeds max_num_seqs {cfg.max_num_seqs} "
+                             f"or max_num_batched_tokens {cfg.max_num_batched_tokens}")
         longest = min(n + req.params.max_tokens, cfg.max_model_len)
         need = width * -(-longest // cfg.block_size)
         if need > self.kv.num_device_blocks - self._watermark:
@@ -295,9 +302,19 @@ class Scheduler:
             n = seq.num_tokens - seq.num_computed_tokens
             return [(seq, n if n <= budget.tokens else budget.tokens)]
         work = [(s, s.num_tokens - s.num_computed_tokens) for s in live]
-        if len(work) > budget.seqs or sum(n for _, n in work) > budget.tokens:
+        if len(work) > budget.seqs:
             return None
-        return work
+        if sum(n for _, n in work) <= budget.tokens:
+            return work
+        # Chunk the group's prefill (e.g. after recompute) so that no sequence reaches its
+        # last token before all can: beams must sample in the same step.
+        left, chunks = budget.tokens, []
+        for s, n in work:
+            k = min(n - 1, left)
+            if k > 0:
+                chunks.append((s, k))
+                left -= k
+        return chunks or None
 
     def _fork_choices(self, r: Request) -> None:
         """n > 1: the prompt (minus its last token) is computed once; share it n ways."""

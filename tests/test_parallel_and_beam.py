@@ -16,6 +16,7 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
 from scheduler_svc.plan import SamplingParams
+from scheduler_svc.request import MigratedRequest
 from tests.fake_executor import drive, model_logprobs
 from tests.test_scheduler import BS, EOS, VOCAB, assert_all_released, make, oracle
 
@@ -225,3 +226,27 @@ def test_pruned_beams_free_their_blocks_immediately():
             assert sched.block_stats()["used"] <= 4 + 4 * 4  # shared prompt + per-beam tails
     assert freed_mid_search > 0
     assert_all_released(sched, ex)
+
+
+def test_resumed_choices_prefill_in_chunks_and_sample_together():
+    sched, ex = make(200, tokens=16)
+    r = nreq("m", list(range(20, 60)), n=3, max_tokens=6, ignore_eos=True)
+    done = [oracle(r, i)[:2] for i in range(3)]
+    sched.add_request(r, resume=MigratedRequest(r, done, [None, None, None]))
+    sampled_steps = []
+    outs = drive(sched, ex, on_step=lambda plan, ups: sampled_steps.append(
+        sum(len(su.new_token_ids) for u in ups for su in u.seqs)))
+    assert sampled_steps[: 126 // 16].count(0) >= 7  # 3 x 42 tokens in chunks of at most 16
+    first = next(n for n in sampled_steps if n)
+    assert first == 3  # all choices reach their last token in the same step
+    for i in range(3):
+        assert done[i] + outs[("m", i)] == oracle(r, i)
+    assert_all_released(sched, ex)
+
+
+def test_group_wider_than_the_budgets_is_rejected():
+    sched, _ = make(200, seqs=2)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        sched.add_request(nreq("w", [1, 2], n=3))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        sched.add_request(GenerationRequest("b", [1, 2], RequestParams(max_tokens=3, beam_width=3)))
