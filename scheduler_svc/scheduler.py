@@ -523,6 +523,23 @@ class Scheduler:
     def num_free_blocks(self) -> int:
         return self.kv.num_free_blocks
 
+    @property
+    def num_used_blocks(self) -> int:
+        return self.kv.stats().get("used", self.kv.num_device_blocks - self.kv.num_free_blocks)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.kv.stats().get("cached", 0)
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """O(num_blocks): for stats, not the hot path."""
+        return self.kv.stats().get("shared", 0)
+
+    @property
+    def num_cpu_used_blocks(self) -> int:
+        return self.kv.stats().get("cpu_used", 0)
+
     def block_stats(self) -> dict[str, int]:
         """used / cached / shared device blocks and cpu_used (stats; O(num_blocks))."""
         return self.kv.stats()

@@ -423,3 +423,16 @@ def test_invalid_requests_are_rejected():
     sched.add_request(req("a", [1]))
     with pytest.raises(ValueError, match="already"):
         sched.add_request(req("a", [1]))
+
+
+def test_counters_track_blocks_and_queues():
+    sched, ex = make(64, ncpu=8)
+    sched.add_request(req("a", list(range(9)), max_tokens=5, ignore_eos=True))
+    sched.add_request(req("b", [1], max_tokens=5, n=2, seed=1, ignore_eos=True))
+    assert (sched.num_waiting, sched.num_running, sched.num_swapped) == (2, 0, 0)
+    sched.update(ex.run(sched.schedule()))
+    assert (sched.num_waiting, sched.num_running) == (0, 2)
+    assert sched.num_used_blocks == 3 + 2 and sched.num_shared_blocks == 0  # 1-token prompt: 2 own blocks
+    assert sched.num_free_blocks == 64 - sched.num_used_blocks and sched.num_cpu_used_blocks == 0
+    drive(sched, ex)
+    assert sched.num_used_blocks == 0 and sched.num_cached_blocks >= 3  # at least a's 3 full blocks
