@@ -69,7 +69,7 @@ class OutputProcessor:
         r = seq.request
         self.s.finish_seq(seq, reason)
         if not r.live and r.forked:
-            self.s._finish_request(r, None)
+            self.s.release_request(r, None)
             return True
         return False
 
@@ -81,7 +81,7 @@ class OutputProcessor:
             if id(r) in seen or r.request_id not in self.s.requests:
                 continue
             seen.add(id(r))
-            self.s._finish_request(r, FinishReason.ABORTED)
+            self.s.release_request(r, FinishReason.ABORTED)
             out.append(RequestUpdate(r.request_id, [], True, r.num_prompt_tokens,
                                      r.num_cached_prompt_tokens, error=error))
         return out
@@ -113,7 +113,7 @@ class OutputProcessor:
             self._apply_beams(r, running)
             return
         hyps = final_hypotheses(r.beam, beams, lim)  # type: ignore[arg-type]
-        s._finish_request(r, FinishReason.LENGTH)
+        s.release_request(r, FinishReason.LENGTH)
         updates.append(RequestUpdate(
             r.request_id, [SeqUpdate(i, h.output_token_ids, None, h.finish_reason) for i, h in enumerate(hyps)],
             True, r.num_prompt_tokens, r.num_cached_prompt_tokens))
@@ -130,7 +130,7 @@ class OutputProcessor:
         for cs in chosen.values():
             parent = cs[0].parent
             for c in cs[1:]:
-                child = s._new_seq(r, len(r.seqs), list(parent.token_ids) + [c.token_id], parent.sampling)
+                child = s.new_seq(r, len(r.seqs), list(parent.token_ids) + [c.token_id], parent.sampling)
                 child.num_computed_tokens = parent.num_computed_tokens
                 s.kv.fork(parent, child)
                 child.fork_parent = parent.seq_id  # the executor copies parent before appends

@@ -1,0 +1,247 @@
+"""A scheduler's requests: intake, the one release path, migration, counters.
+
+:class:`RequestLifecycle` holds the queues and the request/sequence indexes
+and everything that adds or removes requests; the step planning that uses
+them lives in :mod:`scheduler_svc.scheduler` (``Scheduler`` subclasses this).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections import deque
+
+from scheduler_svc.api_types import FinishReason, GenerationRequest
+from scheduler_svc.kv_cache_manager import KVCacheManager, KVCacheManagerBase
+from scheduler_svc.plan import SamplingParams
+from scheduler_svc.request import BeamState, MigratedRequest, Request, RequestState, Sequence
+from scheduler_svc.sched_config import SchedulerConfig
+
+Work = list[tuple[Sequence, int]]  # (sequence, num_new_tokens) scheduled in one step
+
+
+class RequestLifecycle:
+    """Queues and indexes of one scheduler, and every way a request enters or leaves."""
+
+    def __init__(self, config: SchedulerConfig, num_device_blocks: int, num_cpu_blocks: int,
+                 eos_token_id: int | None, kv_manager: KVCacheManagerBase | None = None) -> None:
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.kv: KVCacheManagerBase = kv_manager or KVCacheManager(
+            config.block_size, num_device_blocks, num_cpu_blocks, config.enable_prefix_caching)
+        self._watermark = config.watermark_blocks(num_device_blocks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival; the tail is the preemption victim
+        self.swapped: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self.seqs: dict[int, Sequence] = {}  # live sequences by seq_id
+        self._next_seq_id = 0
+        self._next_arrival = 0
+        self._step_id = 0
+        self._pending_free: list[int] = []  # executor-resident seq ids to forget in the next plan
+        self._inflight: Work | None = None  # what the plan in flight computes
+        self._stale_step: int | None = None  # a plan dropped by take_all_requests
+        self._preempted = False  # set during one schedule() when someone was preempted
+        self.num_preemptions = 0
+        self.prefix_cache_query_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+
+    # ------------------------------------------------------------------ requests in/out
+    def add_request(self, req: GenerationRequest, resume: MigratedRequest | None = None) -> None:
+        """Queue a request (``resume``: continue one taken from another scheduler)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already queued")
+        self._validate(req)
+        p = req.params
+        r = Request(req, self._next_arrival, eos_token_id=None if p.ignore_eos else self.eos_token_id,
+                    stop_token_ids=frozenset(p.stop_token_ids), max_tokens=p.max_tokens)
+        self._next_arrival += 1
+        if p.beam_width > 1:
+            r.beam = BeamState(p.beam_width)
+            sp = dataclasses.replace(p.sampling, beam_candidates=2 * p.beam_width, temperature=0.0)
+            self.new_seq(r, 0, list(req.prompt_token_ids), sp)
+        elif resume is not None and any(resume.outputs):
+            self._resume_seqs(r, resume)
+            if not r.live:
+                for seq in r.seqs:
+                    self.seqs.pop(seq.seq_id, None)
+                raise ValueError(f"resume of {req.request_id!r}: every choice already finished")
+        else:
+            self.new_seq(r, 0, list(req.prompt_token_ids), p.sampling)
+            r.forked = p.n == 1
+        self.requests[req.request_id] = r
+        self.waiting.append(r)
+
+    def _validate(self, req: GenerationRequest) -> None:
+        cfg, n = self.config, len(req.prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        if n >= cfg.max_model_len:
+            raise ValueError(f"prompt of {n} tokens must be shorter than max_model_len {cfg.max_model_len}")
+        if req.params.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {req.params.max_tokens}")
+        width = max(req.params.n, req.params.beam_width)
+        if width > min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
+            raise ValueError(f"n/beam_width {width} exceeds max_num_seqs {cfg.max_num_seqs} "
+                             f"or max_num_batched_tokens {cfg.max_num_batched_tokens}")
+        longest = min(n + req.params.max_tokens, cfg.max_model_len)
+        need = width * -(-longest // cfg.block_size)
+        if need > self.kv.num_device_blocks - self._watermark:
+            raise ValueError(f"request needs up to {need} KV blocks; this pool has "
+                             f"{self.kv.num_device_blocks - self._watermark} usable")
+
+    def new_seq(self, r: Request, index: int, tokens: list[int], sampling: SamplingParams) -> Sequence:
+        seq = Sequence(self._next_seq_id, index, tokens, r.num_prompt_tokens, sampling, r)
+        self._next_seq_id += 1
+        r.seqs.append(seq)
+        r.live.append(seq)
+        self.seqs[seq.seq_id] = seq
+        return seq
+
+    def _resume_seqs(self, r: Request, m: MigratedRequest) -> None:
+        p = r.req.params
+        for i, out in enumerate(m.outputs):
+            seq = self.new_seq(r, i, list(r.req.prompt_token_ids) + list(out), seeded(p.sampling, i))
+            reason = m.finish_reasons[i] if i < len(m.finish_reasons) else None
+            if reason is not None:
+                seq.finish_reason = reason
+                r.live.remove(seq)
+                del self.seqs[seq.seq_id]
+                r.emitted_seqs += 1
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request now (idempotent); the next plan tells the executor."""
+        r = self.requests.get(request_id)
+        if r is not None:
+            self.release_request(r, FinishReason.ABORTED)
+
+    def finish_sequence(self, request_id: str, seq_index: int, reason: FinishReason) -> bool:
+        """End one choice (a stop string matched). Returns True if the request is now done."""
+        r = self.requests.get(request_id)
+        if r is None:
+            return True
+        if r.beam is not None:
+            raise ValueError("finish_sequence: beam search choices end only inside the scheduler")
+        for seq in r.live:
+            if seq.index == seq_index:
+                self.finish_seq(seq, reason)
+                break
+        if not r.live and r.forked:
+            self.release_request(r, None)
+            return True
+        return False
+
+    def finish_seq(self, seq: Sequence, reason: FinishReason) -> None:
+        """The one release path of a sequence (also used by preemption-free finishes)."""
+        seq.finish_reason = reason
+        self._forget(seq)
+        seq.request.live.remove(seq)
+        self.seqs.pop(seq.seq_id, None)
+
+    def _forget(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        if seq.resident:
+            self._pending_free.append(seq.seq_id)
+        seq.forget_executor_state()
+
+    def release_request(self, r: Request, reason: FinishReason | None) -> None:
+        """Release every block of ``r`` and drop it from all queues (idempotent)."""
+        if r.state is RequestState.FINISHED:
+            return
+        for seq in list(r.live):
+            self.finish_seq(seq, reason or FinishReason.ABORTED)
+        if r.state is RequestState.RUNNING:
+            self.running.remove(r)
+        elif r.state is RequestState.WAITING:
+            self.waiting.remove(r)
+        elif r.state is RequestState.SWAPPED:
+            self.swapped.remove(r)
+        r.state = RequestState.FINISHED
+        self.requests.pop(r.request_id, None)
+
+    def take_all_requests(self) -> list[MigratedRequest]:
+        """Remove every request and free all blocks; return what re-queues each elsewhere."""
+        out = []
+        for r in sorted(self.requests.values(), key=lambda r: r.arrival):
+            n = r.req.params.n if r.beam is None else 0
+            outputs: list[list[int]] = [[] for _ in range(n)]
+            reasons: list[FinishReason | None] = [None] * n
+            for seq in r.seqs if r.beam is None else ():
+                outputs[seq.index] = seq.output_token_ids
+                reasons[seq.index] = seq.finish_reason
+            out.append(MigratedRequest(r.req, outputs, reasons))
+            self.release_request(r, FinishReason.ABORTED)
+        if self._inflight is not None:
+            self._stale_step, self._inflight = self._step_id, None
+        return out
+
+    def _set_running(self, r: Request) -> None:
+        r.state = RequestState.RUNNING
+        if not self.running or self.running[-1].arrival < r.arrival:
+            self.running.append(r)
+        else:
+            bisect.insort(self.running, r, key=lambda x: x.arrival)
+
+    # ------------------------------------------------------------------ introspection
+    def has_work(self) -> bool:
+        return bool(self.requests or self._pending_free)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.kv.stats().get("used", self.kv.num_device_blocks - self.kv.num_free_blocks)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.kv.stats().get("cached", 0)
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """O(num_blocks): for stats, not the hot path."""
+        return self.kv.stats().get("shared", 0)
+
+    @property
+    def num_cpu_used_blocks(self) -> int:
+        return self.kv.stats().get("cpu_used", 0)
+
+    def block_stats(self) -> dict[str, int]:
+        """used / cached / shared device blocks and cpu_used (stats; O(num_blocks))."""
+        return self.kv.stats()
+
+    def check_integrity(self) -> None:
+        """RuntimeError unless queues, sequences and the KV pools agree."""
+        self.kv.check_integrity()
+        queued = {id(r) for q in (self.waiting, self.running, self.swapped) for r in q}
+        if len(queued) != len(self.requests) or any(id(r) not in queued for r in self.requests.values()):
+            raise RuntimeError("every request must sit in exactly one queue")
+        if [r.arrival for r in self.running] != sorted(r.arrival for r in self.running):
+            raise RuntimeError("running queue is not in arrival order")
+        live = {s.seq_id for r in self.requests.values() for s in r.live}
+        if live != set(self.seqs):
+            raise RuntimeError("live sequence index disagrees with the requests")
+        for r in self.waiting:
+            for s in r.live:
+                if s.resident or s.num_computed_tokens or self.kv.block_ids(s):
+                    raise RuntimeError(f"waiting seq {s.seq_id} still holds executor state or blocks")
+
+
+def seeded(sp: SamplingParams, i: int) -> SamplingParams:
+    """Choice i of a seeded n > 1 request samples with seed + i."""
+    if i == 0 or sp.seed is None:
+        return sp
+    return dataclasses.replace(sp, seed=sp.seed + i)
