@@ -436,3 +436,10 @@ def test_counters_track_blocks_and_queues():
     assert sched.num_free_blocks == 64 - sched.num_used_blocks and sched.num_cpu_used_blocks == 0
     drive(sched, ex)
     assert sched.num_used_blocks == 0 and sched.num_cached_blocks >= 3  # at least a's 3 full blocks
+
+
+@pytest.mark.parametrize("field,value", [("block_size", 0), ("max_num_seqs", -1), ("max_model_len", 1.5),
+                                         ("preemption_mode", "drop"), ("watermark", 1.0)])
+def test_config_rejects_bad_values(field, value):
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**{field: value})
