@@ -142,7 +142,7 @@ class OutputProcessor:
         r.seqs = list(r.live)
 
 
-def _token_logprob(x: SeqLogprobs | None, tok: int) -> TokenLogprob | None:
+def _token_logprob(x: SeqLogprobs | None, tok: int) -> list[TokenLogprob] | None:
     if x is None:
         return None
-    return TokenLogprob(tok, x.token_logprob, x.top_token_ids, x.top_logprobs)
+    return [TokenLogprob(tok, x.token_logprob, x.top_token_ids, x.top_logprobs)]

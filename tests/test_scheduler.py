@@ -292,7 +292,7 @@ def test_logprobs_are_passed_through():
     seen = []
     run_all(sched, ex, [req("a", [1, 2], max_tokens=3, want_logprobs=True)],
             lambda _, ups: seen.extend(su.logprobs for u in ups for su in u.seqs))
-    assert len(seen) == 3 and all(lp is not None and lp.logprob <= 0 for lp in seen)
+    assert len(seen) == 3 and all(len(lp) == 1 and lp[0].logprob <= 0 for lp in seen)
 
 
 # --------------------------------------------------------------------------- aborts, errors, migration
