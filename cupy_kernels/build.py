@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,9 +93,13 @@ def nvrtc_options() -> tuple[str, ...]:
 
 
 def cuda_include_dir() -> str | None:
-    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if root and (Path(root) / "include" / "cuda_bf16.h").is_file():
-            return str(Path(root) / "include")
+    """Where cuda_fp16.h / cuda_bf16.h live: NVRTC (13.x) has no built-in copy of them."""
+    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    cands = [Path(r) / "include" for r in roots if r]
+    cands += [Path(p) / "nvidia" / sub / "include" for p in sys.path if p for sub in ("cu13", "cuda_runtime")]
+    for inc in cands:
+        if (inc / "cuda_bf16.h").is_file():
+            return str(inc)
     return None
 
 

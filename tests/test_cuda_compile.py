@@ -3,7 +3,9 @@
 Compiles every .cu file with ``nvcc -cubin -Xptxas -v`` for sm_80 and sm_90 over a representative
 set of template instantiations (every dtype and head size, every block size, q-head groups from
 MHA to MQA), from the exact text NVRTC compiles at run time (common.cuh pasted in), and fails on
-a compile error, a register spill or a stack frame. Units compile in parallel.
+a compile error, a register spill or a stack frame. Units compile in parallel. The same
+instantiations then go through NVRTC itself (ctypes, the nvidia-cuda-nvrtc wheel) with CuPy's
+kind of request: the run-time options and one name expression per kernel.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from cupy_kernels.build import (
     SOURCES,
     KernelKey,
     find_nvcc,
+    nvrtc_options,
     prefill_tokens,
     read_source,
 )
+from cupy_kernels.nvrtc import compile_source, find_library
 
 ARCHS = ("sm_80", "sm_90")
 GROUPS = (4, 1, 8, 2, 7, 3)  # cycled; the Llama-3-8B decode shape (bf16, 128, 16, 4) is in the set
@@ -99,3 +103,25 @@ def test_kernels_compile_without_spills(tmp_path):
                    for src, keys in representative_keys().items()) * len(ARCHS)
     assert seen == expected, f"ptxas reported {seen} kernels, expected {expected}"
     assert not problems, "register spills / local memory:\n" + "\n".join(problems)
+
+
+def test_nvrtc_compiles_every_name_expression():
+    """What CuPy's RawModule does on a GPU machine, minus the device: NVRTC with our options,
+    template kernels requested by name expression, a cubin for sm_90."""
+    lib = find_library()
+    assert lib is not None, "NVRTC library missing: pip install nvidia-cuda-nvrtc (a dev dependency)"
+    options = [*nvrtc_options(), "--gpu-architecture=sm_90"]
+
+    def run(item):
+        source, keys = item
+        exprs = [k.expression() for k in keys]
+        return source, exprs, compile_source(read_source(source), exprs, options, lib)
+
+    # One instantiation per kernel and dtype: nvcc above covers the rest of the grid.
+    subset = {src: [k for k in keys if k.head_size in (80, 128) and (k.head_size == 128) == (k.dtype != "float32")]
+              for src, keys in representative_keys().items()}
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = list(pool.map(run, subset.items()))
+    for source, exprs, res in results:
+        assert res.ok, f"NVRTC failed on {source}:\n{res.log[-4000:]}"
+        assert set(res.lowered) == set(exprs) and res.cubin_bytes > 0, source
