@@ -310,10 +310,14 @@ class Engine:
         except asyncio.CancelledError:
             raise
         except Exception:
+            # A bug, not an executor failure: fail this executor's requests (INTERNAL) rather
+            # than replay them into the same bug elsewhere, and drop the connection so the
+            # executor re-registers with a clean slate.
             log.exception("engine loop for executor %s failed; failing its requests", slot.id)
-            for t in list(slot.requests.values()):
+            for t in list(slot.requests.values()) + slot.adds:
                 self._fail(t, RequestFailed("internal error in the scheduler loop"))
-            raise
+            slot.requests, slot.adds = {}, []
+            self.hub.drop(slot.conn, "engine loop failed")
         finally:
             if slot.conn.state == "dead" or not self._closing:
                 self._evacuate(slot, "executor lost")
@@ -408,7 +412,11 @@ class Engine:
             self._place(t)
 
     def _take(self, slot: ExecutorSlot) -> list[MigratedRequest]:
-        taken = slot.scheduler.take_all_requests()
+        try:
+            taken = slot.scheduler.take_all_requests()
+        except Exception:  # a broken scheduler must not stop the others' evacuation
+            log.exception("could not take the requests of executor %s", slot.id)
+            return []
         by_id = {m.request.request_id: m for m in taken}
         for rid, m in by_id.items():
             t = slot.requests.get(rid)

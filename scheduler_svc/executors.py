@@ -195,6 +195,10 @@ class ExecutorHub:
                  hs.executor_id, hs.num_device_blocks, hs.num_cpu_blocks, hs.device, hs.dtype)
         self._on_join(conn)
 
+    def drop(self, conn: ExecutorConn, why: str) -> None:
+        """Forget an executor (the engine gave up on it); it must handshake again."""
+        self._declare_dead(conn, why)
+
     def _declare_dead(self, conn: ExecutorConn, why: str) -> None:
         if conn.state == "dead":
             return
