@@ -199,4 +199,4 @@ def test_bfloat16_runner_logits_close_to_float32(tiny_llama_dir):
         drv.step({0: 29})
         logits.append(runner.last_logits.float().cpu())
     err = rel_error(logits[1], logits[0])
-    assert err < 3e-2, f"bf16 logits differ from float32 by {err:.3g}"
+    assert err < 5e-2, f"bf16 logits differ from float32 by {err:.3g}"  # catches broken attention (~1)
