@@ -110,7 +110,8 @@ def test_nvrtc_compiles_every_name_expression():
     template kernels requested by name expression, a cubin for sm_90."""
     lib = find_library()
     assert lib is not None, "NVRTC library missing: pip install nvidia-cuda-nvrtc (a dev dependency)"
-    options = [*nvrtc_options(), "--gpu-architecture=sm_90"]
+    # CuPy >= 13 with NVRTC >= 12 adds --device-as-default-execution-space; -ftz as its cache does.
+    options = [*nvrtc_options(), "--device-as-default-execution-space", "-ftz=true", "--gpu-architecture=sm_90"]
 
     def run(item):
         source, keys = item
