@@ -6,7 +6,7 @@
 2. decode-attention timing at Llama-3-8B shapes (batch 1/8/64 x context 512/2048/8192): achieved
    bandwidth against the measured device copy bandwidth, and time against torch SDPA.
 
-Results go to ``--out`` (default ``$OUT``, else ``gpu_check_out/``) as ``gpu_check.json`` and
+Results go to ``--out`` (default ``$OUT``, else ``build/gpu_check/``) as ``gpu_check.json`` and
 ``gpu_check.md`` (ready for docs/PERF.md); the table is printed last. Exit status 1 if a test
 failed. Designed to finish in well under 6 minutes on an H200.
 """
@@ -83,7 +83,7 @@ def verdicts(rows: list) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cupy_kernels.gpu_check", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out", help="results directory")
+    parser.add_argument("--out", default=os.environ.get("OUT") or "build/gpu_check", help="results directory")
     parser.add_argument("--test-timeout", type=int, default=240, help="seconds for the GPU tests")
     parser.add_argument("--skip-tests", action="store_true", help="timing only")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks on a bare GPU machine, e.g. a leased device with no network:
-#   bash cupy_kernels/gpu_check.sh [--out DIR]     (DIR defaults to $OUT, else gpu_check_out/)
+#   bash cupy_kernels/gpu_check.sh [--out DIR]     (DIR defaults to $OUT, else build/gpu_check/)
 # Uses the machine's python3 when it already has a CUDA torch and CuPy (the H200 image does:
 # torch 2.11+cu130, cupy-cuda13x); otherwise installs them from PyPI, matching CuPy to the
 # driver's CUDA major version. Runs from the repository root with the repo on PYTHONPATH, so no
