@@ -99,6 +99,7 @@ class Request:
     eos_token_id: int | None = None  # None when ignore_eos
     stop_token_ids: frozenset[int] = frozenset()
     max_tokens: int = 0
+    stop_len: int = 0  # a sequence of this many tokens is done: min(prompt + max_tokens, max_model_len)
 
     @property
     def request_id(self) -> str:

@@ -25,7 +25,7 @@ class OutputProcessor:
 
     def process(self, result: StepResult) -> list[RequestUpdate]:
         s = self.s
-        seqs, max_len = s.seqs, s.config.max_model_len
+        seqs = s.seqs
         lps = {x.seq_id: x for x in result.logprobs} if result.logprobs else None
         out: list[RequestUpdate] = []
         multi: dict[str, RequestUpdate] = {}  # n > 1: one update per request, several seqs
@@ -42,7 +42,7 @@ class OutputProcessor:
                 reason: FinishReason | None = FinishReason.EOS
             elif tok in r.stop_token_ids:
                 reason = FinishReason.STOP
-            elif len(toks) - seq.num_prompt_tokens >= r.max_tokens or len(toks) >= max_len:
+            elif len(toks) >= r.stop_len:
                 reason = FinishReason.LENGTH
             else:
                 reason = None
