@@ -1,0 +1,264 @@
+"""The engine with in-process executors: the real ZeroMQ worker around the fake executor.
+
+Fast (no model, no subprocesses) and strict: the fake executor checks every
+plan against the KV state it simulates, and every scenario ends with each
+scheduler's check_integrity() and no block held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from tokenizers import Tokenizer
+
+from executor_svc.worker import ExecutorWorker
+from fake_executor import FakeExecutor
+from grpc_fakes import make_tokenizer
+from scheduler_svc import plan as wire
+from scheduler_svc.api_types import (
+    FinishReason,
+    GenerationRequest,
+    NoExecutor,
+    QueueFull,
+    RequestFailed,
+    RequestParams,
+)
+from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.plan import SamplingParams
+from scheduler_svc.sched_config import SchedulerConfig
+
+BLOCKS = 64
+
+
+class FakeRunner:
+    """The worker's runner interface over the fake executor."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.reset()
+
+    def reset(self) -> None:
+        self.fake = FakeExecutor(BLOCKS, 16, 16, vocab_size=self.vocab)
+
+    def execute(self, plan: wire.BatchPlan) -> wire.StepResult:
+        return self.fake.run(plan)
+
+
+class FakeExecutorThread:
+    def __init__(self, endpoint: str, name: str, vocab: int) -> None:
+        hs = wire.Handshake(name, wire.WIRE_VERSION, "fake", "fake-model", "FakeForCausalLM", vocab, 16,
+                            BLOCKS, 16, 1024, "float32", "cpu")
+        self.worker = ExecutorWorker(endpoint, FakeRunner(vocab), hs, drain_timeout=5.0)
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+        self.thread.start()
+
+    def kill(self) -> None:
+        self.worker._signals = 2  # exits at once, without a drain: a crash as the scheduler sees it
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return make_tokenizer()
+
+
+def _req(rid: str, prompt: list[int], max_tokens: int = 8, **kw) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, RequestParams(max_tokens=max_tokens,
+                                                        sampling=SamplingParams(temperature=0.0),
+                                                        ignore_eos=True, **kw))
+
+
+async def _engine(tokenizer, n_executors: int, **cfg_kw):
+    cfg = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
+                       executor_endpoint="tcp://127.0.0.1:0", heartbeat_interval_s=0.2, **cfg_kw)
+    engine = Engine(cfg, tokenizer, eos_token_id=None)
+    await engine.start()
+    endpoint = f"tcp://127.0.0.1:{engine.hub.bound_port}"
+    execs = [FakeExecutorThread(endpoint, f"fake{i}", tokenizer.get_vocab_size())
+             for i in range(n_executors)]
+    while len(engine.slots) < n_executors:
+        await asyncio.sleep(0.01)
+    return engine, execs
+
+
+async def _collect(engine: Engine, req: GenerationRequest):
+    tokens: dict[int, list[int]] = {}
+    text: dict[int, str] = {}
+    finish: dict[int, FinishReason] = {}
+    usage = None
+    async for out in engine.generate(req):
+        for c in out.choices:
+            tokens.setdefault(c.index, []).extend(c.token_ids)
+            text[c.index] = text.get(c.index, "") + c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+        usage = out.usage or usage
+    return tokens, text, finish, usage
+
+
+async def _settle(engine: Engine) -> None:
+    """Wait until every scheduler is idle, then check it holds nothing."""
+    for _ in range(200):
+        if all(not s.scheduler.has_work() for s in engine.slots.values()):
+            break
+        await asyncio.sleep(0.02)
+    for slot in engine.slots.values():
+        slot.scheduler.check_integrity()
+        assert slot.scheduler.block_stats()["used"] == 0
+        assert not slot.scheduler.has_work()
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_streams_tokens_and_frees_every_block(tokenizer):
+    async def main():
+        engine, execs = await _engine(tokenizer, 1)
+        try:
+            outs = await asyncio.gather(*(_collect(engine, _req(f"r{i}", list(range(3, 30 + i)), 10))
+                                          for i in range(12)))
+            for tokens, text, finish, usage in outs:
+                assert len(tokens[0]) == 10 and finish[0] == FinishReason.LENGTH
+                assert text[0] == tokenizer.decode(tokens[0])
+                assert usage.completion_tokens == 10
+            await _settle(engine)
+        finally:
+            await engine.shutdown(0)
+            for e in execs:
+                e.kill()
+
+    _run(main())
+
+
+def test_stop_string_ends_the_choice_without_the_stop_text(tokenizer):
+    async def main():
+        engine, execs = await _engine(tokenizer, 1)
+        try:
+            tokens, text, _, _ = await _collect(engine, _req("free", list(range(3, 20)), 24))
+            stop = text[0][5:8]  # a piece of what this prompt deterministically produces
+            assert stop
+            _, text2, finish2, usage = await _collect(engine, _req("stopped", list(range(3, 20)), 24,
+                                                                   stop=[stop]))
+            assert finish2[0] == FinishReason.STOP
+            assert text2[0] == text[0][:text[0].index(stop)]
+            assert usage.completion_tokens < 24
+            await _settle(engine)
+        finally:
+            await engine.shutdown(0)
+            for e in execs:
+                e.kill()
+
+    _run(main())
+
+
+def test_closing_the_stream_aborts_and_frees(tokenizer):
+    async def main():
+        engine, execs = await _engine(tokenizer, 1)
+        try:
+            gen = engine.generate(_req("gone", list(range(3, 40)), 200))
+            got = 0
+            async for out in gen:
+                got += sum(len(c.token_ids) for c in out.choices)
+                if got >= 3:
+                    break
+            await gen.aclose()
+            assert "gone" not in engine.tracked
+            await _settle(engine)
+        finally:
+            await engine.shutdown(0)
+            for e in execs:
+                e.kill()
+
+    _run(main())
+
+
+def test_dead_executor_requests_continue_elsewhere_without_gap_or_repeat(tokenizer):
+    async def main():
+        engine, execs = await _engine(tokenizer, 1)
+        reqs = [_req(f"m{i}", [7 + i] + list(range(3, 25)), 40) for i in range(6)]
+        try:
+            reference = await asyncio.gather(*(_collect(engine, r) for r in reqs))
+            execs.append(FakeExecutorThread(f"tcp://127.0.0.1:{engine.hub.bound_port}", "fake1",
+                                            tokenizer.get_vocab_size()))
+            while len(engine.slots) < 2:
+                await asyncio.sleep(0.01)
+            for r in reqs:
+                r.request_id += "-again"
+            tasks = [asyncio.create_task(_collect(engine, r)) for r in reqs]
+            while sum(s.scheduler.num_running for s in engine.slots.values() if s.id == "fake0") == 0:
+                await asyncio.sleep(0.005)
+            execs[0].kill()
+            outs = await asyncio.gather(*tasks)
+            assert [o[0] for o in outs] == [r[0] for r in reference]
+            assert [o[1] for o in outs] == [r[1] for r in reference]
+            assert engine.stats().num_migrations > 0
+            await _settle(engine)
+        finally:
+            await engine.shutdown(0)
+            for e in execs:
+                e.kill()
+
+    _run(main())
+
+
+def test_loop_failure_fails_its_requests_and_the_executor_comes_back(tokenizer):
+    async def main():
+        engine, execs = await _engine(tokenizer, 1)
+        try:
+            slot = engine.slots["fake0"]
+            real_update = slot.scheduler.update
+
+            def broken(result):
+                raise RuntimeError("injected scheduler bug")
+
+            slot.scheduler.update = broken
+            with pytest.raises(RequestFailed):
+                await _collect(engine, _req("victim", list(range(3, 20))))
+            slot.scheduler.update = real_update
+            # The executor notices the silence, re-registers, and serving resumes.
+            for _ in range(300):
+                if engine.is_ready():
+                    break
+                await asyncio.sleep(0.02)
+            tokens, _, _, _ = await _collect(engine, _req("after", list(range(3, 20)), 5))
+            assert len(tokens[0]) == 5
+            await _settle(engine)
+        finally:
+            await engine.shutdown(0)
+            for e in execs:
+                e.kill()
+
+    _run(main())
+
+
+def test_queue_limit_and_no_executor(tokenizer):
+    async def main():
+        cfg = EngineConfig(scheduler=SchedulerConfig(), executor_endpoint="tcp://127.0.0.1:0")
+        engine = Engine(cfg, tokenizer, eos_token_id=None)
+        await engine.start()
+        try:
+            with pytest.raises(NoExecutor):
+                await _collect(engine, _req("x", [3, 4, 5]))
+        finally:
+            await engine.shutdown(0)
+        engine, execs = await _engine(tokenizer, 1, max_queued_requests=2)
+        try:
+            gens = [engine.generate(_req(f"q{i}", list(range(3, 300)), 50)) for i in range(2)]
+            firsts = [asyncio.ensure_future(g.__anext__()) for g in gens]
+            await asyncio.sleep(0)  # both are admitted (queued), none scheduled yet
+            assert engine.stats().num_waiting == 2
+            with pytest.raises(QueueFull):
+                await _collect(engine, _req("over", list(range(3, 300))))
+            await asyncio.gather(*firsts)
+            for g in gens:
+                await g.aclose()
+            await _settle(engine)
+        finally:
+            await engine.shutdown(0)
+            for e in execs:
+                e.kill()
+
+    _run(main())
