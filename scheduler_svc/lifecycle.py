@@ -39,7 +39,8 @@ class RequestLifecycle:
         self._next_arrival = 0
         self._step_id = 0
         self._pending_free: list[int] = []  # executor-resident seq ids to forget in the next plan
-        self._inflight: Work | None = None  # what the plan in flight computes
+        self._inflight: list[int] | None = None  # seq ids the plan in flight computes
+        self._to_commit: list[Sequence] = []  # seqs whose step in flight fills a block
         self._stale_step: int | None = None  # a plan dropped by take_all_requests
         self._preempted = False  # set during one schedule() when someone was preempted
         self.num_preemptions = 0

@@ -64,7 +64,8 @@ class Scheduler(RequestLifecycle):
         self._step_id += 1
         plan = BatchPlan(self._step_id)
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        self._inflight = []
+        self._inflight = plan.scheduled_seq_ids
+        self._to_commit = []
         preempted = self._schedule_running(plan, budget)
         if not preempted:
             self._schedule_swapped(plan, budget)
@@ -81,7 +82,8 @@ class Scheduler(RequestLifecycle):
         """Running requests oldest first; returns whether anyone was preempted."""
         self._preempted = False
         running, kv_allocate = self.running, self.kv.allocate
-        ids, nums, inflight = plan.scheduled_seq_ids, plan.num_new_tokens, self._inflight
+        ids, nums, to_commit = plan.scheduled_seq_ids, plan.num_new_tokens, self._to_commit
+        bs = self.config.block_size
         tokens, nseqs = budget.tokens, budget.seqs  # locals in the hot loop; synced around slow paths
         i = 0
         while i < len(running) and tokens > 0 and nseqs > 0:
@@ -90,7 +92,8 @@ class Scheduler(RequestLifecycle):
             if len(live) == 1 and r.beam is None and r.forked and live[0].resident:
                 # Hot path (one resident sequence, nothing owed), inlined for speed.
                 seq = live[0]
-                n = len(seq.token_ids) - seq.num_computed_tokens
+                c = seq.num_computed_tokens
+                n = len(seq.token_ids) - c
                 if n > tokens:
                     n = tokens
                 ch = kv_allocate(seq, n)
@@ -99,7 +102,9 @@ class Scheduler(RequestLifecycle):
                         self._emit_change(seq, ch, plan)
                     ids.append(seq.seq_id)
                     nums.append(n)
-                    inflight.append((seq, n))  # type: ignore[union-attr]
+                    seq.num_computed_tokens = c + n  # counted at schedule time, as in vLLM v1
+                    if (c + n) // bs != c // bs:
+                        to_commit.append(seq)  # cache its newly full block once the step returns
                     tokens -= n
                     nseqs -= 1
                     i += 1
@@ -207,7 +212,7 @@ class Scheduler(RequestLifecycle):
             seq = self.seqs[x.child_seq_id if type(x) is Fork else x.seq_id]
             seq.resident = True
             seq.fork_parent = None
-        ids, nums, inflight = plan.scheduled_seq_ids, plan.num_new_tokens, self._inflight
+        ids, nums, bs = plan.scheduled_seq_ids, plan.num_new_tokens, self.config.block_size
         total = 0
         for (seq, n), ch in zip(work, changes, strict=True):
             if ch is not NO_CHANGE:
@@ -217,7 +222,10 @@ class Scheduler(RequestLifecycle):
                 seq.pending_tokens.clear()
             ids.append(seq.seq_id)
             nums.append(n)
-            inflight.append((seq, n))  # type: ignore[union-attr]
+            c = seq.num_computed_tokens
+            seq.num_computed_tokens = c + n
+            if (c + n) // bs != c // bs:
+                self._to_commit.append(seq)
             total += n
         budget.tokens -= total
         budget.seqs -= len(work)
@@ -326,22 +334,15 @@ class Scheduler(RequestLifecycle):
             raise ValueError(f"update: no plan in flight (result for step {result.step_id})")
         if result.step_id != self._step_id:
             raise ValueError(f"update: result for step {result.step_id}, plan in flight is {self._step_id}")
-        work, self._inflight = self._inflight, None
+        ids, self._inflight = self._inflight, None
+        to_commit, self._to_commit = self._to_commit, []
         if result.error is not None:
-            return self._out.fail(work, result.error)
-        self._advance(work)
-        return self._out.process(result)
-
-    def _advance(self, work: _Work) -> None:
-        bs = self.config.block_size
+            return self._out.fail([self.seqs[i] for i in ids if i in self.seqs], result.error)
         commit = self.kv.commit_computed
-        for seq, n in work:
-            if seq.finish_reason is not None:
-                continue  # finished or aborted while the step ran
-            old = seq.num_computed_tokens
-            seq.num_computed_tokens = new = old + n
-            if new // bs != old // bs:
+        for seq in to_commit:  # their blocks are computed now: safe to share via the cache
+            if seq.finish_reason is None:
                 commit(seq)
+        return self._out.process(result)
 
 
 def _footprint(r: Request) -> int:

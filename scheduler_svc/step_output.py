@@ -73,10 +73,10 @@ class OutputProcessor:
             return True
         return False
 
-    def fail(self, work: list[tuple[Sequence, int]], error: str) -> list[RequestUpdate]:
+    def fail(self, seqs: list[Sequence], error: str) -> list[RequestUpdate]:
         """The step failed as a whole: fail (and free) every request it computed for."""
         out, seen = [], set()
-        for seq, _ in work:
+        for seq in seqs:
             r = seq.request
             if id(r) in seen or r.request_id not in self.s.requests:
                 continue
