@@ -9,6 +9,8 @@ executor's — including under preemption by recompute and by swap.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
@@ -250,3 +252,52 @@ def test_group_wider_than_the_budgets_is_rejected():
         sched.add_request(nreq("w", [1, 2], n=3))
     with pytest.raises(ValueError, match="max_num_seqs"):
         sched.add_request(GenerationRequest("b", [1, 2], RequestParams(max_tokens=3, beam_width=3)))
+
+
+def _mixed_workload(seed: int) -> list[GenerationRequest]:
+    rng = random.Random(seed)
+    base = [rng.randrange(VOCAB) for _ in range(12)]
+    reqs = []
+    for i in range(14):
+        prompt = base[: rng.randint(0, 12)] + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 14))]
+        kind = rng.random()
+        if kind < 0.25:
+            params = RequestParams(max_tokens=rng.randint(2, 8), beam_width=rng.randint(2, 3),
+                                   length_penalty=rng.choice([0.0, 1.0, 2.0]))
+        else:
+            params = RequestParams(max_tokens=rng.randint(1, 14), n=rng.choice([1, 1, 2, 3]),
+                                   sampling=SamplingParams(seed=rng.randrange(1000)),
+                                   stop_token_ids=[rng.randrange(VOCAB)] if kind > 0.9 else [])
+        reqs.append(GenerationRequest(f"r{i}", prompt, params))
+    return reqs
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("ncpu,mode", [(0, "recompute"), (48, "swap")])
+def test_mixed_workload_with_aborts_matches_an_unconstrained_run(seed, ncpu, mode):
+    """n > 1, beams, stop ids, shared prefixes and aborts on a tiny pool, vs a huge pool."""
+    reqs = _mixed_workload(seed)
+    big, ex_big = make(600, seqs=32, tokens=64)
+    for r in reqs:
+        big.add_request(r)
+    want = drive(big, ex_big)
+    sched, ex = make(30, ncpu, mode, seqs=16, tokens=24)
+    for r in reqs:
+        sched.add_request(r)
+    rng = random.Random(seed + 100)
+    aborted = {rng.choice(reqs).request_id for _ in range(2)}
+    step = 0
+
+    def maybe_abort(plan, ups):
+        nonlocal step
+        step += 1
+        if step == 5 + seed:
+            for rid in aborted:
+                sched.abort_request(rid)
+
+    got = drive(sched, ex, on_step=maybe_abort)
+    assert sched.num_preemptions > 0 and big.num_preemptions == 0
+    for key, toks in want.items():
+        if key[0] not in aborted:
+            assert got[key] == toks, key
+    assert_all_released(sched, ex)
