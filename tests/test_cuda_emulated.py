@@ -18,7 +18,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 # (dtype, head_size, block_size, num_q_heads, num_kv_heads): odd heads and groups, MHA, MQA, Llama
 CONFIGS = [("float32", 80, 8, 12, 4), ("float16", 256, 32, 4, 4), ("bfloat16", 128, 16, 8, 2),
-           ("float32", 64, 16, 16, 1), ("bfloat16", 96, 8, 14, 2)]
+           ("float32", 64, 16, 16, 1), ("bfloat16", 96, 8, 14, 2), ("float32", 16, 16, 4, 2)]  # last: the tiny model
 IDS = [f"{d}-h{h}-b{b}-q{q}kv{kv}" for d, h, b, q, kv in CONFIGS]
 SCALE = 0.107
 
@@ -90,3 +90,40 @@ def test_emulated_copy_blocks(emu):
     emu.copy_blocks(caches, pairs)
     for (k, v), (ek, ev) in zip(caches, expected, strict=True):
         assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+def test_emulated_backend_generates_like_the_torch_backend(emu, tiny_llama_dir, monkeypatch):
+    """The runner with CupyAttentionBackend (kernels emulated on the CPU) decodes the tiny model
+    exactly as with the torch backend: chunked prefill over cached blocks, batched decode."""
+    from executor_plans import PlanDriver, make_runner
+
+    from cupy_kernels import cache_ops, launchers
+    from executor_svc.attention_cupy import CupyAttentionBackend
+
+    def decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out=None):
+        out = torch.full_like(query, float("nan")) if out is None else out
+        emu.decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out)
+        return out
+
+    def prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                max_seq_len, scale, out=None):
+        out = torch.full_like(query, float("nan")) if out is None else out
+        emu.prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                    max_seq_len, scale, out)
+        return out
+
+    monkeypatch.setattr(launchers, "paged_attention_decode", decode)
+    monkeypatch.setattr(launchers, "paged_attention_prefill", prefill)
+    monkeypatch.setattr(cache_ops, "reshape_and_cache", emu.reshape_and_cache)
+    prompts = [[(5 * i + 2) % 300 + 1 for i in range(n)] for n in (11, 4, 19)]
+    outputs = []
+    for cupy_backend in (True, False):
+        runner = make_runner(tiny_llama_dir)
+        if cupy_backend:
+            runner.backend = CupyAttentionBackend()
+        drv = PlanDriver(runner)
+        for sid, p in enumerate(prompts):
+            drv.add(sid, p)
+        drv.run_until(5, chunk=7)
+        outputs.append([drv.seqs[sid].outputs for sid in range(len(prompts))])
+    assert outputs[0] == outputs[1]
