@@ -24,9 +24,9 @@ second of generation. A table is printed, then one JSON line (last line).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -38,8 +38,7 @@ import grpc
 import torch
 
 from benchmarks import hf_baselines
-from benchmarks.serve_bench import fixed_trace, parse_range, run_requests
-from benchmarks.serve_stats import summarize
+from benchmarks.serve_bench import fixed_trace, parse_range
 from benchmarks.workloads import TraceRequest
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
@@ -66,6 +65,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when this benchmark dies (even by SIGKILL, e.g. a runner's timeout)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 class ServeProcesses:
     """A scheduler and one CPU executor started as ``python -m ...`` with logs in a temp dir."""
 
@@ -87,7 +94,7 @@ class ServeProcesses:
     def _spawn(self, name: str, threads: int, argv: list[str]) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         log = open(self.logdir / f"{name}.log", "wb")
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
 
     @property
     def server(self) -> str:
@@ -120,15 +127,21 @@ class ServeProcesses:
                 p.wait()
 
 
-def run_pagedserve(server: str, trace: list[TraceRequest]) -> hf_baselines.RunResult:
-    """All of ``trace`` at once through the gRPC API, greedy, EOS ignored."""
-    sampling = pb.SamplingParams(temperature=0.0, ignore_eos=True)
-    results, wall = asyncio.run(run_requests(server, trace, sampling, progress=False))
-    summary = summarize(results, wall)
+def run_pagedserve(server: str, num_requests: int, input_len: str, output_len: str,
+                   seed: int) -> hf_baselines.RunResult:
+    """The fixed workload, all at once, through ``pagedserve-bench`` in its own process (greedy, EOS
+    ignored): a separate client process keeps gRPC's threads out of the transformers runs here."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.json"
+        subprocess.run([sys.executable, "-m", "benchmarks.serve_bench", "--server", server, "--workload", "fixed",
+                        "--num-requests", str(num_requests), "--input-len", input_len, "--output-len", output_len,
+                        "--seed", str(seed), "--rate", "inf", "--no-progress", "--out", str(out)],
+                       check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        summary = json.loads(out.read_text())["summary"]
     if summary["failed"] or summary["short_outputs"]:
         raise RuntimeError(f"pagedserve: {summary['failed']} failed, {summary['short_outputs']} short; "
                            f"errors {summary['errors']}")
-    return hf_baselines.RunResult("pagedserve", wall, summary["total_output_tokens"],
+    return hf_baselines.RunResult("pagedserve", summary["duration_s"], summary["total_output_tokens"],
                                   summary["total_output_tokens"])
 
 
@@ -142,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-len", default="32:128", help="output length range LO:HI (tokens)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=3, help="repetitions; each system's median is reported")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                    help="torch threads of the pagedserve executor and of the transformers runs")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the pagedserve executor and of the transformers runs (default 1: "
+                         "on a small shared machine, 2 OpenMP threads on 2 busy cores run 5-7x slower)")
     ap.add_argument("--batch-sizes", default="8,16,32,64", help="static generate batch sizes to try")
     ap.add_argument("--hf-cb-max-batch-tokens", type=int, default=512,
                     help="transformers continuous batching: tokens per forward pass")
@@ -178,7 +192,10 @@ def _repetitions(args, server: str, model, trace: list[TraceRequest], pad_id: in
     runs: dict[str, list] = {"pagedserve": [], "hf_cb": []}
     static: dict[int, list[float]] = {b: [] for b in args.batch_sizes}
     for rep in range(args.reps):
-        res = run_pagedserve(server, trace)
+        res = run_pagedserve(server, len(trace), args.input_len, args.output_len, args.seed)
+        if res.useful_tokens != sum(r.output_len for r in trace):
+            raise RuntimeError(f"pagedserve generated {res.useful_tokens} tokens, the trace asks for "
+                               f"{sum(r.output_len for r in trace)}: client and trace disagree")
         runs["pagedserve"].append(res.tokens_per_s)
         _log(res, rep)
         if "static" not in args.skip:
@@ -203,7 +220,7 @@ def measure(args: argparse.Namespace) -> dict:
     pad_id = eos if isinstance(eos, int) else 0
     trace = fixed_trace(args.num_requests, parse_range(args.input_len, "--input-len"),
                         parse_range(args.output_len, "--output-len"), float("inf"), args.seed, cfg["vocab_size"])
-    warm = fixed_trace(4, (16, 48), (8, 8), float("inf"), args.seed + 1000, cfg["vocab_size"])
+    warm = fixed_trace(4, (16, 48), (8, 8), float("inf"), args.seed + 1000, cfg["vocab_size"])  # as below
     torch.set_num_threads(args.threads)  # the transformers runs in this process
     stack = ServeProcesses(model_dir, args.threads,
                            ["--max-num-seqs", str(args.max_num_seqs),
@@ -211,7 +228,7 @@ def measure(args: argparse.Namespace) -> dict:
                            ["--kv-cache-memory", args.kv_cache_memory])
     try:
         stack.wait_ready()
-        run_pagedserve(stack.server, warm)
+        run_pagedserve(stack.server, 4, "16:48", "8", args.seed + 1000)  # warm-up
         model = hf_baselines.load_model(model_dir)
         hf_baselines.run_static(model, warm, len(warm), pad_id)
         if "cb" not in args.skip:
@@ -260,8 +277,13 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through measure()'s finally, which stops the services
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _settings(build_parser().parse_args(argv))
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     result = measure(args)
     print(format_table(result))
     line = json.dumps(result, sort_keys=True)
