@@ -26,7 +26,7 @@ from scheduler_svc import plan as wire
 log = logging.getLogger("executor_svc")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_CUDA_ACTIVATION_RESERVE = 1 << 30  # bytes left free on the GPU for activations and logits
+_PROFILE_TOKENS = 2048  # the scheduler's default --max-num-batched-tokens: the largest step we profile
 
 
 def resolve_dtype(cfg: ExecutorConfig, model_cfg: ModelConfig) -> torch.dtype:
@@ -38,13 +38,19 @@ def resolve_dtype(cfg: ExecutorConfig, model_cfg: ModelConfig) -> torch.dtype:
     return _DTYPES.get(model_cfg.torch_dtype, torch.float32)
 
 
-def device_kv_bytes(cfg: ExecutorConfig) -> int:
-    """KV budget: the flag on CPU; on CUDA what is left of the utilisation share after the weights."""
+def device_kv_bytes(cfg: ExecutorConfig, model, backend) -> int:
+    """KV budget: the flag on CPU; on CUDA what is left of the utilisation share after the
+    weights and the activation peak of a profiled worst-case step (executor_svc/gpu_memory.py)."""
     if cfg.device == "cpu":
         return cfg.kv_cache_memory
-    free, total = torch.cuda.mem_get_info()
-    used = total - free
-    return max(0, int(cfg.gpu_memory_utilization * total) - used - _CUDA_ACTIVATION_RESERVE)
+    from executor_svc.gpu_memory import make_profile_step, profile_kv_budget
+
+    step = make_profile_step(model, backend, _PROFILE_TOKENS, cfg.block_size)
+    prof = profile_kv_budget(step, cfg.gpu_memory_utilization, model.device)
+    log.info("GPU memory: total %.1f GiB, weights %.2f GiB, step peak %.2f GiB, other %.2f GiB -> KV %.2f GiB",
+             *(x / 2**30 for x in (prof.total_bytes, prof.weights_bytes, prof.peak_bytes,
+                                   prof.non_torch_bytes, prof.kv_budget_bytes)))
+    return prof.kv_budget_bytes
 
 
 def build_runner(cfg: ExecutorConfig) -> tuple[ModelRunner, wire.Handshake]:
@@ -53,9 +59,11 @@ def build_runner(cfg: ExecutorConfig) -> tuple[ModelRunner, wire.Handshake]:
     if cfg.device == "cpu" and dtype != torch.float32:
         log.warning("computing in %s on CPU: expect it to be much slower than float32", dtype)
     model = load_model(cfg.model_dir, cfg.device, dtype)
-    kv = KVCache.from_budget(model_cfg, cfg.block_size, device_kv_bytes(cfg), cfg.swap_space, dtype, cfg.device)
+    backend = make_attention_backend(cfg.device)
+    kv = KVCache.from_budget(model_cfg, cfg.block_size, device_kv_bytes(cfg, model, backend), cfg.swap_space,
+                             dtype, cfg.device)
     max_len = min(model_cfg.max_position_embeddings, kv.num_blocks * cfg.block_size)
-    runner = ModelRunner(model, kv, make_attention_backend(cfg.device), Sampler(), max_model_len=max_len)
+    runner = ModelRunner(model, kv, backend, Sampler(), max_model_len=max_len)
     log.info("%s: %d layers, %d KV blocks of %d tokens (%d CPU swap blocks), max length %d, %s",
              model_cfg.architecture, model_cfg.num_layers, kv.num_blocks, cfg.block_size,
              kv.num_cpu_blocks, max_len, str(dtype).removeprefix("torch."))

@@ -58,7 +58,9 @@ class KVCache:
                         torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(cfg.num_layers)]
         cpu_shape = (num_cpu_blocks, *shape[1:])
         # Swap blocks are only ever read after being written from the device pool: no need to zero.
-        self.cpu_layers = [(torch.empty(cpu_shape, dtype=dtype), torch.empty(cpu_shape, dtype=dtype))
+        pin = self.device.type == "cuda"  # page-locked host memory: faster, asynchronous swaps
+        self.cpu_layers = [(torch.empty(cpu_shape, dtype=dtype, pin_memory=pin),
+                            torch.empty(cpu_shape, dtype=dtype, pin_memory=pin))
                            for _ in range(cfg.num_layers)] if num_cpu_blocks else []
 
     @classmethod
