@@ -126,12 +126,31 @@ def nvcc_unit(source: str, keys: list[KernelKey]) -> str:
 _MODULES: dict[tuple[KernelKey, int], object] = {}
 
 
-def precompile(keys: list[KernelKey], device_id: int, workers: int = 8) -> None:
-    """Compile many configurations at once (NVRTC runs outside the GIL), e.g. before a test run."""
+def precompile(keys: list[KernelKey], device_id: int, chunk: int = 8, workers: int = 8) -> None:
+    """Compile many configurations up front: instantiations of one source share an NVRTC
+    program (one front-end pass per ``chunk`` of them) and chunks compile in parallel threads."""
     from concurrent.futures import ThreadPoolExecutor
 
+    todo = [k for k in dict.fromkeys(keys) if (k, device_id) not in _MODULES]
+    if any(k.kind == "cache_ops" for k in todo):
+        get_function(KernelKey("cache_ops"), device_id)
+    groups: dict[str, list[KernelKey]] = {}
+    for k in todo:
+        if k.kind != "cache_ops":
+            groups.setdefault(k.source, []).append(k)
+    jobs = [(src, ks[i:i + chunk]) for src, ks in groups.items() for i in range(0, len(ks), chunk)]
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(lambda k: get_function(k, device_id), dict.fromkeys(keys)))
+        list(pool.map(lambda job: _compile_group(job[0], job[1], device_id), jobs))
+
+
+def _compile_group(source: str, keys: list[KernelKey], device_id: int) -> None:
+    import cupy
+
+    exprs = [k.expression() for k in keys]
+    with cupy.cuda.Device(device_id):
+        mod = cupy.RawModule(code=read_source(source), options=nvrtc_options(), name_expressions=exprs)
+        for key, expr in zip(keys, exprs, strict=True):
+            _MODULES[(key, device_id)] = mod.get_function(expr)
 
 
 def get_function(key: KernelKey, device_id: int):

@@ -211,3 +211,38 @@ def test_profile_step_runs_a_full_forward(tiny_llama_dir):
     backend.forward = lambda q, *a, **k: calls.append(q.shape) or forward(q, *a, **k)
     make_profile_step(model, backend, num_tokens=37, block_size=16)()
     assert calls and all(shape[0] == 37 for shape in calls)
+
+
+def test_compile_cache_groups_instantiations_and_never_recompiles(monkeypatch):
+    """precompile/get_function against a stand-in for CuPy: one RawModule per chunk of
+    instantiations of a source, every key resolvable afterwards, nothing compiled twice."""
+    import contextlib
+    import sys
+    import types
+
+    compiled = []
+
+    class FakeModule:
+        def __init__(self, code, options, name_expressions=()):
+            compiled.append((code, tuple(name_expressions)))
+            self.names = set(name_expressions)
+
+        def get_function(self, name):
+            assert name in self.names or not self.names, name
+            return ("fn", name)
+
+    fake = types.SimpleNamespace(RawModule=FakeModule,
+                                 cuda=types.SimpleNamespace(Device=lambda i: contextlib.nullcontext()))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(build, "_MODULES", {})
+    keys = [build.KernelKey("decode", "float16", h, 16, 4) for h in build.HEAD_SIZES]
+    keys += [build.KernelKey("prefill", "float32", 64, 8, 2, 8), build.KernelKey("cache_ops")]
+    build.precompile(keys + keys[:2], device_id=0, chunk=4)
+    assert sorted(len(names) for _, names in compiled) == [0, 1, 3, 4]  # cache_ops, prefill, 7 decodes
+    assert all("struct Cvt<__half>" in code for code, _ in compiled)
+    n = len(compiled)
+    for k in keys[:-1]:
+        assert build.get_function(k, 0) == ("fn", k.expression())
+    assert len(compiled) == n  # all served from the cache
+    build.get_function(build.KernelKey("decode_reduce", "float16", 64), 0)
+    assert compiled[-1][1] == ("ps_paged_decode_reduce<__half, 64>",)
