@@ -77,7 +77,8 @@ def beam_candidates(seq_tokens: list[int], k: int, vocab: int) -> tuple[list[int
 
 class FakeExecutor:
     def __init__(self, num_device_blocks: int, num_cpu_blocks: int, block_size: int,
-                 vocab_size: int = 64, through_wire: bool = True) -> None:
+                 vocab_size: int = 64, through_wire: bool = True, check=None) -> None:
+        self.check = check  # e.g. scheduler.check_integrity, run before every plan is applied
         self.bs = block_size
         self.vocab = vocab_size
         self.wire = through_wire
@@ -90,6 +91,8 @@ class FakeExecutor:
 
     # ------------------------------------------------------------------ entry
     def run(self, plan: BatchPlan) -> StepResult:
+        if self.check is not None:
+            self.check()
         if self.wire:
             plan = wire.decode(wire.encode(plan))  # type: ignore[assignment]
         res = self._apply(plan)

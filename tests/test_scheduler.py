@@ -29,7 +29,8 @@ def make(nblocks: int, ncpu: int = 0, mode: str = "recompute", seqs: int = 8, to
     cfg = SchedulerConfig(block_size=BS, max_num_seqs=seqs, max_num_batched_tokens=tokens,
                           max_model_len=max_len, preemption_mode=mode, watermark=watermark,
                           enable_prefix_caching=caching)
-    return Scheduler(cfg, nblocks, ncpu, eos_token_id=EOS), FakeExecutor(nblocks, ncpu, BS, VOCAB)
+    sched = Scheduler(cfg, nblocks, ncpu, eos_token_id=EOS)
+    return sched, FakeExecutor(nblocks, ncpu, BS, VOCAB, check=sched.check_integrity)
 
 
 def req(rid: str, prompt: list[int], max_tokens: int = 12, seed: int | None = None, **kw) -> GenerationRequest:
