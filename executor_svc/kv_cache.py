@@ -8,25 +8,9 @@ scheduler owns which block holds what.
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from executor_svc.model.config import ModelConfig
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
-
-
-def parse_memory_size(text: str | int) -> int:
-    """'2GiB', '512MiB', '1.5GB', '4096' -> bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"memory size: expected a number with an optional unit like '2GiB' or '512MB', "
-                         f"got {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
