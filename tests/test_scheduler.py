@@ -11,6 +11,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from scheduler_svc import plan as wire
 from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
@@ -444,3 +446,44 @@ def test_counters_track_blocks_and_queues():
 def test_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**{field: value})
+
+
+# --------------------------------------------------------------------------- random configurations
+
+_req_st = st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=20),  # small alphabet: shared prefixes
+                    st.integers(1, 3), st.integers(1, 16), st.integers(0, 999))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nblocks=st.integers(12, 32), ncpu=st.sampled_from([0, 32]), mode=st.sampled_from(["recompute", "swap"]),
+       tokens=st.integers(4, 40), seqs=st.integers(3, 12), watermark=st.sampled_from([0.0, 0.1]),
+       caching=st.booleans(), reqs=st.lists(_req_st, min_size=3, max_size=10),
+       abort_at=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 7)), max_size=3))
+def test_random_configurations_keep_outputs_and_release_everything(
+        nblocks, ncpu, mode, tokens, seqs, watermark, caching, reqs, abort_at):
+    sched, ex = make(nblocks, ncpu, mode, seqs=seqs, tokens=tokens, watermark=watermark, caching=caching)
+    accepted = []
+    for i, (prompt, n, max_tokens, seed) in enumerate(reqs):
+        r = req(f"r{i}", prompt, max_tokens=max_tokens, seed=seed, n=n)
+        try:
+            sched.add_request(r)
+            accepted.append(r)
+        except ValueError:
+            assert n > min(seqs, tokens) or n * -(-(len(prompt) + max_tokens) // BS) > nblocks - int(watermark * nblocks)
+    aborted: set[str] = set()
+    step = 0
+
+    def on_step(plan, ups):
+        nonlocal step
+        for when, which in abort_at:
+            if when == step and which < len(accepted):
+                sched.abort_request(accepted[which].request_id)
+                aborted.add(accepted[which].request_id)
+        step += 1
+
+    outs = drive(sched, ex, on_step=on_step)
+    for r in accepted:
+        if r.request_id not in aborted:
+            for i in range(r.params.n):
+                assert outs.get((r.request_id, i), []) == oracle(r, i), (r.request_id, i)
+    assert_all_released(sched, ex)
