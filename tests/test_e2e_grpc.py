@@ -181,3 +181,74 @@ def test_unavailable_until_an_executor_joins(tiny_llama_dir, tmp_path):
         assert len(tokens[0]) == 3
     finally:
         s.stop()
+
+
+def test_parallel_sampling_choices_equal_their_seeds_alone(stack):
+    prompt = [9, 8, 7, 6, 5, 4, 3, 120, 121, 122]
+
+    def sampling(n: int, seed: int) -> pb.SamplingParams:
+        return pb.SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=seed, n=n, ignore_eos=True)
+
+    tokens, text, finish, usage = _collect(stack.stub, pb.GenerateRequest(prompt_token_ids=prompt,
+                                                                          sampling=sampling(3, 1000)))
+    assert sorted(tokens) == [0, 1, 2] and all(f == pb.FINISH_REASON_LENGTH for f in finish.values())
+    assert usage.completion_tokens == 36
+    for i in range(3):  # the documented rule: choice i samples with seed + i
+        alone, _, _, _ = _collect(stack.stub, pb.GenerateRequest(prompt_token_ids=prompt,
+                                                                 sampling=sampling(1, 1000 + i)))
+        assert alone[0] == tokens[i]
+    assert len({tuple(t) for t in tokens.values()}) > 1  # independent samples, not copies
+
+
+def test_beam_search_over_grpc_matches_transformers(stack, tiny_llama_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = [5, 17, 99, 3, 250, 31, 7]
+    tokens, _, finish, usage = _collect(stack.stub, pb.GenerateRequest(
+        prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=10, beam_width=3, ignore_eos=True)))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=3, do_sample=False,
+                          early_stopping=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0)
+    assert [tokens[i] for i in range(3)] == ref[:, len(prompt):].tolist()  # best first
+    assert usage.completion_tokens == 30
+
+
+def test_mixed_sharing_requests_cancelled_or_finished_hold_no_blocks(stack):
+    results: list = [None] * 12
+
+    def run(i: int) -> None:
+        sp = (pb.SamplingParams(max_tokens=30, n=4, temperature=1.0, seed=i, ignore_eos=True) if i % 3 == 0 else
+              pb.SamplingParams(max_tokens=30, beam_width=2 + i % 3, ignore_eos=True) if i % 3 == 1 else
+              pb.SamplingParams(max_tokens=30, n=2, temperature=0.7, ignore_eos=True))
+        call = stack.stub.Generate(pb.GenerateRequest(prompt_token_ids=[3 + i] * 20 + [7, 8], sampling=sp),
+                                   timeout=120)
+        try:
+            for n, _ in enumerate(call):
+                if i % 2 == 0 and n >= 2:
+                    call.cancel()
+            results[i] = "done"
+        except grpc.RpcError as e:
+            results[i] = e.code()
+
+    shared_seen = []
+
+    def watch(stop: threading.Event) -> None:
+        while not stop.is_set():
+            shared_seen.append(max((e.kv_blocks_shared for e in stack.stats().executors), default=0))
+            time.sleep(0.02)
+
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch, args=(stop,))
+    watcher.start()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    watcher.join()
+    assert all(r in ("done", grpc.StatusCode.CANCELLED) for r in results), results
+    assert max(shared_seen) > 0  # GetStats shows the prompt blocks the choices share
+    _wait_blocks_free(stack)
