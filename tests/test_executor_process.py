@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from scheduler_svc import plan as wire
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-HB = 0.2  # heartbeat interval the fake scheduler hands out
+HB = 0.25  # heartbeat interval the fake scheduler hands out
 
 
 def _free_port() -> int:
@@ -32,6 +34,9 @@ def _free_port() -> int:
 
 
 class FakeScheduler:
+    """The ROUTER side. A background thread heartbeats (while ``beating``) and queues what arrives,
+    so a slow test step (health polls on a loaded machine) never looks like a silent scheduler."""
+
     def __init__(self) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -39,31 +44,50 @@ class FakeScheduler:
         self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.peer: bytes | None = None
         self.heartbeats = 0
+        self.beating = True
+        self.inbox: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()  # every socket operation, from either thread
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        next_beat = 0.0
+        while not self._stop.is_set():
+            with self._lock:
+                if self.beating and self.peer is not None and time.monotonic() >= next_beat:
+                    self.sock.send_multipart([self.peer, wire.encode(wire.Heartbeat(time.time()))])
+                    next_beat = time.monotonic() + HB
+                frames = self.sock.recv_multipart() if self.sock.poll(0) else None
+            if frames is None:
+                time.sleep(0.02)
+                continue
+            self.peer = frames[0]
+            msg = wire.decode(frames[1])
+            if isinstance(msg, wire.Heartbeat):
+                self.heartbeats += 1
+            else:
+                self.inbox.put(msg)
 
     def send(self, msg) -> None:
         self.send_raw(wire.encode(msg))
 
     def send_raw(self, payload: bytes) -> None:
-        self.sock.send_multipart([self.peer, payload])
+        with self._lock:
+            self.sock.send_multipart([self.peer, payload])
 
-    def recv(self, kind: type, timeout: float = 60.0, beat: bool = True):
-        """Next message of ``kind`` (others counted/ignored), heartbeating while waiting if ``beat``."""
-        deadline = time.monotonic() + timeout
-        next_beat = 0.0
-        while time.monotonic() < deadline:
-            if beat and self.peer is not None and time.monotonic() >= next_beat:
-                self.send(wire.Heartbeat(time.time()))
-                next_beat = time.monotonic() + HB
-            if self.sock.poll(50):
-                ident, payload = self.sock.recv_multipart()
-                self.peer = ident
-                msg = wire.decode(payload)
-                if isinstance(msg, kind):
-                    return msg
-                self.heartbeats += isinstance(msg, wire.Heartbeat)
-        raise AssertionError(f"no {kind.__name__} within {timeout}s")
+    def recv(self, kind: type, timeout: float = 60.0):
+        """The next non-heartbeat message, which must be a ``kind``."""
+        try:
+            msg = self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no {kind.__name__} within {timeout}s") from None
+        assert isinstance(msg, kind), f"expected {kind.__name__}, got {msg!r}"
+        return msg
 
     def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
         self.sock.close()
         self.ctx.term()
 
@@ -104,7 +128,7 @@ def test_executor_process_lifecycle(tiny_llama_dir, sched):
     health_port = _free_port()
     proc = _spawn(tiny_llama_dir, sched.port, health_port)
     try:
-        hs = sched.recv(wire.Handshake, beat=False)
+        hs = sched.recv(wire.Handshake)
         cfg = load_model_config(tiny_llama_dir)
         assert (hs.executor_id, hs.wire_version, hs.block_size, hs.device) == ("exec-test", wire.WIRE_VERSION, 16, "cpu")
         assert hs.model_fingerprint == model_fingerprint(tiny_llama_dir)
@@ -128,8 +152,10 @@ def test_executor_process_lifecycle(tiny_llama_dir, sched):
         assert sched.heartbeats >= 1
 
         # Scheduler silent for > 5 intervals: the executor re-handshakes and forgets seq 7.
-        hs2 = sched.recv(wire.Handshake, timeout=5 * HB + 5, beat=False)
+        sched.beating = False
+        hs2 = sched.recv(wire.Handshake, timeout=5 * HB + 10)
         assert hs2.executor_id == "exec-test"
+        sched.beating = True
         sched.send(wire.HandshakeReply(True, "", HB))
         sched.send(_plan(3, sched=[7], n=[1]))
         res = sched.recv(wire.StepResult)
@@ -154,7 +180,7 @@ def test_executor_process_lifecycle(tiny_llama_dir, sched):
 def test_refused_handshake_exits_with_the_reason(tiny_llama_dir, sched):
     proc = _spawn(tiny_llama_dir, sched.port, 0)
     try:
-        sched.recv(wire.Handshake, beat=False)
+        sched.recv(wire.Handshake)
         sched.send(wire.HandshakeReply(False, "block size 16, scheduler uses 32", HB))
         assert proc.wait(timeout=15) == 2
     finally:
