@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ class RunResult:
     wall_s: float
     useful_tokens: int  # output tokens the requests asked for
     generated_tokens: int  # tokens computed, padding waste included
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds (user + system) per process
 
     @property
     def tokens_per_s(self) -> float:

@@ -115,6 +115,17 @@ class ServeProcesses:
                 time.sleep(0.5)
         raise TimeoutError(f"pagedserve not ready after {timeout_s:.0f}s; logs in {self.logdir}")
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """User + system CPU seconds so far of the scheduler and the executor (Linux /proc; else empty)."""
+        out = {}
+        for name, p in zip(("scheduler", "executor"), self.procs, strict=True):
+            try:
+                fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                return {}
+            out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        return out
+
     def stop(self) -> None:
         for p in reversed(self.procs):  # executor first, then the scheduler
             if p.poll() is None:
@@ -127,10 +138,12 @@ class ServeProcesses:
                 p.wait()
 
 
-def run_pagedserve(server: str, num_requests: int, input_len: str, output_len: str,
+def run_pagedserve(stack: ServeProcesses, num_requests: int, input_len: str, output_len: str,
                    seed: int) -> hf_baselines.RunResult:
     """The fixed workload, all at once, through ``pagedserve-bench`` in its own process (greedy, EOS
     ignored): a separate client process keeps gRPC's threads out of the transformers runs here."""
+    server = stack.server
+    cpu0, child0 = stack.cpu_seconds(), _children_cpu()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         subprocess.run([sys.executable, "-m", "benchmarks.serve_bench", "--server", server, "--workload", "fixed",
@@ -141,8 +154,17 @@ def run_pagedserve(server: str, num_requests: int, input_len: str, output_len: s
     if summary["failed"] or summary["short_outputs"]:
         raise RuntimeError(f"pagedserve: {summary['failed']} failed, {summary['short_outputs']} short; "
                            f"errors {summary['errors']}")
+    cpu = {k: v - cpu0[k] for k, v in stack.cpu_seconds().items()}
+    cpu["client (incl. startup)"] = _children_cpu() - child0
     return hf_baselines.RunResult("pagedserve", summary["duration_s"], summary["total_output_tokens"],
-                                  summary["total_output_tokens"])
+                                  summary["total_output_tokens"], cpu)
+
+
+def _children_cpu() -> float:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,32 +204,42 @@ def _settings(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _log(res: hf_baselines.RunResult, rep: int) -> None:
+def _with_cpu(fn, *a) -> hf_baselines.RunResult:
+    """``fn(*a)`` with the CPU seconds of this process (all its threads) recorded."""
+    start = time.process_time()
+    res = fn(*a)
+    res.cpu_s = {"transformers process": time.process_time() - start}
+    return res
+
+
+def _log(res: hf_baselines.RunResult, rep: int, runs: dict) -> None:
+    cpu = ", ".join(f"{k} {v:.1f}" for k, v in res.cpu_s.items())
+    runs["cpu_s"].append({"rep": rep + 1, "system": res.name, "wall_s": res.wall_s, **res.cpu_s})
     print(f"[rep {rep + 1}] {res.name:<24} {res.tokens_per_s:8.1f} tok/s  ({res.useful_tokens} tokens "
-          f"in {res.wall_s:.1f}s)", flush=True)
+          f"in {res.wall_s:.1f}s; CPU s: {cpu})", flush=True)
 
 
-def _repetitions(args, server: str, model, trace: list[TraceRequest], pad_id: int) -> dict[str, list]:
+def _repetitions(args, stack: ServeProcesses, model, trace: list[TraceRequest], pad_id: int) -> dict[str, list]:
     """Every system's tok/s per repetition, interleaved; static tries all batch sizes in repetition 1."""
-    runs: dict[str, list] = {"pagedserve": [], "hf_cb": []}
+    runs: dict[str, list] = {"pagedserve": [], "hf_cb": [], "cpu_s": []}
     static: dict[int, list[float]] = {b: [] for b in args.batch_sizes}
     for rep in range(args.reps):
-        res = run_pagedserve(server, len(trace), args.input_len, args.output_len, args.seed)
+        res = run_pagedserve(stack, len(trace), args.input_len, args.output_len, args.seed)
         if res.useful_tokens != sum(r.output_len for r in trace):
             raise RuntimeError(f"pagedserve generated {res.useful_tokens} tokens, the trace asks for "
                                f"{sum(r.output_len for r in trace)}: client and trace disagree")
         runs["pagedserve"].append(res.tokens_per_s)
-        _log(res, rep)
+        _log(res, rep, runs)
         if "static" not in args.skip:
             best = max(static, key=lambda b: statistics.median(static[b])) if rep else None
             for b in args.batch_sizes if rep == 0 else [best]:
-                res = hf_baselines.run_static(model, trace, b, pad_id)
+                res = _with_cpu(hf_baselines.run_static, model, trace, b, pad_id)
                 static[b].append(res.tokens_per_s)
-                _log(res, rep)
+                _log(res, rep, runs)
         if "cb" not in args.skip:
-            res = hf_baselines.run_continuous(model, trace, args.hf_cb_max_batch_tokens)
+            res = _with_cpu(hf_baselines.run_continuous, model, trace, args.hf_cb_max_batch_tokens)
             runs["hf_cb"].append(res.tokens_per_s)
-            _log(res, rep)
+            _log(res, rep, runs)
     runs["hf_static"] = {b: v for b, v in static.items() if v}
     return runs
 
@@ -228,12 +260,12 @@ def measure(args: argparse.Namespace) -> dict:
                            ["--kv-cache-memory", args.kv_cache_memory])
     try:
         stack.wait_ready()
-        run_pagedserve(stack.server, 4, "16:48", "8", args.seed + 1000)  # warm-up
+        run_pagedserve(stack, 4, "16:48", "8", args.seed + 1000)  # warm-up
         model = hf_baselines.load_model(model_dir)
         hf_baselines.run_static(model, warm, len(warm), pad_id)
         if "cb" not in args.skip:
             hf_baselines.run_continuous(model, warm, args.hf_cb_max_batch_tokens)
-        runs = _repetitions(args, stack.server, model, trace, pad_id)
+        runs = _repetitions(args, stack, model, trace, pad_id)
     finally:
         stack.stop()
     return _report(args, trace, runs)
@@ -254,7 +286,8 @@ def _report(args: argparse.Namespace, trace: list[TraceRequest], runs: dict) -> 
         "hf_static_by_batch_tok_s": static, "hf_cb_tok_s": cb,
         "speedup_vs_static": ps / static[best] if best else None,
         "speedup_vs_cb": ps / cb if cb else None,
-        "runs_tok_s": runs,
+        "runs_tok_s": {k: v for k, v in runs.items() if k != "cpu_s"},
+        "cpu_s": runs.get("cpu_s", []),  # per run: wall and CPU seconds of each process involved
     }
     out["meets_targets"] = bool((out["speedup_vs_static"] or 0) >= TARGET_VS_STATIC
                                 and (out["speedup_vs_cb"] or 0) >= TARGET_VS_CB)

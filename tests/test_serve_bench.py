@@ -152,3 +152,47 @@ def test_bench_against_a_real_stack(tiny_llama_dir, tmp_path, capsys):
     assert s["output_throughput"] > 0 and s["normalized_latency_s_per_token"] > 0
     assert report["settings"]["rate"] == "50.0"
     assert "Output token throughput" in capsys.readouterr().out
+
+
+def test_left_padding_puts_prompts_at_the_right_edge():
+    from benchmarks.hf_baselines import _left_padded
+
+    ids, mask = _left_padded([(5, 6, 7), (9,)], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 9]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_hf_baselines_generate_exactly_the_requested_tokens(tiny_llama_dir):
+    """Both transformers baselines run on CPU (the continuous-batching cache sized explicitly) and
+    produce the requested lengths, so their tokens/s compare with pagedserve's."""
+    from benchmarks import hf_baselines
+
+    model = hf_baselines.load_model(tiny_llama_dir)
+    trace = build_trace("fixed", 3, math.inf, seed=2, vocab_size=model.config.vocab_size,
+                        max_model_len=4096, input_len=(4, 12), output_len=(2, 6))
+    want = sum(r.output_len for r in trace)
+    static = hf_baselines.run_static(model, trace, batch_size=2, pad_id=0)
+    assert static.useful_tokens == want
+    # Two batches, each run to its longest output: the padding waste is counted apart.
+    assert static.generated_tokens == 2 * max(r.output_len for r in trace[:2]) + trace[2].output_len
+    cb = hf_baselines.run_continuous(model, trace, max_batch_tokens=64)
+    assert cb.useful_tokens == want and cb.tokens_per_s > 0
+
+
+def test_serve_vs_hf_report_ratios_and_best_batch():
+    import argparse
+
+    from benchmarks.serve_vs_hf import _report, format_table
+
+    args = argparse.Namespace(model="m", input_len="1:2", output_len="3:4", reps=3, threads=1)
+    trace = build_trace("fixed", 4, math.inf, 0, 50, 100, (1, 2), (3, 4))
+    runs = {"pagedserve": [300.0, 100.0, 200.0], "hf_cb": [50.0, 100.0, 150.0],
+            "hf_static": {8: [40.0, 60.0, 50.0], 16: [70.0]}}
+    r = _report(args, trace, runs)
+    assert r["pagedserve_tok_s"] == 200.0 and r["hf_cb_tok_s"] == 100.0
+    assert r["hf_static_best_batch"] == 16 and r["hf_static_tok_s"] == 70.0
+    assert r["speedup_vs_cb"] == pytest.approx(2.0) and r["speedup_vs_static"] == pytest.approx(200 / 70)
+    assert r["meets_targets"] is False  # 2.86x < 3x static
+    table = format_table(r)
+    assert "static batch 16 (best)" in table and "2.86" in table
+    json.dumps(r)  # the last line of the benchmark is this dict as JSON
