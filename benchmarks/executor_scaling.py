@@ -29,7 +29,7 @@ from pathlib import Path
 from benchmarks.sim_executor import CostModel, SimExecutor
 from scheduler_svc import plan as wire
 from scheduler_svc.api_types import GenerationRequest, RequestParams
-from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.engine import Engine, EngineConfig, tune_gc
 from scheduler_svc.plan import SamplingParams
 from scheduler_svc.sched_config import SchedulerConfig
 
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     prompt_len, output_len = 64, 64 if a.quick else 128
     repeats = 1 if a.quick else a.repeats
     tok, eos = _tokenizer()
+    tune_gc()  # as the scheduler service does
     rows = []
     for n in (int(x) for x in a.executors.split(",")):
         runs = [asyncio.run(run_once(n, a.seqs_per_executor, prompt_len, output_len, tok, eos))

@@ -17,7 +17,7 @@ import signal
 from tokenizers import Tokenizer
 
 from scheduler_svc.config import ServiceConfig, load_config
-from scheduler_svc.engine import Engine, EngineConfig, executor_endpoint
+from scheduler_svc.engine import Engine, EngineConfig, executor_endpoint, tune_gc
 from scheduler_svc.metrics import Metrics, start_metrics_server
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.server import start_grpc_server
@@ -60,6 +60,7 @@ async def serve(cfg: ServiceConfig) -> None:
     loop = asyncio.get_running_loop()
     engine.on_readiness_change = lambda: loop.create_task(api.update_health())
     metrics_server = start_metrics_server(cfg.metrics_port, metrics.registry) if cfg.metrics_port else None
+    tune_gc()
     log.info("scheduler ready: gRPC :%d, executors dial tcp://%s:%d, metrics :%s",
              api.port, cfg.executor_host, engine.hub.bound_port, cfg.metrics_port or "off")
 

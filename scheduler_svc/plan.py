@@ -108,7 +108,7 @@ def _pairs(v: Any, name: str) -> list[tuple[int, int]]:
     flat = _ints(v, name)
     if len(flat) % 2:
         raise WireError(f"{name}: expected an even-length flat list of pairs")
-    return list(zip(flat[0::2], flat[1::2]))
+    return list(zip(flat[0::2], flat[1::2], strict=True))
 
 
 def _flat(pairs: list[tuple[int, int]]) -> list[int]:

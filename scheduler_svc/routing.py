@@ -96,6 +96,4 @@ def _load(s: ExecutorSlot) -> int:
 
 
 def _headroom(s: ExecutorSlot) -> int:
-    bs = s.scheduler.config.block_size
-    pending = sum(-(-len(t.stream.req.prompt_token_ids) // bs) for t in s.adds)
-    return s.scheduler.num_free_blocks - pending
+    return s.scheduler.num_free_blocks - s.pending_blocks

@@ -8,9 +8,9 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from stack import Stack
 
 from pagedserve.v1 import generation_pb2 as pb
-from stack import Stack
 
 pytestmark = pytest.mark.slow
 SERVING = health_pb2.HealthCheckResponse.SERVING

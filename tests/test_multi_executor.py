@@ -8,9 +8,9 @@ import time
 
 import grpc
 import pytest
+from stack import Stack
 
 from pagedserve.v1 import generation_pb2 as pb
-from stack import Stack
 
 pytestmark = pytest.mark.slow
 OUT_TOKENS = 40
@@ -208,14 +208,14 @@ def test_shared_prefixes_land_where_they_are_cached(tiny_llama_dir, tmp_path):
             prompts = [prefixes[i % 4] + [400 + wave, 401 + i] for i in range(16)]
             usage: list = [None] * len(prompts)
 
-            def run(i: int) -> None:
+            def run(i: int, prompts: list[list[int]], usage: list) -> None:
                 req = pb.GenerateRequest(prompt_token_ids=prompts[i], sampling=pb.SamplingParams(
                     max_tokens=8, temperature=0.0, ignore_eos=True))
                 for resp in s.stub.Generate(req, timeout=120):
                     if resp.HasField("usage"):
                         usage[i] = resp.usage
 
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+            threads = [threading.Thread(target=run, args=(i, prompts, usage)) for i in range(len(prompts))]
             for t in threads:
                 t.start()
             while any(t.is_alive() for t in threads):
