@@ -11,11 +11,11 @@ import asyncio
 import threading
 
 import pytest
+from fake_executor import FakeExecutor
+from grpc_fakes import make_tokenizer
 from tokenizers import Tokenizer
 
 from executor_svc.worker import ExecutorWorker
-from fake_executor import FakeExecutor
-from grpc_fakes import make_tokenizer
 from scheduler_svc import plan as wire
 from scheduler_svc.api_types import (
     FinishReason,
