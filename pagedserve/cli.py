@@ -155,8 +155,7 @@ def _cmd_stats(channel: grpc.Channel, args: argparse.Namespace, out: TextIO, err
         _print_message(stats, True, out)
         return 0
     executors = list(stats.executors)
-    stats.ClearField("executors")
-    _print_message(stats, False, out)
+    _print_message(stats, False, out, skip=("executors",))
     print(f"executors: {len(executors)}", file=out)
     for e in executors:
         usage = e.kv_blocks_used / e.kv_blocks_total if e.kv_blocks_total else 0.0
@@ -184,9 +183,11 @@ def _to_json(msg) -> str:
     return json.dumps(json_format.MessageToDict(msg, preserving_proto_field_name=True))
 
 
-def _print_message(msg, as_json: bool, out: TextIO) -> None:
+def _print_message(msg, as_json: bool, out: TextIO, skip: tuple[str, ...] = ()) -> None:
     data = json_format.MessageToDict(msg, preserving_proto_field_name=True,
                                      always_print_fields_with_no_presence=True)
+    for key in skip:
+        data.pop(key, None)
     if as_json:
         print(json.dumps(data, indent=2), file=out)
         return

@@ -341,6 +341,7 @@ class Engine:
         slot.wakeup.clear()
         if slot.adds or slot.aborts:
             return
+        self._observe(force=True)  # gauges must not stay at the last busy step's values
         try:
             await asyncio.wait_for(slot.wakeup.wait(), IDLE_POLL_S)
         except TimeoutError:
@@ -376,9 +377,9 @@ class Engine:
                 slot.requests.pop(upd.request_id, None)
                 self.tracked.pop(upd.request_id, None)
 
-    def _observe(self) -> None:
+    def _observe(self, force: bool = False) -> None:
         now = time.monotonic()
-        if self.metrics and now - self._last_observed > STATS_EVERY_S:
+        if self.metrics and (force or now - self._last_observed > STATS_EVERY_S):
             self._last_observed = now
             self.metrics.observe_stats(self.stats())
 

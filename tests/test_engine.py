@@ -262,3 +262,29 @@ def test_queue_limit_and_no_executor(tokenizer):
                 e.kill()
 
     _run(main())
+
+
+def test_metrics_gauges_return_to_idle_after_the_work(tokenizer):
+    from scheduler_svc.metrics import Metrics
+
+    async def main():
+        metrics = Metrics()
+        cfg = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
+                           executor_endpoint="tcp://127.0.0.1:0", heartbeat_interval_s=0.2)
+        engine = Engine(cfg, tokenizer, eos_token_id=None, metrics=metrics)
+        await engine.start()
+        ex = FakeExecutorThread(f"tcp://127.0.0.1:{engine.hub.bound_port}", "fake0", tokenizer.get_vocab_size())
+        try:
+            while not engine.is_ready():
+                await asyncio.sleep(0.01)
+            await asyncio.gather(*(_collect(engine, _req(f"g{i}", list(range(3, 40)), 30)) for i in range(6)))
+            await asyncio.sleep(0.6)  # an idle loop turn refreshes the gauges
+            value = metrics.registry.get_sample_value
+            assert value("pagedserve:num_requests_running") == 0
+            assert value("pagedserve:generation_tokens_total") == 180
+            assert value("pagedserve:kv_cache_usage_perc", {"executor": "fake0"}) == 0
+        finally:
+            await engine.shutdown(0)
+            ex.kill()
+
+    _run(main())
