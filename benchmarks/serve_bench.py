@@ -10,8 +10,10 @@ shared-prefix traces with Poisson arrivals) or a fixed/uniform length range,
 with prompts as random token ids from the vocabulary GetModelInfo reports, so
 prompt lengths are exact; with ``--ignore-eos`` (the default) output lengths
 are exact too. Each request is one streaming ``Generate`` call over grpc.aio;
-``--max-concurrency`` caps the calls in flight. The report (stdout, and JSON
-with ``--out``) is described in benchmarks/serve_stats.py.
+``--max-concurrency`` caps the calls in flight; latencies count from the
+moment a call is sent, so time spent waiting for a free slot is not included.
+The report (stdout, and JSON with ``--out``) is described in
+benchmarks/serve_stats.py.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -104,15 +107,15 @@ def _fit(r: TraceRequest, max_model_len: int, arrival: float) -> TraceRequest:
 
 
 async def _one(stub: pb_grpc.GenerationStub, req: TraceRequest, start: float, sem: asyncio.Semaphore,
-               sampling: pb.SamplingParams, timeout_s: float) -> RequestResult:
+               sampling: pb.SamplingParams, timeout_s: float, run_tag: str) -> RequestResult:
     res = RequestResult(req.request_id, req.prompt_len, req.output_len)
     await asyncio.sleep(max(0.0, start + req.arrival_time - time.perf_counter()))
     async with sem:
         sp = pb.SamplingParams()
         sp.CopyFrom(sampling)
         sp.max_tokens = req.output_len
-        msg = pb.GenerateRequest(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                                 sampling=sp)
+        msg = pb.GenerateRequest(request_id=f"{run_tag}-{req.request_id}",
+                                 prompt_token_ids=req.prompt_token_ids, sampling=sp)
         res.send_time = time.perf_counter()
         try:
             async for resp in stub.Generate(msg, timeout=timeout_s):
@@ -132,10 +135,11 @@ async def run_requests(server: str, trace: list[TraceRequest], sampling: pb.Samp
     """Send ``trace`` to ``server`` on its arrival schedule; (results in trace order, wall seconds)."""
     limit = max_concurrency if max_concurrency else max(1, len(trace))
     sem = asyncio.Semaphore(limit)
+    run_tag = f"bench{os.getpid()}"  # request ids stay unique when several clients share a server
     async with grpc.aio.insecure_channel(server, options=_GRPC_OPTIONS) as channel:
         stub = pb_grpc.GenerationStub(channel)
         start = time.perf_counter()
-        tasks = [asyncio.ensure_future(_one(stub, r, start, sem, sampling, timeout_s)) for r in trace]
+        tasks = [asyncio.ensure_future(_one(stub, r, start, sem, sampling, timeout_s, run_tag)) for r in trace]
         with tqdm(total=len(tasks), desc="requests", unit="req", disable=not progress) as bar:
             for fut in asyncio.as_completed(tasks):
                 await fut
@@ -158,8 +162,9 @@ def sampling_params(args: argparse.Namespace) -> pb.SamplingParams:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pagedserve-bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="pagedserve-bench",
+                                 description="Load a running pagedserve deployment with a request trace "
+                                             "and report throughput and latency.")
     ap.add_argument("--server", default="localhost:50051", help="host:port of the pagedserve gRPC API")
     ap.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
     ap.add_argument("--num-requests", type=int, default=100)

@@ -7,11 +7,11 @@ One workload (default: 64 requests, prompts of 32-256 random tokens, outputs of
 default tiny model (models/tiny-llama, built if missing), float32 on CPU:
 
 * pagedserve: real scheduler and executor processes; the requests go over
-  gRPC from this process (benchmarks/serve_bench.py's client). The executor
+  gRPC from a separate ``pagedserve-bench`` process (benchmarks/serve_bench.py). The executor
   runs torch with ``--threads`` threads (OMP_NUM_THREADS), the scheduler with 1.
 * transformers ``generate`` with static left-padded batches; every batch size
   in ``--batch-sizes`` is tried in the first repetition, the best one is kept
-  for the others.
+  for the others (its median is reported).
 * transformers' continuous batching (benchmarks/hf_baselines.py).
 
 The transformers runs use ``torch.set_num_threads(--threads)`` in this
@@ -223,6 +223,7 @@ def _repetitions(args, stack: ServeProcesses, model, trace: list[TraceRequest], 
     """Every system's tok/s per repetition, interleaved; static tries all batch sizes in repetition 1."""
     runs: dict[str, list] = {"pagedserve": [], "hf_cb": [], "cpu_s": []}
     static: dict[int, list[float]] = {b: [] for b in args.batch_sizes}
+    best = None  # the static batch size chosen after repetition 1, kept for the others
     for rep in range(args.reps):
         res = run_pagedserve(stack, len(trace), args.input_len, args.output_len, args.seed)
         if res.useful_tokens != sum(r.output_len for r in trace):
@@ -231,11 +232,11 @@ def _repetitions(args, stack: ServeProcesses, model, trace: list[TraceRequest], 
         runs["pagedserve"].append(res.tokens_per_s)
         _log(res, rep, runs)
         if "static" not in args.skip:
-            best = max(static, key=lambda b: statistics.median(static[b])) if rep else None
             for b in args.batch_sizes if rep == 0 else [best]:
                 res = _with_cpu(hf_baselines.run_static, model, trace, b, pad_id)
                 static[b].append(res.tokens_per_s)
                 _log(res, rep, runs)
+            best = best or max(static, key=lambda b: static[b][0])
         if "cb" not in args.skip:
             res = _with_cpu(hf_baselines.run_continuous, model, trace, args.hf_cb_max_batch_tokens)
             runs["hf_cb"].append(res.tokens_per_s)
@@ -275,7 +276,8 @@ def _report(args: argparse.Namespace, trace: list[TraceRequest], runs: dict) -> 
     med = statistics.median
     ps = med(runs["pagedserve"])
     static = {b: med(v) for b, v in runs["hf_static"].items()}
-    best = max(static, key=static.get) if static else None
+    # the batch size measured in every repetition (the best of repetition 1)
+    best = max(static, key=lambda b: (len(runs["hf_static"][b]), static[b])) if static else None
     cb = med(runs["hf_cb"]) if runs["hf_cb"] else None
     out = {
         "benchmark": "serve_vs_hf", "model": str(args.model), "num_requests": len(trace),

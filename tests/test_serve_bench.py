@@ -187,7 +187,7 @@ def test_serve_vs_hf_report_ratios_and_best_batch():
     args = argparse.Namespace(model="m", input_len="1:2", output_len="3:4", reps=3, threads=1)
     trace = build_trace("fixed", 4, math.inf, 0, 50, 100, (1, 2), (3, 4))
     runs = {"pagedserve": [300.0, 100.0, 200.0], "hf_cb": [50.0, 100.0, 150.0],
-            "hf_static": {8: [40.0, 60.0, 50.0], 16: [70.0]}}
+            "hf_static": {8: [40.0], 16: [70.0, 60.0, 80.0]}}  # 16 won repetition 1, so it ran 3 times
     r = _report(args, trace, runs)
     assert r["pagedserve_tok_s"] == 200.0 and r["hf_cb_tok_s"] == 100.0
     assert r["hf_static_best_batch"] == 16 and r["hf_static_tok_s"] == 70.0
