@@ -8,6 +8,7 @@ scheduler's check_integrity() and no block held.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import pytest
@@ -70,17 +71,27 @@ def _req(rid: str, prompt: list[int], max_tokens: int = 8, **kw) -> GenerationRe
                                                         ignore_eos=True, **kw))
 
 
-async def _engine(tokenizer, n_executors: int, **cfg_kw):
+@contextlib.asynccontextmanager
+async def running(tokenizer, n_executors: int, metrics=None, **cfg_kw):
+    """An engine with ``n_executors`` fake executors registered; everything stopped after."""
     cfg = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
                        executor_endpoint="tcp://127.0.0.1:0", heartbeat_interval_s=0.2, **cfg_kw)
-    engine = Engine(cfg, tokenizer, eos_token_id=None)
+    engine = Engine(cfg, tokenizer, eos_token_id=None, metrics=metrics)
     await engine.start()
-    endpoint = f"tcp://127.0.0.1:{engine.hub.bound_port}"
-    execs = [FakeExecutorThread(endpoint, f"fake{i}", tokenizer.get_vocab_size())
-             for i in range(n_executors)]
-    while len(engine.slots) < n_executors:
-        await asyncio.sleep(0.01)
-    return engine, execs
+    execs = [engine_executor(engine, f"fake{i}") for i in range(n_executors)]
+    try:
+        while len(engine.slots) < n_executors:
+            await asyncio.sleep(0.01)
+        yield engine, execs
+    finally:
+        await engine.shutdown(0)
+        for e in execs:
+            e.kill()
+
+
+def engine_executor(engine: Engine, name: str) -> FakeExecutorThread:
+    return FakeExecutorThread(f"tcp://127.0.0.1:{engine.hub.bound_port}", name,
+                              engine.tokenizer.get_vocab_size())
 
 
 async def _collect(engine: Engine, req: GenerationRequest):
@@ -116,8 +127,7 @@ def _run(coro):
 
 def test_streams_tokens_and_frees_every_block(tokenizer):
     async def main():
-        engine, execs = await _engine(tokenizer, 1)
-        try:
+        async with running(tokenizer, 1) as (engine, execs):
             outs = await asyncio.gather(*(_collect(engine, _req(f"r{i}", list(range(3, 30 + i)), 10))
                                           for i in range(12)))
             for tokens, text, finish, usage in outs:
@@ -125,18 +135,13 @@ def test_streams_tokens_and_frees_every_block(tokenizer):
                 assert text[0] == tokenizer.decode(tokens[0])
                 assert usage.completion_tokens == 10
             await _settle(engine)
-        finally:
-            await engine.shutdown(0)
-            for e in execs:
-                e.kill()
 
     _run(main())
 
 
 def test_stop_string_ends_the_choice_without_the_stop_text(tokenizer):
     async def main():
-        engine, execs = await _engine(tokenizer, 1)
-        try:
+        async with running(tokenizer, 1) as (engine, execs):
             tokens, text, _, _ = await _collect(engine, _req("free", list(range(3, 20)), 24))
             stop = text[0][5:8]  # a piece of what this prompt deterministically produces
             assert stop
@@ -146,18 +151,13 @@ def test_stop_string_ends_the_choice_without_the_stop_text(tokenizer):
             assert text2[0] == text[0][:text[0].index(stop)]
             assert usage.completion_tokens < 24
             await _settle(engine)
-        finally:
-            await engine.shutdown(0)
-            for e in execs:
-                e.kill()
 
     _run(main())
 
 
 def test_closing_the_stream_aborts_and_frees(tokenizer):
     async def main():
-        engine, execs = await _engine(tokenizer, 1)
-        try:
+        async with running(tokenizer, 1) as (engine, execs):
             gen = engine.generate(_req("gone", list(range(3, 40)), 200))
             got = 0
             async for out in gen:
@@ -167,22 +167,16 @@ def test_closing_the_stream_aborts_and_frees(tokenizer):
             await gen.aclose()
             assert "gone" not in engine.tracked
             await _settle(engine)
-        finally:
-            await engine.shutdown(0)
-            for e in execs:
-                e.kill()
 
     _run(main())
 
 
 def test_dead_executor_requests_continue_elsewhere_without_gap_or_repeat(tokenizer):
     async def main():
-        engine, execs = await _engine(tokenizer, 1)
-        reqs = [_req(f"m{i}", [7 + i] + list(range(3, 25)), 40) for i in range(6)]
-        try:
+        async with running(tokenizer, 1) as (engine, execs):
+            reqs = [_req(f"m{i}", [7 + i] + list(range(3, 25)), 40) for i in range(6)]
             reference = await asyncio.gather(*(_collect(engine, r) for r in reqs))
-            execs.append(FakeExecutorThread(f"tcp://127.0.0.1:{engine.hub.bound_port}", "fake1",
-                                            tokenizer.get_vocab_size()))
+            execs.append(engine_executor(engine, "fake1"))
             while len(engine.slots) < 2:
                 await asyncio.sleep(0.01)
             for r in reqs:
@@ -196,18 +190,13 @@ def test_dead_executor_requests_continue_elsewhere_without_gap_or_repeat(tokeniz
             assert [o[1] for o in outs] == [r[1] for r in reference]
             assert engine.stats().num_migrations > 0
             await _settle(engine)
-        finally:
-            await engine.shutdown(0)
-            for e in execs:
-                e.kill()
 
     _run(main())
 
 
 def test_loop_failure_fails_its_requests_and_the_executor_comes_back(tokenizer):
     async def main():
-        engine, execs = await _engine(tokenizer, 1)
-        try:
+        async with running(tokenizer, 1) as (engine, execs):
             slot = engine.slots["fake0"]
             real_update = slot.scheduler.update
 
@@ -226,10 +215,6 @@ def test_loop_failure_fails_its_requests_and_the_executor_comes_back(tokenizer):
             tokens, _, _, _ = await _collect(engine, _req("after", list(range(3, 20)), 5))
             assert len(tokens[0]) == 5
             await _settle(engine)
-        finally:
-            await engine.shutdown(0)
-            for e in execs:
-                e.kill()
 
     _run(main())
 
@@ -244,8 +229,7 @@ def test_queue_limit_and_no_executor(tokenizer):
                 await _collect(engine, _req("x", [3, 4, 5]))
         finally:
             await engine.shutdown(0)
-        engine, execs = await _engine(tokenizer, 1, max_queued_requests=2)
-        try:
+        async with running(tokenizer, 1, max_queued_requests=2) as (engine, execs):
             gens = [engine.generate(_req(f"q{i}", list(range(3, 300)), 50)) for i in range(2)]
             firsts = [asyncio.ensure_future(g.__anext__()) for g in gens]
             await asyncio.sleep(0)  # both are admitted (queued), none scheduled yet
@@ -256,10 +240,6 @@ def test_queue_limit_and_no_executor(tokenizer):
             for g in gens:
                 await g.aclose()
             await _settle(engine)
-        finally:
-            await engine.shutdown(0)
-            for e in execs:
-                e.kill()
 
     _run(main())
 
@@ -269,22 +249,12 @@ def test_metrics_gauges_return_to_idle_after_the_work(tokenizer):
 
     async def main():
         metrics = Metrics()
-        cfg = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
-                           executor_endpoint="tcp://127.0.0.1:0", heartbeat_interval_s=0.2)
-        engine = Engine(cfg, tokenizer, eos_token_id=None, metrics=metrics)
-        await engine.start()
-        ex = FakeExecutorThread(f"tcp://127.0.0.1:{engine.hub.bound_port}", "fake0", tokenizer.get_vocab_size())
-        try:
-            while not engine.is_ready():
-                await asyncio.sleep(0.01)
+        async with running(tokenizer, 1, metrics=metrics) as (engine, _):
             await asyncio.gather(*(_collect(engine, _req(f"g{i}", list(range(3, 40)), 30)) for i in range(6)))
             await asyncio.sleep(0.6)  # an idle loop turn refreshes the gauges
             value = metrics.registry.get_sample_value
             assert value("pagedserve:num_requests_running") == 0
             assert value("pagedserve:generation_tokens_total") == 180
             assert value("pagedserve:kv_cache_usage_perc", {"executor": "fake0"}) == 0
-        finally:
-            await engine.shutdown(0)
-            ex.kill()
 
     _run(main())
