@@ -304,7 +304,7 @@ def format_table(r: dict) -> str:
     if r["hf_cb_tok_s"]:
         rows.append(("transformers continuous batching", r["hf_cb_tok_s"], TARGET_VS_CB, None))
     lines = [f"{r['num_requests']} requests, prompts {r['input_len']}, outputs {r['output_len']} tokens, "
-             f"{r['output_tokens']} output tokens; {r['threads']} threads; median of {r['reps']}",
+             f"{r['output_tokens']} output tokens; torch threads {r['threads']}; median of {r['reps']}",
              f"{'system':<50}{'tok/s':>10}{'pagedserve x':>14}{'target':>8}"]
     for name, v, target, _ in rows:
         ratio = r["pagedserve_tok_s"] / v
