@@ -35,6 +35,19 @@ from typing import Any
 
 import msgpack
 
+from scheduler_svc.wire_fields import (
+    WireError,
+    as_bool,
+    as_float,
+    as_int,
+    as_ints,
+    as_list,
+    as_opt_int,
+    as_pairs,
+    as_str,
+    flat_pairs,
+)
+
 WIRE_VERSION = 1
 
 # Hard bounds on what we accept from a peer (decoding is the trust boundary).
@@ -48,71 +61,6 @@ KIND_HEARTBEAT = 3
 KIND_PLAN = 4
 KIND_RESULT = 5
 KIND_DRAIN = 6
-
-
-class WireError(ValueError):
-    """A frame that is not a valid message of this wire version."""
-
-
-# --------------------------------------------------------------------------
-# small validated readers
-
-
-def _int(v: Any, name: str) -> int:
-    if type(v) is not int:
-        raise WireError(f"{name}: expected int, got {type(v).__name__}")
-    return v
-
-
-def _opt_int(v: Any, name: str) -> int | None:
-    return None if v is None else _int(v, name)
-
-
-def _float(v: Any, name: str) -> float:
-    if type(v) is float:
-        return v
-    if type(v) is int:
-        return float(v)
-    raise WireError(f"{name}: expected float, got {type(v).__name__}")
-
-
-def _str(v: Any, name: str) -> str:
-    if type(v) is not str:
-        raise WireError(f"{name}: expected str, got {type(v).__name__}")
-    return v
-
-
-def _bool(v: Any, name: str) -> bool:
-    if type(v) is not bool:
-        raise WireError(f"{name}: expected bool, got {type(v).__name__}")
-    return v
-
-
-def _list(v: Any, name: str, length: int | None = None) -> list:
-    if type(v) is not list:
-        raise WireError(f"{name}: expected list, got {type(v).__name__}")
-    if length is not None and len(v) != length:
-        raise WireError(f"{name}: expected {length} elements, got {len(v)}")
-    return v
-
-
-def _ints(v: Any, name: str) -> list[int]:
-    lst = _list(v, name)
-    for x in lst:
-        if type(x) is not int:
-            raise WireError(f"{name}: expected a list of int, found {type(x).__name__}")
-    return lst
-
-
-def _pairs(v: Any, name: str) -> list[tuple[int, int]]:
-    flat = _ints(v, name)
-    if len(flat) % 2:
-        raise WireError(f"{name}: expected an even-length flat list of pairs")
-    return list(zip(flat[0::2], flat[1::2], strict=True))
-
-
-def _flat(pairs: list[tuple[int, int]]) -> list[int]:
-    return [x for p in pairs for x in p]
 
 
 # --------------------------------------------------------------------------
@@ -155,13 +103,13 @@ class SamplingParams:
 
     @classmethod
     def from_wire(cls, v: Any) -> SamplingParams:
-        v = _list(v, "sampling", 11)
+        v = as_list(v, "sampling", 11)
         return cls(
-            _float(v[0], "temperature"), _float(v[1], "top_p"), _int(v[2], "top_k"),
-            _float(v[3], "min_p"), _opt_int(v[4], "seed"),
-            _float(v[5], "repetition_penalty"), _float(v[6], "presence_penalty"),
-            _float(v[7], "frequency_penalty"), _bool(v[8], "want_logprobs"),
-            _int(v[9], "logprobs"), _int(v[10], "beam_candidates"),
+            as_float(v[0], "temperature"), as_float(v[1], "top_p"), as_int(v[2], "top_k"),
+            as_float(v[3], "min_p"), as_opt_int(v[4], "seed"),
+            as_float(v[5], "repetition_penalty"), as_float(v[6], "presence_penalty"),
+            as_float(v[7], "frequency_penalty"), as_bool(v[8], "want_logprobs"),
+            as_int(v[9], "logprobs"), as_int(v[10], "beam_candidates"),
         )
 
 
@@ -188,9 +136,9 @@ class NewSeq:
 
     @classmethod
     def from_wire(cls, v: Any) -> NewSeq:
-        v = _list(v, "new_seq", 6)
-        return cls(_int(v[0], "seq_id"), _ints(v[1], "token_ids"), _int(v[2], "num_prompt_tokens"),
-                   _ints(v[3], "block_ids"), _int(v[4], "num_computed_tokens"),
+        v = as_list(v, "new_seq", 6)
+        return cls(as_int(v[0], "seq_id"), as_ints(v[1], "token_ids"), as_int(v[2], "num_prompt_tokens"),
+                   as_ints(v[3], "block_ids"), as_int(v[4], "num_computed_tokens"),
                    SamplingParams.from_wire(v[5]))
 
 
@@ -211,8 +159,8 @@ class Fork:
 
     @classmethod
     def from_wire(cls, v: Any) -> Fork:
-        v = _list(v, "fork", 3)
-        return cls(_int(v[0], "parent_seq_id"), _int(v[1], "child_seq_id"), _opt_int(v[2], "seed"))
+        v = as_list(v, "fork", 3)
+        return cls(as_int(v[0], "parent_seq_id"), as_int(v[1], "child_seq_id"), as_opt_int(v[2], "seed"))
 
 
 @dataclass(slots=True)
@@ -232,8 +180,8 @@ class BlockUpdate:
 
     @classmethod
     def from_wire(cls, v: Any) -> BlockUpdate:
-        v = _list(v, "block_update", 3)
-        return cls(_int(v[0], "seq_id"), _int(v[1], "start"), _ints(v[2], "block_ids"))
+        v = as_list(v, "block_update", 3)
+        return cls(as_int(v[0], "seq_id"), as_int(v[1], "start"), as_ints(v[2], "block_ids"))
 
 
 @dataclass(slots=True)
@@ -261,20 +209,20 @@ class BatchPlan:
         return [
             self.step_id, self.scheduled_seq_ids, self.num_new_tokens,
             [s.to_wire() for s in self.new_seqs], self.free_seq_ids,
-            [f.to_wire() for f in self.forks], _flat(self.append_tokens),
-            [u.to_wire() for u in self.block_updates], _flat(self.swap_out),
-            _flat(self.swap_in), _flat(self.copies),
+            [f.to_wire() for f in self.forks], flat_pairs(self.append_tokens),
+            [u.to_wire() for u in self.block_updates], flat_pairs(self.swap_out),
+            flat_pairs(self.swap_in), flat_pairs(self.copies),
         ]
 
     @classmethod
     def from_wire(cls, v: Any) -> BatchPlan:
-        v = _list(v, "plan", 11)
+        v = as_list(v, "plan", 11)
         plan = cls(
-            _int(v[0], "step_id"), _ints(v[1], "scheduled_seq_ids"), _ints(v[2], "num_new_tokens"),
-            [NewSeq.from_wire(x) for x in _list(v[3], "new_seqs")], _ints(v[4], "free_seq_ids"),
-            [Fork.from_wire(x) for x in _list(v[5], "forks")], _pairs(v[6], "append_tokens"),
-            [BlockUpdate.from_wire(x) for x in _list(v[7], "block_updates")],
-            _pairs(v[8], "swap_out"), _pairs(v[9], "swap_in"), _pairs(v[10], "copies"),
+            as_int(v[0], "step_id"), as_ints(v[1], "scheduled_seq_ids"), as_ints(v[2], "num_new_tokens"),
+            [NewSeq.from_wire(x) for x in as_list(v[3], "new_seqs")], as_ints(v[4], "free_seq_ids"),
+            [Fork.from_wire(x) for x in as_list(v[5], "forks")], as_pairs(v[6], "append_tokens"),
+            [BlockUpdate.from_wire(x) for x in as_list(v[7], "block_updates")],
+            as_pairs(v[8], "swap_out"), as_pairs(v[9], "swap_in"), as_pairs(v[10], "copies"),
         )
         if len(plan.scheduled_seq_ids) != len(plan.num_new_tokens):
             raise WireError("plan: scheduled_seq_ids and num_new_tokens differ in length")
@@ -295,10 +243,10 @@ class SeqLogprobs:
 
     @classmethod
     def from_wire(cls, v: Any) -> SeqLogprobs:
-        v = _list(v, "seq_logprobs", 4)
-        return cls(_int(v[0], "seq_id"), _float(v[1], "token_logprob"),
-                   _ints(v[2], "top_token_ids"),
-                   [_float(x, "top_logprobs") for x in _list(v[3], "top_logprobs")])
+        v = as_list(v, "seq_logprobs", 4)
+        return cls(as_int(v[0], "seq_id"), as_float(v[1], "token_logprob"),
+                   as_ints(v[2], "top_token_ids"),
+                   [as_float(x, "top_logprobs") for x in as_list(v[3], "top_logprobs")])
 
 
 @dataclass(slots=True)
@@ -327,11 +275,11 @@ class StepResult:
 
     @classmethod
     def from_wire(cls, v: Any) -> StepResult:
-        v = _list(v, "result", 7)
-        res = cls(_int(v[0], "step_id"), _ints(v[1], "sampled_seq_ids"), _ints(v[2], "sampled_token_ids"),
-                  [SeqLogprobs.from_wire(x) for x in _list(v[3], "logprobs")],
-                  [SeqLogprobs.from_wire(x) for x in _list(v[4], "beam_candidates")],
-                  None if v[5] is None else _str(v[5], "error"), _float(v[6], "model_seconds"))
+        v = as_list(v, "result", 7)
+        res = cls(as_int(v[0], "step_id"), as_ints(v[1], "sampled_seq_ids"), as_ints(v[2], "sampled_token_ids"),
+                  [SeqLogprobs.from_wire(x) for x in as_list(v[3], "logprobs")],
+                  [SeqLogprobs.from_wire(x) for x in as_list(v[4], "beam_candidates")],
+                  None if v[5] is None else as_str(v[5], "error"), as_float(v[6], "model_seconds"))
         if len(res.sampled_seq_ids) != len(res.sampled_token_ids):
             raise WireError("result: sampled_seq_ids and sampled_token_ids differ in length")
         return res
@@ -361,12 +309,12 @@ class Handshake:
 
     @classmethod
     def from_wire(cls, v: Any) -> Handshake:
-        v = _list(v, "handshake", 12)
-        return cls(_str(v[0], "executor_id"), _int(v[1], "wire_version"),
-                   _str(v[2], "model_fingerprint"), _str(v[3], "model_name"),
-                   _str(v[4], "architecture"), _int(v[5], "vocab_size"), _int(v[6], "block_size"),
-                   _int(v[7], "num_device_blocks"), _int(v[8], "num_cpu_blocks"),
-                   _int(v[9], "max_model_len"), _str(v[10], "dtype"), _str(v[11], "device"))
+        v = as_list(v, "handshake", 12)
+        return cls(as_str(v[0], "executor_id"), as_int(v[1], "wire_version"),
+                   as_str(v[2], "model_fingerprint"), as_str(v[3], "model_name"),
+                   as_str(v[4], "architecture"), as_int(v[5], "vocab_size"), as_int(v[6], "block_size"),
+                   as_int(v[7], "num_device_blocks"), as_int(v[8], "num_cpu_blocks"),
+                   as_int(v[9], "max_model_len"), as_str(v[10], "dtype"), as_str(v[11], "device"))
 
 
 @dataclass(slots=True)
@@ -380,8 +328,8 @@ class HandshakeReply:
 
     @classmethod
     def from_wire(cls, v: Any) -> HandshakeReply:
-        v = _list(v, "handshake_reply", 3)
-        return cls(_bool(v[0], "accepted"), _str(v[1], "reason"), _float(v[2], "heartbeat_interval_s"))
+        v = as_list(v, "handshake_reply", 3)
+        return cls(as_bool(v[0], "accepted"), as_str(v[1], "reason"), as_float(v[2], "heartbeat_interval_s"))
 
 
 @dataclass(slots=True)
@@ -393,8 +341,8 @@ class Heartbeat:
 
     @classmethod
     def from_wire(cls, v: Any) -> Heartbeat:
-        v = _list(v, "heartbeat", 1)
-        return cls(_float(v[0], "sent_at"))
+        v = as_list(v, "heartbeat", 1)
+        return cls(as_float(v[0], "sent_at"))
 
 
 @dataclass(slots=True)
@@ -408,8 +356,8 @@ class Drain:
 
     @classmethod
     def from_wire(cls, v: Any) -> Drain:
-        v = _list(v, "drain", 1)
-        return cls(_float(v[0], "grace_seconds"))
+        v = as_list(v, "drain", 1)
+        return cls(as_float(v[0], "grace_seconds"))
 
 
 Message = Handshake | HandshakeReply | Heartbeat | BatchPlan | StepResult | Drain
@@ -440,11 +388,11 @@ def decode(frame: bytes) -> Message:
         raise
     except Exception as exc:  # msgpack raises several unrelated types
         raise WireError(f"not a msgpack frame: {exc}") from exc
-    obj = _list(obj, "frame", 3)
-    version = _int(obj[0], "wire_version")
+    obj = as_list(obj, "frame", 3)
+    version = as_int(obj[0], "wire_version")
     if version != WIRE_VERSION:
         raise WireError(f"wire version {version}, expected {WIRE_VERSION}")
-    kind = _int(obj[1], "kind")
+    kind = as_int(obj[1], "kind")
     cls = _TYPE_OF.get(kind)
     if cls is None:
         raise WireError(f"unknown message kind {kind}")
