@@ -19,11 +19,10 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from scheduler_svc import plan as wire
 from scheduler_svc.api_types import (
     EngineStats,
     ExecutorStats,
@@ -41,76 +40,12 @@ from scheduler_svc.request import MigratedRequest
 from scheduler_svc.routing import Router
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.slots import ExecutorSlot, Tracked
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.25  # an idle loop still wakes to notice drain deadlines
 STATS_EVERY_S = 0.25  # how often gauges are refreshed from scheduler counters
-
-
-@dataclass(slots=True, eq=False)
-class Tracked:
-    """A request as the engine follows it, across executors.
-
-    ``outbox`` + ``waiter`` is a minimal single-consumer mailbox: an
-    asyncio.Queue costs several times more per token, and the engine pushes
-    one item per request per step.
-    """
-
-    stream: RequestStream
-    outbox: list = field(default_factory=list)  # RequestOutput | Exception, oldest first
-    waiter: asyncio.Future | None = None
-    slot: ExecutorSlot | None = None
-    migrations: int = 0
-    resume: MigratedRequest | None = None  # set while waiting to be re-queued elsewhere
-
-    @property
-    def request_id(self) -> str:
-        return self.stream.req.request_id
-
-    def put(self, item) -> None:
-        self.outbox.append(item)
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    async def take(self) -> list:
-        while not self.outbox:
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
-        items, self.outbox = self.outbox, []
-        return items
-
-
-@dataclass(slots=True, eq=False)
-class ExecutorSlot:
-    conn: ExecutorConn
-    scheduler: Scheduler
-    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
-    adds: list[Tracked] = field(default_factory=list)
-    aborts: list[str] = field(default_factory=list)
-    requests: dict[str, Tracked] = field(default_factory=dict)
-    task: asyncio.Task | None = None
-    pending_blocks: int = 0  # prompt blocks of ``adds`` (kept, not summed: routing reads it per request)
-
-    @property
-    def id(self) -> str:
-        return self.conn.id
-
-    def add(self, t: Tracked) -> None:
-        self.adds.append(t)
-        self.pending_blocks += self._blocks(t)
-
-    def remove_add(self, t: Tracked) -> None:
-        self.adds.remove(t)
-        self.pending_blocks -= self._blocks(t)
-
-    def take_adds(self) -> list[Tracked]:
-        adds, self.adds, self.pending_blocks = self.adds, [], 0
-        return adds
-
-    def _blocks(self, t: Tracked) -> int:
-        return -(-len(t.stream.req.prompt_token_ids) // self.scheduler.config.block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,4 +402,4 @@ def executor_endpoint(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
-__all__ = ["Engine", "EngineConfig", "executor_endpoint", "tune_gc", "wire"]
+__all__ = ["Engine", "EngineConfig", "executor_endpoint", "tune_gc"]

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from scheduler_svc.kv_cache_manager import hash_block
 
 if TYPE_CHECKING:
-    from scheduler_svc.engine import ExecutorSlot
+    from scheduler_svc.slots import ExecutorSlot
 
 SKEW_ABS = 8  # requests: the busiest eligible executor is within this of the least busy...
 SKEW_REL = 0.5  # ...or within 50% of the least busy executor's load, whichever is larger
