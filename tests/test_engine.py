@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 
 import pytest
 from fake_executor import FakeExecutor
@@ -34,24 +35,25 @@ BLOCKS = 64
 
 
 class FakeRunner:
-    """The worker's runner interface over the fake executor."""
+    """The worker's runner interface over the fake executor (``step_s``: a slow device)."""
 
-    def __init__(self, vocab: int) -> None:
-        self.vocab = vocab
+    def __init__(self, vocab: int, step_s: float = 0.0) -> None:
+        self.vocab, self.step_s = vocab, step_s
         self.reset()
 
     def reset(self) -> None:
         self.fake = FakeExecutor(BLOCKS, 16, 16, vocab_size=self.vocab)
 
     def execute(self, plan: wire.BatchPlan) -> wire.StepResult:
+        time.sleep(self.step_s)
         return self.fake.run(plan)
 
 
 class FakeExecutorThread:
-    def __init__(self, endpoint: str, name: str, vocab: int) -> None:
+    def __init__(self, endpoint: str, name: str, vocab: int, step_s: float = 0.0) -> None:
         hs = wire.Handshake(name, wire.WIRE_VERSION, "fake", "fake-model", "FakeForCausalLM", vocab, 16,
                             BLOCKS, 16, 1024, "float32", "cpu")
-        self.worker = ExecutorWorker(endpoint, FakeRunner(vocab), hs, drain_timeout=5.0)
+        self.worker = ExecutorWorker(endpoint, FakeRunner(vocab, step_s), hs, drain_timeout=5.0)
         self.thread = threading.Thread(target=self.worker.run, daemon=True)
         self.thread.start()
 
@@ -89,9 +91,9 @@ async def running(tokenizer, n_executors: int, metrics=None, **cfg_kw):
             e.kill()
 
 
-def engine_executor(engine: Engine, name: str) -> FakeExecutorThread:
+def engine_executor(engine: Engine, name: str, step_s: float = 0.0) -> FakeExecutorThread:
     return FakeExecutorThread(f"tcp://127.0.0.1:{engine.hub.bound_port}", name,
-                              engine.tokenizer.get_vocab_size())
+                              engine.tokenizer.get_vocab_size(), step_s)
 
 
 async def _collect(engine: Engine, req: GenerationRequest):
@@ -256,5 +258,26 @@ def test_metrics_gauges_return_to_idle_after_the_work(tokenizer):
             assert value("pagedserve:num_requests_running") == 0
             assert value("pagedserve:generation_tokens_total") == 180
             assert value("pagedserve:kv_cache_usage_perc", {"executor": "fake0"}) == 0
+
+    _run(main())
+
+
+def test_a_slow_executor_does_not_stall_the_others(tokenizer):
+    async def main():
+        async with running(tokenizer, 0) as (engine, execs):
+            for name, step_s in (("slow", 0.5), ("fast", 0.0)):  # ties go to the first registered
+                execs.append(engine_executor(engine, name, step_s))
+                while name not in engine.slots:
+                    await asyncio.sleep(0.01)
+            slow = asyncio.create_task(_collect(engine, _req("on-slow", list(range(3, 20)), 6)))
+            while not engine.slots["slow"].requests:  # routed to the idle (slow) executor
+                await asyncio.sleep(0.005)
+            t0 = time.monotonic()
+            tokens, _, _, _ = await _collect(engine, _req("on-fast", list(range(40, 60)), 30))  # no shared prefix
+            fast_s = time.monotonic() - t0
+            assert len(tokens[0]) == 30
+            assert fast_s < 1.5, f"30 fast steps took {fast_s:.2f}s next to a 0.5 s/step executor"
+            assert not slow.done()
+            await slow
 
     _run(main())
