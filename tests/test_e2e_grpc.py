@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -252,3 +253,34 @@ def test_mixed_sharing_requests_cancelled_or_finished_hold_no_blocks(stack):
     assert all(r in ("done", grpc.StatusCode.CANCELLED) for r in results), results
     assert max(shared_seen) > 0  # GetStats shows the prompt blocks the choices share
     _wait_blocks_free(stack)
+
+
+def test_sigterm_stops_admitting_aborts_leftovers_after_the_grace_and_exits(tiny_llama_dir, tmp_path):
+    s = Stack(tiny_llama_dir, tmp_path, scheduler_args=["--shutdown-grace-seconds", "1"])
+    try:
+        s.start_scheduler()
+        s.start_executor("ex0")
+        s.wait_health()
+        finish: list = []
+        got = threading.Event()
+
+        def run() -> None:
+            req = pb.GenerateRequest(prompt_token_ids=list(range(3, 40)), sampling=_greedy(1500))
+            for resp in s.stub.Generate(req, timeout=60):
+                got.set()
+                finish.extend(c.finish_reason for c in resp.choices if c.finish_reason)
+
+        t = threading.Thread(target=run)
+        t.start()
+        assert got.wait(30)
+        s.scheduler.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert s.health() != SERVING  # readiness drops at once
+        with pytest.raises(grpc.RpcError) as err:
+            _collect(s.stub, pb.GenerateRequest(prompt="late", sampling=_greedy(2)))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        t.join(30)
+        assert finish == [pb.FINISH_REASON_ABORTED]  # cut at the grace period, told so
+        assert s.scheduler.wait(timeout=20) == 0
+    finally:
+        s.stop()
