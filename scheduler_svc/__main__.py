@@ -55,7 +55,7 @@ async def serve(cfg: ServiceConfig) -> None:
                     tokenizer, eos, metrics)
     await engine.start()
     limits = ServerLimits(max_n=cfg.max_n, max_beam_width=cfg.max_beam_width,
-                          max_logprobs=max(1, cfg.max_logprobs))
+                          max_logprobs=cfg.max_logprobs)
     api = await start_grpc_server(engine, tokenizer, cfg.host, cfg.port, limits, metrics)
     loop = asyncio.get_running_loop()
     engine.on_readiness_change = lambda: loop.create_task(api.update_health())
