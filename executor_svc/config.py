@@ -14,7 +14,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler_svc.envargs import parse_bytes, parse_with_env
+from scheduler_svc.envargs import number, parse_bytes, parse_with_env
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("cpu", "cuda")
@@ -38,19 +38,6 @@ class ExecutorConfig:
     log_level: str
 
 
-def _number(kind: type, name: str, low: float, low_inclusive: bool = False, high: float | None = None):
-    def convert(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: expected a {kind.__name__}, got {text!r}") from None
-        if value < low or (value == low and not low_inclusive) or (high is not None and value > high):
-            bound = f"{'>=' if low_inclusive else '>'} {low}" + (f" and <= {high}" if high is not None else "")
-            raise argparse.ArgumentTypeError(f"{name}: must be {bound}, got {value}")
-        return value
-    return convert
-
-
 def _endpoint(text: str) -> str:
     if not text.startswith(("tcp://", "ipc://", "inproc://")):
         raise argparse.ArgumentTypeError(f"--scheduler: expected tcp://HOST:PORT, got {text!r}")
@@ -67,18 +54,18 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=DEVICES, default="cpu")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("2GiB"),
                    help="KV cache size on CPU (e.g. 2GiB)")
-    p.add_argument("--gpu-memory-utilization", type=_number(float, "--gpu-memory-utilization", 0.0, high=1.0),
+    p.add_argument("--gpu-memory-utilization", type=number(float, "--gpu-memory-utilization", 0.0, high=1.0),
                    default=0.9, help="fraction of GPU memory for weights + KV cache (CUDA)")
     p.add_argument("--swap-space", type=parse_bytes, default=parse_bytes("4GiB"),
                    help="CPU swap pool size (e.g. 4GiB; 0 disables swapping)")
-    p.add_argument("--block-size", type=_number(int, "--block-size", 0), default=16,
+    p.add_argument("--block-size", type=number(int, "--block-size", 0), default=16,
                    help="tokens per KV block; must match the scheduler's")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="compute dtype; auto = float32 on CPU, the checkpoint's on CUDA")
     p.add_argument("--executor-id", default=None, help="name in the scheduler's registry (default HOST-PID)")
-    p.add_argument("--health-port", type=_number(int, "--health-port", 0, low_inclusive=True, high=65535),
+    p.add_argument("--health-port", type=number(int, "--health-port", 0, low_inclusive=True, high=65535),
                    default=8090, help="grpc.health.v1 port (0 disables)")
-    p.add_argument("--drain-timeout", type=_number(float, "--drain-timeout", 0.0, low_inclusive=True),
+    p.add_argument("--drain-timeout", type=number(float, "--drain-timeout", 0.0, low_inclusive=True),
                    default=30.0, help="seconds to keep serving plans after SIGTERM")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p

@@ -11,7 +11,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler_svc.envargs import parse_with_env
+from scheduler_svc.envargs import number, parse_with_env
 
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_EXECUTOR_PORT = 5556
@@ -19,6 +19,7 @@ DEFAULT_METRICS_PORT = 9100
 # grpc.health.v1 service names (the k8s probes use these).
 HEALTH_LIVENESS = "liveness"
 HEALTH_READINESS = "pagedserve.v1.Generation"
+PORT = number(int, "port", 0, low_inclusive=True, high=65535)  # 0: pick a free port / disable
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,28 +45,6 @@ class ServiceConfig:
     log_level: str
 
 
-def _positive(kind: type, name: str):
-    def convert(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: expected a {kind.__name__}, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{name}: must be > 0, got {value}")
-        return value
-    return convert
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"port: expected an integer, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port: must be in [0, 65535], got {value}")
-    return value
-
-
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pagedserve-scheduler",
@@ -75,35 +54,36 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, type=Path,
                    help="model directory (config.json and tokenizer.json are read; no weights)")
     p.add_argument("--host", default="0.0.0.0", help="gRPC listen address")
-    p.add_argument("--port", type=_port, default=DEFAULT_GRPC_PORT, help="gRPC port")
+    p.add_argument("--port", type=PORT, default=DEFAULT_GRPC_PORT, help="gRPC port")
     p.add_argument("--executor-host", default="0.0.0.0", help="address executors dial in to")
-    p.add_argument("--executor-port", type=_port, default=DEFAULT_EXECUTOR_PORT,
+    p.add_argument("--executor-port", type=PORT, default=DEFAULT_EXECUTOR_PORT,
                    help="ZeroMQ ROUTER port executors dial in to")
-    p.add_argument("--metrics-port", type=_port, default=DEFAULT_METRICS_PORT,
+    p.add_argument("--metrics-port", type=PORT, default=DEFAULT_METRICS_PORT,
                    help="Prometheus /metrics HTTP port (0 disables)")
     p.add_argument("--block-size", type=int, choices=(8, 16, 32), default=16,
                    help="tokens per KV block (executors must agree)")
-    p.add_argument("--max-num-seqs", type=_positive(int, "max-num-seqs"), default=256,
+    p.add_argument("--max-num-seqs", type=number(int, "--max-num-seqs", 0), default=256,
                    help="sequences per iteration per executor")
-    p.add_argument("--max-num-batched-tokens", type=_positive(int, "max-num-batched-tokens"),
+    p.add_argument("--max-num-batched-tokens", type=number(int, "--max-num-batched-tokens", 0),
                    default=2048, help="tokens per iteration per executor (chunked prefill budget)")
-    p.add_argument("--max-queued-requests", type=_positive(int, "max-queued-requests"), default=1024,
+    p.add_argument("--max-queued-requests", type=number(int, "--max-queued-requests", 0), default=1024,
                    help="waiting requests beyond which new ones get RESOURCE_EXHAUSTED")
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
                    help="what to do with a preempted request's KV blocks")
     p.add_argument("--disable-prefix-caching", action="store_true",
                    help="do not reuse KV blocks across requests with a common prefix")
-    p.add_argument("--shutdown-grace-seconds", type=float, default=30.0,
+    p.add_argument("--shutdown-grace-seconds", type=number(float, "--shutdown-grace-seconds", 0, True),
+                   default=30.0,
                    help="on SIGTERM, time in-flight requests get to finish before they are aborted")
-    p.add_argument("--heartbeat-interval", type=_positive(float, "heartbeat-interval"), default=1.0,
+    p.add_argument("--heartbeat-interval", type=number(float, "--heartbeat-interval", 0), default=1.0,
                    help="seconds between heartbeats; a peer silent for 5 intervals is dead")
-    p.add_argument("--max-migrations", type=int, default=3,
+    p.add_argument("--max-migrations", type=number(int, "--max-migrations", 0, True), default=3,
                    help="times a request may move to another executor after a failure")
-    p.add_argument("--max-n", type=_positive(int, "max-n"), default=16,
+    p.add_argument("--max-n", type=number(int, "--max-n", 0), default=16,
                    help="largest n (parallel samples) a request may ask for")
-    p.add_argument("--max-beam-width", type=_positive(int, "max-beam-width"), default=8,
+    p.add_argument("--max-beam-width", type=number(int, "--max-beam-width", 0), default=8,
                    help="largest beam_width a request may ask for")
-    p.add_argument("--max-logprobs", type=int, default=20,
+    p.add_argument("--max-logprobs", type=number(int, "--max-logprobs", 0, True), default=20,
                    help="largest number of top logprobs a request may ask for")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p

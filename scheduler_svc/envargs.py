@@ -63,3 +63,18 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"invalid size {text!r}: expected a number with an optional unit (KiB, MiB, GiB, MB, GB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def number(kind: type, name: str, low: float, low_inclusive: bool = False, high: float | None = None):
+    """An argparse ``type=`` converting to ``kind`` within bounds, naming the flag when not."""
+
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: expected a {kind.__name__}, got {text!r}") from None
+        if value < low or (value == low and not low_inclusive) or (high is not None and value > high):
+            bound = f"{'>=' if low_inclusive else '>'} {low}" + (f" and <= {high}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"{name}: must be {bound}, got {value}")
+        return value
+    return convert

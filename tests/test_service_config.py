@@ -1,0 +1,52 @@
+"""The scheduler's flags: PAGEDSERVE_* environment fallback, bounds named in errors, sizes."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from scheduler_svc.config import load_config
+from scheduler_svc.envargs import env_name, parse_bytes
+
+
+@pytest.fixture()
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    return tmp_path
+
+
+def test_environment_fills_flags_the_command_line_did_not_give(model_dir):
+    env = {"PAGEDSERVE_MAX_NUM_SEQS": "32", "PAGEDSERVE_PREEMPTION_MODE": "swap",
+           "PAGEDSERVE_DISABLE_PREFIX_CACHING": "true", "PAGEDSERVE_PORT": "6000"}
+    cfg = load_config(["--model", str(model_dir), "--port", "7000"], env)
+    assert cfg.max_num_seqs == 32 and cfg.preemption_mode == "swap"
+    assert not cfg.enable_prefix_caching
+    assert cfg.port == 7000  # the command line wins
+
+
+@pytest.mark.parametrize("argv,env,message", [
+    (["--max-num-seqs", "0"], {}, "--max-num-seqs: must be > 0, got 0"),
+    (["--port", "70000"], {}, "port: must be >= 0 and <= 65535, got 70000"),
+    ([], {"PAGEDSERVE_MAX_MIGRATIONS": "-1"}, "--max-migrations: must be >= 0, got -1"),
+    ([], {"PAGEDSERVE_PREEMPTION_MODE": "drop"}, "invalid choice: 'drop'"),
+    ([], {"PAGEDSERVE_DISABLE_PREFIX_CACHING": "maybe"}, "PAGEDSERVE_DISABLE_PREFIX_CACHING: expected a boolean"),
+])
+def test_bad_values_name_the_flag_and_the_limit(model_dir, capsys, argv, env, message):
+    with pytest.raises(SystemExit):
+        load_config(["--model", str(model_dir), *argv], env)
+    assert message in capsys.readouterr().err
+
+
+def test_a_model_directory_without_config_json_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        load_config(["--model", str(tmp_path)], {})
+    assert "has no config.json" in capsys.readouterr().err
+
+
+def test_sizes_and_env_names():
+    assert parse_bytes("2GiB") == 2 * 1024**3 and parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes("1024") == 1024
+    with pytest.raises(argparse.ArgumentTypeError, match="invalid size"):
+        parse_bytes("two gigs")
+    assert env_name("--max-num-batched-tokens") == "PAGEDSERVE_MAX_NUM_BATCHED_TOKENS"
