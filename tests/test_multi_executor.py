@@ -70,6 +70,18 @@ def _executor_with_work(stack: Stack) -> str:
     return holder[0]
 
 
+def _signal_a_busy_executor(stack: Stack, sig: int, victims: list[str]):
+    """An on_progress hook: once 8 streams are under way, signal an executor that holds work."""
+
+    def hook(progress: list[int]) -> None:
+        _wait_for(lambda: sum(p > 3 for p in progress) >= 8, 60, "streams under way")
+        victim = _executor_with_work(stack)
+        stack.executors[victim].send_signal(sig)
+        victims.append(victim)
+
+    return hook
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir, tmp_path_factory):
     """Greedy outputs of 32 prompts on a single executor, uninterrupted."""
@@ -95,14 +107,7 @@ def test_kill_9_mid_stream_loses_nothing(reference, tiny_llama_dir, tmp_path):
             s.start_executor(name)
         s.wait_executors(2)
         killed: list[str] = []
-
-        def kill_when_streaming(progress: list[int]) -> None:
-            _wait_for(lambda: sum(p > 3 for p in progress) >= 8, 60, "streams under way")
-            victim = _executor_with_work(s)
-            s.executors[victim].send_signal(signal.SIGKILL)
-            killed.append(victim)
-
-        outs = _run_streams(s, prompts, on_progress=kill_when_streaming)
+        outs = _run_streams(s, prompts, on_progress=_signal_a_busy_executor(s, signal.SIGKILL, killed))
         assert killed
         assert [o if isinstance(o, list) else repr(o) for o in outs] == ref
         st = s.stats()
@@ -158,14 +163,7 @@ def test_sigterm_drains_without_failing_a_request(reference, tiny_llama_dir, tmp
             s.start_executor(name, "--drain-timeout", "30")
         s.wait_executors(2)
         drained: list[str] = []
-
-        def sigterm_when_streaming(progress: list[int]) -> None:
-            _wait_for(lambda: sum(p > 3 for p in progress) >= 8, 60, "streams under way")
-            victim = _executor_with_work(s)
-            s.executors[victim].send_signal(signal.SIGTERM)
-            drained.append(victim)
-
-        outs = _run_streams(s, prompts, on_progress=sigterm_when_streaming)
+        outs = _run_streams(s, prompts, on_progress=_signal_a_busy_executor(s, signal.SIGTERM, drained))
         assert [o if isinstance(o, list) else repr(o) for o in outs] == ref
         assert s.executors[drained[0]].wait(timeout=60) == 0  # it exited by itself, cleanly
         outs = _run_streams(s, prompts[:4])  # new work goes to the survivor only
