@@ -98,6 +98,19 @@ pagedserve is serving on localhost:{args.port}. From another terminal:
 Press Ctrl-C to stop.""", flush=True)
 
 
+def terminate(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM each live process (in order), as Kubernetes would; kill what outlives ``timeout_s``."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Start pagedserve locally and show it serving.")
     ap.add_argument("--model", type=Path, required=True)
@@ -118,14 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("\nstopping...", flush=True)
     finally:
-        for p in reversed(procs):  # executor first: it drains, then the scheduler
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        terminate(list(reversed(procs)), timeout_s=30)  # executor first: it drains, then the scheduler
         print("stopped.", flush=True)
 
 

@@ -8,7 +8,6 @@ the test's tmp dir and are printed when a test fails to start a stack.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve.demo import terminate
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -110,13 +110,4 @@ class Stack:
     def stop(self) -> None:
         if self.channel is not None:
             self.channel.close()
-        procs = list(self.executors.values()) + ([self.scheduler] if self.scheduler else [])
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        terminate(list(self.executors.values()) + ([self.scheduler] if self.scheduler else []), timeout_s=15)
