@@ -59,14 +59,16 @@ def build_runner(cfg: ExecutorConfig) -> tuple[ModelRunner, wire.Handshake]:
     if cfg.device == "cpu" and dtype != torch.float32:
         log.warning("computing in %s on CPU: expect it to be much slower than float32", dtype)
     model = load_model(cfg.model_dir, cfg.device, dtype)
-    backend = make_attention_backend(cfg.device)
+    backend = make_attention_backend(cfg.device, cfg.cpu_attention)
+    if backend.name == "cpu-fused" and dtype != torch.float32:
+        log.warning("the fused CPU decode kernel is float32 only: %s attention uses the torch path", dtype)
     kv = KVCache.from_budget(model_cfg, cfg.block_size, device_kv_bytes(cfg, model, backend), cfg.swap_space,
                              dtype, cfg.device)
     max_len = min(model_cfg.max_position_embeddings, kv.num_blocks * cfg.block_size)
     runner = ModelRunner(model, kv, backend, Sampler(), max_model_len=max_len)
-    log.info("%s: %d layers, %d KV blocks of %d tokens (%d CPU swap blocks), max length %d, %s",
-             model_cfg.architecture, model_cfg.num_layers, kv.num_blocks, cfg.block_size,
-             kv.num_cpu_blocks, max_len, str(dtype).removeprefix("torch."))
+    log.info("%s: %d layers, %d KV blocks of %d tokens (%d CPU swap blocks), max length %d, %s, "
+             "attention backend %s", model_cfg.architecture, model_cfg.num_layers, kv.num_blocks,
+             cfg.block_size, kv.num_cpu_blocks, max_len, str(dtype).removeprefix("torch."), backend.name)
     hs = wire.Handshake(
         executor_id=cfg.executor_id, wire_version=wire.WIRE_VERSION,
         model_fingerprint=model_fingerprint(cfg.model_dir), model_name=cfg.model_dir.resolve().name,

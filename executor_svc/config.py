@@ -17,6 +17,7 @@ from pathlib import Path
 from scheduler_svc.envargs import number, parse_bytes, parse_with_env
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+CPU_ATTENTION = ("auto", "fused", "torch")  # mirrors executor_svc.attention.CPU_ATTENTION
 DEVICES = ("cpu", "cuda")
 HEALTH_LIVENESS = "liveness"
 HEALTH_EXECUTOR = "executor"
@@ -32,6 +33,7 @@ class ExecutorConfig:
     swap_space: int  # bytes for the CPU swap pool
     block_size: int
     dtype: str
+    cpu_attention: str  # auto | fused | torch (executor_svc/attention.py, make_attention_backend)
     executor_id: str
     health_port: int  # 0 = no health server
     drain_timeout: float  # seconds to keep serving after SIGTERM
@@ -62,6 +64,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="tokens per KV block; must match the scheduler's")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="compute dtype; auto = float32 on CPU, the checkpoint's on CUDA")
+    p.add_argument("--cpu-attention", choices=CPU_ATTENTION, default="auto",
+                   help="CPU decode attention: fused = the C kernel (executor_svc/csrc), torch = gather + "
+                        "SDPA; auto = fused when it compiles, else torch with a warning")
     p.add_argument("--executor-id", default=None, help="name in the scheduler's registry (default HOST-PID)")
     p.add_argument("--health-port", type=number(int, "--health-port", 0, low_inclusive=True, high=65535),
                    default=8090, help="grpc.health.v1 port (0 disables)")
@@ -77,5 +82,6 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         model_dir=Path(args.model), scheduler=args.scheduler, device=args.device,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space, block_size=args.block_size, dtype=args.dtype,
+        cpu_attention=args.cpu_attention,
         executor_id=args.executor_id or f"{socket.gethostname()}-{os.getpid()}",
         health_port=args.health_port, drain_timeout=args.drain_timeout, log_level=args.log_level)

@@ -87,6 +87,10 @@ def test_copy_blocks_and_swap_move_whole_blocks():
 
 
 def test_factory():
-    assert isinstance(make_attention_backend("cpu"), TorchAttentionBackend)
+    # CPU: the fused decode kernel where it builds (tests/test_cpu_decode_kernel.py), torch otherwise;
+    # both run the torch reference for prefill rows.
+    cpu = make_attention_backend("cpu")
+    assert isinstance(cpu, TorchAttentionBackend) and cpu.name in ("cpu-fused", "torch")
+    assert type(make_attention_backend("cpu", "torch")) is TorchAttentionBackend
     with pytest.raises(ValueError, match="device"):
         make_attention_backend("tpu")

@@ -1,0 +1,263 @@
+"""Build, cache and call the C kernels in ``executor_svc/csrc`` (CPU paged decode attention).
+
+The source is compiled on the machine that runs it, by the system C compiler
+(``$CC``, else ``cc``/``gcc``), into a shared library named by a hash of the
+source text, the flags and (for ``-march=native`` builds) the CPU. The library
+lands in a cache directory: ``$PAGEDSERVE_CACHE_DIR``, else
+``$XDG_CACHE_HOME/pagedserve``, else ``~/.cache/pagedserve``, else a directory
+under the system temp dir; it is written to a temporary name and renamed, so
+processes compiling at the same time never load a half-written file.
+
+Where no compiler exists (the container images), a *portable* build (no
+``-march=native``) made at image build time is looked up in
+``$PAGEDSERVE_PREBUILT_KERNELS`` (``python -m executor_svc.cpu_kernels --build
+--portable --out DIR``). If nothing loads, :func:`load_decode_kernel` logs one
+warning and returns None, and the caller keeps the torch path.
+
+The call goes through ctypes, which releases the GIL for its duration: the
+executor's heartbeat thread keeps running while a layer's attention does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.c"
+ABI_VERSION = 1  # ps_abi_version() in the source
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11")
+# Never -ffast-math: it would let the compiler assume no NaN/inf, and the softmax must propagate
+# them like torch's SDPA does. `#pragma omp simd` vectorises the reductions instead.
+VARIANTS = {"native": ("-march=native",), "portable": ()}
+OPENMP_FLAGS = (("-fopenmp",), ("-fopenmp-simd",))  # threads; else single-threaded but vectorised
+COMPILE_TIMEOUT_S = 120
+_STATUS = {1: "a block id outside the cache", 2: "a seq_len < 1 or longer than its block table",
+           3: "out of memory for scratch buffers"}
+
+
+def default_cache_dir() -> Path:
+    explicit = os.environ.get("PAGEDSERVE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "pagedserve"
+
+
+def _writable_cache_dir(preferred: Path) -> Path:
+    """``preferred/cpu_kernels`` if it can be created and written, else a per-user temp dir."""
+    for root in (preferred, Path(tempfile.gettempdir()) / f"pagedserve-{os.getuid()}"):
+        path = root / "cpu_kernels"
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(path, os.W_OK):
+            return path
+    raise OSError(f"no writable cache dir (tried {preferred} and the temp dir)")
+
+
+def _prebuilt_dirs() -> list[Path]:
+    return [Path(p) for p in os.environ.get("PAGEDSERVE_PREBUILT_KERNELS", "").split(os.pathsep) if p]
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: a library built for one CPU must not load on another."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_key(source: bytes, flags: tuple[str, ...], variant: str) -> str:
+    h = hashlib.sha256(source)
+    h.update("\0".join((*flags, platform.machine(), sys.platform)).encode())
+    if variant == "native":
+        h.update(_cpu_signature().encode())
+    return h.hexdigest()[:24]
+
+
+def find_compiler() -> str | None:
+    """``$CC`` when set (even if it does not exist: that is an explicit choice), else cc/gcc/clang."""
+    cc = os.environ.get("CC")
+    if cc:
+        return cc
+    return next((p for p in map(shutil.which, ("cc", "gcc", "clang")) if p), None)
+
+
+@dataclass(frozen=True, slots=True)
+class Build:
+    path: Path
+    variant: str
+    flags: tuple[str, ...]
+    compiled: bool  # False: found in a cache or prebuilt dir
+
+
+def _candidates(variant: str) -> list[tuple[tuple[str, ...], str]]:
+    source = SOURCE.read_bytes()
+    out = []
+    for omp in OPENMP_FLAGS:
+        flags = (*BASE_FLAGS, *VARIANTS[variant], *omp)
+        out.append((flags, f"paged_decode_cpu-{variant}-{library_key(source, flags, variant)}.so"))
+    return out
+
+
+def _compile(compiler: str, flags: tuple[str, ...], dest: Path) -> str | None:
+    """Compile SOURCE to ``dest`` atomically; the compiler's complaint on failure."""
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name, suffix=".tmp")
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+                              text=True, timeout=COMPILE_TIMEOUT_S, check=False)
+        if proc.returncode != 0:
+            return (proc.stderr or proc.stdout).strip()[-2000:] or f"exit status {proc.returncode}"
+        os.replace(tmp, dest)
+        return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def build_library(variant: str = "native", cache_dir: Path | None = None,
+                  compiler: str | None = None) -> Build:
+    """The library for ``variant``: found in the cache or prebuilt dirs, else compiled into the cache.
+
+    ``cache_dir`` is used as given (created if missing); by default it is ``cpu_kernels/`` under
+    :func:`default_cache_dir`, or under the temp dir when that is not writable. Raises RuntimeError
+    (with the compiler's output) when nothing is found and nothing compiles.
+    """
+    if cache_dir is not None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        cache = cache_dir
+    else:
+        cache = _writable_cache_dir(default_cache_dir())
+    candidates = _candidates(variant)
+    for flags, name in candidates:
+        for d in (cache, *_prebuilt_dirs()):
+            if (d / name).is_file():
+                return Build(d / name, variant, flags, compiled=False)
+    compiler = compiler or find_compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set $CC, or install cc/gcc)")
+    errors = []
+    for flags, name in candidates:
+        err = _compile(compiler, flags, cache / name)
+        if err is None:
+            return Build(cache / name, variant, flags, compiled=True)
+        errors.append(f"{compiler} {' '.join(flags)}: {err}")
+    raise RuntimeError("compiling " + SOURCE.name + " failed:\n" + "\n".join(errors))
+
+
+class DecodeKernel:
+    """ctypes binding of ``ps_paged_decode_f32`` with the checks that keep it memory-safe."""
+
+    def __init__(self, build: Build) -> None:
+        self.build = build
+        lib = ctypes.CDLL(str(build.path))
+        if lib.ps_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{build.path}: ABI {lib.ps_abi_version()}, expected {ABI_VERSION}")
+        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        fn = lib.ps_paged_decode_f32
+        fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i32, ptr, ptr, ptr, i32,
+                       i32, i32, i32, i32, i64, ctypes.c_float, i32]
+        fn.restype = i32
+        self._fn, self._lib = fn, lib
+
+    def __call__(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor,
+                 scale: float, num_threads: int | None = None) -> None:
+        """``out[rows[i]] = attention(query[rows[i]], sequence seqs[i]'s cached K/V)`` for each i."""
+        _check(out, query, k_cache, v_cache, block_tables, seq_lens, rows, seqs)
+        nb, bs, kvh, d = k_cache.shape
+        status = self._fn(
+            out.data_ptr(), out.stride(0), out.stride(1), query.data_ptr(), query.stride(0), query.stride(1),
+            k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            block_tables.shape[1], seq_lens.data_ptr(), rows.data_ptr(), seqs.data_ptr(), rows.shape[0],
+            query.shape[1], kvh, d, bs, nb, float(scale), num_threads or torch.get_num_threads())
+        if status:
+            raise ValueError(f"paged decode kernel: {_STATUS.get(status, f'status {status}')}")
+
+
+def _check(out, query, k_cache, v_cache, block_tables, seq_lens, rows, seqs) -> None:
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(f"paged decode kernel: {what}")
+
+    tensors = {"out": out, "query": query, "k_cache": k_cache, "v_cache": v_cache,
+               "block_tables": block_tables, "seq_lens": seq_lens, "rows": rows, "seqs": seqs}
+    for name, t in tensors.items():
+        need(t.device.type == "cpu", f"{name} must be on the CPU, got {t.device}")
+    for name in ("out", "query", "k_cache", "v_cache"):
+        need(tensors[name].dtype == torch.float32, f"{name} must be float32, got {tensors[name].dtype}")
+    need(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
+         f"k/v caches must be [blocks, block_size, kv_heads, head] and alike, got {tuple(k_cache.shape)} "
+         f"and {tuple(v_cache.shape)}")
+    need(k_cache.is_contiguous() and v_cache.is_contiguous(), "k/v caches must be contiguous")
+    _, _, kvh, d = k_cache.shape
+    need(query.dim() == 3 and query.shape[2] == d and query.shape[1] % kvh == 0,
+         f"query must be [tokens, q_heads, {d}] with q_heads a multiple of {kvh}, got {tuple(query.shape)}")
+    need(out.shape == query.shape, f"out {tuple(out.shape)} must match query {tuple(query.shape)}")
+    need(query.stride(2) == 1 and out.stride(2) == 1, "query/out head_size axis must be contiguous")
+    need(block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.stride(1) == 1,
+         "block_tables must be int32 [seqs, max_blocks] with contiguous rows")
+    need(seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and seq_lens.shape[0] == block_tables.shape[0],
+         "seq_lens must be contiguous int32 with one entry per block table row")
+    need(rows.dtype == seqs.dtype == torch.int64 and rows.is_contiguous() and seqs.is_contiguous()
+         and rows.dim() == seqs.dim() == 1 and rows.shape == seqs.shape, "rows/seqs must be equal-length int64")
+    if rows.numel():
+        need(0 <= int(rows.min()) and int(rows.max()) < query.shape[0], "a row index outside query")
+        need(0 <= int(seqs.min()) and int(seqs.max()) < seq_lens.shape[0], "a sequence index outside seq_lens")
+
+
+@functools.cache
+def load_decode_kernel() -> DecodeKernel | None:
+    """The kernel, built or found on first use; None (and one warning) when neither works."""
+    errors = []
+    for variant in VARIANTS:
+        try:
+            return DecodeKernel(build_library(variant))
+        except (OSError, RuntimeError) as exc:
+            errors.append(f"{variant}: {exc}")
+    log.warning("CPU paged decode kernel unavailable, using the torch attention path: %s", "; ".join(errors))
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Build the CPU attention kernel into a cache dir.")
+    ap.add_argument("--build", action="store_true", help="compile now (default: just report what loads)")
+    ap.add_argument("--portable", action="store_true", help="no -march=native (for images run elsewhere)")
+    ap.add_argument("--out", type=Path, help="directory (default: the cache dir)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    if args.build:
+        b = build_library("portable" if args.portable else "native", args.out)
+        print(f"{'compiled' if b.compiled else 'found'} {b.path} ({' '.join(b.flags)})")
+        DecodeKernel(b)  # it loads
+        return
+    kernel = load_decode_kernel()
+    print(kernel.build if kernel else "unavailable")
+    sys.exit(0 if kernel else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+/* Fused paged decode attention on CPU (the CPU twin of cupy_kernels/paged_decode.cu).
+ *
+ * One query token per sequence. For each (sequence, KV head) pair -- the unit of parallel
+ * work -- walk the sequence's blocks in place through its block table (no gather), score
+ * every cached key against the G query heads that share this KV head (GQA: each K/V row is
+ * read once for the whole group), keep a running max and sum per head (online softmax, one
+ * rescale per block), and accumulate the values. Everything is float32.
+ *
+ * Cache layout: [num_blocks, block_size, num_kv_heads, head_size], contiguous. Query and
+ * output rows may be strided (row and head strides in elements; the head_size axis is
+ * contiguous). Built by executor_svc/cpu_kernels.py with -O3 -march=native (no -ffast-math:
+ * NaN and infinity must propagate as they do in torch's SDPA); `omp simd` lets the
+ * reductions vectorise without licensing other reassociation.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PS_OK 0
+#define PS_BAD_BLOCK 1   /* a block id outside [0, num_blocks) */
+#define PS_BAD_LEN 2     /* seq_len < 1 or longer than its block table */
+#define PS_NO_MEMORY 3
+
+/* Bumped whenever the C signature changes; checked by the loader. */
+int ps_abi_version(void) { return 1; }
+
+/* 16 independent partial sums, then a fixed tree: vectorises to whole registers at any SIMD
+ * width without -ffast-math (no reassociation the compiler has to invent), and is deterministic. */
+static inline float dot(const float *restrict a, const float *restrict b, int n) {
+    float p[16] = {0};
+    int d = 0;
+    for (; d + 16 <= n; d += 16)
+        for (int l = 0; l < 16; l++) p[l] += a[d + l] * b[d + l];
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) p[l] += p[l + w];
+    float s = p[0];
+    for (; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+static inline void axpy(float *restrict y, float a, const float *restrict x, int n) {
+#pragma omp simd
+    for (int d = 0; d < n; d++) y[d] += a * x[d];
+}
+
+static inline void scale_by(float *restrict y, float a, int n) {
+#pragma omp simd
+    for (int d = 0; d < n; d++) y[d] *= a;
+}
+
+/* One sequence, KV heads [h0, h1): the Q = (h1 - h0) * G query heads that read them.
+ * Token-major: a block's rows for these heads are read front to back (one contiguous run per
+ * token when the chunk is every head), which the hardware prefetcher follows.
+ * scratch: qs [Q*D] scaled queries, acc [Q*D], s [Q*B] scores, m [Q], l [Q]. */
+static inline __attribute__((always_inline)) int one_unit(float *out, int64_t o_head, const float *q, int64_t q_head, const float *k_cache,
+                    const float *v_cache, const int32_t *table, int seq_len, int max_blocks, int h0,
+                    int h1, int G, int H_kv, int D, int B, int64_t num_blocks, float scale,
+                    float *scratch) {
+    const int Q = (h1 - h0) * G, qh0 = h0 * G;
+    float *qs = scratch, *acc = qs + (size_t)Q * D, *s = acc + (size_t)Q * D;
+    float *m = s + (size_t)Q * B, *l = m + Q;
+    if (seq_len < 1 || (int64_t)(seq_len - 1) / B >= max_blocks) return PS_BAD_LEN;
+    for (int h = 0; h < Q; h++) {
+        const float *qh = q + (int64_t)(qh0 + h) * q_head;
+        for (int d = 0; d < D; d++) qs[(size_t)h * D + d] = qh[d] * scale;
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)Q * D);
+    const int64_t tok_stride = (int64_t)H_kv * D; /* elements between consecutive slots */
+    const int nblocks = (seq_len + B - 1) / B;
+    for (int b = 0; b < nblocks; b++) {
+        const int64_t blk = table[b];
+        if (blk < 0 || blk >= num_blocks) return PS_BAD_BLOCK;
+        const int n = (b == nblocks - 1) ? seq_len - b * B : B;
+        const float *kb = k_cache + (blk * B) * tok_stride + (int64_t)h0 * D;
+        const float *vb = v_cache + (blk * B) * tok_stride + (int64_t)h0 * D;
+        for (int j = 0; j < n; j++) {
+            const float *kr = kb + j * tok_stride;
+            for (int h = 0; h < Q; h++) s[(size_t)h * B + j] = dot(qs + (size_t)h * D, kr + (h / G) * D, D);
+        }
+        for (int h = 0; h < Q; h++) {
+            float *sh = s + (size_t)h * B;
+            float bm = -INFINITY;
+            for (int j = 0; j < n; j++) bm = sh[j] > bm ? sh[j] : bm; /* a NaN score never wins... */
+            const float m_new = bm > m[h] ? bm : m[h];
+            /* ...it reaches exp() below and makes l (and so the output) NaN, like torch. */
+            const float corr = (m[h] == -INFINITY) ? 0.0f : expf(m[h] - m_new);
+            float sum = 0.0f;
+            for (int j = 0; j < n; j++) {
+                sh[j] = expf(sh[j] - m_new);
+                sum += sh[j];
+            }
+            if (corr != 1.0f) scale_by(acc + (size_t)h * D, corr, D);
+            l[h] = l[h] * corr + sum;
+            m[h] = m_new;
+        }
+        for (int j = 0; j < n; j++) {
+            const float *vr = vb + j * tok_stride;
+            for (int h = 0; h < Q; h++) axpy(acc + (size_t)h * D, s[(size_t)h * B + j], vr + (h / G) * D, D);
+        }
+    }
+    for (int h = 0; h < Q; h++) {
+        float *oh = out + (int64_t)(qh0 + h) * o_head;
+        const float inv = 1.0f / l[h];
+        for (int d = 0; d < D; d++) oh[d] = acc[(size_t)h * D + d] * inv;
+    }
+    return PS_OK;
+}
+
+/* The common head sizes as compile-time constants: the dot products and updates unroll into
+ * whole registers. Any other size takes the same code with a run-time bound. */
+static int unit_for_head_size(float *out, int64_t o_head, const float *q, int64_t q_head,
+                              const float *k_cache, const float *v_cache, const int32_t *table,
+                              int seq_len, int max_blocks, int h0, int h1, int G, int H_kv, int D, int B,
+                              int64_t num_blocks, float scale, float *scratch) {
+#define PS_UNIT(DC) one_unit(out, o_head, q, q_head, k_cache, v_cache, table, seq_len, max_blocks, h0, h1, \
+                             G, H_kv, DC, B, num_blocks, scale, scratch)
+    switch (D) {
+    case 64: return PS_UNIT(64);
+    case 128: return PS_UNIT(128);
+    default: return PS_UNIT(D);
+    }
+#undef PS_UNIT
+}
+
+/* rows[i]: the query/output row of decode sequence i; seqs[i]: its index into seq_lens and
+ * block_tables. Returns PS_OK or the first error seen (the output is then undefined). */
+int ps_paged_decode_f32(float *out, int64_t o_row, int64_t o_head, const float *query, int64_t q_row,
+                        int64_t q_head, const float *k_cache, const float *v_cache,
+                        const int32_t *block_tables, int64_t bt_row, int max_blocks,
+                        const int32_t *seq_lens, const int64_t *rows, const int64_t *seqs, int num_seqs,
+                        int num_q_heads, int num_kv_heads, int head_size, int block_size,
+                        int64_t num_blocks, float scale, int num_threads) {
+    const int G = num_q_heads / num_kv_heads;
+    const int threads = num_threads > 0 ? num_threads : 1;
+    /* Work units are (sequence, chunk of KV heads). Whole sequences read their blocks as one
+     * contiguous run per token; split heads only when there are too few sequences to keep
+     * every thread busy. */
+    int chunks = 1;
+    while (chunks < num_kv_heads && (int64_t)num_seqs * chunks < 4 * (int64_t)threads) chunks++;
+    const int per_chunk = (num_kv_heads + chunks - 1) / chunks;
+    chunks = (num_kv_heads + per_chunk - 1) / per_chunk;
+    const int64_t units = (int64_t)num_seqs * chunks;
+    const size_t scratch_floats = (size_t)per_chunk * G * (2 * (size_t)head_size + block_size + 2);
+    int status = PS_OK;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scratch = malloc(sizeof(float) * scratch_floats);
+        int mine = scratch ? PS_OK : PS_NO_MEMORY;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; u++) {
+            if (mine != PS_OK) continue;
+            const int64_t i = u / chunks;
+            const int h0 = (int)(u % chunks) * per_chunk;
+            const int h1 = h0 + per_chunk < num_kv_heads ? h0 + per_chunk : num_kv_heads;
+            const int64_t sq = seqs[i], r = rows[i];
+            mine = unit_for_head_size(out + r * o_row, o_head, query + r * q_row, q_head, k_cache,
+                                      v_cache, block_tables + sq * bt_row, seq_lens[sq], max_blocks, h0,
+                                      h1, G, num_kv_heads, head_size, block_size, num_blocks, scale,
+                                      scratch);
+        }
+        free(scratch);
+        if (mine != PS_OK) {
+#pragma omp critical
+            if (status == PS_OK) status = mine;
+        }
+    }
+    return status;
+}
