@@ -4,20 +4,23 @@ Orca (as the vLLM paper models it, §6.1) stores each request's KV cache in one
 contiguous chunk reserved when the request is admitted, sized by a policy:
 
 * ``max``:    the model's maximum sequence length (2048 slots for OPT),
-* ``pow2``:   the next power of two of the final length (prompt + output), i.e.
-              an over-reservation of at most 2x,
+* ``pow2``:   the prompt plus the output over-reserved to the next power of two
+              ("if the true output length is 25, it reserves 32 positions for
+              outputs", §6.1), i.e. at most 2x for the output,
 * ``oracle``: exactly the final length (the system "knows" the output length).
 
-We model the contiguous memory honestly: the KV cache is one range of slots
-(in units of the scheduler's 16-slot blocks, so each request also rounds its
-reservation up to a block: at most 15 slots of extra waste per request), and a
-request needs one *contiguous* free range at admission, found first-fit. Freed
-ranges coalesce with free neighbours. Gaps too small for the next request are
-external fragmentation, which the paper's Fig. 2 reports.
+The paper's Orca "uses the buddy allocation algorithm to determine the memory
+address to store KV cache" (§6.1; §6.5 relies on it: a 1024-token prompt gets a
+2048-slot chunk whatever the predicted output). :class:`BuddySpace` is that
+allocator: a request's reservation is rounded up to a power of two and placed
+in an aligned block of that size; freed blocks merge only with their buddy.
+:class:`FirstFitSpace` (exact sizes, first fit, free neighbours coalesce) is a
+kinder allocator kept for comparison. Both work in units of the scheduler's
+16-slot blocks, so a reservation is also rounded up to a whole block.
 
-:class:`FirstFitSpace` is the allocator of contiguous ranges;
-:class:`ContiguousKVCacheManager` presents it through the same surface as the
-paged ``KVCacheManager`` so the *same* scheduler runs every allocator.
+:class:`ContiguousKVCacheManager` presents either space through the same
+surface as the paged ``KVCacheManager`` so the *same* scheduler runs every
+allocator.
 """
 
 from __future__ import annotations
@@ -42,14 +45,16 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def reservation_slots(policy: ReservationPolicy, final_len: int, max_model_len: int) -> int:
-    """Token slots reserved for a request whose prompt + output is ``final_len`` tokens."""
-    if not 1 <= final_len <= max_model_len:
-        raise ValueError(f"final_len must be in [1, max_model_len={max_model_len}], got {final_len}")
+def reservation_slots(policy: ReservationPolicy, prompt_len: int, output_len: int, max_model_len: int) -> int:
+    """Token slots a policy reserves for a request of ``prompt_len`` + ``output_len`` tokens."""
+    final_len = prompt_len + output_len
+    if prompt_len < 1 or output_len < 1 or final_len > max_model_len:
+        raise ValueError(f"need prompt_len, output_len >= 1 and prompt + output <= max_model_len={max_model_len}, "
+                         f"got {prompt_len} + {output_len}")
     if policy is ReservationPolicy.MAX:
         return max_model_len
     if policy is ReservationPolicy.POW2:
-        return min(next_pow2(final_len), max_model_len)
+        return min(prompt_len + next_pow2(output_len), max_model_len)
     return final_len
 
 
@@ -108,6 +113,11 @@ class FirstFitSpace:
             self._starts.insert(i, start)
             self._lens.insert(i, n)
 
+    @staticmethod
+    def rounded(n: int) -> int:
+        """Units a request for ``n`` actually takes (exactly ``n`` here)."""
+        return n
+
     def largest_hole(self) -> int:
         return max(self._lens, default=0)
 
@@ -133,6 +143,93 @@ class FirstFitSpace:
             raise RuntimeError(f"num_free {self.num_free} != sum of holes {sum(self._lens)}")
 
 
+class BuddySpace:
+    """Binary buddy allocator over ``size`` units: blocks of 2^k units at multiples of 2^k.
+
+    ``allocate(n)`` takes the lowest free block of the smallest order that
+    holds ``n`` (splitting larger blocks in halves); ``free`` merges a block
+    with its buddy (``start ^ 2^k``) while that one is free and whole. The
+    arena need not be a power of two: it starts as the largest aligned blocks
+    that fit, none above ``max_units``.
+    """
+
+    def __init__(self, size: int, max_units: int) -> None:
+        if size < 1 or max_units < 1:
+            raise ValueError(f"size and max_units must be >= 1, got {size}, {max_units}")
+        self.size = size
+        self.max_order = next_pow2(max_units).bit_length() - 1
+        self._free: list[set[int]] = [set() for _ in range(self.max_order + 1)]  # order -> free starts
+        self._live: dict[int, int] = {}  # start -> order of allocated blocks
+        self.num_free = size
+        pos = 0
+        while pos < size:
+            k = self.max_order
+            while pos % (1 << k) or pos + (1 << k) > size:
+                k -= 1
+            self._free[k].add(pos)
+            pos += 1 << k
+
+    @staticmethod
+    def rounded(n: int) -> int:
+        """Units a request for ``n`` actually takes."""
+        return next_pow2(n)
+
+    def allocate(self, n: int) -> int | None:
+        """Start of a new block of ``rounded(n)`` units, or None (nothing changes) if none is free."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        k = next_pow2(n).bit_length() - 1
+        if k > self.max_order:
+            return None
+        j = next((j for j in range(k, self.max_order + 1) if self._free[j]), None)
+        if j is None:
+            return None
+        start = min(self._free[j])
+        self._free[j].remove(start)
+        while j > k:  # split: keep the low half, free the high one
+            j -= 1
+            self._free[j].add(start + (1 << j))
+        self._live[start] = k
+        self.num_free -= 1 << k
+        return start
+
+    def free(self, start: int) -> None:
+        """Release the block at ``start``, merging it with free buddies."""
+        k = self._live.pop(start, None)
+        if k is None:
+            raise RuntimeError(f"free of block at {start}, which is not allocated (double free?)")
+        self.num_free += 1 << k
+        while k < self.max_order and (start ^ (1 << k)) in self._free[k]:
+            self._free[k].remove(start ^ (1 << k))
+            start &= ~(1 << k)
+            k += 1
+        self._free[k].add(start)
+
+    def largest_hole(self) -> int:
+        return max((1 << k for k, starts in enumerate(self._free) if starts), default=0)
+
+    def holes(self) -> list[tuple[int, int]]:
+        """(start, length) of every free block, in address order."""
+        return sorted((s, 1 << k) for k, starts in enumerate(self._free) for s in starts)
+
+    def check_integrity(self) -> None:
+        """Free and live blocks are aligned, tile [0, size) exactly, and no free buddies are left unmerged."""
+        spans = sorted([(s, k, "hole") for k, starts in enumerate(self._free) for s in starts]
+                       + [(s, k, "live") for s, k in self._live.items()])
+        pos = 0
+        for s, k, kind in spans:
+            if s != pos or s % (1 << k):
+                raise RuntimeError(f"blocks do not tile the space at {pos}: next is {kind} ({s}, order {k})")
+            pos = s + (1 << k)
+        if pos != self.size:
+            raise RuntimeError(f"blocks cover {pos} of {self.size} units")
+        for k, starts in enumerate(self._free[: self.max_order]):
+            if any((s ^ (1 << k)) in starts for s in starts):
+                raise RuntimeError(f"free buddies of order {k} were not merged")
+        if self.num_free != sum(n for _, n in self.holes()):
+            raise RuntimeError(f"num_free {self.num_free} != sum of free blocks")
+
+
 # ---------------------------------------------------------------------------
 # the contiguous allocator behind the scheduler's KV-manager surface
 
@@ -140,8 +237,10 @@ class FirstFitSpace:
 class ContiguousKVCacheManager(KVCacheManagerBase):
     """Orca-style KV allocation: one contiguous chunk per request, reserved at admission.
 
-    The chunk (``reservation_slots`` rounded up to whole blocks) is taken
-    first-fit when the scheduler first asks for room for a sequence; later
+    The chunk (``reservation_slots`` rounded up to whole blocks, then to what
+    the space hands out: a power of two for ``space="buddy"``, the paper's
+    allocator, or exactly that for ``"first-fit"``) is taken when the
+    scheduler first asks for room for a sequence; later
     tokens of that sequence always fit inside it, so running requests never
     need more memory and are never preempted. The block ids handed to the
     scheduler are the chunk's blocks, in order, so a plan looks exactly like a
@@ -153,13 +252,18 @@ class ContiguousKVCacheManager(KVCacheManagerBase):
     """
 
     def __init__(self, policy: ReservationPolicy | str, block_size: int, num_device_blocks: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, space: str = "buddy") -> None:
         self.policy = ReservationPolicy(policy)
         self.block_size = block_size
         self.num_device_blocks = num_device_blocks
         self.num_cpu_blocks = 0
         self.max_model_len = max_model_len
-        self.space = FirstFitSpace(num_device_blocks)
+        if space == "buddy":
+            self.space: BuddySpace | FirstFitSpace = BuddySpace(num_device_blocks, -(-max_model_len // block_size))
+        elif space == "first-fit":
+            self.space = FirstFitSpace(num_device_blocks)
+        else:
+            raise ValueError(f"space must be 'buddy' or 'first-fit', got {space!r}")
         self._chunks: dict[int, tuple[int, int]] = {}  # seq_id -> (first block, number of blocks)
         self._handed: dict[int, int] = {}  # seq_id -> blocks of the chunk given to the table so far
 
@@ -168,9 +272,14 @@ class ContiguousKVCacheManager(KVCacheManagerBase):
         """Tokens the request ends with (prompt + max_tokens, capped by the model)."""
         return min(seq.num_prompt_tokens + seq.request.req.params.max_tokens, self.max_model_len)
 
+    def reserved_slots(self, seq: Sequence) -> int:
+        """Slots the policy asks for (before the allocator rounds them up)."""
+        prompt = seq.num_prompt_tokens
+        return reservation_slots(self.policy, prompt, self.final_len(seq) - prompt, self.max_model_len)
+
     def chunk_blocks(self, seq: Sequence) -> int:
-        slots = reservation_slots(self.policy, self.final_len(seq), self.max_model_len)
-        return -(-slots // self.block_size)
+        """Blocks the request's chunk takes: the reservation rounded up by the allocator."""
+        return self.space.rounded(-(-self.reserved_slots(seq) // self.block_size))
 
     def chunk(self, seq: Sequence) -> tuple[int, int] | None:
         """(first block, number of blocks) of the sequence's reservation, if it holds one."""

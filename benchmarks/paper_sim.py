@@ -18,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -25,17 +26,21 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks.sim_report import LATENCY_FACTOR
 from benchmarks.sim_runs import ALLOCATORS, MEM_KINDS, RunStats, run_trace
-from benchmarks.workloads import synthetic_trace
+from benchmarks.workloads import SHAREGPT, synthetic_trace
 
 # (workload, rate) of paper Fig. 13 (OPT-13B): ShareGPT at 2 req/s, Alpaca at 30 req/s.
 FIG13_POINTS = (("sharegpt", 2.0), ("alpaca", 30.0))
 
 QUICK = {"fig13_requests": {"sharegpt": 1000, "alpaca": 3000}, "sweep_requests": {"sharegpt": 400, "alpaca": 1500},
+         "tail": {"sigmas": [0.8, 1.4], "requests": 300},
          "rates": {"sharegpt": [0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5],
                    "alpaca": [2.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 100.0]}}
 FULL = {"fig13_requests": {"sharegpt": 3000, "alpaca": 9000}, "sweep_requests": {"sharegpt": 1500, "alpaca": 5000},
+        "tail": {"sigmas": [0.8, 0.95, 1.1, 1.25, 1.4], "requests": 1000},
         "rates": {"sharegpt": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.4, 2.8],
                   "alpaca": [2.0, 5.0, 10.0, 20.0, 30.0, 40.0, 45.0, 50.0, 55.0, 60.0, 65.0, 70.0, 75.0, 80.0,
                              85.0, 90.0, 100.0, 110.0]}}
@@ -51,6 +56,38 @@ def run_jobs(jobs: list[tuple[str, str, float, int, int]], workers: int) -> list
         return [_one(j) for j in jobs]
     with ProcessPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(_one, jobs))
+
+
+def _tail_trace(sigma: float, num: int, seed: int):
+    return synthetic_trace(dataclasses.replace(SHAREGPT, output_sigma=sigma), num, FIG13_POINTS[0][1], seed=seed)
+
+
+def _tail_one(job: tuple[str, float, int, int]) -> RunStats:
+    allocator, sigma, num, seed = job
+    return run_trace(allocator, _tail_trace(sigma, num, seed), f"sharegpt-sigma{sigma:g}", FIG13_POINTS[0][1],
+                     seed=seed)
+
+
+def tail_sensitivity(cfg: dict, workers: int, seed: int) -> list[dict]:
+    """Fig. 13's ShareGPT point (paged vs Orca Oracle) for several output-length tails.
+
+    Only the log-normal sigma of the output length changes; its mu is re-solved so the
+    mean stays the paper's 338 tokens.
+    """
+    sigmas, num = cfg["tail"]["sigmas"], cfg["tail"]["requests"]
+    jobs = [(a, sg, num, seed) for sg in sigmas for a in ("paged", "orca-oracle")]
+    if workers <= 1:
+        stats = [_tail_one(j) for j in jobs]
+    else:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            stats = list(pool.map(_tail_one, jobs))
+    rows = []
+    for i, sg in enumerate(sigmas):
+        out = np.array([t.output_len for t in _tail_trace(sg, num, seed)])
+        rows.append({"sigma": sg, "output_mean": float(out.mean()), "output_p50": float(np.median(out)),
+                     "output_p90": float(np.percentile(out, 90)),
+                     "paged": asdict(stats[2 * i]), "orca-oracle": asdict(stats[2 * i + 1])})
+    return rows
 
 
 def sustained_rate(rates: list[float], lats: list[float], threshold: float) -> tuple[float, bool]:
@@ -131,23 +168,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         raw = json.loads(Path(args.from_json).read_text())
         fig13 = [RunStats(**d) for d in raw["fig13"]]
-        sweeps, wall, mode = raw["sweeps"], raw["wall_s"], raw["mode"]
+        sweeps, wall, mode, tail = raw["sweeps"], raw["wall_s"], raw["mode"], raw.get("tail", [])
         cfg = QUICK if mode == "quick" else FULL
     else:
         t0 = time.perf_counter()
         fig13 = run_jobs([(a, wl, r, cfg["fig13_requests"][wl], args.seed)
                           for wl, r in FIG13_POINTS for a in ALLOCATORS], args.workers)
         sweeps = {wl: summarise_sweep(st) for wl, st in sweep(cfg, args.workers, args.seed).items()}
+        tail = tail_sensitivity(cfg, args.workers, args.seed)
         wall = time.perf_counter() - t0
         raw = {"mode": mode, "wall_s": wall, "fig13": [asdict(s) for s in fig13], "sweeps": sweeps,
-               "mem_kinds": MEM_KINDS}
+               "tail": tail, "mem_kinds": MEM_KINDS}
         json_path.write_text(json.dumps(raw, indent=1))
     from benchmarks import sim_report  # matplotlib only when plotting
 
     sim_report.plot_memory(fig13, fig_dir / "fig2_memory.png")
     sim_report.plot_batched(fig13, fig_dir / "fig13_batched.png")
     sim_report.plot_latency(sweeps, fig_dir / "fig12_latency.png")
-    md = sim_report.markdown(fig13, sweeps, cfg, mode, wall)
+    md = sim_report.markdown(fig13, sweeps, cfg, mode, wall, tail)
     Path(args.out_md or fig_dir / "paper_sim.md").write_text(md)
     print(md)
     return 0

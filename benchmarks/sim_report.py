@@ -9,6 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from benchmarks.sim_executor import PAPER_NUM_SLOTS  # noqa: E402
 from benchmarks.sim_runs import ALLOCATORS, MEM_KINDS, RunStats  # noqa: E402
 
 LABELS = {"paged": "pagedserve (paged)", "orca-oracle": "Orca (Oracle)", "orca-pow2": "Orca (Pow2)",
@@ -68,7 +69,7 @@ def plot_batched(stats: list[RunStats], path: Path) -> None:
             ax.scatter(*zip(*pts, strict=True), marker="x", color="k", zorder=3, label="paper")
             ax.legend(fontsize=7)
         ax.set_xticks(xs, [LABELS[s.allocator].replace(" (paged)", "") for s in runs], fontsize=7, rotation=15)
-        ax.set_ylabel("mean batched requests")
+        ax.set_ylabel("mean batched requests per step")
         ax.set_title(f"{wl}-like @ {runs[0].rate:g} req/s", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -107,17 +108,20 @@ def _mem_table(runs: list[RunStats]) -> list[str]:
 
 
 def _batched_table(stats: list[RunStats]) -> list[str]:
-    rows = ["| workload @ rate | allocator | mean batched | vs Orca (Oracle) | norm. latency (s/token) "
-            "| preemptions | paper |", "|---|---|---|---|---|---|---|"]
+    rows = ["| workload @ rate | allocator | mean batched (per step) | vs Orca (Oracle) | time-weighted "
+            "| vs Orca (Oracle) | norm. latency (s/token) | preemptions | paper |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for wl in ("sharegpt", "alpaca"):
         runs = _pick(stats, wl)
         if not runs:
             continue
-        oracle = next(s.mean_batched for s in runs if s.allocator == "orca-oracle")
+        oracle = next(s for s in runs if s.allocator == "orca-oracle")
         for s in runs:
             paper = PAPER_BATCHED_SHAREGPT.get(s.allocator, "") if wl == "sharegpt" else ""
             rows.append(f"| {wl} @ {s.rate:g} | {LABELS[s.allocator]} | {s.mean_batched:.2f} | "
-                        f"{s.mean_batched / oracle:.2f}x | {s.norm_latency:.3f} | {s.preemptions} | {paper} |")
+                        f"{s.mean_batched / oracle.mean_batched:.2f}x | {s.mean_batched_time:.2f} | "
+                        f"{s.mean_batched_time / oracle.mean_batched_time:.2f}x | {s.norm_latency:.3f} | "
+                        f"{s.preemptions} | {paper} |")
     return rows
 
 
@@ -136,14 +140,40 @@ def _sweep_table(sweeps: dict[str, dict[str, dict]]) -> list[str]:
     return rows
 
 
-def markdown(fig13: list[RunStats], sweeps: dict, cfg: dict, mode: str, wall: float) -> str:
+def tokens_per_request(s: RunStats) -> float:
+    """KV token states held per batched request: token-state share x slots / mean batched."""
+    return s.mem["token_states"] * PAPER_NUM_SLOTS / s.mean_batched if s.mean_batched else 0.0
+
+
+def _tail_table(tail: list[dict]) -> list[str]:
+    rows = ["| output sigma | output p50 / mean / p90 | paged | Oracle | ratio (per step) | paged (time-w.) "
+            "| Oracle (time-w.) | ratio (time-w.) | tokens / request paged, Oracle | paged preemptions |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in tail:
+        p, o = RunStats(**row["paged"]), RunStats(**row["orca-oracle"])
+        rows.append(f"| {row['sigma']:g} | {row['output_p50']:.0f} / {row['output_mean']:.0f} / "
+                    f"{row['output_p90']:.0f} | {p.mean_batched:.2f} | {o.mean_batched:.2f} | "
+                    f"{p.mean_batched / o.mean_batched:.2f}x | {p.mean_batched_time:.2f} | "
+                    f"{o.mean_batched_time:.2f} | {p.mean_batched_time / o.mean_batched_time:.2f}x | "
+                    f"{tokens_per_request(p):.0f}, {tokens_per_request(o):.0f} | {p.preemptions} |")
+    return rows
+
+
+def markdown(fig13: list[RunStats], sweeps: dict, cfg: dict, mode: str, wall: float,
+             tail: list[dict] | None = None) -> str:
     sg = _pick(fig13, "sharegpt")
     lines = [f"### Simulation results ({mode} mode, {wall:.0f} s wall)", "",
              f"Fig. 2 analogue: KV memory use on the ShareGPT-like trace at {sg[0].rate:g} req/s "
              f"({sg[0].num_requests} requests), time-averaged over the arrival window.", ""]
     lines += _mem_table(sg)
-    lines += ["", "Fig. 13 analogue: mean number of requests in a step's batch (time-weighted).", ""]
+    lines += ["", "Fig. 13 analogue: number of requests in a step's batch, averaged over the steps of the "
+              "arrival window (and, beside it, weighted by step time).", ""]
     lines += _batched_table(fig13)
+    if tail:
+        lines += ["", f"Output-length tail: ShareGPT-like at {tail[0]['paged']['rate']:g} req/s, "
+                  f"{tail[0]['paged']['num_requests']} requests, output log-normal sigma varied (mean kept "
+                  "at 338); tokens / request = token-state share x 15,728 slots / mean batched.", ""]
+        lines += _tail_table(tail)
     lines += ["", f"Fig. 12 analogue: sustained rate = where the mean normalized latency first exceeds "
               f"{LATENCY_FACTOR:g}x the paged allocator's value at the lowest swept rate (linear "
               f"interpolation). Trace lengths: {cfg['sweep_requests']}.", ""]

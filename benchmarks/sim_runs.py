@@ -34,8 +34,11 @@ EOS_TOKEN_ID = 2  # OPT's </s>; the simulated executor never samples it
 
 
 def make_scheduler(allocator: str, num_blocks: int = PAPER_NUM_BLOCKS, max_num_seqs: int = 256,
-                   max_num_batched_tokens: int = 2560) -> Scheduler:
-    """The same Scheduler for every allocator; only the KV manager differs."""
+                   max_num_batched_tokens: int = 2560, space: str = "buddy") -> Scheduler:
+    """The same Scheduler for every allocator; only the KV manager differs.
+
+    ``space``: how the Orca baselines place their chunks ("buddy", the paper's §6.1, or "first-fit").
+    """
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
     paged = allocator == "paged"
@@ -44,7 +47,7 @@ def make_scheduler(allocator: str, num_blocks: int = PAPER_NUM_BLOCKS, max_num_s
                           preemption_mode="recompute", watermark=0.01 if paged else 0.0,
                           enable_prefix_caching=False)
     kv = None if paged else ContiguousKVCacheManager(allocator.removeprefix("orca-"), BLOCK_SIZE,
-                                                     num_blocks, MAX_MODEL_LEN)
+                                                     num_blocks, MAX_MODEL_LEN, space)
     return Scheduler(cfg, num_blocks, 0, EOS_TOKEN_ID, kv_manager=kv)
 
 
@@ -65,7 +68,13 @@ class RunStats:
     rate: float
     num_requests: int
     norm_latency: float = 0.0  # mean over requests of (finish - arrival) / output tokens, s/token
-    mean_batched: float = 0.0  # time-weighted mean of requests computed per step
+    # Fig. 13: requests computed per step, averaged over the steps of the arrival window (each
+    # iteration counts once: "average number of batched requests"), and the same weighted by
+    # step time; prefill_steps: window steps that compute more than one token of some sequence.
+    mean_batched: float = 0.0
+    mean_batched_time: float = 0.0
+    window_steps: int = 0
+    prefill_steps: int = 0
     mem: dict[str, float] = field(default_factory=dict)  # MEM_KINDS -> time-averaged share of KV slots
     virtual_s: float = 0.0
     steps: int = 0
@@ -76,16 +85,22 @@ class RunStats:
 class MemoryProbe:
     """Time-weighted accounting of every KV slot into MEM_KINDS, per step.
 
-    For each running sequence with ``A`` allocated slots (paged: its blocks;
-    contiguous: its whole chunk), ``c`` slots holding token states (computed
-    tokens plus those computed this step) and ``F`` slots it will ever fill
-    (prompt + output - 1: the last sampled token's K/V is never computed):
-    token states = c, reservation = min(A, F) - c (filled later),
-    internal fragmentation = A - min(A, F) (never filled). Free slots are
-    external fragmentation when a request is waiting and they lie in holes
-    too small for its chunk (contiguous only: any free block serves a paged
-    request); otherwise they are free. Steps after the last arrival (the
-    drain) are left out so the average describes the loaded system.
+    For each running sequence with ``R`` slots reserved for it (paged: its
+    blocks; contiguous: what its policy asks for), ``A`` >= R slots it holds
+    (contiguous: R rounded up by the allocator, a power of two for the buddy
+    allocator), ``c`` slots holding token states (computed tokens plus those
+    computed this step) and ``F`` slots it will ever fill (prompt + output - 1:
+    the last sampled token's K/V is never computed): token states = c,
+    reservation = min(R, F) - c (filled later; for paging the unfilled part of
+    the last block, "reserved for future generations", paper §4.2), internal
+    fragmentation = R - min(R, F) (never filled: over-provisioning), external
+    fragmentation = A - R (the allocator's rounding; the paper puts waste
+    "from the memory allocator like the buddy allocator" there, §3.1). Free
+    slots are external fragmentation too when a request is waiting and they
+    lie in holes too small for its chunk (contiguous only: any free block
+    serves a paged request); otherwise they are free. Steps after the last arrival (the
+    drain) are left out of every average here (memory and batch size alike)
+    so they describe the loaded system at the trace's rate.
     """
 
     def __init__(self, sched: Scheduler, until: float) -> None:
@@ -93,38 +108,45 @@ class MemoryProbe:
         self.kv = sched.kv
         self.total_slots = self.kv.num_device_blocks * BLOCK_SIZE
         self.acc = dict.fromkeys(MEM_KINDS, 0.0)
-        self.weight = 0.0
-        self.batched = 0.0
-        self.time = 0.0
+        self.weight = 0.0  # seconds of the window
+        self.steps = 0
+        self.prefill_steps = 0
+        self.batched_steps = 0.0  # sum over window steps of requests computed
+        self.batched_time = 0.0  # the same, each step weighted by its seconds
 
     def __call__(self, now: float, plan: BatchPlan, seconds: float) -> None:
-        self.batched += len({self.sched.seqs[s].request.request_id for s in plan.scheduled_seq_ids
-                             if s in self.sched.seqs}) * seconds
-        self.time += seconds
         if now > self.until:
             return
+        n = len({self.sched.seqs[s].request.request_id for s in plan.scheduled_seq_ids if s in self.sched.seqs})
+        self.steps += 1
+        self.batched_steps += n
+        self.batched_time += n * seconds
+        self.prefill_steps += any(k > 1 for k in plan.num_new_tokens)
         scheduled = dict(zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True))
-        token = reserv = internal = used = 0
+        token = reserv = internal = rounding = used = 0
         for r in self.sched.running:
             for seq in r.live:
-                a = self._allocated_slots(seq)
+                a, res = self._slots(seq)
                 c = seq.num_computed_tokens + scheduled.get(seq.seq_id, 0)
                 f = min(seq.num_prompt_tokens + r.req.params.max_tokens, MAX_MODEL_LEN) - 1
                 token += c
-                reserv += min(a, f) - c
-                internal += a - min(a, f)
+                reserv += min(res, f) - c
+                internal += res - min(res, f)
+                rounding += a - res
                 used += a
         free = self.total_slots - used
         ext = self._external(free)
-        for k, v in zip(MEM_KINDS, (token, reserv, internal, ext, free - ext), strict=True):
+        for k, v in zip(MEM_KINDS, (token, reserv, internal, rounding + ext, free - ext), strict=True):
             self.acc[k] += v * seconds
         self.weight += seconds
 
-    def _allocated_slots(self, seq) -> int:
+    def _slots(self, seq) -> tuple[int, int]:
+        """(slots held, slots reserved by policy) of a running sequence."""
         if isinstance(self.kv, ContiguousKVCacheManager):
             chunk = self.kv.chunk(seq)
-            return chunk[1] * BLOCK_SIZE if chunk else 0
-        return self.kv.num_blocks(seq) * BLOCK_SIZE
+            return (chunk[1] * BLOCK_SIZE, self.kv.reserved_slots(seq)) if chunk else (0, 0)
+        held = self.kv.num_blocks(seq) * BLOCK_SIZE
+        return held, held
 
     def _external(self, free: int) -> int:
         if not isinstance(self.kv, ContiguousKVCacheManager) or not self.sched.waiting:
@@ -139,10 +161,10 @@ class MemoryProbe:
 
 
 def run_trace(allocator: str, trace: list[TraceRequest], workload: str, rate: float,
-              seed: int = 0) -> RunStats:
+              seed: int = 0, space: str = "buddy") -> RunStats:
     """Simulate ``trace`` end to end and summarise it."""
     t0 = time.perf_counter()
-    sched = make_scheduler(allocator)
+    sched = make_scheduler(allocator, space=space)
     probe = MemoryProbe(sched, until=trace[-1].arrival_time)
     run = simulate(sched, SimExecutor(seed=seed, eos_token_id=EOS_TOKEN_ID), to_requests(trace), probe)
     lat = []
@@ -153,6 +175,8 @@ def run_trace(allocator: str, trace: list[TraceRequest], workload: str, rate: fl
         lat.append((run.finish_time[t.request_id] - t.arrival_time) / t.output_len)
     sched.check_integrity()
     return RunStats(allocator, workload, rate, len(trace), norm_latency=sum(lat) / len(lat),
-                    mean_batched=probe.batched / probe.time if probe.time else 0.0, mem=probe.shares(),
+                    mean_batched=probe.batched_steps / probe.steps if probe.steps else 0.0,
+                    mean_batched_time=probe.batched_time / probe.weight if probe.weight else 0.0,
+                    window_steps=probe.steps, prefill_steps=probe.prefill_steps, mem=probe.shares(),
                     virtual_s=run.virtual_seconds, steps=run.num_steps, preemptions=sched.num_preemptions,
                     wall_s=time.perf_counter() - t0)

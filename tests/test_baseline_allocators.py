@@ -7,6 +7,7 @@ import random
 import pytest
 
 from benchmarks.baseline_allocators import (
+    BuddySpace,
     FirstFitSpace,
     ReservationPolicy,
     next_pow2,
@@ -15,17 +16,65 @@ from benchmarks.baseline_allocators import (
 
 
 def test_reservation_policies():
-    assert reservation_slots(ReservationPolicy.MAX, 100, 2048) == 2048
-    assert reservation_slots(ReservationPolicy.POW2, 100, 2048) == 128
-    assert reservation_slots(ReservationPolicy.POW2, 128, 2048) == 128
-    assert reservation_slots(ReservationPolicy.POW2, 1500, 2048) == 2048
-    assert reservation_slots(ReservationPolicy.ORACLE, 100, 2048) == 100
+    assert reservation_slots(ReservationPolicy.MAX, 40, 60, 2048) == 2048
+    # Pow2 over-reserves the *output* to a power of two (paper §6.1: output 25 -> 32 positions)
+    assert reservation_slots(ReservationPolicy.POW2, 40, 25, 2048) == 40 + 32
+    assert reservation_slots(ReservationPolicy.POW2, 40, 64, 2048) == 40 + 64
+    assert reservation_slots(ReservationPolicy.POW2, 1100, 600, 2048) == 2048  # capped by the model
+    assert reservation_slots(ReservationPolicy.ORACLE, 40, 60, 2048) == 100
     assert [next_pow2(n) for n in (1, 2, 3, 5, 1024, 1025)] == [1, 2, 4, 8, 1024, 2048]
 
 
 def test_reservation_rejects_lengths_beyond_the_model():
-    with pytest.raises(ValueError, match="final_len"):
-        reservation_slots(ReservationPolicy.ORACLE, 2049, 2048)
+    with pytest.raises(ValueError, match="max_model_len"):
+        reservation_slots(ReservationPolicy.ORACLE, 1000, 1049, 2048)
+    with pytest.raises(ValueError, match="output_len"):
+        reservation_slots(ReservationPolicy.ORACLE, 10, 0, 2048)
+
+
+def test_buddy_rounds_to_powers_of_two_at_aligned_addresses():
+    space = BuddySpace(64, max_units=32)
+    assert space.holes() == [(0, 32), (32, 32)]
+    a = space.allocate(5)  # takes 8 units: split 32 -> 16 + 8 + 8
+    assert a == 0 and space.num_free == 56
+    b = space.allocate(3)  # 4 units, from the free 8 at 8
+    assert b == 8 and space.holes() == [(12, 4), (16, 16), (32, 32)]
+    assert space.allocate(33) is None  # larger than the largest order
+    space.free(a)
+    space.free(b)  # 8 merges with 0..8, then with 16..32: one 32 again
+    assert space.holes() == [(0, 32), (32, 32)]
+    space.check_integrity()
+
+
+def test_buddy_does_not_merge_neighbours_that_are_not_buddies():
+    space = BuddySpace(16, max_units=16)
+    starts = [space.allocate(4) for _ in range(4)]
+    assert starts == [0, 4, 8, 12]
+    space.free(4)
+    space.free(8)  # 4..12 are free and adjacent, but 4's buddy is 0 and 8's is 12
+    assert space.holes() == [(4, 4), (8, 4)] and space.num_free == 8
+    assert space.allocate(8) is None  # external fragmentation: no free aligned 8
+    space.free(12)
+    assert space.allocate(8) == 8
+    space.check_integrity()
+
+
+def test_buddy_arena_need_not_be_a_power_of_two():
+    space = BuddySpace(983, max_units=128)  # the paper's 983 blocks: 7 x 128 + 64 + 16 + 4 + 2 + 1
+    assert [n for _, n in space.holes()] == [128] * 7 + [64, 16, 4, 2, 1]
+    rng = random.Random(5)
+    live: list[int] = []
+    for _ in range(3000):
+        if live and rng.random() < 0.5:
+            space.free(live.pop(rng.randrange(len(live))))
+        else:
+            start = space.allocate(rng.randint(1, 128))
+            if start is not None:
+                live.append(start)
+        space.check_integrity()
+    for s in live:
+        space.free(s)
+    assert [n for _, n in space.holes()] == [128] * 7 + [64, 16, 4, 2, 1]
 
 
 def test_first_fit_takes_the_lowest_hole_that_fits():
@@ -80,11 +129,11 @@ def test_random_churn_keeps_ranges_tiled():
 # the contiguous manager inside the real Scheduler
 
 
-def _sim(allocator: str, trace, num_blocks: int, snapshots: list | None = None):
+def _sim(allocator: str, trace, num_blocks: int, snapshots: list | None = None, space: str = "buddy"):
     from benchmarks.sim_executor import SimExecutor, simulate
     from benchmarks.sim_runs import make_scheduler, to_requests
 
-    sched = make_scheduler(allocator, num_blocks=num_blocks)
+    sched = make_scheduler(allocator, num_blocks=num_blocks, space=space)
     batch_sizes: list[int] = []
 
     def check(now, plan, seconds):
@@ -104,22 +153,28 @@ def _trace(lengths, gap=0.0):
     return [TraceRequest(f"r{i}", i * gap, tuple(range(10, 10 + p)), o) for i, (p, o) in enumerate(lengths)]
 
 
+@pytest.mark.parametrize("space", ["buddy", "first-fit"])
 @pytest.mark.parametrize("allocator", ["orca-oracle", "orca-pow2", "orca-max", "paged"])
-def test_every_allocator_finishes_every_request_at_its_length(allocator):
+def test_every_allocator_finishes_every_request_at_its_length(allocator, space):
     from benchmarks.workloads import synthetic_trace
 
     trace = synthetic_trace("alpaca", 40, 50.0, seed=4)
-    sched, run, _ = _sim(allocator, trace, num_blocks=300)
+    sched, run, _ = _sim(allocator, trace, num_blocks=300, space=space)
     assert run.output_tokens == {t.request_id: t.output_len for t in trace}
-    assert not sched.requests and sched.num_free_blocks == 300  # everything released
+    free = sched.kv.space.num_free if allocator != "paged" else sched.num_free_blocks
+    assert not sched.requests and free == 300  # everything released
 
 
 def test_chunks_follow_the_policy_and_plans_use_chunk_blocks():
     from benchmarks.sim_runs import make_scheduler, to_requests
 
-    for allocator, blocks in (("orca-oracle", 7), ("orca-pow2", 8), ("orca-max", 128)):
-        sched = make_scheduler(allocator, num_blocks=400)
-        sched.add_request(to_requests(_trace([(50, 60)]))[0])  # final length 110 -> 7 blocks
+    # prompt 50 + output 60: Oracle reserves 110 slots = 7 blocks, Pow2 50 + 64 = 114 slots = 8
+    # blocks, Max 2048 = 128 blocks; the buddy allocator rounds 7 up to 8, first fit does not.
+    cases = (("orca-oracle", "first-fit", 7), ("orca-oracle", "buddy", 8), ("orca-pow2", "first-fit", 8),
+             ("orca-pow2", "buddy", 8), ("orca-max", "buddy", 128))
+    for allocator, space, blocks in cases:
+        sched = make_scheduler(allocator, num_blocks=400, space=space)
+        sched.add_request(to_requests(_trace([(50, 60)]))[0])
         plan = sched.schedule()
         seq = sched.running[0].live[0]
         start, n = sched.kv.chunk(seq)
@@ -134,7 +189,7 @@ def test_contiguous_requests_wait_on_fragmentation_that_paging_does_not_have():
     lengths = [(40, 56), (40, 10), (40, 56), (60, 52)]
     trace = _trace(lengths, gap=0.0)
     snaps: list = []
-    _, run, sizes = _sim("orca-oracle", trace, num_blocks=20, snapshots=snaps)
+    _, run, sizes = _sim("orca-oracle", trace, num_blocks=20, snapshots=snaps, space="first-fit")
     assert max(sizes) == 3  # r3 never ran beside the other three
     assert any(waiting and free >= 7 and hole < 7 for waiting, free, hole in snaps)
     assert run.finish_time["r3"] > min(run.finish_time["r0"], run.finish_time["r2"])
