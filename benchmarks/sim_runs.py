@@ -88,8 +88,9 @@ class MemoryProbe:
     For each running sequence with ``R`` slots reserved for it (paged: its
     blocks; contiguous: what its policy asks for), ``A`` >= R slots it holds
     (contiguous: R rounded up by the allocator, a power of two for the buddy
-    allocator), ``c`` slots holding token states (computed tokens plus those
-    computed this step) and ``F`` slots it will ever fill (prompt + output - 1:
+    allocator), ``c`` slots holding token states (its computed tokens: the
+    scheduler counts a step's tokens when it plans the step, so they include
+    the step just executed) and ``F`` slots it will ever fill (prompt + output - 1:
     the last sampled token's K/V is never computed): token states = c,
     reservation = min(R, F) - c (filled later; for paging the unfilled part of
     the last block, "reserved for future generations", paper §4.2), internal
@@ -122,12 +123,13 @@ class MemoryProbe:
         self.batched_steps += n
         self.batched_time += n * seconds
         self.prefill_steps += any(k > 1 for k in plan.num_new_tokens)
-        scheduled = dict(zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True))
         token = reserv = internal = rounding = used = 0
         for r in self.sched.running:
             for seq in r.live:
                 a, res = self._slots(seq)
-                c = seq.num_computed_tokens + scheduled.get(seq.seq_id, 0)
+                c = seq.num_computed_tokens
+                if c > a:
+                    raise RuntimeError(f"seq {seq.seq_id}: {c} token states in {a} slots")
                 f = min(seq.num_prompt_tokens + r.req.params.max_tokens, MAX_MODEL_LEN) - 1
                 token += c
                 reserv += min(res, f) - c
