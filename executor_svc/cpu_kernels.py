@@ -235,9 +235,14 @@ def load_decode_kernel() -> DecodeKernel | None:
     errors = []
     for variant in VARIANTS:
         try:
-            return DecodeKernel(build_library(variant))
+            kernel = DecodeKernel(build_library(variant))
         except (OSError, RuntimeError) as exc:
+            log.debug("CPU paged decode kernel, %s build: %s", variant, exc)
             errors.append(f"{variant}: {exc}")
+            continue
+        log.info("CPU paged decode kernel: %s %s (%s)", "compiled" if kernel.build.compiled else "found",
+                 kernel.build.path, " ".join(kernel.build.flags))
+        return kernel
     log.warning("CPU paged decode kernel unavailable, using the torch attention path: %s", "; ".join(errors))
     return None
 
