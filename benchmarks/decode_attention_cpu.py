@@ -7,7 +7,10 @@ One decode step of ``--seqs`` sequences on the default tiny Llama's shapes
 float32, 1 thread): the time per layer of the executor's torch attention
 backend (``TorchAttentionBackend.forward``), split into its block gather and
 its SDPA call, SDPA on the same K/V made contiguous (what a layout that needs
-no transposed view would pay), and all GEMMs of one layer. Then the cost per
+no transposed view would pay), the fused C decode kernel's backend
+(``FusedCpuAttentionBackend.forward``, executor_svc/csrc; skipped with a note
+when it cannot be built) and its ratio to the torch backend, and all GEMMs of
+one layer. Then the cost per
 token of all GEMMs of a step (8 layers + lm_head) by batch rows M, which
 shows where CPU GEMMs stop getting cheaper per token.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable
 
@@ -23,16 +27,22 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc.attention import AttentionMetadata, TorchAttentionBackend
+from executor_svc.cpu_kernels import load_decode_kernel
 
 BLOCK, KV_HEADS, Q_HEADS, HEAD, HIDDEN, MLP, VOCAB, LAYERS = 16, 4, 8, 64, 512, 1408, 8192, 8
 
 
-def _ms(fn: Callable[[], object], reps: int = 20) -> float:
+def _ms(fn: Callable[[], object], reps: int = 20, rounds: int = 5) -> float:
+    """Median over ``rounds`` of the mean of ``reps // rounds`` calls: robust to other jobs' bursts."""
     fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return 1000 * (time.perf_counter() - start) / reps
+    per_round = max(1, reps // rounds)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(per_round):
+            fn()
+        times.append(1000 * (time.perf_counter() - start) / per_round)
+    return statistics.median(times)
 
 
 def _decode_case(n: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -66,7 +76,16 @@ def attention_vs_gemm(n: int, lo: int, hi: int) -> dict[str, float]:
             lin(x)
         linears[3](x_mlp)
 
-    return {
+    kernel = load_decode_kernel()
+    fused = {}
+    if kernel is not None:
+        from executor_svc.attention_cpu import FusedCpuAttentionBackend
+
+        fb = FusedCpuAttentionBackend(kernel)
+        torch.testing.assert_close(fb.forward(query, k_cache, v_cache, meta, scale),
+                                   backend.forward(query, k_cache, v_cache, meta, scale), rtol=1e-5, atol=1e-5)
+        fused["fused_forward_ms"] = _ms(lambda: fb.forward(query, k_cache, v_cache, meta, scale))
+    result = {
         "backend_forward_ms": _ms(lambda: backend.forward(query, k_cache, v_cache, meta, scale)),
         "gather_kv_ms": _ms(lambda: (backend._gather(k_cache, meta.block_tables, length),
                                      backend._gather(v_cache, meta.block_tables, length))),
@@ -75,7 +94,11 @@ def attention_vs_gemm(n: int, lo: int, hi: int) -> dict[str, float]:
         "sdpa_contiguous_kv_ms": _ms(lambda: F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=scale,
                                                                             enable_gqa=True)),
         "layer_gemms_ms": _ms(gemms),
+        **fused,
     }
+    if fused:
+        result["torch_over_fused"] = result["backend_forward_ms"] / result["fused_forward_ms"]
+    return result
 
 
 def gemm_cost_per_token(rows: list[int]) -> dict[int, float]:
@@ -111,7 +134,9 @@ def main(argv: list[str] | None = None) -> None:
         per_token = gemm_cost_per_token([1, 8, 16, 32, 64, 128, 256])
     print(f"decode, {args.seqs} sequences of {args.min_len}-{args.max_len} tokens, per layer (ms):")
     for k, v in per_layer.items():
-        print(f"  {k:<24}{v:8.2f}")
+        print(f"  {k:<24}{v:8.2f}" + ("x" if k == "torch_over_fused" else ""))
+    if "fused_forward_ms" not in per_layer:
+        print("  (fused kernel unavailable: see the warning above)")
     print("all GEMMs of one step, per token (us): " + ", ".join(f"M={m}: {v:.0f}" for m, v in per_token.items()))
     print(json.dumps({"per_layer_ms": per_layer, "gemm_us_per_token": per_token}))
 

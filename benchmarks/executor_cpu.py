@@ -1,13 +1,17 @@
-"""Decode throughput of the CPU executor (torch backend) on the default tiny model.
+"""Decode throughput of the CPU executor on the default tiny model, per CPU attention backend.
 
     .venv/bin/python -m benchmarks.executor_cpu [--model DIR] [--batch-sizes 1,16,64] [--threads 2]
+        [--cpu-attention torch,fused]
 
 Drives ``ModelRunner`` directly with plans (no transport): prefill every
 sequence, then time ``--decode-steps`` steps that decode one token for each of
 ``batch`` sequences. Reports tokens/s and, from a ``torch.profiler`` pass over
 a few more decode steps, the share of step time inside the linear layers'
 matrix products (aten::mm/addmm) versus everything else (attention, norms,
-rotary, sampling, batch building, Python).
+rotary, sampling, batch building, Python). Each batch size runs every backend
+of ``--cpu-attention`` (``torch``: gather + SDPA; ``fused``: the C decode
+kernel, executor_svc/csrc) back to back on the same model, and prints the
+throughput ratio.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from executor_svc.attention import TorchAttentionBackend
+from executor_svc.attention import AttentionBackend, make_attention_backend
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model
 from executor_svc.runner import ModelRunner
@@ -31,10 +35,10 @@ GEMM_OPS = ("aten::mm", "aten::addmm")
 BLOCK = 16
 
 
-def _runner(model, batch: int, max_len: int) -> ModelRunner:
+def _runner(model, batch: int, max_len: int, backend: AttentionBackend) -> ModelRunner:
     per_seq = -(-max_len // BLOCK)
     kv = KVCache(model.cfg, BLOCK, batch * per_seq, 0, torch.float32)
-    return ModelRunner(model, kv, TorchAttentionBackend(), Sampler(seed=0))
+    return ModelRunner(model, kv, backend, Sampler(seed=0))
 
 
 SAMPLING = {
@@ -73,18 +77,19 @@ def _gemm_share(runner: ModelRunner, batch: int, steps: int, step0: int) -> tupl
         wall = _decode(runner, batch, steps, step0)
     gemm_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_OPS)
     attn_us = sum(e.self_cpu_time_total for e in prof.key_averages() if "scaled_dot_product" in e.key
-                  or "flash_attention" in e.key)
+                  or "flash_attention" in e.key or e.key == "paged_decode_cpu")
     return gemm_us / 1e6 / wall, attn_us / 1e6 / wall
 
 
-def bench(model, batch: int, prompt_len: int, steps: int, profile_steps: int, sampling: str) -> dict:
+def bench(model, batch: int, prompt_len: int, steps: int, profile_steps: int, sampling: str,
+          backend: AttentionBackend) -> dict:
     max_len = prompt_len + steps + profile_steps + 2
-    runner = _runner(model, batch, max_len)
+    runner = _runner(model, batch, max_len, backend)
     _prefill(runner, batch, prompt_len, max_len, SAMPLING[sampling])
     _decode(runner, batch, 2, 10_000)  # warm-up
     wall = _decode(runner, batch, steps, 20_000)
     gemm, attn = _gemm_share(runner, batch, profile_steps, 30_000)
-    return {"batch": batch, "sampling": sampling, "tokens_per_s": batch * steps / wall, "ms_per_step": 1000 * wall / steps,
+    return {"batch": batch, "attention": backend.name, "sampling": sampling, "tokens_per_s": batch * steps / wall, "ms_per_step": 1000 * wall / steps,
             "gemm_fraction": gemm, "outside_gemm_fraction": 1 - gemm, "attention_fraction": attn}
 
 
@@ -97,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--sampling", choices=tuple(SAMPLING), default="top-p")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--cpu-attention", default="torch,fused",
+                    help="comma-separated backends to compare (torch, fused)")
     ap.add_argument("--json", help="also write results here")
     args = ap.parse_args(argv)
     if args.threads:
@@ -111,13 +118,18 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model {model.cfg.architecture} {n_params / 1e6:.1f}M params, threads={torch.get_num_threads()}, "
           f"sampling={args.sampling}, prompt {args.prompt_len} tokens")
+    backends = [make_attention_backend("cpu", name) for name in args.cpu_attention.split(",")]
     rows = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        r = bench(model, b, args.prompt_len, args.decode_steps, args.profile_steps, args.sampling)
-        rows.append(r)
-        print(f"batch {b:3d}: {r['tokens_per_s']:8.1f} tok/s  {r['ms_per_step']:7.2f} ms/step  "
-              f"GEMM {100 * r['gemm_fraction']:4.1f}%  outside GEMM {100 * r['outside_gemm_fraction']:4.1f}%  "
-              f"(attention {100 * r['attention_fraction']:4.1f}%)")
+        first = None
+        for backend in backends:
+            r = bench(model, b, args.prompt_len, args.decode_steps, args.profile_steps, args.sampling, backend)
+            rows.append(r)
+            first = first or r
+            print(f"batch {b:3d} {backend.name:>9}: {r['tokens_per_s']:8.1f} tok/s "
+                  f"({r['tokens_per_s'] / first['tokens_per_s']:.2f}x)  {r['ms_per_step']:7.2f} ms/step  "
+                  f"GEMM {100 * r['gemm_fraction']:4.1f}%  outside GEMM {100 * r['outside_gemm_fraction']:4.1f}%  "
+                  f"(attention {100 * r['attention_fraction']:4.1f}%)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 
