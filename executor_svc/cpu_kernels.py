@@ -43,7 +43,8 @@ ABI_VERSION = 1  # ps_abi_version() in the source
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11")
 # Never -ffast-math: it would let the compiler assume no NaN/inf, and the softmax must propagate
 # them like torch's SDPA does. `#pragma omp simd` vectorises the reductions instead.
-VARIANTS = {"native": ("-march=native",), "portable": ()}
+# portable: no -march, but x86-64 builds carry AVX2/AVX-512 clones of the hot loop (PS_PORTABLE in the source)
+VARIANTS = {"native": ("-march=native",), "portable": ("-DPS_PORTABLE",)}
 OPENMP_FLAGS = (("-fopenmp",), ("-fopenmp-simd",))  # threads; else single-threaded but vectorised
 COMPILE_TIMEOUT_S = 120
 _STATUS = {1: "a block id outside the cache", 2: "a seq_len < 1 or longer than its block table",

@@ -155,6 +155,8 @@ def test_prebuilt_dir_serves_a_machine_without_a_compiler(tmp_path, monkeypatch,
     monkeypatch.setenv("PAGEDSERVE_PREBUILT_KERNELS", str(tmp_path / "prebuilt"))
     kernel = cpu_kernels.load_decode_kernel()
     assert kernel is not None and kernel.build.path == prebuilt.path and not kernel.build.compiled
+    out, ref = _both(kernel, *_case([(n, 1) for n in (1, 17, 300)], 4, 64, 16), 64)  # the portable build
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_missing_compiler_falls_back_to_torch_with_one_warning(tmp_path, monkeypatch, caplog, fresh_loader):

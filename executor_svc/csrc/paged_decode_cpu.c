@@ -109,9 +109,19 @@ static inline __attribute__((always_inline)) int one_unit(float *out, int64_t o_
     return PS_OK;
 }
 
+/* A portable build (-DPS_PORTABLE, no -march: the executor image, built on one machine and run on
+ * others) still gets AVX2/AVX-512 code: GCC/clang emit one clone per target and pick one at load
+ * time from the running CPU's features. */
+#if defined(PS_PORTABLE) && defined(__x86_64__) && defined(__ELF__) && \
+    ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 6) || (defined(__clang__) && __clang_major__ >= 14))
+#define PS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define PS_CLONES
+#endif
+
 /* The common head sizes as compile-time constants: the dot products and updates unroll into
  * whole registers. Any other size takes the same code with a run-time bound. */
-static int unit_for_head_size(float *out, int64_t o_head, const float *q, int64_t q_head,
+PS_CLONES static int unit_for_head_size(float *out, int64_t o_head, const float *q, int64_t q_head,
                               const float *k_cache, const float *v_cache, const int32_t *table,
                               int seq_len, int max_blocks, int h0, int h1, int G, int H_kv, int D, int B,
                               int64_t num_blocks, float scale, float *scratch) {
