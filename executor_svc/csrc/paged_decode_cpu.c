@@ -32,9 +32,10 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
     int d = 0;
     for (; d + 16 <= n; d += 16)
         for (int l = 0; l < 16; l++) p[l] += a[d + l] * b[d + l];
-    for (int w = 8; w >= 1; w /= 2)
-        for (int l = 0; l < w; l++) p[l] += p[l + w];
-    float s = p[0];
+    float h8[8], h4[4];
+    for (int l = 0; l < 8; l++) h8[l] = p[l] + p[l + 8];
+    for (int l = 0; l < 4; l++) h4[l] = h8[l] + h8[l + 4];
+    float s = (h4[0] + h4[2]) + (h4[1] + h4[3]);
     for (; d < n; d++) s += a[d] * b[d];
     return s;
 }
@@ -78,7 +79,8 @@ static inline __attribute__((always_inline)) int one_unit(float *out, int64_t o_
         const float *vb = v_cache + (blk * B) * tok_stride + (int64_t)h0 * D;
         for (int j = 0; j < n; j++) {
             const float *kr = kb + j * tok_stride;
-            for (int h = 0; h < Q; h++) s[(size_t)h * B + j] = dot(qs + (size_t)h * D, kr + (h / G) * D, D);
+            for (int kh = 0, h = 0; kh < h1 - h0; kh++)
+                for (int g = 0; g < G; g++, h++) s[(size_t)h * B + j] = dot(qs + (size_t)h * D, kr + kh * D, D);
         }
         for (int h = 0; h < Q; h++) {
             float *sh = s + (size_t)h * B;
@@ -98,7 +100,8 @@ static inline __attribute__((always_inline)) int one_unit(float *out, int64_t o_
         }
         for (int j = 0; j < n; j++) {
             const float *vr = vb + j * tok_stride;
-            for (int h = 0; h < Q; h++) axpy(acc + (size_t)h * D, s[(size_t)h * B + j], vr + (h / G) * D, D);
+            for (int kh = 0, h = 0; kh < h1 - h0; kh++)
+                for (int g = 0; g < G; g++, h++) axpy(acc + (size_t)h * D, s[(size_t)h * B + j], vr + kh * D, D);
         }
     }
     for (int h = 0; h < Q; h++) {
