@@ -32,12 +32,16 @@ class FusedCpuAttentionBackend(TorchAttentionBackend):
         starts = meta.query_start_loc_host or meta.query_start_loc.tolist()
         lens = meta.seq_lens_host or meta.seq_lens.tolist()
         prefill, rows, seqs, tables, seq_lens = self._decode_rows(meta, starts)
+        if query.shape[0] != starts[-1] or len(lens) != len(starts) - 1:
+            raise ValueError(f"attention: {query.shape[0]} query rows and {len(lens)} sequences for a "
+                             f"layout of {starts[-1]} rows and {len(starts) - 1} sequences")
         if query.stride(-1) != 1:
             query = query.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype)
         if rows.numel():
             with torch.profiler.record_function("paged_decode_cpu"):  # ~1 us when no profiler runs
-                self.kernel(out, query, k_cache, v_cache, tables, seq_lens, rows, seqs, scale)
+                # rows/seqs come from query_start_loc, just checked against query and seq_lens
+                self.kernel(out, query, k_cache, v_cache, tables, seq_lens, rows, seqs, scale, check_indices=False)
         for i in prefill:
             r = slice(starts[i], starts[i + 1])
             out[r] = self._one_sequence(query[r], k_cache, v_cache, meta.block_tables[i], lens[i], scale)
