@@ -118,3 +118,15 @@ def test_buddy_rounding_counts_as_external_fragmentation():
     assert buddy.mem["internal_frag"] < 0.01 and first_fit.mem["internal_frag"] < 0.01
     assert buddy.mem["external_frag"] > first_fit.mem["external_frag"]
     assert buddy.mem["token_states"] < first_fit.mem["token_states"]
+
+
+def test_tail_sensitivity_varies_only_the_output_spread():
+    from benchmarks.paper_sim import tail_sensitivity
+
+    rows = tail_sensitivity({"tail": {"sigmas": [0.6, 1.4], "requests": 150}}, workers=1, seed=2)
+    assert [r["sigma"] for r in rows] == [0.6, 1.4]
+    narrow, wide = rows
+    assert wide["output_p90"] / wide["output_p50"] > 1.5 * narrow["output_p90"] / narrow["output_p50"]
+    for r in rows:
+        assert r["paged"]["allocator"] == "paged" and r["orca-oracle"]["allocator"] == "orca-oracle"
+        assert r["paged"]["num_requests"] == 150 and r["paged"]["mean_batched"] > 0
