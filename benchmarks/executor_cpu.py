@@ -1,16 +1,18 @@
 """Decode throughput of the CPU executor on the default tiny model, per CPU attention backend.
 
     .venv/bin/python -m benchmarks.executor_cpu [--model DIR] [--batch-sizes 1,16,64] [--threads 2]
-        [--cpu-attention torch,fused]
+        [--cpu-attention torch,fused] [--repeats 3]
 
 Drives ``ModelRunner`` directly with plans (no transport): prefill every
 sequence, then time ``--decode-steps`` steps that decode one token for each of
 ``batch`` sequences. Reports tokens/s and, from a ``torch.profiler`` pass over
 a few more decode steps, the share of step time inside the linear layers'
 matrix products (aten::mm/addmm) versus everything else (attention, norms,
-rotary, sampling, batch building, Python). Each batch size runs every backend
-of ``--cpu-attention`` (``torch``: gather + SDPA; ``fused``: the C decode
-kernel, executor_svc/csrc) back to back on the same model, and prints the
+rotary, sampling, batch building, Python). The attention share is the wall
+time inside the backend's ``forward`` during the timed steps (no profiler).
+Each batch size runs every backend of ``--cpu-attention`` (``torch``: gather +
+SDPA; ``fused``: the C decode kernel, executor_svc/csrc) on the same model,
+``--repeats`` times interleaved, and prints the median run and the
 throughput ratio.
 """
 
@@ -70,27 +72,47 @@ def _decode(runner: ModelRunner, batch: int, steps: int, step0: int) -> float:
     return time.perf_counter() - start
 
 
-def _gemm_share(runner: ModelRunner, batch: int, steps: int, step0: int) -> tuple[float, float]:
+def _gemm_share(runner: ModelRunner, batch: int, steps: int, step0: int) -> float:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         wall = _decode(runner, batch, steps, step0)
     gemm_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_OPS)
-    attn_us = sum(e.self_cpu_time_total for e in prof.key_averages() if "scaled_dot_product" in e.key
-                  or "flash_attention" in e.key or e.key == "paged_decode_cpu")
-    return gemm_us / 1e6 / wall, attn_us / 1e6 / wall
+    return gemm_us / 1e6 / wall
+
+
+class _TimedForward:
+    """Wraps a backend and adds up the wall time of its ``forward`` (the whole attention of a layer:
+    index building, gather and SDPA for torch; the kernel call for fused), with no profiler on."""
+
+    def __init__(self, backend: AttentionBackend) -> None:
+        self.backend, self.seconds = backend, 0.0
+
+    def forward(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.backend.forward(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def __getattr__(self, name: str):
+        return getattr(self.backend, name)
 
 
 def bench(model, batch: int, prompt_len: int, steps: int, profile_steps: int, sampling: str,
           backend: AttentionBackend) -> dict:
     max_len = prompt_len + steps + profile_steps + 2
-    runner = _runner(model, batch, max_len, backend)
+    timed = _TimedForward(backend)
+    runner = _runner(model, batch, max_len, timed)  # type: ignore[arg-type]  # duck-typed backend
     _prefill(runner, batch, prompt_len, max_len, SAMPLING[sampling])
     _decode(runner, batch, 2, 10_000)  # warm-up
+    timed.seconds = 0.0
     wall = _decode(runner, batch, steps, 20_000)
-    gemm, attn = _gemm_share(runner, batch, profile_steps, 30_000)
-    return {"batch": batch, "attention": backend.name, "sampling": sampling, "tokens_per_s": batch * steps / wall, "ms_per_step": 1000 * wall / steps,
-            "gemm_fraction": gemm, "outside_gemm_fraction": 1 - gemm, "attention_fraction": attn}
+    attn = timed.seconds / wall
+    gemm = _gemm_share(runner, batch, profile_steps, 30_000)
+    return {"batch": batch, "attention": backend.name, "sampling": sampling, "tokens_per_s": batch * steps / wall,
+            "ms_per_step": 1000 * wall / steps, "gemm_fraction": gemm, "outside_gemm_fraction": 1 - gemm,
+            "attention_fraction": attn}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--cpu-attention", default="torch,fused",
                     help="comma-separated backends to compare (torch, fused)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per backend and batch; the median is shown")
     ap.add_argument("--json", help="also write results here")
     args = ap.parse_args(argv)
     if args.threads:
@@ -121,15 +144,21 @@ def main(argv: list[str] | None = None) -> None:
     backends = [make_attention_backend("cpu", name) for name in args.cpu_attention.split(",")]
     rows = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
+        runs: dict[str, list[dict]] = {be.name: [] for be in backends}
+        for _ in range(args.repeats):  # interleaved, so load drift hits every backend alike
+            for backend in backends:
+                runs[backend.name].append(bench(model, b, args.prompt_len, args.decode_steps,
+                                                args.profile_steps, args.sampling, backend))
         first = None
-        for backend in backends:
-            r = bench(model, b, args.prompt_len, args.decode_steps, args.profile_steps, args.sampling, backend)
+        for name, rs in runs.items():
+            r = dict(sorted(rs, key=lambda x: x["tokens_per_s"])[len(rs) // 2])  # the median run
+            r["runs_tokens_per_s"] = [round(x["tokens_per_s"], 1) for x in rs]
             rows.append(r)
             first = first or r
-            print(f"batch {b:3d} {backend.name:>9}: {r['tokens_per_s']:8.1f} tok/s "
+            print(f"batch {b:3d} {name:>9}: {r['tokens_per_s']:8.1f} tok/s "
                   f"({r['tokens_per_s'] / first['tokens_per_s']:.2f}x)  {r['ms_per_step']:7.2f} ms/step  "
                   f"GEMM {100 * r['gemm_fraction']:4.1f}%  outside GEMM {100 * r['outside_gemm_fraction']:4.1f}%  "
-                  f"(attention {100 * r['attention_fraction']:4.1f}%)")
+                  f"(attention {100 * r['attention_fraction']:4.1f}%)  runs {r['runs_tokens_per_s']}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

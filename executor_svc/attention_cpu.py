@@ -39,9 +39,8 @@ class FusedCpuAttentionBackend(TorchAttentionBackend):
             query = query.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype)
         if rows.numel():
-            with torch.profiler.record_function("paged_decode_cpu"):  # ~1 us when no profiler runs
-                # rows/seqs come from query_start_loc, just checked against query and seq_lens
-                self.kernel(out, query, k_cache, v_cache, tables, seq_lens, rows, seqs, scale, check_indices=False)
+            # rows/seqs come from query_start_loc, just checked against query and seq_lens
+            self.kernel(out, query, k_cache, v_cache, tables, seq_lens, rows, seqs, scale, check_indices=False)
         for i in prefill:
             r = slice(starts[i], starts[i + 1])
             out[r] = self._one_sequence(query[r], k_cache, v_cache, meta.block_tables[i], lens[i], scale)
