@@ -56,7 +56,12 @@ def default_cache_dir() -> Path:
     if explicit:
         return Path(explicit)
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "pagedserve"
+    if xdg:
+        return Path(xdg) / "pagedserve"
+    try:
+        return Path.home() / ".cache" / "pagedserve"
+    except (RuntimeError, KeyError):  # no $HOME and no passwd entry (some containers)
+        return Path(tempfile.gettempdir()) / f"pagedserve-{os.getuid()}"
 
 
 def _writable_cache_dir(preferred: Path) -> Path:
