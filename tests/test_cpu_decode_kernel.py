@@ -78,6 +78,14 @@ def test_mixed_decode_and_prefill_batch_through_forward(kernel):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("q_scale", [0.0, 1e-3, 30.0])
+def test_flat_and_peaked_softmax(kernel, q_scale):
+    # 0: every weight equal; 30: score gaps of hundreds, so most weights underflow to exactly 0
+    query, k_cache, v_cache, meta = _case([(n, 1) for n in (5, 40, 333)], 2, 64, 16, seed=3)
+    out, ref = _both(kernel, query * q_scale, k_cache, v_cache, meta, 64)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_strided_query_rows(kernel):
     query, k_cache, v_cache, meta = _case([(30, 1), (5, 1), (64, 1)], 2, 32, 16)
     wide = torch.randn(query.shape[0], query.shape[1] + 5, query.shape[2])
