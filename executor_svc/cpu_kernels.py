@@ -42,7 +42,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.c"
 ABI_VERSION = 1  # ps_abi_version() in the source
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11")
 # Never -ffast-math: it would let the compiler assume no NaN/inf, and the softmax must propagate
-# them like torch's SDPA does. `#pragma omp simd` vectorises the reductions instead.
+# them like torch's SDPA does. The source spells out the partial sums it wants vectorised instead.
 # portable: no -march, but x86-64 builds carry AVX2/AVX-512 clones of the hot loop (PS_PORTABLE in the source)
 VARIANTS = {"native": ("-march=native",), "portable": ("-DPS_PORTABLE",)}
 OPENMP_FLAGS = (("-fopenmp",), ("-fopenmp-simd",))  # threads; else single-threaded but vectorised
@@ -61,20 +61,36 @@ def default_cache_dir() -> Path:
     try:
         return Path.home() / ".cache" / "pagedserve"
     except (RuntimeError, KeyError):  # no $HOME and no passwd entry (some containers)
-        return Path(tempfile.gettempdir()) / f"pagedserve-{os.getuid()}"
+        return _temp_root()
+
+
+def _temp_root() -> Path:
+    return Path(tempfile.gettempdir()) / f"pagedserve-{os.getuid()}"
+
+
+def _private(path: Path) -> bool:
+    """Ours and writable by nobody else: we load code from here."""
+    st = path.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def _writable_cache_dir(preferred: Path) -> Path:
-    """``preferred/cpu_kernels`` if it can be created and written, else a per-user temp dir."""
-    for root in (preferred, Path(tempfile.gettempdir()) / f"pagedserve-{os.getuid()}"):
+    """``preferred/cpu_kernels`` if it can be created and written, else a private per-user
+    directory under the (shared, world-writable) temp dir."""
+    tmp_root = _temp_root()
+    for root in (preferred, tmp_root):
         path = root / "cpu_kernels"
         try:
+            if root == tmp_root:
+                root.mkdir(mode=0o700, exist_ok=True)
+                if not _private(root):  # someone else made it first
+                    continue
             path.mkdir(parents=True, exist_ok=True)
         except OSError:
             continue
         if os.access(path, os.W_OK):
             return path
-    raise OSError(f"no writable cache dir (tried {preferred} and the temp dir)")
+    raise OSError(f"no writable cache dir (tried {preferred} and {tmp_root})")
 
 
 def _prebuilt_dirs() -> list[Path]:

@@ -154,6 +154,19 @@ def test_compile_cache_reuses_and_keys_by_source(tmp_path, monkeypatch):
     assert cpu_kernels.DecodeKernel(third).build is third  # it loads
 
 
+def test_temp_dir_fallback_must_be_private(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_kernels.tempfile, "gettempdir", lambda: str(tmp_path))
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")  # the preferred cache dir cannot be created under a file
+    shared = cpu_kernels._temp_root()
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # as if another user had made it, world-writable
+    with pytest.raises(OSError, match="no writable cache dir"):
+        cpu_kernels._writable_cache_dir(blocker / "cache")
+    shared.chmod(0o700)
+    assert cpu_kernels._writable_cache_dir(blocker / "cache") == shared / "cpu_kernels"
+
+
 def test_prebuilt_dir_serves_a_machine_without_a_compiler(tmp_path, monkeypatch, fresh_loader):
     if cpu_kernels.find_compiler() is None:
         pytest.skip("no C compiler")

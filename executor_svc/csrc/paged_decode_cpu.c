@@ -1,16 +1,17 @@
 /* Fused paged decode attention on CPU (the CPU twin of cupy_kernels/paged_decode.cu).
  *
- * One query token per sequence. For each (sequence, KV head) pair -- the unit of parallel
- * work -- walk the sequence's blocks in place through its block table (no gather), score
- * every cached key against the G query heads that share this KV head (GQA: each K/V row is
- * read once for the whole group), keep a running max and sum per head (online softmax, one
- * rescale per block), and accumulate the values. Everything is float32.
+ * One query token per sequence. The unit of parallel work (OpenMP, torch's thread count) is a
+ * sequence, or a sequence and a chunk of its KV heads when there are too few sequences for the
+ * threads. It walks the sequence's blocks in place through its block table (no gather), scores
+ * every cached key against the G query heads that share its KV head (GQA: each K/V row is read
+ * once for the whole group), keeps a running max and sum per query head (online softmax, one
+ * rescale per block), and accumulates the values. Everything is float32.
  *
  * Cache layout: [num_blocks, block_size, num_kv_heads, head_size], contiguous. Query and
  * output rows may be strided (row and head strides in elements; the head_size axis is
- * contiguous). Built by executor_svc/cpu_kernels.py with -O3 -march=native (no -ffast-math:
- * NaN and infinity must propagate as they do in torch's SDPA); `omp simd` lets the
- * reductions vectorise without licensing other reassociation.
+ * contiguous). Built by executor_svc/cpu_kernels.py with -O3 -march=native and no -ffast-math:
+ * NaN and infinity must propagate as they do in torch's SDPA, so every reduction that should
+ * vectorise spells out its own partial sums instead of licensing reassociation globally.
  */
 #include <math.h>
 #include <stdint.h>
