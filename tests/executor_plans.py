@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor_svc.attention import TorchAttentionBackend
+from executor_svc.attention import make_attention_backend
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model
 from executor_svc.runner import ModelRunner
@@ -22,10 +22,11 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def make_runner(model_dir, num_blocks: int = 64, num_cpu_blocks: int = 16, block_size: int = 16,
-                model=None) -> ModelRunner:
+                model=None, cpu_attention: str = "fused") -> ModelRunner:
+    """A CPU runner; ``cpu_attention`` as the executor's flag (the fused kernel by default, as served)."""
     model = model if model is not None else load_model(model_dir)
     kv = KVCache(model.cfg, block_size, num_blocks, num_cpu_blocks, torch.float32)
-    return ModelRunner(model, kv, TorchAttentionBackend(), Sampler(seed=0))
+    return ModelRunner(model, kv, make_attention_backend("cpu", cpu_attention), Sampler(seed=0))
 
 
 @dataclass

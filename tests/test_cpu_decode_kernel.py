@@ -7,8 +7,6 @@ import math
 
 import pytest
 import torch
-from executor_plans import PlanDriver, hf_greedy, make_runner
-from transformers import AutoModelForCausalLM
 
 from executor_svc import cpu_kernels
 from executor_svc.attention import AttentionMetadata, TorchAttentionBackend, make_attention_backend
@@ -200,21 +198,6 @@ def test_factory_choices(kernel):
     assert type(make_attention_backend("cpu", "torch")) is TorchAttentionBackend
     with pytest.raises(ValueError, match="cpu_attention"):
         make_attention_backend("cpu", "fast")
-
-
-def test_greedy_tokens_match_transformers_with_the_fused_backend(kernel, tiny_llama_dir):
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    runner = make_runner(tiny_llama_dir)
-    runner.backend = FusedCpuAttentionBackend(kernel)
-    drv = PlanDriver(runner)
-    g = torch.Generator().manual_seed(7)
-    short, long = torch.randint(1, 500, (4,), generator=g).tolist(), torch.randint(1, 500, (45,), generator=g).tolist()
-    drv.add(1, short)
-    drv.step({1: 4})  # seq 1 decodes (fused kernel) while seq 2 prefills in chunks (torch path)
-    drv.add(2, long)
-    drv.run_until(10, chunk=5)
-    assert drv.seqs[1].outputs == hf_greedy(hf, short, 10)
-    assert drv.seqs[2].outputs == hf_greedy(hf, long, 10)
 
 
 def test_cpu_attention_flag_and_environment(tmp_path):

@@ -37,9 +37,11 @@ def test_config_shapes_cover_the_variants(tiny_llama_dir, tiny_qwen2_dir):
     assert qwen.qkv_bias and qwen.tie_word_embeddings
 
 
-def test_one_sequence_greedy_and_logits(arch_setup):
+# Both CPU attention backends: the fused kernel (served by default) and the torch reference.
+@pytest.mark.parametrize("cpu_attention", ["fused", "torch"])
+def test_one_sequence_greedy_and_logits(arch_setup, cpu_attention):
     _, path, model, hf = arch_setup
-    runner = make_runner(path, model=model)
+    runner = make_runner(path, model=model, cpu_attention=cpu_attention)
     runner.keep_logits = True
     drv = PlanDriver(runner)
     prompt = _prompt(21)
@@ -53,9 +55,10 @@ def test_one_sequence_greedy_and_logits(arch_setup):
     assert _rel_err(torch.stack(logits), ref) < REL_TOL
 
 
-def test_mixed_prompt_lengths_in_one_batch(arch_setup):
+@pytest.mark.parametrize("cpu_attention", ["fused", "torch"])
+def test_mixed_prompt_lengths_in_one_batch(arch_setup, cpu_attention):
     _, path, model, hf = arch_setup
-    drv = PlanDriver(make_runner(path, model=model))
+    drv = PlanDriver(make_runner(path, model=model, cpu_attention=cpu_attention))
     prompts = {i: _prompt(n, i) for i, n in enumerate([3, 17, 33, 40])}
     for sid, p in prompts.items():
         drv.add(sid, p)
@@ -64,9 +67,10 @@ def test_mixed_prompt_lengths_in_one_batch(arch_setup):
         assert drv.seqs[sid].outputs == hf_greedy(hf, p, 12), sid
 
 
-def test_chunked_prefill_mixed_with_decodes(tiny_llama_dir):
+@pytest.mark.parametrize("cpu_attention", ["fused", "torch"])
+def test_chunked_prefill_mixed_with_decodes(tiny_llama_dir, cpu_attention):
     hf = _hf(tiny_llama_dir)
-    drv = PlanDriver(make_runner(tiny_llama_dir))
+    drv = PlanDriver(make_runner(tiny_llama_dir, cpu_attention=cpu_attention))
     short, long = _prompt(4, 7), _prompt(45, 8)
     drv.add(1, short)
     drv.step({1: 4})  # seq 1 now decodes while seq 2 prefills in chunks of 5
