@@ -185,9 +185,21 @@ def build_library(variant: str = "native", cache_dir: Path | None = None,
     for flags, name in candidates:
         err = _compile(compiler, flags, cache / name)
         if err is None:
+            _prune_stale(cache, variant, keep=name)
             return Build(cache / name, variant, flags, compiled=True)
         errors.append(f"{compiler} {' '.join(flags)}: {err}")
     raise RuntimeError("compiling " + SOURCE.name + " failed:\n" + "\n".join(errors))
+
+
+def _prune_stale(cache: Path, variant: str, keep: str) -> None:
+    """Remove this variant's builds of older sources (one per upgrade would pile up otherwise).
+    A process still running one keeps its mapping: unlinking a loaded library is safe."""
+    for old in cache.glob(f"paged_decode_cpu-{variant}-*.so"):
+        if old.name != keep:
+            try:
+                old.unlink()
+            except OSError:
+                pass
 
 
 class DecodeKernel:

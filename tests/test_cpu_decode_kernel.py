@@ -149,6 +149,7 @@ def test_compile_cache_reuses_and_keys_by_source(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "SOURCE", changed)
     third = cpu_kernels.build_library("portable", tmp_path)
     assert third.compiled and third.path != first.path
+    assert not first.path.exists()  # the old source's build is pruned, not left to pile up
     assert cpu_kernels.DecodeKernel(third).build is third  # it loads
 
 
