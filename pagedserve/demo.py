@@ -29,15 +29,17 @@ DEMO_PROMPT = ("PagedAttention stores the key-value cache of every sequence in f
 def _start(args: argparse.Namespace) -> list[subprocess.Popen]:
     py = sys.executable
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # Own sessions: a terminal's Ctrl-C reaches only this process, which then stops the services
+    # in order (executor first, so it drains) instead of both getting SIGINT at once.
     sched = subprocess.Popen(
         [py, "-m", "scheduler_svc", "--model", str(args.model), "--host", "127.0.0.1",
          "--port", str(args.port), "--executor-host", "127.0.0.1", "--executor-port",
          str(args.executor_port), "--metrics-port", str(args.metrics_port),
-         "--shutdown-grace-seconds", "5"], env=env)
+         "--shutdown-grace-seconds", "5"], env=env, start_new_session=True)
     execu = subprocess.Popen(
         [py, "-m", "executor_svc", "--model", str(args.model), "--scheduler",
          f"tcp://127.0.0.1:{args.executor_port}", "--device", "cpu", "--kv-cache-memory",
-         args.kv_cache_memory, "--health-port", "0"], env=env)
+         args.kv_cache_memory, "--health-port", "0"], env=env, start_new_session=True)
     return [sched, execu]
 
 
