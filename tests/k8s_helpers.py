@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from typing import Any
 import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from stack import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
@@ -233,12 +233,6 @@ def third_party_imports(entry: str, first_party: tuple[str, ...]) -> set[str]:
 
 
 # ------------------------------------------------------------------ a local stand-in cluster
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @dataclass
 class LocalPod:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import pytest
 import torch
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from stack import free_port
 
 from executor_svc.kv_cache import bytes_per_block
 from executor_svc.model import load_model_config, model_fingerprint
@@ -25,12 +25,6 @@ from scheduler_svc import plan as wire
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 HB = 0.25  # heartbeat interval the fake scheduler hands out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeScheduler:
@@ -125,7 +119,7 @@ def sched():
 
 
 def test_executor_process_lifecycle(tiny_llama_dir, sched):
-    health_port = _free_port()
+    health_port = free_port()
     proc = _spawn(tiny_llama_dir, sched.port, health_port)
     try:
         hs = sched.recv(wire.Handshake)
