@@ -59,20 +59,25 @@ def test_buddy_does_not_merge_neighbours_that_are_not_buddies():
     space.check_integrity()
 
 
-def test_buddy_arena_need_not_be_a_power_of_two():
-    space = BuddySpace(983, max_units=128)  # the paper's 983 blocks: 7 x 128 + 64 + 16 + 4 + 2 + 1
-    assert [n for _, n in space.holes()] == [128] * 7 + [64, 16, 4, 2, 1]
-    rng = random.Random(5)
+def _churn(space, max_units: int, seed: int, steps: int = 3000) -> list[int]:
+    """Random allocate/free, integrity checked after each; returns the starts still allocated."""
+    rng = random.Random(seed)
     live: list[int] = []
-    for _ in range(3000):
+    for _ in range(steps):
         if live and rng.random() < 0.5:
             space.free(live.pop(rng.randrange(len(live))))
         else:
-            start = space.allocate(rng.randint(1, 128))
+            start = space.allocate(rng.randint(1, max_units))
             if start is not None:
                 live.append(start)
         space.check_integrity()
-    for s in live:
+    return live
+
+
+def test_buddy_arena_need_not_be_a_power_of_two():
+    space = BuddySpace(983, max_units=128)  # the paper's 983 blocks: 7 x 128 + 64 + 16 + 4 + 2 + 1
+    assert [n for _, n in space.holes()] == [128] * 7 + [64, 16, 4, 2, 1]
+    for s in _churn(space, max_units=128, seed=5):
         space.free(s)
     assert [n for _, n in space.holes()] == [128] * 7 + [64, 16, 4, 2, 1]
 
@@ -111,17 +116,8 @@ def test_failed_allocation_changes_nothing_and_double_free_is_a_bug():
 
 
 def test_random_churn_keeps_ranges_tiled():
-    rng = random.Random(3)
     space = FirstFitSpace(500)
-    live: list[int] = []
-    for _ in range(3000):
-        if live and rng.random() < 0.5:
-            space.free(live.pop(rng.randrange(len(live))))
-        else:
-            start = space.allocate(rng.randint(1, 60))
-            if start is not None:
-                live.append(start)
-        space.check_integrity()
+    _churn(space, max_units=60, seed=3)
     assert space.largest_hole() <= space.num_free
 
 
