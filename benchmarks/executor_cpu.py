@@ -31,7 +31,7 @@ from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
-from scheduler_svc.plan import BatchPlan, NewSeq, SamplingParams
+from pagedserve.wire import BatchPlan, NewSeq, SamplingParams
 
 GEMM_OPS = ("aten::mm", "aten::addmm")
 BLOCK = 16

@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 from benchmarks.sim_executor import CostModel, SimExecutor
-from scheduler_svc import plan as wire
+from pagedserve import wire
+from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import GenerationRequest, RequestParams
 from scheduler_svc.engine import Engine, EngineConfig, tune_gc
-from scheduler_svc.plan import SamplingParams
 from scheduler_svc.sched_config import SchedulerConfig
 
 SIM_BLOCKS = 8192  # per executor: room for 256 sequences of 2k tokens, so no preemption

@@ -24,9 +24,9 @@ import random
 import statistics
 import time
 
-from scheduler_svc import plan as wire
+from pagedserve import wire
+from pagedserve.wire import BatchPlan, SamplingParams, StepResult
 from scheduler_svc.api_types import GenerationRequest, RequestParams
-from scheduler_svc.plan import BatchPlan, SamplingParams, StepResult
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scheduler_svc.plan import BatchPlan, SeqLogprobs, StepResult
+from pagedserve.wire import BatchPlan, SeqLogprobs, StepResult
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,12 +21,11 @@ from executor_svc.model.config import ModelConfig
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
 from executor_svc.worker import ExecutorWorker
-from scheduler_svc import plan as wire
+from pagedserve import wire
 
 log = logging.getLogger("executor_svc")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_PROFILE_TOKENS = 2048  # the scheduler's default --max-num-batched-tokens: the largest step we profile
 
 
 def resolve_dtype(cfg: ExecutorConfig, model_cfg: ModelConfig) -> torch.dtype:
@@ -45,7 +44,7 @@ def device_kv_bytes(cfg: ExecutorConfig, model, backend) -> int:
         return cfg.kv_cache_memory
     from executor_svc.gpu_memory import make_profile_step, profile_kv_budget
 
-    step = make_profile_step(model, backend, _PROFILE_TOKENS, cfg.block_size)
+    step = make_profile_step(model, backend, wire.DEFAULT_MAX_NUM_BATCHED_TOKENS, cfg.block_size)
     prof = profile_kv_budget(step, cfg.gpu_memory_utilization, model.device)
     log.info("GPU memory: total %.1f GiB, weights %.2f GiB, step peak %.2f GiB, other %.2f GiB -> KV %.2f GiB",
              *(x / 2**30 for x in (prof.total_bytes, prof.weights_bytes, prof.peak_bytes,

@@ -14,13 +14,11 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler_svc.envargs import number, parse_bytes, parse_with_env
+from pagedserve.envargs import number, parse_bytes, parse_with_env
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 CPU_ATTENTION = ("auto", "fused", "torch")  # mirrors executor_svc.attention.CPU_ATTENTION
 DEVICES = ("cpu", "cuda")
-HEALTH_LIVENESS = "liveness"
-HEALTH_EXECUTOR = "executor"
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from executor_svc.config import HEALTH_EXECUTOR, HEALTH_LIVENESS
+from pagedserve.wire import HEALTH_EXECUTOR_READY, HEALTH_LIVENESS
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class HealthServer:
 
     def set_ready(self, ready: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        self._servicer.set(HEALTH_EXECUTOR, status)
+        self._servicer.set(HEALTH_EXECUTOR_READY, status)
 
     def stop(self) -> None:
         self._servicer.enter_graceful_shutdown()

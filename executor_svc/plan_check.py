@@ -3,7 +3,7 @@
 Check-then-commit: a plan that names an unknown sequence, a block outside the
 pools, or more tokens than a sequence holds is refused as a whole
 (:class:`PlanError`) and the runner's state is left untouched. The check
-simulates the documented application order (``scheduler_svc/plan.py``) on a
+simulates the documented application order (``pagedserve/wire/messages.py``) on a
 shadow of each sequence's (token count, table length, computed count).
 
 Leniency, on purpose: ``free_seq_ids`` may name sequences we do not know (after
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from scheduler_svc.plan import BatchPlan
+from pagedserve.wire import BatchPlan
 
 
 class PlanError(ValueError):

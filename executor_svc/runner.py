@@ -3,7 +3,7 @@
 The runner is the executor's whole per-step logic, independent of transport:
 ``ModelRunner.execute(plan) -> StepResult``. It keeps each resident sequence's
 tokens, block table and computed count (:class:`SeqState`), applies a plan in
-the order documented in ``scheduler_svc/plan.py``, packs the scheduled
+the order documented in ``pagedserve/wire/messages.py``, packs the scheduled
 sequences' new tokens into one batch (no padding), runs the model, samples
 where a sequence's computed count reaches its token count, and appends the
 sampled token itself so the scheduler can plan the next step without waiting.
@@ -23,7 +23,7 @@ from executor_svc.kv_cache import KVCache
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.plan_check import PlanChecker, PlanError
 from executor_svc.sampler import SampleOutput, Sampler
-from scheduler_svc.plan import BatchPlan, SamplingParams, SeqLogprobs, StepResult
+from pagedserve.wire import BatchPlan, SamplingParams, SeqLogprobs, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class ModelRunner:
                                            list(s.block_ids), s.num_computed_tokens, s.sampling)
         for f in plan.forks:
             p = self.seqs[f.parent_seq_id]
-            sampling = p.sampling if f.seed is None else _with_seed(p.sampling, f.seed)
+            sampling = p.sampling if f.seed is None else p.sampling.with_seed(f.seed)
             self.seqs[f.child_seq_id] = SeqState(f.child_seq_id, list(p.token_ids), p.num_prompt_tokens,
                                                  list(p.block_ids), p.num_computed_tokens, sampling)
         for sid, tok in plan.append_tokens:
@@ -176,8 +176,3 @@ class ModelRunner:
             result.sampled_seq_ids.append(s.seq_id)
             result.sampled_token_ids.append(tok)
 
-
-def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
-    return SamplingParams(p.temperature, p.top_p, p.top_k, p.min_p, seed, p.repetition_penalty,
-                          p.presence_penalty, p.frequency_penalty, p.want_logprobs, p.logprobs,
-                          p.beam_candidates)

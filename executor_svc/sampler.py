@@ -31,10 +31,9 @@ from typing import Protocol
 
 import torch
 
-from scheduler_svc.plan import SamplingParams
+from pagedserve.wire import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 _MASK64 = (1 << 64) - 1
-_GREEDY_EPS = 1e-5  # temperatures below this are greedy
 
 
 class SampleInput(Protocol):
@@ -147,8 +146,8 @@ class Sampler:
         if not rest:
             return out
         apply_penalties(logits, seqs)
-        greedy = [i for i in rest if seqs[i].sampling.temperature < _GREEDY_EPS]
-        rand = [i for i in rest if seqs[i].sampling.temperature >= _GREEDY_EPS]
+        greedy = [i for i in rest if seqs[i].sampling.temperature < GREEDY_TEMPERATURE_EPS]
+        rand = [i for i in rest if seqs[i].sampling.temperature >= GREEDY_TEMPERATURE_EPS]
         if greedy:
             self._greedy(logits, seqs, greedy, out)
         if rand:

@@ -26,12 +26,10 @@ import time
 import zmq
 
 from executor_svc.runner import ModelRunner
-from scheduler_svc import plan as wire
+from pagedserve import wire
 
 log = logging.getLogger(__name__)
 
-DEAD_AFTER_INTERVALS = 5  # scheduler silent this many heartbeat intervals -> reconnect
-DEFAULT_HEARTBEAT_S = 1.0  # until the scheduler's reply tells us its interval
 EXIT_OK, EXIT_REFUSED = 0, 2
 _RESET = "reset"
 _STOP = "stop"
@@ -75,7 +73,7 @@ class ExecutorWorker:
         self.gen = 0
         self.sock: zmq.Socket | None = None
         self.accepted = False
-        self.interval = DEFAULT_HEARTBEAT_S
+        self.interval = wire.DEFAULT_HEARTBEAT_INTERVAL_S
         self.inflight = 0
         self.last_recv = self.last_hb = self.last_plan = 0.0
         self._signals = 0  # SIGTERMs received (set from the signal handler)
@@ -98,7 +96,7 @@ class ExecutorWorker:
         sock.connect(self.scheduler)
         self.sock = sock
         self.accepted = False
-        self.interval = DEFAULT_HEARTBEAT_S
+        self.interval = wire.DEFAULT_HEARTBEAT_INTERVAL_S
         self.last_recv = time.monotonic()
         self._send(self.handshake)
         log.info("dialled %s as %s; handshake sent", self.scheduler, self.handshake.executor_id)
@@ -209,7 +207,7 @@ class ExecutorWorker:
                 log.error("scheduler refused this executor: %s", msg.reason)
                 return EXIT_REFUSED
             self.accepted = True
-            self.interval = msg.heartbeat_interval_s if msg.heartbeat_interval_s > 0 else DEFAULT_HEARTBEAT_S
+            self.interval = msg.heartbeat_interval_s if msg.heartbeat_interval_s > 0 else wire.DEFAULT_HEARTBEAT_INTERVAL_S
             self.last_hb = 0.0
             if self.health is not None and not self.draining:
                 self.health.set_ready(True)
@@ -230,7 +228,7 @@ class ExecutorWorker:
         if self.accepted and now - self.last_hb >= self.interval:
             self.last_hb = now
             self._send(wire.Heartbeat(time.time()))
-        if now - self.last_recv > DEAD_AFTER_INTERVALS * self.interval:
+        if now - self.last_recv > wire.DEAD_AFTER_INTERVALS * self.interval:
             if self.draining:
                 log.info("scheduler gone while draining; exiting")
                 return EXIT_OK

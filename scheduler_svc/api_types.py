@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from scheduler_svc.plan import SamplingParams
+from pagedserve.wire import SamplingParams
 
 
 class FinishReason(enum.IntEnum):

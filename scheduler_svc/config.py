@@ -11,14 +11,11 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler_svc.envargs import number, parse_with_env
+from pagedserve.envargs import number, parse_with_env
 
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_EXECUTOR_PORT = 5556
 DEFAULT_METRICS_PORT = 9100
-# grpc.health.v1 service names (the k8s probes use these).
-HEALTH_LIVENESS = "liveness"
-HEALTH_READINESS = "pagedserve.v1.Generation"
 PORT = number(int, "port", 0, low_inclusive=True, high=65535)  # 0: pick a free port / disable
 
 

@@ -2,7 +2,7 @@
 
 Executors dial in to one ROUTER socket (their routing id is their executor
 id). The hub accepts or refuses each handshake, keeps a heartbeat both ways,
-declares an executor dead after ``DEAD_AFTER_INTERVALS`` silent intervals or a
+declares an executor dead after ``wire.DEAD_AFTER_INTERVALS`` silent intervals or a
 failed send, and turns a ``BatchPlan`` into a ``StepResult`` for the engine.
 It owns no scheduling state: it reports joins, drains and deaths through
 callbacks and lets the engine decide.
@@ -19,11 +19,9 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from scheduler_svc import plan as wire
+from pagedserve import wire
 
 log = logging.getLogger(__name__)
-
-DEAD_AFTER_INTERVALS = 5
 
 
 class ExecutorLost(Exception):
@@ -211,7 +209,7 @@ class ExecutorHub:
         self._on_dead(conn, why)
 
     async def _heartbeat_loop(self) -> None:
-        limit = DEAD_AFTER_INTERVALS * self.heartbeat_interval_s
+        limit = wire.DEAD_AFTER_INTERVALS * self.heartbeat_interval_s
         while True:
             await asyncio.sleep(self.heartbeat_interval_s)
             now = time.monotonic()

@@ -8,12 +8,13 @@ them lives in :mod:`scheduler_svc.scheduler` (``Scheduler`` subclasses this).
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from collections import deque
 
+import msgspec
+
+from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import FinishReason, GenerationRequest
 from scheduler_svc.kv_cache_manager import KVCacheManager, KVCacheManagerBase
-from scheduler_svc.plan import SamplingParams
 from scheduler_svc.request import BeamState, MigratedRequest, Request, RequestState, Sequence
 from scheduler_svc.sched_config import SchedulerConfig
 
@@ -60,7 +61,7 @@ class RequestLifecycle:
         self._next_arrival += 1
         if p.beam_width > 1:
             r.beam = BeamState(p.beam_width)
-            sp = dataclasses.replace(p.sampling, beam_candidates=2 * p.beam_width, temperature=0.0)
+            sp = msgspec.structs.replace(p.sampling, beam_candidates=2 * p.beam_width, temperature=0.0)
             self.new_seq(r, 0, list(req.prompt_token_ids), sp)
         elif resume is not None and any(resume.outputs):
             self._resume_seqs(r, resume)
@@ -246,4 +247,4 @@ def seeded(sp: SamplingParams, i: int) -> SamplingParams:
     """Choice i of a seeded n > 1 request samples with seed + i."""
     if i == 0 or sp.seed is None:
         return sp
-    return dataclasses.replace(sp, seed=sp.seed + i)
+    return sp.with_seed(sp.seed + i)

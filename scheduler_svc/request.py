@@ -17,8 +17,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import FinishReason, GenerationRequest, TokenLogprob
-from scheduler_svc.plan import SamplingParams
 
 
 class RequestState(enum.IntEnum):

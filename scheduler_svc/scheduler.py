@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, StepResult
 from scheduler_svc.kv_cache_manager import NO_CHANGE, KVCacheManagerBase, SlotChange
 from scheduler_svc.lifecycle import RequestLifecycle, Work, seeded
-from scheduler_svc.plan import BatchPlan, BlockUpdate, Fork, NewSeq, StepResult
 from scheduler_svc.request import Request, RequestState, RequestUpdate, Sequence
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.step_output import OutputProcessor

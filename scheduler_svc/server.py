@@ -31,6 +31,7 @@ from tokenizers import Tokenizer
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+from pagedserve.wire import HEALTH_LIVENESS, HEALTH_SCHEDULER_READY
 from scheduler_svc.api_types import (
     EngineStats,
     GenerationRequest,
@@ -45,8 +46,8 @@ from scheduler_svc.validation import ServerLimits, ValidationError, validate_gen
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "pagedserve.v1.Generation"
-LIVENESS_SERVICE = "liveness"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+assert SERVICE_NAME == HEALTH_SCHEDULER_READY, "readiness is reported under the service's own name"
 # Prompts longer than this are tokenized in a worker thread, off the event loop.
 THREAD_TOKENIZE_CHARS = 4096
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -282,7 +283,7 @@ async def start_grpc_server(
     )
     bound = server.add_insecure_port(f"{host}:{port}")
     api = ApiServer(server, servicer, health, engine, bound)
-    await health.set(LIVENESS_SERVICE, SERVING)
+    await health.set(HEALTH_LIVENESS, SERVING)
     await api.update_health()
     await server.start()
     if health_poll_interval is not None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pagedserve.wire import SeqLogprobs, StepResult
 from scheduler_svc.api_types import FinishReason, TokenLogprob
 from scheduler_svc.beam_search import BeamCandidate, BeamLimits, beam_step, final_hypotheses
-from scheduler_svc.plan import SeqLogprobs, StepResult
 from scheduler_svc.request import Request, RequestUpdate, Sequence, SeqUpdate
 
 if TYPE_CHECKING:

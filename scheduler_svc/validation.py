@@ -14,13 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.wire import GREEDY_TEMPERATURE_EPS, MAX_SEED, SamplingParams
 from scheduler_svc.api_types import GenerationRequest, ModelInfo, RequestParams
-from scheduler_svc.plan import SamplingParams
 
-# Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
-GREEDY_TEMPERATURE_EPS = 1e-5
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI presence / frequency penalties
-MAX_SEED = 2**63 - 1  # executors seed int64 generators
 
 
 class ValidationError(ValueError):

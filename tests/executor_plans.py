@@ -16,7 +16,7 @@ from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
-from scheduler_svc.plan import BatchPlan, BlockUpdate, NewSeq, SamplingParams, StepResult
+from pagedserve.wire import BatchPlan, BlockUpdate, NewSeq, SamplingParams, StepResult
 
 GREEDY = SamplingParams(temperature=0.0)
 

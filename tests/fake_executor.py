@@ -21,8 +21,8 @@ import zlib
 from array import array
 from dataclasses import dataclass
 
-from scheduler_svc import plan as wire
-from scheduler_svc.plan import BatchPlan, SamplingParams, SeqLogprobs, StepResult
+from pagedserve import wire
+from pagedserve.wire import BatchPlan, SamplingParams, SeqLogprobs, StepResult
 
 
 class PlanError(AssertionError):
@@ -119,7 +119,7 @@ class FakeExecutor:
             p = self._seq(f.parent_seq_id)
             if f.child_seq_id in self.seqs:
                 raise PlanError(f"fork into registered seq {f.child_seq_id}")
-            sp = p.sampling if f.seed is None else _with_seed(p.sampling, f.seed)
+            sp = p.sampling if f.seed is None else p.sampling.with_seed(f.seed)
             self.seqs[f.child_seq_id] = _Seq(list(p.tokens), p.num_prompt, list(p.table), p.computed, sp)
         for sid, tok in plan.append_tokens:
             self._seq(sid).tokens.append(tok)
@@ -201,10 +201,6 @@ class FakeExecutor:
         return b
 
 
-def _with_seed(sp: SamplingParams, seed: int) -> SamplingParams:
-    out = SamplingParams.from_wire(sp.to_wire())
-    out.seed = seed
-    return out
 
 
 def drive(sched, ex: FakeExecutor, max_steps: int = 10_000, on_step=None) -> dict[tuple[str, int], list[int]]:

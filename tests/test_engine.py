@@ -18,7 +18,8 @@ from grpc_fakes import make_tokenizer
 from tokenizers import Tokenizer
 
 from executor_svc.worker import ExecutorWorker
-from scheduler_svc import plan as wire
+from pagedserve import wire
+from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import (
     FinishReason,
     GenerationRequest,
@@ -28,7 +29,6 @@ from scheduler_svc.api_types import (
     RequestParams,
 )
 from scheduler_svc.engine import Engine, EngineConfig
-from scheduler_svc.plan import SamplingParams
 from scheduler_svc.sched_config import SchedulerConfig
 
 BLOCKS = 64

@@ -20,7 +20,7 @@ from stack import free_port
 
 from executor_svc.kv_cache import bytes_per_block
 from executor_svc.model import load_model_config, model_fingerprint
-from scheduler_svc import plan as wire
+from pagedserve import wire
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,8 +8,8 @@ from executor_plans import hf_greedy, make_runner
 from transformers import AutoModelForCausalLM
 
 from executor_svc.model import load_model
+from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import GenerationRequest, RequestParams
-from scheduler_svc.plan import SamplingParams
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 

@@ -112,7 +112,7 @@ def parser_for(script: str):
 
 def parse_container(docs: list[Doc], c: Doc) -> tuple[argparse.Namespace, dict[str, str]]:
     """Parse the container's command + args + environment with its service's real parser."""
-    from scheduler_svc.envargs import parse_with_env
+    from pagedserve.envargs import parse_with_env
 
     env = container_env(docs, c, pod_name=f"{c['name']}-7d9f8b6c5-x2x4z")
     build = parser_for(c["command"][0])
@@ -120,7 +120,7 @@ def parse_container(docs: list[Doc], c: Doc) -> tuple[argparse.Namespace, dict[s
 
 
 def flag_env_names(build) -> set[str]:
-    from scheduler_svc.envargs import env_name
+    from pagedserve.envargs import env_name
 
     return {env_name(o) for a in build()._actions for o in a.option_strings if o.startswith("--")}
 
@@ -219,6 +219,7 @@ def test_checkov_passes_the_dockerfiles_with_reasoned_skips_only(checkov_reports
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_scheduler_command_parses_and_matches_ports_and_probes(rendered, overlay):
+    from pagedserve import wire
     from scheduler_svc import config as sc
 
     docs = rendered[overlay]
@@ -230,8 +231,8 @@ def test_scheduler_command_parses_and_matches_ports_and_probes(rendered, overlay
     assert (args.port, args.executor_port, args.metrics_port) == (
         sc.DEFAULT_GRPC_PORT, sc.DEFAULT_EXECUTOR_PORT, sc.DEFAULT_METRICS_PORT)
     assert args.host == "0.0.0.0" and args.executor_host == "0.0.0.0"  # reachable from other pods
-    for probe, service in [("startupProbe", sc.HEALTH_LIVENESS), ("livenessProbe", sc.HEALTH_LIVENESS),
-                           ("readinessProbe", sc.HEALTH_READINESS)]:
+    for probe, service in [("startupProbe", wire.HEALTH_LIVENESS), ("livenessProbe", wire.HEALTH_LIVENESS),
+                           ("readinessProbe", wire.HEALTH_SCHEDULER_READY)]:
         assert c[probe]["grpc"] == {"port": args.port, "service": service}, probe
     annotations = deploy["spec"]["template"]["metadata"]["annotations"]
     assert int(annotations["prometheus.io/port"]) == args.metrics_port
@@ -249,6 +250,7 @@ def test_scheduler_command_parses_and_matches_ports_and_probes(rendered, overlay
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_executor_command_parses_and_matches_health_scheduler_and_drain(rendered, overlay):
     from executor_svc import config as ec
+    from pagedserve import wire
 
     docs = rendered[overlay]
     deploy = find(docs, "Deployment", EXEC)
@@ -256,8 +258,8 @@ def test_executor_command_parses_and_matches_health_scheduler_and_drain(rendered
     args, env = parse_container(docs, c)
     assert [p["containerPort"] for p in c["ports"]] == [args.health_port]
     assert args.health_port == ec.build_arg_parser().get_default("health_port")
-    for probe, service in [("startupProbe", ec.HEALTH_EXECUTOR), ("livenessProbe", ec.HEALTH_LIVENESS),
-                           ("readinessProbe", ec.HEALTH_EXECUTOR)]:
+    for probe, service in [("startupProbe", wire.HEALTH_EXECUTOR_READY), ("livenessProbe", wire.HEALTH_LIVENESS),
+                           ("readinessProbe", wire.HEALTH_EXECUTOR_READY)]:
         assert c[probe]["grpc"] == {"port": args.health_port, "service": service}, probe
     unknown = {k for k in env if k.startswith("PAGEDSERVE_")} - flag_env_names(ec.build_arg_parser)
     assert not unknown

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
+from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import GenerationRequest, RequestParams
 from scheduler_svc.kv_cache_manager import NO_CHANGE, KVCacheManager, hash_block
-from scheduler_svc.plan import SamplingParams
 from scheduler_svc.request import Request, Sequence
 
 _REQ = Request(GenerationRequest("r", [1], RequestParams(max_tokens=1)), 0)

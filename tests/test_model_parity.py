@@ -139,7 +139,7 @@ def test_fork_append_tokens_and_copy_on_write(tiny_mistral_dir):
     c0, c1 = cand.top_token_ids
     for sid, tok in ((1, c0), (2, c1)):
         drv.seqs[sid].tokens.append(tok)
-    from scheduler_svc.plan import BlockUpdate, Fork
+    from pagedserve.wire import BlockUpdate, Fork
     steps = 6
     res = drv.step({1: 1, 2: 1}, forks=[Fork(1, 2)], append_tokens=[(1, c0), (2, c1)],
                    block_updates=[BlockUpdate(2, len(parent.table) - 1, child_block)],

@@ -16,8 +16,8 @@ import torch
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
+from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
-from scheduler_svc.plan import SamplingParams
 from scheduler_svc.request import MigratedRequest
 from tests.fake_executor import drive, model_logprobs
 from tests.test_scheduler import BS, EOS, VOCAB, assert_all_released, make, oracle

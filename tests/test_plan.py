@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc import plan as wire
-from scheduler_svc.plan import (
+from pagedserve import wire
+from pagedserve.wire import (
     BatchPlan,
     BlockUpdate,
     Drain,
@@ -27,17 +28,24 @@ ids = st.integers(min_value=0, max_value=2**31 - 1)
 small = st.lists(ids, max_size=8)
 pairs = st.lists(st.tuples(ids, ids), max_size=6)
 floats = st.floats(allow_nan=False, allow_infinity=False, width=64)
-sampling = st.builds(SamplingParams, floats, floats, ids, floats, st.none() | ids, floats, floats, floats,
-                     st.booleans(), ids, ids)
+unit = st.floats(min_value=0.0, max_value=1.0)
+positive = st.floats(min_value=1e-6, max_value=1e6)
+# In-range values: the declared bounds are checked when decoding.
+sampling = st.builds(SamplingParams, positive, st.floats(min_value=1e-6, max_value=1.0), ids, unit,
+                     st.none() | ids, positive, floats, floats, st.booleans(), st.integers(0, 1024),
+                     st.integers(0, 1024))
 new_seqs = st.builds(NewSeq, ids, small, ids, small, ids, sampling)
+scheduled = st.lists(st.tuples(ids, ids), max_size=8)
 plans = st.builds(
-    BatchPlan, ids, small, small, st.lists(new_seqs, max_size=3), small,
+    lambda step, sched, *rest: BatchPlan(step, [s for s, _ in sched], [n for _, n in sched], *rest),
+    ids, scheduled, st.lists(new_seqs, max_size=3), small,
     st.lists(st.builds(Fork, ids, ids, st.none() | ids), max_size=3), pairs,
-    st.lists(st.builds(BlockUpdate, ids, ids, small), max_size=3), pairs, pairs, pairs,
-).filter(lambda p: len(p.scheduled_seq_ids) == len(p.num_new_tokens))
-logprobs = st.builds(SeqLogprobs, ids, floats, small, st.lists(floats, max_size=8))
+    st.lists(st.builds(BlockUpdate, ids, ids, small), max_size=3), pairs, pairs, pairs)
+top = st.lists(st.tuples(ids, floats), max_size=8)
+logprobs = st.builds(lambda sid, lp, t: SeqLogprobs(sid, lp, [i for i, _ in t], [v for _, v in t]), ids, floats, top)
 results = st.builds(StepResult, ids, st.just([1, 2]), st.just([3, 4]), st.lists(logprobs, max_size=3),
-                    st.lists(logprobs, max_size=3), st.none() | st.text(max_size=20), floats)
+                    st.lists(logprobs, max_size=3), st.none() | st.text(max_size=20),
+                    st.floats(min_value=0.0, max_value=1e9))
 
 
 @settings(max_examples=60, deadline=None)
@@ -63,24 +71,29 @@ def _frame(body, kind=wire.KIND_PLAN, version=wire.WIRE_VERSION) -> bytes:
     return msgpack.packb([version, kind, body])
 
 
-GOOD_PLAN = BatchPlan(1, [1], [1]).to_wire()
+GOOD_PLAN = msgpack.unpackb(wire.encode(BatchPlan(1, [1], [1])))[2]
+GOOD_SEQ = [1, [2], 1, [4], 0, [1.0, 1.0, 0, 0.0, None, 1.0, 0.0, 0.0, False, 0, 0]]
 
 
 @pytest.mark.parametrize("frame,needle", [
-    (b"", "not a msgpack frame"),
-    (b"\xc1", "not a msgpack frame"),
-    (wire.encode(BatchPlan(1, [1], [1]))[:-1], "not a msgpack frame"),
-    (msgpack.packb({"a": 1}), "max_map_len"),
-    (msgpack.packb("a frame"), "expected list"),
-    (msgpack.packb([1, 2]), "expected 3 elements"),
+    (b"", "not a frame"),
+    (b"\xc1", "not a frame"),
+    (wire.encode(BatchPlan(1, [1], [1]))[:-1], "truncated"),
+    (msgpack.packb({"a": 1}), "not a frame"),
+    (msgpack.packb("a frame"), "not a frame"),
+    (msgpack.packb([1, 2]), "not a frame"),
     (_frame(GOOD_PLAN, version=99), "wire version 99"),
     (_frame(GOOD_PLAN, kind=42), "unknown message kind 42"),
-    (_frame(GOOD_PLAN[:5]), "expected 11 elements"),
-    (_frame([1, [1, "x"], [1, 1]] + GOOD_PLAN[3:]), "scheduled_seq_ids"),
+    (_frame(GOOD_PLAN + [[]]), "at most length 11"),
+    (_frame([1, [1, "x"], [1, 1]] + GOOD_PLAN[3:]), r"plan\.scheduled_seq_ids\[1\]"),
     (_frame([1, [1, 2], [1]] + GOOD_PLAN[3:]), "differ in length"),
-    (_frame(GOOD_PLAN[:6] + [[1, 2, 3]] + GOOD_PLAN[7:]), "even-length"),
-    (_frame([1.5] + GOOD_PLAN[1:]), "step_id"),
-    (_frame([1, [], [], [[1, [2], 3, [4], 0, [1.0]]]] + GOOD_PLAN[4:]), "sampling"),
+    (_frame(GOOD_PLAN[:6] + [[[1, 2, 3]]] + GOOD_PLAN[7:]), r"plan\.append_tokens\[0\]"),
+    (_frame([1.5] + GOOD_PLAN[1:]), r"plan\.step_id"),
+    (_frame([1, [], [], [GOOD_SEQ[:5] + [["hot"]]]] + GOOD_PLAN[4:]), r"plan\.new_seqs\[0\]\.sampling\.temperature"),
+    (_frame([1, [], [], [[1, [2, -1]] + GOOD_SEQ[2:]]] + GOOD_PLAN[4:]), r"plan\.new_seqs\[0\]\.token_ids\[1\]"),
+    (_frame([1, [], [], [GOOD_SEQ[:5] + [[float("nan")] + GOOD_SEQ[5][1:]]]] + GOOD_PLAN[4:]),
+     r"new_seqs\[0\]\.sampling\.temperature"),
+    (_frame([1, [], [], [], [], [], [], [], [], [], [[1, 2**40]]]), r"plan\.copies\[0\]\[1\]"),
     (_frame(["ex", 1], kind=wire.KIND_HANDSHAKE), "handshake"),
 ])
 def test_malformed_frames_are_wire_errors_naming_what_is_wrong(frame, needle):
@@ -88,6 +101,31 @@ def test_malformed_frames_are_wire_errors_naming_what_is_wrong(frame, needle):
         wire.decode(frame)
 
 
+def test_the_good_building_blocks_of_those_frames_decode():
+    assert wire.decode(_frame(GOOD_PLAN)) == BatchPlan(1, [1], [1])
+    plan = wire.decode(_frame([1, [], [], [GOOD_SEQ]] + GOOD_PLAN[4:]))
+    assert plan.new_seqs == [NewSeq(1, [2], 1, [4], 0, SamplingParams())]
+
+
 def test_oversized_frame_is_refused_before_parsing():
     with pytest.raises(WireError, match="exceeds the limit"):
         wire.decode(b"\x00" * (wire.MAX_FRAME_BYTES + 1))
+
+
+def test_a_kind_not_accepted_is_refused_before_its_body_is_parsed():
+    body = msgpack.packb([wire.WIRE_VERSION, wire.KIND_PLAN, [[[]] * 1000] * 1000])  # nonsense, never parsed
+    with pytest.raises(WireError, match="BatchPlan is not accepted here"):
+        wire.decode(body, accept=(Handshake,))
+
+
+def test_bounds_are_checked_while_decoding_not_on_construction():
+    huge = BatchPlan(1, new_seqs=[NewSeq(1, [7] * (wire.MAX_SEQ_TOKENS + 1), 1, [0], 0, SamplingParams())])
+    with pytest.raises(WireError, match=r"new_seqs\[0\]\.token_ids"):
+        wire.decode(wire.encode(huge))
+
+
+def test_with_seed_keeps_every_other_field():
+    sp = SamplingParams(0.5, 0.9, 7, 0.1, 3, 1.2, 0.3, 0.4, True, 5, 0)
+    child = sp.with_seed(11)
+    assert child.seed == 11 and sp.seed == 3
+    assert msgspec.structs.replace(child, seed=3) == sp

@@ -6,7 +6,7 @@ import pytest
 from executor_plans import GREEDY, PlanDriver, make_runner
 
 from executor_svc.model import load_model
-from scheduler_svc.plan import BatchPlan, BlockUpdate, Fork, NewSeq, SamplingParams
+from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from executor_svc.sampler import Sampler, apply_penalties, seeded_uniform
-from scheduler_svc.plan import SamplingParams
+from pagedserve.wire import SamplingParams
 
 VOCAB = 50
 

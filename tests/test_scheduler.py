@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc import plan as wire
+from pagedserve import wire
+from pagedserve.wire import SamplingParams, StepResult
 from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
-from scheduler_svc.plan import SamplingParams, StepResult
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from tests.fake_executor import FakeExecutor, drive, sample_token

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
+from pagedserve.envargs import env_name, parse_bytes
 from scheduler_svc.config import load_config
-from scheduler_svc.envargs import env_name, parse_bytes
 
 
 @pytest.fixture()

@@ -1,0 +1,32 @@
+"""The scheduler <-> executor contract: messages, their codec and protocol constants.
+
+Both services import this package and neither owns it (``scheduler_svc`` and
+``executor_svc`` never import each other). ``from pagedserve import wire``
+then ``wire.BatchPlan``, ``wire.encode(msg)``, ``wire.decode(frame)``,
+``wire.WIRE_VERSION``.
+"""
+
+from pagedserve.wire.codec import WireError, decode, encode
+from pagedserve.wire.messages import (
+    KIND_OF,
+    BatchPlan,
+    BlockUpdate,
+    Drain,
+    Fork,
+    Handshake,
+    HandshakeReply,
+    Heartbeat,
+    Message,
+    NewSeq,
+    SamplingParams,
+    SeqLogprobs,
+    StepResult,
+)
+from pagedserve.wire.protocol import *  # noqa: F403  (the constants, each defined once there)
+from pagedserve.wire.protocol import MAX_FRAME_BYTES, WIRE_VERSION
+
+__all__ = [
+    "KIND_OF", "MAX_FRAME_BYTES", "WIRE_VERSION", "BatchPlan", "BlockUpdate", "Drain", "Fork", "Handshake",
+    "HandshakeReply", "Heartbeat", "Message", "NewSeq", "SamplingParams", "SeqLogprobs", "StepResult",
+    "WireError", "decode", "encode",
+]

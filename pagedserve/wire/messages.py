@@ -1,0 +1,234 @@
+"""The messages between the scheduler and its executors, each declared once.
+
+Every message is a ``msgspec.Struct`` with ``array_like=True``: it travels as a
+positional msgpack array whose element order is the field order below, so the
+declaration *is* the schema (a change of order or meaning bumps
+``WIRE_VERSION``). The ``Meta`` bounds are checked when a frame is decoded
+(never on construction): they are what a peer may send, not policy.
+
+Plans are deltas (as in vLLM v1): a sequence's token ids, sampling parameters
+and block table travel once per residency on an executor (``NewSeq``); after
+that a step only names the sequence, how many tokens to compute and which block
+ids were appended. The executor keeps per-sequence state and appends the tokens
+it samples itself, so a decode step costs a few bytes per sequence.
+
+Order in which an executor applies a :class:`BatchPlan` (both sides rely on it):
+
+1. ``swap_out``   device block -> CPU block copies (data of preempted sequences)
+2. ``free_seq_ids`` forget these sequences (finished, aborted or preempted)
+3. ``new_seqs``   register sequences (their full token ids and block tables)
+4. ``forks``      child := copy of parent (tokens, block table, computed count)
+5. ``append_tokens`` append scheduler-chosen tokens (beam search)
+6. ``block_updates`` set ``table[index:] = block_ids`` for a sequence
+7. ``swap_in``    CPU block -> device block copies
+8. ``copies``     device block -> device block copies (copy-on-write)
+9. forward ``scheduled`` sequences, in order; sample where a sequence's
+   computed count reaches its token count, append the sample, report it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from pagedserve.wire import protocol as p
+
+# Bounded scalar and container types (checked when decoding).
+Id = Annotated[int, Meta(ge=0, le=p.MAX_INT32)]
+Count = Annotated[int, Meta(ge=0, le=p.MAX_INT32)]
+Seed = Annotated[int, Meta(ge=0, le=p.MAX_SEED)]
+Ids = Annotated[list[Id], Meta(max_length=p.MAX_SEQS_PER_STEP)]
+Counts = Annotated[list[Count], Meta(max_length=p.MAX_SEQS_PER_STEP)]
+TokenIds = Annotated[list[Id], Meta(max_length=p.MAX_SEQ_TOKENS)]
+BlockIds = Annotated[list[Id], Meta(max_length=p.MAX_SEQ_TOKENS)]
+Pairs = Annotated[list[tuple[Id, Id]], Meta(max_length=p.MAX_BLOCK_PAIRS)]
+TopIds = Annotated[list[Id], Meta(max_length=p.MAX_TOP_LOGPROBS)]
+TopValues = Annotated[list[float], Meta(max_length=p.MAX_TOP_LOGPROBS)]
+Name = Annotated[str, Meta(max_length=p.MAX_ID_CHARS)]
+Text = Annotated[str, Meta(max_length=p.MAX_TEXT_CHARS)]
+_FLOAT_MAX = 1.7976931348623157e308  # an upper bound that refuses inf (and NaN)
+Finite = Annotated[float, Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]
+NonNegative = Annotated[float, Meta(ge=0.0, le=_FLOAT_MAX)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
+class _Message(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    """Base of every wire message: positional, no extra elements, not GC-tracked (acyclic)."""
+
+
+class SamplingParams(_Message):
+    """What an executor needs to turn logits into a token for one sequence.
+
+    Request-level knobs (max_tokens, stop strings, n, beam width) stay in the
+    scheduler. ``temperature == 0`` means greedy. ``seed`` makes the draw for
+    output position j depend only on (seed, j): reproducible alone, in any
+    batch, and after preemption or migration. ``beam_candidates > 0`` turns
+    sampling off: the executor reports the top ``beam_candidates`` log-probs
+    (log-softmax of the raw logits) and the scheduler chooses the token.
+    ``logprobs`` is how many top alternatives to report besides the sampled
+    token's own log-prob (reported when the request asked, ``want_logprobs``).
+    """
+
+    temperature: NonNegative = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Count = 0  # 0 = off
+    min_p: Probability = 0.0
+    seed: Seed | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=_FLOAT_MAX)] = 1.0  # HF: prompt + output
+    presence_penalty: Finite = 0.0  # OpenAI semantics, over output tokens
+    frequency_penalty: Finite = 0.0  # OpenAI semantics, over output tokens
+    want_logprobs: bool = False
+    logprobs: Annotated[int, Meta(ge=0, le=p.MAX_TOP_LOGPROBS)] = 0
+    beam_candidates: Annotated[int, Meta(ge=0, le=p.MAX_TOP_LOGPROBS)] = 0
+
+    def with_seed(self, seed: int | None) -> SamplingParams:
+        """The same parameters with another seed (every other field carried over)."""
+        return msgspec.structs.replace(self, seed=seed)
+
+
+class NewSeq(_Message):
+    """A sequence's full state, sent once when it becomes resident.
+
+    ``token_ids`` holds every known token (prompt, then outputs generated so far;
+    after preemption or migration these are replayed). ``num_computed_tokens``
+    tokens already have K/V in the cache (prefix-cache hit or swapped-in
+    blocks); ``block_ids`` is the whole block table.
+    """
+
+    seq_id: Id
+    token_ids: TokenIds
+    num_prompt_tokens: Count
+    block_ids: BlockIds
+    num_computed_tokens: Count
+    sampling: SamplingParams
+
+
+class Fork(_Message):
+    """Child becomes a copy of parent (tokens, block table, computed count).
+
+    ``seed`` replaces the child's sampling seed (parallel sampling gives
+    choice i the seed ``seed + i``); ``None`` keeps the parent's.
+    """
+
+    parent_seq_id: Id
+    child_seq_id: Id
+    seed: Seed | None = None
+
+
+class BlockUpdate(_Message):
+    """Set ``block_table[start:] = block_ids`` for one sequence.
+
+    Appending a block is ``start == len(table)``; a copy-on-write replacement
+    of the last block is ``start == len(table) - 1``.
+    """
+
+    seq_id: Id
+    start: Count
+    block_ids: BlockIds
+
+
+class BatchPlan(_Message):
+    """One iteration for one executor. See the module docstring for the order.
+
+    ``scheduled_seq_ids[i]`` computes ``num_new_tokens[i]`` tokens starting
+    at its current computed count. A sequence in ``new_seqs`` that is not in
+    ``scheduled_seq_ids`` is registered but idle this step.
+    """
+
+    step_id: Count
+    scheduled_seq_ids: Ids = msgspec.field(default_factory=list)
+    num_new_tokens: Counts = msgspec.field(default_factory=list)
+    new_seqs: Annotated[list[NewSeq], Meta(max_length=p.MAX_SEQS_PER_STEP)] = msgspec.field(default_factory=list)
+    free_seq_ids: Ids = msgspec.field(default_factory=list)
+    forks: Annotated[list[Fork], Meta(max_length=p.MAX_SEQS_PER_STEP)] = msgspec.field(default_factory=list)
+    append_tokens: Pairs = msgspec.field(default_factory=list)  # (seq_id, token_id)
+    block_updates: Annotated[list[BlockUpdate], Meta(max_length=p.MAX_SEQS_PER_STEP)] = \
+        msgspec.field(default_factory=list)
+    swap_out: Pairs = msgspec.field(default_factory=list)  # (device_block, cpu_block)
+    swap_in: Pairs = msgspec.field(default_factory=list)  # (cpu_block, device_block)
+    copies: Pairs = msgspec.field(default_factory=list)  # (src_block, dst_block)
+
+    def __post_init__(self) -> None:
+        if len(self.scheduled_seq_ids) != len(self.num_new_tokens):
+            raise ValueError("scheduled_seq_ids and num_new_tokens differ in length")
+
+
+class SeqLogprobs(_Message):
+    """Log-probs for one sampled token: its own and the top alternatives."""
+
+    seq_id: Id
+    token_logprob: float
+    top_token_ids: TopIds
+    top_logprobs: TopValues
+
+    def __post_init__(self) -> None:
+        if len(self.top_token_ids) != len(self.top_logprobs):
+            raise ValueError("top_token_ids and top_logprobs differ in length")
+
+
+class StepResult(_Message):
+    """What one executed plan produced.
+
+    ``sampled_seq_ids[i]`` got token ``sampled_token_ids[i]`` (only sequences
+    whose computed count reached their token count sample). Beam sequences
+    instead appear in ``beam_candidates`` as (seq_id, token ids, log-probs), best
+    first, and do not append anything themselves. ``error`` is set when the
+    step failed as a whole; the scheduler then fails that step's requests.
+    """
+
+    step_id: Count
+    sampled_seq_ids: Ids = msgspec.field(default_factory=list)
+    sampled_token_ids: Ids = msgspec.field(default_factory=list)
+    logprobs: Annotated[list[SeqLogprobs], Meta(max_length=p.MAX_SEQS_PER_STEP)] = \
+        msgspec.field(default_factory=list)
+    beam_candidates: Annotated[list[SeqLogprobs], Meta(max_length=p.MAX_SEQS_PER_STEP)] = \
+        msgspec.field(default_factory=list)  # token_logprob unused (0.0)
+    error: Text | None = None
+    model_seconds: NonNegative = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.sampled_seq_ids) != len(self.sampled_token_ids):
+            raise ValueError("sampled_seq_ids and sampled_token_ids differ in length")
+
+
+class Handshake(_Message):
+    """First message of an executor: who it is and what its KV cache holds."""
+
+    executor_id: Annotated[str, Meta(min_length=1, max_length=p.MAX_ID_CHARS)]
+    wire_version: int
+    model_fingerprint: Name  # sha256 over config.json and weight names/shapes/dtypes
+    model_name: Name
+    architecture: Name
+    vocab_size: Annotated[int, Meta(ge=1, le=p.MAX_INT32)]
+    block_size: Annotated[int, Meta(ge=1, le=1024)]
+    num_device_blocks: Count
+    num_cpu_blocks: Count
+    max_model_len: Annotated[int, Meta(ge=1, le=p.MAX_SEQ_TOKENS)]
+    dtype: Name
+    device: Name
+
+
+class HandshakeReply(_Message):
+    accepted: bool
+    reason: Text = ""
+    heartbeat_interval_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = p.DEFAULT_HEARTBEAT_INTERVAL_S
+
+
+class Heartbeat(_Message):
+    sent_at: Finite  # sender's time.time(), for logging skew only
+
+
+class Drain(_Message):
+    """Executor -> scheduler: stop routing new work here; finish or migrate."""
+
+    grace_seconds: NonNegative
+
+
+Message = Handshake | HandshakeReply | Heartbeat | BatchPlan | StepResult | Drain
+
+KIND_OF: dict[type, int] = {
+    Handshake: p.KIND_HANDSHAKE, HandshakeReply: p.KIND_HANDSHAKE_REPLY, Heartbeat: p.KIND_HEARTBEAT,
+    BatchPlan: p.KIND_PLAN, StepResult: p.KIND_RESULT, Drain: p.KIND_DRAIN,
+}

@@ -1,0 +1,53 @@
+"""Protocol constants both services rely on; each exists here once.
+
+Neither ``scheduler_svc`` nor ``executor_svc`` owns the wire between them: the
+messages (:mod:`pagedserve.wire.messages`), their codec
+(:mod:`pagedserve.wire.codec`) and these numbers live in the neutral
+``pagedserve`` package that both import.
+"""
+
+from __future__ import annotations
+
+# Frames are msgpack arrays [WIRE_VERSION, KIND, body]; any change of a message's
+# fields, their order or meaning bumps this. Peers of another version are refused
+# at the handshake, naming both versions.
+WIRE_VERSION = 2
+
+# Message kinds (the second element of every frame).
+KIND_HANDSHAKE = 1
+KIND_HANDSHAKE_REPLY = 2
+KIND_HEARTBEAT = 3
+KIND_PLAN = 4
+KIND_RESULT = 5
+KIND_DRAIN = 6
+
+# ---- bounds on what a peer may send (decoding is the trust boundary) ------------
+MAX_FRAME_BYTES = 64 * 1024 * 1024  # a plan re-sending long prompts for many sequences
+MAX_HANDSHAKE_FRAME_BYTES = 4096  # what a peer may send before it is registered
+MAX_SEQS_PER_STEP = 1 << 16  # sequences one plan or result may name
+MAX_SEQ_TOKENS = 1 << 22  # tokens (and so blocks) of one sequence
+MAX_BLOCK_PAIRS = 1 << 20  # swap and copy pairs of one plan
+MAX_TOP_LOGPROBS = 1 << 10  # alternatives reported for one token (logprobs, beam candidates)
+MAX_ID_CHARS = 256  # executor ids, model names, dtypes, devices
+MAX_TEXT_CHARS = 4096  # error and refusal messages
+MAX_INT32 = 2**31 - 1  # sequence, token and block ids: the executor indexes with int32
+MAX_SEED = 2**63 - 1  # executors seed int64 generators
+
+# ---- liveness ---------------------------------------------------------------------
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0  # the scheduler's default; an executor uses it until told
+DEAD_AFTER_INTERVALS = 5  # a peer silent this many heartbeat intervals is dead (both sides)
+
+# ---- sampling -----------------------------------------------------------------------
+# Temperatures below this are greedy: dividing logits by ~0 overflows. The API edge
+# maps them to 0.0 and the executor's sampler treats them as greedy.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+# ---- step sizes ---------------------------------------------------------------------
+# The scheduler's default --max-num-batched-tokens: the largest step an executor
+# profiles when sizing its KV cache on a GPU.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+# ---- grpc.health.v1 service names (the Kubernetes probes use these) --------------
+HEALTH_LIVENESS = "liveness"  # both services: SERVING while the process runs
+HEALTH_SCHEDULER_READY = "pagedserve.v1.Generation"  # SERVING once an executor registered
+HEALTH_EXECUTOR_READY = "executor"  # SERVING once the scheduler accepted the handshake
