@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from executor_svc.attention import AttentionBackend, make_attention_backend
+from executor_svc.attention import AttentionBackend
+from executor_svc.backends import make_attention_backend
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model
 from executor_svc.runner import ModelRunner

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from executor_svc.attention import make_attention_backend
+from executor_svc.backends import make_attention_backend
 from executor_svc.config import ExecutorConfig, parse_config
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model, load_model_config, model_fingerprint

@@ -17,7 +17,7 @@ from pathlib import Path
 from pagedserve.envargs import number, parse_bytes, parse_with_env
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-CPU_ATTENTION = ("auto", "fused", "torch")  # mirrors executor_svc.attention.CPU_ATTENTION
+CPU_ATTENTION = ("auto", "fused", "torch")  # --cpu-attention; executor_svc/backends.py acts on it
 DEVICES = ("cpu", "cuda")
 
 
@@ -31,7 +31,7 @@ class ExecutorConfig:
     swap_space: int  # bytes for the CPU swap pool
     block_size: int
     dtype: str
-    cpu_attention: str  # auto | fused | torch (executor_svc/attention.py, make_attention_backend)
+    cpu_attention: str  # auto | fused | torch (executor_svc/backends.py, make_attention_backend)
     executor_id: str
     health_port: int  # 0 = no health server
     drain_timeout: float  # seconds to keep serving after SIGTERM

@@ -8,19 +8,15 @@ continuations become forks and ``append_tokens`` owed to the executor.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pagedserve.wire import SeqLogprobs, StepResult
 from scheduler_svc.api_types import FinishReason, TokenLogprob
 from scheduler_svc.beam_search import BeamCandidate, BeamLimits, beam_step, final_hypotheses
+from scheduler_svc.lifecycle import RequestLifecycle
 from scheduler_svc.request import Request, RequestUpdate, Sequence, SeqUpdate
-
-if TYPE_CHECKING:
-    from scheduler_svc.scheduler import Scheduler
 
 
 class OutputProcessor:
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: RequestLifecycle) -> None:
         self.s = sched
 
     def process(self, result: StepResult) -> list[RequestUpdate]:

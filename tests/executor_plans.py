@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor_svc.attention import make_attention_backend
+from executor_svc.backends import make_attention_backend
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model
 from executor_svc.runner import ModelRunner

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from executor_svc import cpu_kernels
-from executor_svc.attention import AttentionMetadata, TorchAttentionBackend, make_attention_backend
+from executor_svc.attention import AttentionMetadata, TorchAttentionBackend
 from executor_svc.attention_cpu import FusedCpuAttentionBackend
+from executor_svc.backends import make_attention_backend
 
 KVH = 2
 
@@ -198,7 +199,7 @@ def test_factory_choices(kernel):
 
 
 def test_cpu_attention_flag_and_environment(tmp_path):
-    from executor_svc import attention, config
+    from executor_svc import config
 
     base = ["--model", str(tmp_path), "--scheduler", "tcp://h:5556"]
     assert config.parse_config(base, {}).cpu_attention == "auto"
@@ -207,4 +208,3 @@ def test_cpu_attention_flag_and_environment(tmp_path):
                                ).cpu_attention == "fused"
     with pytest.raises(SystemExit):
         config.parse_config([*base, "--cpu-attention", "fast"], {})
-    assert config.CPU_ATTENTION == attention.CPU_ATTENTION

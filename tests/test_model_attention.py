@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from executor_svc.attention import AttentionMetadata, TorchAttentionBackend, make_attention_backend
+from executor_svc.attention import AttentionMetadata, TorchAttentionBackend
+from executor_svc.backends import make_attention_backend
 
 BS, KVH, QH, D = 4, 2, 6, 8
 
