@@ -17,11 +17,9 @@ import signal
 from tokenizers import Tokenizer
 
 from scheduler_svc.config import ServiceConfig, load_config
-from scheduler_svc.engine import Engine, EngineConfig, executor_endpoint, tune_gc
+from scheduler_svc.engine import Engine, tune_gc
 from scheduler_svc.metrics import Metrics, start_metrics_server
-from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.server import start_grpc_server
-from scheduler_svc.validation import ServerLimits
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -43,26 +41,15 @@ def _load_model_side(cfg: ServiceConfig) -> tuple[Tokenizer, int | None, str, st
 async def serve(cfg: ServiceConfig) -> None:
     tokenizer, eos, name, arch = _load_model_side(cfg)
     metrics = Metrics()
-    sched = SchedulerConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-                            max_num_batched_tokens=cfg.max_num_batched_tokens,
-                            preemption_mode=cfg.preemption_mode,
-                            enable_prefix_caching=cfg.enable_prefix_caching)
-    engine = Engine(EngineConfig(scheduler=sched,
-                                 executor_endpoint=executor_endpoint(cfg.executor_host, cfg.executor_port),
-                                 heartbeat_interval_s=cfg.heartbeat_interval_s,
-                                 max_queued_requests=cfg.max_queued_requests,
-                                 max_migrations=cfg.max_migrations, model_name=name, architecture=arch),
-                    tokenizer, eos, metrics)
+    engine = Engine(cfg.engine, tokenizer, eos, metrics)
     await engine.start()
-    limits = ServerLimits(max_n=cfg.max_n, max_beam_width=cfg.max_beam_width,
-                          max_logprobs=cfg.max_logprobs)
-    api = await start_grpc_server(engine, tokenizer, cfg.host, cfg.port, limits, metrics)
+    api = await start_grpc_server(engine, tokenizer, cfg.host, cfg.port, cfg.limits, metrics)
     loop = asyncio.get_running_loop()
     engine.on_readiness_change = lambda: loop.create_task(api.update_health())
     metrics_server = start_metrics_server(cfg.metrics_port, metrics.registry) if cfg.metrics_port else None
     tune_gc()
-    log.info("scheduler ready: gRPC :%d, executors dial tcp://%s:%d, metrics :%s",
-             api.port, cfg.executor_host, engine.hub.bound_port, cfg.metrics_port or "off")
+    log.info("scheduler ready: gRPC :%d, executors dial %s (port %d), metrics :%s",
+             api.port, cfg.engine.executor_endpoint, engine.hub.bound_port, cfg.metrics_port or "off")
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

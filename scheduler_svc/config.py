@@ -1,17 +1,25 @@
 """The scheduler service's configuration: flags, environment, validation.
 
-Built once in ``__main__`` and frozen. Values learned at run time (how many
-blocks an executor has, the model's max length) arrive through the executor
+Built once in ``__main__`` and frozen. Each knob is declared once, in the
+dataclass that uses it (:class:`SchedulerConfig`, :class:`EngineConfig`,
+:class:`ServerLimits`); its flag takes the default from there and
+:func:`load_config` builds those objects straight from the parsed flags, so
+nothing is copied field by field. Values learned at run time (how many blocks
+an executor has, the model's max length) arrive through the executor
 handshake, never by mutating this object.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pagedserve.envargs import number, parse_with_env
+from scheduler_svc.sched_config import PREEMPTION_MODES, EngineConfig, SchedulerConfig
+from scheduler_svc.validation import ServerLimits
 
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_EXECUTOR_PORT = 5556
@@ -24,22 +32,50 @@ class ServiceConfig:
     model_dir: Path
     host: str
     port: int
-    executor_host: str
-    executor_port: int
     metrics_port: int  # 0 = no metrics endpoint
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_queued_requests: int
-    preemption_mode: str
-    enable_prefix_caching: bool
+    engine: EngineConfig  # its .scheduler: the per-executor scheduling knobs
+    limits: ServerLimits  # per-request limits at the API edge
     shutdown_grace_seconds: float
-    heartbeat_interval_s: float
-    max_migrations: int
-    max_n: int
-    max_beam_width: int
-    max_logprobs: int
     log_level: str
+
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        return self.engine.scheduler
+
+
+def default(cls: type, name: str) -> Any:
+    """The declared default of dataclass field ``cls.name`` (flags take theirs from here)."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+# Flag -> the dataclass field it sets. Fields without a flag are learned at run time
+# (SchedulerConfig.max_model_len comes from each executor's handshake) or built from
+# several flags (EngineConfig.executor_endpoint from --executor-host and --executor-port).
+FLAG_FIELDS: dict[str, tuple[type, str]] = {
+    "--block-size": (SchedulerConfig, "block_size"),
+    "--max-num-seqs": (SchedulerConfig, "max_num_seqs"),
+    "--max-num-batched-tokens": (SchedulerConfig, "max_num_batched_tokens"),
+    "--preemption-mode": (SchedulerConfig, "preemption_mode"),
+    "--watermark": (SchedulerConfig, "watermark"),
+    "--disable-prefix-caching": (SchedulerConfig, "enable_prefix_caching"),
+    "--heartbeat-interval": (EngineConfig, "heartbeat_interval_s"),
+    "--max-queued-requests": (EngineConfig, "max_queued_requests"),
+    "--max-migrations": (EngineConfig, "max_migrations"),
+    **{"--" + f.name.replace("_", "-"): (ServerLimits, f.name) for f in dataclasses.fields(ServerLimits)},
+}
+RUNTIME_FIELDS = {(SchedulerConfig, "max_model_len"), (EngineConfig, "scheduler"),
+                  (EngineConfig, "executor_endpoint")}
+
+_LIMIT_HELP = {
+    "max_n": "largest n (parallel samples) a request may ask for",
+    "max_beam_width": "largest beam_width a request may ask for",
+    "max_stop_strings": "most stop strings per request (0: none allowed)",
+    "max_stop_string_len": "longest stop string, in characters",
+    "max_stop_token_ids": "most stop token ids per request (0: none allowed)",
+    "max_logprobs": "largest number of top logprobs a request may ask for",
+    "default_max_tokens": "max_tokens of a request that leaves it unset (capped by the context left)",
+    "max_request_id_len": "longest request_id, in characters",
+}
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -57,33 +93,43 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="ZeroMQ ROUTER port executors dial in to")
     p.add_argument("--metrics-port", type=PORT, default=DEFAULT_METRICS_PORT,
                    help="Prometheus /metrics HTTP port (0 disables)")
-    p.add_argument("--block-size", type=int, choices=(8, 16, 32), default=16,
+    s, e = SchedulerConfig, EngineConfig
+    p.add_argument("--block-size", type=int, choices=(8, 16, 32), default=default(s, "block_size"),
                    help="tokens per KV block (executors must agree)")
-    p.add_argument("--max-num-seqs", type=number(int, "--max-num-seqs", 0), default=256,
+    p.add_argument("--max-num-seqs", type=number(int, "--max-num-seqs", 0), default=default(s, "max_num_seqs"),
                    help="sequences per iteration per executor")
     p.add_argument("--max-num-batched-tokens", type=number(int, "--max-num-batched-tokens", 0),
-                   default=2048, help="tokens per iteration per executor (chunked prefill budget)")
-    p.add_argument("--max-queued-requests", type=number(int, "--max-queued-requests", 0), default=1024,
-                   help="waiting requests beyond which new ones get RESOURCE_EXHAUSTED")
-    p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
+                   default=default(s, "max_num_batched_tokens"),
+                   help="tokens per iteration per executor (chunked prefill budget)")
+    p.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=default(s, "preemption_mode"),
                    help="what to do with a preempted request's KV blocks")
-    p.add_argument("--disable-prefix-caching", action="store_true",
+    p.add_argument("--watermark", type=number(float, "--watermark", 0.0, low_inclusive=True, high=0.5),
+                   default=default(s, "watermark"),
+                   help="fraction of an executor's blocks kept free when admitting requests (avoids thrashing)")
+    p.add_argument("--disable-prefix-caching", action="store_false", dest="enable_prefix_caching",
                    help="do not reuse KV blocks across requests with a common prefix")
+    p.add_argument("--max-queued-requests", type=number(int, "--max-queued-requests", 0),
+                   default=default(e, "max_queued_requests"),
+                   help="waiting requests beyond which new ones get RESOURCE_EXHAUSTED")
     p.add_argument("--shutdown-grace-seconds", type=number(float, "--shutdown-grace-seconds", 0, True),
                    default=30.0,
                    help="on SIGTERM, time in-flight requests get to finish before they are aborted")
-    p.add_argument("--heartbeat-interval", type=number(float, "--heartbeat-interval", 0), default=1.0,
+    p.add_argument("--heartbeat-interval", type=number(float, "--heartbeat-interval", 0),
+                   default=default(e, "heartbeat_interval_s"), dest="heartbeat_interval_s",
                    help="seconds between heartbeats; a peer silent for 5 intervals is dead")
-    p.add_argument("--max-migrations", type=number(int, "--max-migrations", 0, True), default=3,
+    p.add_argument("--max-migrations", type=number(int, "--max-migrations", 0, True),
+                   default=default(e, "max_migrations"),
                    help="times a request may move to another executor after a failure")
-    p.add_argument("--max-n", type=number(int, "--max-n", 0), default=16,
-                   help="largest n (parallel samples) a request may ask for")
-    p.add_argument("--max-beam-width", type=number(int, "--max-beam-width", 0), default=8,
-                   help="largest beam_width a request may ask for")
-    p.add_argument("--max-logprobs", type=number(int, "--max-logprobs", 0, True), default=20,
-                   help="largest number of top logprobs a request may ask for")
+    for f in dataclasses.fields(ServerLimits):
+        flag = "--" + f.name.replace("_", "-")
+        p.add_argument(flag, type=number(int, flag, 0, low_inclusive=f.name in ServerLimits.ZERO_ALLOWED),
+                       default=f.default, help=_LIMIT_HELP[f.name])
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
+
+
+def _fields(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
 
 
 def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> ServiceConfig:
@@ -91,13 +137,10 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
     a = parse_with_env(parser, argv, environ)
     if not (a.model / "config.json").is_file():
         parser.error(f"--model: {a.model} has no config.json")
+    scheduler = SchedulerConfig(**_fields(SchedulerConfig, a))
+    engine = EngineConfig(scheduler=scheduler, executor_endpoint=f"tcp://{a.executor_host}:{a.executor_port}",
+                          **{k: v for k, v in _fields(EngineConfig, a).items() if k != "scheduler"})
     return ServiceConfig(
-        model_dir=a.model, host=a.host, port=a.port, executor_host=a.executor_host,
-        executor_port=a.executor_port, metrics_port=a.metrics_port, block_size=a.block_size,
-        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        max_queued_requests=a.max_queued_requests, preemption_mode=a.preemption_mode,
-        enable_prefix_caching=not a.disable_prefix_caching,
-        shutdown_grace_seconds=a.shutdown_grace_seconds, heartbeat_interval_s=a.heartbeat_interval,
-        max_migrations=a.max_migrations, max_n=a.max_n, max_beam_width=a.max_beam_width,
-        max_logprobs=a.max_logprobs, log_level=a.log_level,
-    )
+        model_dir=a.model, host=a.host, port=a.port, metrics_port=a.metrics_port, engine=engine,
+        limits=ServerLimits(**_fields(ServerLimits, a)), shutdown_grace_seconds=a.shutdown_grace_seconds,
+        log_level=a.log_level)

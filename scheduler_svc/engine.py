@@ -14,12 +14,12 @@ streamed, so a client sees neither a gap nor a repeat.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
@@ -38,7 +38,7 @@ from scheduler_svc.executors import ExecutorConn, ExecutorHub, ExecutorLost
 from scheduler_svc.outputs import RequestStream
 from scheduler_svc.request import MigratedRequest
 from scheduler_svc.routing import Router
-from scheduler_svc.sched_config import SchedulerConfig
+from scheduler_svc.sched_config import EngineConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.slots import ExecutorSlot, Tracked
 
@@ -46,17 +46,6 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.25  # an idle loop still wakes to notice drain deadlines
 STATS_EVERY_S = 0.25  # how often gauges are refreshed from scheduler counters
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    scheduler: SchedulerConfig
-    executor_endpoint: str
-    heartbeat_interval_s: float = 1.0
-    max_queued_requests: int = 1024
-    max_migrations: int = 3
-    model_name: str = ""
-    architecture: str = ""
 
 
 class Engine:
@@ -211,11 +200,7 @@ class Engine:
 
     def _on_join(self, conn: ExecutorConn) -> None:
         info = conn.info
-        sc = self.cfg.scheduler
-        cfg = SchedulerConfig(block_size=sc.block_size, max_num_seqs=sc.max_num_seqs,
-                              max_num_batched_tokens=sc.max_num_batched_tokens,
-                              max_model_len=info.max_model_len, preemption_mode=sc.preemption_mode,
-                              watermark=sc.watermark, enable_prefix_caching=sc.enable_prefix_caching)
+        cfg = dataclasses.replace(self.cfg.scheduler, max_model_len=info.max_model_len)
         slot = ExecutorSlot(conn, Scheduler(cfg, info.num_device_blocks, info.num_cpu_blocks,
                                             self.eos_token_id))
         self.slots[conn.id] = slot
@@ -398,8 +383,4 @@ def tune_gc() -> None:
     gc.set_threshold(20_000, 20, 100)
 
 
-def executor_endpoint(host: str, port: int) -> str:
-    return f"tcp://{host}:{port}"
-
-
-__all__ = ["Engine", "EngineConfig", "executor_endpoint", "tune_gc"]
+__all__ = ["Engine", "EngineConfig", "tune_gc"]

@@ -1,9 +1,10 @@
-"""Scheduler knobs, frozen and validated once.
+"""Scheduler and engine knobs, frozen and validated once.
 
-Built by the service's ``config.py`` from the command line; values learned at
-run time (the number of device and CPU blocks) arrive through the executor's
-handshake and are passed to :class:`~scheduler_svc.scheduler.Scheduler`
-directly, never by mutating this object.
+Built by the service's ``config.py`` from the command line (each flag takes
+its default from the field declared here); values learned at run time (the
+number of device and CPU blocks, the executor's max length) arrive through the
+executor's handshake and are passed to :class:`~scheduler_svc.scheduler.Scheduler`
+directly or through ``dataclasses.replace``, never by mutating these objects.
 """
 
 from __future__ import annotations
@@ -50,3 +51,14 @@ class SchedulerConfig:
 def _positive(name: str, value: int) -> None:
     if type(value) is not int or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """The engine's own knobs; ``scheduler`` is the template each executor's Scheduler gets."""
+
+    scheduler: SchedulerConfig
+    executor_endpoint: str  # ZeroMQ ROUTER endpoint executors dial in to, e.g. tcp://0.0.0.0:5556
+    heartbeat_interval_s: float = 1.0
+    max_queued_requests: int = 1024
+    max_migrations: int = 3

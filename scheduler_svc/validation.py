@@ -8,10 +8,12 @@ in a worker thread when a prompt is long enough for tokenization to matter.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.wire import GREEDY_TEMPERATURE_EPS, MAX_SEED, SamplingParams
@@ -28,16 +30,15 @@ class ValidationError(ValueError):
         self.field = field
 
 
-# Limits that may be 0: that feature is then off (max_logprobs=0 still allows the sampled token's).
-_ZERO_ALLOWED = frozenset({"max_stop_strings", "max_stop_token_ids", "max_logprobs"})
-
-
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
     """Per-request limits the servicer enforces (built once in __main__)."""
 
+    # Limits that may be 0: that feature is then off (max_logprobs=0 still allows the sampled token's).
+    ZERO_ALLOWED: ClassVar[frozenset[str]] = frozenset({"max_stop_strings", "max_stop_token_ids", "max_logprobs"})
+
     max_n: int = 16
-    max_beam_width: int = 16
+    max_beam_width: int = 8
     max_stop_strings: int = 16
     max_stop_string_len: int = 256  # characters
     max_stop_token_ids: int = 64
@@ -46,9 +47,9 @@ class ServerLimits:
     max_request_id_len: int = 128
 
     def __post_init__(self) -> None:
-        for name in self.__dataclass_fields__:
+        for name in (f.name for f in dataclasses.fields(self)):
             value = getattr(self, name)
-            low = 0 if name in _ZERO_ALLOWED else 1
+            low = 0 if name in self.ZERO_ALLOWED else 1
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"ServerLimits.{name} must be an integer >= {low} (got {value!r})")
 

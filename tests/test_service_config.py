@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
 from pagedserve.envargs import env_name, parse_bytes
-from scheduler_svc.config import load_config
+from scheduler_svc.config import FLAG_FIELDS, RUNTIME_FIELDS, build_arg_parser, default, load_config
+from scheduler_svc.sched_config import EngineConfig, SchedulerConfig
+from scheduler_svc.validation import ServerLimits
 
 
 @pytest.fixture()
@@ -20,8 +23,8 @@ def test_environment_fills_flags_the_command_line_did_not_give(model_dir):
     env = {"PAGEDSERVE_MAX_NUM_SEQS": "32", "PAGEDSERVE_PREEMPTION_MODE": "swap",
            "PAGEDSERVE_DISABLE_PREFIX_CACHING": "true", "PAGEDSERVE_PORT": "6000"}
     cfg = load_config(["--model", str(model_dir), "--port", "7000"], env)
-    assert cfg.max_num_seqs == 32 and cfg.preemption_mode == "swap"
-    assert not cfg.enable_prefix_caching
+    assert cfg.scheduler.max_num_seqs == 32 and cfg.scheduler.preemption_mode == "swap"
+    assert not cfg.scheduler.enable_prefix_caching
     assert cfg.port == 7000  # the command line wins
 
 
@@ -50,3 +53,34 @@ def test_sizes_and_env_names():
     with pytest.raises(argparse.ArgumentTypeError, match="invalid size"):
         parse_bytes("two gigs")
     assert env_name("--max-num-batched-tokens") == "PAGEDSERVE_MAX_NUM_BATCHED_TOKENS"
+
+
+def test_every_knob_has_one_flag_whose_default_is_the_declared_one():
+    parser = build_arg_parser()
+    actions = {o: a for a in parser._actions for o in a.option_strings}
+    for cls in (SchedulerConfig, EngineConfig, ServerLimits):
+        for f in dataclasses.fields(cls):
+            if (cls, f.name) in RUNTIME_FIELDS:
+                continue
+            flags = [flag for flag, target in FLAG_FIELDS.items() if target == (cls, f.name)]
+            assert len(flags) == 1, f"{cls.__name__}.{f.name} must have exactly one flag, has {flags}"
+            assert actions[flags[0]].default == default(cls, f.name), flags[0]
+
+
+def test_every_flag_reaches_the_object_that_uses_it(model_dir):
+    """Each knob set to a non-default value arrives in the built config (none is dropped on the way)."""
+    values = {"--block-size": "32", "--max-num-seqs": "7", "--max-num-batched-tokens": "999",
+              "--preemption-mode": "swap", "--watermark": "0.05", "--heartbeat-interval": "0.25",
+              "--max-queued-requests": "11", "--max-migrations": "5"}
+    values.update({flag: str(default(cls, name) + 3) for flag, (cls, name) in FLAG_FIELDS.items()
+                   if cls is ServerLimits})
+    argv = ["--model", str(model_dir), "--disable-prefix-caching"]
+    for flag, value in values.items():
+        argv += [flag, value]
+    cfg = load_config(argv, {})
+    objects = {SchedulerConfig: cfg.scheduler, EngineConfig: cfg.engine, ServerLimits: cfg.limits}
+    for flag, (cls, name) in FLAG_FIELDS.items():
+        got = getattr(objects[cls], name)
+        assert got != default(cls, name), f"{flag} did not reach {cls.__name__}.{name}"
+        if flag in values:
+            assert str(got) == values[flag], flag
