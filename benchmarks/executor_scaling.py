@@ -81,7 +81,7 @@ async def run_once(num_executors: int, seqs_per_executor: int, prompt_len: int, 
                    tok, eos: int | None) -> dict:
     cfg = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192),
                        executor_endpoint="tcp://127.0.0.1:0", max_queued_requests=10**6)
-    engine = Engine(cfg, tok, eos)
+    engine = Engine(cfg, tok, () if eos is None else (eos,))
     await engine.start()
     endpoint = f"tcp://127.0.0.1:{engine.hub.bound_port}"
     ctx = mp.get_context("spawn")

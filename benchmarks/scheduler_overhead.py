@@ -50,7 +50,7 @@ def _respond(plan: BatchPlan, tokens: dict[int, int], computed: dict[int, int]) 
 def _setup(num_seqs: int) -> tuple[Scheduler, dict[int, int], dict[int, int]]:
     cfg = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs),
                           max_model_len=4096)
-    sched = Scheduler(cfg, num_device_blocks=num_seqs * 40, num_cpu_blocks=0, eos_token_id=EOS)
+    sched = Scheduler(cfg, num_device_blocks=num_seqs * 40, num_cpu_blocks=0, eos_token_ids=(EOS,))
     rng = random.Random(num_seqs)
     for i in range(num_seqs):
         prompt = [rng.randrange(100, 30000) for _ in range(rng.randint(20, 200))]

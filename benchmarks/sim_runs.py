@@ -48,7 +48,7 @@ def make_scheduler(allocator: str, num_blocks: int = PAPER_NUM_BLOCKS, max_num_s
                           enable_prefix_caching=False)
     kv = None if paged else ContiguousKVCacheManager(allocator.removeprefix("orca-"), BLOCK_SIZE,
                                                      num_blocks, MAX_MODEL_LEN, space)
-    return Scheduler(cfg, num_blocks, 0, EOS_TOKEN_ID, kv_manager=kv)
+    return Scheduler(cfg, num_blocks, 0, (EOS_TOKEN_ID,), kv_manager=kv)
 
 
 def to_requests(trace: list[TraceRequest], n: int = 1, beam_width: int = 1) -> list[GenerationRequest]:

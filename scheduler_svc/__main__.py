@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import signal
+from pathlib import Path
 
 from tokenizers import Tokenizer
 
@@ -24,24 +25,36 @@ from scheduler_svc.server import start_grpc_server
 log = logging.getLogger("pagedserve.scheduler")
 
 
-def _load_model_side(cfg: ServiceConfig) -> tuple[Tokenizer, int | None, str, str]:
-    """The tokenizer and the few config.json facts the scheduler needs (no weights)."""
-    tok_path = cfg.model_dir / "tokenizer.json"
-    if not tok_path.is_file():
-        raise SystemExit(f"--model: {cfg.model_dir} has no tokenizer.json (needed to tokenize prompts)")
-    tokenizer = Tokenizer.from_file(str(tok_path))
-    hf = json.loads((cfg.model_dir / "config.json").read_text())
-    eos = hf.get("eos_token_id")
-    if isinstance(eos, list):  # Llama 3 lists several; the first is the canonical end of text
-        eos = eos[0] if eos else None
-    arch = (hf.get("architectures") or ["unknown"])[0]
-    return tokenizer, eos, cfg.model_dir.name, arch
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise SystemExit(f"--model: {model_dir} has no tokenizer.json (needed to tokenize prompts)")
+    return Tokenizer.from_file(str(path))
+
+
+def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """Every end-of-sequence id the model declares, config.json's first.
+
+    ``eos_token_id`` may be an int or a list in config.json and in
+    generation_config.json (Llama 3.1 Instruct lists <|end_of_text|>, <|eom_id|> and
+    <|eot_id|> there, and a chat turn ends with the last): generation stops at any.
+    """
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        value = json.loads(path.read_text()).get("eos_token_id")
+        for tok in value if isinstance(value, list) else [value]:
+            if isinstance(tok, int) and not isinstance(tok, bool) and tok >= 0 and tok not in ids:
+                ids.append(tok)
+    return tuple(ids)
 
 
 async def serve(cfg: ServiceConfig) -> None:
-    tokenizer, eos, name, arch = _load_model_side(cfg)
+    tokenizer = load_tokenizer(cfg.model_dir)
     metrics = Metrics()
-    engine = Engine(cfg.engine, tokenizer, eos, metrics)
+    engine = Engine(cfg.engine, tokenizer, eos_token_ids(cfg.model_dir), metrics)
     await engine.start()
     api = await start_grpc_server(engine, tokenizer, cfg.host, cfg.port, cfg.limits, metrics)
     loop = asyncio.get_running_loop()

@@ -111,7 +111,7 @@ class ModelInfo:
     vocab_size: int
     block_size: int
     num_executors: int
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # every end-of-sequence id, first = config.json's first
 
 
 @dataclass(slots=True)

@@ -38,14 +38,14 @@ class BeamCandidate:
 class BeamLimits:
     """Request-level knobs of a beam search."""
 
-    eos_token_id: int | None
+    eos_token_ids: frozenset[int]  # empty when the request ignores EOS
     stop_token_ids: frozenset[int]
     length_penalty: float
     early_stopping: bool
 
 
 def stop_reason(token_id: int, length_reached: bool, lim: BeamLimits) -> FinishReason | None:
-    if lim.eos_token_id is not None and token_id == lim.eos_token_id:
+    if token_id in lim.eos_token_ids:
         return FinishReason.EOS
     if token_id in lim.stop_token_ids:
         return FinishReason.STOP

@@ -19,7 +19,7 @@ import gc
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 
 from tokenizers import Tokenizer
 
@@ -49,11 +49,11 @@ STATS_EVERY_S = 0.25  # how often gauges are refreshed from scheduler counters
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, tokenizer: Tokenizer, eos_token_id: int | None,
+    def __init__(self, cfg: EngineConfig, tokenizer: Tokenizer, eos_token_ids: Collection[int],
                  metrics=None) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
         self.metrics = metrics
         self.hub = ExecutorHub(cfg.executor_endpoint, block_size=cfg.scheduler.block_size,
                                heartbeat_interval_s=cfg.heartbeat_interval_s, on_join=self._on_join,
@@ -105,7 +105,7 @@ class Engine:
         return ModelInfo(model_name=live[0].model_name, architecture=live[0].architecture,
                          max_model_len=min(i.max_model_len for i in live),
                          vocab_size=live[0].vocab_size, block_size=self.cfg.scheduler.block_size,
-                         num_executors=len(live), eos_token_id=self.eos_token_id)
+                         num_executors=len(live), eos_token_ids=self.eos_token_ids)
 
     def stats(self) -> EngineStats:
         st = EngineStats(num_preemptions=self._retired_preemptions,
@@ -202,7 +202,7 @@ class Engine:
         info = conn.info
         cfg = dataclasses.replace(self.cfg.scheduler, max_model_len=info.max_model_len)
         slot = ExecutorSlot(conn, Scheduler(cfg, info.num_device_blocks, info.num_cpu_blocks,
-                                            self.eos_token_id))
+                                            self.eos_token_ids))
         self.slots[conn.id] = slot
         slot.task = asyncio.create_task(self._run(slot), name=f"engine-{conn.id}")
         orphans, self.orphans = self.orphans, []

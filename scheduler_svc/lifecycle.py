@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Collection
 
 import msgspec
 
@@ -25,9 +26,9 @@ class RequestLifecycle:
     """Queues and indexes of one scheduler, and every way a request enters or leaves."""
 
     def __init__(self, config: SchedulerConfig, num_device_blocks: int, num_cpu_blocks: int,
-                 eos_token_id: int | None, kv_manager: KVCacheManagerBase | None = None) -> None:
+                 eos_token_ids: Collection[int], kv_manager: KVCacheManagerBase | None = None) -> None:
         self.config = config
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.kv: KVCacheManagerBase = kv_manager or KVCacheManager(
             config.block_size, num_device_blocks, num_cpu_blocks, config.enable_prefix_caching)
         self._watermark = config.watermark_blocks(num_device_blocks)
@@ -55,7 +56,7 @@ class RequestLifecycle:
             raise ValueError(f"request_id {req.request_id!r} is already queued")
         self._validate(req)
         p = req.params
-        r = Request(req, self._next_arrival, eos_token_id=None if p.ignore_eos else self.eos_token_id,
+        r = Request(req, self._next_arrival, eos_token_ids=frozenset() if p.ignore_eos else self.eos_token_ids,
                     stop_token_ids=frozenset(p.stop_token_ids), max_tokens=p.max_tokens,
                     stop_len=min(len(req.prompt_token_ids) + p.max_tokens, self.config.max_model_len))
         self._next_arrival += 1

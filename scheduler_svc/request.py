@@ -96,7 +96,7 @@ class Request:
     beam: BeamState | None = None
     emitted_seqs: int = 0  # seqs already reported finished (so "finished" is sent once)
     # Stop rules, resolved once at arrival (read per sampled token).
-    eos_token_id: int | None = None  # None when ignore_eos
+    eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
     stop_token_ids: frozenset[int] = frozenset()
     max_tokens: int = 0
     stop_len: int = 0  # a sequence of this many tokens is done: min(prompt + max_tokens, max_model_len)

@@ -27,6 +27,7 @@ changes. The application order is plan.py's.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, StepResult
 from scheduler_svc.kv_cache_manager import NO_CHANGE, KVCacheManagerBase, SlotChange
@@ -52,8 +53,8 @@ class Scheduler(RequestLifecycle):
     """
 
     def __init__(self, config: SchedulerConfig, num_device_blocks: int, num_cpu_blocks: int,
-                 eos_token_id: int | None, kv_manager: KVCacheManagerBase | None = None) -> None:
-        super().__init__(config, num_device_blocks, num_cpu_blocks, eos_token_id, kv_manager)
+                 eos_token_ids: Collection[int], kv_manager: KVCacheManagerBase | None = None) -> None:
+        super().__init__(config, num_device_blocks, num_cpu_blocks, eos_token_ids, kv_manager)
         self._out = OutputProcessor(self)
 
     # ------------------------------------------------------------------ schedule

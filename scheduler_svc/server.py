@@ -113,8 +113,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             vocab_size=info.vocab_size, block_size=info.block_size, num_executors=info.num_executors,
             limits=self._limits.to_proto(),
         )
-        if info.eos_token_id is not None:
-            msg.eos_token_id = info.eos_token_id
+        if info.eos_token_ids:
+            msg.eos_token_id = info.eos_token_ids[0]
+            msg.eos_token_ids.extend(info.eos_token_ids)
         return msg
 
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.Stats:

@@ -34,7 +34,7 @@ class OutputProcessor:
                 raise ValueError(f"result samples seq {sid}, which had tokens left to compute")
             toks.append(tok)
             r = seq.request
-            if tok == r.eos_token_id:
+            if tok in r.eos_token_ids:
                 reason: FinishReason | None = FinishReason.EOS
             elif tok in r.stop_token_ids:
                 reason = FinishReason.STOP
@@ -102,7 +102,7 @@ class OutputProcessor:
         beams = list(r.live)
         length_reached = (beams[0].num_output_tokens + 1 >= p.max_tokens
                           or beams[0].num_tokens + 1 >= s.config.max_model_len)
-        lim = BeamLimits(None if p.ignore_eos else s.eos_token_id, frozenset(p.stop_token_ids),
+        lim = BeamLimits(r.eos_token_ids, frozenset(p.stop_token_ids),
                          p.length_penalty, p.early_stopping)
         running, done = beam_step(r.beam, beams, cands, length_reached, lim)  # type: ignore[arg-type]
         if not done:

@@ -55,7 +55,7 @@ def make_tokenizer() -> Tokenizer:
 
 def model_info(tok: Tokenizer, max_model_len: int = 64) -> ModelInfo:
     return ModelInfo(model_name="tiny-test", architecture="LlamaForCausalLM", max_model_len=max_model_len,
-                     vocab_size=tok.get_vocab_size(), block_size=16, num_executors=1, eos_token_id=1)
+                     vocab_size=tok.get_vocab_size(), block_size=16, num_executors=1, eos_token_ids=(1,))
 
 
 class FakeEngine:

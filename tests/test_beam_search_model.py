@@ -46,7 +46,7 @@ def _hf_beams(hf, prompt, width, eos, length_penalty) -> list[list[int]]:
 def _our_beams(tiny_llama_dir, model, prompt, width, eos, length_penalty, num_blocks=64):
     runner = make_runner(tiny_llama_dir, num_blocks=num_blocks, num_cpu_blocks=16, model=model)
     cfg = SchedulerConfig(block_size=16, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256)
-    sched = Scheduler(cfg, num_blocks, 16, eos_token_id=eos)
+    sched = Scheduler(cfg, num_blocks, 16, eos_token_ids=() if eos is None else (eos,))
     params = RequestParams(max_tokens=MAX_NEW, sampling=SamplingParams(temperature=0.0), beam_width=width,
                            length_penalty=length_penalty, early_stopping=False)
     sched.add_request(GenerationRequest("beam", list(prompt), params))

@@ -78,7 +78,7 @@ async def running(tokenizer, n_executors: int, metrics=None, **cfg_kw):
     """An engine with ``n_executors`` fake executors registered; everything stopped after."""
     cfg = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
                        executor_endpoint="tcp://127.0.0.1:0", heartbeat_interval_s=0.2, **cfg_kw)
-    engine = Engine(cfg, tokenizer, eos_token_id=None, metrics=metrics)
+    engine = Engine(cfg, tokenizer, eos_token_ids=(), metrics=metrics)
     await engine.start()
     execs = [engine_executor(engine, f"fake{i}") for i in range(n_executors)]
     try:
@@ -224,7 +224,7 @@ def test_loop_failure_fails_its_requests_and_the_executor_comes_back(tokenizer):
 def test_queue_limit_and_no_executor(tokenizer):
     async def main():
         cfg = EngineConfig(scheduler=SchedulerConfig(), executor_endpoint="tcp://127.0.0.1:0")
-        engine = Engine(cfg, tokenizer, eos_token_id=None)
+        engine = Engine(cfg, tokenizer, eos_token_ids=())
         await engine.start()
         try:
             with pytest.raises(NoExecutor):

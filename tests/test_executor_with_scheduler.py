@@ -58,7 +58,7 @@ def test_preemption_keeps_greedy_outputs_exact(tiny_llama_dir, setup, mode):
     runner = make_runner(tiny_llama_dir, num_blocks=num_blocks, num_cpu_blocks=32, model=model)
     cfg = SchedulerConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=48, max_model_len=256,
                           preemption_mode=mode)
-    sched = Scheduler(cfg, num_blocks, 32, eos_token_id=None)
+    sched = Scheduler(cfg, num_blocks, 32, eos_token_ids=())
     params = RequestParams(max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0), ignore_eos=True)
     prompts = _prompts()
     reqs = {rid: GenerationRequest(rid, p, params) for rid, p in prompts.items()}
@@ -77,7 +77,7 @@ def test_parallel_sampling_choices_match_their_seeds_alone(tiny_llama_dir, setup
 
     def serve(n: int) -> list[list[int]]:
         runner = make_runner(tiny_llama_dir, num_blocks=32, model=model)
-        sched = Scheduler(SchedulerConfig(block_size=16, max_model_len=256), 32, 8, eos_token_id=None)
+        sched = Scheduler(SchedulerConfig(block_size=16, max_model_len=256), 32, 8, eos_token_ids=())
         params = RequestParams(max_tokens=10, sampling=sampling, n=n, ignore_eos=True)
         return _serve(runner, sched, {"a": GenerationRequest("a", prompt, params)})["a"]
 

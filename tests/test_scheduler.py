@@ -31,7 +31,7 @@ def make(nblocks: int, ncpu: int = 0, mode: str = "recompute", seqs: int = 8, to
     cfg = SchedulerConfig(block_size=BS, max_num_seqs=seqs, max_num_batched_tokens=tokens,
                           max_model_len=max_len, preemption_mode=mode, watermark=watermark,
                           enable_prefix_caching=caching)
-    sched = Scheduler(cfg, nblocks, ncpu, eos_token_id=EOS)
+    sched = Scheduler(cfg, nblocks, ncpu, eos_token_ids=(EOS,))
     return sched, FakeExecutor(nblocks, ncpu, BS, VOCAB, check=sched.check_integrity)
 
 
@@ -487,3 +487,30 @@ def test_random_configurations_keep_outputs_and_release_everything(
             for i in range(r.params.n):
                 assert outs.get((r.request_id, i), []) == oracle(r, i), (r.request_id, i)
     assert_all_released(sched, ex)
+
+
+def test_every_end_of_sequence_id_stops_generation():
+    """Llama 3.1 Instruct lists three EOS ids; a chat turn ends at the last (<|eot_id|>), not the first."""
+    cfg = SchedulerConfig(block_size=BS, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    sched = Scheduler(cfg, 32, 0, eos_token_ids=(EOS, 60, 61))
+    sched.add_request(req("chat", [5, 6, 7], max_tokens=10))
+    sched.add_request(req("raw", [5, 6, 8], max_tokens=10, ignore_eos=True))
+    plan = sched.schedule()
+    ids = plan.scheduled_seq_ids
+    updates = {u.request_id: u for u in sched.update(StepResult(plan.step_id, list(ids), [61] * len(ids)))}
+    assert updates["chat"].finished and updates["chat"].seqs[0].finish_reason == FinishReason.EOS
+    assert not updates["raw"].finished  # ignore_eos ignores every EOS id
+    sched.abort_request("raw")
+    sched.check_integrity()
+    assert sched.block_stats()["used"] == 0
+
+
+def test_eos_ids_come_from_config_and_generation_config(tmp_path):
+    from scheduler_svc.__main__ import eos_token_ids
+
+    (tmp_path / "config.json").write_text('{"eos_token_id": 128001}')
+    assert eos_token_ids(tmp_path) == (128001,)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [128001, 128008, 128009]}')
+    assert eos_token_ids(tmp_path) == (128001, 128008, 128009)
+    (tmp_path / "config.json").write_text('{"eos_token_id": null}')
+    assert eos_token_ids(tmp_path) == (128001, 128008, 128009)

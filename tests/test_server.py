@@ -282,9 +282,9 @@ def test_model_info_maps_all_fields(stub, engine):
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
     e = engine.info
     assert (info.model_name, info.architecture, info.max_model_len, info.vocab_size, info.block_size,
-            info.num_executors, info.eos_token_id) == (
+            info.num_executors, info.eos_token_id, list(info.eos_token_ids)) == (
         e.model_name, e.architecture, e.max_model_len, e.vocab_size, e.block_size, e.num_executors,
-        e.eos_token_id)
+        e.eos_token_ids[0], list(e.eos_token_ids))
     assert (info.limits.max_n, info.limits.max_logprobs, info.limits.default_max_tokens) == (4, 5, 16)
 
 
