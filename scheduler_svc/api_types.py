@@ -47,8 +47,9 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: RequestParams
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0  # time.monotonic() at the API edge (the engine stamps it if unset)
     deadline: float | None = None  # time.monotonic() after which the engine aborts it
+    first_scheduled_at: float | None = None  # set once, by the first scheduler that admits it
 
 
 @dataclass(slots=True)

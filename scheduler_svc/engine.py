@@ -155,6 +155,8 @@ class Engine:
         if self._num_queued() >= self.cfg.max_queued_requests:
             raise QueueFull(f"{self._num_queued()} requests are queued, the limit "
                             f"(max_queued_requests) is {self.cfg.max_queued_requests}")
+        if not req.arrival_time:
+            req.arrival_time = time.monotonic()
         if not req.request_id or req.request_id in self.tracked:
             req.request_id = req.request_id + "-" + uuid.uuid4().hex[:8] if req.request_id \
                 else uuid.uuid4().hex
@@ -235,6 +237,8 @@ class Engine:
                     await self._idle(slot)
                     continue
                 self.num_steps += 1
+                if slot.scheduler.first_scheduled:
+                    self._observe_queue_times(slot.scheduler)
                 try:
                     result = await self.hub.run_step(slot.conn, plan)
                 except ExecutorLost:
@@ -296,6 +300,12 @@ class Engine:
             if out.finished:
                 slot.requests.pop(upd.request_id, None)
                 self.tracked.pop(upd.request_id, None)
+
+    def _observe_queue_times(self, sched: Scheduler) -> None:
+        admitted, sched.first_scheduled = sched.first_scheduled, []
+        if self.metrics:
+            for req in admitted:
+                self.metrics.on_scheduled(req.first_scheduled_at - req.arrival_time)
 
     def _observe(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -46,6 +46,7 @@ class RequestLifecycle:
         self._stale_step: int | None = None  # a plan dropped by take_all_requests
         self._preempted = False  # set during one schedule() when someone was preempted
         self.num_preemptions = 0
+        self.first_scheduled: list[GenerationRequest] = []  # admitted for the first time; the engine drains it
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
 

@@ -27,6 +27,7 @@ changes. The application order is plan.py's.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Collection
 
 from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, StepResult
@@ -296,6 +297,9 @@ class Scheduler(RequestLifecycle):
                 return
             self.waiting.popleft()
             self._set_running(r)
+            if r.req.first_scheduled_at is None:  # not after preemption or migration
+                r.req.first_scheduled_at = time.monotonic()
+                self.first_scheduled.append(r.req)
             self._emit(work, changes, intros, plan, budget)  # type: ignore[arg-type]
             self._count_prefix(r, hit_tokens)
             num_live += _footprint(r)

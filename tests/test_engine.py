@@ -258,6 +258,8 @@ def test_metrics_gauges_return_to_idle_after_the_work(tokenizer):
             assert value("pagedserve:num_requests_running") == 0
             assert value("pagedserve:generation_tokens_total") == 180
             assert value("pagedserve:kv_cache_usage_perc", {"executor": "fake0"}) == 0
+            assert value("pagedserve:request_queue_time_seconds_count") == 6  # once per request
+            assert 0 < value("pagedserve:request_queue_time_seconds_sum") < 60
 
     _run(main())
 
