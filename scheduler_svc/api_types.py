@@ -39,7 +39,6 @@ class RequestParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # None: no logprobs; k >= 0: sampled + top-k
 
 
 @dataclass(slots=True)

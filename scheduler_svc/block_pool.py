@@ -155,19 +155,6 @@ class BlockPool:
         self._by_hash[block_hash] = b
         return True
 
-    def reset_prefix_cache(self) -> int:
-        """Forget the content of every free cached block; returns how many."""
-        n = 0
-        b = self._head.next
-        while b is not self._tail:
-            if b.block_hash is not None:  # type: ignore[union-attr]
-                del self._by_hash[b.block_hash]  # type: ignore[union-attr]
-                b.block_hash = None  # type: ignore[union-attr]
-                n += 1
-            b = b.next  # type: ignore[union-attr]
-        self._num_cached_free = 0
-        return n
-
     # ---------------------------------------------------------------- integrity
     def check_integrity(self, tables: Iterable[Sequence[Block]]) -> None:
         """Raise RuntimeError unless the pool agrees with the given block tables.

@@ -83,9 +83,6 @@ class ExecutorHub:
             self._sock.close(linger=0)
         self._ctx.term()
 
-    def live(self) -> list[ExecutorConn]:
-        return [c for c in self.conns.values() if c.state != "dead"]
-
     # ------------------------------------------------------------------ steps
 
     async def run_step(self, conn: ExecutorConn, plan: wire.BatchPlan) -> wire.StepResult:

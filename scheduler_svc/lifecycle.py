@@ -58,7 +58,7 @@ class RequestLifecycle:
         self._validate(req)
         p = req.params
         r = Request(req, self._next_arrival, eos_token_ids=frozenset() if p.ignore_eos else self.eos_token_ids,
-                    stop_token_ids=frozenset(p.stop_token_ids), max_tokens=p.max_tokens,
+                    stop_token_ids=frozenset(p.stop_token_ids),
                     stop_len=min(len(req.prompt_token_ids) + p.max_tokens, self.config.max_model_len))
         self._next_arrival += 1
         if p.beam_width > 1:

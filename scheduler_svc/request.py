@@ -98,7 +98,6 @@ class Request:
     # Stop rules, resolved once at arrival (read per sampled token).
     eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
     stop_token_ids: frozenset[int] = frozenset()
-    max_tokens: int = 0
     stop_len: int = 0  # a sequence of this many tokens is done: min(prompt + max_tokens, max_model_len)
 
     @property

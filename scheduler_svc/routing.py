@@ -40,8 +40,6 @@ class Router:
         self.block_size = block_size
         self.max_entries = max_entries
         self._owner: OrderedDict[bytes, str] = OrderedDict()  # block hash -> executor id (LRU)
-        self.num_routed = 0
-        self.num_prefix_routed = 0  # routed to an executor because of a prefix hit
 
     def _hashes(self, prompt: list[int]) -> list[bytes]:
         bs = self.block_size
@@ -71,9 +69,6 @@ class Router:
         # Load before free blocks: a request queued in a scheduler holds no blocks
         # yet, so free blocks alone would pile a burst onto whoever admitted first.
         best = max(eligible, key=lambda s: (hits[s.id], -loads[s.id], _headroom(s)))
-        self.num_routed += 1
-        if hits[best.id] > 0:
-            self.num_prefix_routed += 1
         self._remember(hashes, best.id)
         return best
 

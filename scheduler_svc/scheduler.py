@@ -37,8 +37,6 @@ from scheduler_svc.request import Request, RequestState, RequestUpdate, Sequence
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.step_output import OutputProcessor
 
-_Work = Work
-
 
 @dataclasses.dataclass(slots=True)
 class _Budget:
@@ -140,7 +138,7 @@ class Scheduler(RequestLifecycle):
         self._emit(work, changes, intros, plan, budget)
         return True
 
-    def _group_work(self, r: Request, budget: _Budget) -> _Work | None:
+    def _group_work(self, r: Request, budget: _Budget) -> Work | None:
         """What ``r`` computes this step within ``budget``, or None if it does not fit."""
         if not r.forked:
             seq0 = r.live[0]
@@ -194,7 +192,7 @@ class Scheduler(RequestLifecycle):
                                       self.kv.block_ids(s), s.num_computed_tokens, s.sampling))
         return out
 
-    def _allocate(self, work: _Work, reserve: int) -> list[SlotChange] | None:
+    def _allocate(self, work: Work, reserve: int) -> list[SlotChange] | None:
         """Check-then-commit for a whole request (its sequences move together)."""
         kv = self.kv
         if len(work) == 1 and not reserve:
@@ -207,7 +205,7 @@ class Scheduler(RequestLifecycle):
             raise RuntimeError("allocation failed after blocks_needed said it fits")
         return changes  # type: ignore[return-value]
 
-    def _emit(self, work: _Work, changes: list[SlotChange], intros: list, plan: BatchPlan,
+    def _emit(self, work: Work, changes: list[SlotChange], intros: list, plan: BatchPlan,
               budget: _Budget) -> None:
         for x in intros:
             (plan.forks if type(x) is Fork else plan.new_seqs).append(x)

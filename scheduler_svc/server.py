@@ -81,10 +81,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._in_flight: set[str] = set()
         self.shutting_down = False
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._in_flight)
-
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         # A coroutine writing with context.write (not an async generator): a cancel or deadline
         # raises CancelledError here, inside aclosing, so the engine's stream is closed at once.

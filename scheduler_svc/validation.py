@@ -84,7 +84,6 @@ def validate_generate_request(
         stop=_stop_strings(sp.stop, limits),
         stop_token_ids=_stop_token_ids(sp.stop_token_ids, model, limits),
         ignore_eos=sp.ignore_eos,
-        logprobs=_logprobs(sp, limits),
     )
     return GenerationRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params)
 
@@ -195,12 +194,6 @@ def _sampling(sp: pb.SamplingParams, limits: ServerLimits, n: int) -> SamplingPa
         out.want_logprobs = True
         out.logprobs = _int_range("sampling.logprobs", sp.logprobs, 0, limits.max_logprobs)
     return out
-
-
-def _logprobs(sp: pb.SamplingParams, limits: ServerLimits) -> int | None:
-    if not sp.HasField("logprobs"):
-        return None
-    return _int_range("sampling.logprobs", sp.logprobs, 0, limits.max_logprobs)
 
 
 def _stop_strings(stop: Sequence[str], limits: ServerLimits) -> list[str]:

@@ -133,9 +133,9 @@ class FakeEngine:
         tid = seq[produced[i]]
         produced[i] += 1
         delta = ChoiceDelta(index=i, token_ids=[tid])
-        if p.logprobs is not None:
-            k = p.logprobs + (1 if self.mode == "bad_logprobs" else 0)
-            delta.logprobs = [TokenLogprob(tid, -0.5, list(range(k)), [-1.0] * p.logprobs)]
+        if p.sampling.want_logprobs:
+            k = p.sampling.logprobs + (1 if self.mode == "bad_logprobs" else 0)
+            delta.logprobs = [TokenLogprob(tid, -0.5, list(range(k)), [-1.0] * p.sampling.logprobs)]
         if tid == 1:
             delta.text, delta.finish_reason = detok.finish(), FinishReason.EOS
         else:

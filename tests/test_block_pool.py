@@ -73,17 +73,6 @@ def test_cache_keeps_first_copy_and_respects_switch():
     assert not off.cache(x, b"h") and off.lookup(b"h") is None
 
 
-def test_reset_prefix_cache_forgets_only_free_blocks():
-    pool = BlockPool(2)
-    a, b = pool.allocate(), pool.allocate()
-    pool.cache(a, b"a")
-    pool.cache(b, b"b")
-    pool.free(a)
-    assert pool.reset_prefix_cache() == 1
-    assert pool.lookup(b"a") is None and pool.lookup(b"b") is b
-    pool.check_integrity([[b]])
-
-
 def test_integrity_catches_refcount_mismatch_and_broken_links():
     pool = BlockPool(3)
     a = pool.allocate()

@@ -52,7 +52,7 @@ def test_generate_options_reach_the_server(server, engine):
     assert out == "--- choice 0 (eos) ---\none\n--- choice 1 (eos) ---\ntwo\n"
     p = engine.requests[0].params
     assert engine.requests[0].prompt_token_ids == [0, 5, 6]
-    assert (p.n, p.sampling.top_p, p.sampling.top_k, p.sampling.seed, p.stop, p.logprobs, p.ignore_eos) == (
+    assert (p.n, p.sampling.top_p, p.sampling.top_k, p.sampling.seed, p.stop, p.sampling.logprobs, p.ignore_eos) == (
         2, 0.5, 3, 7, ["xyz", "END"], 1, True)
 
 

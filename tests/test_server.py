@@ -136,7 +136,7 @@ def test_request_fields_reach_the_engine(stub, engine):
     assert req.request_id == "req-1"
     assert req.prompt_token_ids == tok.encode("Hello world").ids and req.prompt_token_ids[0] == 0  # BOS
     p, s = req.params, req.params.sampling
-    assert (p.max_tokens, p.n, p.beam_width, p.stop, p.stop_token_ids, p.ignore_eos, p.logprobs) == (
+    assert (p.max_tokens, p.n, p.beam_width, p.stop, p.stop_token_ids, p.ignore_eos, s.logprobs) == (
         5, 2, 1, ["END"], [9], True, 3)
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (0.5, 0.75, 7, 0.125, 42)
     assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == (1.25, 0.5, -0.5)
@@ -149,7 +149,7 @@ def test_defaults_when_fields_are_unset(stub, engine):
     (req,) = engine.requests
     assert len(req.request_id) == 32 and responses[0].request_id == req.request_id  # generated, echoed
     p, s = req.params, req.params.sampling
-    assert (p.max_tokens, p.n, p.beam_width, p.logprobs, p.stop) == (8, 1, 1, None, [])  # min(16, room)
+    assert (p.max_tokens, p.n, p.beam_width, p.stop) == (8, 1, 1, [])  # min(16, room)
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.want_logprobs) == (1.0, 1.0, 0, 0.0, None, False)
     assert req.deadline is None
 

@@ -98,11 +98,11 @@ def test_range_boundaries(field, ok, bad):
 
 
 def test_logprobs_unset_zero_and_k():
-    assert validate().params.logprobs is None and not validate().params.sampling.want_logprobs
+    assert not validate().params.sampling.want_logprobs
     p = validate(sampling={"logprobs": 0}).params
-    assert (p.logprobs, p.sampling.want_logprobs, p.sampling.logprobs) == (0, True, 0)
+    assert (p.sampling.want_logprobs, p.sampling.logprobs) == (True, 0)
     p = validate(sampling={"logprobs": 3}).params
-    assert (p.logprobs, p.sampling.want_logprobs, p.sampling.logprobs) == (3, True, 3)
+    assert (p.sampling.want_logprobs, p.sampling.logprobs) == (True, 3)
 
 
 def test_seed_bound_leaves_room_for_n_choices():
@@ -141,7 +141,8 @@ def test_server_limits_are_checked(bad):
 
 def test_zero_limits_turn_features_off():
     off = ServerLimits(max_logprobs=0, max_stop_strings=0, max_stop_token_ids=0)
-    assert validate(limits=off, sampling={"logprobs": 0}).params.logprobs == 0  # the sampled token's only
+    sp = validate(limits=off, sampling={"logprobs": 0}).params.sampling
+    assert sp.want_logprobs and sp.logprobs == 0  # the sampled token's only
     refused("sampling.logprobs", limits=off, sampling={"logprobs": 1})
     refused("sampling.stop", limits=off, sampling={"stop": ["x"]})
     refused("sampling.stop_token_ids", limits=off, sampling={"stop_token_ids": [2]})
