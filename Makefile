@@ -45,7 +45,7 @@ bench: setup
 # On a GPU machine: builds, tests and times the kernels in one call (< 6 min). The script uses
 # the machine's CUDA torch and CuPy when present, else installs them (bare leased machines).
 gpu-check:
-	bash cupy_kernels/gpu_check.sh
+	bash benchmarks/kernels/gpu_check.sh
 
 clean:
 	rm -rf .venv .venv-tools models build .pytest_cache .hypothesis

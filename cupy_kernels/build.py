@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,26 +100,6 @@ def cuda_include_dir() -> str | None:
         if (inc / "cuda_bf16.h").is_file():
             return str(inc)
     return None
-
-
-def find_nvcc() -> str | None:
-    """nvcc from PATH, else the usual install locations."""
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    for cand in ("/usr/local/cuda/bin/nvcc", "/opt/cuda/bin/nvcc"):
-        if os.access(cand, os.X_OK):
-            return cand
-    return None
-
-
-def nvcc_unit(source: str, keys: list[KernelKey]) -> str:
-    """A translation unit for nvcc that instantiates ``keys`` (taking a kernel's address in host
-    code forces its instantiation without spelling its signature)."""
-    lines = [f'#include "{source}"', "static void* ps_instances[] = {"]
-    lines += [f"    (void*)&{k.expression()}," for k in keys]
-    lines += ["};", "void* ps_keep() { return ps_instances; }", ""]
-    return "\n".join(lines)
 
 
 _MODULES: dict[tuple[KernelKey, int], object] = {}

@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.kernels.cases import make_case
+from benchmarks.kernels.nvcc import nvcc_unit
+from benchmarks.kernels.reference import ref_attention, ref_copy_blocks, ref_reshape_and_cache, rel_error
 from cupy_kernels import build, cache_ops, launchers
-from cupy_kernels.cases import make_case
-from cupy_kernels.reference import ref_attention, ref_copy_blocks, ref_reshape_and_cache, rel_error
 
 
 def _decode_args(**over):
@@ -181,7 +182,7 @@ def test_rel_error_never_passes_nan():
 
 def test_nvcc_unit_names_every_instance():
     keys = [build.KernelKey("decode", "float16", 64, 8, 2), build.KernelKey("prefill", "float32", 96, 32, 1, 16)]
-    unit = build.nvcc_unit("paged_decode.cu", keys)
+    unit = nvcc_unit("paged_decode.cu", keys)
     assert "&ps_paged_decode<__half, 64, 8, 2>" in unit
     assert "&ps_paged_prefill<float, 96, 32, 1, 16>" in unit
     src = build.read_source("paged_decode.cu")

@@ -1,4 +1,4 @@
-"""``make gpu-check`` / ``python -m cupy_kernels.gpu_check``: everything that needs a GPU, in one run.
+"""``make gpu-check`` / ``python -m benchmarks.kernels.gpu_check``: everything that needs a GPU, in one run.
 
 1. the GPU tests (``pytest -m gpu``): every kernel against its float64 reference over the dtype /
    head size / block size / GQA grid, the CuPy backend against the torch backend, and greedy
@@ -56,7 +56,7 @@ def device_info() -> dict:
 def run_bench() -> tuple[float, list]:
     import torch
 
-    from cupy_kernels.bench import copy_bandwidth_gbs, decode_row
+    from benchmarks.kernels.bench import copy_bandwidth_gbs, decode_row
 
     copy_gbs = copy_bandwidth_gbs()
     rows = []
@@ -82,7 +82,7 @@ def verdicts(rows: list) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupy_kernels.gpu_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels.gpu_check", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or "build/gpu_check", help="results directory")
     parser.add_argument("--test-timeout", type=int, default=240, help="seconds for the GPU tests")
     parser.add_argument("--skip-tests", action="store_true", help="timing only")
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         report["tests"] = run_gpu_tests(args.test_timeout)
         print(report["tests"]["tail"], flush=True)
         (out / "gpu_check.json").write_text(json.dumps(report, indent=2))  # keep partial results
-    from cupy_kernels.bench import markdown
+    from benchmarks.kernels.bench import markdown
 
     print("timing decode attention ...", flush=True)
     copy_gbs, rows = run_bench()

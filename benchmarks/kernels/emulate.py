@@ -23,7 +23,7 @@ from cupy_kernels import checks
 from cupy_kernels.build import CUDA_TYPES, SOURCES, SRC_DIR, KernelKey
 from cupy_kernels.launchers import LOG2E, THREADS, plan_decode, plan_prefill
 
-EMU_DIR = SRC_DIR / "emu"
+EMU_DIR = Path(__file__).resolve().parent / "emu"
 _VOID = ctypes.c_void_p
 
 

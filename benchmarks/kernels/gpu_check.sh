@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # GPU checks on a bare GPU machine, e.g. a leased device with no network:
-#   bash cupy_kernels/gpu_check.sh [--out DIR]     (DIR defaults to $OUT, else build/gpu_check/)
+#   bash benchmarks/kernels/gpu_check.sh [--out DIR]     (DIR defaults to $OUT, else build/gpu_check/)
 # Uses the machine's python3 when it already has a CUDA torch and CuPy (the H200 image does:
 # torch 2.11+cu130, cupy-cuda13x); otherwise installs them from PyPI, matching CuPy to the
 # driver's CUDA major version. Runs from the repository root with the repo on PYTHONPATH, so no
 # install of pagedserve itself is needed.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import cupy, torch; assert torch.cuda.is_available()" 2>/dev/null; then
   major=$(nvidia-smi | sed -n 's/.*CUDA Version: \([0-9]*\).*/\1/p' | head -1)
   echo "gpu_check: installing torch and cupy-cuda${major:-12}x from PyPI" >&2
-  "$PY" -m pip install -q torch "cupy-cuda${major:-12}x" transformers safetensors tokenizers msgpack tqdm pytest
+  "$PY" -m pip install -q torch "cupy-cuda${major:-12}x" transformers safetensors tokenizers msgspec msgpack tqdm numpy pytest
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec "$PY" -m cupy_kernels.gpu_check "$@"
+exec "$PY" -m benchmarks.kernels.gpu_check "$@"
