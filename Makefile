@@ -8,7 +8,7 @@ MODEL ?= $(TINY_MODEL)
 
 .PHONY: setup proto test lint run tiny-model bench gpu-check images tools clean
 
-setup: $(STAMP) proto
+setup: $(STAMP)
 
 # CPU torch first on machines without a GPU: a plain `torch` requirement in a fresh
 # venv would otherwise pull a multi-GB CUDA build. torch==2.13.0 is the CPU wheel
@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml
 	fi
 	touch $(STAMP)
 
+# The stubs are committed (a wheel needs no generation step); regenerate them after editing proto/.
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. \
 	  proto/pagedserve/v1/*.proto

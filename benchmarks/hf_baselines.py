@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.workloads import TraceRequest
+from pagedserve.bench.workloads import TraceRequest
 
 CB_PAGE_SIZE = 256  # transformers' default page size (tokens per page)
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from benchmarks.sim_report import LATENCY_FACTOR
 from benchmarks.sim_runs import ALLOCATORS, MEM_KINDS, RunStats, run_trace
-from benchmarks.workloads import SHAREGPT, synthetic_trace
+from pagedserve.bench.workloads import SHAREGPT, synthetic_trace
 
 # (workload, rate) of paper Fig. 13 (OPT-13B): ShareGPT at 2 req/s, Alpaca at 30 req/s.
 FIG13_POINTS = (("sharegpt", 2.0), ("alpaca", 30.0))

@@ -7,7 +7,7 @@ One workload (default: 64 requests, prompts of 32-256 random tokens, outputs of
 default tiny model (models/tiny-llama, built if missing), float32 on CPU:
 
 * pagedserve: real scheduler and executor processes; the requests go over
-  gRPC from a separate ``pagedserve-bench`` process (benchmarks/serve_bench.py). The executor
+  gRPC from a separate ``pagedserve-bench`` process (pagedserve/bench/loadgen.py). The executor
   runs torch with ``--threads`` threads (OMP_NUM_THREADS), the scheduler with 1.
 * transformers ``generate`` with static left-padded batches; every batch size
   in ``--batch-sizes`` is tried in the first repetition, the best one is kept
@@ -38,8 +38,8 @@ import grpc
 import torch
 
 from benchmarks import hf_baselines
-from benchmarks.serve_bench import fixed_trace, parse_range
-from benchmarks.workloads import TraceRequest
+from pagedserve.bench.loadgen import fixed_trace, parse_range
+from pagedserve.bench.workloads import TraceRequest
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -146,7 +146,7 @@ def run_pagedserve(stack: ServeProcesses, num_requests: int, input_len: str, out
     cpu0, child0 = stack.cpu_seconds(), _children_cpu()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
-        subprocess.run([sys.executable, "-m", "benchmarks.serve_bench", "--server", server, "--workload", "fixed",
+        subprocess.run([sys.executable, "-m", "pagedserve.bench.loadgen", "--server", server, "--workload", "fixed",
                         "--num-requests", str(num_requests), "--input-len", input_len, "--output-len", output_len,
                         "--seed", str(seed), "--rate", "inf", "--no-progress", "--out", str(out)],
                        check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -31,7 +31,7 @@ import numpy as np
 from benchmarks.sharing_model import beam_usage, parallel_usage
 from benchmarks.sim_executor import BLOCK_SIZE, SimExecutor, simulate
 from benchmarks.sim_runs import make_scheduler, to_requests
-from benchmarks.workloads import synthetic_trace
+from pagedserve.bench.workloads import synthetic_trace
 
 WIDTHS = (2, 4, 6)
 RATES = {"alpaca": 1.0, "sharegpt": 0.05}  # low: (almost) no preemption even with 6 sequences per request

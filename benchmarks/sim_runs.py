@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from benchmarks.baseline_allocators import ContiguousKVCacheManager
 from benchmarks.sim_executor import BLOCK_SIZE, PAPER_NUM_BLOCKS, SimExecutor, simulate
-from benchmarks.workloads import TraceRequest
+from pagedserve.bench.workloads import TraceRequest
 from pagedserve.wire import BatchPlan, SamplingParams
 from scheduler_svc.api_types import GenerationRequest, RequestParams
 from scheduler_svc.sched_config import SchedulerConfig

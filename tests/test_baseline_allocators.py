@@ -144,7 +144,7 @@ def _sim(allocator: str, trace, num_blocks: int, snapshots: list | None = None, 
 
 
 def _trace(lengths, gap=0.0):
-    from benchmarks.workloads import TraceRequest
+    from pagedserve.bench.workloads import TraceRequest
 
     return [TraceRequest(f"r{i}", i * gap, tuple(range(10, 10 + p)), o) for i, (p, o) in enumerate(lengths)]
 
@@ -152,7 +152,7 @@ def _trace(lengths, gap=0.0):
 @pytest.mark.parametrize("space", ["buddy", "first-fit"])
 @pytest.mark.parametrize("allocator", ["orca-oracle", "orca-pow2", "orca-max", "paged"])
 def test_every_allocator_finishes_every_request_at_its_length(allocator, space):
-    from benchmarks.workloads import synthetic_trace
+    from pagedserve.bench.workloads import synthetic_trace
 
     trace = synthetic_trace("alpaca", 40, 50.0, seed=4)
     sched, run, _ = _sim(allocator, trace, num_blocks=300, space=space)
@@ -195,7 +195,7 @@ def test_contiguous_requests_wait_on_fragmentation_that_paging_does_not_have():
 
 
 def test_paged_batches_more_than_oracle_when_memory_binds():
-    from benchmarks.workloads import synthetic_trace
+    from pagedserve.bench.workloads import synthetic_trace
 
     trace = synthetic_trace("sharegpt", 60, 20.0, seed=2)
     _, _, paged = _sim("paged", trace, num_blocks=400)

@@ -431,21 +431,46 @@ def test_pdb_covers_the_executors(rendered):
     assert executor["spec"]["template"]["metadata"]["labels"].items() >= EXEC_LABELS.items()
 
 
-def test_scheduler_image_installs_every_import_of_the_scheduler_and_no_torch():
-    """The scheduler image lists its packages by hand (no torch): that list must cover every
-    third-party import reachable from scheduler_svc.__main__."""
+def _requirements(*extras: str) -> set[str]:
+    """Distribution names of pyproject.toml's dependencies plus these extras (self-references expanded)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    reqs, todo, seen = list(project["dependencies"]), list(extras), set()
+    while todo:
+        extra = todo.pop()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for r in project["optional-dependencies"][extra]:
+            m = re.fullmatch(r"pagedserve\[([^\]]+)\]", r)
+            if m:
+                todo += m.group(1).split(",")
+            else:
+                reqs.append(r)
+    return {re.split(r"[<>=!~\[ ;]", r)[0].lower().replace("_", "-") for r in reqs}
+
+
+@pytest.mark.parametrize("service,extras,optional", [
+    ("scheduler_svc", ("scheduler",), ()),
+    ("executor_svc", ("executor",), ("cupy",)),  # CuPy: the gpu extra, imported only on CUDA
+])
+def test_each_service_extra_covers_every_import_of_the_service(service, extras, optional):
     from importlib.metadata import packages_distributions
 
-    text = (REPO / "docker" / "Dockerfile.scheduler").read_text()
-    block = text.split("# SCHEDULER_REQUIREMENTS_BEGIN")[1].split("# SCHEDULER_REQUIREMENTS_END")[0]
-    listed = {re.split(r"[<>=\[ ]", r)[0].lower().replace("_", "-") for r in re.findall(r'"([^"]+)"', block)}
-    assert not listed & {"torch", "transformers", "cupy-cuda12x"}
+    listed = _requirements(*extras)
     dists = packages_distributions()
-    imports = third_party_imports("scheduler_svc.__main__", ("scheduler_svc", "pagedserve", "executor_svc"))
-    assert "torch" not in imports
-    for module in imports:
+    imports = third_party_imports(f"{service}.__main__", ("scheduler_svc", "pagedserve", "executor_svc", "cupy_kernels"))
+    for module in sorted(imports - set(optional)):
         provided = {d.lower().replace("_", "-") for d in dists.get(module, [module])}
-        assert provided & listed, f"scheduler imports {module} ({provided}); Dockerfile.scheduler lacks it"
+        assert provided & listed, f"{service} imports {module} ({provided}); pyproject's {extras} lack it"
+
+
+def test_the_scheduler_installs_no_torch_and_its_image_uses_its_extra():
+    assert not _requirements("scheduler") & {"torch", "transformers", "cupy-cuda12x", "safetensors"}
+    assert "torch" not in third_party_imports("scheduler_svc.__main__", ("scheduler_svc", "pagedserve"))
+    scheduler_image = (REPO / "docker" / "Dockerfile.scheduler").read_text()
+    assert '"${whl}[scheduler]"' in scheduler_image
+    executor_image = (REPO / "docker" / "Dockerfile.executor").read_text()
+    assert '"${whl}[executor,tiny-model${EXTRAS:+,${EXTRAS}}]"' in executor_image
 
 
 def test_configmaps_split_shared_and_per_service_settings(rendered):

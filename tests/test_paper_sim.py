@@ -7,7 +7,7 @@ import pytest
 from benchmarks.paper_sim import sustained_rate
 from benchmarks.sim_executor import PAPER_NUM_BLOCKS, PAPER_NUM_SLOTS, CostModel, SimExecutor
 from benchmarks.sim_runs import MEM_KINDS, run_trace
-from benchmarks.workloads import synthetic_trace
+from pagedserve.bench.workloads import synthetic_trace
 from pagedserve.wire import BatchPlan, NewSeq, SamplingParams
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from stack import Stack
 
-from benchmarks.serve_bench import build_trace, main, parse_range, parse_rate
-from benchmarks.serve_stats import RequestResult, distribution, format_report, json_safe, summarize
+from pagedserve.bench.loadgen import build_trace, main, parse_range, parse_rate
+from pagedserve.bench.stats import RequestResult, distribution, format_report, json_safe, summarize
 from pagedserve.v1 import generation_pb2 as pb
 
 

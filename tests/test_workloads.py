@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.workloads import (
+from pagedserve.bench.workloads import (
     ALPACA,
     SHAREGPT,
     poisson_arrivals,

@@ -5,7 +5,7 @@
     pagedserve-bench --server HOST:PORT --workload fixed --input-len 32:256 --output-len 32:128 \\
         --num-requests 64 --rate inf
 
-Requests are built from benchmarks/workloads.py (ShareGPT-like, Alpaca-like,
+Requests are built from pagedserve/bench/workloads.py (ShareGPT-like, Alpaca-like,
 shared-prefix traces with Poisson arrivals) or a fixed/uniform length range,
 with prompts as random token ids from the vocabulary GetModelInfo reports, so
 prompt lengths are exact; with ``--ignore-eos`` (the default) output lengths
@@ -13,7 +13,7 @@ are exact too. Each request is one streaming ``Generate`` call over grpc.aio;
 ``--max-concurrency`` caps the calls in flight; latencies count from the
 moment a call is sent, so time spent waiting for a free slot is not included.
 The report (stdout, and JSON with ``--out``) is described in
-benchmarks/serve_stats.py.
+pagedserve/bench/stats.py.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import grpc
 import numpy as np
 from tqdm.auto import tqdm
 
-from benchmarks import workloads
-from benchmarks.serve_stats import RequestResult, format_report, json_safe, summarize
-from benchmarks.workloads import TraceRequest
+from pagedserve.bench import workloads
+from pagedserve.bench.stats import RequestResult, format_report, json_safe, summarize
+from pagedserve.bench.workloads import TraceRequest
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
