@@ -4,11 +4,18 @@ Streams a few requests so a newcomer sees tokens arrive (the second request
 repeats the first one's prompt and reports the prefix-cache hit), prints how
 to call the server from another terminal, and on Ctrl-C shuts both processes
 down through SIGTERM, the same path Kubernetes uses.
+
+The services never outlive the demo: SIGTERM and SIGHUP (a closed terminal) stop
+it like Ctrl-C; if ``make`` itself is killed the demo notices it was orphaned and
+stops; and if the demo is killed outright, the kernel sends each service SIGTERM
+(``PR_SET_PDEATHSIG``, Linux).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import os
 import signal
 import subprocess
@@ -26,6 +33,21 @@ DEMO_PROMPT = ("PagedAttention stores the key-value cache of every sequence in f
                "so memory is allocated on demand and shared between sequences.")
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP reached the demo (a BaseException: no `except Exception` swallows it)."""
+
+
+def _on_termination(signum: int, _frame) -> None:
+    raise Terminated(signal.Signals(signum).name)
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: the kernel sends SIGTERM if the demo dies (even by SIGKILL)."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name and sys.platform.startswith("linux"):
+        ctypes.CDLL(libc_name, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+
 def _start(args: argparse.Namespace) -> list[subprocess.Popen]:
     py = sys.executable
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -35,11 +57,12 @@ def _start(args: argparse.Namespace) -> list[subprocess.Popen]:
         [py, "-m", "scheduler_svc", "--model", str(args.model), "--host", "127.0.0.1",
          "--port", str(args.port), "--executor-host", "127.0.0.1", "--executor-port",
          str(args.executor_port), "--metrics-port", str(args.metrics_port),
-         "--shutdown-grace-seconds", "5"], env=env, start_new_session=True)
+         "--shutdown-grace-seconds", "5"], env=env, start_new_session=True, preexec_fn=_die_with_parent)
     execu = subprocess.Popen(
         [py, "-m", "executor_svc", "--model", str(args.model), "--scheduler",
          f"tcp://127.0.0.1:{args.executor_port}", "--device", "cpu", "--kv-cache-memory",
-         args.kv_cache_memory, "--health-port", "0"], env=env, start_new_session=True)
+         args.kv_cache_memory, "--health-port", "0"], env=env, start_new_session=True,
+        preexec_fn=_die_with_parent)
     return [sched, execu]
 
 
@@ -122,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-memory", default="1GiB")
     ap.add_argument("--no-wait", action="store_true", help="exit after the demo requests (for tests)")
     args = ap.parse_args(argv)
+    parent = os.getppid()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_termination)
     procs = _start(args)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{args.port}") as ch:
@@ -129,9 +155,11 @@ def main(argv: list[str] | None = None) -> None:
         _demo(args)
         if not args.no_wait:
             while all(p.poll() is None for p in procs):
+                if os.getppid() != parent:  # whoever started us (make) is gone: so are we
+                    raise Terminated("parent exited")
                 time.sleep(0.5)
-    except KeyboardInterrupt:
-        print("\nstopping...", flush=True)
+    except (KeyboardInterrupt, Terminated) as exc:
+        print(f"\nstopping ({type(exc).__name__}{': ' + str(exc) if str(exc) else ''})...", flush=True)
     finally:
         terminate(list(reversed(procs)), timeout_s=30)  # executor first: it drains, then the scheduler
         print("stopped.", flush=True)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+import pytest
 from stack import free_port
 
 
@@ -17,21 +19,55 @@ def _restore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # pytest's runner may have it ignored; a shell would not
 
 
-def test_demo_serves_and_stops_in_order_on_ctrl_c(tiny_llama_dir, tmp_path):
+def _start_demo(model, tmp_path, ports: list[int]) -> tuple[subprocess.Popen, object]:
     log_path = tmp_path / "demo.log"
-    argv = [sys.executable, "-m", "pagedserve.demo", "--model", str(tiny_llama_dir),
-            "--port", str(free_port()), "--executor-port", str(free_port()),
-            "--metrics-port", str(free_port()), "--kv-cache-memory", "64MiB"]
+    argv = [sys.executable, "-m", "pagedserve.demo", "--model", str(model), "--port", str(ports[0]),
+            "--executor-port", str(ports[1]), "--metrics-port", str(ports[2]), "--kv-cache-memory", "64MiB"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with open(log_path, "wb") as log:
-        # A process group of its own, like a shell's foreground job: the signal below reaches it all.
+        # A process group of its own, like a shell's foreground job: a killpg reaches it all.
         demo = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 preexec_fn=_restore_sigint)
+    deadline = time.monotonic() + 180
+    while "Press Ctrl-C" not in log_path.read_text() and demo.poll() is None:
+        assert time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.2)
+    return demo, log_path
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections in TIME_WAIT do not count
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
+def test_the_services_never_outlive_the_demo(tiny_llama_dir, tmp_path, sig):
+    """SIGTERM / SIGHUP (a closed terminal) stop the demo like Ctrl-C; SIGKILL cannot be caught, and
+    the kernel then sends the services SIGTERM. Either way no service keeps its port."""
+    ports = [free_port(), free_port(), free_port()]
+    demo, log_path = _start_demo(tiny_llama_dir, tmp_path, ports)
     try:
-        deadline = time.monotonic() + 180
-        while "Press Ctrl-C" not in log_path.read_text() and demo.poll() is None:
-            assert time.monotonic() < deadline, log_path.read_text()
+        os.kill(demo.pid, sig)  # the demo alone: the services run in sessions of their own
+        demo.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while any(_listening(p) for p in ports[:2]):
+            assert time.monotonic() < deadline, f"a service still listens after {sig.name}\n" + log_path.read_text()
             time.sleep(0.2)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+    if sig != signal.SIGKILL:
+        assert "stopped." in log_path.read_text()
+
+
+def test_demo_serves_and_stops_in_order_on_ctrl_c(tiny_llama_dir, tmp_path):
+    demo, log_path = _start_demo(tiny_llama_dir, tmp_path, [free_port(), free_port(), free_port()])
+    try:
         os.killpg(demo.pid, signal.SIGINT)
         assert demo.wait(timeout=60) == 0, log_path.read_text()
     finally:
