@@ -14,6 +14,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve import wire
 from pagedserve.envargs import number, parse_bytes, parse_with_env
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -58,7 +59,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    default=0.9, help="fraction of GPU memory for weights + KV cache (CUDA)")
     p.add_argument("--swap-space", type=parse_bytes, default=parse_bytes("4GiB"),
                    help="CPU swap pool size (e.g. 4GiB; 0 disables swapping)")
-    p.add_argument("--block-size", type=number(int, "--block-size", 0), default=16,
+    p.add_argument("--block-size", type=int, choices=wire.BLOCK_SIZES, default=wire.DEFAULT_BLOCK_SIZE,
                    help="tokens per KV block; must match the scheduler's")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="compute dtype; auto = float32 on CPU, the checkpoint's on CUDA")

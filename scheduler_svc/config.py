@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedserve import wire
 from pagedserve.envargs import number, parse_with_env
 from scheduler_svc.sched_config import PREEMPTION_MODES, EngineConfig, SchedulerConfig
 from scheduler_svc.validation import ServerLimits
@@ -94,7 +95,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=PORT, default=DEFAULT_METRICS_PORT,
                    help="Prometheus /metrics HTTP port (0 disables)")
     s, e = SchedulerConfig, EngineConfig
-    p.add_argument("--block-size", type=int, choices=(8, 16, 32), default=default(s, "block_size"),
+    p.add_argument("--block-size", type=int, choices=wire.BLOCK_SIZES, default=default(s, "block_size"),
                    help="tokens per KV block (executors must agree)")
     p.add_argument("--max-num-seqs", type=number(int, "--max-num-seqs", 0), default=default(s, "max_num_seqs"),
                    help="sequences per iteration per executor")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedserve import wire
+
 PREEMPTION_MODES = ("recompute", "swap")
 
 
@@ -25,7 +27,7 @@ class SchedulerConfig:
     it has room and falls back to recompute otherwise.
     """
 
-    block_size: int = 16
+    block_size: int = wire.DEFAULT_BLOCK_SIZE
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
@@ -59,6 +61,6 @@ class EngineConfig:
 
     scheduler: SchedulerConfig
     executor_endpoint: str  # ZeroMQ ROUTER endpoint executors dial in to, e.g. tcp://0.0.0.0:5556
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float = wire.DEFAULT_HEARTBEAT_INTERVAL_S
     max_queued_requests: int = 1024
     max_migrations: int = 3

@@ -33,6 +33,10 @@ MAX_TEXT_CHARS = 4096  # error and refusal messages
 MAX_INT32 = 2**31 - 1  # sequence, token and block ids: the executor indexes with int32
 MAX_SEED = 2**63 - 1  # executors seed int64 generators
 
+# ---- KV cache layout both sides must agree on ------------------------------------
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block (the paper's default)
+BLOCK_SIZES = (8, 16, 32)  # what the CUDA kernels are built for
+
 # ---- liveness ---------------------------------------------------------------------
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0  # the scheduler's default; an executor uses it until told
 DEAD_AFTER_INTERVALS = 5  # a peer silent this many heartbeat intervals is dead (both sides)
