@@ -19,13 +19,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve import wire
+
 SRC_DIR = Path(__file__).resolve().parent
 SOURCES = ("paged_decode.cu", "paged_prefill.cu", "cache_ops.cu")
 
 # CUDA spelling of each supported storage type (torch / numpy dtype name -> C++ type).
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # 16 and 32: the tiny test models
-
+BLOCK_SIZES = wire.BLOCK_SIZES  # every block size the services accept
 MAX_GROUP = 8  # q heads handled by one thread block (bounded by registers, see paged_decode.cu)
 PREFILL_ROWS = 16  # (query token, q head) rows per prefill thread block
 PARTITION_SIZE = 512  # tokens per partition of the split decode kernel
