@@ -317,7 +317,7 @@ class ContiguousKVCacheManager(KVCacheManagerBase):
         self._handed[sid] = need
         return SlotChange(have, list(range(start + have, start + need)))
 
-    def commit_computed(self, seq: Sequence) -> None:
+    def commit_computed(self, seq: Sequence, num_computed: int | None = None) -> None:
         return None
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

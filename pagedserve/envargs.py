@@ -38,10 +38,14 @@ def parse_with_env(parser: argparse.ArgumentParser, argv: list[str] | None,
         value = environ.get(env_name(longs[0]))
         if value is None:
             continue
-        if action.nargs == 0:  # store_true / store_false
+        if action.nargs == 0:  # store_true / store_false / BooleanOptionalAction (--x / --no-x)
+            negative = next((o for o in longs if o.startswith("--no-")), None)
             if value.strip().lower() in ("1", "true", "yes", "on"):
                 env_args.append(longs[0])
-            elif value.strip().lower() not in ("0", "false", "no", "off", ""):
+            elif value.strip().lower() in ("0", "false", "no", "off", ""):
+                if negative is not None:
+                    env_args.append(negative)
+            else:
                 parser.error(f"{env_name(longs[0])}: expected a boolean, got {value!r}")
         else:
             env_args += [longs[0], value]

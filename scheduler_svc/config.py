@@ -62,6 +62,7 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "--heartbeat-interval": (EngineConfig, "heartbeat_interval_s"),
     "--max-queued-requests": (EngineConfig, "max_queued_requests"),
     "--max-migrations": (EngineConfig, "max_migrations"),
+    "--async-scheduling": (EngineConfig, "async_scheduling"),
     **{"--" + f.name.replace("_", "-"): (ServerLimits, f.name) for f in dataclasses.fields(ServerLimits)},
 }
 RUNTIME_FIELDS = {(SchedulerConfig, "max_model_len"), (EngineConfig, "scheduler"),
@@ -121,6 +122,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-migrations", type=number(int, "--max-migrations", 0, True),
                    default=default(e, "max_migrations"),
                    help="times a request may move to another executor after a failure")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=default(e, "async_scheduling"),
+                   help="plan each executor's next step while it runs the current one, so it never waits "
+                        "for the scheduler (--no-async-scheduling: plan, wait, update, stream, repeat)")
     for f in dataclasses.fields(ServerLimits):
         flag = "--" + f.name.replace("_", "-")
         p.add_argument(flag, type=number(int, flag, 0, low_inclusive=f.name in ServerLimits.ZERO_ALLOWED),

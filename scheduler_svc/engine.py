@@ -4,7 +4,9 @@ One asyncio task per executor runs that loop against the executor's own
 :class:`Scheduler` (its own KV pool). All scheduler state is mutated only by
 these loops, on the event loop thread, between their awaits: gRPC handlers
 never touch it, they post additions and aborts to a slot's inbox and wake its
-loop. A slow executor only slows its own loop.
+loop. A slow executor only slows its own loop. With asynchronous scheduling
+(the default) the loop keeps the executor's next plan queued behind the one
+it runs, so the executor never waits for the scheduler (docs/ARCHITECTURE.md).
 
 When an executor dies (or its drain grace runs out) its requests are taken
 out of its scheduler and re-queued elsewhere with the tokens already
@@ -36,6 +38,7 @@ from scheduler_svc.api_types import (
 )
 from scheduler_svc.executors import ExecutorConn, ExecutorHub, ExecutorLost
 from scheduler_svc.outputs import RequestStream
+from scheduler_svc.publish import Publisher
 from scheduler_svc.request import MigratedRequest
 from scheduler_svc.routing import Router
 from scheduler_svc.sched_config import EngineConfig
@@ -69,6 +72,7 @@ class Engine:
         self._last_observed = 0.0
         self.num_steps = 0  # executor steps planned, all executors (benchmarks read it)
         self.on_readiness_change = lambda: None  # the servicer's health hook
+        self.publisher = Publisher(metrics, self.tracked, self._fail)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -227,24 +231,35 @@ class Engine:
     # ------------------------------------------------------------------ the loop
 
     async def _run(self, slot: ExecutorSlot) -> None:
+        """One executor's loop. Asynchronous (``depth`` 2): the executor always has its next
+        plan queued; a result is applied, the next plan sent, and only then are the outputs
+        streamed. Synchronous (``depth`` 1): plan, wait, update, stream, plan again."""
+        sched, conn, pub = slot.scheduler, slot.conn, self.publisher
+        depth = 2 if self.cfg.async_scheduling else 1
         try:
-            while slot.conn.state != "dead":
+            while conn.state != "dead":
                 self._drain_inbox(slot)
-                if slot.conn.state == "draining" and time.monotonic() > (slot.conn.drain_deadline or 0):
+                if conn.state == "draining" and time.monotonic() > (conn.drain_deadline or 0):
                     self._evacuate(slot, "drain grace period ended")
-                plan = slot.scheduler.schedule()
-                if plan is None:
+                while len(sched.in_flight) < depth and (plan := sched.schedule()) is not None:
+                    self.num_steps += 1
+                    if sched.first_scheduled:
+                        self._observe_queue_times(sched)
+                    await self.hub.send_plan(conn, plan)
+                if slot.unpublished:
+                    updates, slot.unpublished = slot.unpublished, []
+                    await pub.publish(slot, updates)
+                if not sched.in_flight:
                     await self._idle(slot)
                     continue
-                self.num_steps += 1
-                if slot.scheduler.first_scheduled:
-                    self._observe_queue_times(slot.scheduler)
-                try:
-                    result = await self.hub.run_step(slot.conn, plan)
-                except ExecutorLost:
-                    break
-                self._publish(slot, slot.scheduler.update(result))
+                updates = sched.update(await self.hub.next_result(conn))
+                if depth == 1:
+                    pub.publish_now(slot, updates)
+                else:
+                    slot.unpublished = pub.settle_stops(slot, updates)
                 self._observe()
+        except ExecutorLost:
+            pass
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -257,6 +272,9 @@ class Engine:
             slot.requests = {}
             self.hub.drop(slot.conn, "engine loop failed")
         finally:
+            if slot.unpublished:  # applied by the scheduler: the streams must have them before a move
+                updates, slot.unpublished = slot.unpublished, []
+                pub.publish_now(slot, updates)
             if slot.conn.state == "dead" or not self._closing:
                 self._evacuate(slot, "executor lost")
                 self._retire(slot)
@@ -281,26 +299,6 @@ class Engine:
             slot.scheduler.add_request(t.stream.req, resume=t.resume)
             t.resume = None
 
-    def _publish(self, slot: ExecutorSlot, updates) -> None:
-        for upd in updates:
-            t = slot.requests.get(upd.request_id)
-            if t is None:
-                continue  # aborted while the step ran
-            if upd.error:
-                slot.requests.pop(upd.request_id, None)
-                self._fail(t, RequestFailed(f"executor {slot.id} failed the step: {upd.error}"))
-                continue
-            prev_token_at = t.stream.last_token_at
-            out, stopped = t.stream.apply(upd)
-            for index in stopped:
-                slot.scheduler.finish_sequence(upd.request_id, index, FinishReason.STOP)
-            self._account(t, out, prev_token_at)
-            if out.choices or out.finished:
-                t.put(out)
-            if out.finished:
-                slot.requests.pop(upd.request_id, None)
-                self.tracked.pop(upd.request_id, None)
-
     def _observe_queue_times(self, sched: Scheduler) -> None:
         admitted, sched.first_scheduled = sched.first_scheduled, []
         if self.metrics:
@@ -312,25 +310,6 @@ class Engine:
         if self.metrics and (force or now - self._last_observed > STATS_EVERY_S):
             self._last_observed = now
             self.metrics.observe_stats(self.stats())
-
-    def _account(self, t: Tracked, out: RequestOutput, prev_token_at: float | None) -> None:
-        if not self.metrics:
-            return
-        n = sum(len(c.token_ids) for c in out.choices)
-        if n:
-            s = t.stream
-            self.metrics.on_generation_tokens(n)
-            if prev_token_at is None:
-                self.metrics.on_prompt_tokens(len(s.req.prompt_token_ids))
-                self.metrics.on_first_token(s.first_token_at - s.created)
-            else:
-                for _ in range(n):
-                    self.metrics.on_token((s.last_token_at - prev_token_at) / n)
-        if out.finished:
-            s = t.stream
-            reason = next((c.finish_reason for c in out.choices), FinishReason.LENGTH)
-            self.metrics.on_finish(reason, time.monotonic() - s.created, len(s.req.prompt_token_ids),
-                                   out.usage.completion_tokens if out.usage else 0)
 
     def _fail(self, t: Tracked, exc: Exception) -> None:
         self.tracked.pop(t.request_id, None)

@@ -3,9 +3,10 @@
 Executors dial in to one ROUTER socket (their routing id is their executor
 id). The hub accepts or refuses each handshake, keeps a heartbeat both ways,
 declares an executor dead after ``wire.DEAD_AFTER_INTERVALS`` silent intervals or a
-failed send, and turns a ``BatchPlan`` into a ``StepResult`` for the engine.
-It owns no scheduling state: it reports joins, drains and deaths through
-callbacks and lets the engine decide.
+failed send, sends plans and hands their results back in order: with
+asynchronous scheduling an executor has up to two plans outstanding (one
+running, the next queued behind it). It owns no scheduling state: it reports
+joins, drains and deaths through callbacks and lets the engine decide.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,8 +36,7 @@ class ExecutorConn:
     info: wire.Handshake
     state: str = "ready"  # "ready" | "draining" | "dead"
     last_seen: float = field(default_factory=time.monotonic)
-    pending: asyncio.Future | None = None  # the in-flight step's result
-    pending_step: int = -1
+    in_flight: deque[tuple[int, asyncio.Future]] = field(default_factory=deque)  # (step id, result), oldest first
     drain_deadline: float | None = None
 
     @property
@@ -85,20 +86,24 @@ class ExecutorHub:
 
     # ------------------------------------------------------------------ steps
 
-    async def run_step(self, conn: ExecutorConn, plan: wire.BatchPlan) -> wire.StepResult:
-        """Send one plan and wait for its result; ExecutorLost if the executor dies."""
+    async def send_plan(self, conn: ExecutorConn, plan: wire.BatchPlan) -> None:
+        """Send a plan without waiting for its result; ExecutorLost if the executor is gone."""
         if conn.state == "dead":
             raise ExecutorLost(conn.id)
-        if conn.pending is not None:
-            raise RuntimeError(f"executor {conn.id}: a step is already in flight (one step at a time)")
-        fut = asyncio.get_running_loop().create_future()
-        conn.pending, conn.pending_step = fut, plan.step_id
+        conn.in_flight.append((plan.step_id, asyncio.get_running_loop().create_future()))
+        if not await self._send(conn, plan):
+            raise ExecutorLost(conn.id)
+
+    async def next_result(self, conn: ExecutorConn) -> wire.StepResult:
+        """The result of the oldest plan sent; ExecutorLost if the executor dies first."""
+        if not conn.in_flight:
+            raise RuntimeError(f"executor {conn.id}: no plan in flight to wait for")
+        _, fut = conn.in_flight[0]
         try:
-            if not await self._send(conn, plan):
-                raise ExecutorLost(conn.id)
             return await fut
         finally:
-            conn.pending = None
+            if conn.in_flight and conn.in_flight[0][1] is fut:
+                conn.in_flight.popleft()
 
     # ------------------------------------------------------------------ internals
 
@@ -142,10 +147,13 @@ class ExecutorHub:
             return
         conn.last_seen = time.monotonic()
         if isinstance(msg, wire.StepResult):
-            if conn.pending is None or msg.step_id != conn.pending_step:
-                log.warning("executor %s: unexpected result for step %d", conn.id, msg.step_id)
-            elif not conn.pending.done():
-                conn.pending.set_result(msg)
+            waiting = next((f for step, f in conn.in_flight if not f.done()), None)
+            expected = next((step for step, f in conn.in_flight if f is waiting), None)
+            if waiting is None or msg.step_id != expected:
+                log.warning("executor %s: unexpected result for step %d (expected %s)", conn.id, msg.step_id,
+                            expected)
+            else:
+                waiting.set_result(msg)
         elif isinstance(msg, wire.Drain):
             if conn.state == "ready":
                 conn.state = "draining"
@@ -199,8 +207,10 @@ class ExecutorHub:
             return
         conn.state = "dead"
         log.warning("executor %s declared dead: %s", conn.id, why)
-        if conn.pending is not None and not conn.pending.done():
-            conn.pending.set_exception(ExecutorLost(f"{conn.id}: {why}"))
+        for _, fut in conn.in_flight:
+            if not fut.done():
+                fut.set_exception(ExecutorLost(f"{conn.id}: {why}"))
+                fut.exception()  # retrieved: the engine awaits only the oldest; the rest die with it
         if self.conns.get(conn.identity) is conn:
             del self.conns[conn.identity]
         self._on_dead(conn, why)

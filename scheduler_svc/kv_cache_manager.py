@@ -98,8 +98,10 @@ class KVCacheManagerBase(abc.ABC):
         """Room for tokens [computed, computed + n) (after ``hit``), or None and no change."""
 
     @abc.abstractmethod
-    def commit_computed(self, seq: Sequence) -> None:
-        """``seq.num_computed_tokens`` advanced: register newly full blocks in the prefix cache."""
+    def commit_computed(self, seq: Sequence, num_computed: int | None = None) -> None:
+        """The first ``num_computed`` tokens (default ``seq.num_computed_tokens``) have K/V now:
+        register the blocks they fill in the prefix cache. With plans in flight the count a step
+        reached is passed explicitly: the sequence's own count already includes later plans."""
 
     @abc.abstractmethod
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -192,13 +194,14 @@ class KVCacheManager(KVCacheManagerBase):
             return NO_HIT
         return PrefixHit(blocks, len(blocks) * self.block_size)
 
-    def commit_computed(self, seq: Sequence) -> None:
+    def commit_computed(self, seq: Sequence, num_computed: int | None = None) -> None:
         if not self.enable_prefix_caching:
             return
         table = self._tables.get(seq.seq_id)
         if table is None:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        computed = seq.num_computed_tokens if num_computed is None else num_computed
+        num_full = min(computed // self.block_size, len(table))
         done = self._registered.get(seq.seq_id, 0)
         if num_full <= done:
             return

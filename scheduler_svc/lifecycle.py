@@ -8,6 +8,7 @@ them lives in :mod:`scheduler_svc.scheduler` (``Scheduler`` subclasses this).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections import deque
 from collections.abc import Collection
 
@@ -20,6 +21,17 @@ from scheduler_svc.request import BeamState, MigratedRequest, Request, RequestSt
 from scheduler_svc.sched_config import SchedulerConfig
 
 Work = list[tuple[Sequence, int]]  # (sequence, num_new_tokens) scheduled in one step
+
+
+@dataclasses.dataclass(slots=True)
+class InFlight:
+    """A plan sent and not yet answered: what its result must be checked and applied against."""
+
+    step_id: int
+    seq_ids: list[int]  # the sequences it computes (a failed step fails their requests)
+    sampling: list[Sequence]  # sequences it samples for, in plan order (each holds a placeholder)
+    beams: list[Sequence]  # beam sequences it reports candidates for (each holds a placeholder)
+    to_commit: list[tuple[Sequence, int, int]]  # (seq, residency, computed count) filling a block
 
 
 class RequestLifecycle:
@@ -41,9 +53,8 @@ class RequestLifecycle:
         self._next_arrival = 0
         self._step_id = 0
         self._pending_free: list[int] = []  # executor-resident seq ids to forget in the next plan
-        self._inflight: list[int] | None = None  # seq ids the plan in flight computes
-        self._to_commit: list[Sequence] = []  # seqs whose step in flight fills a block
-        self._stale_step: int | None = None  # a plan dropped by take_all_requests
+        self.in_flight: deque[InFlight] = deque()  # plans sent, oldest first (results come in order)
+        self._stale_steps: set[int] = set()  # plans dropped by take_all_requests
         self._preempted = False  # set during one schedule() when someone was preempted
         self.num_preemptions = 0
         self.first_scheduled: list[GenerationRequest] = []  # admitted for the first time; the engine drains it
@@ -145,6 +156,7 @@ class RequestLifecycle:
 
     def _forget(self, seq: Sequence) -> None:
         self.kv.free(seq)
+        seq.residency += 1
         if seq.resident:
             self._pending_free.append(seq.seq_id)
         seq.forget_executor_state()
@@ -176,8 +188,8 @@ class RequestLifecycle:
                 reasons[seq.index] = seq.finish_reason
             out.append(MigratedRequest(r.req, outputs, reasons))
             self.release_request(r, FinishReason.ABORTED)
-        if self._inflight is not None:
-            self._stale_step, self._inflight = self._step_id, None
+        self._stale_steps.update(f.step_id for f in self.in_flight)
+        self.in_flight.clear()
         return out
 
     def _set_running(self, r: Request) -> None:
@@ -243,6 +255,15 @@ class RequestLifecycle:
             for s in r.live:
                 if s.resident or s.num_computed_tokens or self.kv.block_ids(s):
                     raise RuntimeError(f"waiting seq {s.seq_id} still holds executor state or blocks")
+        owed: dict[int, int] = {}  # placeholders each live sequence is owed by the plans in flight
+        for step in self.in_flight:
+            for s in step.sampling + step.beams:
+                if s.finish_reason is None:
+                    owed[s.seq_id] = owed.get(s.seq_id, 0) + 1
+        for s in self.seqs.values():
+            if s.num_pending != owed.get(s.seq_id, 0):
+                raise RuntimeError(f"seq {s.seq_id} holds {s.num_pending} placeholders; the plans in flight "
+                                   f"owe it {owed.get(s.seq_id, 0)} samples")
 
 
 def seeded(sp: SamplingParams, i: int) -> SamplingParams:

@@ -2,10 +2,15 @@
 
 One token-count model (no prefill flag): a :class:`Sequence` holds every token
 it knows (prompt, then outputs) and ``num_computed_tokens`` — how many of them
-have K/V in the cache. Scheduling a sequence means computing the next
-``num_new_tokens`` of them; it samples a token when the count catches up with
-``num_tokens``. Prefill, chunked prefill, decode and recompute after
-preemption are all the same thing.
+have K/V in the cache or in a plan already sent. Scheduling a sequence means
+computing the next ``num_new_tokens`` of them; it samples a token when the count
+catches up with ``num_tokens``. Prefill, chunked prefill, decode and recompute
+after preemption are all the same thing.
+
+With asynchronous scheduling a plan is built while the previous one still runs:
+a token sampled in a step still in flight is a *placeholder* (``num_pending``)
+that already counts in ``num_tokens``, so the next step can compute it (the
+executor knows its value: it appended its own sample) before the scheduler does.
 
 A :class:`Request` owns 1..n sequences: n choices of parallel sampling, or the
 live beams of beam search. Its sequences are scheduled, preempted and swapped
@@ -45,10 +50,13 @@ class Sequence:
     fork_parent: int | None = None  # a Fork from this seq id is owed to the executor
     fork_seed: int | None = None
     pending_tokens: list[int] = field(default_factory=list)  # owed as append_tokens (beams)
+    num_pending: int = 0  # samples of steps still in flight (placeholders at the end of token_ids)
+    residency: int = 0  # bumped when its blocks are released: a late commit must not touch new ones
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known tokens plus placeholders for samples in flight."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:

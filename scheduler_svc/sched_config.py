@@ -64,3 +64,4 @@ class EngineConfig:
     heartbeat_interval_s: float = wire.DEFAULT_HEARTBEAT_INTERVAL_S
     max_queued_requests: int = 1024
     max_migrations: int = 3
+    async_scheduling: bool = True  # plan step k+1 while the executor runs step k

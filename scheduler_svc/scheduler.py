@@ -1,11 +1,20 @@
 """Continuous batching over one executor's paged KV cache.
 
 One :class:`Scheduler` per executor (one KV pool); the engine keeps several
-and routes requests between them. The step model is synchronous::
+and routes requests between them. The step model::
 
     plan = sched.schedule()        # BatchPlan (deltas) or None
     result = executor.run(plan)    # StepResult
     updates = sched.update(result) # list[RequestUpdate]
+
+``schedule()`` may be called again before the previous plan's result came back
+(asynchronous scheduling: the engine keeps the executor's next plan queued). A
+sequence sampling in a plan still in flight holds a placeholder token
+(``Sequence.num_pending``) that the next plan computes; results are applied in
+plan order. What cannot be planned ahead waits for its result: beam search
+(the next step depends on which beams survive), a request whose last token is
+already in flight (it ends by length), and re-admission of a preempted request
+whose sample is still in flight.
 
 Each ``schedule()``:
 
@@ -32,7 +41,7 @@ from collections.abc import Collection
 
 from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, StepResult
 from scheduler_svc.kv_cache_manager import NO_CHANGE, KVCacheManagerBase, SlotChange
-from scheduler_svc.lifecycle import RequestLifecycle, Work, seeded
+from scheduler_svc.lifecycle import InFlight, RequestLifecycle, Work, seeded
 from scheduler_svc.request import Request, RequestState, RequestUpdate, Sequence
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.step_output import OutputProcessor
@@ -59,13 +68,10 @@ class Scheduler(RequestLifecycle):
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> BatchPlan | None:
         """Build the next plan, or None when there is nothing to run or tell."""
-        if self._inflight is not None:
-            raise RuntimeError("schedule() called again before update() of the plan in flight")
         self._step_id += 1
         plan = BatchPlan(self._step_id)
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        self._inflight = plan.scheduled_seq_ids
-        self._to_commit = []
+        step = self._step = InFlight(self._step_id, plan.scheduled_seq_ids, [], [], [])
         preempted = self._schedule_running(plan, budget)
         if not preempted:
             self._schedule_swapped(plan, budget)
@@ -73,16 +79,17 @@ class Scheduler(RequestLifecycle):
                 self._schedule_waiting(plan, budget)
         plan.free_seq_ids = self._pending_free
         self._pending_free = []
-        if not (self._inflight or plan.free_seq_ids or plan.swap_out or plan.swap_in or plan.new_seqs):
-            self._inflight = None
+        if not (step.seq_ids or plan.free_seq_ids or plan.swap_out or plan.swap_in or plan.new_seqs):
             return None
+        self.in_flight.append(step)
         return plan
 
     def _schedule_running(self, plan: BatchPlan, budget: _Budget) -> bool:
         """Running requests oldest first; returns whether anyone was preempted."""
         self._preempted = False
         running, kv_allocate = self.running, self.kv.allocate
-        ids, nums, to_commit = plan.scheduled_seq_ids, plan.num_new_tokens, self._to_commit
+        ids, nums = plan.scheduled_seq_ids, plan.num_new_tokens
+        to_commit, sampling = self._step.to_commit, self._step.sampling
         bs = self.config.block_size
         tokens, nseqs = budget.tokens, budget.seqs  # locals in the hot loop; synced around slow paths
         i = 0
@@ -93,7 +100,11 @@ class Scheduler(RequestLifecycle):
                 # Hot path (one resident sequence, nothing owed), inlined for speed.
                 seq = live[0]
                 c = seq.num_computed_tokens
-                n = len(seq.token_ids) - c
+                total = len(seq.token_ids) + seq.num_pending
+                if seq.num_pending and total >= r.stop_len:
+                    i += 1  # its last token is in flight: it ends by length when that result comes
+                    continue
+                n = total - c
                 if n > tokens:
                     n = tokens
                 ch = kv_allocate(seq, n)
@@ -103,8 +114,11 @@ class Scheduler(RequestLifecycle):
                     ids.append(seq.seq_id)
                     nums.append(n)
                     seq.num_computed_tokens = c + n  # counted at schedule time, as in vLLM v1
-                    if (c + n) // bs != c // bs:
-                        to_commit.append(seq)  # cache its newly full block once the step returns
+                    if c + n == total:  # it samples: a placeholder until the result comes
+                        seq.num_pending += 1
+                        sampling.append(seq)
+                    if (c + n) // bs != c // bs:  # cache its newly full block once the step returns
+                        to_commit.append((seq, seq.residency, c + n))
                     tokens -= n
                     nseqs -= 1
                     i += 1
@@ -139,7 +153,11 @@ class Scheduler(RequestLifecycle):
         return True
 
     def _group_work(self, r: Request, budget: _Budget) -> Work | None:
-        """What ``r`` computes this step within ``budget``, or None if it does not fit."""
+        """What ``r`` computes this step within ``budget``: None if it does not fit, [] if it
+        waits for a result in flight (beam search chooses its next tokens from it; a sequence
+        whose last token is in flight ends by length)."""
+        if r.beam is not None and any(s.num_pending for s in r.live):
+            return []
         if not r.forked:
             seq0 = r.live[0]
             target = seq0.num_tokens - 1  # prefill all but the last prompt token once, then fork
@@ -148,7 +166,7 @@ class Scheduler(RequestLifecycle):
             if r.req.params.n > budget.seqs:
                 return None
             self._fork_choices(r)
-        live = r.live
+        live = [s for s in r.live if not (s.num_pending and s.num_tokens >= r.stop_len)]
         if len(live) == 1:
             seq = live[0]
             n = seq.num_tokens - seq.num_computed_tokens
@@ -185,6 +203,8 @@ class Scheduler(RequestLifecycle):
         out: list = []
         for s in r.live:
             if not s.resident:
+                if s.num_pending:
+                    raise RuntimeError(f"seq {s.seq_id} introduced to the executor with a sample in flight")
                 if s.fork_parent is not None:
                     out.append(Fork(s.fork_parent, s.seq_id, s.fork_seed))
                 else:
@@ -213,6 +233,7 @@ class Scheduler(RequestLifecycle):
             seq.resident = True
             seq.fork_parent = None
         ids, nums, bs = plan.scheduled_seq_ids, plan.num_new_tokens, self.config.block_size
+        step = self._step
         total = 0
         for (seq, n), ch in zip(work, changes, strict=True):
             if ch is not NO_CHANGE:
@@ -224,8 +245,11 @@ class Scheduler(RequestLifecycle):
             nums.append(n)
             c = seq.num_computed_tokens
             seq.num_computed_tokens = c + n
+            if c + n == seq.num_tokens:  # it samples (or reports beam candidates)
+                seq.num_pending += 1
+                (step.sampling if seq.request.beam is None else step.beams).append(seq)
             if (c + n) // bs != c // bs:
-                self._to_commit.append(seq)
+                step.to_commit.append((seq, seq.residency, c + n))
             total += n
         budget.tokens -= total
         budget.seqs -= len(work)
@@ -262,6 +286,8 @@ class Scheduler(RequestLifecycle):
     def _schedule_swapped(self, plan: BatchPlan, budget: _Budget) -> None:
         while self.swapped and budget.tokens > 0:
             r = self.swapped[0]
+            if _awaits_result(r):
+                return
             pairs = self.kv.swap_in(r.live, reserve=self._watermark)
             if pairs is None:
                 return
@@ -282,7 +308,7 @@ class Scheduler(RequestLifecycle):
         num_live = sum(_footprint(r) for r in self.running)
         while self.waiting and budget.tokens > 0:
             r = self.waiting[0]
-            if num_live + _footprint(r) > cfg.max_num_seqs:
+            if num_live + _footprint(r) > cfg.max_num_seqs or _awaits_result(r):
                 return
             hit_tokens = self._take_prefix_hits(r)
             if hit_tokens is None:
@@ -318,6 +344,7 @@ class Scheduler(RequestLifecycle):
         """Undo a failed admission: hit blocks go back to the cache, nothing was sent."""
         for seq in r.live:
             self.kv.free(seq)
+            seq.residency += 1
             seq.num_computed_tokens = 0
             seq.forget_executor_state()  # choices forked during the attempt get NewSeq later
 
@@ -330,22 +357,37 @@ class Scheduler(RequestLifecycle):
 
     # ------------------------------------------------------------------ update
     def update(self, result: StepResult) -> list[RequestUpdate]:
-        """Apply the executor's result of the plan in flight; returns per-request news."""
-        if self._inflight is None:
-            if result.step_id == self._stale_step:
-                return []
+        """Apply the result of the oldest plan in flight; returns per-request news.
+
+        ValueError for a result that does not answer that plan (the engine treats it as the
+        executor breaking the protocol).
+        """
+        if result.step_id in self._stale_steps:  # a plan dropped by take_all_requests
+            self._stale_steps.discard(result.step_id)
+            return []
+        if not self.in_flight:
             raise ValueError(f"update: no plan in flight (result for step {result.step_id})")
-        if result.step_id != self._step_id:
-            raise ValueError(f"update: result for step {result.step_id}, plan in flight is {self._step_id}")
-        ids, self._inflight = self._inflight, None
-        to_commit, self._to_commit = self._to_commit, []
+        step = self.in_flight[0]
+        if result.step_id != step.step_id:
+            raise ValueError(f"update: result for step {result.step_id}, the oldest plan in flight is "
+                             f"{step.step_id}")
+        if result.error is None:
+            self._out.check(result, step)  # before anything changes: a bad result changes nothing
+        self.in_flight.popleft()
         if result.error is not None:
-            return self._out.fail([self.seqs[i] for i in ids if i in self.seqs], result.error)
+            for seq in step.sampling + step.beams:
+                seq.num_pending -= 1
+            return self._out.fail([self.seqs[i] for i in step.seq_ids if i in self.seqs], result.error)
         commit = self.kv.commit_computed
-        for seq in to_commit:  # their blocks are computed now: safe to share via the cache
-            if seq.finish_reason is None:
-                commit(seq)
-        return self._out.process(result)
+        for seq, residency, computed in step.to_commit:  # computed now: safe to share via the cache
+            if seq.finish_reason is None and seq.residency == residency:
+                commit(seq, computed)  # (before the samples: a sequence they finish frees its blocks)
+        return self._out.process(result, step)
+
+
+def _awaits_result(r: Request) -> bool:
+    """A preempted request whose sample is still in flight: (re)admit it once that result came."""
+    return any(s.num_pending for s in r.live)
 
 
 def _footprint(r: Request) -> int:

@@ -61,6 +61,7 @@ class ExecutorSlot:
     requests: dict[str, Tracked] = field(default_factory=dict)
     task: asyncio.Task | None = None
     pending_blocks: int = 0  # prompt blocks of ``adds`` (kept, not summed: routing reads it per request)
+    unpublished: list = field(default_factory=list)  # RequestUpdates applied, not yet streamed
 
     @property
     def id(self) -> str:

@@ -1,9 +1,16 @@
 """Turning a StepResult into token appends, stop decisions and RequestUpdates.
 
 Split from scheduler.py so the hot loop over sampled tokens stays readable.
-Sampled tokens are appended (the executor appended them on its side too);
-beam requests go through :mod:`scheduler_svc.beam_search`, whose chosen
-continuations become forks and ``append_tokens`` owed to the executor.
+Sampled tokens replace their placeholders (the executor appended them on its
+side already); beam requests go through :mod:`scheduler_svc.beam_search`, whose
+chosen continuations become forks and ``append_tokens`` owed to the executor.
+
+A result must sample exactly the sequences its plan said would sample, in plan
+order (the executor samples every scheduled sequence that reaches its token
+count); anything else is the executor breaking the protocol (ValueError).
+Samples of sequences that finished or were aborted after the plan was sent are
+dropped: with asynchronous scheduling a finished sequence may be computed once
+more, and that token never reaches a client.
 """
 
 from __future__ import annotations
@@ -11,27 +18,38 @@ from __future__ import annotations
 from pagedserve.wire import SeqLogprobs, StepResult
 from scheduler_svc.api_types import FinishReason, TokenLogprob
 from scheduler_svc.beam_search import BeamCandidate, BeamLimits, beam_step, final_hypotheses
-from scheduler_svc.lifecycle import RequestLifecycle
-from scheduler_svc.request import Request, RequestUpdate, Sequence, SeqUpdate
+from scheduler_svc.lifecycle import InFlight, RequestLifecycle
+from scheduler_svc.request import Request, RequestState, RequestUpdate, Sequence, SeqUpdate
 
 
 class OutputProcessor:
     def __init__(self, sched: RequestLifecycle) -> None:
         self.s = sched
 
-    def process(self, result: StepResult) -> list[RequestUpdate]:
-        s = self.s
-        seqs = s.seqs
+    @staticmethod
+    def check(result: StepResult, step: InFlight) -> None:
+        """ValueError unless ``result`` samples exactly what ``step`` said would sample, in order."""
+        due, sampled = step.sampling, result.sampled_seq_ids
+        if len(sampled) != len(due):
+            raise ValueError(f"result {result.step_id} samples {len(sampled)} sequences, its plan {len(due)}")
+        for seq, sid in zip(due, sampled, strict=True):
+            if seq.seq_id != sid:
+                raise ValueError(f"result {result.step_id} samples seq {sid} where its plan has {seq.seq_id}")
+        if [c.seq_id for c in result.beam_candidates] != [s.seq_id for s in step.beams]:
+            raise ValueError(f"result {result.step_id} has beam candidates for other sequences than its plan")
+
+    def process(self, result: StepResult, step: InFlight) -> list[RequestUpdate]:
+        """Apply a result that passed :meth:`check`."""
+        due = step.sampling
         lps = {x.seq_id: x for x in result.logprobs} if result.logprobs else None
         out: list[RequestUpdate] = []
         multi: dict[str, RequestUpdate] = {}  # n > 1: one update per request, several seqs
-        for sid, tok in zip(result.sampled_seq_ids, result.sampled_token_ids, strict=True):
-            seq = seqs.get(sid)
-            if seq is None:
-                continue  # finished or aborted while the step ran
+        for seq, tok in zip(due, result.sampled_token_ids, strict=True):
+            sid = seq.seq_id
+            if seq.finish_reason is not None:
+                continue  # finished or aborted after the plan was sent: the token is dropped
+            seq.num_pending -= 1
             toks = seq.token_ids
-            if seq.num_computed_tokens != len(toks):
-                raise ValueError(f"result samples seq {sid}, which had tokens left to compute")
             toks.append(tok)
             r = seq.request
             if tok in r.eos_token_ids:
@@ -57,8 +75,8 @@ class OutputProcessor:
                     ru.seqs.append(su)
             if reason is not None:
                 ru.finished = self._finish(seq, reason)
-        if result.beam_candidates:
-            self._beams(result.beam_candidates, out)
+        if step.beams or result.beam_candidates:
+            self._beams(result.beam_candidates, step.beams, out)
         return out
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> bool:
@@ -83,15 +101,21 @@ class OutputProcessor:
         return out
 
     # ------------------------------------------------------------------ beam search
-    def _beams(self, cands: list[SeqLogprobs], updates: list[RequestUpdate]) -> None:
+    def _beams(self, cands: list[SeqLogprobs], due: list[Sequence], updates: list[RequestUpdate]) -> None:
         by_req: dict[int, tuple[Request, dict[int, tuple[list[int], list[float]]]]] = {}
-        for c in cands:
-            seq = self.s.seqs.get(c.seq_id)
-            if seq is None or seq.request.beam is None:
+        for seq, c in zip(due, cands, strict=True):
+            if seq.finish_reason is not None:
+                continue  # pruned, finished or aborted after the plan was sent
+            seq.num_pending -= 1
+            r = seq.request
+            if r.state is not RequestState.RUNNING:
+                # Preempted after the plan was sent. Its next tokens depend on choosing among
+                # all beams, so the step is redone after it is back: recompute restarts from
+                # scratch anyway; a swapped beam recomputes its last position (same K/V).
+                if r.state is RequestState.SWAPPED:
+                    seq.num_computed_tokens -= 1
                 continue
-            if seq.num_computed_tokens != seq.num_tokens:
-                raise ValueError(f"beam candidates for seq {c.seq_id}, which had tokens left to compute")
-            entry = by_req.setdefault(id(seq.request), (seq.request, {}))
+            entry = by_req.setdefault(id(r), (r, {}))
             entry[1][c.seq_id] = (c.top_token_ids, c.top_logprobs)
         for r, per_seq in by_req.values():
             self._beam_request(r, per_seq, updates)

@@ -203,21 +203,36 @@ class FakeExecutor:
 
 
 
-def drive(sched, ex: FakeExecutor, max_steps: int = 10_000, on_step=None) -> dict[tuple[str, int], list[int]]:
+# Plans a driver keeps in flight: 1 = synchronous (plan, run, update); 2 = asynchronous
+# scheduling (the next plan is built while one runs). Test modules parametrize it.
+DEFAULT_DEPTH = 1
+
+
+def drive(sched, ex: FakeExecutor, max_steps: int = 10_000, on_step=None,
+          depth: int | None = None) -> dict[tuple[str, int], list[int]]:
     """Run a scheduler against ``ex`` until it has no work; check integrity every step.
 
     Returns every choice's tokens, keyed by (request_id, choice index), as
     reported through RequestUpdates (beam search: the final choices).
-    ``on_step(plan, updates)`` is called after each step.
+    ``on_step(plan, updates)`` is called after each step. With ``depth`` 2 the
+    scheduler plans step k+1 before step k's result is applied, as the engine's
+    asynchronous loop does; the executor still runs plans in order.
     """
+    depth = depth or DEFAULT_DEPTH
     outs: dict[tuple[str, int], list[int]] = {}
+    sent: list[BatchPlan] = []
     for _ in range(max_steps):
-        if not sched.has_work():
-            return outs
-        plan = sched.schedule()
-        sched.check_integrity()
-        if plan is None:
+        while len(sent) < depth:
+            plan = sched.schedule()
+            sched.check_integrity()
+            if plan is None:
+                break
+            sent.append(plan)
+        if not sent:
+            if not sched.has_work():
+                return outs
             raise AssertionError("scheduler has work but produced no plan (stuck)")
+        plan = sent.pop(0)
         updates = sched.update(ex.run(plan))
         sched.check_integrity()
         for u in updates:

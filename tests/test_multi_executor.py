@@ -84,8 +84,9 @@ def _signal_a_busy_executor(stack: Stack, sig: int, victims: list[str]):
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir, tmp_path_factory):
-    """Greedy outputs of 32 prompts on a single executor, uninterrupted."""
-    s = Stack(tiny_llama_dir, tmp_path_factory.mktemp("ref"))
+    """Greedy outputs of 32 prompts on a single executor, uninterrupted, with the sequential loop
+    (the tests below run the default, asynchronous one: kill -9 and drains must not change a token)."""
+    s = Stack(tiny_llama_dir, tmp_path_factory.mktemp("ref"), scheduler_args=["--no-async-scheduling"])
     try:
         s.start_scheduler()
         s.start_executor("solo")

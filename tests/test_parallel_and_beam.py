@@ -19,8 +19,18 @@ from transformers.modeling_outputs import CausalLMOutput
 from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
 from scheduler_svc.request import MigratedRequest
+from tests import fake_executor
 from tests.fake_executor import drive, model_logprobs
 from tests.test_scheduler import BS, EOS, VOCAB, assert_all_released, make, oracle
+
+
+@pytest.fixture(autouse=True, params=[1, 2], ids=["sync", "async"])
+def plan_depth(request, monkeypatch):
+    """Every scenario runs twice: plan, run, update (sync), and with the next plan built
+    while one is in flight (async scheduling); outputs must be the same."""
+    monkeypatch.setattr(fake_executor, "DEFAULT_DEPTH", request.param)
+    return request.param
+
 
 
 def nreq(rid: str, prompt: list[int], n: int, max_tokens: int = 10, seed: int = 100, **kw):

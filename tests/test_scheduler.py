@@ -19,11 +19,21 @@ from pagedserve.wire import SamplingParams, StepResult
 from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
+from tests import fake_executor
 from tests.fake_executor import FakeExecutor, drive, sample_token
 
 BS = 4
 EOS = 3
 VOCAB = 64
+
+
+@pytest.fixture(autouse=True, params=[1, 2], ids=["sync", "async"])
+def plan_depth(request, monkeypatch):
+    """Every scenario runs twice: plan, run, update (sync), and with the next plan built
+    while one is in flight (async scheduling); outputs must be the same."""
+    monkeypatch.setattr(fake_executor, "DEFAULT_DEPTH", request.param)
+    return request.param
+
 
 
 def make(nblocks: int, ncpu: int = 0, mode: str = "recompute", seqs: int = 8, tokens: int = 32,
@@ -117,6 +127,32 @@ def test_swap_preemption_gives_identical_outputs():
     outs = run_all(sched, ex, reqs, watch)
     assert sched.num_preemptions > 0 and seen["out"] > 0 and seen["in"] == seen["out"]
     assert seen["cpu_peak"] > 0
+    for r in reqs:
+        assert outs[(r.request_id, 0)] == oracle(r)
+    assert_all_released(sched, ex)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_request_preempted_with_its_sample_in_flight_keeps_that_token(mode, monkeypatch):
+    """Async scheduling: the victim's last step is still running when the next plan preempts it.
+    The token it samples is real output (appended when the result comes), and the request is only
+    re-admitted (or swapped in) after that."""
+    reqs = workload(2) + workload(3)
+    for i, r in enumerate(reqs):
+        r.request_id = f"r{i}"
+    sched, ex = make(22, ncpu=64 if mode == "swap" else 0, mode=mode)
+    in_flight_victims = []
+    preempt = Scheduler._preempt
+
+    def watch(self, r, plan):
+        in_flight_victims.extend(s.seq_id for s in r.live if s.num_pending)
+        preempt(self, r, plan)
+
+    monkeypatch.setattr(Scheduler, "_preempt", watch)
+    for r in reqs:
+        sched.add_request(r)
+    outs = drive(sched, ex, depth=2)
+    assert in_flight_victims, "the scenario never preempted a request with a sample in flight"
     for r in reqs:
         assert outs[(r.request_id, 0)] == oracle(r)
     assert_all_released(sched, ex)
@@ -355,14 +391,20 @@ def test_step_error_fails_that_steps_requests():
     assert sched.block_stats()["used"] == 0 and not sched.requests
 
 
-def test_update_checks_the_step_id():
+def test_update_checks_the_result_answers_the_oldest_plan():
     sched, ex = make(64)
     sched.add_request(req("a", [1, 2, 3], max_tokens=5))
-    plan = sched.schedule()
-    with pytest.raises(ValueError, match="step"):
-        sched.update(StepResult(plan.step_id + 1))
-    with pytest.raises(RuntimeError, match="before update"):
-        sched.schedule()
+    sched.add_request(req("b", [4, 5, 6], max_tokens=5))
+    first = sched.schedule()
+    second = sched.schedule()  # planned ahead: each sequence computes its placeholder
+    assert second.scheduled_seq_ids == first.scheduled_seq_ids and second.num_new_tokens == [1, 1]
+    with pytest.raises(ValueError, match="oldest plan in flight is"):
+        sched.update(StepResult(second.step_id, list(second.scheduled_seq_ids), [7, 7]))
+    a, b = first.scheduled_seq_ids
+    with pytest.raises(ValueError, match="samples 1 sequences, its plan 2"):
+        sched.update(StepResult(first.step_id, [a], [7]))
+    with pytest.raises(ValueError, match=f"samples seq {b} where its plan has {a}"):
+        sched.update(StepResult(first.step_id, [b, a], [7, 7]))
 
 
 def test_take_all_requests_and_resume_elsewhere():

@@ -47,6 +47,14 @@ def test_a_model_directory_without_config_json_is_refused(tmp_path, capsys):
     assert "has no config.json" in capsys.readouterr().err
 
 
+def test_async_scheduling_is_the_default_and_can_be_turned_off(model_dir):
+    base = ["--model", str(model_dir)]
+    assert load_config(base, {}).engine.async_scheduling
+    assert not load_config([*base, "--no-async-scheduling"], {}).engine.async_scheduling
+    assert not load_config(base, {"PAGEDSERVE_ASYNC_SCHEDULING": "false"}).engine.async_scheduling
+    assert load_config([*base, "--async-scheduling"], {"PAGEDSERVE_ASYNC_SCHEDULING": "0"}).engine.async_scheduling
+
+
 def test_sizes_and_env_names():
     assert parse_bytes("2GiB") == 2 * 1024**3 and parse_bytes("512MB") == 512 * 10**6
     assert parse_bytes("1024") == 1024
@@ -74,7 +82,7 @@ def test_every_flag_reaches_the_object_that_uses_it(model_dir):
               "--max-queued-requests": "11", "--max-migrations": "5"}
     values.update({flag: str(default(cls, name) + 3) for flag, (cls, name) in FLAG_FIELDS.items()
                    if cls is ServerLimits})
-    argv = ["--model", str(model_dir), "--disable-prefix-caching"]
+    argv = ["--model", str(model_dir), "--disable-prefix-caching", "--no-async-scheduling"]
     for flag, value in values.items():
         argv += [flag, value]
     cfg = load_config(argv, {})
