@@ -2,4 +2,4 @@
 
 from pagedserve.extras import require
 
-require("scheduler", ("tokenizers", "zmq", "msgspec", "prometheus_client", "grpc_reflection"))
+require("scheduler", ("tokenizers", "zmq", "msgspec", "prometheus_client", "grpc_reflection", "uvloop"))

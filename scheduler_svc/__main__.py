@@ -15,6 +15,7 @@ import logging
 import signal
 from pathlib import Path
 
+import uvloop
 from tokenizers import Tokenizer
 
 from scheduler_svc.config import ServiceConfig, load_config
@@ -81,7 +82,7 @@ async def serve(cfg: ServiceConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     cfg = load_config(argv)
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(cfg))
+    uvloop.run(serve(cfg))  # a faster event loop: each step wakes every streaming request (PERF.md)
 
 
 if __name__ == "__main__":

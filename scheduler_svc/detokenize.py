@@ -90,7 +90,7 @@ class IncrementalDetokenizer:
     ``tokenizer.decode(output_ids)`` cut before the first stop string.
     """
 
-    __slots__ = ("_tok", "_stream", "_skip", "_stops", "_context", "_pending", "_finished")
+    __slots__ = ("_tok", "_stream", "_skip", "_stops", "_has_stops", "_ids", "_emitted", "_finished")
 
     def __init__(
         self,
@@ -104,8 +104,9 @@ class IncrementalDetokenizer:
         self._skip = skip_special_tokens
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         self._stops = StopStringBuffer(stop)
-        self._context = context  # last ids already turned into text (for finish())
-        self._pending: list[int] = []  # ids fed since the decoder last produced text
+        self._has_stops = bool(stop)
+        self._ids = context  # prompt context, then every id fed (finish() decodes the tail)
+        self._emitted = len(context)  # ids[:emitted] are text already
         self._finished = False
 
     @property
@@ -125,12 +126,14 @@ class IncrementalDetokenizer:
         """
         if self._finished:
             raise RuntimeError("IncrementalDetokenizer.step after the sequence finished")
-        self._pending.append(token_id)
+        ids = self._ids
+        ids.append(token_id)
         chunk = self._stream.step(self._tok, token_id)
         if chunk is None:  # an incomplete character, or a skipped special token
             return ""
-        self._context = (self._context + self._pending)[-PROMPT_CONTEXT_TOKENS:]
-        self._pending = []
+        self._emitted = len(ids)
+        if not self._has_stops:  # (this runs for every token of every sequence)
+            return chunk
         out = self._stops.push(chunk)
         if self._stops.matched is not None:
             self._finished = True
@@ -146,7 +149,7 @@ class IncrementalDetokenizer:
             return ""
         self._finished = True
         out = ""
-        if self._pending:
+        if self._emitted < len(self._ids):
             tail = self._decode_tail()
             out = self._stops.push(tail) if tail else ""
             if self._stops.matched is not None:
@@ -158,13 +161,15 @@ class IncrementalDetokenizer:
         twin = copy.copy(self)
         twin._stream = copy.copy(self._stream)
         twin._stops = copy.copy(self._stops)
-        twin._context = list(self._context)
-        twin._pending = list(self._pending)
+        twin._ids = list(self._ids)
         return twin
 
     def _decode_tail(self) -> str:
-        before = self._tok.decode(self._context, skip_special_tokens=self._skip)
-        full = self._tok.decode(self._context + self._pending, skip_special_tokens=self._skip)
+        """The text of the ids fed since the decoder last produced text, in context."""
+        e = self._emitted
+        context, pending = self._ids[max(0, e - PROMPT_CONTEXT_TOKENS):e], self._ids[e:]
+        before = self._tok.decode(context, skip_special_tokens=self._skip)
+        full = self._tok.decode(context + pending, skip_special_tokens=self._skip)
         if full.startswith(before):
             return full[len(before):]
-        return self._tok.decode(self._pending, skip_special_tokens=self._skip)
+        return self._tok.decode(pending, skip_special_tokens=self._skip)

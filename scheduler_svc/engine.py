@@ -369,7 +369,7 @@ def tune_gc() -> None:
     """
     gc.collect()
     gc.freeze()
-    gc.set_threshold(20_000, 20, 100)
+    gc.set_threshold(100000, 20, 100)
 
 
 __all__ = ["Engine", "EngineConfig", "tune_gc"]

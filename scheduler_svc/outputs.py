@@ -22,7 +22,9 @@ from scheduler_svc.api_types import (
     Usage,
 )
 from scheduler_svc.detokenize import IncrementalDetokenizer
-from scheduler_svc.request import RequestUpdate
+from scheduler_svc.request import RequestUpdate, SeqUpdate
+
+_NOTHING: list[int] = []  # no choice ended by a stop string (shared: callers only read it)
 
 
 @dataclass(slots=True, eq=False)
@@ -47,19 +49,24 @@ class RequestStream:
         if d is None:
             d = IncrementalDetokenizer(self.tokenizer, self.req.prompt_token_ids, self.req.params.stop)
             self.detoks[index] = d
+            self.outputs.setdefault(index, [])
         return d
 
-    def apply(self, update: RequestUpdate) -> tuple[RequestOutput, list[int]]:
+    def apply(self, update: RequestUpdate, now: float | None = None) -> tuple[RequestOutput, list[int]]:
         """Fold one scheduler update in; return the delta and the choices a stop string ended.
 
         The caller must tell the scheduler to finish the returned choices (their
         blocks are released there), unless the update already finished them.
+        ``now``: the caller's time.monotonic() (one reading for a whole step's updates).
         """
         if update.num_cached_prompt_tokens:
             self.cached_prompt_tokens = update.num_cached_prompt_tokens
+        seqs = update.seqs
+        if len(seqs) == 1 and self.num_choices == 1 and not self.finish:
+            return self._apply_one(seqs[0], now or time.monotonic())
         choices: list[ChoiceDelta] = []
         stopped: list[int] = []
-        for su in update.seqs:
+        for su in seqs:
             if su.index in self.finish:
                 continue  # late tokens of a choice a stop string already ended
             delta = self._advance(su)
@@ -70,11 +77,37 @@ class RequestStream:
             if delta.token_ids or delta.text or delta.finish_reason != FinishReason.UNSPECIFIED:
                 choices.append(delta)
         if choices:
-            now = time.monotonic()
+            now = now or time.monotonic()
             if self.first_token_at is None:
                 self.first_token_at = now
             self.last_token_at = now
         return self._output(choices), stopped
+
+    def _apply_one(self, su: SeqUpdate, now: float) -> tuple[RequestOutput, list[int]]:
+        """The common case, kept lean (it runs for every running request every step): one choice."""
+        ids = su.new_token_ids
+        if len(ids) == 1 and su.finish_reason is None and not su.logprobs:
+            detok = self.detoks.get(su.index) or self._detok(su.index)
+            text = detok.step(ids[0])
+            if not detok.finished:  # (a stop string ends it: the general path below)
+                self.outputs[su.index].append(ids[0])
+                if self.first_token_at is None:
+                    self.first_token_at = now
+                self.last_token_at = now
+                return RequestOutput(self.req.request_id, [ChoiceDelta(su.index, text, ids)]), _NOTHING
+            delta = ChoiceDelta(su.index, text, ids, finish_reason=FinishReason.STOP)
+            self.outputs[su.index].append(ids[0])
+        else:
+            delta = self._advance(su)
+        stopped = [su.index] if delta.finish_reason == FinishReason.STOP and su.finish_reason is None else []
+        if delta.finish_reason != FinishReason.UNSPECIFIED:
+            self.finish[su.index] = delta.finish_reason
+        if delta.token_ids or delta.text or delta.finish_reason != FinishReason.UNSPECIFIED:
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+            return self._output([delta]), stopped
+        return self._output([]), stopped
 
     def _advance(self, su) -> ChoiceDelta:
         """One choice's new tokens -> its delta (text, ids, logprobs, finish reason)."""
@@ -84,7 +117,7 @@ class RequestStream:
         if len(ids) == 1 and not su.logprobs:  # the decode fast path: one token, no logprobs
             text = detok.step(ids[0])
             out.append(ids[0])
-            delta = ChoiceDelta(su.index, text, list(ids))
+            delta = ChoiceDelta(su.index, text, ids)  # the update's list: not reused by the scheduler
         else:
             delta = ChoiceDelta(su.index)
             logprobs = su.logprobs or []

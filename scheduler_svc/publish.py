@@ -30,13 +30,15 @@ class Publisher:
 
     def settle_stops(self, slot: ExecutorSlot, updates: list[RequestUpdate]) -> list[RequestUpdate]:
         """Publish at once what may end by a stop string; return the rest for :meth:`publish`."""
-        rest = []
+        rest, now = [], []
         for upd in updates:
             t = slot.requests.get(upd.request_id)
             if t is not None and t.stream.req.params.stop:
-                self._one(slot, t, upd)
+                now.append(upd)
             else:
                 rest.append(upd)
+        if now:
+            self.publish_now(slot, now)
         return rest
 
     async def publish(self, slot: ExecutorSlot, updates: list[RequestUpdate]) -> None:
@@ -46,42 +48,46 @@ class Publisher:
             self.publish_now(slot, updates[i:i + CHUNK])
 
     def publish_now(self, slot: ExecutorSlot, updates: list[RequestUpdate]) -> None:
-        requests = slot.requests
+        requests, now = slot.requests, time.monotonic()
+        tokens, itls = 0, []  # metrics of the batch, observed once
         for upd in updates:
             t = requests.get(upd.request_id)
-            if t is not None:  # else aborted while the step ran
-                self._one(slot, t, upd)
+            if t is None:
+                continue  # aborted while the step ran
+            if upd.error:
+                requests.pop(upd.request_id, None)
+                self.fail(t, RequestFailed(f"executor {slot.id} failed the step: {upd.error}"))
+                continue
+            stream = t.stream
+            prev = stream.last_token_at
+            out, stopped = stream.apply(upd, now)
+            for index in stopped:
+                slot.scheduler.finish_sequence(upd.request_id, index, FinishReason.STOP)
+            if out.choices or out.finished:
+                t.put(out)
+            if self.metrics:
+                n = 0
+                for c in out.choices:
+                    n += len(c.token_ids)
+                if n:
+                    tokens += n
+                    if prev is None:
+                        self._first_token(stream)
+                    else:
+                        itls += [(now - prev) / n] * n
+                if out.finished:
+                    self._finished(stream, out)
+            if out.finished:
+                requests.pop(upd.request_id, None)
+                self.tracked.pop(upd.request_id, None)
+        if tokens:
+            self.metrics.on_step_tokens(tokens, itls)
 
-    def _one(self, slot: ExecutorSlot, t: Tracked, upd: RequestUpdate) -> None:
-        if upd.error:
-            slot.requests.pop(upd.request_id, None)
-            self.fail(t, RequestFailed(f"executor {slot.id} failed the step: {upd.error}"))
-            return
-        prev_token_at = t.stream.last_token_at
-        out, stopped = t.stream.apply(upd)
-        for index in stopped:
-            slot.scheduler.finish_sequence(upd.request_id, index, FinishReason.STOP)
-        if self.metrics:
-            self._account(t, out, prev_token_at)
-        if out.choices or out.finished:
-            t.put(out)
-        if out.finished:
-            slot.requests.pop(upd.request_id, None)
-            self.tracked.pop(upd.request_id, None)
+    def _first_token(self, stream) -> None:
+        self.metrics.on_prompt_tokens(len(stream.req.prompt_token_ids))
+        self.metrics.on_first_token(stream.first_token_at - stream.created)
 
-    def _account(self, t: Tracked, out: RequestOutput, prev_token_at: float | None) -> None:
-        m = self.metrics
-        n = sum(len(c.token_ids) for c in out.choices)
-        s = t.stream
-        if n:
-            m.on_generation_tokens(n)
-            if prev_token_at is None:
-                m.on_prompt_tokens(len(s.req.prompt_token_ids))
-                m.on_first_token(s.first_token_at - s.created)
-            else:
-                for _ in range(n):
-                    m.on_token((s.last_token_at - prev_token_at) / n)
-        if out.finished:
-            reason = next((c.finish_reason for c in out.choices), FinishReason.LENGTH)
-            m.on_finish(reason, time.monotonic() - s.created, len(s.req.prompt_token_ids),
-                        out.usage.completion_tokens if out.usage else 0)
+    def _finished(self, stream, out: RequestOutput) -> None:
+        reason = next((c.finish_reason for c in out.choices), FinishReason.LENGTH)
+        self.metrics.on_finish(reason, time.monotonic() - stream.created, len(stream.req.prompt_token_ids),
+                               out.usage.completion_tokens if out.usage else 0)

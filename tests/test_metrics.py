@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import urllib.request
 
+import pytest
+
 from grpc_fakes import example_stats
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -102,3 +104,17 @@ def test_metrics_served_over_http():
     finally:
         srv.close()
     assert "pagedserve:generation_tokens_total 5.0" in body
+
+
+def test_a_step_of_tokens_is_observed_at_once_in_the_histogram_format():
+    m = Metrics()
+    m.on_step_tokens(4, [0.01, 0.01, 0.3, 100.0])
+    m.on_token(0.025)
+    assert value(m, "pagedserve:generation_tokens_total") == 4
+    assert value(m, "pagedserve:inter_token_latency_seconds_count") == 5
+    assert value(m, "pagedserve:inter_token_latency_seconds_sum") == pytest.approx(100.345)
+    assert value(m, "pagedserve:inter_token_latency_seconds_bucket", le="0.01") == 2  # le: inclusive
+    assert value(m, "pagedserve:inter_token_latency_seconds_bucket", le="0.025") == 3
+    assert value(m, "pagedserve:inter_token_latency_seconds_bucket", le="0.3") == 4
+    assert value(m, "pagedserve:inter_token_latency_seconds_bucket", le="80.0") == 4
+    assert value(m, "pagedserve:inter_token_latency_seconds_bucket", le="+Inf") == 5
