@@ -112,6 +112,7 @@ class ModelInfo:
     block_size: int
     num_executors: int
     eos_token_ids: tuple[int, ...] = ()  # every end-of-sequence id, first = config.json's first
+    max_request_blocks: int = 0  # KV blocks one request may hold on the roomiest executor (0: unchecked)
 
 
 @dataclass(slots=True)

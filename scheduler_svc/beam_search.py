@@ -21,6 +21,7 @@ into forks, appended tokens and freed beams.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from scheduler_svc.api_types import FinishReason
@@ -42,6 +43,15 @@ class BeamLimits:
     stop_token_ids: frozenset[int]
     length_penalty: float
     early_stopping: bool
+
+
+def length_norm(length: int, length_penalty: float) -> float:
+    """``length ** length_penalty``, saturating at inf (the API edge bounds the penalty; a score
+    must never raise, whatever reaches here)."""
+    try:
+        return float(length) ** length_penalty
+    except OverflowError:
+        return math.inf
 
 
 def stop_reason(token_id: int, length_reached: bool, lim: BeamLimits) -> FinishReason | None:
@@ -72,7 +82,7 @@ def beam_step(state: BeamState, beams: list[Sequence], cands: dict[int, tuple[li
     if not top:
         return [], True
     gen_len = beams[0].num_output_tokens + 1  # all beams have the same length
-    norm = float(gen_len) ** lim.length_penalty
+    norm = length_norm(gen_len, lim.length_penalty)
     reasons = [stop_reason(c.token_id, length_reached, lim) for c in top]
     full = len(state.finished) >= width
     if state.improvable and not (lim.early_stopping and full):
@@ -97,7 +107,7 @@ def final_hypotheses(state: BeamState, beams: list[Sequence], lim: BeamLimits) -
     out = list(state.finished)
     if len(out) < state.width:
         for seq in sorted(beams, key=lambda s: s.cum_logprob, reverse=True):
-            norm = float(max(seq.num_output_tokens, 1)) ** lim.length_penalty
+            norm = length_norm(max(seq.num_output_tokens, 1), lim.length_penalty)
             out.append(BeamHypothesis(seq.cum_logprob / norm, seq.output_token_ids, FinishReason.LENGTH))
         out.sort(key=lambda h: h.score, reverse=True)
     return out[: state.width]

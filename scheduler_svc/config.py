@@ -144,6 +144,10 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
     if not (a.model / "config.json").is_file():
         parser.error(f"--model: {a.model} has no config.json")
     scheduler = SchedulerConfig(**_fields(SchedulerConfig, a))
+    for flag, width in (("--max-n", a.max_n), ("--max-beam-width", a.max_beam_width)):
+        room = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+        if width > room:  # such a request could never be scheduled: refuse the configuration, not it
+            parser.error(f"{flag}: must be <= --max-num-seqs and --max-num-batched-tokens ({room}), got {width}")
     engine = EngineConfig(scheduler=scheduler, executor_endpoint=f"tcp://{a.executor_host}:{a.executor_port}",
                           **{k: v for k, v in _fields(EngineConfig, a).items() if k != "scheduler"})
     return ServiceConfig(

@@ -37,6 +37,7 @@ from scheduler_svc.api_types import (
     RequestOutput,
 )
 from scheduler_svc.executors import ExecutorConn, ExecutorHub, ExecutorLost
+from scheduler_svc.lifecycle import ProtocolError
 from scheduler_svc.outputs import RequestStream
 from scheduler_svc.publish import Publisher
 from scheduler_svc.request import MigratedRequest
@@ -103,13 +104,18 @@ class Engine:
         return not self._closing and any(s.conn.state == "ready" for s in self.slots.values())
 
     def model_info(self) -> ModelInfo | None:
-        live = [s.conn.info for s in self.slots.values() if s.conn.state != "dead"]
+        """What requests may ask for: the most that some ready executor can hold (an executor
+        with a shorter context or a smaller pool only narrows where a request can go)."""
+        live = [s for s in self.slots.values() if s.conn.state != "dead"]
         if not live:
             return None
-        return ModelInfo(model_name=live[0].model_name, architecture=live[0].architecture,
-                         max_model_len=min(i.max_model_len for i in live),
-                         vocab_size=live[0].vocab_size, block_size=self.cfg.scheduler.block_size,
-                         num_executors=len(live), eos_token_ids=self.eos_token_ids)
+        ready = [s for s in live if s.conn.state == "ready"] or live
+        info = live[0].conn.info
+        return ModelInfo(model_name=info.model_name, architecture=info.architecture,
+                         max_model_len=max(s.scheduler.config.max_model_len for s in ready),
+                         vocab_size=info.vocab_size, block_size=self.cfg.scheduler.block_size,
+                         num_executors=len(live), eos_token_ids=self.eos_token_ids,
+                         max_request_blocks=max(s.scheduler.usable_blocks for s in ready))
 
     def stats(self) -> EngineStats:
         st = EngineStats(num_preemptions=self._retired_preemptions,
@@ -167,21 +173,37 @@ class Engine:
         p = req.params
         stream = RequestStream(req, self.tokenizer, num_choices=max(p.n, p.beam_width))
         t = Tracked(stream)
+        if (why := self._place(t)) is not None:
+            raise NoExecutor(why)
         self.tracked[req.request_id] = t
-        self._place(t)
         return t
 
     def _num_queued(self) -> int:
         return len(self.orphans) + sum(s.scheduler.num_waiting + len(s.adds) for s in self.slots.values())
 
-    def _place(self, t: Tracked) -> None:
-        slot = self.router.choose(list(self.slots.values()), t.stream.req.prompt_token_ids)
+    def _place(self, t: Tracked) -> str | None:
+        """Route ``t`` to a ready executor that can hold it (or park it until one registers).
+
+        Returns why it cannot be placed when executors are ready and none can hold it: one
+        executor's smaller pool or length limit only narrows where a request may go.
+        """
+        req = t.stream.req
+        ready = [s for s in self.slots.values() if s.conn.state == "ready"]
+        fits = [s for s in ready if s.scheduler.refusal(req) is None]
+        if ready and not fits:
+            return f"no connected executor can hold this request: {ready[0].scheduler.refusal(req)}"
+        slot = self.router.choose(fits, req.prompt_token_ids)
         if slot is None:
             self.orphans.append(t)
-            return
+            return None
         t.slot = slot
         slot.add(t)
         slot.wakeup.set()
+        return None
+
+    def _place_or_fail(self, t: Tracked) -> None:
+        if (why := self._place(t)) is not None:
+            self._fail(t, NoExecutor(why))
 
     def _abort(self, t: Tracked, notify: bool) -> None:
         self.tracked.pop(t.request_id, None)
@@ -213,7 +235,7 @@ class Engine:
         slot.task = asyncio.create_task(self._run(slot), name=f"engine-{conn.id}")
         orphans, self.orphans = self.orphans, []
         for t in orphans:
-            self._place(t)
+            self._place_or_fail(t)
         self.on_readiness_change()
 
     def _on_drain(self, conn: ExecutorConn) -> None:
@@ -246,6 +268,9 @@ class Engine:
                     if sched.first_scheduled:
                         self._observe_queue_times(sched)
                     await self.hub.send_plan(conn, plan)
+                if sched.failures:  # requests that failed alone while being scheduled
+                    failed, sched.failures = sched.failures, []
+                    pub.publish_now(slot, failed)
                 if slot.unpublished:
                     updates, slot.unpublished = slot.unpublished, []
                     await pub.publish(slot, updates)
@@ -260,6 +285,9 @@ class Engine:
                 self._observe()
         except ExecutorLost:
             pass
+        except ProtocolError as exc:  # the executor's fault: its requests move elsewhere
+            log.warning("executor %s broke the protocol (%s); dropping it", slot.id, exc)
+            self.hub.drop(conn, f"protocol error: {exc}")
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -295,8 +323,13 @@ class Engine:
             slot.scheduler.abort_request(rid)
             slot.requests.pop(rid, None)
         for t in slot.take_adds():
+            try:
+                slot.scheduler.add_request(t.stream.req, resume=t.resume)
+            except Exception as exc:  # noqa: BLE001  (routing checked it fits: this is a bug, for t only)
+                log.exception("request %s could not be queued on executor %s", t.request_id, slot.id)
+                self._fail(t, RequestFailed(f"could not queue the request: {exc}"))
+                continue
             slot.requests[t.request_id] = t
-            slot.scheduler.add_request(t.stream.req, resume=t.resume)
             t.resume = None
 
     def _observe_queue_times(self, sched: Scheduler) -> None:
@@ -332,7 +365,7 @@ class Engine:
                 continue
             self._num_migrations += 1
             t.slot = None
-            self._place(t)
+            self._place_or_fail(t)
 
     def _take(self, slot: ExecutorSlot) -> list[MigratedRequest]:
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import logging
 from collections import deque
 from collections.abc import Collection
 
@@ -17,10 +18,15 @@ import msgspec
 from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import FinishReason, GenerationRequest
 from scheduler_svc.kv_cache_manager import KVCacheManager, KVCacheManagerBase
-from scheduler_svc.request import BeamState, MigratedRequest, Request, RequestState, Sequence
+from scheduler_svc.request import BeamState, MigratedRequest, Request, RequestState, RequestUpdate, Sequence
 from scheduler_svc.sched_config import SchedulerConfig
 
 Work = list[tuple[Sequence, int]]  # (sequence, num_new_tokens) scheduled in one step
+log = logging.getLogger(__name__)
+
+
+class ProtocolError(ValueError):
+    """A result that does not answer its plan: the executor, not a request, is at fault."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -58,6 +64,7 @@ class RequestLifecycle:
         self._preempted = False  # set during one schedule() when someone was preempted
         self.num_preemptions = 0
         self.first_scheduled: list[GenerationRequest] = []  # admitted for the first time; the engine drains it
+        self.failures: list[RequestUpdate] = []  # requests failed alone while scheduling; the engine drains it
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
 
@@ -89,22 +96,32 @@ class RequestLifecycle:
         self.waiting.append(r)
 
     def _validate(self, req: GenerationRequest) -> None:
+        reason = self.refusal(req)
+        if reason is not None:
+            raise ValueError(reason)
+
+    @property
+    def usable_blocks(self) -> int:
+        """The most KV blocks one request may ever hold here (the pool less the watermark)."""
+        return self.kv.num_device_blocks - self._watermark
+
+    def refusal(self, req: GenerationRequest) -> str | None:
+        """Why this scheduler can never run ``req`` (its executor's length or pool), or None."""
         cfg, n = self.config, len(req.prompt_token_ids)
         if n == 0:
-            raise ValueError("prompt_token_ids must not be empty")
+            return "prompt_token_ids must not be empty"
         if n >= cfg.max_model_len:
-            raise ValueError(f"prompt of {n} tokens must be shorter than max_model_len {cfg.max_model_len}")
+            return f"prompt of {n} tokens must be shorter than max_model_len {cfg.max_model_len}"
         if req.params.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be positive, got {req.params.max_tokens}")
+            return f"max_tokens must be positive, got {req.params.max_tokens}"
         width = max(req.params.n, req.params.beam_width)
         if width > min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
-            raise ValueError(f"n/beam_width {width} exceeds max_num_seqs {cfg.max_num_seqs} "
-                             f"or max_num_batched_tokens {cfg.max_num_batched_tokens}")
-        longest = min(n + req.params.max_tokens, cfg.max_model_len)
-        need = width * -(-longest // cfg.block_size)
-        if need > self.kv.num_device_blocks - self._watermark:
-            raise ValueError(f"request needs up to {need} KV blocks; this pool has "
-                             f"{self.kv.num_device_blocks - self._watermark} usable")
+            return (f"n/beam_width {width} exceeds max_num_seqs {cfg.max_num_seqs} "
+                    f"or max_num_batched_tokens {cfg.max_num_batched_tokens}")
+        need = request_blocks(req, cfg.max_model_len, cfg.block_size)
+        if need > self.usable_blocks:
+            return f"request needs up to {need} KV blocks; this pool has {self.usable_blocks} usable"
+        return None
 
     def new_seq(self, r: Request, index: int, tokens: list[int], sampling: SamplingParams) -> Sequence:
         seq = Sequence(self._next_seq_id, index, tokens, r.num_prompt_tokens, sampling, r)
@@ -175,6 +192,14 @@ class RequestLifecycle:
             self.swapped.remove(r)
         r.state = RequestState.FINISHED
         self.requests.pop(r.request_id, None)
+
+    def fail_request(self, r: Request, exc: BaseException) -> RequestUpdate:
+        """An exception while handling ``r`` fails ``r`` alone: it is released, the rest go on."""
+        log.error("request %s failed inside the scheduler; failing it alone", r.request_id,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        self.release_request(r, FinishReason.ABORTED)
+        return RequestUpdate(r.request_id, [], True, r.num_prompt_tokens, r.num_cached_prompt_tokens,
+                             error=f"internal error while scheduling it ({type(exc).__name__}: {exc})")
 
     def take_all_requests(self) -> list[MigratedRequest]:
         """Remove every request and free all blocks; return what re-queues each elsewhere."""
@@ -264,6 +289,12 @@ class RequestLifecycle:
             if s.num_pending != owed.get(s.seq_id, 0):
                 raise RuntimeError(f"seq {s.seq_id} holds {s.num_pending} placeholders; the plans in flight "
                                    f"owe it {owed.get(s.seq_id, 0)} samples")
+
+
+def request_blocks(req: GenerationRequest, max_model_len: int, block_size: int) -> int:
+    """KV blocks a request may hold at once at its longest: every choice or beam at full length."""
+    longest = min(len(req.prompt_token_ids) + req.params.max_tokens, max_model_len)
+    return max(req.params.n, req.params.beam_width) * -(-longest // block_size)
 
 
 def seeded(sp: SamplingParams, i: int) -> SamplingParams:

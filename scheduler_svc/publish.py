@@ -12,6 +12,7 @@ executor's result is not held up behind this one's fan-out.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ from scheduler_svc.request import RequestUpdate
 from scheduler_svc.slots import ExecutorSlot, Tracked
 
 CHUNK = 64  # updates published between yields to the event loop
+log = logging.getLogger(__name__)
 
 
 class Publisher:
@@ -58,25 +60,32 @@ class Publisher:
                 requests.pop(upd.request_id, None)
                 self.fail(t, RequestFailed(f"executor {slot.id} failed the step: {upd.error}"))
                 continue
-            stream = t.stream
-            prev = stream.last_token_at
-            out, stopped = stream.apply(upd, now)
-            for index in stopped:
-                slot.scheduler.finish_sequence(upd.request_id, index, FinishReason.STOP)
-            if out.choices or out.finished:
-                t.put(out)
-            if self.metrics:
-                n = 0
-                for c in out.choices:
-                    n += len(c.token_ids)
-                if n:
-                    tokens += n
-                    if prev is None:
-                        self._first_token(stream)
-                    else:
-                        itls += [(now - prev) / n] * n
-                if out.finished:
-                    self._finished(stream, out)
+            try:
+                stream = t.stream
+                prev = stream.last_token_at
+                out, stopped = stream.apply(upd, now)
+                for index in stopped:
+                    slot.scheduler.finish_sequence(upd.request_id, index, FinishReason.STOP)
+                if out.choices or out.finished:
+                    t.put(out)
+                if self.metrics:
+                    n = 0
+                    for c in out.choices:
+                        n += len(c.token_ids)
+                    if n:
+                        tokens += n
+                        if prev is None:
+                            self._first_token(stream)
+                        else:
+                            itls += [(now - prev) / n] * n
+                    if out.finished:
+                        self._finished(stream, out)
+            except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
+                log.exception("streaming request %s failed; failing it alone", upd.request_id)
+                slot.scheduler.abort_request(upd.request_id)
+                requests.pop(upd.request_id, None)
+                self.fail(t, RequestFailed(f"internal error while streaming it ({type(exc).__name__}: {exc})"))
+                continue
             if out.finished:
                 requests.pop(upd.request_id, None)
                 self.tracked.pop(upd.request_id, None)

@@ -56,8 +56,8 @@ class Router:
             n += 1
         return n
 
-    def choose(self, slots: list[ExecutorSlot], prompt: list[int]) -> ExecutorSlot | None:
-        ready = [s for s in slots if s.conn.state == "ready"]
+    def choose(self, ready: list[ExecutorSlot], prompt: list[int]) -> ExecutorSlot | None:
+        """The executor for a request among ``ready`` ones (each able to hold it); None if empty."""
         if not ready:
             return None
         loads = {s.id: _load(s) for s in ready}

@@ -41,7 +41,7 @@ from collections.abc import Collection
 
 from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, StepResult
 from scheduler_svc.kv_cache_manager import NO_CHANGE, KVCacheManagerBase, SlotChange
-from scheduler_svc.lifecycle import InFlight, RequestLifecycle, Work, seeded
+from scheduler_svc.lifecycle import InFlight, ProtocolError, RequestLifecycle, Work, seeded
 from scheduler_svc.request import Request, RequestState, RequestUpdate, Sequence
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.step_output import OutputProcessor
@@ -87,50 +87,47 @@ class Scheduler(RequestLifecycle):
     def _schedule_running(self, plan: BatchPlan, budget: _Budget) -> bool:
         """Running requests oldest first; returns whether anyone was preempted."""
         self._preempted = False
-        running, kv_allocate = self.running, self.kv.allocate
-        ids, nums = plan.scheduled_seq_ids, plan.num_new_tokens
-        to_commit, sampling = self._step.to_commit, self._step.sampling
-        bs = self.config.block_size
-        tokens, nseqs = budget.tokens, budget.seqs  # locals in the hot loop; synced around slow paths
+        running = self.running
         i = 0
-        while i < len(running) and tokens > 0 and nseqs > 0:
+        while i < len(running) and budget.tokens > 0 and budget.seqs > 0:
             r = running[i]
-            live = r.live
-            if len(live) == 1 and r.beam is None and r.forked and live[0].resident:
-                # Hot path (one resident sequence, nothing owed), inlined for speed.
-                seq = live[0]
-                c = seq.num_computed_tokens
-                total = len(seq.token_ids) + seq.num_pending
-                if seq.num_pending and total >= r.stop_len:
-                    i += 1  # its last token is in flight: it ends by length when that result comes
-                    continue
-                n = total - c
-                if n > tokens:
-                    n = tokens
-                ch = kv_allocate(seq, n)
-                if ch is not None:
-                    if ch is not NO_CHANGE:
-                        self._emit_change(seq, ch, plan)
-                    ids.append(seq.seq_id)
-                    nums.append(n)
-                    seq.num_computed_tokens = c + n  # counted at schedule time, as in vLLM v1
-                    if c + n == total:  # it samples: a placeholder until the result comes
-                        seq.num_pending += 1
-                        sampling.append(seq)
-                    if (c + n) // bs != c // bs:  # cache its newly full block once the step returns
-                        to_commit.append((seq, seq.residency, c + n))
-                    tokens -= n
-                    nseqs -= 1
-                    i += 1
-                    continue
-            budget.tokens, budget.seqs = tokens, nseqs
-            ok = self._schedule_with_preemption(r, plan, budget)
-            tokens, nseqs = budget.tokens, budget.seqs
-            if not ok:
-                break  # r itself was preempted: everyone after it is gone too
-            i += 1
-        budget.tokens, budget.seqs = tokens, nseqs
+            try:
+                if not self._schedule_one_running(r, plan, budget):
+                    break  # r itself was preempted: everyone after it is gone too
+                i += 1
+            except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
+                self._isolate(r, plan, exc)  # r left `running`: the next request is at index i now
         return self._preempted
+
+    def _schedule_one_running(self, r: Request, plan: BatchPlan, budget: _Budget) -> bool:
+        """Schedule one running request; False when it had to be preempted itself."""
+        live = r.live
+        if len(live) == 1 and r.beam is None and r.forked and live[0].resident:
+            # Hot path (one resident sequence, nothing owed), kept short: it runs per sequence per step.
+            seq = live[0]
+            c = seq.num_computed_tokens
+            total = len(seq.token_ids) + seq.num_pending
+            if seq.num_pending and total >= r.stop_len:
+                return True  # its last token is in flight: it ends by length when that result comes
+            n = min(total - c, budget.tokens)
+            ch = self.kv.allocate(seq, n)
+            if ch is not None:
+                if ch is not NO_CHANGE:
+                    self._emit_change(seq, ch, plan)
+                plan.scheduled_seq_ids.append(seq.seq_id)
+                plan.num_new_tokens.append(n)
+                seq.num_computed_tokens = c + n  # counted at schedule time, as in vLLM v1
+                step = self._step
+                if c + n == total:  # it samples: a placeholder until the result comes
+                    seq.num_pending += 1
+                    step.sampling.append(seq)
+                bs = self.config.block_size
+                if (c + n) // bs != c // bs:  # cache its newly full block once the step returns
+                    step.to_commit.append((seq, seq.residency, c + n))
+                budget.tokens -= n
+                budget.seqs -= 1
+                return True
+        return self._schedule_with_preemption(r, plan, budget)
 
     def _schedule_with_preemption(self, r: Request, plan: BatchPlan, budget: _Budget) -> bool:
         """Schedule ``r``, preempting the latest arrivals while blocks are short.
@@ -288,18 +285,26 @@ class Scheduler(RequestLifecycle):
             r = self.swapped[0]
             if _awaits_result(r):
                 return
-            pairs = self.kv.swap_in(r.live, reserve=self._watermark)
-            if pairs is None:
-                return
-            self.swapped.popleft()
-            plan.swap_in.extend(pairs)
-            self._set_running(r)
-            work = self._group_work(r, budget)
-            if work:
-                intros = self._intros(r)
-                changes = self._allocate(work, self._watermark)
-                if changes is not None:
-                    self._emit(work, changes, intros, plan, budget)
+            try:
+                if not self._swap_in(r, plan, budget):
+                    return
+            except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
+                self._isolate(r, plan, exc)
+
+    def _swap_in(self, r: Request, plan: BatchPlan, budget: _Budget) -> bool:
+        pairs = self.kv.swap_in(r.live, reserve=self._watermark)
+        if pairs is None:
+            return False
+        self.swapped.popleft()
+        plan.swap_in.extend(pairs)
+        self._set_running(r)
+        work = self._group_work(r, budget)
+        if work:
+            intros = self._intros(r)
+            changes = self._allocate(work, self._watermark)
+            if changes is not None:
+                self._emit(work, changes, intros, plan, budget)
+        return True
 
     def _schedule_waiting(self, plan: BatchPlan, budget: _Budget) -> None:
         if not self.waiting:
@@ -310,23 +315,53 @@ class Scheduler(RequestLifecycle):
             r = self.waiting[0]
             if num_live + _footprint(r) > cfg.max_num_seqs or _awaits_result(r):
                 return
-            hit_tokens = self._take_prefix_hits(r)
-            if hit_tokens is None:
-                return
-            work = self._group_work(r, budget)
-            intros = self._intros(r) if work else []
-            changes = self._allocate(work, self._watermark) if work else None
-            if changes is None:
-                self._unadmit(r)
-                return
-            self.waiting.popleft()
-            self._set_running(r)
-            if r.req.first_scheduled_at is None:  # not after preemption or migration
-                r.req.first_scheduled_at = time.monotonic()
-                self.first_scheduled.append(r.req)
-            self._emit(work, changes, intros, plan, budget)  # type: ignore[arg-type]
-            self._count_prefix(r, hit_tokens)
+            try:
+                if not self._admit(r, plan, budget):
+                    return
+            except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
+                self._isolate(r, plan, exc)
+                continue
             num_live += _footprint(r)
+
+    def _admit(self, r: Request, plan: BatchPlan, budget: _Budget) -> bool:
+        """Admit the head of the waiting queue with its prefix hits; False (nothing changed) if it
+        does not fit."""
+        hit_tokens = self._take_prefix_hits(r)
+        if hit_tokens is None:
+            return False
+        work = self._group_work(r, budget)
+        intros = self._intros(r) if work else []
+        changes = self._allocate(work, self._watermark) if work else None
+        if changes is None:
+            self._unadmit(r)
+            return False
+        self.waiting.popleft()
+        self._set_running(r)
+        if r.req.first_scheduled_at is None:  # not after preemption or migration
+            r.req.first_scheduled_at = time.monotonic()
+            self.first_scheduled.append(r.req)
+        self._emit(work, changes, intros, plan, budget)  # type: ignore[arg-type]
+        self._count_prefix(r, hit_tokens)
+        return True
+
+    def _isolate(self, r: Request, plan: BatchPlan, exc: Exception) -> None:
+        """Fail ``r`` alone: take what it put into this plan back out, then release it."""
+        mine = {s.seq_id for s in r.seqs}
+        kept = [(i, n) for i, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True) if i not in mine]
+        plan.scheduled_seq_ids[:] = [i for i, _ in kept]  # (in place: the InFlight record shares it)
+        plan.num_new_tokens[:] = [n for _, n in kept]
+        plan.new_seqs[:] = [x for x in plan.new_seqs if x.seq_id not in mine]
+        plan.forks[:] = [x for x in plan.forks if x.child_seq_id not in mine]
+        plan.block_updates[:] = [x for x in plan.block_updates if x.seq_id not in mine]
+        plan.append_tokens[:] = [x for x in plan.append_tokens if x[0] not in mine]
+        step = self._step
+        for due in (step.sampling, step.beams):
+            for s in due:
+                if s.seq_id in mine:
+                    s.num_pending -= 1
+            due[:] = [s for s in due if s.seq_id not in mine]
+        step.to_commit[:] = [x for x in step.to_commit if x[0].seq_id not in mine]
+        self.failures.append(self.fail_request(r, exc))
 
     def _take_prefix_hits(self, r: Request) -> list[int] | None:
         """Give each seq its cached prefix blocks (check-then-commit per seq)."""
@@ -359,18 +394,18 @@ class Scheduler(RequestLifecycle):
     def update(self, result: StepResult) -> list[RequestUpdate]:
         """Apply the result of the oldest plan in flight; returns per-request news.
 
-        ValueError for a result that does not answer that plan (the engine treats it as the
-        executor breaking the protocol).
+        ProtocolError (a ValueError) for a result that does not answer that plan: the executor
+        broke the protocol, and the engine treats it as that executor failing.
         """
         if result.step_id in self._stale_steps:  # a plan dropped by take_all_requests
             self._stale_steps.discard(result.step_id)
             return []
         if not self.in_flight:
-            raise ValueError(f"update: no plan in flight (result for step {result.step_id})")
+            raise ProtocolError(f"update: no plan in flight (result for step {result.step_id})")
         step = self.in_flight[0]
         if result.step_id != step.step_id:
-            raise ValueError(f"update: result for step {result.step_id}, the oldest plan in flight is "
-                             f"{step.step_id}")
+            raise ProtocolError(f"update: result for step {result.step_id}, the oldest plan in flight is "
+                                f"{step.step_id}")
         if result.error is None:
             self._out.check(result, step)  # before anything changes: a bad result changes nothing
         self.in_flight.popleft()

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pagedserve.wire import SeqLogprobs, StepResult
 from scheduler_svc.api_types import FinishReason, TokenLogprob
 from scheduler_svc.beam_search import BeamCandidate, BeamLimits, beam_step, final_hypotheses
-from scheduler_svc.lifecycle import InFlight, RequestLifecycle
+from scheduler_svc.lifecycle import InFlight, ProtocolError, RequestLifecycle
 from scheduler_svc.request import Request, RequestState, RequestUpdate, Sequence, SeqUpdate
 
 
@@ -31,12 +31,12 @@ class OutputProcessor:
         """ValueError unless ``result`` samples exactly what ``step`` said would sample, in order."""
         due, sampled = step.sampling, result.sampled_seq_ids
         if len(sampled) != len(due):
-            raise ValueError(f"result {result.step_id} samples {len(sampled)} sequences, its plan {len(due)}")
+            raise ProtocolError(f"result {result.step_id} samples {len(sampled)} sequences, its plan {len(due)}")
         for seq, sid in zip(due, sampled, strict=True):
             if seq.seq_id != sid:
-                raise ValueError(f"result {result.step_id} samples seq {sid} where its plan has {seq.seq_id}")
+                raise ProtocolError(f"result {result.step_id} samples seq {sid} where its plan has {seq.seq_id}")
         if [c.seq_id for c in result.beam_candidates] != [s.seq_id for s in step.beams]:
-            raise ValueError(f"result {result.step_id} has beam candidates for other sequences than its plan")
+            raise ProtocolError(f"result {result.step_id} has beam candidates for other sequences than its plan")
 
     def process(self, result: StepResult, step: InFlight) -> list[RequestUpdate]:
         """Apply a result that passed :meth:`check`."""
@@ -45,36 +45,41 @@ class OutputProcessor:
         out: list[RequestUpdate] = []
         multi: dict[str, RequestUpdate] = {}  # n > 1: one update per request, several seqs
         for seq, tok in zip(due, result.sampled_token_ids, strict=True):
-            sid = seq.seq_id
-            if seq.finish_reason is not None:
-                continue  # finished or aborted after the plan was sent: the token is dropped
-            seq.num_pending -= 1
-            toks = seq.token_ids
-            toks.append(tok)
-            r = seq.request
-            if tok in r.eos_token_ids:
-                reason: FinishReason | None = FinishReason.EOS
-            elif tok in r.stop_token_ids:
-                reason = FinishReason.STOP
-            elif len(toks) >= r.stop_len:
-                reason = FinishReason.LENGTH
-            else:
-                reason = None
-            su = SeqUpdate(seq.index, [tok], _token_logprob(lps.get(sid), tok) if lps else None, reason)
-            if len(r.seqs) == 1:  # at most one token per sequence per step
-                ru = RequestUpdate(r.req.request_id, [su], False, seq.num_prompt_tokens,
-                                   r.num_cached_prompt_tokens)
-                out.append(ru)
-            else:
-                ru = multi.get(r.req.request_id)  # type: ignore[assignment]
-                if ru is None:
-                    multi[r.req.request_id] = ru = RequestUpdate(
-                        r.req.request_id, [su], False, seq.num_prompt_tokens, r.num_cached_prompt_tokens)
+            try:
+                sid = seq.seq_id
+                if seq.finish_reason is not None:
+                    continue  # finished or aborted after the plan was sent: the token is dropped
+                seq.num_pending -= 1
+                toks = seq.token_ids
+                toks.append(tok)
+                r = seq.request
+                if tok in r.eos_token_ids:
+                    reason: FinishReason | None = FinishReason.EOS
+                elif tok in r.stop_token_ids:
+                    reason = FinishReason.STOP
+                elif len(toks) >= r.stop_len:
+                    reason = FinishReason.LENGTH
+                else:
+                    reason = None
+                su = SeqUpdate(seq.index, [tok], _token_logprob(lps.get(sid), tok) if lps else None, reason)
+                if len(r.seqs) == 1:  # at most one token per sequence per step
+                    ru = RequestUpdate(r.req.request_id, [su], False, seq.num_prompt_tokens,
+                                       r.num_cached_prompt_tokens)
                     out.append(ru)
                 else:
-                    ru.seqs.append(su)
-            if reason is not None:
-                ru.finished = self._finish(seq, reason)
+                    ru = multi.get(r.req.request_id)  # type: ignore[assignment]
+                    if ru is None:
+                        multi[r.req.request_id] = ru = RequestUpdate(
+                            r.req.request_id, [su], False, seq.num_prompt_tokens, r.num_cached_prompt_tokens)
+                        out.append(ru)
+                    else:
+                        ru.seqs.append(su)
+                if reason is not None:
+                    ru.finished = self._finish(seq, reason)
+            except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
+                if seq.request.request_id in self.s.requests:
+                    out.append(self.s.fail_request(seq.request, exc))
+
         if step.beams or result.beam_candidates:
             self._beams(result.beam_candidates, step.beams, out)
         return out
@@ -118,7 +123,11 @@ class OutputProcessor:
             entry = by_req.setdefault(id(r), (r, {}))
             entry[1][c.seq_id] = (c.top_token_ids, c.top_logprobs)
         for r, per_seq in by_req.values():
-            self._beam_request(r, per_seq, updates)
+            try:
+                self._beam_request(r, per_seq, updates)
+            except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
+                if r.request_id in self.s.requests:
+                    updates.append(self.s.fail_request(r, exc))
 
     def _beam_request(self, r: Request, cands: dict[int, tuple[list[int], list[float]]],
                       updates: list[RequestUpdate]) -> None:

@@ -20,6 +20,9 @@ from pagedserve.wire import GREEDY_TEMPERATURE_EPS, MAX_SEED, SamplingParams
 from scheduler_svc.api_types import GenerationRequest, ModelInfo, RequestParams
 
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI presence / frequency penalties
+# Beam scores divide by length ** length_penalty: within this bound that stays a finite float for
+# any length up to the wire's limit (2**22 ** 10 ~ 1e66), and it is far beyond any useful value.
+MAX_LENGTH_PENALTY = 10.0
 
 
 class ValidationError(ValueError):
@@ -73,13 +76,13 @@ def validate_generate_request(
     sp = req.sampling
     max_tokens = _max_tokens(sp.max_tokens, len(prompt_ids), model, limits)
     n, beam_width = _n_and_beam_width(sp, limits)
+    _check_blocks(len(prompt_ids), max_tokens, n, beam_width, model)
     params = RequestParams(
         max_tokens=max_tokens,
         sampling=_sampling(sp, limits, n),
         n=n,
         beam_width=beam_width,
-        length_penalty=_finite("sampling.length_penalty", sp.length_penalty)
-        if sp.HasField("length_penalty") else 1.0,
+        length_penalty=_length_penalty(sp),
         early_stopping=sp.early_stopping,
         stop=_stop_strings(sp.stop, limits),
         stop_token_ids=_stop_token_ids(sp.stop_token_ids, model, limits),
@@ -157,6 +160,31 @@ def _n_and_beam_width(sp: pb.SamplingParams, limits: ServerLimits) -> tuple[int,
             f"must be 0 or 1 with beam search (beam_width={beam_width} returns the best beam); got n={n}",
         )
     return n, beam_width
+
+
+def _check_blocks(prompt_len: int, max_tokens: int, n: int, beam_width: int, model: ModelInfo) -> None:
+    """Every choice (or beam) at full length must fit some executor's KV pool at once."""
+    if not model.max_request_blocks:
+        return
+    width = max(n, beam_width)
+    longest = min(prompt_len + max_tokens, model.max_model_len)
+    need = width * -(-longest // model.block_size)
+    if need > model.max_request_blocks:
+        field = "sampling.n" if n > 1 else "sampling.beam_width" if beam_width > 1 else "sampling.max_tokens"
+        raise ValidationError(
+            field, f"{width} sequence(s) of up to {longest} tokens need {need} KV blocks of {model.block_size} "
+                   f"tokens at once; the largest executor pool holds {model.max_request_blocks} "
+                   f"(lower max_tokens, n or beam_width)")
+
+
+def _length_penalty(sp: pb.SamplingParams) -> float:
+    if not sp.HasField("length_penalty"):
+        return 1.0
+    lp = _finite("sampling.length_penalty", sp.length_penalty)
+    if not -MAX_LENGTH_PENALTY <= lp <= MAX_LENGTH_PENALTY:
+        raise ValidationError("sampling.length_penalty",
+                              f"must be in [{-MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}] (got {lp:g})")
+    return lp
 
 
 def _sampling(sp: pb.SamplingParams, limits: ServerLimits, n: int) -> SamplingParams:

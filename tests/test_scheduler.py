@@ -19,6 +19,7 @@ from pagedserve.wire import SamplingParams, StepResult
 from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.step_output import OutputProcessor
 from tests import fake_executor
 from tests.fake_executor import FakeExecutor, drive, sample_token
 
@@ -556,3 +557,32 @@ def test_eos_ids_come_from_config_and_generation_config(tmp_path):
     assert eos_token_ids(tmp_path) == (128001, 128008, 128009)
     (tmp_path / "config.json").write_text('{"eos_token_id": null}')
     assert eos_token_ids(tmp_path) == (128001, 128008, 128009)
+
+
+@pytest.mark.parametrize("where", ["_group_work", "_take_prefix_hits", "_finish"])
+def test_an_exception_while_handling_one_request_fails_it_alone(where, monkeypatch):
+    """A bug hit by one request (while admitting, scheduling or finishing it) fails that request;
+    every other request runs to its oracle output and no block leaks."""
+    reqs = workload(5, count=8)
+    victim = reqs[3].request_id
+    owner = OutputProcessor if where == "_finish" else Scheduler
+    original = getattr(owner, where)
+
+    def flaky(self, r, *args):
+        rid = (r.request if where == "_finish" else r).request_id
+        if rid == victim:
+            raise ZeroDivisionError("a bug that only this request hits")
+        return original(self, r, *args)
+
+    monkeypatch.setattr(owner, where, flaky)
+    sched, ex = make(64)
+    failed = []
+    outs = run_all(sched, ex, reqs, on_step=lambda plan, ups: failed.extend(
+        u for u in ups + sched.failures if u.error))
+    sched.failures.clear()
+    errors = {u.request_id: u.error for u in failed}
+    assert list(errors) == [victim] and "ZeroDivisionError" in errors[victim]
+    for r in reqs:
+        if r.request_id != victim:
+            assert outs[(r.request_id, 0)] == oracle(r)
+    assert_all_released(sched, ex)

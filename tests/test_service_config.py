@@ -77,7 +77,7 @@ def test_every_knob_has_one_flag_whose_default_is_the_declared_one():
 
 def test_every_flag_reaches_the_object_that_uses_it(model_dir):
     """Each knob set to a non-default value arrives in the built config (none is dropped on the way)."""
-    values = {"--block-size": "32", "--max-num-seqs": "7", "--max-num-batched-tokens": "999",
+    values = {"--block-size": "32", "--max-num-seqs": "77", "--max-num-batched-tokens": "999",
               "--preemption-mode": "swap", "--watermark": "0.05", "--heartbeat-interval": "0.25",
               "--max-queued-requests": "11", "--max-migrations": "5"}
     values.update({flag: str(default(cls, name) + 3) for flag, (cls, name) in FLAG_FIELDS.items()
@@ -92,3 +92,9 @@ def test_every_flag_reaches_the_object_that_uses_it(model_dir):
         assert got != default(cls, name), f"{flag} did not reach {cls.__name__}.{name}"
         if flag in values:
             assert str(got) == values[flag], flag
+
+
+def test_n_and_beam_width_limits_must_fit_a_step(model_dir, capsys):
+    with pytest.raises(SystemExit):
+        load_config(["--model", str(model_dir), "--max-num-seqs", "8", "--max-n", "9"], {})
+    assert "--max-n: must be <= --max-num-seqs and --max-num-batched-tokens (8), got 9" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -152,3 +153,27 @@ def test_server_limits_to_proto():
     msg = LIMITS.to_proto()
     assert (msg.max_n, msg.max_beam_width, msg.max_stop_strings, msg.max_stop_string_len,
             msg.max_stop_token_ids, msg.max_logprobs, msg.default_max_tokens) == (4, 3, 2, 5, 2, 5, 16)
+
+
+@pytest.mark.parametrize("penalty", [1000.0, 300.0, -11.0, 3e38, -3e38])
+def test_length_penalty_is_bounded_so_beam_scores_stay_finite(penalty):
+    msg = refused("sampling.length_penalty", sampling={"beam_width": 2, "length_penalty": penalty})
+    assert "[-10, 10]" in msg
+    assert validate(sampling={"beam_width": 2, "length_penalty": -10.0}).params.length_penalty == -10.0
+
+
+def test_a_request_that_can_never_fit_an_executor_pool_is_refused_at_the_edge():
+    tok = make_tokenizer()
+    info = dataclasses.replace(model_info(tok, 4096), max_request_blocks=100)  # 1600 tokens at once
+
+    def check(**sampling):
+        req = pb.GenerateRequest(prompt_token_ids=[5] * 10, sampling=pb.SamplingParams(**sampling))
+        return validate_generate_request(req, info, LIMITS, lambda text: tok.encode(text).ids)
+
+    assert check(max_tokens=1590).params.max_tokens == 1590  # 100 blocks: fits
+    for sampling, field in [({"max_tokens": 1591}, "sampling.max_tokens"),
+                            ({"n": 4, "max_tokens": 500}, "sampling.n"),
+                            ({"beam_width": 3, "max_tokens": 600}, "sampling.beam_width")]:
+        with pytest.raises(ValidationError) as e:
+            check(**sampling)
+        assert e.value.field == field and "the largest executor pool holds 100" in str(e.value)
