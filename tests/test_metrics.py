@@ -5,7 +5,6 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
-
 from grpc_fakes import example_stats
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
