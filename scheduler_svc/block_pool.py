@@ -17,6 +17,12 @@ Order on the free list is the eviction order:
 
 A freed cached block stays findable through :meth:`lookup` until it is
 evicted by ``allocate``.
+
+Blocks are created on first use, not up front: a pool's Python objects grow with
+the blocks it has actually handed out, so an executor reporting a huge pool (or
+a hostile peer claiming one) costs nothing until the blocks are needed. Never
+used blocks count as free and behave as if they sat, empty, between the
+uncached and the cached part of the free list.
 """
 
 from __future__ import annotations
@@ -47,14 +53,12 @@ class BlockPool:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]  # indexed by block_id
+        self.blocks: list[Block] = []  # the blocks used so far, indexed by block_id (created on first use)
         self._head = Block(-1)  # sentinels: head.next is the next block to reuse
         self._tail = Block(-2)
         self._head.next = self._tail
         self._tail.prev = self._head
-        for b in self.blocks:
-            self._append(b)
-        self._num_free = num_blocks  # blocks on the free list (refcount 0), cached or not
+        self._num_free = num_blocks  # refcount 0: on the free list (cached or not) or never used
         self._num_cached_free = 0  # of those, how many still hold a hash
         self._by_hash: dict[bytes, Block] = {}  # registered full blocks, in use or free
 
@@ -101,8 +105,14 @@ class BlockPool:
 
     # ---------------------------------------------------------------- alloc/free
     def allocate(self) -> Block:
-        """Take the head of the free list (evicting its cached content), refcount 1."""
+        """An empty block if there is one (freed, else never used), else the least recently freed
+        cached one (evicting its content); refcount 1."""
         b = self._head.next
+        if (b is self._tail or b.block_hash is not None) and len(self.blocks) < self.num_blocks:  # type: ignore[union-attr]
+            b = Block(len(self.blocks), ref_cnt=1)
+            self.blocks.append(b)
+            self._num_free -= 1
+            return b
         if b is self._tail:
             raise RuntimeError("BlockPool.allocate on an empty pool: callers must check num_free_blocks")
         self._unlink(b)  # type: ignore[arg-type]
@@ -164,10 +174,10 @@ class BlockPool:
         at it. Also checks the free list (both directions), the counters and
         the hash map.
         """
-        refs = [0] * self.num_blocks
+        refs = [0] * len(self.blocks)
         for table in tables:
             for b in table:
-                if self.blocks[b.block_id] is not b:
+                if not 0 <= b.block_id < len(self.blocks) or self.blocks[b.block_id] is not b:
                     raise RuntimeError(f"block table holds a block not from this pool: {b!r}")
                 refs[b.block_id] += 1
         for b in self.blocks:
@@ -176,15 +186,16 @@ class BlockPool:
                     f"block {b.block_id}: refcount {b.ref_cnt} but {refs[b.block_id]} table entries")
         seen = self._walk_free_list()
         free_blocks = [b for b in self.blocks if b.ref_cnt == 0]
-        if len(seen) != len(free_blocks) or len(seen) != self._num_free:
+        never_used = self.num_blocks - len(self.blocks)
+        if len(seen) != len(free_blocks) or len(seen) + never_used != self._num_free:
             raise RuntimeError(
-                f"free list holds {len(seen)} blocks, {len(free_blocks)} have refcount 0, "
-                f"counter says {self._num_free}")
+                f"free list holds {len(seen)} blocks, {len(free_blocks)} have refcount 0, {never_used} were "
+                f"never used, counter says {self._num_free}")
         cached_free = sum(1 for b in free_blocks if b.block_hash is not None)
         if cached_free != self._num_cached_free:
             raise RuntimeError(f"cached-free counter {self._num_cached_free} != actual {cached_free}")
-        in_use = self.num_blocks - len(free_blocks)
-        uncached_free = len(free_blocks) - cached_free
+        in_use = len(self.blocks) - len(free_blocks)
+        uncached_free = len(free_blocks) - cached_free + never_used
         if uncached_free + in_use + cached_free != self.num_blocks:
             raise RuntimeError("free + in use + cached != total")
         for h, b in self._by_hash.items():

@@ -81,11 +81,25 @@ def test_integrity_catches_refcount_mismatch_and_broken_links():
     with pytest.raises(RuntimeError, match="refcount 1 but 2"):
         pool.check_integrity([[a, a]])
     pool.check_integrity([[a]])
-    b = pool.blocks[1]  # on the free list
+    b = pool.allocate()
+    pool.free(b)  # on the free list now
     b.ref_cnt = 1  # corrupt: held but still linked
     with pytest.raises(RuntimeError):
         pool.check_integrity([[a], [b]])
     b.ref_cnt = 0
     b.next.prev = None  # type: ignore[union-attr]
-    with pytest.raises(RuntimeError, match="links"):
+    with pytest.raises(RuntimeError, match="links|stale"):
         pool.check_integrity([[a]])
+
+
+def test_blocks_are_created_on_first_use_so_a_huge_pool_costs_nothing_until_used():
+    pool = BlockPool(2**40)  # what a hostile handshake once claimed: 1.37 GB of objects, eagerly
+    assert pool.num_free_blocks == 2**40 and len(pool.blocks) == 0
+    a, b = pool.allocate(), pool.allocate()
+    assert (a.block_id, b.block_id) == (0, 1) and len(pool.blocks) == 2
+    pool.cache(a, b"A")
+    pool.free(a)  # cached: kept for a hit while never-used blocks remain
+    pool.free(b)  # empty: reused first
+    assert pool.allocate() is b
+    assert pool.allocate().block_id == 2 and pool.lookup(b"A") is a
+    pool.check_integrity([[b], [pool.blocks[2]]])
