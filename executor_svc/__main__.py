@@ -22,6 +22,7 @@ from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
 from executor_svc.worker import ExecutorWorker
 from pagedserve import wire
+from pagedserve.wire.keys import derive_keys, read_cluster_secret
 
 log = logging.getLogger("executor_svc")
 
@@ -85,7 +86,8 @@ def run(cfg: ExecutorConfig) -> int:
         health = HealthServer(cfg.health_port).start()
     try:
         runner, hs = build_runner(cfg)
-        worker = ExecutorWorker(cfg.scheduler, runner, hs, drain_timeout=cfg.drain_timeout, health=health)
+        keys = None if cfg.cluster_secret_file is None else derive_keys(read_cluster_secret(cfg.cluster_secret_file))
+        worker = ExecutorWorker(cfg.scheduler, runner, hs, drain_timeout=cfg.drain_timeout, health=health, keys=keys)
         signal.signal(signal.SIGTERM, lambda *_: worker.request_drain())
         signal.signal(signal.SIGINT, lambda *_: (worker.request_drain(), worker.request_drain()))
         return worker.run()

@@ -36,6 +36,7 @@ class ExecutorConfig:
     executor_id: str
     health_port: int  # 0 = no health server
     drain_timeout: float  # seconds to keep serving after SIGTERM
+    cluster_secret_file: Path | None  # CURVE keys of the link to the scheduler (None: unencrypted)
     log_level: str
 
 
@@ -71,6 +72,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    default=8090, help="grpc.health.v1 port (0 disables)")
     p.add_argument("--drain-timeout", type=number(float, "--drain-timeout", 0.0, low_inclusive=True),
                    default=30.0, help="seconds to keep serving plans after SIGTERM")
+    p.add_argument("--cluster-secret-file", type=Path, default=None,
+                   help="file holding the cluster secret the scheduler was given: the link is then "
+                        "authenticated and encrypted (CurveZMQ)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
@@ -83,4 +87,5 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         swap_space=args.swap_space, block_size=args.block_size, dtype=args.dtype,
         cpu_attention=args.cpu_attention,
         executor_id=args.executor_id or f"{socket.gethostname()}-{os.getpid()}",
-        health_port=args.health_port, drain_timeout=args.drain_timeout, log_level=args.log_level)
+        health_port=args.health_port, drain_timeout=args.drain_timeout,
+        cluster_secret_file=args.cluster_secret_file, log_level=args.log_level)

@@ -27,8 +27,12 @@ import zmq
 
 from executor_svc.runner import ModelRunner
 from pagedserve import wire
+from pagedserve.ratelog import RateLimitedLog
+from pagedserve.wire.keys import ClusterKeys, make_client
 
 log = logging.getLogger(__name__)
+peer_warning = RateLimitedLog(log)
+_FROM_SCHEDULER = (wire.HandshakeReply, wire.Heartbeat, wire.BatchPlan)
 
 EXIT_OK, EXIT_REFUSED = 0, 2
 _RESET = "reset"
@@ -62,8 +66,10 @@ class ComputeThread(threading.Thread):
 
 class ExecutorWorker:
     def __init__(self, scheduler: str, runner: ModelRunner, handshake: wire.Handshake, *,
-                 drain_timeout: float = 30.0, health=None, ctx: zmq.Context | None = None) -> None:
+                 drain_timeout: float = 30.0, health=None, ctx: zmq.Context | None = None,
+                 keys: ClusterKeys | None = None) -> None:
         self.scheduler, self.handshake, self.health = scheduler, handshake, health
+        self.keys = keys  # CURVE client keys (None: the link is unencrypted, loopback setups)
         self.drain_timeout = drain_timeout
         self.ctx = ctx or zmq.Context()
         self._pair = self.ctx.socket(zmq.PAIR)
@@ -93,6 +99,8 @@ class ExecutorWorker:
         sock.setsockopt(zmq.ROUTING_ID, self.handshake.executor_id.encode())
         sock.setsockopt(zmq.LINGER, 1000)  # let the last results/Drain go out on exit
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
+        if self.keys is not None:
+            make_client(sock, self.keys)
         sock.connect(self.scheduler)
         self.sock = sock
         self.accepted = False
@@ -191,9 +199,9 @@ class ExecutorWorker:
                 if not frame:
                     continue  # tolerate an empty delimiter frame
                 try:
-                    msg = wire.decode(frame)
+                    msg = wire.decode(frame, accept=_FROM_SCHEDULER)
                 except wire.WireError as exc:
-                    log.warning("dropping malformed frame (%d bytes): %s", len(frame), exc)
+                    peer_warning("dropping a malformed frame (%d bytes): %s", len(frame), exc)
                     continue
                 if (code := self._dispatch(msg)) is not None:
                     return code

@@ -17,9 +17,11 @@ import argparse
 import ctypes
 import ctypes.util
 import os
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,7 +50,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL(libc_name, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
 
 
-def _start(args: argparse.Namespace) -> list[subprocess.Popen]:
+def _cluster_secret(directory: Path) -> Path:
+    """A fresh secret for this stack's executor link (CurveZMQ), readable by its owner only."""
+    path = directory / "cluster-secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32))
+    return path
+
+
+def _start(args: argparse.Namespace, secret: Path) -> list[subprocess.Popen]:
     py = sys.executable
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # Own sessions: a terminal's Ctrl-C reaches only this process, which then stops the services
@@ -57,11 +68,13 @@ def _start(args: argparse.Namespace) -> list[subprocess.Popen]:
         [py, "-m", "scheduler_svc", "--model", str(args.model), "--host", "127.0.0.1",
          "--port", str(args.port), "--executor-host", "127.0.0.1", "--executor-port",
          str(args.executor_port), "--metrics-port", str(args.metrics_port),
-         "--shutdown-grace-seconds", "5"], env=env, start_new_session=True, preexec_fn=_die_with_parent)
+         "--shutdown-grace-seconds", "5", "--cluster-secret-file", str(secret)], env=env, start_new_session=True,
+        preexec_fn=_die_with_parent)
     execu = subprocess.Popen(
         [py, "-m", "executor_svc", "--model", str(args.model), "--scheduler",
          f"tcp://127.0.0.1:{args.executor_port}", "--device", "cpu", "--kv-cache-memory",
-         args.kv_cache_memory, "--health-port", "0"], env=env, start_new_session=True,
+         args.kv_cache_memory, "--health-port", "0", "--cluster-secret-file", str(secret)], env=env,
+        start_new_session=True,
         preexec_fn=_die_with_parent)
     return [sched, execu]
 
@@ -148,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     parent = os.getppid()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_termination)
-    procs = _start(args)
+    secret_dir = tempfile.TemporaryDirectory(prefix="pagedserve-demo-")
+    procs = _start(args, _cluster_secret(Path(secret_dir.name)))
     try:
         with grpc.insecure_channel(f"127.0.0.1:{args.port}") as ch:
             _wait_serving(ch, procs, timeout_s=180)
@@ -162,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nstopping ({type(exc).__name__}{': ' + str(exc) if str(exc) else ''})...", flush=True)
     finally:
         terminate(list(reversed(procs)), timeout_s=30)  # executor first: it drains, then the scheduler
+        secret_dir.cleanup()
         print("stopped.", flush=True)
 
 

@@ -10,6 +10,7 @@ block is freed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 import uvloop
 from tokenizers import Tokenizer
 
+from pagedserve.wire.fingerprint import model_fingerprint
 from scheduler_svc.config import ServiceConfig, load_config
 from scheduler_svc.engine import Engine, tune_gc
 from scheduler_svc.metrics import Metrics, start_metrics_server
@@ -52,15 +54,28 @@ def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def served_model(model_dir: Path) -> str | None:
+    """The fingerprint executors must present, when --model holds the weights (else the first
+    executor's is taken, with a warning)."""
+    try:
+        return model_fingerprint(model_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        log.warning("cannot fingerprint %s (%s): the first executor to register fixes the served model",
+                    model_dir, exc)
+        return None
+
+
 async def serve(cfg: ServiceConfig) -> None:
     tokenizer = load_tokenizer(cfg.model_dir)
     metrics = Metrics()
-    engine = Engine(cfg.engine, tokenizer, eos_token_ids(cfg.model_dir), metrics)
+    engine_cfg = dataclasses.replace(cfg.engine, model_fingerprint=served_model(cfg.model_dir))
+    engine = Engine(engine_cfg, tokenizer, eos_token_ids(cfg.model_dir), metrics)
     await engine.start()
     api = await start_grpc_server(engine, tokenizer, cfg.host, cfg.port, cfg.limits, metrics)
     loop = asyncio.get_running_loop()
     engine.on_readiness_change = lambda: loop.create_task(api.update_health())
-    metrics_server = start_metrics_server(cfg.metrics_port, metrics.registry) if cfg.metrics_port else None
+    metrics_server = (start_metrics_server(cfg.metrics_port, metrics.registry, host=cfg.metrics_host)
+                      if cfg.metrics_port else None)
     tune_gc()
     log.info("scheduler ready: gRPC :%d, executors dial %s (port %d), metrics :%s",
              api.port, cfg.engine.executor_endpoint, engine.hub.bound_port, cfg.metrics_port or "off")

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pagedserve import wire
 from pagedserve.envargs import number, parse_with_env
+from pagedserve.wire.keys import read_cluster_secret
 from scheduler_svc.sched_config import PREEMPTION_MODES, EngineConfig, SchedulerConfig
 from scheduler_svc.validation import ServerLimits
 
@@ -26,6 +29,7 @@ DEFAULT_GRPC_PORT = 50051
 DEFAULT_EXECUTOR_PORT = 5556
 DEFAULT_METRICS_PORT = 9100
 PORT = number(int, "port", 0, low_inclusive=True, high=65535)  # 0: pick a free port / disable
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +37,7 @@ class ServiceConfig:
     model_dir: Path
     host: str
     port: int
+    metrics_host: str
     metrics_port: int  # 0 = no metrics endpoint
     engine: EngineConfig  # its .scheduler: the per-executor scheduling knobs
     limits: ServerLimits  # per-request limits at the API edge
@@ -63,10 +68,12 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "--max-queued-requests": (EngineConfig, "max_queued_requests"),
     "--max-migrations": (EngineConfig, "max_migrations"),
     "--async-scheduling": (EngineConfig, "async_scheduling"),
+    "--cluster-secret-file": (EngineConfig, "cluster_secret_file"),
+    "--step-timeout": (EngineConfig, "step_timeout_s"),
     **{"--" + f.name.replace("_", "-"): (ServerLimits, f.name) for f in dataclasses.fields(ServerLimits)},
 }
 RUNTIME_FIELDS = {(SchedulerConfig, "max_model_len"), (EngineConfig, "scheduler"),
-                  (EngineConfig, "executor_endpoint")}
+                  (EngineConfig, "executor_endpoint"), (EngineConfig, "model_fingerprint")}
 
 _LIMIT_HELP = {
     "max_n": "largest n (parallel samples) a request may ask for",
@@ -90,9 +97,22 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="model directory (config.json and tokenizer.json are read; no weights)")
     p.add_argument("--host", default="0.0.0.0", help="gRPC listen address")
     p.add_argument("--port", type=PORT, default=DEFAULT_GRPC_PORT, help="gRPC port")
-    p.add_argument("--executor-host", default="0.0.0.0", help="address executors dial in to")
+    p.add_argument("--executor-host", default=None,
+                   help="address executors dial in to (default 0.0.0.0 with --cluster-secret-file, else "
+                        "127.0.0.1: an unencrypted executor link is never exposed by default)")
     p.add_argument("--executor-port", type=PORT, default=DEFAULT_EXECUTOR_PORT,
                    help="ZeroMQ ROUTER port executors dial in to")
+    p.add_argument("--cluster-secret-file", type=Path, default=None,
+                   help="file holding the cluster secret (>= 16 bytes) the executors share: the executor link "
+                        "is then authenticated and encrypted (CurveZMQ)")
+    p.add_argument("--allow-insecure-executors", action="store_true",
+                   help="let executors dial in over a non-loopback address without a cluster secret: anyone "
+                        "who reaches the port then receives prompts and can forge outputs")
+    p.add_argument("--step-timeout", type=number(float, "--step-timeout", 0), default=default(EngineConfig,
+                   "step_timeout_s"), dest="step_timeout_s",
+                   help="seconds a step may take at least before its executor counts as failed and its requests "
+                        "move (the bound grows with the executor's observed step times)")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="Prometheus /metrics listen address")
     p.add_argument("--metrics-port", type=PORT, default=DEFAULT_METRICS_PORT,
                    help="Prometheus /metrics HTTP port (0 disables)")
     s, e = SchedulerConfig, EngineConfig
@@ -134,6 +154,33 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _executor_host(parser: argparse.ArgumentParser, a: argparse.Namespace) -> str:
+    """Secure by default: without a cluster secret the executor port binds loopback only."""
+    if a.cluster_secret_file is not None:
+        try:
+            read_cluster_secret(a.cluster_secret_file)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return a.executor_host or "0.0.0.0"
+    host = a.executor_host or "127.0.0.1"
+    if not _is_loopback(host):
+        if not a.allow_insecure_executors:
+            parser.error(f"--executor-host {host}: executors would dial in unauthenticated and unencrypted; "
+                         "give --cluster-secret-file (or, knowingly, --allow-insecure-executors)")
+        log.warning("executor link on %s WITHOUT authentication or encryption (--allow-insecure-executors): "
+                    "anyone who reaches it receives prompts and can forge outputs", host)
+    return host
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _fields(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
 
@@ -148,9 +195,11 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         room = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
         if width > room:  # such a request could never be scheduled: refuse the configuration, not it
             parser.error(f"{flag}: must be <= --max-num-seqs and --max-num-batched-tokens ({room}), got {width}")
-    engine = EngineConfig(scheduler=scheduler, executor_endpoint=f"tcp://{a.executor_host}:{a.executor_port}",
+    host = _executor_host(parser, a)
+    engine = EngineConfig(scheduler=scheduler, executor_endpoint=f"tcp://{host}:{a.executor_port}",
                           **{k: v for k, v in _fields(EngineConfig, a).items() if k != "scheduler"})
     return ServiceConfig(
-        model_dir=a.model, host=a.host, port=a.port, metrics_port=a.metrics_port, engine=engine,
+        model_dir=a.model, host=a.host, port=a.port, metrics_host=a.metrics_host, metrics_port=a.metrics_port,
+        engine=engine,
         limits=ServerLimits(**_fields(ServerLimits, a)), shutdown_grace_seconds=a.shutdown_grace_seconds,
         log_level=a.log_level)

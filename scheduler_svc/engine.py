@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Collection
 
 from tokenizers import Tokenizer
 
+from pagedserve.wire.keys import derive_keys, read_cluster_secret
 from scheduler_svc.api_types import (
     EngineStats,
     ExecutorStats,
@@ -59,9 +60,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.metrics = metrics
+        keys = None if cfg.cluster_secret_file is None else derive_keys(read_cluster_secret(cfg.cluster_secret_file))
         self.hub = ExecutorHub(cfg.executor_endpoint, block_size=cfg.scheduler.block_size,
                                heartbeat_interval_s=cfg.heartbeat_interval_s, on_join=self._on_join,
-                               on_drain=self._on_drain, on_dead=self._on_dead)
+                               on_drain=self._on_drain, on_dead=self._on_dead, keys=keys,
+                               step_timeout_s=cfg.step_timeout_s, model_fingerprint=cfg.model_fingerprint)
         self.slots: dict[str, ExecutorSlot] = {}
         self.router = Router(cfg.scheduler.block_size)
         self.tracked: dict[str, Tracked] = {}

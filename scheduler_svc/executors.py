@@ -7,11 +7,21 @@ failed send, sends plans and hands their results back in order: with
 asynchronous scheduling an executor has up to two plans outstanding (one
 running, the next queued behind it). It owns no scheduling state: it reports
 joins, drains and deaths through callbacks and lets the engine decide.
+
+Trust (docs/ARCHITECTURE.md, "Security model"): with a cluster secret the
+socket is a CURVE server and a ZAP handler admits only the executor key derived
+from the same secret, so nothing from a peer without it reaches this code. A
+routing id that is connected cannot be taken over by another connection (no
+ROUTER_HANDOVER). Before its handshake is accepted a peer may send one small
+handshake frame, which is all that is decoded; every frame is size-bounded by
+libzmq first and decoded with typed, bounded readers. A step that does not come
+back within the step timeout counts as the executor failing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections import deque
@@ -22,8 +32,13 @@ import zmq
 import zmq.asyncio
 
 from pagedserve import wire
+from pagedserve.ratelog import RateLimitedLog
+from pagedserve.wire.keys import ZAP_DOMAIN, ClusterKeys, make_server
 
 log = logging.getLogger(__name__)
+peer_warning = RateLimitedLog(log)  # what peers send wrong: at most one line per 10 s
+STEP_TIMEOUT_PER_STEP = 20  # a step may take this many times the executor's recent average...
+_REGISTERED_KINDS = (wire.Heartbeat, wire.StepResult, wire.Drain, wire.Handshake)
 
 
 class ExecutorLost(Exception):
@@ -37,6 +52,8 @@ class ExecutorConn:
     state: str = "ready"  # "ready" | "draining" | "dead"
     last_seen: float = field(default_factory=time.monotonic)
     in_flight: deque[tuple[int, asyncio.Future]] = field(default_factory=deque)  # (step id, result), oldest first
+    oldest_since: float = 0.0  # when the oldest plan in flight started to run (as far as we know)
+    step_seconds: float = 0.0  # moving average of the time between results
     drain_deadline: float | None = None
 
     @property
@@ -50,26 +67,43 @@ class ExecutorHub:
     def __init__(self, endpoint: str, *, block_size: int, heartbeat_interval_s: float,
                  on_join: Callable[[ExecutorConn], None],
                  on_drain: Callable[[ExecutorConn], None],
-                 on_dead: Callable[[ExecutorConn, str], None]) -> None:
+                 on_dead: Callable[[ExecutorConn, str], None],
+                 keys: ClusterKeys | None = None, step_timeout_s: float = 30.0,
+                 model_fingerprint: str | None = None) -> None:
         self.endpoint = endpoint
         self.block_size = block_size
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.keys = keys  # None: no CURVE (the engine allows that on loopback only)
+        self.step_timeout_s = step_timeout_s  # ...but never less than this
+        self._auth = None
         self._on_join, self._on_drain, self._on_dead = on_join, on_drain, on_dead
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self.conns: dict[bytes, ExecutorConn] = {}
-        self.model_fingerprint: str | None = None  # fixed by the first accepted executor
+        # The served model: computed from the scheduler's own --model directory when its weights are
+        # there; otherwise fixed by the first accepted executor.
+        self.model_fingerprint = model_fingerprint
+        self.model_vocab_size: int | None = None
         self.bound_port: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        if self.keys is not None:
+            from zmq.auth.asyncio import AsyncioAuthenticator
+
+            self._auth = AsyncioAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve_callback(ZAP_DOMAIN.decode(), _ExecutorKey(self.keys.executor_public))
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted executor takes over its id
-        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
+        # No ROUTER_HANDOVER: a connected routing id cannot be taken over by another connection.
+        # A restarted executor gets its id back once the kernel closed the dead one's socket.
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_RESULT_FRAME_BYTES)  # libzmq drops peers sending more
+        if self.keys is not None:
+            make_server(sock, self.keys)
         sock.bind(self.endpoint)
         self.bound_port = int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
         self._sock = sock
@@ -82,6 +116,8 @@ class ExecutorHub:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._sock is not None:
             self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
     # ------------------------------------------------------------------ steps
@@ -90,6 +126,8 @@ class ExecutorHub:
         """Send a plan without waiting for its result; ExecutorLost if the executor is gone."""
         if conn.state == "dead":
             raise ExecutorLost(conn.id)
+        if not conn.in_flight:
+            conn.oldest_since = time.monotonic()
         conn.in_flight.append((plan.step_id, asyncio.get_running_loop().create_future()))
         if not await self._send(conn, plan):
             raise ExecutorLost(conn.id)
@@ -124,13 +162,17 @@ class ExecutorHub:
                 await asyncio.sleep(0.05)
                 continue
             if len(frames) != 2:
-                log.warning("dropping a message of %d frames (expected identity + payload)", len(frames))
+                peer_warning("dropping a message of %d frames (expected identity + payload)", len(frames))
                 continue
             identity, payload = frames
+            conn = self.conns.get(identity)
             try:
-                msg = wire.decode(payload)
+                if conn is not None and conn.state != "dead":
+                    msg = wire.decode(payload, accept=_REGISTERED_KINDS, max_bytes=wire.MAX_RESULT_FRAME_BYTES)
+                else:  # not registered: a small handshake is all we read from it
+                    msg = wire.decode(payload, accept=(wire.Handshake,), max_bytes=wire.MAX_HANDSHAKE_FRAME_BYTES)
             except wire.WireError as exc:
-                log.warning("dropping malformed frame from %r: %s", identity, exc)
+                peer_warning("dropping a malformed frame from %r: %s", identity[:64], exc)
                 continue
             try:
                 await self._dispatch(identity, msg)
@@ -143,17 +185,20 @@ class ExecutorHub:
             return
         conn = self.conns.get(identity)
         if conn is None or conn.state == "dead":
-            log.info("ignoring %s from unregistered peer %r", type(msg).__name__, identity)
+            peer_warning("ignoring %s from unregistered peer %r", type(msg).__name__, identity[:64])
             return
-        conn.last_seen = time.monotonic()
+        now = conn.last_seen = time.monotonic()
         if isinstance(msg, wire.StepResult):
             waiting = next((f for step, f in conn.in_flight if not f.done()), None)
             expected = next((step for step, f in conn.in_flight if f is waiting), None)
             if waiting is None or msg.step_id != expected:
-                log.warning("executor %s: unexpected result for step %d (expected %s)", conn.id, msg.step_id,
-                            expected)
+                peer_warning("executor %s: unexpected result for step %d (expected %s)", conn.id, msg.step_id,
+                             expected)
             else:
                 waiting.set_result(msg)
+                took = now - conn.oldest_since
+                conn.step_seconds = took if not conn.step_seconds else 0.9 * conn.step_seconds + 0.1 * took
+                conn.oldest_since = now  # the next plan (if queued) started when this one ended
         elif isinstance(msg, wire.Drain):
             if conn.state == "ready":
                 conn.state = "draining"
@@ -174,6 +219,8 @@ class ExecutorHub:
         if self.model_fingerprint is not None and hs.model_fingerprint != self.model_fingerprint:
             return (f"model fingerprint {hs.model_fingerprint[:12]} differs from the served model's "
                     f"{self.model_fingerprint[:12]}")
+        if self.model_vocab_size is not None and hs.vocab_size != self.model_vocab_size:
+            return f"vocab size {hs.vocab_size} differs from the served model's {self.model_vocab_size}"
         return None
 
     async def _handshake(self, identity: bytes, hs: wire.Handshake) -> None:
@@ -192,6 +239,7 @@ class ExecutorHub:
             log.warning("refused executor %s: %s", hs.executor_id, reason)
             return
         self.model_fingerprint = self.model_fingerprint or hs.model_fingerprint
+        self.model_vocab_size = self.model_vocab_size or hs.vocab_size
         conn = ExecutorConn(identity, hs)
         self.conns[identity] = conn
         log.info("executor %s joined: %d device blocks, %d cpu blocks, %s/%s",
@@ -215,6 +263,11 @@ class ExecutorHub:
             del self.conns[conn.identity]
         self._on_dead(conn, why)
 
+    def step_timeout(self, conn: ExecutorConn) -> float:
+        """How long the oldest plan in flight may take: sized from the executor's recent steps,
+        never less than the configured floor (a first step may compile kernels)."""
+        return max(self.step_timeout_s, STEP_TIMEOUT_PER_STEP * conn.step_seconds)
+
     async def _heartbeat_loop(self) -> None:
         limit = wire.DEAD_AFTER_INTERVALS * self.heartbeat_interval_s
         while True:
@@ -223,5 +276,19 @@ class ExecutorHub:
             for conn in list(self.conns.values()):
                 if now - conn.last_seen > limit:
                     self._declare_dead(conn, f"silent for {now - conn.last_seen:.1f}s")
+                elif conn.in_flight and now - conn.oldest_since > self.step_timeout(conn):
+                    # Heartbeating but not answering (a stuck device, or a peer swallowing plans).
+                    self._declare_dead(conn, f"step {conn.in_flight[0][0]} did not come back within "
+                                             f"{self.step_timeout(conn):.0f}s (--step-timeout)")
                 else:
                     await self._send(conn, wire.Heartbeat(time.time()))
+
+
+class _ExecutorKey:
+    """ZAP credentials check: only the executor key derived from the cluster secret gets in."""
+
+    def __init__(self, executor_public: bytes) -> None:
+        self._key = executor_public
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        return hmac.compare_digest(client_key, self._key)

@@ -10,6 +10,7 @@ directly or through ``dataclasses.replace``, never by mutating these objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagedserve import wire
 
@@ -65,3 +66,6 @@ class EngineConfig:
     max_queued_requests: int = 1024
     max_migrations: int = 3
     async_scheduling: bool = True  # plan step k+1 while the executor runs step k
+    cluster_secret_file: Path | None = None  # CURVE keys of the executor link (None: no encryption)
+    step_timeout_s: float = 30.0  # least time a step may take before its executor counts as failed
+    model_fingerprint: str | None = None  # the served model (from --model's weights), None: the first executor's

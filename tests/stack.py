@@ -8,6 +8,7 @@ the test's tmp dir and are printed when a test fails to start a stack.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -22,6 +23,13 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
 
+def write_secret(path: Path) -> Path:
+    """A fresh cluster secret, readable by its owner only."""
+    path.write_bytes(secrets.token_urlsafe(32).encode())
+    path.chmod(0o600)
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -31,10 +39,16 @@ def free_port() -> int:
 class Stack:
     """One scheduler plus any number of executors, started and stopped by a test."""
 
-    def __init__(self, model: Path, logdir: Path, scheduler_args: list[str] | None = None) -> None:
+    def __init__(self, model: Path, logdir: Path, scheduler_args: list[str] | None = None,
+                 secure: bool = True) -> None:
         self.model, self.logdir = model, logdir
         self.port, self.executor_port = free_port(), free_port()
         self.scheduler_args = scheduler_args or []
+        # The executor link runs CurveZMQ with a secret made for this stack, as deployed.
+        self.secret_file: Path | None = None
+        if secure:
+            self.secret_file = write_secret(logdir / "cluster-secret")
+        self.secret_args = ["--cluster-secret-file", str(self.secret_file)] if secure else []
         self.scheduler: subprocess.Popen | None = None
         self.executors: dict[str, subprocess.Popen] = {}
         self.channel: grpc.Channel | None = None
@@ -49,7 +63,7 @@ class Stack:
             "-m", "scheduler_svc", "--model", str(self.model), "--host", "127.0.0.1",
             "--port", str(self.port), "--executor-host", "127.0.0.1",
             "--executor-port", str(self.executor_port), "--metrics-port", "0",
-            "--heartbeat-interval", "0.5", *self.scheduler_args])
+            "--heartbeat-interval", "0.5", *self.secret_args, *self.scheduler_args])
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.wait_health(liveness=True)
 
@@ -57,7 +71,7 @@ class Stack:
         proc = self._spawn(name, [
             "-m", "executor_svc", "--model", str(self.model), "--scheduler",
             f"tcp://127.0.0.1:{self.executor_port}", "--device", "cpu", "--executor-id", name,
-            "--kv-cache-memory", "64MiB", "--health-port", "0", *extra])
+            "--kv-cache-memory", "64MiB", "--health-port", "0", *self.secret_args, *extra])
         self.executors[name] = proc
         return proc
 

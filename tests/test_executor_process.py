@@ -168,7 +168,8 @@ def test_executor_process_lifecycle(tiny_llama_dir, sched):
         if proc.poll() is None:
             proc.kill()
         out = proc.communicate()[0].decode(errors="replace")
-    assert "dropping malformed frame" in out, out
+    # Two garbage frames, one log line: what peers send wrong is rate-limited.
+    assert out.count("dropping a malformed frame") == 1, out
 
 
 def test_refused_handshake_exits_with_the_reason(tiny_llama_dir, sched):

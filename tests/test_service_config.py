@@ -75,11 +75,14 @@ def test_every_knob_has_one_flag_whose_default_is_the_declared_one():
             assert actions[flags[0]].default == default(cls, f.name), flags[0]
 
 
-def test_every_flag_reaches_the_object_that_uses_it(model_dir):
+def test_every_flag_reaches_the_object_that_uses_it(model_dir, tmp_path):
     """Each knob set to a non-default value arrives in the built config (none is dropped on the way)."""
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
     values = {"--block-size": "32", "--max-num-seqs": "77", "--max-num-batched-tokens": "999",
               "--preemption-mode": "swap", "--watermark": "0.05", "--heartbeat-interval": "0.25",
-              "--max-queued-requests": "11", "--max-migrations": "5"}
+              "--max-queued-requests": "11", "--max-migrations": "5", "--step-timeout": "7.5",
+              "--cluster-secret-file": str(secret)}
     values.update({flag: str(default(cls, name) + 3) for flag, (cls, name) in FLAG_FIELDS.items()
                    if cls is ServerLimits})
     argv = ["--model", str(model_dir), "--disable-prefix-caching", "--no-async-scheduling"]
@@ -98,3 +101,21 @@ def test_n_and_beam_width_limits_must_fit_a_step(model_dir, capsys):
     with pytest.raises(SystemExit):
         load_config(["--model", str(model_dir), "--max-num-seqs", "8", "--max-n", "9"], {})
     assert "--max-n: must be <= --max-num-seqs and --max-num-batched-tokens (8), got 9" in capsys.readouterr().err
+
+
+def test_the_executor_link_is_loopback_only_without_a_cluster_secret(model_dir, tmp_path, capsys):
+    base = ["--model", str(model_dir)]
+    assert load_config(base, {}).engine.executor_endpoint == "tcp://127.0.0.1:5556"
+    with pytest.raises(SystemExit):
+        load_config([*base, "--executor-host", "0.0.0.0"], {})
+    assert "give --cluster-secret-file (or, knowingly, --allow-insecure-executors)" in capsys.readouterr().err
+    insecure = load_config([*base, "--executor-host", "0.0.0.0", "--allow-insecure-executors"], {})
+    assert insecure.engine.executor_endpoint == "tcp://0.0.0.0:5556"
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    assert load_config([*base, "--cluster-secret-file", str(secret)], {}).engine.executor_endpoint \
+        == "tcp://0.0.0.0:5556"
+    secret.write_text("short")
+    with pytest.raises(SystemExit):
+        load_config([*base, "--cluster-secret-file", str(secret)], {})
+    assert "must be at least 16 bytes" in capsys.readouterr().err

@@ -8,7 +8,8 @@ from executor_svc.model.config import (
     parse_model_config,
 )
 from executor_svc.model.llama import LlamaForCausalLM
-from executor_svc.model.loader import checkpoint_manifest, load_model, model_fingerprint
+from executor_svc.model.loader import load_model
+from pagedserve.wire.fingerprint import checkpoint_manifest, model_fingerprint
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "LlamaForCausalLM", "ModelConfig", "UnsupportedModelError",

@@ -8,8 +8,6 @@ into slices of our fused projections.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from pathlib import Path
 
@@ -20,48 +18,12 @@ from tqdm import tqdm
 from executor_svc.model.config import ModelConfig, UnsupportedModelError, load_model_config
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.model.rope import RotaryEmbedding
+from pagedserve.wire.fingerprint import weight_files
 
 log = logging.getLogger(__name__)
 
 _PROGRESS_MIN_BYTES = 512 * 1024 * 1024  # show a progress bar only for checkpoints this large
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def weight_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint, from its index when sharded."""
-    root = Path(model_dir)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        with open(index, encoding="utf-8") as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        files = [root / n for n in names]
-    else:
-        files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{root}: no *.safetensors weights (pickle checkpoints are not loaded)")
-    for f in files:
-        if not f.is_file():
-            raise FileNotFoundError(f"{f}: listed in the index but missing")
-    return files
-
-
-def checkpoint_manifest(model_dir: str | Path) -> list[tuple[str, list[int], str]]:
-    """(name, shape, dtype) of every stored tensor, from the file headers only."""
-    out = []
-    for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                out.append((name, list(sl.get_shape()), str(sl.get_dtype())))
-    return sorted(out)
-
-
-def model_fingerprint(model_dir: str | Path) -> str:
-    """sha256 over config.json's bytes and the weights' names, shapes and dtypes."""
-    h = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
-    for name, shape, dtype in checkpoint_manifest(model_dir):
-        h.update(f"\n{name}:{shape}:{dtype}".encode())
-    return h.hexdigest()
 
 
 def _targets(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:

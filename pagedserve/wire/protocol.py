@@ -24,6 +24,7 @@ KIND_DRAIN = 6
 # ---- bounds on what a peer may send (decoding is the trust boundary) ------------
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a plan re-sending long prompts for many sequences
 MAX_HANDSHAKE_FRAME_BYTES = 4096  # what a peer may send before it is registered
+MAX_RESULT_FRAME_BYTES = 16 * 1024 * 1024  # what the scheduler accepts from an executor (libzmq enforces it)
 MAX_SEQS_PER_STEP = 1 << 16  # sequences one plan or result may name
 MAX_SEQ_TOKENS = 1 << 22  # tokens (and so blocks) of one sequence
 MAX_BLOCK_PAIRS = 1 << 20  # swap and copy pairs of one plan

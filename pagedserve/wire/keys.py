@@ -1,0 +1,86 @@
+"""CurveZMQ keys of the executor link, derived from one shared cluster secret.
+
+Both services read the same secret file (``--cluster-secret-file``) and derive
+the same two Curve25519 key pairs from it with HMAC-SHA256 (one per role, so
+neither key is the secret itself): the scheduler's ROUTER is the CURVE server,
+executors are CURVE clients, and the scheduler's ZAP handler admits exactly the
+executor public key. A peer without the secret cannot complete the transport
+handshake: it never gets a frame through, and nothing it sends reaches Python.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+from zmq.utils import z85
+
+MIN_SECRET_BYTES = 16  # 128 bits
+MAX_SECRET_BYTES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterKeys:
+    """z85-encoded CURVE keys (the form pyzmq's socket options take)."""
+
+    server_public: bytes
+    server_secret: bytes
+    executor_public: bytes
+    executor_secret: bytes
+
+
+def read_cluster_secret(path: str | os.PathLike, flag: str = "--cluster-secret-file") -> bytes:
+    """The secret's bytes (surrounding whitespace stripped); ValueError naming the flag if unusable."""
+    p = Path(path)
+    try:
+        info = p.stat()
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot read {p}: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_SECRET_BYTES:
+        raise ValueError(f"{flag}: {p} must be a regular file of at most {MAX_SECRET_BYTES} bytes")
+    secret = p.read_bytes().strip()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{flag}: the secret in {p} must be at least {MIN_SECRET_BYTES} bytes "
+                         f"(got {len(secret)}); e.g. head -c 32 /dev/urandom | base64 > {p}")
+    return secret
+
+
+def derive_keys(secret: bytes) -> ClusterKeys:
+    if not zmq.has("curve"):
+        raise RuntimeError("this libzmq was built without CURVE support; the executor link cannot be encrypted")
+    server = _key_pair(secret, b"pagedserve/v1 executor link: scheduler")
+    executor = _key_pair(secret, b"pagedserve/v1 executor link: executor")
+    return ClusterKeys(server[0], server[1], executor[0], executor[1])
+
+
+def _key_pair(secret: bytes, role: bytes) -> tuple[bytes, bytes]:
+    # Any 32 bytes are a Curve25519 secret key (it is clamped when used).
+    secret_key = z85.encode(hmac.new(secret, role, hashlib.sha256).digest())
+    return zmq.curve_public(secret_key), secret_key
+
+
+def group_or_world_readable(path: str | os.PathLike) -> bool:
+    return bool(Path(path).stat().st_mode & (stat.S_IRGRP | stat.S_IROTH))
+
+
+def make_server(sock: zmq.Socket, keys: ClusterKeys) -> None:
+    """The scheduler's ROUTER: CURVE server with the scheduler key pair (set before bind)."""
+    sock.curve_secretkey = keys.server_secret
+    sock.curve_publickey = keys.server_public
+    sock.curve_server = True
+    sock.zap_domain = ZAP_DOMAIN
+
+
+def make_client(sock: zmq.Socket, keys: ClusterKeys) -> None:
+    """An executor's DEALER: CURVE client that knows the scheduler's public key (set before connect)."""
+    sock.curve_secretkey = keys.executor_secret
+    sock.curve_publickey = keys.executor_public
+    sock.curve_serverkey = keys.server_public
+
+
+ZAP_DOMAIN = b"pagedserve-executors"
