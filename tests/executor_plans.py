@@ -96,6 +96,33 @@ class PlanDriver:
             self.step(todo)
 
 
+def serve_requests(runner, sched, reqs: dict, swaps: list[int] | None = None) -> dict[str, list[list[int]]]:
+    """The real Scheduler driving ``runner`` with no transport until every request finished:
+    request id -> choices' output tokens. ``swaps`` collects each plan's swap pair count."""
+    out: dict[str, list[list[int]]] = {rid: [] for rid in reqs}
+    for req in reqs.values():
+        sched.add_request(req)
+    for _ in range(1000):
+        plan = sched.schedule()
+        if plan is None:
+            if not sched.has_work():
+                return out
+            continue
+        if swaps is not None:
+            swaps.append(len(plan.swap_out) + len(plan.swap_in))
+        result = runner.execute(plan)
+        assert result.error is None, result.error
+        for upd in sched.update(result):
+            assert upd.error is None
+            choices = out[upd.request_id]
+            for s in upd.seqs:
+                while len(choices) <= s.index:
+                    choices.append([])
+                choices[s.index].extend(s.new_token_ids)
+        sched.check_integrity()
+    raise AssertionError("scheduler did not finish")
+
+
 def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
     hf_model.generation_config.eos_token_id = None  # never stop early: we compare fixed lengths
     out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
