@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import NoReturn
 
 import torch
 
@@ -19,21 +18,19 @@ from executor_svc.attention import AttentionBackend
 from executor_svc.backends import make_attention_backend
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model
-from executor_svc.parallel.group import GroupFailure, TPGroup, make_store
+from executor_svc.parallel.group import TPGroup, make_store
 from executor_svc.parallel.runner import FollowerRunner, TensorParallelRunner
 from executor_svc.sampler import Sampler
 
 
-def _raise(reason: str) -> NoReturn:
-    raise GroupFailure(reason)
-
-
-def connect_threads(world: int, timeout_s: float = 20.0) -> list[TPGroup]:
-    """``world`` connected groups (process groups are built concurrently, as ranks would)."""
+def connect_threads(world: int, timeout_s: float = 20.0,
+                    on_fatal: Callable[[str], None] | None = None) -> list[TPGroup]:
+    """``world`` connected groups (process groups are built concurrently, as ranks would); a
+    group failure calls ``on_fatal`` (default: nothing) and raises GroupFailure."""
     master = make_store("127.0.0.1", 0, world, serve=True, timeout_s=timeout_s)
     stores = [master] + [make_store("127.0.0.1", master.port, world, serve=False, timeout_s=timeout_s)
                          for _ in range(1, world)]
-    groups = [TPGroup(r, world, stores[r], torch.device("cpu"), loopback=True, on_fatal=_raise,
+    groups = [TPGroup(r, world, stores[r], torch.device("cpu"), loopback=True, on_fatal=on_fatal or (lambda reason: None),
                       collective_timeout_s=timeout_s) for r in range(world)]
     threads = [threading.Thread(target=g.connect) for g in groups]
     for t in threads:

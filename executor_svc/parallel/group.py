@@ -43,7 +43,7 @@ class GroupFailure(RuntimeError):
     """Raised instead of exiting when a test asked for it (``on_fatal``)."""
 
 
-def _exit_process(reason: str) -> NoReturn:
+def _exit_process(reason: str) -> NoReturn:  # the default on_fatal
     os._exit(EXIT_GROUP_FAILED)  # other threads may be stuck in a collective: no orderly unwinding
 
 
@@ -78,7 +78,7 @@ class TPGroup:
     """One rank's view of its group. ``children``: ranks this process started (the local leader)."""
 
     def __init__(self, rank: int, size: int, store: dist.Store, device: torch.device, *, loopback: bool,
-                 on_fatal: Callable[[str], NoReturn] | None = None,
+                 on_fatal: Callable[[str], object] | None = None,
                  collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
         self.shard = TPShard(rank, size)
         self.rank, self.size, self.store, self.device = rank, size, store, device
@@ -88,6 +88,7 @@ class TPGroup:
         self.model_pg = None
         self.ctl_pg = None
         self.watchdog = None  # executor_svc/parallel/watchdog.py, started once connected
+        self._rounds: dict[str, int] = {}  # exchange key -> times used
 
     @property
     def is_leader(self) -> bool:
@@ -100,13 +101,15 @@ class TPGroup:
         Rank 0 returns only once every rank has read them: it hosts the store, and a rank that
         exits right after (a refusal) must not take the answers with it."""
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.store.set(f"tp/{key}/{self.rank}", value)
-        keys = [f"tp/{key}/{r}" for r in range(self.size)]
+        n = self._rounds[key] = self._rounds.get(key, -1) + 1  # the store's keys are written once
+        prefix = f"tp/{key}/{n}"
+        self.store.set(f"{prefix}/{self.rank}", value)
+        keys = [f"{prefix}/{r}" for r in range(self.size)]
         self.store.wait(keys, timeout)
         values = [self.store.get(k).decode() for k in keys]
-        self.store.set(f"tp/{key}/read/{self.rank}", "1")
+        self.store.set(f"{prefix}/read/{self.rank}", "1")
         if self.is_leader:
-            self.store.wait([f"tp/{key}/read/{r}" for r in range(self.size)], timeout)
+            self.store.wait([f"{prefix}/read/{r}" for r in range(self.size)], timeout)
         return values
 
     def agree(self, identity: dict[str, str]) -> None:
@@ -162,7 +165,7 @@ class TPGroup:
         for handler in logging.getLogger().handlers:
             handler.flush()
         self._on_fatal(reason)
-        raise GroupFailure(reason)  # on_fatal returned (it must not): never continue a broken group
+        raise GroupFailure(reason)  # on_fatal returned (tests): never continue a broken group
 
     @contextmanager
     def fatal_on_error(self, what: str) -> Iterator[None]:

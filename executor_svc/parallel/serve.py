@@ -1,0 +1,112 @@
+"""A tensor-parallel rank's life as a process: join the group, follow or lead, leave in order.
+
+``__main__`` calls :func:`start_group` before loading anything, builds the rank's runner
+(``build_runner(cfg, group)``), then either hands rank 0's runner to the worker as usual or,
+on the other ranks, calls :func:`serve_follower`; :func:`close_group` runs on the way out.
+
+Start-up order on every rank: rendezvous on the TCPStore; agree on what was loaded (model
+fingerprint, block size, dtype, device: a disagreement refuses to start, naming the field);
+build the process groups; start the watchdog; then load the shard and size the KV cache to
+the minimum over ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import torch
+
+from executor_svc.config import ExecutorConfig
+from executor_svc.model import model_fingerprint
+from executor_svc.parallel.group import LOOPBACK_HOSTS, TPGroup, make_store
+from executor_svc.parallel.launch import die_with_leader, spawn_followers
+from executor_svc.parallel.runner import FollowerRunner, TensorParallelRunner
+from executor_svc.parallel.watchdog import Watchdog
+from pagedserve import wire
+
+log = logging.getLogger(__name__)
+
+_CHILD_EXIT_S = 10.0  # how long a stopping leader waits for its ranks to exit before killing them
+
+
+def rank_device(cfg: ExecutorConfig, local_rank: int) -> torch.device:
+    """CPU, or GPU ``local_rank`` of those this process sees (CUDA_VISIBLE_DEVICES applies)."""
+    if cfg.device != "cuda":
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    if local_rank >= visible:
+        raise ValueError(f"--tensor-parallel-size {cfg.tensor_parallel_size} with --device cuda: rank on "
+                         f"local GPU {local_rank}, but this process sees {visible} GPU(s) "
+                         f"(CUDA_VISIBLE_DEVICES); one GPU per rank")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def identity(cfg: ExecutorConfig) -> dict[str, str]:
+    """What every rank must have in common (the KV budgets may differ: the minimum is used)."""
+    return {"model fingerprint": model_fingerprint(cfg.model_dir), "--block-size": str(cfg.block_size),
+            "--dtype": cfg.dtype, "--device": cfg.device, "--tensor-parallel-size": str(cfg.tensor_parallel_size),
+            "wire version": str(wire.WIRE_VERSION)}
+
+
+def start_group(cfg: ExecutorConfig, argv: list[str]) -> TPGroup:
+    """This process's rank, agreed with the others, connected and watched. Without RANK in the
+    environment this process is rank 0 and starts the others on this node (``argv``: its flags)."""
+    n, env = cfg.tensor_parallel_size, cfg.rank_env
+    if env is None:
+        store = make_store("127.0.0.1", 0, n, serve=True)
+        addr, port = "127.0.0.1", store.port
+        group = TPGroup(0, n, store, rank_device(cfg, 0), loopback=True)
+        group.children = spawn_followers(argv, n, port)
+    else:
+        if env.leader_pid is not None:
+            die_with_leader(env.leader_pid)
+        addr, port = env.master_addr, env.master_port
+        store = make_store(addr, port, n, serve=env.rank == 0)
+        group = TPGroup(env.rank, n, store, rank_device(cfg, env.local_rank), loopback=addr in LOOPBACK_HOSTS)
+    log.info("tensor-parallel rank %d of %d on %s; group store %s:%d", group.rank, n, group.device, addr, port)
+    if not group.is_leader:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the leader stops the group on Ctrl-C
+    try:
+        group.agree(identity(cfg))
+        group.connect()
+    except BaseException:
+        _reap(group)
+        raise
+    group.watchdog = Watchdog(group, addr, port)
+    group.watchdog.start()
+    if not group.is_leader:  # SIGTERM to any rank drains the whole group, through the leader
+        signal.signal(signal.SIGTERM, lambda *_: group.watchdog.request_drain())
+    return group
+
+
+def serve_follower(runner: FollowerRunner, health=None) -> int:
+    """Follow the leader until it stops the group (exit 0); a failure exits from inside."""
+    if health is not None:
+        health.set_ready(True)  # a follower pod (multi-node) is ready once it follows
+    log.info("rank %d following the leader", runner.group.rank)
+    runner.serve()
+    runner.group.watchdog.stop()
+    log.info("rank %d: the leader stopped the group; exiting", runner.group.rank)
+    return 0
+
+
+def close_group(group: TPGroup, runner: object | None) -> None:
+    """The leader's orderly exit: stop watching, tell the followers, wait for them."""
+    watchdog: Watchdog | None = getattr(group, "watchdog", None)
+    if watchdog is not None:
+        watchdog.stop()
+    if group.is_leader and isinstance(runner, TensorParallelRunner) and not runner.close():
+        log.warning("a step still held the group at exit: killing the other ranks")
+    _reap(group)
+
+
+def _reap(group: TPGroup) -> None:
+    for rank, proc in group.children.items():
+        try:
+            proc.wait(timeout=_CHILD_EXIT_S)
+        except Exception:  # noqa: BLE001 (TimeoutExpired; kill whatever did not stop)
+            log.warning("rank %d (pid %d) did not exit: killing it", rank, proc.pid)
+            proc.kill()
+            proc.wait()
