@@ -212,3 +212,16 @@ def test_watchdog_sees_a_silent_rank_and_relays_drains():
         time.sleep(0.05)
     dogs[0].stop()
     assert fatal and "rank 1 has been silent" in fatal[0]
+
+
+def test_the_memory_benchmark_reports_halves_per_rank(tiny_checkpoint):
+    from benchmarks.tensor_parallel import memory_rows
+
+    rows = {(r["tp"], r["rank"]): r for r in memory_rows(tiny_checkpoint("llama", "tp"), [1, 2], 1 << 20)}
+    norms = 2 * 2 * 128 * 4  # two layers' two norms, float32: replicated on every rank
+    for rank in (0, 1):
+        r = rows[(2, rank)]
+        assert r["layer_weight_bytes"] - norms == (rows[(1, 0)]["layer_weight_bytes"] - norms) // 2
+        assert r["kv_bytes_per_block"] * 2 == rows[(1, 0)]["kv_bytes_per_block"]
+        assert r["kv_blocks"] == 2 * rows[(1, 0)]["kv_blocks"]  # the same bytes hold twice the blocks
+    assert rows[(2, 0)]["other_weight_bytes"] > rows[(2, 1)]["other_weight_bytes"]  # the LM head: rank 0 only
