@@ -10,11 +10,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from executor_plans import GREEDY, PlanDriver, hf_greedy, hf_logits, serve_requests
+from executor_plans import (
+    GREEDY,
+    PlanDriver,
+    check_fork_with_copy_on_write,
+    check_prefix_hit,
+    check_swap_round_trip,
+    hf_greedy,
+    hf_logits,
+    serve_requests,
+)
 from tp_harness import tp_runner
 from transformers import AutoModelForCausalLM
 
-from pagedserve.wire import BlockUpdate, Fork, SamplingParams
+from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import GenerationRequest, RequestParams
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
@@ -88,69 +97,22 @@ def test_greedy_and_logits_match_transformers_with_chunked_prefill(model):
 
 def test_prefix_cache_hit_reads_every_rank_s_cached_blocks(llama):
     path, hf = llama
-    with tp_runner(path) as runner:
-        drv = PlanDriver(runner)
-        first = _prompt(40, 3)
-        drv.add(1, first)
-        drv.run_until(1)
-        second = first[:32] + _prompt(9, 4)  # two full blocks computed by seq 1, on both ranks
-        drv.add(2, second, computed=32, table=drv.seqs[1].table[:2])
-        drv.run_until(8, seq_ids=[2])
-        assert drv.seqs[2].outputs == hf_greedy(hf, second, 8)
+    with tp_runner(path) as runner:  # seq 1's two full blocks, computed on both ranks, serve seq 2
+        check_prefix_hit(runner, hf, _prompt(40, 3), _prompt(9, 4))
 
 
 def test_swap_out_and_in_moves_each_rank_s_shard(llama):
     path, hf = llama
-    with tp_runner(path) as runner:
-        drv = PlanDriver(runner)
-        prompt = _prompt(37, 5)
-        drv.add(1, prompt)
-        drv.run_until(4)
-        s = drv.seqs[1]
-        cpu = list(range(len(s.table)))
-        drv.step({}, swap_out=list(zip(s.table, cpu, strict=True)), free_seq_ids=[1])
-        for r in [runner, *runner.followers]:  # the device blocks are overwritten on every rank
-            for k, v in r.kv.layers:
-                k[s.table] = 7.0
-                v[s.table] = -7.0
-        new_table = drv.alloc(len(s.table))
-        drv.seqs.pop(1)
-        drv.add(1, s.tokens, computed=s.computed, table=new_table, num_prompt=len(prompt))
-        drv.seqs[1].outputs = s.outputs
-        drv.step({1: 1}, swap_in=list(zip(cpu, new_table, strict=True)))
-        drv.run_until(12)
-        assert drv.seqs[1].outputs == hf_greedy(hf, prompt, 12)
+    with tp_runner(path) as runner:  # every rank's device blocks are overwritten while swapped out
+        check_swap_round_trip(runner, hf, _prompt(37, 5), [r.kv for r in [runner, *runner.followers]],
+                              runner.settle)
 
 
 def test_fork_appended_tokens_and_copy_on_write(llama):
     path, hf = llama
     with tp_runner(path) as runner:
-        drv = PlanDriver(runner)
-        prompt = _prompt(20, 6)  # a partly filled last block: the fork copies it before writing
-        drv.add(1, prompt, SamplingParams(temperature=0.0, beam_candidates=2))
-        res = drv.step({1: 64})
-        cand = res.beam_candidates[0]
-        top = torch.topk(torch.log_softmax(hf_logits(hf, prompt)[-1], dim=-1), 2)
-        assert cand.top_token_ids == top.indices.tolist()
-        assert torch.allclose(torch.tensor(cand.top_logprobs), top.values, rtol=1e-4, atol=1e-5)
-        parent = drv.seqs[1]
-        child_block = drv.alloc(1)
-        drv.seqs[2] = type(parent)(list(parent.tokens), parent.num_prompt, parent.table[:-1] + child_block,
-                                   parent.computed)
-        c0, c1 = cand.top_token_ids
-        for sid, tok in ((1, c0), (2, c1)):
-            drv.seqs[sid].tokens.append(tok)
-        res = drv.step({1: 1, 2: 1}, forks=[Fork(1, 2)], append_tokens=[(1, c0), (2, c1)],
-                       block_updates=[BlockUpdate(2, len(parent.table) - 1, child_block)],
-                       copies=[(parent.table[-1], child_block[0])])
-        for _ in range(4):
-            appends = [(c.seq_id, c.top_token_ids[0]) for c in res.beam_candidates]
-            for sid, tok in appends:
-                drv.seqs[sid].tokens.append(tok)
-            res = drv.step({1: 1, 2: 1}, append_tokens=appends)
-        for sid, first in ((1, c0), (2, c1)):
-            assert drv.seqs[sid].tokens[len(prompt) + 1:] == hf_greedy(hf, prompt + [first], 4), sid
-        # The followers appended exactly what the leader did, and hold the same tables.
+        check_fork_with_copy_on_write(runner, hf, _prompt(20, 6), steps=5)
+        runner.settle()  # the followers appended exactly what the leader did, and hold the same tables
         for f in runner.followers:
             assert {k: (s.token_ids, s.block_ids) for k, s in f.seqs.items()} == \
                    {k: (s.token_ids, s.block_ids) for k, s in runner.seqs.items()}

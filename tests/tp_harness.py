@@ -41,6 +41,31 @@ def connect_threads(world: int, timeout_s: float = 20.0,
     return groups
 
 
+def _count_steps(leader: TensorParallelRunner, followers: list[FollowerRunner]) -> Callable[[], None]:
+    """Count the plans rank 0 sent and each follower applied; the returned ``settle()`` waits
+    until every follower has applied every plan (a step without a forward has no collective, so
+    rank 0 may return before the followers applied it: tests that touch a follower's memory wait)."""
+    counts = {id(r): 0 for r in [leader, *followers]}
+    done = threading.Condition()
+
+    def counted(runner, step):
+        def run(plan):
+            result = step(plan)
+            with done:
+                counts[id(runner)] += 1
+                done.notify_all()
+            return result
+        return run
+
+    for r in [leader, *followers]:
+        r._step = counted(r, r._step)
+
+    def settle() -> None:
+        with done:
+            assert done.wait_for(lambda: all(counts[id(f)] == counts[id(leader)] for f in followers), 30)
+    return settle
+
+
 @contextmanager
 def tp_runner(model_dir, world: int = 2, num_blocks: int = 64, num_cpu_blocks: int = 16, block_size: int = 16,
               cpu_attention: str = "fused", backend: Callable[[], AttentionBackend] | None = None,
@@ -69,6 +94,7 @@ def tp_runner(model_dir, world: int = 2, num_blocks: int = 64, num_cpu_blocks: i
         t.start()
     leader = runners[0]
     leader.followers = runners[1:]  # tests look at the followers' state and caches
+    leader.settle = _count_steps(leader, runners[1:])
     try:
         yield leader
     finally:
