@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU: memory per rank for N = 1, 2, 4 and decode tokens/s for N = 1, 2.
 
-    .venv/bin/python -m benchmarks.tensor_parallel [--model DIR] [--sizes 1,2,4] [--throughput-sizes 1,2]
+    .venv/bin/python -m benchmarks.tensor_parallel [--model DIR] [--sizes 1,2,4] [--configs 1x2,1x1,2x1]
         [--batch 16] [--prompt-len 64] [--decode-steps 32] [--repeats 5] [--kv-budget 256MiB] [--quick]
 
 Memory (measured on the loaded tensors, no forward): for each N, every rank's shard is loaded
@@ -13,9 +13,9 @@ holds N times the blocks, or the same blocks cost 1/N of the bytes).
 Throughput: each group is started exactly as ``pagedserve-executor --tensor-parallel-size N``
 starts one (``start_group`` + ``build_runner``: this process is rank 0, the followers are
 ``python -m executor_svc`` processes), then ``--batch`` sequences are prefilled and
-``--decode-steps`` decode steps timed, N = 1 and N = 2 interleaved ``--repeats`` times; the
-median run is shown. Every group gets the same cores: ``--threads`` torch threads in all, split
-evenly over its ranks (default: all cores).
+``--decode-steps`` decode steps timed, every configuration (``--configs``: N ranks x torch
+threads per rank) interleaved ``--repeats`` times; the median run is shown with the share of
+rank 0's step time spent in the all-reduces (waiting for the other ranks included).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -73,7 +73,7 @@ def memory_rows(model_dir: Path, sizes: list[int], kv_budget: int) -> list[dict]
 @contextmanager
 def serving_runner(model_dir: Path, n: int, threads: int, kv: str = "64MiB", device: str = "cpu"):
     """Rank 0's runner of an N-rank group started the way the executor starts one (N = 1: the
-    plain runner). The other ranks run ``threads // n`` torch threads each, as does this one."""
+    plain runner). The other ranks run ``threads // n`` torch threads each."""
     from executor_svc.__main__ import build_runner
     from executor_svc.config import parse_config
     from executor_svc.parallel.serve import close_group, start_group
@@ -95,44 +95,85 @@ def serving_runner(model_dir: Path, n: int, threads: int, kv: str = "64MiB", dev
             close_group(group, runner)
 
 
-def _timed(runner, batch: int, prompt_len: int, steps: int, round_: int) -> float:
-    """Prefill ``batch`` fresh sequences, time ``steps`` decode steps; tokens/s."""
+class _TimedAllReduce:
+    """Stands in for rank 0's model process group: the wall time spent in all-reduces (waiting
+    for the other ranks included)."""
+
+    class _Done:
+        def wait(self) -> None:
+            return None
+
+    def __init__(self, pg) -> None:
+        self.pg, self.seconds, self.calls = pg, 0.0, 0
+
+    def allreduce(self, tensors):
+        start = time.perf_counter()
+        self.pg.allreduce(tensors).wait()
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return self._Done()
+
+
+def _timed(runner, batch: int, prompt_len: int, steps: int, round_: int) -> tuple[float, float]:
+    """Prefill ``batch`` fresh sequences, time ``steps`` decode steps: (tokens/s, share of the
+    time rank 0 spent in all-reduces)."""
     runner.reset()
     prefill(runner, batch, prompt_len, prompt_len + steps + 4, SAMPLING["greedy"])
     decode(runner, batch, 2, 1000 * round_)  # warm-up
-    return batch * steps / decode(runner, batch, steps, 1000 * round_ + 10)
+    timer = getattr(getattr(runner, "group", None), "model_pg", None)
+    if isinstance(timer, _TimedAllReduce):
+        timer.seconds = 0.0
+    wall = decode(runner, batch, steps, 1000 * round_ + 10)
+    return batch * steps / wall, (timer.seconds / wall if isinstance(timer, _TimedAllReduce) else 0.0)
 
 
-def throughput_rows(model_dir: Path, sizes: list[int], threads: int, batch: int, prompt_len: int, steps: int,
+def throughput_rows(model_dir: Path, configs: list[tuple[int, int]], batch: int, prompt_len: int, steps: int,
                     repeats: int) -> list[dict]:
+    """configs: (N, torch threads per rank); the groups run side by side, interleaved."""
     from contextlib import ExitStack
 
-    runs: dict[int, list[float]] = {n: [] for n in sizes}
+    runs: dict[tuple[int, int], list[tuple[float, float]]] = {c: [] for c in configs}
     with ExitStack() as stack:
-        runners = {n: stack.enter_context(serving_runner(model_dir, n, threads)) for n in sizes}
-        for round_ in range(repeats):  # interleaved: load drift on a shared machine hits every N alike
-            for n, runner in runners.items():
-                torch.set_num_threads(max(1, threads // n))
-                runs[n].append(_timed(runner, batch, prompt_len, steps, round_ + 1))
-    rows = [{"tp": n, "threads_per_rank": max(1, threads // n), "tokens_per_s": statistics.median(r),
-             "runs": [round(x, 1) for x in r]} for n, r in runs.items()]
+        runners = {}
+        for n, per_rank in configs:  # one group per N; its followers keep the threads they started with
+            if n not in runners:
+                runners[n] = stack.enter_context(serving_runner(model_dir, n, n * per_rank))
+        for runner in runners.values():
+            if getattr(runner, "group", None) is not None:
+                runner.group.model_pg = _TimedAllReduce(runner.group.model_pg)
+        for round_ in range(repeats):  # interleaved: load drift on a shared machine hits every config alike
+            for n, per_rank in configs:
+                torch.set_num_threads(per_rank)
+                runs[(n, per_rank)].append(_timed(runners[n], batch, prompt_len, steps, round_ + 1))
+    rows = []
+    for (n, per_rank), r in runs.items():
+        median = sorted(r)[len(r) // 2]  # the median run (tokens/s), with its all-reduce share
+        rows.append({"tp": n, "threads_per_rank": per_rank, "tokens_per_s": median[0],
+                     "allreduce_fraction": median[1], "runs": [round(x[0], 1) for x in r]})
     base = rows[0]["tokens_per_s"]
-    print(f"\nCPU decode throughput, batch {batch}, prompt {prompt_len}, {steps} steps, {threads} threads in all, "
-          f"median of {repeats}")
-    print("| N | threads per rank | tokens/s | vs N=1 | runs |")
-    print("|---|---|---|---|---|")
+    print(f"\nCPU decode throughput, batch {batch}, prompt {prompt_len}, {steps} steps, median of {repeats} "
+          f"(load average before: {os.getloadavg()[0]:.1f})")
+    print("| N | threads per rank | cores used | tokens/s | vs first row | rank 0 in all-reduce | runs |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['tp']} | {r['threads_per_rank']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f}x | "
-              f"{r['runs']} |")
+        print(f"| {r['tp']} | {r['threads_per_rank']} | {r['tp'] * r['threads_per_rank']} | {r['tokens_per_s']:.1f} | "
+              f"{r['tokens_per_s'] / base:.2f}x | {100 * r['allreduce_fraction']:.0f}% | {r['runs']} |")
     return rows
+
+
+def _configs(text: str) -> list[tuple[int, int]]:
+    """``1x2,2x1`` -> [(1, 2), (2, 1)]: N ranks x torch threads per rank."""
+    return [tuple(int(x) for x in item.split("x")) for item in text.split(",")]  # type: ignore[misc]
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="HF model dir (default: the default tiny llama, built in a temp dir)")
     ap.add_argument("--sizes", default="1,2,4", help="tensor-parallel sizes for the memory table")
-    ap.add_argument("--throughput-sizes", default="1,2", help="tensor-parallel sizes timed side by side")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per group, in all")
+    cores = os.cpu_count() or 1
+    ap.add_argument("--configs", type=_configs, default=_configs(f"1x{cores},1x1,2x{max(1, cores // 2)}"),
+                    help="groups timed side by side, as N x torch threads per rank (default: one rank on "
+                         "every core, one rank on one core, two ranks sharing the cores)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--decode-steps", type=int, default=32)
@@ -150,8 +191,7 @@ def main(argv: list[str] | None = None) -> None:
 
             model_dir = build_tiny_model(Path(tmp) / "tiny", "llama", "default")
         mem = memory_rows(model_dir, [int(x) for x in args.sizes.split(",")], args.kv_budget)
-        tput = throughput_rows(model_dir, [int(x) for x in args.throughput_sizes.split(",")], args.threads,
-                               args.batch, args.prompt_len, args.decode_steps, args.repeats)
+        tput = throughput_rows(model_dir, args.configs, args.batch, args.prompt_len, args.decode_steps, args.repeats)
     if args.json:
         Path(args.json).write_text(json.dumps({"memory": mem, "throughput": tput}, indent=2))
 
