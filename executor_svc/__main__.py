@@ -65,7 +65,6 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
     """The runner and handshake of one executor, or of this rank of a tensor-parallel group."""
     model_cfg = load_model_config(cfg.model_dir)  # refuse unsupported models before reading weights
     shard = group.shard if group is not None else NO_SHARD
-    shard.check(model_cfg)
     dtype = resolve_dtype(cfg, model_cfg)
     if cfg.device == "cpu" and dtype != torch.float32:
         log.warning("computing in %s on CPU: expect it to be much slower than float32", dtype)

@@ -16,7 +16,7 @@ from tp_harness import connect_threads
 from executor_svc.config import parse_config
 from executor_svc.model import load_model, load_model_config
 from executor_svc.parallel.channel import PLAN, STOP, TICK, PlanChannel
-from executor_svc.parallel.group import GroupFailure
+from executor_svc.parallel.group import GroupFailure, TPGroup, make_store
 from executor_svc.parallel.shard import TPShard
 from executor_svc.parallel.watchdog import Watchdog
 from pagedserve import wire
@@ -225,3 +225,10 @@ def test_the_memory_benchmark_reports_halves_per_rank(tiny_checkpoint):
         assert r["kv_bytes_per_block"] * 2 == rows[(1, 0)]["kv_bytes_per_block"]
         assert r["kv_blocks"] == 2 * rows[(1, 0)]["kv_blocks"]  # the same bytes hold twice the blocks
     assert rows[(2, 0)]["other_weight_bytes"] > rows[(2, 1)]["other_weight_bytes"]  # the LM head: rank 0 only
+
+
+def test_a_rank_that_never_joins_is_named_when_start_up_times_out():
+    store = make_store("127.0.0.1", 0, 3, serve=True, timeout_s=5)
+    group = TPGroup(0, 3, store, torch.device("cpu"), loopback=True)
+    with pytest.raises(ValueError, match=r"rank\(s\) 1, 2 did not reach start-up step 'identity' within 1s"):
+        group.exchange("identity", "{}", timeout_s=1)

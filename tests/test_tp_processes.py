@@ -224,3 +224,12 @@ def test_ranks_that_disagree_refuse_to_start_and_say_why(tp_model, tmp_path):
             r.kill()
     for r in (0, 1):
         assert "rank 1 has --block-size '32' but rank 0 has '16'" in (tmp_path / f"rank{r}.log").read_text()
+
+
+def test_a_model_that_cannot_split_refuses_before_starting_any_rank(tp_model, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "executor_svc", "--model", str(tp_model), "--scheduler",
+                          "tcp://127.0.0.1:1", "--tensor-parallel-size", "3", "--health-port", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "--tensor-parallel-size 3: the model's 8 attention heads" in out.stderr
+    assert "started tensor-parallel rank" not in out.stderr

@@ -105,12 +105,27 @@ class TPGroup:
         prefix = f"tp/{key}/{n}"
         self.store.set(f"{prefix}/{self.rank}", value)
         keys = [f"{prefix}/{r}" for r in range(self.size)]
-        self.store.wait(keys, timeout)
+        self._wait(keys, timeout, f"reach start-up step {key!r}")
         values = [self.store.get(k).decode() for k in keys]
         self.store.set(f"{prefix}/read/{self.rank}", "1")
         if self.is_leader:
-            self.store.wait([f"{prefix}/read/{r}" for r in range(self.size)], timeout)
+            self._wait([f"{prefix}/read/{r}" for r in range(self.size)], timeout, f"read start-up step {key!r}")
         return values
+
+    def _wait(self, keys: list[str], timeout: datetime.timedelta, what: str) -> None:
+        try:
+            self.store.wait(keys, timeout)
+        except Exception as exc:  # noqa: BLE001 (DistStoreError and friends: name who is missing)
+            missing = [k.rsplit("/", 1)[-1] for k in keys if not self._has(k)]
+            raise ValueError(f"tensor-parallel group: rank(s) {', '.join(missing)} did not {what} within "
+                             f"{timeout.total_seconds():.0f}s ({type(exc).__name__}); are all "
+                             f"{self.size} ranks started, with the same MASTER_ADDR and MASTER_PORT?") from None
+
+    def _has(self, key: str) -> bool:
+        try:
+            return self.store.check([key])
+        except Exception:  # noqa: BLE001 (the store itself is gone: nothing can be said)
+            return False
 
     def agree(self, identity: dict[str, str]) -> None:
         """ValueError on every rank, naming the field and both values, unless all ranks loaded the

@@ -18,10 +18,11 @@ import signal
 import torch
 
 from executor_svc.config import ExecutorConfig
-from executor_svc.model import model_fingerprint
+from executor_svc.model import load_model_config, model_fingerprint
 from executor_svc.parallel.group import LOOPBACK_HOSTS, TPGroup, make_store
 from executor_svc.parallel.launch import die_with_leader, spawn_followers
 from executor_svc.parallel.runner import FollowerRunner, TensorParallelRunner
+from executor_svc.parallel.shard import TPShard
 from executor_svc.parallel.watchdog import Watchdog
 from pagedserve import wire
 
@@ -54,6 +55,7 @@ def start_group(cfg: ExecutorConfig, argv: list[str]) -> TPGroup:
     """This process's rank, agreed with the others, connected and watched. Without RANK in the
     environment this process is rank 0 and starts the others on this node (``argv``: its flags)."""
     n, env = cfg.tensor_parallel_size, cfg.rank_env
+    TPShard(0, n).check(load_model_config(cfg.model_dir))  # before starting anything: can it split N ways?
     if env is None:
         store = make_store("127.0.0.1", 0, n, serve=True)
         addr, port = "127.0.0.1", store.port
@@ -72,7 +74,7 @@ def start_group(cfg: ExecutorConfig, argv: list[str]) -> TPGroup:
         group.agree(identity(cfg))
         group.connect()
     except BaseException:
-        _reap(group)
+        _reap(group)  # they refuse too (same verdict) or, if rank 0 alone failed, are killed
         raise
     group.watchdog = Watchdog(group, addr, port)
     group.watchdog.start()
@@ -93,19 +95,21 @@ def serve_follower(runner: FollowerRunner, health=None) -> int:
 
 
 def close_group(group: TPGroup, runner: object | None) -> None:
-    """The leader's orderly exit: stop watching, tell the followers, wait for them."""
-    watchdog: Watchdog | None = getattr(group, "watchdog", None)
-    if watchdog is not None:
-        watchdog.stop()
-    if group.is_leader and isinstance(runner, TensorParallelRunner) and not runner.close():
-        log.warning("a step still held the group at exit: killing the other ranks")
-    _reap(group)
+    """Any rank's exit: stop watching; rank 0 also tells the followers to stop and waits for the
+    ones it started (killed at once if it never finished starting, or a step still held them)."""
+    if group.watchdog is not None:
+        group.watchdog.stop()
+    if isinstance(runner, TensorParallelRunner) and runner.close():
+        _reap(group)
+    else:
+        _reap(group, patience_s=0.0)
 
 
-def _reap(group: TPGroup) -> None:
+def _reap(group: TPGroup, patience_s: float = _CHILD_EXIT_S) -> None:
+    """Wait up to ``patience_s`` for the ranks this process started, then kill what is left."""
     for rank, proc in group.children.items():
         try:
-            proc.wait(timeout=_CHILD_EXIT_S)
+            proc.wait(timeout=patience_s)
         except Exception:  # noqa: BLE001 (TimeoutExpired; kill whatever did not stop)
             log.warning("rank %d (pid %d) did not exit: killing it", rank, proc.pid)
             proc.kill()
