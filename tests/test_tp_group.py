@@ -232,3 +232,28 @@ def test_a_rank_that_never_joins_is_named_when_start_up_times_out():
     group = TPGroup(0, 3, store, torch.device("cpu"), loopback=True)
     with pytest.raises(ValueError, match=r"rank\(s\) 1, 2 did not reach start-up step 'identity' within 1s"):
         group.exchange("identity", "{}", timeout_s=1)
+
+
+def test_a_started_rank_that_dies_ends_the_start_up_wait_at_once():
+    store = make_store("127.0.0.1", 0, 2, serve=True, timeout_s=5)
+    group = TPGroup(0, 2, store, torch.device("cpu"), loopback=True)
+    group.children = {1: subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])}
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"rank\(s\) 1 exited during start-up \(status 1\)"):
+        group.exchange("identity", "{}", timeout_s=60)
+    assert time.monotonic() - start < 10
+
+
+def test_a_follower_waiting_at_start_up_notices_rank_0_is_gone():
+    code = ("import time, datetime, torch.distributed as d; "
+            "s = d.TCPStore('127.0.0.1', 0, 2, is_master=True, wait_for_workers=False); print(s.port, flush=True); "
+            "time.sleep(1.5)")
+    rank0 = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    port = int(rank0.stdout.readline())
+    group = TPGroup(1, 2, make_store("127.0.0.1", port, 2, serve=False, timeout_s=5), torch.device("cpu"),
+                    loopback=True)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="lost rank 0's store"):
+        group.exchange("identity", "{}", timeout_s=60)
+    assert time.monotonic() - start < 10
+    rank0.wait()

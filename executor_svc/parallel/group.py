@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NoReturn
@@ -113,18 +114,41 @@ class TPGroup:
         return values
 
     def _wait(self, keys: list[str], timeout: datetime.timedelta, what: str) -> None:
-        try:
-            self.store.wait(keys, timeout)
-        except Exception as exc:  # noqa: BLE001 (DistStoreError and friends: name who is missing)
-            missing = [k.rsplit("/", 1)[-1] for k in keys if not self._has(k)]
-            raise ValueError(f"tensor-parallel group: rank(s) {', '.join(missing)} did not {what} within "
-                             f"{timeout.total_seconds():.0f}s ({type(exc).__name__}); are all "
-                             f"{self.size} ranks started, with the same MASTER_ADDR and MASTER_PORT?") from None
+        """Wait for ``keys`` in slices of a second, so a rank that died meanwhile (one this process
+        started, or rank 0 and its store) ends the wait at once instead of at the timeout."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=max(0.01, min(1.0, deadline - time.monotonic()))))
+                return
+            except Exception as exc:  # noqa: BLE001 (DistStoreError and friends: say who is missing)
+                dead = {r: p.returncode for r, p in self.children.items() if p.poll() is not None}
+                if dead:
+                    raise ValueError(f"tensor-parallel group: rank(s) {', '.join(map(str, dead))} exited during "
+                                     f"start-up (status {', '.join(map(str, dead.values()))}); see their log lines"
+                                     ) from None
+                if not self._reachable():
+                    raise ValueError(f"tensor-parallel group: lost rank 0's store ({type(exc).__name__}: {exc})"
+                                     ) from None
+                missing = [k.rsplit("/", 1)[-1] for k in keys if not self._has(k)]
+                if time.monotonic() >= deadline:
+                    raise ValueError(
+                        f"tensor-parallel group: rank(s) {', '.join(missing)} did not {what} within "
+                        f"{timeout.total_seconds():.0f}s; are all {self.size} ranks started, with the same "
+                        f"MASTER_ADDR and MASTER_PORT?") from None
 
     def _has(self, key: str) -> bool:
         try:
             return self.store.check([key])
         except Exception:  # noqa: BLE001 (the store itself is gone: nothing can be said)
+            return False
+
+    def _reachable(self) -> bool:
+        """False when rank 0's store no longer answers (a missing key is not an error)."""
+        try:
+            self.store.check(["tp/ping"])
+            return True
+        except Exception:  # noqa: BLE001
             return False
 
     def agree(self, identity: dict[str, str]) -> None:

@@ -57,6 +57,9 @@ def start_group(cfg: ExecutorConfig, argv: list[str]) -> TPGroup:
     n, env = cfg.tensor_parallel_size, cfg.rank_env
     TPShard(0, n).check(load_model_config(cfg.model_dir))  # before starting anything: can it split N ways?
     if env is None:
+        if cfg.device == "cuda" and torch.cuda.device_count() < n:
+            raise ValueError(f"--tensor-parallel-size {n} with --device cuda: one GPU per rank, but this process "
+                             f"sees {torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES)")
         store = make_store("127.0.0.1", 0, n, serve=True)
         addr, port = "127.0.0.1", store.port
         group = TPGroup(0, n, store, rank_device(cfg, 0), loopback=True)
