@@ -117,6 +117,12 @@ def test_one_executor_of_two_ranks_serves_exact_greedy_beams_and_choices(tp_stac
         ref = hf.generate(torch.tensor([prompt]), num_beams=2, num_return_sequences=2, do_sample=False,
                           early_stopping=False, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
     assert [beams[0], beams[1]] == ref[:, len(prompt):].tolist()
+    # SIGTERM to the leader drains the group: both ranks exit 0, nothing is left running.
+    leader = tp_stack.executors["tp"]
+    (follower,) = _children(leader.pid)
+    leader.send_signal(signal.SIGTERM)
+    assert leader.wait(timeout=30) == 0
+    _wait(lambda: _gone(follower), 10, "the follower gone")
 
 
 def _streams(stack: Stack, prompts: list[list[int]], on_progress) -> list:
