@@ -191,7 +191,8 @@ def _rank(model: Path, rank: int, port: int, scheduler_port: int, log: Path, *ex
     argv = [sys.executable, "-m", "executor_svc", "--model", str(model), "--scheduler",
             f"tcp://127.0.0.1:{scheduler_port}", "--tensor-parallel-size", "2", "--executor-id", "tp",
             "--kv-cache-memory", "16MiB", "--swap-space", "1MiB", "--health-port", "0", *extra]
-    return subprocess.Popen(argv, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    with open(log, "wb") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def test_sigterm_to_a_follower_drains_the_whole_group(tp_model, hf, tmp_path):
