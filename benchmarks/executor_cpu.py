@@ -51,7 +51,7 @@ SAMPLING = {
 }
 
 
-def _prefill(runner: ModelRunner, batch: int, prompt_len: int, max_len: int,
+def prefill(runner: ModelRunner, batch: int, prompt_len: int, max_len: int,
              sampling: SamplingParams = SAMPLING["top-p"]) -> None:
     per_seq = -(-max_len // BLOCK)
     vocab = runner.model.cfg.vocab_size
@@ -65,7 +65,7 @@ def _prefill(runner: ModelRunner, batch: int, prompt_len: int, max_len: int,
         assert res.error is None, res.error
 
 
-def _decode(runner: ModelRunner, batch: int, steps: int, step0: int) -> float:
+def decode(runner: ModelRunner, batch: int, steps: int, step0: int) -> float:
     start = time.perf_counter()
     for k in range(steps):
         res = runner.execute(BatchPlan(step0 + k, list(range(batch)), [1] * batch))
@@ -77,7 +77,7 @@ def _gemm_share(runner: ModelRunner, batch: int, steps: int, step0: int) -> floa
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        wall = _decode(runner, batch, steps, step0)
+        wall = decode(runner, batch, steps, step0)
     gemm_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_OPS)
     return gemm_us / 1e6 / wall
 
@@ -105,10 +105,10 @@ def bench(model, batch: int, prompt_len: int, steps: int, profile_steps: int, sa
     max_len = prompt_len + steps + profile_steps + 2
     timed = _TimedForward(backend)
     runner = _runner(model, batch, max_len, timed)  # type: ignore[arg-type]  # duck-typed backend
-    _prefill(runner, batch, prompt_len, max_len, SAMPLING[sampling])
-    _decode(runner, batch, 2, 10_000)  # warm-up
+    prefill(runner, batch, prompt_len, max_len, SAMPLING[sampling])
+    decode(runner, batch, 2, 10_000)  # warm-up
     timed.seconds = 0.0
-    wall = _decode(runner, batch, steps, 20_000)
+    wall = decode(runner, batch, steps, 20_000)
     attn = timed.seconds / wall
     gemm = _gemm_share(runner, batch, profile_steps, 30_000)
     return {"batch": batch, "attention": backend.name, "sampling": sampling, "tokens_per_s": batch * steps / wall,

@@ -26,6 +26,7 @@ BENCHMARKS = (
     ("executor_cpu", True),
     ("executor_scaling", True),
     ("serve_vs_hf", True),
+    ("tensor_parallel", True),
 )
 
 

@@ -3,6 +3,11 @@
 Start-up order: health server (liveness while weights load), config.json
 check, weights, KV pools sized from the memory budget, then dial the scheduler.
 SIGTERM drains (see worker.py); a second SIGTERM or SIGINT exits at once.
+
+With ``--tensor-parallel-size N`` the process first joins (or, as rank 0, starts) a
+group of N ranks (executor_svc/parallel/): each loads its shard, the KV pools get
+the group's minimum block count, rank 0 alone dials the scheduler and the others
+follow its plans until it stops them.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ from executor_svc.config import ExecutorConfig, parse_config
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model, load_model_config, model_fingerprint
 from executor_svc.model.config import ModelConfig
+from executor_svc.parallel.group import TPGroup
+from executor_svc.parallel.runner import FollowerRunner, TensorParallelRunner
+from executor_svc.parallel.serve import close_group, serve_follower, start_group
+from executor_svc.parallel.shard import NO_SHARD
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
 from executor_svc.worker import ExecutorWorker
@@ -53,54 +62,79 @@ def device_kv_bytes(cfg: ExecutorConfig, model, backend) -> int:
     return prof.kv_budget_bytes
 
 
-def build_runner(cfg: ExecutorConfig) -> tuple[ModelRunner, wire.Handshake]:
+def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[ModelRunner, wire.Handshake]:
+    """The runner and handshake of one executor, or of this rank of a tensor-parallel group."""
     model_cfg = load_model_config(cfg.model_dir)  # refuse unsupported models before reading weights
+    shard = group.shard if group is not None else NO_SHARD
     dtype = resolve_dtype(cfg, model_cfg)
     if cfg.device == "cpu" and dtype != torch.float32:
         log.warning("computing in %s on CPU: expect it to be much slower than float32", dtype)
-    model = load_model(cfg.model_dir, cfg.device, dtype)
+    device = group.device if group is not None else cfg.device
+    model = load_model(cfg.model_dir, device, dtype, shard, group.all_reduce if group is not None else None)
     backend = make_attention_backend(cfg.device, cfg.cpu_attention)
     if backend.name == "cpu-fused" and dtype != torch.float32:
         log.warning("the fused CPU decode kernel is float32 only: %s attention uses the torch path", dtype)
-    kv = KVCache.from_budget(model_cfg, cfg.block_size, device_kv_bytes(cfg, model, backend), cfg.swap_space,
-                             dtype, cfg.device)
+    agree = None
+    if group is not None:
+        group.exchange("loaded", "1")  # every shard in place before the profiling step's collectives
+        agree = lambda counts: group.min_over_ranks("kv_blocks", counts)  # noqa: E731
+    kv = KVCache.from_budget(model.cfg, cfg.block_size, device_kv_bytes(cfg, model, backend), cfg.swap_space,
+                             dtype, device, agree=agree)
     max_len = min(model_cfg.max_position_embeddings, kv.num_blocks * cfg.block_size)
-    runner = ModelRunner(model, kv, backend, Sampler(), max_model_len=max_len)
+    if group is None:
+        runner = ModelRunner(model, kv, backend, Sampler(), max_model_len=max_len)
+    elif group.is_leader:
+        runner = TensorParallelRunner(model, kv, backend, group, Sampler(), max_model_len=max_len)
+    else:
+        runner = FollowerRunner(model, kv, backend, group, max_model_len=max_len)
     log.info("%s: %d layers, %d KV blocks of %d tokens (%d CPU swap blocks), max length %d, %s, "
-             "attention backend %s", model_cfg.architecture, model_cfg.num_layers, kv.num_blocks,
-             cfg.block_size, kv.num_cpu_blocks, max_len, str(dtype).removeprefix("torch."), backend.name)
+             "attention backend %s%s", model_cfg.architecture, model_cfg.num_layers, kv.num_blocks,
+             cfg.block_size, kv.num_cpu_blocks, max_len, str(dtype).removeprefix("torch."), backend.name,
+             f", rank {shard.rank} of {shard.size}: {model.cfg.num_heads} q / {model.cfg.num_kv_heads} KV heads, "
+             f"{model.cfg.intermediate_size} MLP columns" if group is not None else "")
     hs = wire.Handshake(
         executor_id=cfg.executor_id, wire_version=wire.WIRE_VERSION,
         model_fingerprint=model_fingerprint(cfg.model_dir), model_name=cfg.model_dir.resolve().name,
         architecture=model_cfg.architecture, vocab_size=model_cfg.vocab_size, block_size=cfg.block_size,
         num_device_blocks=kv.num_blocks, num_cpu_blocks=kv.num_cpu_blocks, max_model_len=max_len,
-        dtype=str(dtype).removeprefix("torch."), device=cfg.device)
+        dtype=str(dtype).removeprefix("torch."), device=cfg.device, tensor_parallel_size=cfg.tensor_parallel_size)
     return runner, hs
 
 
-def run(cfg: ExecutorConfig) -> int:
+def run(cfg: ExecutorConfig, argv: list[str] | None = None) -> int:
+    """``argv``: this process's flags, which a tensor-parallel leader passes on to its ranks."""
     health = None
     if cfg.health_port:
         from executor_svc.health import HealthServer
 
         health = HealthServer(cfg.health_port).start()
+    group, runner = None, None
     try:
-        runner, hs = build_runner(cfg)
+        if cfg.tensor_parallel_size > 1:
+            group = start_group(cfg, sys.argv[1:] if argv is None else argv)
+        runner, hs = build_runner(cfg, group)
+        if isinstance(runner, FollowerRunner):
+            return serve_follower(runner, health)
         keys = None if cfg.cluster_secret_file is None else derive_keys(read_cluster_secret(cfg.cluster_secret_file))
         worker = ExecutorWorker(cfg.scheduler, runner, hs, drain_timeout=cfg.drain_timeout, health=health, keys=keys)
+        if group is not None:
+            group.watchdog.on_drain = worker.request_drain
         signal.signal(signal.SIGTERM, lambda *_: worker.request_drain())
         signal.signal(signal.SIGINT, lambda *_: (worker.request_drain(), worker.request_drain()))
         return worker.run()
     finally:
+        if group is not None:
+            close_group(group, runner)
         if health is not None:
             health.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(argv)
-    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rank = f" rank{cfg.rank_env.rank}" if cfg.rank_env is not None else " rank0" if cfg.tensor_parallel_size > 1 else ""
+    logging.basicConfig(level=cfg.log_level, format=f"%(asctime)s %(levelname)s{rank} %(name)s: %(message)s")
     try:
-        code = run(cfg)
+        code = run(cfg, argv)
     except (ValueError, FileNotFoundError) as exc:  # bad model dir, unsupported model, budget too small
         log.error("cannot start: %s", exc)
         code = 1

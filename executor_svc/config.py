@@ -4,6 +4,12 @@ Built once in ``__main__`` and frozen. Every flag also reads
 ``PAGEDSERVE_<FLAG>`` from the environment (the command line wins); this is
 the only place the executor reads the environment. Values learned at run time
 (how many KV blocks fit) go into the handshake, never back into this object.
+
+With ``--tensor-parallel-size N > 1`` the process is one rank of a group
+(executor_svc/parallel/). Its place in the group comes from torch.distributed's
+standard rendezvous variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``) when they are set (multi-node, torchrun,
+LeaderWorkerSet); otherwise this process leads and starts ranks 1..N-1 itself.
 """
 
 from __future__ import annotations
@@ -20,6 +26,20 @@ from pagedserve.envargs import number, parse_bytes, parse_with_env
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 CPU_ATTENTION = ("auto", "fused", "torch")  # --cpu-attention; executor_svc/backends.py acts on it
 DEVICES = ("cpu", "cuda")
+MAX_TENSOR_PARALLEL_SIZE = 1024  # the handshake's bound (pagedserve/wire/messages.py)
+LEADER_PID_ENV = "PAGEDSERVE_TP_LEADER_PID"  # set by a local leader for the ranks it starts
+
+
+@dataclass(frozen=True, slots=True)
+class RankEnv:
+    """Where this process sits in its tensor-parallel group (torch.distributed's variables)."""
+
+    rank: int
+    world_size: int
+    local_rank: int  # the CUDA device index on this node
+    master_addr: str  # host of rank 0, which serves the group's TCPStore
+    master_port: int
+    leader_pid: int | None = None  # set when a local leader started this rank (it watches that pid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +58,8 @@ class ExecutorConfig:
     drain_timeout: float  # seconds to keep serving after SIGTERM
     cluster_secret_file: Path | None  # CURVE keys of the link to the scheduler (None: unencrypted)
     log_level: str
+    tensor_parallel_size: int = 1  # ranks serving one model as one executor (executor_svc/parallel)
+    rank_env: RankEnv | None = None  # None with N > 1: this process leads and starts the others
 
 
 def _endpoint(text: str) -> str:
@@ -76,11 +98,56 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="file holding the cluster secret the scheduler was given: the link is then "
                         "authenticated and encrypted (CurveZMQ)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--tensor-parallel-size", default=1,
+                   type=number(int, "--tensor-parallel-size", 1, low_inclusive=True, high=MAX_TENSOR_PARALLEL_SIZE),
+                   help="serve the model across N ranks as one executor (Megatron-style sharding; one "
+                        "process per rank, GPUs 0..N-1 with --device cuda). Started alone, this process "
+                        "starts the other ranks; with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and "
+                        "LOCAL_RANK) set it joins a group started elsewhere (multi-node)")
     return p
 
 
+def _env_int(environ: dict[str, str], name: str, default: int | None = None) -> int:
+    text = environ.get(name)
+    if text is None:
+        if default is None:
+            raise ValueError(f"{name}: required with RANK set (torch.distributed rendezvous variables)")
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer, got {text!r}") from None
+
+
+def rank_env(tp_size: int, environ: dict[str, str]) -> RankEnv | None:
+    """The group position from RANK/WORLD_SIZE/... (None when RANK is unset: a local leader)."""
+    if tp_size == 1 or "RANK" not in environ:
+        return None
+    rank, world = _env_int(environ, "RANK"), _env_int(environ, "WORLD_SIZE")
+    if world != tp_size:
+        raise ValueError(f"--tensor-parallel-size is {tp_size} but WORLD_SIZE is {world}: one group "
+                         f"of ranks is one executor, so they must be equal")
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK: must lie in [0, WORLD_SIZE={world}), got {rank}")
+    port = _env_int(environ, "MASTER_PORT")
+    if not 0 < port < 65536:
+        raise ValueError(f"MASTER_PORT: must lie in [1, 65535], got {port}")
+    addr = environ.get("MASTER_ADDR")
+    if not addr:
+        raise ValueError("MASTER_ADDR: required with RANK set (the host of rank 0)")
+    leader = environ.get(LEADER_PID_ENV)
+    return RankEnv(rank, world, _env_int(environ, "LOCAL_RANK", 0), addr, port,
+                   int(leader) if leader else None)
+
+
 def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> ExecutorConfig:
-    args = parse_with_env(build_arg_parser(), argv, environ)
+    environ = os.environ if environ is None else environ
+    parser = build_arg_parser()
+    args = parse_with_env(parser, argv, environ)
+    try:
+        ranks = rank_env(args.tensor_parallel_size, environ)
+    except ValueError as exc:
+        parser.error(str(exc))
     return ExecutorConfig(
         model_dir=Path(args.model), scheduler=args.scheduler, device=args.device,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -88,4 +155,5 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         cpu_attention=args.cpu_attention,
         executor_id=args.executor_id or f"{socket.gethostname()}-{os.getpid()}",
         health_port=args.health_port, drain_timeout=args.drain_timeout,
-        cluster_secret_file=args.cluster_secret_file, log_level=args.log_level)
+        cluster_secret_file=args.cluster_secret_file, log_level=args.log_level,
+        tensor_parallel_size=args.tensor_parallel_size, rank_env=ranks)

@@ -8,6 +8,8 @@ scheduler owns which block holds what.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from executor_svc.model.config import ModelConfig
@@ -47,11 +49,23 @@ class KVCache:
                             torch.empty(cpu_shape, dtype=dtype, pin_memory=pin))
                            for _ in range(cfg.num_layers)] if num_cpu_blocks else []
 
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the device block pools (every layer's keys and values)."""
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+
     @classmethod
     def from_budget(cls, cfg: ModelConfig, block_size: int, device_bytes: int, cpu_bytes: int,
-                    dtype: torch.dtype, device: str | torch.device = "cpu") -> KVCache:
-        num = num_blocks_for(device_bytes, cfg, block_size, dtype)
+                    dtype: torch.dtype, device: str | torch.device = "cpu",
+                    agree: Callable[[tuple[int, int]], tuple[int, int]] | None = None) -> KVCache:
+        """Pools sized from byte budgets. ``agree`` turns this rank's (device, CPU) block counts into
+        the tensor-parallel group's: the minimum over ranks, so one block table fits every rank."""
+        own = (num_blocks_for(device_bytes, cfg, block_size, dtype), num_blocks_for(cpu_bytes, cfg, block_size, dtype))
+        num, num_cpu = agree(own) if agree is not None else own
         if num <= 0:
             need = bytes_per_block(cfg, block_size, dtype)
+            if own[0] > 0:
+                raise ValueError(f"kv cache memory: another rank of the tensor-parallel group has room for no "
+                                 f"block ({need} bytes each); raise its budget")
             raise ValueError(f"kv cache memory: {device_bytes} bytes is less than one block ({need} bytes)")
-        return cls(cfg, block_size, num, num_blocks_for(cpu_bytes, cfg, block_size, dtype), dtype, device)
+        return cls(cfg, block_size, num, num_cpu, dtype, device)

@@ -74,13 +74,17 @@ class ModelRunner:
             log.warning("step %d: refusing plan: %s", plan.step_id, exc)
             return StepResult(step_id=plan.step_id, error=f"invalid plan: {exc}")
         try:
-            self._apply(plan)
-            result = self._run(plan)
+            result = self._step(plan)
         except Exception as exc:  # a failed step must not kill the executor; the scheduler fails it
             log.exception("step %d failed", plan.step_id)
             return StepResult(step_id=plan.step_id, error=f"executor error: {type(exc).__name__}: {exc}")
         result.model_seconds = time.perf_counter() - start
         return result
+
+    def _step(self, plan: BatchPlan) -> StepResult:
+        """A checked plan: apply its deltas, forward, sample (tensor-parallel runners split this)."""
+        self._apply(plan)
+        return self._run(plan)
 
     # ---------------------------------------------------------------- deltas
 
@@ -109,23 +113,36 @@ class ModelRunner:
 
     def _run(self, plan: BatchPlan) -> StepResult:
         result = StepResult(step_id=plan.step_id)
+        batch, logits = self._forward(plan)
+        if batch is not None and logits is not None:
+            self._sample(batch, logits, result)
+        return result
+
+    def _forward(self, plan: BatchPlan) -> tuple[Batch | None, torch.Tensor | None]:
+        """Run the scheduled tokens through the model and advance their computed counts; the
+        batch (None when nothing is scheduled) and the logits of its sampling rows."""
         if not plan.scheduled_seq_ids:
-            return result
+            return None, None
         batch = self.build_batch(plan.scheduled_seq_ids, plan.num_new_tokens)
         with torch.inference_mode():
             hidden = self.model(batch.input_ids, batch.positions, self.kv.layers, batch.meta, self.backend)
-            logits = None
-            if batch.logits_rows:
-                rows = torch.tensor(batch.logits_rows, dtype=torch.int64, device=hidden.device)
-                logits = self.model.compute_logits(hidden.index_select(0, rows))
+            logits = self._logits(hidden, batch)
         for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True):
             self.seqs[sid].num_computed_tokens += n
-        if logits is not None:
-            if self.keep_logits:
-                self.last_logits = logits.clone()
-            seqs = [self.seqs[sid] for sid in batch.sample_seq_ids]
-            self._report(seqs, self.sampler.sample(logits, seqs), result)
-        return result
+        return batch, logits
+
+    def _logits(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        """hidden [num_tokens, hidden] -> logits [num_sampling_rows, vocab] float32 (None if none)."""
+        if not batch.logits_rows:
+            return None
+        rows = torch.tensor(batch.logits_rows, dtype=torch.int64, device=hidden.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+    def _sample(self, batch: Batch, logits: torch.Tensor, result: StepResult) -> None:
+        if self.keep_logits:
+            self.last_logits = logits.clone()
+        seqs = [self.seqs[sid] for sid in batch.sample_seq_ids]
+        self._report(seqs, self.sampler.sample(logits, seqs), result)
 
     def build_batch(self, seq_ids: list[int], num_new: list[int]) -> Batch:
         bs = self.kv.block_size

@@ -35,6 +35,9 @@ SIZES: dict[str, dict[str, int]] = {
     # For fast tests: a few hundred thousand parameters.
     "small": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab=512),
+    # Tensor-parallel tests: 8 q / 4 KV heads of 16 and 256 MLP columns split 2, 4 or 8 ways.
+    "tp": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=4, vocab=512),
 }
 ARCHS = ("llama", "mistral", "qwen2")
 
@@ -61,11 +64,13 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
 
 
 def _hf_config(arch: str, size: dict[str, int], vocab: int, eos_id: int, tie: bool,
-               rope_parameters: dict[str, Any] | None):
+               rope_parameters: dict[str, Any] | None, num_key_value_heads: int | None = None):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch]
     dims = {k: v for k, v in size.items() if k != "vocab"}
+    if num_key_value_heads is not None:
+        dims["num_key_value_heads"] = num_key_value_heads
     kwargs: dict[str, Any] = dict(vocab_size=vocab, max_position_embeddings=4096, rms_norm_eps=1e-6,
                                   tie_word_embeddings=tie, bos_token_id=eos_id, eos_token_id=eos_id,
                                   pad_token_id=None, **dims)
@@ -93,8 +98,9 @@ def _init_weights(model: torch.nn.Module, seed: int, tied: bool, hidden: int) ->
 
 def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "default", *, seed: int = 0,
                      tie_word_embeddings: bool | None = None, rope_parameters: dict[str, Any] | None = None,
-                     max_shard_size: str | None = None) -> Path:
-    """Write the checkpoint; returns its directory. Tied embeddings default on for qwen2 only."""
+                     max_shard_size: str | None = None, num_key_value_heads: int | None = None) -> Path:
+    """Write the checkpoint; returns its directory. Tied embeddings default on for qwen2 only;
+    ``num_key_value_heads`` overrides the size's (e.g. 1: multi-query attention)."""
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     if arch not in ARCHS:
@@ -106,7 +112,7 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "defa
     tok = train_tokenizer(SIZES[size]["vocab"])
     eos_id = tok.token_to_id(EOS_TOKEN)
     tie = arch == "qwen2" if tie_word_embeddings is None else tie_word_embeddings
-    config = _hf_config(arch, SIZES[size], tok.get_vocab_size(), eos_id, tie, rope_parameters)
+    config = _hf_config(arch, SIZES[size], tok.get_vocab_size(), eos_id, tie, rope_parameters, num_key_value_heads)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_weights(model, seed, tie, config.hidden_size)

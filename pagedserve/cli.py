@@ -159,7 +159,8 @@ def _cmd_stats(channel: grpc.Channel, args: argparse.Namespace, out: TextIO, err
     print(f"executors: {len(executors)}", file=out)
     for e in executors:
         usage = e.kv_blocks_used / e.kv_blocks_total if e.kv_blocks_total else 0.0
-        print(f"  {e.id} [{e.state}] kv {e.kv_blocks_used}/{e.kv_blocks_total} used ({usage:.1%}),"
+        ranks = f" x{e.tensor_parallel_size} ranks" if e.tensor_parallel_size > 1 else ""
+        print(f"  {e.id} [{e.state}]{ranks} kv {e.kv_blocks_used}/{e.kv_blocks_total} used ({usage:.1%}),"
               f" {e.kv_blocks_cached} cached, {e.kv_blocks_shared} shared; cpu {e.cpu_blocks_used}/"
               f"{e.cpu_blocks_total}; running {e.num_running}, waiting {e.num_waiting}", file=out)
     return 0

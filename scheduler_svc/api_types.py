@@ -127,6 +127,7 @@ class ExecutorStats:
     cpu_blocks_used: int
     num_running: int = 0
     num_waiting: int = 0
+    tensor_parallel_size: int = 1  # ranks behind this one executor (from its handshake)
 
 
 @dataclass(slots=True)

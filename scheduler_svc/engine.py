@@ -141,7 +141,7 @@ class Engine:
                 kv_blocks_used=blocks["used"], kv_blocks_cached=blocks["cached"],
                 kv_blocks_shared=blocks["shared"], cpu_blocks_total=info.num_cpu_blocks,
                 cpu_blocks_used=blocks["cpu_used"], num_running=s.num_running,
-                num_waiting=s.num_waiting + len(slot.adds)))
+                num_waiting=s.num_waiting + len(slot.adds), tensor_parallel_size=info.tensor_parallel_size))
         return st
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:

@@ -92,6 +92,8 @@ class Metrics:
                                registry=r)
         self.num_executors = Gauge(P + "num_executors", "Executors known to the scheduler, by state.",
                                    ["state"], registry=r)
+        self.tp_size = Gauge(P + "executor_tensor_parallel_size", "Ranks (GPUs) serving the model as this "
+                             "executor (tensor parallelism; 1 = one device).", ex, registry=r)
         self.prefix_queries = Counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                       registry=r)
         self.prefix_hits = Counter(P + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
@@ -138,8 +140,9 @@ class Metrics:
             self.kv_shared.labels(e.id).set(e.kv_blocks_shared)
             self.kv_cached.labels(e.id).set(e.kv_blocks_cached)
             self.cpu_usage.labels(e.id).set(e.cpu_blocks_used / e.cpu_blocks_total if e.cpu_blocks_total else 0.0)
+            self.tp_size.labels(e.id).set(e.tensor_parallel_size)
         for gone in self._executors - seen:  # an executor that left stops being reported
-            for g in (self.kv_usage, self.kv_shared, self.kv_cached, self.cpu_usage):
+            for g in (self.kv_usage, self.kv_shared, self.kv_cached, self.cpu_usage, self.tp_size):
                 g.remove(gone)
         self._executors = seen
         for state in self._states | states.keys():

@@ -208,7 +208,7 @@ def _stats(s: EngineStats) -> pb.Stats:
             id=e.id, state=e.state, kv_blocks_total=e.kv_blocks_total, kv_blocks_used=e.kv_blocks_used,
             kv_blocks_cached=e.kv_blocks_cached, kv_blocks_shared=e.kv_blocks_shared,
             cpu_blocks_total=e.cpu_blocks_total, cpu_blocks_used=e.cpu_blocks_used,
-            num_running=e.num_running, num_waiting=e.num_waiting,
+            num_running=e.num_running, num_waiting=e.num_waiting, tensor_parallel_size=e.tensor_parallel_size,
         )
     return msg
 

@@ -2,7 +2,8 @@
 
 - ``tiny_checkpoint(arch="llama", size="small", **overrides) -> Path``: factory, cached per
   arguments; overrides are ``build_tiny_model`` keywords (tie_word_embeddings,
-  rope_parameters, max_shard_size, seed).
+  rope_parameters, max_shard_size, seed, num_key_value_heads); sizes are ``executor_svc.tiny_model.SIZES``
+  (``tp``: 8 q / 4 KV heads, for tensor parallelism).
 - ``tiny_llama_dir``: small Llama, GQA (4 heads / 2 KV heads), untied embeddings.
 - ``tiny_qwen2_dir``: small Qwen2, q/k/v bias, tied embeddings.
 - ``tiny_mistral_dir``: small Mistral, untied.

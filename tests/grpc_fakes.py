@@ -156,7 +156,8 @@ def example_stats() -> EngineStats:
         prefix_cache_hit_tokens=640, num_migrations=2,
         executors=[
             ExecutorStats("gpu-0", "ready", 1000, 400, 100, 30, 200, 10, num_running=2, num_waiting=1),
-            ExecutorStats("gpu-1", "draining", 500, 50, 5, 0, 100, 0, num_running=1, num_waiting=1),
+            ExecutorStats("gpu-1", "draining", 500, 50, 5, 0, 100, 0, num_running=1, num_waiting=1,
+                          tensor_parallel_size=4),
         ],
     )
 

@@ -77,8 +77,15 @@ def find(docs: list[Doc], kind: str, name: str) -> Doc:
     return hits[0]
 
 
+def pod_template(workload: Doc) -> Doc:
+    """The pod template (a LeaderWorkerSet's is its workerTemplate, which its leaders use too)."""
+    if workload["kind"] == "LeaderWorkerSet":
+        return workload["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    return workload["spec"]["template"]
+
+
 def pod_spec(workload: Doc) -> Doc:
-    return workload["spec"]["template"]["spec"]
+    return pod_template(workload)["spec"]
 
 
 def container(workload: Doc, name: str | None = None) -> Doc:
@@ -96,26 +103,34 @@ def all_containers(workload: Doc) -> list[Doc]:
 
 
 def workloads(docs: list[Doc]) -> list[Doc]:
-    return [d for d in docs if d["kind"] in ("Deployment", "Job", "StatefulSet", "DaemonSet")]
+    return [d for d in docs if d["kind"] in ("Deployment", "Job", "StatefulSet", "DaemonSet", "LeaderWorkerSet")]
 
 
 def configmap_data(docs: list[Doc], name: str) -> dict[str, str]:
     return dict(find(docs, "ConfigMap", name).get("data", {}))
 
 
-def container_env(docs: list[Doc], c: Doc, pod_name: str = "pod-0") -> dict[str, str]:
-    """The environment Kubernetes gives container `c`: envFrom ConfigMaps, then env entries
-    (a fieldRef to metadata.name resolves to `pod_name`)."""
-    env: dict[str, str] = {}
+def container_env(docs: list[Doc], c: Doc, pod_name: str = "pod-0", pod_labels: dict[str, str] | None = None,
+                  injected: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment Kubernetes gives container `c`: what a controller puts first (`injected`,
+    e.g. LeaderWorkerSet's LWS_* variables), envFrom ConfigMaps, then env entries, whose
+    `$(VAR)` references expand to variables defined before them, as Kubernetes does (unknown
+    ones stay as written); a fieldRef to metadata.name resolves to `pod_name`, one to
+    metadata.labels['key'] to `pod_labels[key]`."""
+    env: dict[str, str] = dict(injected or {})
     for source in c.get("envFrom", []):
         if "configMapRef" not in source:
             raise AssertionError(f"{c['name']}: unsupported envFrom {source}")
         env.update(configmap_data(docs, source["configMapRef"]["name"]))
     for e in c.get("env", []):
+        field = e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        label = re.fullmatch(r"metadata\.labels\['([^']+)'\]", field or "")
         if "value" in e:
-            env[e["name"]] = e["value"]
-        elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name":
+            env[e["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), e["value"])
+        elif field == "metadata.name":
             env[e["name"]] = pod_name
+        elif label:
+            env[e["name"]] = (pod_labels or {}).get(label[1], "")  # a missing label reads as empty
         else:
             raise AssertionError(f"{c['name']}: unsupported env source {e}")
     return env

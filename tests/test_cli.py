@@ -79,10 +79,12 @@ def test_info_and_stats(server, engine):
     assert code == 0 and "model_name: tiny-test" in out and "vocab_size: 300" in out
     engine.engine_stats = example_stats()
     code, out, _ = cli(server, "stats")
-    assert code == 0 and "num_preemptions: 7" in out and "gpu-1 [draining]" in out and "400/1000" in out
+    assert code == 0 and "num_preemptions: 7" in out and "gpu-1 [draining] x4 ranks kv" in out and "400/1000" in out
+    assert "gpu-0 [ready] kv" in out  # one device: no rank count
     code, out, _ = cli(server, "stats", "--json")
     data = json.loads(out)
     assert data["prefix_cache_hit_tokens"] == "640" and len(data["executors"]) == 2
+    assert data["executors"][1]["tensor_parallel_size"] == 4
 
 
 def test_health(server, engine):

@@ -92,38 +92,79 @@ def test_emulated_copy_blocks(emu):
         assert torch.equal(k, ek) and torch.equal(v, ev)
 
 
-def test_emulated_backend_generates_like_the_torch_backend(emu, tiny_llama_dir, monkeypatch):
-    """The runner with CupyAttentionBackend (kernels emulated on the CPU) decodes the tiny model
-    exactly as with the torch backend: chunked prefill over cached blocks, batched decode."""
-    from executor_plans import PlanDriver, make_runner
+def _emulate_launchers(emu, monkeypatch) -> None:
+    """The CuPy backend's launchers run the kernels' source on the SIMT emulator (one at a time:
+    tensor-parallel ranks call them from several threads)."""
+    import threading
 
     from cupy_kernels import cache_ops, launchers
-    from executor_svc.attention_cupy import CupyAttentionBackend
+
+    lock = threading.Lock()
 
     def decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out=None):
         out = torch.full_like(query, float("nan")) if out is None else out
-        emu.decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out)
+        with lock:
+            emu.decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out)
         return out
 
     def prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
                 max_seq_len, scale, out=None):
         out = torch.full_like(query, float("nan")) if out is None else out
-        emu.prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                    max_seq_len, scale, out)
+        with lock:
+            emu.prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                        max_seq_len, scale, out)
         return out
+
+    def reshape_and_cache(*args):
+        with lock:
+            emu.reshape_and_cache(*args)
 
     monkeypatch.setattr(launchers, "paged_attention_decode", decode)
     monkeypatch.setattr(launchers, "paged_attention_prefill", prefill)
-    monkeypatch.setattr(cache_ops, "reshape_and_cache", emu.reshape_and_cache)
-    prompts = [[(5 * i + 2) % 300 + 1 for i in range(n)] for n in (11, 4, 19)]
+    monkeypatch.setattr(cache_ops, "reshape_and_cache", reshape_and_cache)
+
+
+PROMPTS = [[(5 * i + 2) % 300 + 1 for i in range(n)] for n in (11, 4, 19)]
+
+
+def _generate(runner) -> list[list[int]]:
+    from executor_plans import PlanDriver
+
+    drv = PlanDriver(runner)
+    for sid, p in enumerate(PROMPTS):
+        drv.add(sid, p)
+    drv.run_until(5, chunk=7)
+    return [drv.seqs[sid].outputs for sid in range(len(PROMPTS))]
+
+
+def test_emulated_backend_generates_like_the_torch_backend(emu, tiny_llama_dir, monkeypatch):
+    """The runner with CupyAttentionBackend (kernels emulated on the CPU) decodes the tiny model
+    exactly as with the torch backend: chunked prefill over cached blocks, batched decode."""
+    from executor_plans import make_runner
+
+    from executor_svc.attention_cupy import CupyAttentionBackend
+
+    _emulate_launchers(emu, monkeypatch)
     outputs = []
     for cupy_backend in (True, False):
         runner = make_runner(tiny_llama_dir)
         if cupy_backend:
             runner.backend = CupyAttentionBackend()
-        drv = PlanDriver(runner)
-        for sid, p in enumerate(prompts):
-            drv.add(sid, p)
-        drv.run_until(5, chunk=7)
-        outputs.append([drv.seqs[sid].outputs for sid in range(len(prompts))])
+        outputs.append(_generate(runner))
     assert outputs[0] == outputs[1]
+
+
+def test_emulated_kernels_take_per_rank_head_counts(emu, tiny_llama_dir, monkeypatch):
+    """Two tensor-parallel ranks, each with the CuPy backend on its own 2 q / 1 KV heads (the
+    kernels see the per-rank shapes), generate what one torch-backed runner does."""
+    from executor_plans import make_runner
+    from tp_harness import tp_runner
+
+    from executor_svc.attention_cupy import CupyAttentionBackend
+
+    _emulate_launchers(emu, monkeypatch)
+    with tp_runner(tiny_llama_dir, backend=CupyAttentionBackend) as runner:
+        assert [(r.model.cfg.num_heads, r.kv.layers[0][0].shape[2]) for r in [runner, *runner.followers]] == \
+            [(2, 1), (2, 1)]
+        sharded = _generate(runner)
+    assert sharded == _generate(make_runner(tiny_llama_dir, cpu_attention="torch"))

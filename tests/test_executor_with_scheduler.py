@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from executor_plans import hf_greedy, make_runner
+from executor_plans import hf_greedy, make_runner, serve_requests
 from transformers import AutoModelForCausalLM
 
 from executor_svc.model import load_model
@@ -17,32 +17,6 @@ from scheduler_svc.scheduler import Scheduler
 def _prompts() -> dict[str, list[int]]:
     g = torch.Generator().manual_seed(11)
     return {f"r{i}": torch.randint(1, 500, (n,), generator=g).tolist() for i, n in enumerate([21, 30, 17, 26])}
-
-
-def _serve(runner, sched: Scheduler, reqs: dict[str, GenerationRequest],
-           swaps: list[int] | None = None) -> dict[str, list[list[int]]]:
-    out: dict[str, list[list[int]]] = {rid: [] for rid in reqs}
-    for req in reqs.values():
-        sched.add_request(req)
-    for _ in range(1000):
-        plan = sched.schedule()
-        if plan is None:
-            if not sched.has_work():
-                return out
-            continue
-        if swaps is not None:
-            swaps.append(len(plan.swap_out) + len(plan.swap_in))
-        result = runner.execute(plan)
-        assert result.error is None, result.error
-        for upd in sched.update(result):
-            assert upd.error is None
-            choices = out[upd.request_id]
-            for s in upd.seqs:
-                while len(choices) <= s.index:
-                    choices.append([])
-                choices[s.index].extend(s.new_token_ids)
-        sched.check_integrity()
-    raise AssertionError("scheduler did not finish")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +37,7 @@ def test_preemption_keeps_greedy_outputs_exact(tiny_llama_dir, setup, mode):
     prompts = _prompts()
     reqs = {rid: GenerationRequest(rid, p, params) for rid, p in prompts.items()}
     swaps: list[int] = []
-    out = _serve(runner, sched, reqs, swaps)
+    out = serve_requests(runner, sched, reqs, swaps)
     assert sched.num_preemptions > 0
     assert (sum(swaps) > 0) == (mode == "swap")
     for rid, p in prompts.items():
@@ -79,7 +53,7 @@ def test_parallel_sampling_choices_match_their_seeds_alone(tiny_llama_dir, setup
         runner = make_runner(tiny_llama_dir, num_blocks=32, model=model)
         sched = Scheduler(SchedulerConfig(block_size=16, max_model_len=256), 32, 8, eos_token_ids=())
         params = RequestParams(max_tokens=10, sampling=sampling, n=n, ignore_eos=True)
-        return _serve(runner, sched, {"a": GenerationRequest("a", prompt, params)})["a"]
+        return serve_requests(runner, sched, {"a": GenerationRequest("a", prompt, params)})["a"]
 
     both = serve(2)
     assert len(both) == 2 and both[0] != both[1]

@@ -37,6 +37,7 @@ from k8s_helpers import (
     container_env,
     find,
     pod_spec,
+    pod_template,
     policy_allows,
     probe_seconds,
     render,
@@ -54,11 +55,15 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "gpu+keda": ("gpu", ["keda-autoscaling", "servicemonitor"]),
     "gpu+hpa": ("gpu", ["hpa-autoscaling"]),
     "cpu+keda": ("cpu", ["keda-autoscaling"]),
+    "gpu-tp": ("gpu-tensor-parallel", []),  # executors of N GPUs in one pod (components/tensor-parallel)
+    "gpu-multinode": ("gpu-multinode", []),  # executors of N one-GPU pods (LeaderWorkerSet)
 }
 # Custom resources: kubernetes-validate has schemas for built-in kinds only.
 CUSTOM_RESOURCES = {
     ("keda.sh/v1alpha1", "ScaledObject"): "KEDA CRD; no schema ships with kubernetes-validate",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "Prometheus Operator CRD; no schema ships with kubernetes-validate",
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "LeaderWorkerSet CRD; its pod template is checked by "
+                                                        "the tests here instead",
 }
 SCHED, EXEC = "pagedserve-scheduler", "pagedserve-executor"
 SCHED_LABELS = {"app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/component": "scheduler"}
@@ -127,10 +132,17 @@ def flag_env_names(build) -> set[str]:
 
 # ------------------------------------------------------------------ rendering and schemas
 
+def executor_workload(docs: list[Doc]) -> Doc:
+    """The executors' Deployment, or the LeaderWorkerSet that replaces it (gpu-multinode)."""
+    lws = [d for d in docs if d["kind"] == "LeaderWorkerSet" and d["metadata"]["name"] == EXEC]
+    return lws[0] if lws else find(docs, "Deployment", EXEC)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variant_renders_the_whole_deployment_in_its_namespace(rendered, variant):
     docs = rendered[variant]
-    for kind, name in [("Namespace", NAMESPACE), ("Deployment", SCHED), ("Deployment", EXEC),
+    executor_workload(docs)
+    for kind, name in [("Namespace", NAMESPACE), ("Deployment", SCHED),
                        ("Service", SCHED), ("Service", "pagedserve-scheduler-executors"),
                        ("PodDisruptionBudget", EXEC), ("NetworkPolicy", "default-deny-ingress"),
                        ("ServiceAccount", SCHED), ("ServiceAccount", EXEC)]:
@@ -247,7 +259,7 @@ def test_scheduler_command_parses_and_matches_ports_and_probes(rendered, overlay
     assert grace >= pre_stop + args.shutdown_grace_seconds + 5
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "gpu-tp"])
 def test_executor_command_parses_and_matches_health_scheduler_and_drain(rendered, overlay):
     from executor_svc import config as ec
     from pagedserve import wire
@@ -289,8 +301,8 @@ def test_executor_command_parses_and_matches_health_scheduler_and_drain(rendered
 def test_console_scripts_in_the_manifests_exist(rendered):
     scripts = project_scripts()
     for docs in rendered.values():
-        for name in (SCHED, EXEC):
-            assert container(find(docs, "Deployment", name))["command"][0] in scripts
+        for workload in (find(docs, "Deployment", SCHED), executor_workload(docs)):
+            assert container(workload)["command"][0] in scripts
 
 
 # ------------------------------------------------------------------ per-overlay specifics
@@ -429,6 +441,81 @@ def test_pdb_covers_the_executors(rendered):
     assert pdb["selector"]["matchLabels"] == EXEC_LABELS and pdb["maxUnavailable"] == 1
     executor = find(rendered["gpu"], "Deployment", EXEC)
     assert executor["spec"]["template"]["metadata"]["labels"].items() >= EXEC_LABELS.items()
+
+
+# ------------------------------------------------------------------ tensor-parallel executors
+
+def _bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity with a binary suffix (16Gi) in bytes."""
+    value, unit = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)", quantity).groups()
+    return int(value) * 2 ** (10 * ("Ki", "Mi", "Gi", "Ti").index(unit) + 10)
+
+
+def test_tensor_parallel_executors_get_n_gpus_and_shared_memory_for_nccl(rendered):
+    from executor_svc.config import parse_config
+
+    docs = rendered["gpu-tp"]
+    deploy = find(docs, "Deployment", EXEC)
+    c, spec = container(deploy), pod_spec(deploy)
+    cfg = parse_config(c["args"], container_env(docs, c, pod_name="pagedserve-executor-7d9f8b6c5-x2x4z"))
+    gpus = c["resources"]["limits"]["nvidia.com/gpu"]
+    assert cfg.tensor_parallel_size == gpus == 2 and cfg.rank_env is None  # this pod starts all N ranks
+    assert cfg.device == "cuda"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    shm = volumes[{m["mountPath"]: m for m in c["volumeMounts"]}["/dev/shm"]["name"]]["emptyDir"]
+    assert shm["medium"] == "Memory" and _bytes(shm["sizeLimit"]) >= gpus * 4 * 2**30
+    assert _bytes(c["resources"]["limits"]["memory"]) >= _bytes(shm["sizeLimit"])  # shm counts here
+    # Everything else is the gpu overlay's executor.
+    base = container(find(rendered["gpu"], "Deployment", EXEC))
+    assert {k: v for k, v in c.items() if k not in ("resources", "envFrom")} == \
+        {k: v for k, v in base.items() if k not in ("resources", "envFrom")}
+
+
+def _lws_env(docs: list[Doc], lws: Doc, worker_index: int) -> dict[str, str]:
+    """A rank pod's environment: LeaderWorkerSet's injected variables first, then the template's."""
+    size = lws["spec"]["leaderWorkerTemplate"]["size"]
+    name, leader = lws["metadata"]["name"], f"{lws['metadata']['name']}-0.{lws['metadata']['name']}.{NAMESPACE}"
+    labels = {"leaderworkerset.sigs.k8s.io/worker-index": str(worker_index)}
+    return container_env(docs, container(lws), pod_name=f"{name}-0-{worker_index}" if worker_index else f"{name}-0",
+                         pod_labels=labels, injected={"LWS_LEADER_ADDRESS": leader, "LWS_GROUP_SIZE": str(size)})
+
+
+def test_multinode_executors_are_leaderworkerset_groups_of_ranks(rendered):
+    from executor_svc.config import parse_config
+
+    docs = rendered["gpu-multinode"]
+    assert not [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == EXEC]  # replaced
+    lws = find(docs, "LeaderWorkerSet", EXEC)
+    template = lws["spec"]["leaderWorkerTemplate"]
+    size, c = template["size"], container(lws)
+    assert size >= 2 and template["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert pod_template(lws)["metadata"]["labels"].items() >= EXEC_LABELS.items()  # the PDB and policies apply
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    rendezvous = {p["name"]: p["containerPort"] for p in c["ports"]}["rendezvous"]
+    for index in range(size):
+        env = _lws_env(docs, lws, index)
+        cfg = parse_config(c["command"][1:] + c["args"], env)
+        ranks = cfg.rank_env
+        assert cfg.tensor_parallel_size == size and (ranks.rank, ranks.world_size, ranks.local_rank) == (index, size, 0)
+        assert ranks.master_addr == env["LWS_LEADER_ADDRESS"] and ranks.master_port == rendezvous
+        if index == 0:
+            assert cfg.executor_id == f"{EXEC}-0"  # the leader pod's name: the executor the scheduler sees
+    # The rest of the pod is the gpu overlay's executor: probes, hardening, volumes, drain budget.
+    base = find(rendered["gpu"], "Deployment", EXEC)
+    for key in ("startupProbe", "livenessProbe", "readinessProbe", "lifecycle", "securityContext", "volumeMounts",
+                "command", "args"):
+        assert c[key] == container(base)[key], key
+    assert {k: v for k, v in pod_spec(lws).items() if k not in ("containers", "initContainers")} == \
+        {k: v for k, v in pod_spec(base).items() if k not in ("containers", "initContainers")}
+    assert pod_spec(lws)["initContainers"] == pod_spec(base)["initContainers"]
+    # Ranks reach each other on any port (store, gloo, NCCL); nothing else new is allowed.
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    for port in (rendezvous, 41234):
+        assert connection_allowed(policies, EXEC_LABELS, EXEC_LABELS, port)
+        assert not connection_allowed(policies, OTHER_LABELS, EXEC_LABELS, port)
+        assert not connection_allowed(policies, SCHED_LABELS, EXEC_LABELS, port)
+    assert connection_allowed(policies, EXEC_LABELS, SCHED_LABELS, 5556)
+    assert not connection_allowed(policies, EXEC_LABELS, OTHER_LABELS, 443)
 
 
 def _requirements(*extras: str) -> set[str]:

@@ -19,7 +19,7 @@ REQUIRED = [
     "pagedserve:generation_tokens_total", "pagedserve:request_migrations_total",
     "pagedserve:time_to_first_token_seconds_bucket", "pagedserve:inter_token_latency_seconds_bucket",
     "pagedserve:e2e_request_latency_seconds_bucket", "pagedserve:request_success_total",
-    "pagedserve:kv_blocks_shared",
+    "pagedserve:kv_blocks_shared", "pagedserve:executor_tensor_parallel_size",
 ]
 
 
@@ -57,12 +57,15 @@ def test_observe_stats_sets_gauges_and_advances_counters_by_deltas():
     assert value(m, "pagedserve:kv_cache_usage_perc", executor="gpu-0") == 0.4
     assert value(m, "pagedserve:kv_blocks_shared", executor="gpu-0") == 30
     assert value(m, "pagedserve:num_executors", state="draining") == 1
+    assert value(m, "pagedserve:executor_tensor_parallel_size", executor="gpu-1") == 4  # one executor, 4 ranks
+    assert value(m, "pagedserve:executor_tensor_parallel_size", executor="gpu-0") == 1
     s.num_preemptions, s.prefix_cache_hit_tokens = 10, 700
     s.executors = [s.executors[0]]  # gpu-1 left
     m.observe_stats(s)
     assert value(m, "pagedserve:num_preemptions_total") == 10
     assert value(m, "pagedserve:prefix_cache_hits_total") == 700
     assert ("pagedserve:kv_cache_usage_perc", (("executor", "gpu-1"),)) not in samples(m)
+    assert ("pagedserve:executor_tensor_parallel_size", (("executor", "gpu-1"),)) not in samples(m)
     assert value(m, "pagedserve:num_executors", state="draining") == 0
 
 

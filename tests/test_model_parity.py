@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from executor_plans import GREEDY, PlanDriver, hf_greedy, hf_logits, make_runner
+from executor_plans import (
+    PlanDriver,
+    check_fork_with_copy_on_write,
+    check_prefix_hit,
+    check_swap_round_trip,
+    hf_greedy,
+    hf_logits,
+    make_runner,
+)
 from transformers import AutoModelForCausalLM
 
 from executor_svc.model import load_model
@@ -81,77 +89,16 @@ def test_chunked_prefill_mixed_with_decodes(tiny_llama_dir, cpu_attention):
 
 
 def test_second_sequence_reuses_cached_prefix(tiny_qwen2_dir):
-    hf = _hf(tiny_qwen2_dir)
-    runner = make_runner(tiny_qwen2_dir)
-    drv = PlanDriver(runner)
-    first = _prompt(40, 3)
-    drv.add(1, first)
-    drv.run_until(1)
-    # Seq 2 shares the first two full blocks (32 tokens) and only computes its own suffix.
-    second = first[:32] + _prompt(9, 4)
-    drv.add(2, second, computed=32, table=drv.seqs[1].table[:2])
-    res = drv.step({2: 64})
-    assert res.sampled_seq_ids == [2]
-    drv.run_until(8, seq_ids=[2])
-    assert drv.seqs[2].outputs == hf_greedy(hf, second, 8)
+    check_prefix_hit(make_runner(tiny_qwen2_dir), _hf(tiny_qwen2_dir), _prompt(40, 3), _prompt(9, 4))
 
 
 def test_swap_out_and_in_restores_the_cache(tiny_llama_dir):
-    hf = _hf(tiny_llama_dir)
     runner = make_runner(tiny_llama_dir)
-    drv = PlanDriver(runner)
-    prompt = _prompt(37, 5)
-    drv.add(1, prompt)
-    drv.run_until(4)
-    s = drv.seqs[1]
-    cpu = list(range(len(s.table)))
-    drv.step({}, swap_out=list(zip(s.table, cpu, strict=True)), free_seq_ids=[1])
-    for k, v in runner.kv.layers:  # whatever ran on these blocks since: garbage
-        k[s.table] = 7.0
-        v[s.table] = -7.0
-    new_table = drv.alloc(len(s.table))
-    drv.seqs.pop(1)
-    drv.add(1, s.tokens, computed=s.computed, table=new_table, num_prompt=len(prompt))
-    drv.seqs[1].outputs = s.outputs
-    drv.step({1: 1}, swap_in=list(zip(cpu, new_table, strict=True)))
-    drv.run_until(12)
-    assert drv.seqs[1].outputs == hf_greedy(hf, prompt, 12)
+    check_swap_round_trip(runner, _hf(tiny_llama_dir), _prompt(37, 5), [runner.kv])
 
 
 def test_fork_append_tokens_and_copy_on_write(tiny_mistral_dir):
-    hf = _hf(tiny_mistral_dir)
-    runner = make_runner(tiny_mistral_dir)
-    drv = PlanDriver(runner)
-    prompt = _prompt(20, 6)  # the last block is partly filled: a fork must copy it before writing
-    beam = GREEDY.__class__(temperature=0.0, beam_candidates=2)
-    drv.add(1, prompt, beam)
-    res = drv.step({1: 64})
-    cand = res.beam_candidates[0]
-    ref = torch.log_softmax(hf_logits(hf, prompt)[-1], dim=-1)
-    top = torch.topk(ref, 2)
-    assert cand.top_token_ids == top.indices.tolist()
-    assert torch.allclose(torch.tensor(cand.top_logprobs), top.values, rtol=1e-4, atol=1e-5)
-    assert res.sampled_seq_ids == []  # beam mode appends nothing itself
-    parent = drv.seqs[1]
-    child_block = drv.alloc(1)
-    drv.seqs[2] = type(parent)(list(parent.tokens), parent.num_prompt, parent.table[:-1] + child_block,
-                               parent.computed)
-    c0, c1 = cand.top_token_ids
-    for sid, tok in ((1, c0), (2, c1)):
-        drv.seqs[sid].tokens.append(tok)
-    from pagedserve.wire import BlockUpdate, Fork
-    steps = 6
-    res = drv.step({1: 1, 2: 1}, forks=[Fork(1, 2)], append_tokens=[(1, c0), (2, c1)],
-                   block_updates=[BlockUpdate(2, len(parent.table) - 1, child_block)],
-                   copies=[(parent.table[-1], child_block[0])])
-    for _ in range(steps - 1):  # the "scheduler" appends each beam's best candidate: greedy
-        appends = [(c.seq_id, c.top_token_ids[0]) for c in res.beam_candidates]
-        for sid, tok in appends:
-            drv.seqs[sid].tokens.append(tok)
-        res = drv.step({1: 1, 2: 1}, append_tokens=appends)
-    for sid, first in ((1, c0), (2, c1)):
-        got = drv.seqs[sid].tokens[len(prompt) + 1:]
-        assert got == hf_greedy(hf, prompt + [first], steps - 1), sid
+    check_fork_with_copy_on_write(make_runner(tiny_mistral_dir), _hf(tiny_mistral_dir), _prompt(20, 6))
 
 
 @pytest.mark.parametrize("rope", [

@@ -62,6 +62,15 @@ def test_control_messages_round_trip():
         assert wire.decode(wire.encode(msg)) == msg
 
 
+def test_handshake_tensor_parallel_size_is_optional_and_bounded():
+    fields = ["ex-1", wire.WIRE_VERSION, "f" * 64, "tiny", "LlamaForCausalLM", 512, 16, 100, 20, 4096, "float32", "cpu"]
+    assert wire.decode(_frame(fields, wire.KIND_HANDSHAKE)).tensor_parallel_size == 1  # an older executor
+    assert wire.decode(wire.encode(Handshake(*fields, tensor_parallel_size=8))).tensor_parallel_size == 8
+    for bad in (0, 1025):
+        with pytest.raises(WireError, match="handshake.tensor_parallel_size"):
+            wire.decode(_frame([*fields, bad], wire.KIND_HANDSHAKE))
+
+
 def test_a_decode_step_costs_a_few_bytes_per_sequence():
     plan = BatchPlan(7, list(range(1000, 1256)), [1] * 256)
     assert len(wire.encode(plan)) / 256 < 5

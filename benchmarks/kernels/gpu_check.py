@@ -3,12 +3,15 @@
 1. the GPU tests (``pytest -m gpu``): every kernel against its float64 reference over the dtype /
    head size / block size / GQA grid, the CuPy backend against the torch backend, and greedy
    generation of the tiny model on the GPU path against the CPU path and transformers;
-2. decode-attention timing at Llama-3-8B shapes (batch 1/8/64 x context 512/2048/8192): achieved
+2. with two GPUs, a tensor-parallel group of 2 ranks (NCCL all-reduces, the CuPy kernels with
+   per-rank head counts) generating greedily against transformers (benchmarks/kernels/tp_check.py);
+   with one GPU it is skipped with a message saying so;
+3. decode-attention timing at Llama-3-8B shapes (batch 1/8/64 x context 512/2048/8192): achieved
    bandwidth against the measured device copy bandwidth, and time against torch SDPA.
 
 Results go to ``--out`` (default ``$OUT``, else ``build/gpu_check/``) as ``gpu_check.json`` and
 ``gpu_check.md`` (ready for docs/PERF.md); the table is printed last. Exit status 1 if a test
-failed. Designed to finish in well under 6 minutes on an H200.
+or the tensor-parallel check failed. Designed to finish in well under 6 minutes on an H200.
 """
 
 from __future__ import annotations
@@ -34,6 +37,20 @@ def gpu_test_files() -> list[str]:
 
 def run_gpu_tests(timeout_s: int) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *gpu_test_files()]
+    return _run(cmd, timeout_s)
+
+
+def run_tp_check(timeout_s: int, device_count: int) -> dict:
+    """The N = 2 NCCL case when there are two GPUs; otherwise {"skipped": why}."""
+    from benchmarks.kernels.tp_check import skip_reason
+
+    reason = skip_reason("cuda", 2, device_count)
+    if reason is not None:
+        return {"skipped": reason, "returncode": 0}
+    return _run([sys.executable, "-m", "benchmarks.kernels.tp_check", "--device", "cuda", "--world", "2"], timeout_s)
+
+
+def _run(cmd: list[str], timeout_s: int) -> dict:
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -101,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         report["tests"] = run_gpu_tests(args.test_timeout)
         print(report["tests"]["tail"], flush=True)
         (out / "gpu_check.json").write_text(json.dumps(report, indent=2))  # keep partial results
+        print("tensor-parallel check ...", flush=True)
+        report["tensor_parallel"] = run_tp_check(args.test_timeout, torch.cuda.device_count())
+        print(report["tensor_parallel"].get("skipped") or report["tensor_parallel"]["tail"], flush=True)
     from benchmarks.kernels.bench import markdown
 
     print("timing decode attention ...", flush=True)
@@ -112,10 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     (out / "gpu_check.md").write_text(table + "\n\n" + "\n".join(report["verdicts"]) + "\n")
     tests = report.get("tests", {"returncode": 0})
+    tp = report.get("tensor_parallel", {"returncode": 0})
     print("\n" + table + "\n\n" + "\n".join(report["verdicts"]))
     status = "passed" if tests["returncode"] == 0 else f"FAILED (rc {tests['returncode']})"
     print(f"GPU tests: {status}")
-    return 0 if tests["returncode"] == 0 else 1
+    print(f"tensor-parallel N = 2: {tp.get('skipped') or ('passed' if tp['returncode'] == 0 else 'FAILED')}")
+    return 0 if tests["returncode"] == 0 and tp["returncode"] == 0 else 1
 
 
 if __name__ == "__main__":

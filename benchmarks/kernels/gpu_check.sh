@@ -8,10 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
-if ! "$PY" -c "import cupy, torch; assert torch.cuda.is_available()" 2>/dev/null; then
+if ! "$PY" -c "import cupy, torch, zmq; assert torch.cuda.is_available()" 2>/dev/null; then
   major=$(nvidia-smi | sed -n 's/.*CUDA Version: \([0-9]*\).*/\1/p' | head -1)
   echo "gpu_check: installing torch and cupy-cuda${major:-12}x from PyPI" >&2
-  "$PY" -m pip install -q torch "cupy-cuda${major:-12}x" transformers safetensors tokenizers msgspec msgpack tqdm numpy pytest
+  "$PY" -m pip install -q torch "cupy-cuda${major:-12}x" transformers safetensors tokenizers msgspec msgpack pyzmq tqdm numpy pytest
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 exec "$PY" -m benchmarks.kernels.gpu_check "$@"

@@ -4,9 +4,16 @@ A step is one flat sequence of tokens from many sequences (no padding); the
 attention backend uses :class:`AttentionMetadata` to keep sequences apart and
 to read/write the paged KV cache. q/k/v and gate/up projections are fused
 into one matmul each (the loader concatenates the HF weights).
+
+Tensor parallelism (executor_svc/parallel/shard.py): built from a rank's local
+config, the modules hold that rank's heads and MLP columns; ``reduce`` (an
+in-place sum over ranks) completes the row-parallel ``o_proj`` and
+``down_proj``, whose replicated bias is added once, after the sum.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,15 +37,28 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sum over the tensor-parallel ranks
+
+
 def _linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
     layer = nn.Linear(n_in, n_out, bias=bias, device="meta")
     layer.requires_grad_(False)
     return layer
 
 
+def _row_parallel(layer: nn.Linear, x: torch.Tensor, reduce: AllReduce | None) -> torch.Tensor:
+    """``layer(x)`` where x [n, in // N] and the weight hold this rank's input features: partial
+    products summed over ranks, then the (replicated) bias once."""
+    if reduce is None:
+        return layer(x)
+    y = reduce(F.linear(x, layer.weight))  # [n, out] float, complete after the sum
+    return y if layer.bias is None else y + layer.bias
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, reduce: AllReduce | None = None) -> None:
         super().__init__()
+        self.reduce = reduce
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -56,28 +76,29 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         backend.write_kv(k, v, cache[0], cache[1], meta)
         o = backend.forward(q, cache[0], cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(n, self.q_size))
+        return _row_parallel(self.o_proj, o.reshape(n, self.q_size), self.reduce)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, reduce: AllReduce | None = None) -> None:
         super().__init__()
+        self.reduce = reduce
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, False)
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return _row_parallel(self.down_proj, F.silu(gate) * up, self.reduce)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, reduce: AllReduce | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, reduce)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, reduce)
 
     def forward(self, x, cos, sin, cache, meta, backend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, backend)
@@ -85,16 +106,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Parameters are created on the meta device; the loader materialises them."""
+    """Parameters are created on the meta device; the loader materialises them.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    ``reduce`` and ``with_lm_head`` serve tensor parallelism: a rank's local config, the sum over
+    ranks, and whether this rank computes logits (only the sampling rank does)."""
+
+    def __init__(self, cfg: ModelConfig, reduce: AllReduce | None = None, with_lm_head: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
         self.embed_tokens.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, reduce) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False)
+        self.with_lm_head = with_lm_head
+        untied = with_lm_head and not cfg.tie_word_embeddings
+        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False) if untied else None
         self.rotary: RotaryEmbedding | None = None  # built by the loader on the target device
 
     @property
@@ -118,5 +144,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] float32."""
+        if not self.with_lm_head:
+            raise RuntimeError("compute_logits on a tensor-parallel rank without the LM head (rank 0 samples)")
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).to(torch.float32)

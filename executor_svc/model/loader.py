@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
 from executor_svc.model.config import ModelConfig, UnsupportedModelError, load_model_config
-from executor_svc.model.llama import LlamaForCausalLM
+from executor_svc.model.llama import AllReduce, LlamaForCausalLM
 from executor_svc.model.rope import RotaryEmbedding
+from executor_svc.parallel.shard import NO_SHARD, TPShard
 from pagedserve.wire.fingerprint import weight_files
 
 log = logging.getLogger(__name__)
@@ -26,38 +28,65 @@ _PROGRESS_MIN_BYTES = 512 * 1024 * 1024  # show a progress bar only for checkpoi
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _targets(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
-    """HF tensor name -> (our parameter name, first row, row count) for every tensor we need."""
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    t: dict[str, tuple[str, int, int]] = {
-        "model.embed_tokens.weight": ("embed_tokens.weight", 0, cfg.vocab_size),
-        "model.norm.weight": ("norm.weight", 0, cfg.hidden_size),
+class Target(NamedTuple):
+    """Where one HF tensor goes: rows ``[start, start + rows)`` of our parameter ``param``, from
+    the whole tensor (``src is None``) or from ``src = (dim, first, count)`` of it (a rank's shard)."""
+
+    param: str
+    start: int
+    rows: int
+    src: tuple[int, int, int] | None = None
+
+
+def _targets(cfg: ModelConfig, shard: TPShard = NO_SHARD) -> dict[str, Target]:
+    """HF tensor name -> Target for every tensor this rank needs (all of them when not sharded)."""
+    local = shard.local_config(cfg) if shard.size > 1 else cfg
+    hd = cfg.head_dim
+    (q0, nq), (kv0, nkv), (i0, ni) = shard.q_heads(cfg), shard.kv_heads(cfg), shard.intermediate(cfg)
+    q, kv, inter = nq * hd, nkv * hd, ni
+    cut = shard.size > 1  # read slices only when sharded: a whole tensor loads as before
+
+    def rows(first: int, count: int) -> tuple[int, int, int] | None:
+        return (0, first, count) if cut else None
+
+    def cols(first: int, count: int) -> tuple[int, int, int] | None:
+        return (1, first, count) if cut else None
+
+    t: dict[str, Target] = {
+        "model.embed_tokens.weight": Target("embed_tokens.weight", 0, cfg.vocab_size),
+        "model.norm.weight": Target("norm.weight", 0, cfg.hidden_size),
     }
-    if not cfg.tie_word_embeddings:
-        t["lm_head.weight"] = ("lm_head.weight", 0, cfg.vocab_size)
-    for i in range(cfg.num_layers):
+    if shard.holds_lm_head and not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = Target("lm_head.weight", 0, cfg.vocab_size)
+    for i in range(local.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         kinds = ["weight"] + (["bias"] if cfg.qkv_bias else [])
         for kind in kinds:
-            for proj, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
-                t[f"{hf}self_attn.{proj}.{kind}"] = (f"{ours}self_attn.qkv_proj.{kind}", start, rows)
-        t[f"{hf}self_attn.o_proj.weight"] = (f"{ours}self_attn.o_proj.weight", 0, cfg.hidden_size)
+            for proj, start, n, src in (("q_proj", 0, q, rows(q0 * hd, q)), ("k_proj", q, kv, rows(kv0 * hd, kv)),
+                                        ("v_proj", q + kv, kv, rows(kv0 * hd, kv))):
+                t[f"{hf}self_attn.{proj}.{kind}"] = Target(f"{ours}self_attn.qkv_proj.{kind}", start, n, src)
+        t[f"{hf}self_attn.o_proj.weight"] = Target(f"{ours}self_attn.o_proj.weight", 0, cfg.hidden_size,
+                                                   cols(q0 * hd, q))
         if cfg.o_bias:
-            t[f"{hf}self_attn.o_proj.bias"] = (f"{ours}self_attn.o_proj.bias", 0, cfg.hidden_size)
-        t[f"{hf}mlp.gate_proj.weight"] = (f"{ours}mlp.gate_up_proj.weight", 0, inter)
-        t[f"{hf}mlp.up_proj.weight"] = (f"{ours}mlp.gate_up_proj.weight", inter, inter)
-        t[f"{hf}mlp.down_proj.weight"] = (f"{ours}mlp.down_proj.weight", 0, cfg.hidden_size)
-        t[f"{hf}input_layernorm.weight"] = (f"{ours}input_layernorm.weight", 0, cfg.hidden_size)
-        t[f"{hf}post_attention_layernorm.weight"] = (f"{ours}post_attention_layernorm.weight", 0, cfg.hidden_size)
+            t[f"{hf}self_attn.o_proj.bias"] = Target(f"{ours}self_attn.o_proj.bias", 0, cfg.hidden_size)
+        t[f"{hf}mlp.gate_proj.weight"] = Target(f"{ours}mlp.gate_up_proj.weight", 0, inter, rows(i0, ni))
+        t[f"{hf}mlp.up_proj.weight"] = Target(f"{ours}mlp.gate_up_proj.weight", inter, inter, rows(i0, ni))
+        t[f"{hf}mlp.down_proj.weight"] = Target(f"{ours}mlp.down_proj.weight", 0, cfg.hidden_size, cols(i0, ni))
+        t[f"{hf}input_layernorm.weight"] = Target(f"{ours}input_layernorm.weight", 0, cfg.hidden_size)
+        t[f"{hf}post_attention_layernorm.weight"] = Target(f"{ours}post_attention_layernorm.weight", 0,
+                                                           cfg.hidden_size)
     return t
 
 
-def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               shard: TPShard = NO_SHARD, reduce: AllReduce | None = None) -> LlamaForCausalLM:
+    """The whole model, or with ``shard`` one tensor-parallel rank's part of it (only those bytes
+    are read) and ``reduce`` its sum over ranks."""
     cfg = load_model_config(model_dir)
-    model = LlamaForCausalLM(cfg).to_empty(device=device).to(dtype)
+    local = shard.local_config(cfg) if shard.size > 1 else cfg
+    model = LlamaForCausalLM(local, reduce, with_lm_head=shard.holds_lm_head).to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
-    targets = _targets(cfg)
+    targets = _targets(cfg, shard)
     files = weight_files(model_dir)
     total = sum(f.stat().st_size for f in files)
     seen: set[str] = set()
@@ -66,14 +95,15 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
         for path in files:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    tensor = f.get_tensor(name)
+                    target = targets.get(name)
+                    if target is None:  # not read at all (a tied or other rank's LM head, ...)
+                        if not name.endswith(_IGNORED_SUFFIXES) and name != "lm_head.weight":
+                            log.warning("ignoring unexpected weight %s", name)
+                        continue
+                    tensor = _read(f, name, target)
                     bar.update(tensor.numel() * tensor.element_size())
-                    if name in targets:
-                        _copy_into(params, targets[name], name, tensor)
-                        seen.add(name)
-                    elif not name.endswith(_IGNORED_SUFFIXES) and not (
-                            cfg.tie_word_embeddings and name == "lm_head.weight"):
-                        log.warning("ignoring unexpected weight %s", name)
+                    _copy_into(params, target, name, tensor)
+                    seen.add(name)
     missing = sorted(set(targets) - seen)
     if missing:
         raise UnsupportedModelError(f"{model_dir}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
@@ -81,9 +111,21 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     return model.eval()
 
 
-def _copy_into(params: dict[str, torch.nn.Parameter], target: tuple[str, int, int], name: str,
-               tensor: torch.Tensor) -> None:
-    param_name, start, rows = target
+def _read(f, name: str, target: Target) -> torch.Tensor:
+    """The whole tensor, or only this rank's slice of it (only those bytes are read)."""
+    if target.src is None:
+        return f.get_tensor(name)
+    dim, first, count = target.src
+    sl = f.get_slice(name)
+    shape = sl.get_shape()
+    if dim >= len(shape) or first + count > shape[dim]:
+        raise UnsupportedModelError(f"weight {name}: shape {tuple(shape)} too small for rows/columns "
+                                    f"[{first}, {first + count}) of dim {dim} (does config.json match?)")
+    return sl[first:first + count] if dim == 0 else sl[:, first:first + count]
+
+
+def _copy_into(params: dict[str, torch.nn.Parameter], target: Target, name: str, tensor: torch.Tensor) -> None:
+    param_name, start, rows, _ = target
     dst = params[param_name].data[start:start + rows]
     if tuple(tensor.shape) != tuple(dst.shape):
         raise UnsupportedModelError(

@@ -191,7 +191,7 @@ class Stats(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_migrations: _Optional[int] = ..., executors: _Optional[_Iterable[_Union[ExecutorStats, _Mapping]]] = ...) -> None: ...
 
 class ExecutorStats(_message.Message):
-    __slots__ = ("id", "state", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_shared", "cpu_blocks_total", "cpu_blocks_used", "num_running", "num_waiting")
+    __slots__ = ("id", "state", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_shared", "cpu_blocks_total", "cpu_blocks_used", "num_running", "num_waiting", "tensor_parallel_size")
     ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +202,7 @@ class ExecutorStats(_message.Message):
     CPU_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: str
     kv_blocks_total: int
@@ -212,4 +213,5 @@ class ExecutorStats(_message.Message):
     cpu_blocks_used: int
     num_running: int
     num_waiting: int
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_shared: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., cpu_blocks_used: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_blocks_shared: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., cpu_blocks_used: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...

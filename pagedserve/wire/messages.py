@@ -208,6 +208,8 @@ class Handshake(_Message):
     max_model_len: Annotated[int, Meta(ge=1, le=p.MAX_SEQ_TOKENS)]
     dtype: Name
     device: Name
+    # Ranks serving this model as one executor (tensor parallelism); older executors omit it.
+    tensor_parallel_size: Annotated[int, Meta(ge=1, le=1024)] = 1
 
 
 class HandshakeReply(_Message):

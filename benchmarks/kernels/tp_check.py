@@ -1,0 +1,120 @@
+"""A tensor-parallel group on real devices against transformers: ``make gpu-check``'s N = 2 case.
+
+    python -m benchmarks.kernels.tp_check [--device cuda|cpu] [--world 2] [--model DIR]
+
+Starts an N-rank group exactly as ``pagedserve-executor --tensor-parallel-size N`` does (this
+process is rank 0; with ``--device cuda`` rank r uses GPU r and the model's all-reduces go
+through NCCL, the plans through gloo), loads the tiny 8-q / 4-KV-head Llama, and generates
+greedily for prompts of several lengths, prefilled in chunks of 7 tokens while the others
+decode (the CuPy prefill and decode kernels with the per-rank head counts on CUDA). Exit status 0
+when every sequence equals transformers' greedy output token for token. ``--device cpu`` runs
+the same path with gloo (tests/test_tp_check.py does, on machines without GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pagedserve.wire import BatchPlan, BlockUpdate, NewSeq, SamplingParams
+
+PROMPT_LENS = (5, 19, 40)
+MAX_NEW = 12
+CHUNK = 7
+BLOCK = 16
+
+
+def skip_reason(device: str, world: int, device_count: int) -> str | None:
+    """None when the check can run here, else the message saying why it is skipped."""
+    if device == "cuda" and device_count < world:
+        return (f"tensor-parallel check (N = {world}, NCCL) skipped: it needs {world} GPUs, "
+                f"this machine has {device_count}")
+    return None
+
+
+def greedy(runner, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Drive the runner with hand-built plans (block tables grown as needed) to ``max_new`` outputs."""
+    free = list(range(runner.kv.num_blocks - 1, -1, -1))
+    tokens = [list(p) for p in prompts]
+    computed, tables, outputs = [0] * len(prompts), [[] for _ in prompts], [[] for _ in prompts]
+    greedy_params = SamplingParams(temperature=0.0)
+    new = [NewSeq(i, list(p), len(p), [], 0, greedy_params) for i, p in enumerate(prompts)]
+    step = 0
+    while any(len(o) < max_new for o in outputs):
+        ids, counts, updates = [], [], []
+        for i in range(len(prompts)):
+            if len(outputs[i]) >= max_new:
+                continue
+            n = min(CHUNK, len(tokens[i]) - computed[i])
+            need = -(-(computed[i] + n) // BLOCK) - len(tables[i])
+            if need > 0:
+                blocks = [free.pop() for _ in range(need)]
+                updates.append(BlockUpdate(i, len(tables[i]), blocks))
+                tables[i] += blocks
+            ids.append(i)
+            counts.append(n)
+        res = runner.execute(BatchPlan(step, ids, counts, new_seqs=new, block_updates=updates))
+        if res.error:
+            raise RuntimeError(f"step {step}: {res.error}")
+        new, step = [], step + 1
+        for i, n in zip(ids, counts, strict=True):
+            computed[i] += n
+        for i, tok in zip(res.sampled_seq_ids, res.sampled_token_ids, strict=True):
+            tokens[i].append(tok)
+            outputs[i].append(tok)
+    return outputs
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], max_new: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def check(model_dir: Path, device: str, world: int) -> bool:
+    from benchmarks.tensor_parallel import serving_runner
+
+    prompts = [[(11 * i + 5 * j) % 480 + 3 for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
+    with serving_runner(model_dir, world, threads=world, device=device) as runner:
+        ours = greedy(runner, prompts, MAX_NEW)
+        heads = (runner.model.cfg.num_heads, runner.model.cfg.num_kv_heads)
+    ok = True
+    for p, got in zip(prompts, ours, strict=True):
+        ref = hf_greedy(model_dir, p, MAX_NEW)
+        ok &= got == ref
+        print(f"  prompt of {len(p):2d} tokens: {'PASS' if got == ref else 'FAIL'} ours {got} transformers {ref}")
+    print(f"tensor-parallel N = {world} on {device} (rank 0: {heads[0]} q / {heads[1]} KV heads): "
+          f"{'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.tp_check", description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--model", help="HF model dir (default: the tiny 8-q / 4-KV-head llama, built here)")
+    args = ap.parse_args(argv)
+    count = torch.cuda.device_count() if args.device == "cuda" else 0
+    reason = skip_reason(args.device, args.world, count)
+    if reason:
+        print(reason)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(args.model) if args.model else None
+        if model_dir is None:
+            from executor_svc.tiny_model import build_tiny_model
+
+            model_dir = build_tiny_model(Path(tmp) / "tiny-tp", "llama", "tp")
+        return 0 if check(model_dir, args.device, args.world) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The leader's messages to its followers, over the group's control process group (gloo).
+
+No pickle: a plan travels as the wire codec's own bytes (``pagedserve.wire.encode``) in a uint8
+tensor, its length first; the followers decode it with the same typed, bounded decoder the
+leader used on the scheduler's frame. Each message starts with an int64 header
+``[kind, length]``:
+
+- ``PLAN``: ``length`` bytes of an encoded ``BatchPlan`` follow;
+- ``RESET``: forget every sequence (the leader reconnected to the scheduler);
+- ``TICK``: nothing; sent when the leader has been idle for :data:`TICK_S`, so a follower
+  waiting for the next plan never reaches the collective timeout;
+- ``STOP``: the group is shutting down (drained, refused, or interrupted).
+
+After a plan whose forward produced logits, the leader sends the step's sampled tokens as
+int64 ``[TOKENS, status, token...]``: one per sampling row that is not a beam row, in batch
+order, a length both sides know. Followers append them as the leader did; ``status`` is
+``FAILED`` when sampling raised on the leader (the step is then reported as failed and nothing
+is appended anywhere).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from executor_svc.parallel.group import TPGroup
+
+PLAN, RESET, TICK, STOP, TOKENS = 1, 2, 3, 4, 5
+OK, FAILED = 0, 1
+TICK_S = 1.0
+MAX_PLAN_BYTES = 1 << 30  # a follower refuses a header announcing more (a corrupt channel)
+
+
+class PlanChannel:
+    def __init__(self, group: TPGroup) -> None:
+        self.group = group
+
+    # ---------------------------------------------------------------- leader
+
+    def send(self, kind: int, payload: bytes = b"") -> None:
+        with self.group.fatal_on_error("sending to the followers"):
+            self.group.broadcast(torch.tensor([kind, len(payload)], dtype=torch.int64))
+            if payload:
+                self.group.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+
+    def send_tokens(self, status: int, tokens: list[int], count: int) -> None:
+        """``count`` token ids (padded with 0 when the step failed)."""
+        body = tokens if status == OK else [0] * count
+        with self.group.fatal_on_error("sending sampled tokens"):
+            if len(body) != count:  # the followers expect exactly count: a bug, and fatal
+                raise RuntimeError(f"sampled {len(body)} tokens for {count} sampling rows")
+            self.group.broadcast(torch.tensor([TOKENS, status, *body], dtype=torch.int64))
+
+    # ---------------------------------------------------------------- followers
+
+    def recv(self) -> tuple[int, bytes]:
+        """The next (kind, payload) from the leader."""
+        with self.group.fatal_on_error("waiting for the leader"):
+            header = self.group.broadcast(torch.zeros(2, dtype=torch.int64)).tolist()
+            kind, length = header
+            if kind not in (PLAN, RESET, TICK, STOP) or not 0 <= length <= MAX_PLAN_BYTES:
+                raise RuntimeError(f"corrupt control header {header}")
+            if not length:
+                return kind, b""
+            return kind, self.group.broadcast(torch.empty(length, dtype=torch.uint8)).numpy().tobytes()
+
+    def recv_tokens(self, count: int) -> list[int] | None:
+        """The step's sampled tokens, or None when sampling failed on the leader."""
+        with self.group.fatal_on_error("waiting for sampled tokens"):
+            msg = self.group.broadcast(torch.zeros(2 + count, dtype=torch.int64)).tolist()
+            if msg[0] != TOKENS or msg[1] not in (OK, FAILED):
+                raise RuntimeError(f"expected sampled tokens, got header {msg[:2]}")
+        return msg[2:] if msg[1] == OK else None

@@ -1,0 +1,138 @@
+"""The runners of a tensor-parallel group: the leader behind the worker's interface, the followers.
+
+Rank 0 (:class:`TensorParallelRunner`) is what the worker drives, through the same
+``execute(plan) -> StepResult`` and ``reset()`` as a single-device ``ModelRunner``. It checks a
+plan against its sequence state (a refused plan never leaves rank 0), sends it to the followers
+(executor_svc/parallel/channel.py), and then every rank applies the same deltas to its own copy
+of the sequence state and its own KV shard, and runs its shard of the forward; the row-parallel
+layers' all-reduces keep the ranks in lockstep. Rank 0 alone computes logits and samples, then
+sends the sampled tokens so each follower appends exactly what the leader appended (no rank
+relies on drawing the same random numbers).
+
+Failures: an exception while applying a plan or inside the forward leaves the ranks in different
+places of the step, so it is fatal for the group (``TPGroup.fatal``: the process exits and the
+scheduler migrates the requests). A failure in sampling, after the last collective, is not: the
+followers are told, nothing is appended anywhere, and the step fails as on one device.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from executor_svc.attention import AttentionBackend
+from executor_svc.kv_cache import KVCache
+from executor_svc.model.llama import LlamaForCausalLM
+from executor_svc.parallel.channel import FAILED, OK, PLAN, RESET, STOP, TICK, TICK_S, PlanChannel
+from executor_svc.parallel.group import TPGroup
+from executor_svc.runner import Batch, ModelRunner, SeqState
+from executor_svc.sampler import Sampler
+from pagedserve import wire
+from pagedserve.wire import BatchPlan, StepResult
+
+
+def token_rows(seqs: dict[int, SeqState], batch: Batch) -> list[SeqState]:
+    """The sampling rows that get a token (beam rows report candidates and append nothing)."""
+    return [seqs[sid] for sid in batch.sample_seq_ids if seqs[sid].sampling.beam_candidates <= 0]
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0 of the group, for the worker exactly a ModelRunner."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend, group: TPGroup,
+                 sampler: Sampler | None = None, max_model_len: int | None = None) -> None:
+        super().__init__(model, kv_cache, backend, sampler, max_model_len)
+        self.group, self.channel = group, PlanChannel(group)
+        self._lock = threading.Lock()  # one message sequence (a whole step) on the channel at a time
+        self._last_send = time.monotonic()
+        self._closed = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="tp-ticker", daemon=True)
+        self._ticker.start()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._send(RESET)
+            super().reset()
+
+    def _step(self, plan: BatchPlan) -> StepResult:
+        with self._lock:
+            self._send(PLAN, wire.encode(plan))
+            with self.group.fatal_on_error(f"step {plan.step_id}"):
+                self._apply(plan)
+                batch, logits = self._forward(plan)
+            result = StepResult(step_id=plan.step_id)
+            if batch is None or logits is None:
+                return result
+            count = len(token_rows(self.seqs, batch))
+            try:
+                self._sample(batch, logits, result)
+            except Exception:
+                self.channel.send_tokens(FAILED, [], count)
+                raise  # execute() reports the step as failed, as on one device
+            self.channel.send_tokens(OK, result.sampled_token_ids, count)
+            return result
+
+    def _send(self, kind: int, payload: bytes = b"") -> None:
+        self.channel.send(kind, payload)
+        self._last_send = time.monotonic()
+
+    def _tick(self) -> None:
+        """Keep idle followers' wait for the next message under the collective timeout."""
+        while not self._closed.wait(TICK_S / 4):
+            if time.monotonic() - self._last_send < TICK_S or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if not self._closed.is_set():
+                    self._send(TICK)
+            finally:
+                self._lock.release()
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Tell the followers to exit; False when a step still held the channel after ``timeout_s``."""
+        self._closed.set()
+        self._ticker.join()
+        if not self._lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            self._send(STOP)
+        finally:
+            self._lock.release()
+        return True
+
+
+class FollowerRunner(ModelRunner):
+    """Ranks 1..N-1: the same sequence state and deltas as rank 0, their own shard, no sampling."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend, group: TPGroup,
+                 max_model_len: int | None = None) -> None:
+        super().__init__(model, kv_cache, backend, Sampler(), max_model_len)
+        self.group, self.channel = group, PlanChannel(group)
+
+    def _logits(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        return None  # rank 0 holds the LM head and samples
+
+    def _step(self, plan: BatchPlan) -> StepResult:
+        self._apply(plan)
+        batch, _ = self._forward(plan)
+        if batch is not None and batch.logits_rows:
+            rows = token_rows(self.seqs, batch)
+            tokens = self.channel.recv_tokens(len(rows))
+            if tokens is not None:
+                for s, tok in zip(rows, tokens, strict=True):
+                    s.token_ids.append(tok)
+        return StepResult(step_id=plan.step_id)
+
+    def serve(self) -> None:
+        """Follow the leader's messages until STOP (plans were checked on rank 0 against the
+        same state; the bytes are decoded with the wire's bounded decoder all the same)."""
+        while True:
+            kind, payload = self.channel.recv()
+            if kind == STOP:
+                return
+            if kind == RESET:
+                self.reset()
+            elif kind == PLAN:
+                with self.group.fatal_on_error("following a plan"):
+                    self._step(wire.decode(payload, accept=(wire.BatchPlan,)))
