@@ -46,6 +46,7 @@ from k8s_helpers import (
     tool,
     workloads,
 )
+from stack import write_secret
 
 OVERLAYS = ("gpu", "cpu")
 # Overlay + optional components, rendered as a user would add them.
@@ -242,7 +243,13 @@ def test_scheduler_command_parses_and_matches_ports_and_probes(rendered, overlay
     assert ports == {"grpc": args.port, "executors": args.executor_port, "metrics": args.metrics_port}
     assert (args.port, args.executor_port, args.metrics_port) == (
         sc.DEFAULT_GRPC_PORT, sc.DEFAULT_EXECUTOR_PORT, sc.DEFAULT_METRICS_PORT)
-    assert args.host == "0.0.0.0" and args.executor_host == "0.0.0.0"  # reachable from other pods
+    assert args.host == "0.0.0.0"  # reachable from other pods
+    # The executor link is encrypted with the mounted cluster secret, so it listens on every interface.
+    secret = env["PAGEDSERVE_CLUSTER_SECRET_FILE"]
+    mount = next(m for m in c["volumeMounts"] if secret.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in pod_spec(deploy)["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == "pagedserve-cluster-secret" and mount["readOnly"]
+    assert args.executor_host in (None, "0.0.0.0")
     for probe, service in [("startupProbe", wire.HEALTH_LIVENESS), ("livenessProbe", wire.HEALTH_LIVENESS),
                            ("readinessProbe", wire.HEALTH_SCHEDULER_READY)]:
         assert c[probe]["grpc"] == {"port": args.port, "service": service}, probe
@@ -607,9 +614,12 @@ def test_cpu_overlay_serves_on_loopback_and_survives_an_executor_sigterm(rendere
     assert len(inits) == 1
     cluster = StandIn(docs, tmp_path)
     try:
-        sched = cluster.pod(SCHED, "pagedserve-scheduler-5d8f7c9b4-q7x2m")
+        secret_dir = tmp_path / "cluster-secret"  # the Secret both Deployments mount
+        secret_dir.mkdir()
+        write_secret(secret_dir / "cluster-secret")
+        sched = cluster.pod(SCHED, "pagedserve-scheduler-5d8f7c9b4-q7x2m", {"cluster-secret": secret_dir})
         cluster.run_init(sched)
-        shared = {"models": sched.volumes["models"]}
+        shared = {"models": sched.volumes["models"], "cluster-secret": secret_dir}
         executors = [cluster.pod(EXEC, f"pagedserve-executor-6c9d8f7b5-{s}", shared) for s in ("a1b2c", "d3e4f")]
         # --executor-host is not in the rendered args; its wildcard default becomes loopback too.
         cluster.start(sched, {"PAGEDSERVE_EXECUTOR_HOST": "127.0.0.1"})

@@ -64,10 +64,6 @@ def _key_pair(secret: bytes, role: bytes) -> tuple[bytes, bytes]:
     return zmq.curve_public(secret_key), secret_key
 
 
-def group_or_world_readable(path: str | os.PathLike) -> bool:
-    return bool(Path(path).stat().st_mode & (stat.S_IRGRP | stat.S_IROTH))
-
-
 def make_server(sock: zmq.Socket, keys: ClusterKeys) -> None:
     """The scheduler's ROUTER: CURVE server with the scheduler key pair (set before bind)."""
     sock.curve_secretkey = keys.server_secret
