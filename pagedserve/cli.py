@@ -18,12 +18,14 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import TextIO
 
 import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve.channel import open_channel
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -35,6 +37,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", default=os.environ.get("PAGEDSERVE_SERVER", DEFAULT_SERVER),
                    help="HOST:PORT of the scheduler (env PAGEDSERVE_SERVER; default %(default)s)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds for the call")
+    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="API key sent as 'authorization: Bearer <key>' (env PAGEDSERVE_API_KEY)")
+    p.add_argument("--tls-ca", type=Path, default=os.environ.get("PAGEDSERVE_TLS_CA"),
+                   help="PEM CA bundle to verify the server with: connect over TLS (env PAGEDSERVE_TLS_CA)")
+    p.add_argument("--tls-cert", type=Path, default=None, help="client certificate (PEM), for mutual TLS")
+    p.add_argument("--tls-key", type=Path, default=None, help="private key of --tls-cert (PEM)")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print the server's messages as JSON")
     sub = p.add_subparsers(dest="command", required=True)
@@ -202,7 +210,7 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
     args = _build_parser().parse_args(argv)
     out, err = out or sys.stdout, err or sys.stderr
     try:
-        with grpc.insecure_channel(args.server) as channel:
+        with open_channel(args.server, args.api_key, args.tls_ca, args.tls_cert, args.tls_key) as channel:
             return args.func(channel, args, out, err)
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()} (server {args.server})", file=err)

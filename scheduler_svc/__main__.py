@@ -71,7 +71,8 @@ async def serve(cfg: ServiceConfig) -> None:
     engine_cfg = dataclasses.replace(cfg.engine, model_fingerprint=served_model(cfg.model_dir))
     engine = Engine(engine_cfg, tokenizer, eos_token_ids(cfg.model_dir), metrics)
     await engine.start()
-    api = await start_grpc_server(engine, tokenizer, cfg.host, cfg.port, cfg.limits, metrics)
+    api = await start_grpc_server(engine, tokenizer, cfg.host, cfg.port, cfg.limits, metrics,
+                                  api_keys=cfg.api_keys, tls=cfg.tls)
     loop = asyncio.get_running_loop()
     engine.on_readiness_change = lambda: loop.create_task(api.update_health())
     metrics_server = (start_metrics_server(cfg.metrics_port, metrics.registry, host=cfg.metrics_host)

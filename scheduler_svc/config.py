@@ -23,6 +23,7 @@ from pagedserve import wire
 from pagedserve.envargs import number, parse_with_env
 from pagedserve.wire.keys import read_cluster_secret
 from scheduler_svc.sched_config import PREEMPTION_MODES, EngineConfig, SchedulerConfig
+from scheduler_svc.security import ApiKeys, TlsFiles
 from scheduler_svc.validation import ServerLimits
 
 DEFAULT_GRPC_PORT = 50051
@@ -43,6 +44,8 @@ class ServiceConfig:
     limits: ServerLimits  # per-request limits at the API edge
     shutdown_grace_seconds: float
     log_level: str
+    api_keys: ApiKeys | None = None  # the public fronts require one of these (None: open)
+    tls: TlsFiles | None = None  # the public fronts serve TLS (None: plaintext)
 
     @property
     def scheduler(self) -> SchedulerConfig:
@@ -112,6 +115,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    "step_timeout_s"), dest="step_timeout_s",
                    help="seconds a step may take at least before its executor counts as failed and its requests "
                         "move (the bound grows with the executor's observed step times)")
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="file with one API key per line: calls must send 'authorization: Bearer <key>' "
+                        "(gRPC health stays open for probes)")
+    p.add_argument("--tls-cert-file", type=Path, default=None, help="PEM certificate (chain) the API serves")
+    p.add_argument("--tls-key-file", type=Path, default=None, help="PEM private key of --tls-cert-file")
+    p.add_argument("--tls-client-ca-file", type=Path, default=None,
+                   help="PEM CA bundle: clients must present a certificate it signed (mutual TLS)")
     p.add_argument("--metrics-host", default="0.0.0.0", help="Prometheus /metrics listen address")
     p.add_argument("--metrics-port", type=PORT, default=DEFAULT_METRICS_PORT,
                    help="Prometheus /metrics HTTP port (0 disables)")
@@ -152,6 +162,31 @@ def build_arg_parser() -> argparse.ArgumentParser:
                        default=f.default, help=_LIMIT_HELP[f.name])
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
+
+
+def _api_keys(parser: argparse.ArgumentParser, a: argparse.Namespace) -> ApiKeys | None:
+    if a.api_key_file is None:
+        return None
+    try:
+        return ApiKeys.from_file(a.api_key_file)
+    except OSError as exc:
+        parser.error(f"--api-key-file: cannot read {a.api_key_file}: {exc.strerror}")
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def _tls(parser: argparse.ArgumentParser, a: argparse.Namespace) -> TlsFiles | None:
+    if a.tls_cert_file is None and a.tls_key_file is None:
+        if a.tls_client_ca_file is not None:
+            parser.error("--tls-client-ca-file: needs --tls-cert-file and --tls-key-file")
+        return None
+    if a.tls_cert_file is None or a.tls_key_file is None:
+        parser.error("--tls-cert-file and --tls-key-file: give both or neither")
+    for flag, path in (("--tls-cert-file", a.tls_cert_file), ("--tls-key-file", a.tls_key_file),
+                       ("--tls-client-ca-file", a.tls_client_ca_file)):
+        if path is not None and not path.is_file():
+            parser.error(f"{flag}: {path} is not a readable file")
+    return TlsFiles(a.tls_cert_file, a.tls_key_file, a.tls_client_ca_file)
 
 
 def _executor_host(parser: argparse.ArgumentParser, a: argparse.Namespace) -> str:
@@ -202,4 +237,4 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         model_dir=a.model, host=a.host, port=a.port, metrics_host=a.metrics_host, metrics_port=a.metrics_port,
         engine=engine,
         limits=ServerLimits(**_fields(ServerLimits, a)), shutdown_grace_seconds=a.shutdown_grace_seconds,
-        log_level=a.log_level)
+        log_level=a.log_level, api_keys=_api_keys(parser, a), tls=_tls(parser, a))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -42,6 +43,7 @@ from scheduler_svc.api_types import (
     RequestOutput,
 )
 from scheduler_svc.metrics import Metrics
+from scheduler_svc.security import ApiKeyInterceptor, ApiKeys, TlsFiles
 from scheduler_svc.validation import ServerLimits, ValidationError, validate_generate_request
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 assert SERVICE_NAME == HEALTH_SCHEDULER_READY, "readiness is reported under the service's own name"
 # Prompts longer than this are tokenized in a worker thread, off the event loop.
 THREAD_TOKENIZE_CHARS = 4096
+# The largest request message gRPC reads (its default, stated): a prompt longer than the model could
+# ever take is refused from its length before tokenizing (validation.py), so this bounds memory.
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -255,6 +260,34 @@ class ApiServer:
                 log.exception("health update failed")
 
 
+def _parsing(cls, method):
+    """A servicer method taking the raw request bytes: a malformed message is INVALID_ARGUMENT
+    (gRPC's own deserializer would make it UNKNOWN)."""
+
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext):
+        try:
+            request = cls.FromString(raw)
+        except DecodeError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request is not a valid {cls.DESCRIPTOR.full_name} message ({e})")
+        return await method(request, context)
+
+    return handler
+
+
+def _generation_handlers(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            _parsing(pb.GenerateRequest, servicer.Generate),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            _parsing(pb.GetModelInfoRequest, servicer.GetModelInfo),
+            response_serializer=pb.ModelInfo.SerializeToString),
+        "GetStats": grpc.unary_unary_rpc_method_handler(
+            _parsing(pb.GetStatsRequest, servicer.GetStats), response_serializer=pb.Stats.SerializeToString),
+    })
+
+
 async def start_grpc_server(
     engine: Engine,
     tokenizer: Tokenizer,
@@ -263,27 +296,37 @@ async def start_grpc_server(
     limits: ServerLimits | None = None,
     metrics: Metrics | None = None,
     health_poll_interval: float | None = 1.0,
+    api_keys: ApiKeys | None = None,
+    tls: TlsFiles | None = None,
 ) -> ApiServer:
     """Bind and start the server (port 0: a free port, see ``.port``); must run in the engine's loop.
 
     ``health_poll_interval`` re-reads ``engine.is_ready()`` periodically as a
     safety net; the engine should still call ``update_health()`` on changes.
+    ``api_keys``: calls need one (health excepted); ``tls``: the port serves TLS only.
     """
     servicer = GenerationServicer(engine, tokenizer, limits or ServerLimits(), metrics)
     health = health_aio.HealthServicer()
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    interceptors = []
+    if api_keys is not None:
+        on_denied = (lambda: metrics.on_rejected("UNAUTHENTICATED")) if metrics else None
+        interceptors.append(ApiKeyInterceptor(api_keys, on_denied))
+    server = grpc.aio.server(interceptors=interceptors, options=[
+        ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
+    server.add_generic_rpc_handlers((_generation_handlers(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.grpc_credentials()) if tls else server.add_insecure_port(address)
     api = ApiServer(server, servicer, health, engine, bound)
     await health.set(HEALTH_LIVENESS, SERVING)
     await api.update_health()
     await server.start()
     if health_poll_interval is not None:
         api._poller = asyncio.get_running_loop().create_task(api._poll_health(health_poll_interval))
-    log.info("gRPC API listening on %s:%d", host, bound)
+    log.info("gRPC API listening on %s:%d (%s%s)", host, bound, "TLS" if tls else "plaintext",
+             ", API keys required" if api_keys else "")
     return api

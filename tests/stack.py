@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve.channel import open_channel
 from pagedserve.demo import terminate
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
@@ -40,7 +41,8 @@ class Stack:
     """One scheduler plus any number of executors, started and stopped by a test."""
 
     def __init__(self, model: Path, logdir: Path, scheduler_args: list[str] | None = None,
-                 secure: bool = True) -> None:
+                 secure: bool = True, api_key: str | None = None, tls_ca: Path | None = None,
+                 tls_client: tuple[Path, Path] | None = None) -> None:
         self.model, self.logdir = model, logdir
         self.port, self.executor_port = free_port(), free_port()
         self.scheduler_args = scheduler_args or []
@@ -49,6 +51,8 @@ class Stack:
         if secure:
             self.secret_file = write_secret(logdir / "cluster-secret")
         self.secret_args = ["--cluster-secret-file", str(self.secret_file)] if secure else []
+        # How this stack's own client reaches the API (when the scheduler requires keys or TLS).
+        self.api_key, self.tls_ca, self.tls_client = api_key, tls_ca, tls_client
         self.scheduler: subprocess.Popen | None = None
         self.executors: dict[str, subprocess.Popen] = {}
         self.channel: grpc.Channel | None = None
@@ -64,7 +68,7 @@ class Stack:
             "--port", str(self.port), "--executor-host", "127.0.0.1",
             "--executor-port", str(self.executor_port), "--metrics-port", "0",
             "--heartbeat-interval", "0.5", *self.secret_args, *self.scheduler_args])
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.channel = self.open_channel()
         self.wait_health(liveness=True)
 
     def start_executor(self, name: str, *extra: str) -> subprocess.Popen:
@@ -74,6 +78,13 @@ class Stack:
             "--kv-cache-memory", "64MiB", "--health-port", "0", *self.secret_args, *extra])
         self.executors[name] = proc
         return proc
+
+    def open_channel(self, **overrides) -> grpc.Channel:
+        """A channel to the API with this stack's client credentials (``overrides`` replace them)."""
+        args = dict(api_key=self.api_key, tls_ca=self.tls_ca, tls_cert=self.tls_client and self.tls_client[0],
+                    tls_key=self.tls_client and self.tls_client[1])
+        args.update(overrides)
+        return open_channel(f"{'localhost' if args['tls_ca'] else '127.0.0.1'}:{self.port}", **args)
 
     @property
     def stub(self) -> pb_grpc.GenerationStub:

@@ -1,0 +1,93 @@
+"""What the public fronts require of a caller: API keys and TLS, one set for gRPC and HTTP.
+
+``--api-key-file FILE`` holds one key per line (blank lines and ``#`` comments
+ignored); a call must then carry ``authorization: Bearer <key>``. Keys are kept
+only as SHA-256 digests and compared by digest. gRPC health stays open, so
+probes need no key. ``--tls-cert-file``/``--tls-key-file`` serve TLS;
+``--tls-client-ca-file`` additionally requires client certificates signed by
+that CA (mutual TLS).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger(__name__)
+OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes carry no credentials
+MAX_KEY_FILE_BYTES = 1 << 20
+
+
+class ApiKeys:
+    """The accepted bearer tokens (as digests)."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._digests = frozenset(_digest(k) for k in keys)
+        if not self._digests:
+            raise ValueError("--api-key-file: the file holds no key (one per line)")
+
+    @classmethod
+    def from_file(cls, path: Path) -> ApiKeys:
+        if path.stat().st_size > MAX_KEY_FILE_BYTES:
+            raise ValueError(f"--api-key-file: {path} is larger than {MAX_KEY_FILE_BYTES} bytes")
+        lines = (line.strip() for line in path.read_text().splitlines())
+        return cls(line for line in lines if line and not line.startswith("#"))
+
+    def authorizes(self, authorization: str | None) -> bool:
+        """Whether an ``authorization`` header value (``Bearer <key>``) carries an accepted key."""
+        if not authorization:
+            return False
+        scheme, _, token = authorization.strip().partition(" ")
+        return scheme.lower() == "bearer" and _digest(token.strip()) in self._digests
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path | None = None  # set: clients must present a certificate signed by it
+
+    def grpc_credentials(self) -> grpc.ServerCredentials:
+        ca = self.client_ca_file.read_bytes() if self.client_ca_file else None
+        return grpc.ssl_server_credentials([(self.key_file.read_bytes(), self.cert_file.read_bytes())],
+                                           root_certificates=ca, require_client_auth=ca is not None)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED for calls without an accepted key (health excepted), before any handler runs."""
+
+    def __init__(self, keys: ApiKeys, on_denied=None) -> None:
+        self.keys = keys
+        self.on_denied = on_denied or (lambda: None)
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_METHODS):
+            return handler
+        metadata = dict(details.invocation_metadata or ())
+        if self.keys.authorizes(metadata.get("authorization")):
+            return handler
+        return _denied(handler, self.on_denied)
+
+
+def _denied(handler: grpc.RpcMethodHandler, on_denied) -> grpc.RpcMethodHandler:
+    async def deny(request, context: grpc.aio.ServicerContext):
+        on_denied()
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or unknown API key: send 'authorization: Bearer <key>'")
+
+    kind = {(False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler}[(handler.request_streaming,
+                                                                   handler.response_streaming)]
+    return kind(deny, request_deserializer=None, response_serializer=handler.response_serializer)

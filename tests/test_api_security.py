@@ -1,0 +1,122 @@
+"""The public gRPC API's trust boundary, on real processes: API keys, TLS and mutual TLS with a
+CA made in the test, malformed messages, and prompts no executor could ever take."""
+
+from __future__ import annotations
+
+import io
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from stack import Stack
+from tls_certs import make_pki
+
+from pagedserve import cli
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+KEY = "key-for-the-tests-0123456789"
+
+
+def _generate(channel: grpc.Channel) -> list[int]:
+    req = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=pb.SamplingParams(max_tokens=4, temperature=0.0,
+                                                                                    ignore_eos=True))
+    return [t for r in pb_grpc.GenerationStub(channel).Generate(req, timeout=30) for c in r.choices
+            for t in c.token_ids]
+
+
+def _code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def tls_stack(tiny_llama_dir, tmp_path_factory, pki):
+    """TLS and API keys (two keys in the file, with a comment)."""
+    logdir = tmp_path_factory.mktemp("tls")
+    keys = logdir / "api-keys"
+    keys.write_text(f"# keys of the tests\n{KEY}\n\nanother-key-0123456789\n")
+    s = Stack(tiny_llama_dir, logdir, api_key=KEY, tls_ca=pki["ca"], scheduler_args=[
+        "--api-key-file", str(keys), "--tls-cert-file", str(pki["server_cert"]),
+        "--tls-key-file", str(pki["server_key"])])
+    try:
+        s.start_scheduler()
+        s.start_executor("ex0")
+        s.wait_health()
+        yield s
+    finally:
+        s.stop()
+
+
+def test_calls_need_an_api_key_and_health_does_not(tls_stack):
+    assert len(_generate(tls_stack.channel)) == 4
+    for key in (None, "wrong-key", ""):
+        with tls_stack.open_channel(api_key=key) as ch:
+            assert _code(lambda: _generate(ch)) == grpc.StatusCode.UNAUTHENTICATED
+            assert _code(lambda: pb_grpc.GenerationStub(ch).GetStats(pb.GetStatsRequest(), timeout=5)) \
+                == grpc.StatusCode.UNAUTHENTICATED
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes carry no key
+    with tls_stack.open_channel(api_key="another-key-0123456789") as ch:
+        assert len(_generate(ch)) == 4
+
+
+def test_the_port_speaks_tls_only(tls_stack, pki):
+    with grpc.insecure_channel(f"127.0.0.1:{tls_stack.port}") as plain:
+        assert _code(lambda: _generate(plain)) == grpc.StatusCode.UNAVAILABLE
+    with tls_stack.open_channel(tls_ca=pki["other_ca"]) as untrusted:  # a server we cannot verify
+        assert _code(lambda: _generate(untrusted)) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_cli_takes_an_api_key_and_a_ca(tls_stack, pki):
+    out, err = io.StringIO(), io.StringIO()
+    base = ["--server", f"localhost:{tls_stack.port}", "--tls-ca", str(pki["ca"])]
+    assert cli.main([*base, "--api-key", KEY, "generate", "--token-ids", "5,6,7", "--max-tokens", "3",
+                     "--ignore-eos"], out, err) == 0, err.getvalue()
+    assert "completion_tokens=3" in err.getvalue()
+    err = io.StringIO()
+    assert cli.main([*base, "stats"], io.StringIO(), err) == 1 and "UNAUTHENTICATED" in err.getvalue()
+
+
+def test_mutual_tls_requires_a_client_certificate(tiny_llama_dir, tmp_path, pki):
+    s = Stack(tiny_llama_dir, tmp_path, tls_ca=pki["ca"], tls_client=(pki["client_cert"], pki["client_key"]),
+              scheduler_args=["--tls-cert-file", str(pki["server_cert"]), "--tls-key-file", str(pki["server_key"]),
+                              "--tls-client-ca-file", str(pki["ca"])])
+    try:
+        s.start_scheduler()
+        s.start_executor("ex0")
+        s.wait_health()
+        assert len(_generate(s.channel)) == 4
+        with s.open_channel(tls_cert=None, tls_key=None) as anonymous:
+            assert _code(lambda: _generate(anonymous)) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir, tmp_path_factory):
+    s = Stack(tiny_llama_dir, tmp_path_factory.mktemp("plain"))
+    try:
+        s.start_scheduler()
+        s.start_executor("ex0")
+        s.wait_health()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("payload", [b"\xff\xff\xff", b"\x0a\x05abc", b"\x12\x80\x80\x80\x80\x10"])
+def test_a_malformed_message_is_invalid_argument(plain, payload):
+    call = plain.channel.unary_stream("/pagedserve.v1.Generation/Generate")  # raw bytes, no serializer
+    with pytest.raises(grpc.RpcError) as e:
+        list(call(payload, timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid pagedserve.v1.GenerateRequest" in e.value.details()
+    assert len(_generate(plain.channel)) == 4
