@@ -85,6 +85,21 @@ def run_bench() -> tuple[float, list]:
     return copy_gbs, rows
 
 
+def run_device_idle() -> dict:
+    """The executor's host work per decode step that leaves the GPU idle (benchmarks/device_idle.py),
+    on the default tiny model, 64 sequences."""
+    import tempfile
+
+    from benchmarks.device_idle import measure
+    from executor_svc.tiny_model import build_tiny_model
+
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            return measure(build_tiny_model(Path(d), "llama", "default"), "cuda", seqs=64, prompt=128, steps=30)
+    except Exception as exc:  # report it; the kernel table still matters
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def verdicts(rows: list) -> list[str]:
     out = []
     for r in rows:
@@ -123,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         print(report["tensor_parallel"].get("skipped") or report["tensor_parallel"]["tail"], flush=True)
     from benchmarks.kernels.bench import markdown
 
+    print("device idle per step inside the executor ...", flush=True)
+    report["device_idle"] = run_device_idle()
+    print(report["device_idle"], flush=True)
     print("timing decode attention ...", flush=True)
     copy_gbs, rows = run_bench()
     report["copy_bandwidth_gbs"] = copy_gbs
@@ -130,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     report["verdicts"] = verdicts(rows)
     table = markdown(rows, copy_gbs, report["info"]["device"])
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
-    (out / "gpu_check.md").write_text(table + "\n\n" + "\n".join(report["verdicts"]) + "\n")
+    idle = report["device_idle"]
+    idle_line = (f"Executor, 64 sequences decoding (default tiny model): {idle['wall_ms_per_step']} ms per step, "
+                 f"GPU busy {idle['busy_ms_per_step']} ms, idle {idle['idle_ms_per_step']} ms "
+                 f"({100 * idle['idle_frac']:.0f}%)" if "error" not in idle else f"device idle: {idle['error']}")
+    (out / "gpu_check.md").write_text(table + "\n\n" + "\n".join(report["verdicts"]) + "\n\n" + idle_line + "\n")
     tests = report.get("tests", {"returncode": 0})
     tp = report.get("tensor_parallel", {"returncode": 0})
     print("\n" + table + "\n\n" + "\n".join(report["verdicts"]))
