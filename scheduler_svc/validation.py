@@ -21,6 +21,7 @@ from typing import ClassVar
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.wire import GREEDY_TEMPERATURE_EPS, MAX_SEED, SamplingParams
+from pagedserve.wire.protocol import MAX_INT32
 from scheduler_svc.api_types import GenerationRequest, ModelInfo, RequestParams
 
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI presence / frequency penalties
@@ -233,7 +234,7 @@ def _sampling(f: RequestFields, limits: ServerLimits) -> SamplingParams:
             raise ValidationError("sampling.top_p", f"must be in (0, 1] (got {f.top_p:g})")
         out.top_p = float(f.top_p)
     if f.top_k is not None:
-        out.top_k = _int_range("sampling.top_k", f.top_k, 0, None)
+        out.top_k = _int_range("sampling.top_k", f.top_k, 0, MAX_INT32)  # the wire's bound; JSON has none
     if f.min_p is not None:
         if not 0.0 <= f.min_p <= 1.0:
             raise ValidationError("sampling.min_p", f"must be in [0, 1] (got {f.min_p:g})")

@@ -179,3 +179,6 @@ def test_both_fronts_share_the_checks_and_a_front_may_set_its_own_default_max_to
     with pytest.raises(ValidationError) as err:
         check(seed=-1)  # a JSON front can send what proto's uint64 could not
     assert (err.value.field, err.value.detail) == ("sampling.seed", f"must be in [0, {MAX_SEED - 4}] (got -1)")
+    check(top_k=2**31 - 1)
+    with pytest.raises(ValidationError, match="sampling.top_k"):
+        check(top_k=2**31)  # the executor link carries int32; proto's int32 bounded it before
