@@ -33,7 +33,7 @@ class Stack:
 
     def __init__(self, model: Path, logdir: Path, scheduler_args: list[str] | None = None) -> None:
         self.model, self.logdir = model, logdir
-        self.port, self.executor_port = free_port(), free_port()
+        self.port, self.executor_port, self.http_port = free_port(), free_port(), free_port()
         self.scheduler_args = scheduler_args or []
         self.scheduler: subprocess.Popen | None = None
         self.executors: dict[str, subprocess.Popen] = {}
@@ -49,7 +49,8 @@ class Stack:
             "-m", "scheduler_svc", "--model", str(self.model), "--host", "127.0.0.1",
             "--port", str(self.port), "--executor-host", "127.0.0.1",
             "--executor-port", str(self.executor_port), "--metrics-port", "0",
-            "--heartbeat-interval", "0.5", *self.scheduler_args])
+            "--heartbeat-interval", "0.5", "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
+            *self.scheduler_args])
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.wait_health(liveness=True)
 
@@ -60,6 +61,11 @@ class Stack:
             "--kv-cache-memory", "64MiB", "--health-port", "0", *extra])
         self.executors[name] = proc
         return proc
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the OpenAI-compatible API (``.../v1`` is what the openai client takes)."""
+        return f"http://127.0.0.1:{self.http_port}"
 
     @property
     def stub(self) -> pb_grpc.GenerationStub:
