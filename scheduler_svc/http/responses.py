@@ -86,6 +86,8 @@ class _Render:
         for d in out.choices:
             index = prompt * self.n + d.index
             c = self._choice(index)
+            if c.started and not (d.text or d.finish_reason or d.logprobs or self.return_token_ids):
+                continue  # text held back (a partial UTF-8 character, a possible stop string): nothing new
             body = self._delta(index, c, d, prompt)
             c.started = True
             if d.finish_reason:
