@@ -327,3 +327,15 @@ def test_a_client_leaving_a_non_streamed_request_closes_the_engine_generator(fak
         fake.client(timeout=0.3).completions.create(model=MODEL, prompt="a", max_tokens=60)
     _, finished = _wait_closed(fake.engine)
     assert not finished
+
+
+def test_connections_send_without_nagle_delay(fake):
+    """Each SSE event is a small write; with Nagle's algorithm on, every one after the first
+    waits for the client's delayed ACK (~40 ms on Linux)."""
+    fake.engine.token_delay = 0.05
+    stream = fake.client().completions.create(model=MODEL, prompt="a", stream=True)
+    next(iter(stream))
+    conns = list(fake.server.server.server_state.connections)
+    sockets = [c.transport.get_extra_info("socket") for c in conns]
+    assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
+    stream.close()

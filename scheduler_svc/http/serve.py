@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,13 +51,33 @@ class HttpServer:
                 await self.task
 
 
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``, created with proto=IPPROTO_TCP.
+
+    asyncio sets TCP_NODELAY only on connections whose socket says IPPROTO_TCP, and
+    accepted sockets inherit the listener's proto; uvicorn's own bind_socket() leaves it 0,
+    and Nagle's algorithm then holds each small SSE write until the client's delayed ACK
+    (~40 ms a chunk on Linux).
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 async def start_http_server(app: ASGIApp, host: str, port: int, ssl: Mapping[str, Any] | None = None
                             ) -> HttpServer:
     """Bind ``host:port`` (0: a free port, see ``.port``) and serve ``app``; must run in the engine's loop."""
     config = uvicorn.Config(app, host=host, port=port, lifespan="off", access_log=False, log_config=None,
                             server_header=False, **dict(ssl or {}))
     server = _EmbeddedServer(config)
-    sock = config.bind_socket()
+    sock = _listening_socket(host, port)
     bound = sock.getsockname()[1]
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="http-server")
     while not server.started:
