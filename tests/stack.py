@@ -7,11 +7,13 @@ the test's tmp dir and are printed when a test fails to start a stack.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -38,6 +40,21 @@ class Stack:
         self.scheduler: subprocess.Popen | None = None
         self.executors: dict[str, subprocess.Popen] = {}
         self.channel: grpc.Channel | None = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def running(cls, model: Path, logdir: Path, scheduler_args: list[str] | None = None,
+                executors: tuple[str, ...] = ("ex0",)) -> Iterator[Stack]:
+        """A ready stack (scheduler + ``executors``), stopped on exit: a module fixture's body."""
+        s = cls(model, logdir, scheduler_args)
+        try:
+            s.start_scheduler()
+            for name in executors:
+                s.start_executor(name)
+            s.wait_health()
+            yield s
+        finally:
+            s.stop()
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.logdir / f"{name}.log", "wb")

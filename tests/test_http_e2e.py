@@ -30,15 +30,9 @@ MAX_NUM_SEQS, MAX_QUEUED = 4, 2  # small, so that a full queue (429) is easy to 
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama_dir, tmp_path_factory):
-    s = Stack(tiny_llama_dir, tmp_path_factory.mktemp("http-e2e"),
-              scheduler_args=["--max-num-seqs", str(MAX_NUM_SEQS), "--max-queued-requests", str(MAX_QUEUED)])
-    try:
-        s.start_scheduler()
-        s.start_executor("ex0")
-        s.wait_health()
+    with Stack.running(tiny_llama_dir, tmp_path_factory.mktemp("http-e2e"),
+                       ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-queued-requests", str(MAX_QUEUED)]) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -299,3 +293,18 @@ def test_503_until_an_executor_joins(tiny_llama_dir, tmp_path):
             s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
     finally:
         s.stop()
+
+
+def test_the_bench_drives_both_fronts_with_the_same_requests(stack, tmp_path):
+    from pagedserve.bench.loadgen import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["--server", f"127.0.0.1:{stack.port}", "--http-server", stack.http_url, "--api", "grpc,http",
+               "--workload", "fixed", "--input-len", "8:40", "--output-len", "4:12", "--num-requests", "6",
+               "--max-concurrency", "2", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    runs = json.loads(out.read_text())["runs"]
+    grpc_run, http_run = runs["grpc"][0], runs["http"][0]
+    assert http_run["completed"] == grpc_run["completed"] == 6 and http_run["short_outputs"] == 0
+    assert http_run["total_output_tokens"] == grpc_run["total_output_tokens"]  # exact counts over SSE too
+    assert 0 < http_run["ttft_ms"]["p50"] <= http_run["e2e_latency_ms"]["p50"]
