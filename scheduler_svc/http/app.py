@@ -82,11 +82,12 @@ class OpenAIFront:
         return _json(card if wanted is not None else {"object": "list", "data": [card]})
 
     async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
         body = await _read_body(request, self.http_limits.max_body_bytes)
         req = decode(body, CompletionRequest)
         info = self._model(req.model)
         fields = completion_fields(req, self.http_limits)
-        greqs = await self._off_loop(len(body), self._validate, fields, info, COMPLETION_NAMES, False)
+        greqs = await self._off_loop(arrival, len(body), self._validate, fields, info, COMPLETION_NAMES, False)
         echo = [self._prompt_text(f) for f in fields] if req.echo else None
         render = CompletionRender(f"cmpl-{greqs[0].request_id}", info.model_name, _choices(greqs[0]), len(greqs),
                                   self.texts, return_token_ids=req.return_token_ids,
@@ -94,6 +95,7 @@ class OpenAIFront:
         return await self._respond(request, greqs, render, req.stream)
 
     async def chat(self, request: Request) -> Response:
+        arrival = time.monotonic()
         body = await _read_body(request, self.http_limits.max_body_bytes)
         req = decode(body, ChatRequest)
         info = self._model(req.model)
@@ -105,8 +107,8 @@ class OpenAIFront:
                            param="messages", code="no_chat_template")
         names = dict(CHAT_NAMES, max_tokens="max_completion_tokens" if req.max_completion_tokens is not None
                      else "max_tokens")
-        greqs = await self._off_loop(len(body), self._chat_request, fields, messages, req.add_generation_prompt,
-                                     info, names)
+        greqs = await self._off_loop(arrival, len(body), self._chat_request, fields, messages,
+                                     req.add_generation_prompt, info, names)
         render = ChatRender(f"chatcmpl-{greqs[0].request_id}", info.model_name, _choices(greqs[0]), 1,
                             self.texts, return_token_ids=req.return_token_ids, include_usage=_include_usage(req))
         return await self._respond(request, greqs, render, req.stream)
@@ -126,10 +128,10 @@ class OpenAIFront:
             raise _unknown_model(name)
         return info
 
-    async def _off_loop(self, size: int, fn: Callable[..., list[GenerationRequest]], *args: Any
+    async def _off_loop(self, arrival: float, size: int, fn: Callable[..., list[GenerationRequest]], *args: Any
                         ) -> list[GenerationRequest]:
-        """Tokenizing (and rendering) a large body runs in a worker thread, as the gRPC front does."""
-        arrival = time.monotonic()
+        """Tokenizing (and rendering) a large body runs in a worker thread, as the gRPC front does;
+        each request is stamped with the time its HTTP request arrived."""
         greqs = await asyncio.to_thread(fn, *args) if size > THREAD_TOKENIZE_CHARS else fn(*args)
         for g in greqs:
             g.arrival_time = arrival
