@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import socket
 import subprocess
 import threading
@@ -308,3 +309,20 @@ def test_the_bench_drives_both_fronts_with_the_same_requests(stack, tmp_path):
     assert http_run["completed"] == grpc_run["completed"] == 6 and http_run["short_outputs"] == 0
     assert http_run["total_output_tokens"] == grpc_run["total_output_tokens"]  # exact counts over SSE too
     assert 0 < http_run["ttft_ms"]["p50"] <= http_run["e2e_latency_ms"]["p50"]
+
+
+def test_sigterm_refuses_new_http_requests_and_aborts_streams_after_the_grace(tiny_llama_dir, tmp_path):
+    with Stack.running(tiny_llama_dir, tmp_path, ["--shutdown-grace-seconds", "1"]) as s:
+        c = openai.OpenAI(base_url=s.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = c.completions.create(model=c.models.list().data[0].id, prompt="x", max_tokens=3000, stream=True,
+                                      extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        s.scheduler.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(openai.InternalServerError) as err:  # new requests: 503 at once
+            c.completions.create(model="any", prompt="late", max_tokens=2)
+        assert err.value.status_code == 503 and err.value.body["code"] == "shutting_down"
+        finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        assert finish == ["abort"]  # the running stream was cut at the grace period, and told so
+        assert s.scheduler.wait(timeout=20) == 0
