@@ -82,10 +82,7 @@ class OpenAIFront:
         return _json(card if wanted is not None else {"object": "list", "data": [card]})
 
     async def completions(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        body = await _read_body(request, self.http_limits.max_body_bytes)
-        req = decode(body, CompletionRequest)
-        info = self._model(req.model)
+        arrival, body, req, info = await self._admit(request, CompletionRequest)
         fields = completion_fields(req, self.http_limits)
         greqs = await self._off_loop(arrival, len(body), self._validate, fields, info, COMPLETION_NAMES, False)
         echo = [self._prompt_text(f) for f in fields] if req.echo else None
@@ -95,10 +92,7 @@ class OpenAIFront:
         return await self._respond(request, greqs, render, req.stream)
 
     async def chat(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        body = await _read_body(request, self.http_limits.max_body_bytes)
-        req = decode(body, ChatRequest)
-        info = self._model(req.model)
+        arrival, body, req, info = await self._admit(request, ChatRequest)
         messages = chat_messages(req, self.http_limits)
         fields = chat_fields(req)
         if self.chat_template is None:
@@ -114,6 +108,13 @@ class OpenAIFront:
         return await self._respond(request, greqs, render, req.stream)
 
     # ------------------------------------------------------------------ admission
+    async def _admit(self, request: Request, kind: type) -> tuple[float, bytes, Any, ModelInfo]:
+        """(arrival time, body, decoded body, model): the bounded read, the JSON, the model named."""
+        arrival = time.monotonic()
+        body = await _read_body(request, self.http_limits.max_body_bytes)
+        req = decode(body, kind)
+        return arrival, body, req, self._model(req.model)
+
     def _info(self) -> ModelInfo:
         if self.shutting_down:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
