@@ -3,7 +3,8 @@
 ``python -m executor_svc.tiny_model --out DIR [--arch llama|mistral|qwen2] [--size default|small]``
 
 The result is a real HF model directory (config.json, safetensors written by
-``save_pretrained``, tokenizer.json + tokenizer_config.json) that both our
+``save_pretrained``, tokenizer.json + tokenizer_config.json, a ChatML
+chat_template.jinja) that both our
 executor and transformers load, so tests compare the two and demos run with no
 download. The tokenizer is a byte-level BPE trained on ``data/corpus.txt`` (a
 small generated English-like corpus), so every id decodes; the model's
@@ -27,6 +28,17 @@ import torch
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 EOS_TOKEN = "<|endoftext|>"
+# ChatML (Qwen2's format), written as chat_template.jinja so the HTTP front can serve chat
+# (`make run` shows a call). The markers are plain text to this tokenizer: its vocabulary,
+# and so every test's token ids, stay as they were.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 SIZES: dict[str, dict[str, int]] = {
     # ~30M parameters: compute dominates a CPU step, as with a real model.
@@ -118,7 +130,8 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", size: str = "defa
     _init_weights(model, seed, tie, config.hidden_size)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
+                                   chat_template=CHAT_TEMPLATE)
     fast.save_pretrained(out)
     return out
 

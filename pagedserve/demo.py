@@ -1,9 +1,10 @@
 """``make run``: start a scheduler and one CPU executor, show them serving, keep serving.
 
 Streams a few requests so a newcomer sees tokens arrive (the second request
-repeats the first one's prompt and reports the prefix-cache hit), prints how
-to call the server from another terminal, and on Ctrl-C shuts both processes
-down through SIGTERM, the same path Kubernetes uses.
+repeats the first one's prompt and reports the prefix-cache hit), makes one
+chat call through the OpenAI-compatible HTTP API, prints how to call the server
+from another terminal, and on Ctrl-C shuts both processes down through SIGTERM,
+the same path Kubernetes uses.
 
 The services never outlive the demo: SIGTERM and SIGHUP (a closed terminal) stop
 it like Ctrl-C; if ``make`` itself is killed the demo notices it was orphaned and
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import json
 import os
 import secrets
 import signal
@@ -23,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -67,9 +71,9 @@ def _start(args: argparse.Namespace, secret: Path) -> list[subprocess.Popen]:
     sched = subprocess.Popen(
         [py, "-m", "scheduler_svc", "--model", str(args.model), "--host", "127.0.0.1",
          "--port", str(args.port), "--executor-host", "127.0.0.1", "--executor-port",
-         str(args.executor_port), "--metrics-port", str(args.metrics_port),
-         "--shutdown-grace-seconds", "5", "--cluster-secret-file", str(secret)], env=env, start_new_session=True,
-        preexec_fn=_die_with_parent)
+         str(args.executor_port), "--metrics-port", str(args.metrics_port), "--http-host", "127.0.0.1",
+         "--http-port", str(args.http_port), "--shutdown-grace-seconds", "5", "--cluster-secret-file", str(secret)],
+        env=env, start_new_session=True, preexec_fn=_die_with_parent)
     execu = subprocess.Popen(
         [py, "-m", "executor_svc", "--model", str(args.model), "--scheduler",
          f"tcp://127.0.0.1:{args.executor_port}", "--device", "cpu", "--kv-cache-memory",
@@ -112,6 +116,28 @@ def _stream(stub: pb_grpc.GenerationStub, prompt: str, max_tokens: int) -> None:
                   flush=True)
 
 
+CHAT = [{"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What does PagedAttention do?"}]
+
+
+def _chat(http_port: int, model: str) -> None:
+    """One chat call through the OpenAI-compatible API (stdlib only: the client install has no openai)."""
+    print(f"\n>>> POST /v1/chat/completions {json.dumps(CHAT[-1])}\n", flush=True)
+    body = json.dumps({"model": model, "messages": CHAT, "max_tokens": 24, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            reply = json.loads(resp.read())
+    except urllib.error.HTTPError as e:  # e.g. a model directory without a chat template
+        print(f"[chat refused: HTTP {e.code}: {json.loads(e.read())['error']['message']}]", flush=True)
+        return
+    u = reply["usage"]
+    print(f"{reply['choices'][0]['message']['content']}\n[chat: {u['completion_tokens']} tokens, finish_reason "
+          f"{reply['choices'][0]['finish_reason']}; the prompt the model's chat template rendered has "
+          f"{u['prompt_tokens']} tokens]", flush=True)
+
+
 def _demo(args: argparse.Namespace) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{args.port}") as ch:
         stub = pb_grpc.GenerationStub(ch)
@@ -122,16 +148,22 @@ def _demo(args: argparse.Namespace) -> None:
         _stream(stub, DEMO_PROMPT, 40)
         _stream(stub, DEMO_PROMPT, 40)  # same prompt: its full blocks come from the prefix cache
         _stream(stub, "Continuous batching lets requests join and leave", 24)
+        _chat(args.http_port, info.model_name)
         st = stub.GetStats(pb.GetStatsRequest(), timeout=10)
         print(f"\nprefix cache: {st.prefix_cache_hit_tokens}/{st.prefix_cache_query_tokens} prompt tokens "
               f"hit; executors: " + ", ".join(
                   f"{e.id} ({e.kv_blocks_used}/{e.kv_blocks_total} blocks used, {e.kv_blocks_cached} cached)"
                   for e in st.executors))
     print(f"""
-pagedserve is serving on localhost:{args.port}. From another terminal:
+pagedserve is serving gRPC on localhost:{args.port} and the OpenAI-compatible API on
+http://localhost:{args.http_port}/v1. From another terminal:
   .venv/bin/pagedserve --server localhost:{args.port} generate "Once upon a time" --max-tokens 32 --stream
   .venv/bin/pagedserve --server localhost:{args.port} stats
   grpcurl -plaintext localhost:{args.port} list
+  curl -s localhost:{args.http_port}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+  curl -N localhost:{args.http_port}/v1/completions -H 'Content-Type: application/json' \\
+    -d '{{"prompt": "Once upon a time", "max_tokens": 32, "stream": true}}'
   curl -s localhost:{args.metrics_port}/metrics | grep pagedserve:
 Press Ctrl-C to stop.""", flush=True)
 
@@ -155,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=50051)
     ap.add_argument("--executor-port", type=int, default=5556)
     ap.add_argument("--metrics-port", type=int, default=9100)
+    ap.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP API")
     ap.add_argument("--kv-cache-memory", default="1GiB")
     ap.add_argument("--no-wait", action="store_true", help="exit after the demo requests (for tests)")
     args = ap.parse_args(argv)

@@ -1,10 +1,11 @@
 """``pagedserve-scheduler`` / ``python -m scheduler_svc``: the scheduler service.
 
 Wires the frozen config, the engine (which binds the executors' ZeroMQ
-port), the gRPC API and the metrics endpoint, then serves until SIGTERM or
-SIGINT: readiness goes NOT_SERVING, new requests are refused, in-flight ones
-get ``--shutdown-grace-seconds`` to finish, the rest are aborted and every
-block is freed.
+port), the gRPC API, the OpenAI-compatible HTTP API (same loop, same engine)
+and the metrics endpoint, then serves until SIGTERM or SIGINT: readiness goes
+NOT_SERVING, new requests are refused on both APIs, in-flight ones get
+``--shutdown-grace-seconds`` to finish, the rest are aborted and every block
+is freed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from tokenizers import Tokenizer
 from pagedserve.wire.fingerprint import model_fingerprint
 from scheduler_svc.config import ServiceConfig, load_config
 from scheduler_svc.engine import Engine, tune_gc
+from scheduler_svc.http.app import OpenAIFront, build_app
+from scheduler_svc.http.chat_template import load_chat_template
+from scheduler_svc.http.serve import HttpServer, start_http_server
 from scheduler_svc.metrics import Metrics, start_metrics_server
 from scheduler_svc.server import start_grpc_server
 
@@ -65,12 +69,28 @@ def served_model(model_dir: Path) -> str | None:
         return None
 
 
+async def start_http(cfg: ServiceConfig, engine: Engine, tokenizer: Tokenizer,
+                     metrics: Metrics) -> tuple[OpenAIFront, HttpServer] | None:
+    """The OpenAI-compatible API on the engine's loop, unless --http-port is 0."""
+    if not cfg.http_port:
+        return None
+    try:
+        template = load_chat_template(cfg.model_dir)
+    except ValueError as e:
+        raise SystemExit(f"--model: {e}") from None
+    if template is None:
+        log.warning("%s has no chat template: /v1/chat/completions will refuse requests", cfg.model_dir)
+    front = OpenAIFront(engine, tokenizer, template, cfg.limits, cfg.http_limits, metrics)
+    return front, await start_http_server(build_app(front), cfg.http_host, cfg.http_port)
+
+
 async def serve(cfg: ServiceConfig) -> None:
     tokenizer = load_tokenizer(cfg.model_dir)
     metrics = Metrics()
     engine_cfg = dataclasses.replace(cfg.engine, model_fingerprint=served_model(cfg.model_dir))
     engine = Engine(engine_cfg, tokenizer, eos_token_ids(cfg.model_dir), metrics)
     await engine.start()
+    http = await start_http(cfg, engine, tokenizer, metrics)  # first: gRPC liveness then implies HTTP is up
     api = await start_grpc_server(engine, tokenizer, cfg.host, cfg.port, cfg.limits, metrics,
                                   api_keys=cfg.api_keys, tls=cfg.tls)
     loop = asyncio.get_running_loop()
@@ -78,8 +98,9 @@ async def serve(cfg: ServiceConfig) -> None:
     metrics_server = (start_metrics_server(cfg.metrics_port, metrics.registry, host=cfg.metrics_host)
                       if cfg.metrics_port else None)
     tune_gc()
-    log.info("scheduler ready: gRPC :%d, executors dial %s (port %d), metrics :%s",
-             api.port, cfg.engine.executor_endpoint, engine.hub.bound_port, cfg.metrics_port or "off")
+    log.info("scheduler ready: gRPC :%d, HTTP :%s, executors dial %s (port %d), metrics :%s",
+             api.port, http[1].port if http else "off", cfg.engine.executor_endpoint, engine.hub.bound_port,
+             cfg.metrics_port or "off")
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -88,8 +109,12 @@ async def serve(cfg: ServiceConfig) -> None:
     log.info("shutting down: refusing new requests, %.0fs grace for in-flight ones",
              cfg.shutdown_grace_seconds)
     await api.begin_shutdown()
+    if http:
+        http[0].shutting_down = True  # new HTTP requests: 503; running streams continue
     await engine.shutdown(cfg.shutdown_grace_seconds)
     await api.stop(1.0)
+    if http:
+        await http[1].stop(1.0)
     if metrics_server:
         metrics_server.close()
     log.info("scheduler stopped")

@@ -22,6 +22,7 @@ from typing import Any
 from pagedserve import wire
 from pagedserve.envargs import number, parse_with_env
 from pagedserve.wire.keys import read_cluster_secret
+from scheduler_svc.http.limits import HttpLimits
 from scheduler_svc.sched_config import PREEMPTION_MODES, EngineConfig, SchedulerConfig
 from scheduler_svc.security import ApiKeys, TlsFiles
 from scheduler_svc.validation import ServerLimits
@@ -29,6 +30,7 @@ from scheduler_svc.validation import ServerLimits
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_EXECUTOR_PORT = 5556
 DEFAULT_METRICS_PORT = 9100
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible API (vLLM's port too)
 PORT = number(int, "port", 0, low_inclusive=True, high=65535)  # 0: pick a free port / disable
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,9 @@ class ServiceConfig:
     port: int
     metrics_host: str
     metrics_port: int  # 0 = no metrics endpoint
+    http_host: str
+    http_port: int  # 0 = no HTTP API
+    http_limits: HttpLimits  # bounds on HTTP bodies, before the shared validator
     engine: EngineConfig  # its .scheduler: the per-executor scheduling knobs
     limits: ServerLimits  # per-request limits at the API edge
     shutdown_grace_seconds: float
@@ -74,6 +79,7 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "--cluster-secret-file": (EngineConfig, "cluster_secret_file"),
     "--step-timeout": (EngineConfig, "step_timeout_s"),
     **{"--" + f.name.replace("_", "-"): (ServerLimits, f.name) for f in dataclasses.fields(ServerLimits)},
+    **{"--http-" + f.name.replace("_", "-"): (HttpLimits, f.name) for f in dataclasses.fields(HttpLimits)},
 }
 RUNTIME_FIELDS = {(SchedulerConfig, "max_model_len"), (EngineConfig, "scheduler"),
                   (EngineConfig, "executor_endpoint"), (EngineConfig, "model_fingerprint")}
@@ -87,14 +93,17 @@ _LIMIT_HELP = {
     "max_logprobs": "largest number of top logprobs a request may ask for",
     "default_max_tokens": "max_tokens of a request that leaves it unset (capped by the context left)",
     "max_request_id_len": "longest request_id, in characters",
+    "max_body_bytes": "HTTP: largest request body; bigger ones get 413 before they are read",
+    "max_messages": "HTTP: most messages in one chat request",
+    "max_prompts": "HTTP: most prompts in one completions request (a batch)",
 }
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pagedserve-scheduler",
-        description="pagedserve scheduler: the gRPC API, request queues, KV block tables and "
-                    "preemption; executors dial in over ZeroMQ. Every flag also reads "
+        description="pagedserve scheduler: the gRPC API and the OpenAI-compatible HTTP API, request "
+                    "queues, KV block tables and preemption; executors dial in over ZeroMQ. Every flag also reads "
                     "PAGEDSERVE_<FLAG> from the environment.")
     p.add_argument("--model", required=True, type=Path,
                    help="model directory (config.json and tokenizer.json are read; no weights)")
@@ -125,6 +134,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", default="0.0.0.0", help="Prometheus /metrics listen address")
     p.add_argument("--metrics-port", type=PORT, default=DEFAULT_METRICS_PORT,
                    help="Prometheus /metrics HTTP port (0 disables)")
+    p.add_argument("--http-host", default="0.0.0.0", help="OpenAI-compatible HTTP API listen address")
+    p.add_argument("--http-port", type=PORT, default=DEFAULT_HTTP_PORT,
+                   help="OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions; 0 disables)")
     s, e = SchedulerConfig, EngineConfig
     p.add_argument("--block-size", type=int, choices=wire.BLOCK_SIZES, default=default(s, "block_size"),
                    help="tokens per KV block (executors must agree)")
@@ -160,6 +172,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         p.add_argument(flag, type=number(int, flag, 0, low_inclusive=f.name in ServerLimits.ZERO_ALLOWED),
                        default=f.default, help=_LIMIT_HELP[f.name])
+    for f in dataclasses.fields(HttpLimits):
+        flag = "--http-" + f.name.replace("_", "-")
+        p.add_argument(flag, type=number(int, flag, 0), default=f.default, dest=f"http_{f.name}",
+                       help=_LIMIT_HELP[f.name])
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
@@ -233,8 +249,9 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
     host = _executor_host(parser, a)
     engine = EngineConfig(scheduler=scheduler, executor_endpoint=f"tcp://{host}:{a.executor_port}",
                           **{k: v for k, v in _fields(EngineConfig, a).items() if k != "scheduler"})
+    http_limits = HttpLimits(**{f.name: getattr(a, f"http_{f.name}") for f in dataclasses.fields(HttpLimits)})
     return ServiceConfig(
         model_dir=a.model, host=a.host, port=a.port, metrics_host=a.metrics_host, metrics_port=a.metrics_port,
-        engine=engine,
+        http_host=a.http_host, http_port=a.http_port, http_limits=http_limits, engine=engine,
         limits=ServerLimits(**_fields(ServerLimits, a)), shutdown_grace_seconds=a.shutdown_grace_seconds,
         log_level=a.log_level, api_keys=_api_keys(parser, a), tls=_tls(parser, a))

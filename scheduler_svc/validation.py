@@ -1,8 +1,12 @@
-"""Validation at the API edge: a protobuf GenerateRequest becomes a GenerationRequest.
+"""Validation at the API edge: a client's request becomes a GenerationRequest.
 
-Every check raises :class:`ValidationError` (a ValueError) whose message names
-the field, the limit and the value given; the servicer maps it to
-INVALID_ARGUMENT. Nothing here touches the engine, so it is pure and runs
+Both public fronts share it ("one validator, two fronts"): the gRPC servicer reads a
+protobuf ``GenerateRequest`` into :class:`RequestFields` (:func:`fields_from_proto`), the
+OpenAI-compatible HTTP front reads its JSON body into the same type, and
+:func:`validate_request` checks every field and applies the limits. Every check raises
+:class:`ValidationError` (a ValueError) whose message names the field, the limit and
+the value given; field names are the gRPC API's (``sampling.temperature``), which the
+HTTP front renames to its own. Nothing here touches the engine, so it is pure and runs
 in a worker thread when a prompt is long enough for tokenization to matter.
 """
 
@@ -17,6 +21,7 @@ from typing import ClassVar
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.wire import GREEDY_TEMPERATURE_EPS, MAX_SEED, SamplingParams
+from pagedserve.wire.protocol import MAX_INT32
 from scheduler_svc.api_types import GenerationRequest, ModelInfo, RequestParams
 
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI presence / frequency penalties
@@ -26,11 +31,12 @@ MAX_LENGTH_PENALTY = 10.0
 
 
 class ValidationError(ValueError):
-    """A client error in one field of a request."""
+    """A client error in one field of a request: ``field`` (the gRPC API's name) and ``detail``."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.detail = message
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,33 +66,92 @@ class ServerLimits:
         return pb.ServerLimits(**{name: getattr(self, name) for name in pb.ServerLimits.DESCRIPTOR.fields_by_name})
 
 
+# The sampling fields that are optional in the API: None (unset) takes the documented default.
+OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "length_penalty", "logprobs",
+                     "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+@dataclass(slots=True)
+class RequestFields:
+    """A request as a front read it, before any check; field meanings as in generation.proto.
+
+    None means unset; 0 for ``max_tokens``, ``n`` and ``beam_width`` means the default.
+    """
+
+    request_id: str = ""
+    prompt: str | None = None
+    prompt_token_ids: Sequence[int] = ()
+    max_tokens: int = 0
+    n: int = 0
+    beam_width: int = 0
+    early_stopping: bool = False
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    length_penalty: float | None = None
+    logprobs: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+def fields_from_proto(req: pb.GenerateRequest) -> RequestFields:
+    """The gRPC front's reading: proto3 presence (HasField) becomes None for unset optionals."""
+    sp = req.sampling
+    return RequestFields(
+        request_id=req.request_id, prompt=req.prompt if req.HasField("prompt") else None,
+        prompt_token_ids=req.prompt_token_ids, max_tokens=sp.max_tokens, n=sp.n, beam_width=sp.beam_width,
+        early_stopping=sp.early_stopping, stop=sp.stop, stop_token_ids=sp.stop_token_ids,
+        ignore_eos=sp.ignore_eos,
+        **{name: getattr(sp, name) if sp.HasField(name) else None for name in OPTIONAL_SAMPLING})
+
+
 def validate_generate_request(
     req: pb.GenerateRequest,
     model: ModelInfo,
     limits: ServerLimits,
     tokenize: Callable[[str], list[int]],
 ) -> GenerationRequest:
-    """Check every field of ``req`` and build the engine's request.
+    """The gRPC front: :func:`validate_request` of the protobuf request's fields."""
+    return validate_request(fields_from_proto(req), model, limits, tokenize)
 
-    ``tokenize`` turns a text prompt into token ids (special tokens included).
-    ``arrival_time`` and ``deadline`` are left for the caller to fill.
+
+def validate_request(
+    f: RequestFields,
+    model: ModelInfo,
+    limits: ServerLimits,
+    tokenize: Callable[[str], list[int]],
+    default_max_tokens: int | None = None,
+) -> GenerationRequest:
+    """Check every field of ``f`` and build the engine's request.
+
+    ``tokenize`` turns a text prompt into token ids (special tokens included, or
+    not for a chat template's output, which has them already).
+    ``default_max_tokens`` replaces ``limits.default_max_tokens`` for a front whose
+    API has another default (chat: the whole context left). ``arrival_time`` and
+    ``deadline`` are left for the caller to fill.
     """
-    request_id = _request_id(req.request_id, limits)
-    prompt_ids = _prompt_token_ids(req, model, tokenize)
-    sp = req.sampling
-    max_tokens = _max_tokens(sp.max_tokens, len(prompt_ids), model, limits)
-    n, beam_width = _n_and_beam_width(sp, limits)
+    request_id = _request_id(f.request_id, limits)
+    prompt_ids = _prompt_token_ids(f, model, tokenize)
+    default = limits.default_max_tokens if default_max_tokens is None else default_max_tokens
+    max_tokens = _max_tokens(f.max_tokens, len(prompt_ids), model, default)
+    n, beam_width = _n_and_beam_width(f, limits)
     _check_blocks(len(prompt_ids), max_tokens, n, beam_width, model)
     params = RequestParams(
         max_tokens=max_tokens,
-        sampling=_sampling(sp, limits, n),
+        sampling=_sampling(f, limits),
         n=n,
         beam_width=beam_width,
-        length_penalty=_length_penalty(sp),
-        early_stopping=sp.early_stopping,
-        stop=_stop_strings(sp.stop, limits),
-        stop_token_ids=_stop_token_ids(sp.stop_token_ids, model, limits),
-        ignore_eos=sp.ignore_eos,
+        length_penalty=_length_penalty(f.length_penalty),
+        early_stopping=f.early_stopping,
+        stop=_stop_strings(f.stop, limits),
+        stop_token_ids=_stop_token_ids(f.stop_token_ids, model, limits),
+        ignore_eos=f.ignore_eos,
     )
     return GenerationRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params)
 
@@ -103,22 +168,20 @@ def _request_id(request_id: str, limits: ServerLimits) -> str:
     return request_id
 
 
-def _prompt_token_ids(
-    req: pb.GenerateRequest, model: ModelInfo, tokenize: Callable[[str], list[int]]
-) -> list[int]:
-    has_text, has_ids = req.HasField("prompt"), len(req.prompt_token_ids) > 0
+def _prompt_token_ids(f: RequestFields, model: ModelInfo, tokenize: Callable[[str], list[int]]) -> list[int]:
+    has_text, has_ids = f.prompt is not None, len(f.prompt_token_ids) > 0
     if has_text == has_ids:
         got = "both" if has_text else "neither"
         raise ValidationError("prompt", f"exactly one of prompt and prompt_token_ids must be set (got {got})")
     if has_text:
-        if not req.prompt:
+        if not f.prompt:
             raise ValidationError("prompt", "must not be empty (got '')")
-        ids = list(tokenize(req.prompt))
+        ids = list(tokenize(f.prompt))
         if not ids:
-            raise ValidationError("prompt", f"tokenizes to 0 tokens (got {req.prompt[:40]!r})")
+            raise ValidationError("prompt", f"tokenizes to 0 tokens (got {f.prompt[:40]!r})")
         field = "prompt"
     else:
-        ids = list(req.prompt_token_ids)
+        ids = list(f.prompt_token_ids)
         field = "prompt_token_ids"
     _check_vocab(field, ids, model.vocab_size)
     if len(ids) >= model.max_model_len:
@@ -136,10 +199,10 @@ def _check_vocab(field: str, ids: Sequence[int], vocab_size: int) -> None:
             raise ValidationError(f"{field}[{i}]", f"must be a token id in [0, vocab_size={vocab_size}) (got {tok})")
 
 
-def _max_tokens(max_tokens: int, prompt_len: int, model: ModelInfo, limits: ServerLimits) -> int:
+def _max_tokens(max_tokens: int, prompt_len: int, model: ModelInfo, default: int) -> int:
     room = model.max_model_len - prompt_len  # >= 1, checked with the prompt
     if max_tokens == 0:
-        return min(limits.default_max_tokens, room)
+        return min(default, room)
     if max_tokens < 1:
         raise ValidationError("sampling.max_tokens", f"must be >= 1, or 0 for the default (got {max_tokens})")
     if max_tokens > room:
@@ -151,9 +214,9 @@ def _max_tokens(max_tokens: int, prompt_len: int, model: ModelInfo, limits: Serv
     return max_tokens
 
 
-def _n_and_beam_width(sp: pb.SamplingParams, limits: ServerLimits) -> tuple[int, int]:
-    n = _int_range("sampling.n", sp.n, 0, limits.max_n) or 1
-    beam_width = _int_range("sampling.beam_width", sp.beam_width, 0, limits.max_beam_width) or 1
+def _n_and_beam_width(f: RequestFields, limits: ServerLimits) -> tuple[int, int]:
+    n = _int_range("sampling.n", f.n, 0, limits.max_n) or 1
+    beam_width = _int_range("sampling.beam_width", f.beam_width, 0, limits.max_beam_width) or 1
     if n > 1 and beam_width > 1:
         raise ValidationError(
             "sampling.n",
@@ -177,50 +240,50 @@ def _check_blocks(prompt_len: int, max_tokens: int, n: int, beam_width: int, mod
                    f"(lower max_tokens, n or beam_width)")
 
 
-def _length_penalty(sp: pb.SamplingParams) -> float:
-    if not sp.HasField("length_penalty"):
+def _length_penalty(value: float | None) -> float:
+    if value is None:
         return 1.0
-    lp = _finite("sampling.length_penalty", sp.length_penalty)
+    lp = _finite("sampling.length_penalty", value)
     if not -MAX_LENGTH_PENALTY <= lp <= MAX_LENGTH_PENALTY:
         raise ValidationError("sampling.length_penalty",
                               f"must be in [{-MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}] (got {lp:g})")
     return lp
 
 
-def _sampling(sp: pb.SamplingParams, limits: ServerLimits, n: int) -> SamplingParams:
+def _sampling(f: RequestFields, limits: ServerLimits) -> SamplingParams:
     out = SamplingParams()
-    if sp.HasField("temperature"):
-        t = _finite("sampling.temperature", sp.temperature)
+    if f.temperature is not None:
+        t = _finite("sampling.temperature", f.temperature)
         if t < 0:
             raise ValidationError("sampling.temperature", f"must be >= 0 (got {t:g})")
         out.temperature = 0.0 if t < GREEDY_TEMPERATURE_EPS else t
-    if sp.HasField("top_p"):
-        if not 0.0 < sp.top_p <= 1.0:  # also refuses NaN
-            raise ValidationError("sampling.top_p", f"must be in (0, 1] (got {sp.top_p:g})")
-        out.top_p = float(sp.top_p)
-    if sp.HasField("top_k"):
-        out.top_k = _int_range("sampling.top_k", sp.top_k, 0, None)
-    if sp.HasField("min_p"):
-        if not 0.0 <= sp.min_p <= 1.0:
-            raise ValidationError("sampling.min_p", f"must be in [0, 1] (got {sp.min_p:g})")
-        out.min_p = float(sp.min_p)
-    if sp.HasField("seed"):
-        out.seed = _int_range("sampling.seed", sp.seed, 0, MAX_SEED - limits.max_n)
-    if sp.HasField("repetition_penalty"):
-        rp = _finite("sampling.repetition_penalty", sp.repetition_penalty)
+    if f.top_p is not None:
+        if not 0.0 < f.top_p <= 1.0:  # also refuses NaN
+            raise ValidationError("sampling.top_p", f"must be in (0, 1] (got {f.top_p:g})")
+        out.top_p = float(f.top_p)
+    if f.top_k is not None:
+        out.top_k = _int_range("sampling.top_k", f.top_k, 0, MAX_INT32)  # the wire's bound; JSON has none
+    if f.min_p is not None:
+        if not 0.0 <= f.min_p <= 1.0:
+            raise ValidationError("sampling.min_p", f"must be in [0, 1] (got {f.min_p:g})")
+        out.min_p = float(f.min_p)
+    if f.seed is not None:
+        out.seed = _int_range("sampling.seed", f.seed, 0, MAX_SEED - limits.max_n)
+    if f.repetition_penalty is not None:
+        rp = _finite("sampling.repetition_penalty", f.repetition_penalty)
         if rp <= 0:
             raise ValidationError("sampling.repetition_penalty", f"must be > 0 (got {rp:g})")
         out.repetition_penalty = rp
     lo, hi = PENALTY_RANGE
     for name in ("presence_penalty", "frequency_penalty"):
-        if sp.HasField(name):
-            value = getattr(sp, name)
+        value = getattr(f, name)
+        if value is not None:
             if not lo <= value <= hi:
                 raise ValidationError(f"sampling.{name}", f"must be in [{lo:g}, {hi:g}] (got {value:g})")
             setattr(out, name, float(value))
-    if sp.HasField("logprobs"):
+    if f.logprobs is not None:
         out.want_logprobs = True
-        out.logprobs = _int_range("sampling.logprobs", sp.logprobs, 0, limits.max_logprobs)
+        out.logprobs = _int_range("sampling.logprobs", f.logprobs, 0, limits.max_logprobs)
     return out
 
 

@@ -7,12 +7,14 @@ the test's tmp dir and are printed when a test fails to start a stack.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -44,7 +46,7 @@ class Stack:
                  secure: bool = True, api_key: str | None = None, tls_ca: Path | None = None,
                  tls_client: tuple[Path, Path] | None = None) -> None:
         self.model, self.logdir = model, logdir
-        self.port, self.executor_port = free_port(), free_port()
+        self.port, self.executor_port, self.http_port = free_port(), free_port(), free_port()
         self.scheduler_args = scheduler_args or []
         # The executor link runs CurveZMQ with a secret made for this stack, as deployed.
         self.secret_file: Path | None = None
@@ -57,6 +59,21 @@ class Stack:
         self.executors: dict[str, subprocess.Popen] = {}
         self.channel: grpc.Channel | None = None
 
+    @classmethod
+    @contextlib.contextmanager
+    def running(cls, model: Path, logdir: Path, scheduler_args: list[str] | None = None,
+                executors: tuple[str, ...] = ("ex0",)) -> Iterator[Stack]:
+        """A ready stack (scheduler + ``executors``), stopped on exit: a module fixture's body."""
+        s = cls(model, logdir, scheduler_args)
+        try:
+            s.start_scheduler()
+            for name in executors:
+                s.start_executor(name)
+            s.wait_health()
+            yield s
+        finally:
+            s.stop()
+
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.logdir / f"{name}.log", "wb")
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -67,7 +84,8 @@ class Stack:
             "-m", "scheduler_svc", "--model", str(self.model), "--host", "127.0.0.1",
             "--port", str(self.port), "--executor-host", "127.0.0.1",
             "--executor-port", str(self.executor_port), "--metrics-port", "0",
-            "--heartbeat-interval", "0.5", *self.secret_args, *self.scheduler_args])
+            "--heartbeat-interval", "0.5", "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
+            *self.secret_args, *self.scheduler_args])
         self.channel = self.open_channel()
         self.wait_health(liveness=True)
 
@@ -85,6 +103,11 @@ class Stack:
                     tls_key=self.tls_client and self.tls_client[1])
         args.update(overrides)
         return open_channel(f"{'localhost' if args['tls_ca'] else '127.0.0.1'}:{self.port}", **args)
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the OpenAI-compatible API (``.../v1`` is what the openai client takes)."""
+        return f"http://127.0.0.1:{self.http_port}"
 
     @property
     def stub(self) -> pb_grpc.GenerationStub:

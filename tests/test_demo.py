@@ -22,7 +22,8 @@ def _restore_sigint() -> None:
 def _start_demo(model, tmp_path, ports: list[int]) -> tuple[subprocess.Popen, object]:
     log_path = tmp_path / "demo.log"
     argv = [sys.executable, "-m", "pagedserve.demo", "--model", str(model), "--port", str(ports[0]),
-            "--executor-port", str(ports[1]), "--metrics-port", str(ports[2]), "--kv-cache-memory", "64MiB"]
+            "--executor-port", str(ports[1]), "--metrics-port", str(ports[2]), "--http-port", str(free_port()),
+            "--kv-cache-memory", "64MiB"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with open(log_path, "wb") as log:
         # A process group of its own, like a shell's foreground job: a killpg reaches it all.
@@ -76,6 +77,7 @@ def test_demo_serves_and_stops_in_order_on_ctrl_c(tiny_llama_dir, tmp_path):
     out = log_path.read_text()
     cached = [int(n) for n in re.findall(r"tokens, (\d+) of them from the prefix cache", out)]
     assert len(cached) == 3 and cached[0] == 0 and cached[1] > 0, out  # the repeated prompt hits
+    assert re.search(r"\[chat: \d+ tokens, finish_reason (length|stop); the prompt", out), out  # over HTTP
     assert "stopped." in out
     # Only the demo got the SIGINT: the executor drained on its one SIGTERM, nothing was killed.
     assert "drained; exiting" in out, out

@@ -240,16 +240,22 @@ def test_scheduler_command_parses_and_matches_ports_and_probes(rendered, overlay
     c = container(deploy)
     args, env = parse_container(docs, c)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": args.port, "executors": args.executor_port, "metrics": args.metrics_port}
-    assert (args.port, args.executor_port, args.metrics_port) == (
-        sc.DEFAULT_GRPC_PORT, sc.DEFAULT_EXECUTOR_PORT, sc.DEFAULT_METRICS_PORT)
-    assert args.host == "0.0.0.0"  # reachable from other pods
+    assert ports == {"grpc": args.port, "http": args.http_port, "executors": args.executor_port,
+                     "metrics": args.metrics_port}
+    assert (args.port, args.http_port, args.executor_port, args.metrics_port) == (
+        sc.DEFAULT_GRPC_PORT, sc.DEFAULT_HTTP_PORT, sc.DEFAULT_EXECUTOR_PORT, sc.DEFAULT_METRICS_PORT)
+    # Reachable from other pods.
+    assert args.host == "0.0.0.0" and args.http_host == "0.0.0.0"
     # The executor link is encrypted with the mounted cluster secret, so it listens on every interface.
     secret = env["PAGEDSERVE_CLUSTER_SECRET_FILE"]
     mount = next(m for m in c["volumeMounts"] if secret.startswith(m["mountPath"] + "/"))
     volume = next(v for v in pod_spec(deploy)["volumes"] if v["name"] == mount["name"])
     assert volume["secret"]["secretName"] == "pagedserve-cluster-secret" and mount["readOnly"]
     assert args.executor_host in (None, "0.0.0.0")
+    # The client Service exposes both APIs (and metrics), each on the container port that serves it.
+    client = {p["name"]: p for p in find(docs, "Service", SCHED)["spec"]["ports"]}
+    assert {name: ports[p["targetPort"]] for name, p in client.items()} == {
+        "grpc": args.port, "http": args.http_port, "metrics": args.metrics_port}
     for probe, service in [("startupProbe", wire.HEALTH_LIVENESS), ("livenessProbe", wire.HEALTH_LIVENESS),
                            ("readinessProbe", wire.HEALTH_SCHEDULER_READY)]:
         assert c[probe]["grpc"] == {"port": args.port, "service": service}, probe
@@ -433,6 +439,7 @@ def test_network_policies_let_only_executors_reach_the_executor_port(rendered):
     assert allowed(EXEC_LABELS, SCHED_LABELS, 5556)
     assert not allowed(OTHER_LABELS, SCHED_LABELS, 5556)
     assert allowed(OTHER_LABELS, SCHED_LABELS, 50051) and allowed(OTHER_LABELS, SCHED_LABELS, 9100)
+    assert allowed(OTHER_LABELS, SCHED_LABELS, 8000)  # the OpenAI-compatible API
     for src in (OTHER_LABELS, SCHED_LABELS, EXEC_LABELS):  # nothing dials an executor
         assert not allowed(src, EXEC_LABELS, 8090)
     assert not allowed(EXEC_LABELS, OTHER_LABELS, 443)  # executors reach the scheduler only
@@ -634,6 +641,12 @@ def test_cpu_overlay_serves_on_loopback_and_survives_an_executor_sigterm(rendere
         stub = pb_grpc.GenerationStub(channel)
         assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).num_executors == 2
         assert _generate(channel, "The quick brown fox", 8)[0] == 8, cluster.logs()
+        # The OpenAI-compatible API on its containerPort serves the same engine.
+        body = json.dumps({"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{sched.ports[8000]}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert json.loads(reply.read())["usage"]["completion_tokens"] == 8
 
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{sched.ports[9100]}/metrics", timeout=5).read()
         assert QUEUE_METRIC.encode() in metrics

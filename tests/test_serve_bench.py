@@ -196,3 +196,34 @@ def test_serve_vs_hf_report_ratios_and_best_batch():
     table = format_table(r)
     assert "static batch 16 (best)" in table and "2.86" in table
     json.dumps(r)  # the last line of the benchmark is this dict as JSON
+
+
+def test_api_choice_and_the_side_by_side_comparison():
+    from pagedserve.bench.loadgen import parse_apis
+    from pagedserve.bench.stats import compare_runs, format_comparison
+
+    assert parse_apis("grpc") == ("grpc",) and parse_apis("grpc,http") == ("grpc", "http")
+    for bad in ("rest", "grpc,grpc", ""):
+        with pytest.raises(ValueError, match="--api"):
+            parse_apis(bad)
+    fast = [_result("a", 0.0, [(0.1, 1), (0.2, 1)])]
+    slow = [_result("a", 0.0, [(0.3, 1), (0.6, 1)])]
+    runs = {"grpc": [summarize(fast, 1.0), summarize(fast, 2.0), summarize(fast, 4.0)],
+            "http": [summarize(slow, 1.0), summarize(slow, 1.0), summarize(slow, 1.0)]}
+    c = compare_runs(runs)
+    assert c["grpc"]["output_throughput"] == pytest.approx(1.0)  # median of 2, 1, 0.5 tok/s
+    assert c["http"]["ttft_ms.p50"] == pytest.approx(300.0) and c["grpc"]["failed"] == 0
+    assert c["grpc"]["output_throughput_runs"] == pytest.approx([2.0, 1.0, 0.5])
+    table = format_comparison(c)
+    assert "http output throughput = 2.000 x grpc's" in table and "300.0" in table
+
+
+def test_http_requests_carry_what_the_grpc_ones_do():
+    from pagedserve.bench.http_client import completion_body
+    from pagedserve.bench.workloads import TraceRequest
+
+    req = TraceRequest("r", 0.0, (5, 6, 7), 9)
+    body = completion_body(req, pb.SamplingParams(temperature=0.0, ignore_eos=True, top_p=0.5))
+    assert body == {"prompt": [5, 6, 7], "max_tokens": 9, "stream": True, "return_token_ids": True,
+                    "ignore_eos": True, "temperature": 0.0, "top_p": 0.5}
+    assert "top_p" not in completion_body(req, pb.SamplingParams(temperature=1.0))

@@ -9,6 +9,7 @@ import pytest
 
 from pagedserve.envargs import env_name, parse_bytes
 from scheduler_svc.config import FLAG_FIELDS, RUNTIME_FIELDS, build_arg_parser, default, load_config
+from scheduler_svc.http.limits import HttpLimits
 from scheduler_svc.sched_config import EngineConfig, SchedulerConfig
 from scheduler_svc.validation import ServerLimits
 
@@ -26,6 +27,13 @@ def test_environment_fills_flags_the_command_line_did_not_give(model_dir):
     assert cfg.scheduler.max_num_seqs == 32 and cfg.scheduler.preemption_mode == "swap"
     assert not cfg.scheduler.enable_prefix_caching
     assert cfg.port == 7000  # the command line wins
+
+
+def test_http_api_port_and_host(model_dir):
+    cfg = load_config(["--model", str(model_dir)], {})
+    assert (cfg.http_host, cfg.http_port) == ("0.0.0.0", 8000)
+    cfg = load_config(["--model", str(model_dir), "--http-host", "127.0.0.1"], {"PAGEDSERVE_HTTP_PORT": "0"})
+    assert (cfg.http_host, cfg.http_port) == ("127.0.0.1", 0)  # 0: the HTTP API is off
 
 
 @pytest.mark.parametrize("argv,env,message", [
@@ -66,7 +74,7 @@ def test_sizes_and_env_names():
 def test_every_knob_has_one_flag_whose_default_is_the_declared_one():
     parser = build_arg_parser()
     actions = {o: a for a in parser._actions for o in a.option_strings}
-    for cls in (SchedulerConfig, EngineConfig, ServerLimits):
+    for cls in (SchedulerConfig, EngineConfig, ServerLimits, HttpLimits):
         for f in dataclasses.fields(cls):
             if (cls, f.name) in RUNTIME_FIELDS:
                 continue
@@ -84,12 +92,13 @@ def test_every_flag_reaches_the_object_that_uses_it(model_dir, tmp_path):
               "--max-queued-requests": "11", "--max-migrations": "5", "--step-timeout": "7.5",
               "--cluster-secret-file": str(secret)}
     values.update({flag: str(default(cls, name) + 3) for flag, (cls, name) in FLAG_FIELDS.items()
-                   if cls is ServerLimits})
+                   if cls in (ServerLimits, HttpLimits)})
     argv = ["--model", str(model_dir), "--disable-prefix-caching", "--no-async-scheduling"]
     for flag, value in values.items():
         argv += [flag, value]
     cfg = load_config(argv, {})
-    objects = {SchedulerConfig: cfg.scheduler, EngineConfig: cfg.engine, ServerLimits: cfg.limits}
+    objects = {SchedulerConfig: cfg.scheduler, EngineConfig: cfg.engine, ServerLimits: cfg.limits,
+               HttpLimits: cfg.http_limits}
     for flag, (cls, name) in FLAG_FIELDS.items():
         got = getattr(objects[cls], name)
         assert got != default(cls, name), f"{flag} did not reach {cls.__name__}.{name}"

@@ -12,9 +12,13 @@ from pagedserve.v1 import generation_pb2 as pb
 from scheduler_svc.validation import (
     GREEDY_TEMPERATURE_EPS,
     MAX_SEED,
+    OPTIONAL_SAMPLING,
+    RequestFields,
     ServerLimits,
     ValidationError,
+    fields_from_proto,
     validate_generate_request,
+    validate_request,
 )
 
 LIMITS = ServerLimits(max_n=4, max_beam_width=3, max_stop_strings=2, max_stop_string_len=5,
@@ -177,3 +181,29 @@ def test_a_request_that_can_never_fit_an_executor_pool_is_refused_at_the_edge():
         with pytest.raises(ValidationError) as e:
             check(**sampling)
         assert e.value.field == field and "the largest executor pool holds 100" in str(e.value)
+
+
+def test_proto_presence_becomes_none_and_set_zeros_stay():
+    f = fields_from_proto(pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(top_k=0, seed=0)))
+    assert (f.top_k, f.seed) == (0, 0)
+    assert all(getattr(f, name) is None for name in OPTIONAL_SAMPLING if name not in ("top_k", "seed"))
+    assert fields_from_proto(pb.GenerateRequest(prompt_token_ids=[1])).prompt is None
+
+
+def test_both_fronts_share_the_checks_and_a_front_may_set_its_own_default_max_tokens():
+    tok = make_tokenizer()
+    info = model_info(tok, 64)
+    ids = [5] * 10
+
+    def check(**kw):
+        return validate_request(RequestFields(prompt_token_ids=ids, **kw), info, LIMITS, lambda t: [],
+                                default_max_tokens=10**9)
+
+    assert check().params.max_tokens == 54  # the whole context left, not LIMITS.default_max_tokens
+    assert check(max_tokens=3).params.max_tokens == 3
+    with pytest.raises(ValidationError) as err:
+        check(seed=-1)  # a JSON front can send what proto's uint64 could not
+    assert (err.value.field, err.value.detail) == ("sampling.seed", f"must be in [0, {MAX_SEED - 4}] (got -1)")
+    check(top_k=2**31 - 1)
+    with pytest.raises(ValidationError, match="sampling.top_k"):
+        check(top_k=2**31)  # the executor link carries int32; proto's int32 bounded it before

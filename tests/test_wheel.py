@@ -3,16 +3,19 @@
 One venv gets ``pagedserve[scheduler]`` (and must not contain torch or transformers), another
 ``pagedserve[executor]`` (CPU torch first, as the Makefile does on machines without a GPU). The
 scheduler and an executor then serve the tiny model from their own venvs, and the bare
-package's ``pagedserve`` CLI (from the scheduler's venv) generates through them.
+package's ``pagedserve`` CLI (from the scheduler's venv) generates through them, as does the
+scheduler's OpenAI-compatible HTTP API (whose dependencies the scheduler extra must bring).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -63,14 +66,14 @@ def test_wheel_installs_per_service_and_serves(tmp_path, tiny_llama_dir):
     _run(exec_bin / "pip", "install", "-q", CPU_TORCH)
     _run(exec_bin / "pip", "install", "-q", f"{wheel}[executor]")
 
-    port, executor_port = free_port(), free_port()
+    port, executor_port, http_port = free_port(), free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     logs = [open(tmp_path / f"{n}.log", "wb") for n in ("scheduler", "executor")]
     procs = [
         subprocess.Popen([sched_bin / "pagedserve-scheduler", "--model", tiny_llama_dir, "--host", "127.0.0.1",
                           "--port", str(port), "--executor-host", "127.0.0.1", "--executor-port",
-                          str(executor_port), "--metrics-port", "0"],
+                          str(executor_port), "--metrics-port", "0", "--http-port", str(http_port)],
                          cwd=tmp_path, env=env, stdout=logs[0], stderr=subprocess.STDOUT),
         subprocess.Popen([exec_bin / "pagedserve-executor", "--model", tiny_llama_dir, "--scheduler",
                           f"tcp://127.0.0.1:{executor_port}", "--kv-cache-memory", "32MiB", "--health-port", "0"],
@@ -86,6 +89,11 @@ def test_wheel_installs_per_service_and_serves(tmp_path, tiny_llama_dir):
         out = _run(*cli, "generate", "--token-ids", "1,2,3,4", "--max-tokens", "8", "--ignore-eos",
                    cwd=tmp_path, env=env)
         assert "completion_tokens=8" in out.stderr
+        body = {"prompt": [1, 2, 3, 4], "max_tokens": 8, "ignore_eos": True}
+        request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions",
+                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert json.loads(reply.read())["usage"]["completion_tokens"] == 8
     finally:
         for p in procs:
             p.terminate()

@@ -4,14 +4,19 @@
         --out result.json
     pagedserve-bench --server HOST:PORT --workload fixed --input-len 32:256 --output-len 32:128 \\
         --num-requests 64 --rate inf
+    pagedserve-bench --api grpc,http --http-server localhost:8000 --repeat 5 ...   # both fronts
 
 Requests are built from pagedserve/bench/workloads.py (ShareGPT-like, Alpaca-like,
 shared-prefix traces with Poisson arrivals) or a fixed/uniform length range,
 with prompts as random token ids from the vocabulary GetModelInfo reports, so
 prompt lengths are exact; with ``--ignore-eos`` (the default) output lengths
-are exact too. Each request is one streaming ``Generate`` call over grpc.aio;
+are exact too. Each request is one streaming ``Generate`` call over grpc.aio
+(``--api grpc``, the default) or one streaming ``POST /v1/completions`` to the
+OpenAI-compatible API (``--api http``, pagedserve/bench/http_client.py);
 ``--max-concurrency`` caps the calls in flight; latencies count from the
 moment a call is sent, so time spent waiting for a free slot is not included.
+``--api grpc,http --repeat R`` sends the same trace through each front in turn,
+R times (the order alternating), and reports the median run of each side by side.
 The report (stdout, and JSON with ``--out``) is described in
 pagedserve/bench/stats.py.
 """
@@ -20,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -33,12 +40,20 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pagedserve.bench import workloads
-from pagedserve.bench.stats import RequestResult, format_report, json_safe, summarize
+from pagedserve.bench.stats import (
+    RequestResult,
+    compare_runs,
+    format_comparison,
+    format_report,
+    json_safe,
+    summarize,
+)
 from pagedserve.bench.workloads import TraceRequest
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
 WORKLOADS = ("sharegpt", "alpaca", "shared-prefix", "fixed")
+APIS = ("grpc", "http")
 _FIRST_TOKEN_ID = 1  # id 0 is often EOS/pad; random prompts avoid it
 _GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
@@ -62,6 +77,13 @@ def parse_rate(text: str) -> float:
     if not rate > 0:
         raise ValueError(f"--rate must be > 0 requests/s or inf, got {text!r}")
     return rate
+
+
+def parse_apis(text: str) -> tuple[str, ...]:
+    apis = tuple(a.strip() for a in text.split(","))
+    if not apis or any(a not in APIS for a in apis) or len(set(apis)) != len(apis):
+        raise ValueError(f"--api must be grpc, http or grpc,http, got {text!r}")
+    return apis
 
 
 def fixed_trace(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int], rate: float,
@@ -106,41 +128,59 @@ def _fit(r: TraceRequest, max_model_len: int, arrival: float) -> TraceRequest:
                                output_len=max(1, min(r.output_len, max_model_len - len(prompt))))
 
 
-async def _one(stub: pb_grpc.GenerationStub, req: TraceRequest, start: float, sem: asyncio.Semaphore,
-               sampling: pb.SamplingParams, timeout_s: float, run_tag: str) -> RequestResult:
+async def _one(send, req: TraceRequest, start: float, sem: asyncio.Semaphore) -> RequestResult:
     res = RequestResult(req.request_id, req.prompt_len, req.output_len)
     await asyncio.sleep(max(0.0, start + req.arrival_time - time.perf_counter()))
     async with sem:
-        sp = pb.SamplingParams()
-        sp.CopyFrom(sampling)
-        sp.max_tokens = req.output_len
-        msg = pb.GenerateRequest(request_id=f"{run_tag}-{req.request_id}",
-                                 prompt_token_ids=req.prompt_token_ids, sampling=sp)
         res.send_time = time.perf_counter()
-        try:
-            async for resp in stub.Generate(msg, timeout=timeout_s):
-                n = sum(len(c.token_ids) for c in resp.choices)
-                if n:
-                    res.chunk_times.append(time.perf_counter())
-                    res.chunk_tokens.append(n)
-        except grpc.aio.AioRpcError as e:
-            res.error = f"{e.code().name}: {e.details()}"
+        await send(req, res, time.perf_counter)
         res.end_time = time.perf_counter()
     return res
 
 
-async def run_requests(server: str, trace: list[TraceRequest], sampling: pb.SamplingParams,
-                       max_concurrency: int | None = None, progress: bool = True,
-                       timeout_s: float = 3600.0) -> tuple[list[RequestResult], float]:
-    """Send ``trace`` to ``server`` on its arrival schedule; (results in trace order, wall seconds)."""
-    limit = max_concurrency if max_concurrency else max(1, len(trace))
-    sem = asyncio.Semaphore(limit)
+@contextlib.asynccontextmanager
+async def grpc_sender(server: str, sampling: pb.SamplingParams, timeout_s: float) -> AsyncIterator:
+    """``send(req, res, now)`` streams one ``Generate`` call into ``res``."""
     run_tag = f"bench{os.getpid()}"  # request ids stay unique when several clients share a server
     async with grpc.aio.insecure_channel(server, options=_GRPC_OPTIONS) as channel:
         stub = pb_grpc.GenerationStub(channel)
+
+        async def send(req: TraceRequest, res: RequestResult, now) -> None:
+            sp = pb.SamplingParams()
+            sp.CopyFrom(sampling)
+            sp.max_tokens = req.output_len
+            msg = pb.GenerateRequest(request_id=f"{run_tag}-{req.request_id}",
+                                     prompt_token_ids=req.prompt_token_ids, sampling=sp)
+            try:
+                async for resp in stub.Generate(msg, timeout=timeout_s):
+                    n = sum(len(c.token_ids) for c in resp.choices)
+                    if n:
+                        res.chunk_times.append(now())
+                        res.chunk_tokens.append(n)
+            except grpc.aio.AioRpcError as e:
+                res.error = f"{e.code().name}: {e.details()}"
+
+        yield send
+
+
+def _sender(api: str, server: str, sampling: pb.SamplingParams, timeout_s: float):
+    if api == "http":
+        from pagedserve.bench.http_client import http_sender  # aiohttp: only this front needs it
+
+        return http_sender(server, sampling, timeout_s)
+    return grpc_sender(server, sampling, timeout_s)
+
+
+async def run_requests(server: str, trace: list[TraceRequest], sampling: pb.SamplingParams,
+                       max_concurrency: int | None = None, progress: bool = True,
+                       timeout_s: float = 3600.0, api: str = "grpc") -> tuple[list[RequestResult], float]:
+    """Send ``trace`` to ``server`` through ``api`` on its arrival schedule; (results in trace order, wall seconds)."""
+    limit = max_concurrency if max_concurrency else max(1, len(trace))
+    sem = asyncio.Semaphore(limit)
+    async with _sender(api, server, sampling, timeout_s) as send:
         start = time.perf_counter()
-        tasks = [asyncio.ensure_future(_one(stub, r, start, sem, sampling, timeout_s, run_tag)) for r in trace]
-        with tqdm(total=len(tasks), desc="requests", unit="req", disable=not progress) as bar:
+        tasks = [asyncio.ensure_future(_one(send, r, start, sem)) for r in trace]
+        with tqdm(total=len(tasks), desc=f"requests ({api})", unit="req", disable=not progress) as bar:
             for fut in asyncio.as_completed(tasks):
                 await fut
                 bar.update(1)
@@ -165,7 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pagedserve-bench",
                                  description="Load a running pagedserve deployment with a request trace "
                                              "and report throughput and latency.")
-    ap.add_argument("--server", default="localhost:50051", help="host:port of the pagedserve gRPC API")
+    ap.add_argument("--server", default="localhost:50051",
+                    help="host:port of the pagedserve gRPC API (also where the model is described)")
+    ap.add_argument("--api", type=parse_apis, default=("grpc",),
+                    help="front(s) to drive: grpc, http, or grpc,http for both side by side")
+    ap.add_argument("--http-server", default="localhost:8000",
+                    help="host:port (or URL) of the OpenAI-compatible HTTP API, for --api http")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs per front (alternating order); the report is the median run of each")
     ap.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
     ap.add_argument("--num-requests", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0, help="seeds lengths, prompt tokens and arrivals")
@@ -190,14 +237,24 @@ async def _amain(args: argparse.Namespace) -> dict:
     info = await model_info(args.server)
     if info.num_executors == 0:
         print("warning: the server reports no connected executor; requests will fail", file=sys.stderr)
+    if "http" in args.api:
+        from pagedserve.bench.http_client import http_model_check
+
+        await http_model_check(args.http_server)
     trace = build_trace(args.workload, args.num_requests, args.rate, args.seed, info.vocab_size,
                         info.max_model_len, parse_range(args.input_len, "--input-len"),
                         parse_range(args.output_len, "--output-len"), args.prefix_len, args.num_prefixes)
-    results, duration = await run_requests(args.server, trace, sampling_params(args), args.max_concurrency,
-                                           not args.no_progress, args.request_timeout)
-    summary = summarize(results, duration)
+    runs: dict[str, list[dict]] = {api: [] for api in args.api}
+    for rep in range(args.repeat):
+        for api in (args.api if rep % 2 == 0 else args.api[::-1]):  # alternate: drift hits both fronts
+            server = args.http_server if api == "http" else args.server
+            results, duration = await run_requests(server, trace, sampling_params(args), args.max_concurrency,
+                                                   not args.no_progress, args.request_timeout, api)
+            runs[api].append(summarize(results, duration))
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    return {"settings": settings, "model": info.model_name, "summary": summary}
+    if len(args.api) == 1 and args.repeat == 1:
+        return {"settings": settings, "model": info.model_name, "summary": runs[args.api[0]][0]}
+    return {"settings": settings, "model": info.model_name, "runs": runs, "comparison": compare_runs(runs)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,17 +263,24 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--num-requests must be >= 1, got {args.num_requests}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise SystemExit(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
     try:
         report = asyncio.run(_amain(args))
     except grpc.aio.AioRpcError as e:
         raise SystemExit(f"cannot reach {args.server}: {e.code().name}: {e.details()}") from None
-    except ValueError as e:
+    except (ValueError, ConnectionError) as e:
         raise SystemExit(str(e)) from None
-    print(format_report(report["summary"], f"pagedserve-bench: {args.workload} on {report['model']}"))
+    title = f"pagedserve-bench: {args.workload} on {report['model']}"
+    if "summary" in report:
+        print(format_report(report["summary"], title))
+    else:
+        print(format_comparison(report["comparison"], title))
     if args.out is not None:
         report["settings"]["rate"] = str(args.rate)  # JSON has no inf
         args.out.write_text(json.dumps(json_safe(report), indent=2, allow_nan=False) + "\n")
-    return 1 if report["summary"]["failed"] else 0
+    summaries = [report["summary"]] if "summary" in report else [r for rs in report["runs"].values() for r in rs]
+    return 1 if any(s["failed"] for s in summaries) else 0
 
 
 if __name__ == "__main__":

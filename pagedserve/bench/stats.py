@@ -134,6 +134,46 @@ def format_report(summary: dict, title: str = "Serving benchmark") -> str:
     return "\n".join(lines)
 
 
+# What a side-by-side comparison reports per front: (label, summary key, sub-key or None, format).
+COMPARED = (("Output token throughput (tok/s)", "output_throughput", None, "{:.1f}"),
+            ("Request throughput (req/s)", "request_throughput", None, "{:.2f}"),
+            ("TTFT p50 (ms)", "ttft_ms", "p50", "{:.1f}"), ("TTFT p99 (ms)", "ttft_ms", "p99", "{:.1f}"),
+            ("ITL p50 (ms)", "itl_ms", "p50", "{:.1f}"), ("E2E latency p50 (ms)", "e2e_latency_ms", "p50", "{:.1f}"),
+            ("Failed requests", "failed", None, "{:d}"))
+
+
+def compare_runs(runs: dict[str, list[dict]]) -> dict:
+    """Per front, the median over its runs of each compared number (and every run's throughput)."""
+    out: dict = {}
+    for api, summaries in runs.items():
+        row = {}
+        for _, key, sub, _ in COMPARED:
+            values = [s[key][sub] if sub else s[key] for s in summaries]
+            row[f"{key}.{sub}" if sub else key] = type(values[0])(np.median(values)) if values else math.nan
+        row["output_throughput_runs"] = [s["output_throughput"] for s in summaries]
+        out[api] = row
+    return out
+
+
+def format_comparison(comparison: dict, title: str = "Serving benchmark") -> str:
+    """The fronts side by side (medians), plus each one's throughput relative to the first."""
+    apis = list(comparison)
+    width = max(len(label) for label, *_ in COMPARED) + 2
+    head = f"{'median of runs':<{width}}" + "".join(f"{a:>14}" for a in apis)
+    bar = "=" * len(head)
+    lines = [bar, title.center(len(bar)), bar, head]
+    for label, key, sub, fmt in COMPARED:
+        k = f"{key}.{sub}" if sub else key
+        lines.append(f"{label:<{width}}" + "".join(f"{fmt.format(comparison[a][k]):>14}" for a in apis))
+    runs = len(comparison[apis[0]]["output_throughput_runs"])
+    lines.append(f"{'runs per front':<{width}}{runs:>14}")
+    base = comparison[apis[0]]["output_throughput"]
+    for a in apis[1:]:
+        lines.append(f"{a} output throughput = {comparison[a]['output_throughput'] / base:.3f} x {apis[0]}'s")
+    lines.append(bar)
+    return "\n".join(lines)
+
+
 def json_safe(obj):
     """``obj`` with non-finite floats (NaN, inf) as None, so it serializes as strict JSON."""
     if isinstance(obj, float):

@@ -1,0 +1,292 @@
+"""The OpenAI-compatible HTTP front: /v1/models, /v1/completions, /v1/chat/completions, /health.
+
+It serves the same engine as the gRPC servicer, in the same process and on the same asyncio
+loop (serve.py runs uvicorn there), through the same interface (docs/ARCHITECTURE.md,
+"Engine <-> servicer") and the same validator: a body is decoded (openai_types.py), turned
+into the validator's RequestFields, validated into GenerationRequests (one per prompt), and
+the engine's streams are rendered as OpenAI JSON or server-sent events (responses.py,
+streams.py). Errors get their status in errors.py.
+
+:func:`build_app` is the one place the ASGI app is assembled; its ``middleware`` is where
+authentication (API keys) plugs in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from tokenizers import Tokenizer
+
+from scheduler_svc.api_types import GenerationRequest, ModelInfo, NoExecutor, QueueFull, RequestFailed
+from scheduler_svc.http import streams
+from scheduler_svc.http.chat_template import ChatTemplate, ChatTemplateError
+from scheduler_svc.http.errors import ApiError, bad_field, from_validation
+from scheduler_svc.http.limits import HttpLimits
+from scheduler_svc.http.openai_types import (
+    ChatRequest,
+    CompletionRequest,
+    chat_fields,
+    chat_messages,
+    completion_fields,
+    decode,
+)
+from scheduler_svc.http.responses import ChatRender, CompletionRender, TokenTexts, _Render
+from scheduler_svc.metrics import Metrics
+from scheduler_svc.server import THREAD_TOKENIZE_CHARS, Engine
+from scheduler_svc.validation import RequestFields, ServerLimits, ValidationError, validate_request
+
+log = logging.getLogger(__name__)
+
+# The validator's field names -> the OpenAI fields a client sent (errors.from_validation).
+COMPLETION_NAMES = {"prompt_token_ids": "prompt", "beam_width": "n"}
+CHAT_NAMES = {"prompt": "messages", "prompt_token_ids": "messages", "beam_width": "n", "logprobs": "top_logprobs"}
+
+
+class OpenAIFront:
+    """The endpoint handlers over an engine (Starlette request -> response)."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, chat_template: ChatTemplate | None,
+                 limits: ServerLimits, http_limits: HttpLimits, metrics: Metrics | None = None) -> None:
+        self.engine, self.tokenizer, self.chat_template = engine, tokenizer, chat_template
+        self.limits, self.http_limits, self.metrics = limits, http_limits, metrics
+        self.texts = TokenTexts(tokenizer)
+        self.shutting_down = False
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ endpoints
+    async def health(self, request: Request) -> Response:
+        """200 once an executor is ready, 503 before and during shutdown (not counted as a rejection)."""
+        if self.shutting_down:
+            return _json(ApiError(503, "the server is shutting down", code="shutting_down").body(), 503)
+        if not self.engine.is_ready():
+            return _json(ApiError(503, "no executor is ready", code="no_executor").body(), 503)
+        return _json({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        info = self._info()
+        wanted = request.path_params.get("model")
+        if wanted is not None and wanted != info.model_name:
+            raise _unknown_model(wanted)
+        card = {"id": info.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve",
+                "max_model_len": info.max_model_len}
+        return _json(card if wanted is not None else {"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        arrival, body, req, info = await self._admit(request, CompletionRequest)
+        fields = completion_fields(req, self.http_limits)
+        greqs = await self._off_loop(arrival, len(body), self._validate, fields, info, COMPLETION_NAMES, False)
+        echo = [self._prompt_text(f) for f in fields] if req.echo else None
+        render = CompletionRender(f"cmpl-{greqs[0].request_id}", info.model_name, _choices(greqs[0]), len(greqs),
+                                  self.texts, return_token_ids=req.return_token_ids,
+                                  include_usage=_include_usage(req), echo=echo)
+        return await self._respond(request, greqs, render, req.stream)
+
+    async def chat(self, request: Request) -> Response:
+        arrival, body, req, info = await self._admit(request, ChatRequest)
+        messages = chat_messages(req, self.http_limits)
+        fields = chat_fields(req)
+        if self.chat_template is None:
+            raise ApiError(400, f"model {info.model_name!r} has no chat template (chat_template.jinja or "
+                                "tokenizer_config.json's chat_template); use /v1/completions",
+                           param="messages", code="no_chat_template")
+        names = dict(CHAT_NAMES, max_tokens="max_completion_tokens" if req.max_completion_tokens is not None
+                     else "max_tokens")
+        greqs = await self._off_loop(arrival, len(body), self._chat_request, fields, messages,
+                                     req.add_generation_prompt, info, names)
+        render = ChatRender(f"chatcmpl-{greqs[0].request_id}", info.model_name, _choices(greqs[0]), 1,
+                            self.texts, return_token_ids=req.return_token_ids, include_usage=_include_usage(req))
+        return await self._respond(request, greqs, render, req.stream)
+
+    # ------------------------------------------------------------------ admission
+    async def _admit(self, request: Request, kind: type) -> tuple[float, bytes, Any, ModelInfo]:
+        """(arrival time, body, decoded body, model): the bounded read, the JSON, the model named."""
+        arrival = time.monotonic()
+        body = await _read_body(request, self.http_limits.max_body_bytes)
+        req = decode(body, kind)
+        return arrival, body, req, self._model(req.model)
+
+    def _info(self) -> ModelInfo:
+        if self.shutting_down:
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        info = self.engine.model_info()
+        if info is None:
+            raise ApiError(503, "no executor has registered yet; retry later", code="no_executor")
+        return info
+
+    def _model(self, name: str | None) -> ModelInfo:
+        info = self._info()
+        if name is not None and name != info.model_name:
+            raise _unknown_model(name)
+        return info
+
+    async def _off_loop(self, arrival: float, size: int, fn: Callable[..., list[GenerationRequest]], *args: Any
+                        ) -> list[GenerationRequest]:
+        """Tokenizing (and rendering) a large body runs in a worker thread, as the gRPC front does;
+        each request is stamped with the time its HTTP request arrived."""
+        greqs = await asyncio.to_thread(fn, *args) if size > THREAD_TOKENIZE_CHARS else fn(*args)
+        for g in greqs:
+            g.arrival_time = arrival
+        return greqs
+
+    def _chat_request(self, fields: RequestFields, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                      info: ModelInfo, names: dict[str, str]) -> list[GenerationRequest]:
+        assert self.chat_template is not None  # checked by chat()
+        try:
+            fields.prompt = self.chat_template.render(messages, add_generation_prompt)
+        except ChatTemplateError as e:
+            raise bad_field("messages", f"the model's chat template refused them: {e}") from e
+        return self._validate([fields], info, names, True)
+
+    def _validate(self, batch: list[RequestFields], info: ModelInfo, names: dict[str, str],
+                  chat: bool) -> list[GenerationRequest]:
+        """Completions add the tokenizer's special tokens (BOS) as gRPC does and default to
+        ServerLimits.default_max_tokens; a chat prompt has its special tokens from the template
+        and may use the whole context left (OpenAI's chat default)."""
+        tokenize = self._tokenize_plain if chat else self._tokenize
+        default_max_tokens = info.max_model_len if chat else None
+        out = []
+        for i, fields in enumerate(batch):
+            fields.request_id = f"{out[0].request_id}-{i}" if out else ""
+            try:
+                out.append(validate_request(fields, info, self.limits, tokenize, default_max_tokens))
+            except ValidationError as e:
+                indexed = {"prompt": f"prompt[{i}]", "prompt_token_ids": f"prompt[{i}]"} if len(batch) > 1 else {}
+                raise from_validation(e, {**names, **indexed}) from None
+        return out
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def _tokenize_plain(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _prompt_text(self, f: RequestFields) -> str:
+        return f.prompt if f.prompt is not None else self.tokenizer.decode(list(f.prompt_token_ids))
+
+    # ------------------------------------------------------------------ responses
+    async def _respond(self, request: Request, greqs: list[GenerationRequest], render: _Render,
+                       stream: bool) -> Response:
+        engine_streams = [self.engine.generate(g) for g in greqs]
+        outputs = streams.single(engine_streams[0]) if len(greqs) == 1 else streams.merge(engine_streams)
+        try:  # errors before the first output (queue full, no executor) still get their status
+            first = await streams.until_disconnect(request, _next(outputs))
+            if stream:
+                return streams.EventStreamResponse(streams.sse_events(
+                    first, outputs, render.chunk, lambda: render.usage_chunk() if render.include_usage else None,
+                    self._stream_error))
+            render.add(*first)
+            await streams.until_disconnect(request, _drain(outputs, render))
+            return _json(render.response())
+        except streams.ClientGone:
+            await outputs.aclose()
+            self._count("CANCELLED")
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        except BaseException as e:
+            await outputs.aclose()
+            if isinstance(e, Exception):
+                raise engine_error(e, greqs[0].request_id) from e
+            raise
+
+    def _stream_error(self, e: BaseException) -> dict[str, Any]:
+        err = engine_error(e, "stream")
+        self._count(err.grpc_code)
+        return err.body()
+
+    def _count(self, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.on_rejected(code)
+
+
+async def _next(outputs: AsyncIterator[streams.Tagged]) -> streams.Tagged:
+    try:
+        return await anext(outputs)
+    except StopAsyncIteration:
+        raise RequestFailed("the engine ended the request without output") from None
+
+
+async def _drain(outputs: AsyncIterator[streams.Tagged], render: _Render) -> None:
+    async for prompt, out in outputs:
+        render.add(prompt, out)
+
+
+def engine_error(e: Exception, request_id: str) -> ApiError:
+    """The engine's errors (and anything unexpected) as HTTP statuses; see errors.py."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, QueueFull):
+        return ApiError(429, f"request queue is full: {e}", code="queue_full")
+    if isinstance(e, NoExecutor):
+        return ApiError(503, f"no executor available: {e}", code="no_executor")
+    if isinstance(e, RequestFailed):
+        log.warning("request %s failed: %s", request_id, e)
+        return ApiError(500, f"request failed: {e}", code="request_failed")
+    log.exception("request %s: unexpected error", request_id, exc_info=e)
+    return ApiError(500, f"internal error ({type(e).__name__})", code="internal_error")
+
+
+def _unknown_model(name: str) -> ApiError:
+    return ApiError(404, f"The model {name[:200]!r} does not exist", param="model", code="model_not_found")
+
+
+def _choices(g: GenerationRequest) -> int:
+    return max(g.params.n, g.params.beam_width)  # beam search returns beam_width choices
+
+
+def _include_usage(req: CompletionRequest | ChatRequest) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(streams.json_bytes(body), status_code=status, media_type="application/json")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) from its Content-Length before reading, or as soon as it passes ``limit``."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise ApiError(413, f"request body: at most {limit} bytes (Content-Length: {length[:20]})",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body: at most {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = ()) -> Starlette:
+    """The ASGI app. ``middleware`` (outermost first) wraps every route: API keys go there."""
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        front._count(exc.grpc_code)
+        return _json(exc.body(), exc.status)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return _json(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                              code="not_found" if exc.status_code == 404 else None).body(), exc.status_code)
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        return _json(engine_error(exc, "-").body(), 500)
+
+    routes = [
+        Route("/health", front.health, methods=["GET"]),
+        Route("/v1/models", front.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", front.models, methods=["GET"]),
+        Route("/v1/completions", front.completions, methods=["POST"]),
+        Route("/v1/chat/completions", front.chat, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, middleware=list(middleware),
+                     exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error})

@@ -1,0 +1,58 @@
+"""HTTP errors in OpenAI's shape, and the one place engine and validation errors get HTTP statuses.
+
+    ValidationError, bad JSON, unsupported field -> 400 invalid_request_error (param: the field)
+    body over --http-max-body-bytes -> 413       unknown model -> 404 model_not_found
+    QueueFull -> 429                             NoExecutor, no model yet, shutting down -> 503
+    RequestFailed, anything unexpected -> 500 (this request only; logged)
+
+The body is ``{"error": {"message", "type", "param", "code"}}``. Each status also has the gRPC
+code name the gRPC front would have used, so ``pagedserve:request_rejected_total{code}``
+counts both fronts in one vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from scheduler_svc.validation import ValidationError
+
+GRPC_CODE_OF_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 405: "UNIMPLEMENTED", 413: "INVALID_ARGUMENT",
+                       429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
+_TYPE_OF_STATUS = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+                   413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+                   503: "service_unavailable_error"}
+
+
+class ApiError(Exception):
+    """A request refused with an HTTP status and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def grpc_code(self) -> str:
+        return GRPC_CODE_OF_STATUS.get(self.status, "UNKNOWN")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": _TYPE_OF_STATUS.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad_field(param: str, message: str, code: str = "invalid_value") -> ApiError:
+    """A 400 naming the field (``param``) and saying what is wrong with it."""
+    return ApiError(400, f"{param}: {message}", param=param.split("[")[0].split(".")[0], code=code)
+
+
+def from_validation(e: ValidationError, names: Mapping[str, str]) -> ApiError:
+    """The shared validator's error in OpenAI terms.
+
+    The validator names gRPC fields (``sampling.stop[1]``, ``prompt_token_ids[3]``); ``names``
+    maps their base name (without ``sampling.`` and indices) to the OpenAI field the client
+    sent, and the index stays in the message: ``stop[1]: must not be empty (got '')``.
+    """
+    field = e.field.removeprefix("sampling.")
+    base, bracket, rest = field.partition("[")
+    name = names.get(base, base)
+    return bad_field(name + bracket + rest, e.detail)

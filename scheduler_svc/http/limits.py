@@ -1,0 +1,26 @@
+"""Bounds on what an HTTP client may send, checked before the shared validator runs.
+
+The port is reachable by anyone who can reach the service: a body is refused from its
+Content-Length before it is read (and while it streams, when there is none), and the
+counts that make work proportional to themselves (chat messages, prompts in one
+request) are bounded. Built once in ``__main__`` from the flags (scheduler_svc/config.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    # A prompt of 128k tokens is ~1 MB as JSON token ids, ~0.5 MB as text: room for a few.
+    max_body_bytes: int = 8 << 20
+    max_messages: int = 1024  # per chat request
+    max_prompts: int = 64  # prompts in one completions request (a batch)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"HttpLimits.{f.name} must be an integer >= 1 (got {value!r})")

@@ -1,0 +1,56 @@
+"""The HTTP front over the fake engine of grpc_fakes.py, served by uvicorn on its own loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+from typing import Any
+
+from grpc_fakes import FakeEngine
+
+from scheduler_svc.http.app import OpenAIFront, build_app
+from scheduler_svc.http.chat_template import ChatTemplate
+from scheduler_svc.http.limits import HttpLimits
+from scheduler_svc.http.serve import HttpServer, start_http_server
+from scheduler_svc.validation import ServerLimits
+
+
+class HttpThread:
+    def __init__(self, engine: FakeEngine, template: ChatTemplate | None = None,
+                 limits: ServerLimits | None = None, http_limits: HttpLimits | None = None, metrics=None) -> None:
+        self.engine = engine
+        self.front = OpenAIFront(engine, engine.tok, template, limits or ServerLimits(), http_limits or HttpLimits(),
+                                 metrics)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server: HttpServer = self.call(start_http_server(build_app(self.front), "127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.port}"
+
+    def call(self, coro, timeout: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def client(self, **kw: Any):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kw)
+
+    def request(self, method: str, path: str, body: bytes | dict | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """A raw request (for what the openai client cannot send): (status, body)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=10)
+        try:
+            data = json.dumps(body).encode() if isinstance(body, dict) else body
+            conn.request(method, path, body=data, headers=headers or {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self.call(self.server.stop(0.5))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()

@@ -1,0 +1,341 @@
+"""The OpenAI-compatible HTTP front in-process, over the fake engine: request mapping, response
+shapes (through the official openai client), every error status, body bounds, disconnects."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import openai
+import pytest
+from grpc_fakes import FakeEngine, make_tokenizer
+from http_fakes import HttpThread
+
+from scheduler_svc.http.chat_template import ChatTemplate
+from scheduler_svc.http.limits import HttpLimits
+from scheduler_svc.metrics import Metrics
+from scheduler_svc.validation import ServerLimits
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+LIMITS = ServerLimits(max_n=4, max_logprobs=5, max_stop_strings=2)
+HTTP_LIMITS = HttpLimits(max_body_bytes=4096, max_messages=3, max_prompts=2)
+MODEL = "tiny-test"
+FULL = "Hello world, the end."  # what the fake engine generates
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = FakeEngine(make_tokenizer(), MAX_MODEL_LEN)
+    metrics = Metrics()
+    srv = HttpThread(engine, ChatTemplate.compile(CHATML), LIMITS, HTTP_LIMITS, metrics)
+    srv.metrics = metrics
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def fake(server):
+    server.engine.reset()
+    server.engine.ready = True
+    server.front.shutting_down = False
+    return server
+
+
+def _error(status: int, body: bytes) -> dict:
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    return err
+
+
+# ------------------------------------------------------------------ results
+
+def test_completion_text_usage_and_finish_reason(fake):
+    r = fake.client().completions.create(model=MODEL, prompt="Hello", max_tokens=50)
+    (choice,) = r.choices
+    assert choice.text == FULL and choice.finish_reason == "stop"  # EOS -> "stop"
+    (req,) = fake.engine.requests
+    assert req.prompt_token_ids == make_tokenizer().encode("Hello").ids  # with BOS, like gRPC
+    assert r.usage.prompt_tokens == len(req.prompt_token_ids)
+    assert r.usage.completion_tokens == len(make_tokenizer().encode(FULL, add_special_tokens=False).ids) + 1
+    assert r.usage.prompt_tokens_details.cached_tokens == 3  # from the engine's usage
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+
+
+def test_length_finish_and_default_max_tokens_per_endpoint(fake):
+    r = fake.client().completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2)
+    assert r.choices[0].finish_reason == "length" and fake.engine.requests[-1].prompt_token_ids == [5, 6, 7]
+    fake.client().completions.create(model=MODEL, prompt="Hi")
+    assert fake.engine.requests[-1].params.max_tokens == 16  # ServerLimits.default_max_tokens, as gRPC
+    fake.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    req = fake.engine.requests[-1]
+    assert req.params.max_tokens == MAX_MODEL_LEN - len(req.prompt_token_ids)  # chat: the whole context left
+
+
+def test_chat_renders_the_template_and_tokenizes_without_adding_bos(fake):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    r = fake.client().chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=40)
+    assert r.choices[0].message.content == FULL and r.choices[0].message.role == "assistant"
+    assert r.object == "chat.completion" and r.choices[0].finish_reason == "stop"
+    rendered = ChatTemplate.compile(CHATML).render(messages)
+    expected = make_tokenizer().encode(rendered, add_special_tokens=False).ids
+    assert fake.engine.requests[-1].prompt_token_ids == expected and expected[0] != 0  # no BOS added
+    assert fake.engine.requests[-1].params.max_tokens == 40
+
+
+def test_chat_stream_role_first_usage_last_then_done(fake):
+    stream = fake.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:-1])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == FULL
+    assert chunks[-2].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_n_choices_stop_logprobs_and_extensions_reach_the_engine(fake):
+    r = fake.client().completions.create(
+        model=MODEL, prompt="Hi", n=2, stop=["the"], logprobs=2, seed=7, temperature=0.5, top_p=0.9,
+        presence_penalty=0.5, frequency_penalty=-0.5,
+        extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True,
+                    "stop_token_ids": [9], "return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(c.text == "Hello world, " and c.finish_reason == "stop" for c in r.choices)  # cut before "the"
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert len(r.choices[0].token_ids) == len(lp.tokens)  # return_token_ids
+    p = fake.engine.requests[-1].params
+    s = p.sampling
+    assert (p.n, p.stop, p.stop_token_ids, p.ignore_eos) == (2, ["the"], [9], True)
+    assert (s.seed, s.temperature, s.top_k, s.logprobs, s.want_logprobs) == (7, 0.5, 5, 2, True)
+    assert (s.presence_penalty, s.frequency_penalty) == (0.5, -0.5)
+    assert s.top_p == pytest.approx(0.9) and s.min_p == pytest.approx(0.1) and s.repetition_penalty == 1.2
+
+
+def test_chat_logprobs_form_and_beam_search_mapping(fake):
+    r = fake.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert content and all(len(e.top_logprobs) == 2 for e in content)
+    assert all(bytes(e.bytes).decode("utf-8", "replace") == e.token for e in content)
+    assert fake.engine.requests[-1].params.sampling.logprobs == 2
+    fake.client().completions.create(model=MODEL, prompt="Hi", n=3, extra_body={"use_beam_search": True})
+    p = fake.engine.requests[-1].params
+    assert (p.n, p.beam_width) == (1, 3)
+
+
+def test_batch_of_prompts_runs_one_request_each_with_echo(fake):
+    r = fake.client().completions.create(model=MODEL, prompt=["Hi", "Ho"], n=2, echo=True, max_tokens=3)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text[:2] for c in r.choices] == ["Hi", "Hi", "Ho", "Ho"]
+    assert len(fake.engine.requests) == 2 and len({q.request_id for q in fake.engine.requests}) == 2
+    assert r.usage.prompt_tokens == sum(len(q.prompt_token_ids) for q in fake.engine.requests)
+
+
+def test_models_and_health(fake):
+    (model,) = fake.client().models.list().data
+    assert model.id == MODEL and model.owned_by == "pagedserve"
+    assert fake.client().models.retrieve(MODEL).id == MODEL
+    assert fake.request("GET", "/health")[0] == 200
+    fake.engine.ready = False
+    assert fake.request("GET", "/health")[0] == 503
+
+
+# ------------------------------------------------------------------ errors
+
+BAD = [
+    ("/v1/completions", {"prompt": "a", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "a", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 10**6}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 5}, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 9, "use_beam_search": True}, "n"),
+    ("/v1/completions", {"prompt": "a", "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": "a", "stop": ["a", "b", "c"]}, "stop"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "seed": -1}, "seed"),
+    ("/v1/completions", {"prompt": "a", "top_k": -2}, "top_k"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [10**6]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 10**6]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", [1]]}, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/completions", {"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "suffix": "x"}, "suffix"),
+    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}] * 4}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "a"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * 300}]}, "messages"),  # > 256 tokens
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 999},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True,
+                              "top_logprobs": 6}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
+     "tools"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD, ids=[f"{p.split('/')[-1]}-{i}" for i, (p, _, _) in enumerate(BAD)])
+def test_bad_input_is_400_naming_the_openai_field(fake, path, body, param):
+    status, raw = fake.request("POST", path, body)
+    err = _error(status, raw)
+    assert status == 400 and err["param"] == param and err["type"] == "invalid_request_error", err
+    assert err["message"].startswith(param), err  # "<field>: <what is wrong> (got <value>)"
+    assert not fake.engine.requests
+
+
+def test_validation_message_names_limit_and_value(fake):
+    err = _error(*fake.request("POST", "/v1/completions", {"prompt": "a", "n": 5}))
+    assert err["message"] == "n: must be in [0, 4] (got 5)"
+    with pytest.raises(openai.BadRequestError) as e:
+        fake.client().completions.create(model=MODEL, prompt="a", temperature=-1)
+    assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+
+
+def test_malformed_and_oversized_bodies(fake):
+    status, raw = fake.request("POST", "/v1/completions", b'{"prompt": "a",')
+    assert status == 400 and _error(status, raw)["code"] == "invalid_json"
+    status, raw = fake.request("POST", "/v1/completions", b'{"prompt": ' + b"[" * 2000 + b"]" * 2000 + b"}")
+    assert status == 400
+    status, raw = fake.request("POST", "/v1/completions", {"prompt": "a" * 5000})
+    assert status == 413 and _error(status, raw)["code"] == "request_too_large"
+
+
+def test_oversized_body_is_refused_from_its_content_length_before_it_is_read(fake):
+    with socket.create_connection(("127.0.0.1", fake.server.port), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000000000\r\n\r\n{")  # a gigabyte announced, one byte sent
+        reply = s.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 413")
+
+
+def test_chunked_body_is_cut_off_at_the_limit(fake):
+    with socket.create_connection(("127.0.0.1", fake.server.port), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"x" * 1000
+        for _ in range(5):  # 5000 bytes > 4096, no Content-Length to refuse it by
+            s.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+        reply = s.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 413")
+
+
+def test_unknown_model_route_and_method(fake):
+    with pytest.raises(openai.NotFoundError) as e:
+        fake.client().completions.create(model="gpt-4", prompt="a")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    status, raw = fake.request("GET", "/v2/nothing")
+    assert status == 404 and _error(status, raw)["code"] == "not_found"
+    assert fake.request("GET", "/v1/completions")[0] == 405
+    assert fake.request("GET", "/v1/models/gpt-4")[0] == 404
+
+
+@pytest.mark.parametrize("mode,status,error", [("queue_full", 429, openai.RateLimitError),
+                                                ("no_executor", 503, openai.InternalServerError),
+                                                ("crash", 500, openai.InternalServerError)])
+def test_engine_errors_map_to_statuses_and_the_server_keeps_serving(fake, mode, status, error):
+    fake.engine.mode = mode
+    with pytest.raises(error) as e:
+        fake.client().completions.create(model=MODEL, prompt="a")
+    assert e.value.status_code == status
+    # Streaming: raised before the first output, the status is still the error's; a crash after
+    # it comes as an error event (the openai client raises it as APIError).
+    with pytest.raises(error if mode != "crash" else openai.APIError) as e:
+        list(fake.client().completions.create(model=MODEL, prompt="a", stream=True))
+    assert getattr(e.value, "status_code", None) == (status if mode != "crash" else None)
+    fake.engine.mode = "ok"
+    assert fake.client().completions.create(model=MODEL, prompt="a").choices[0].text == FULL
+
+
+def test_error_after_the_stream_started_is_an_error_event_then_done(fake):
+    fake.engine.mode = "fail"
+    status, raw = fake.request("POST", "/v1/completions", {"prompt": "a", "stream": True})
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert status == 200 and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "request_failed"
+
+
+def test_rejections_are_counted_with_the_grpc_code_names(fake):
+    before = fake.metrics.rejected.labels("INVALID_ARGUMENT")._value.get()
+    fake.request("POST", "/v1/completions", {"prompt": "a", "n": 0})
+    assert fake.metrics.rejected.labels("INVALID_ARGUMENT")._value.get() == before + 1
+
+
+def test_unavailable_before_an_executor_and_while_shutting_down(fake):
+    fake.engine.info = None
+    try:
+        status, raw = fake.request("POST", "/v1/completions", {"prompt": "a"})
+        assert status == 503 and _error(status, raw)["code"] == "no_executor"
+        assert fake.request("GET", "/v1/models")[0] == 503
+    finally:
+        fake.engine.info = FakeEngine(make_tokenizer(), MAX_MODEL_LEN).info
+    fake.front.shutting_down = True
+    status, raw = fake.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})
+    assert status == 503 and _error(status, raw)["code"] == "shutting_down"
+    assert fake.request("GET", "/health")[0] == 503
+
+
+def test_chat_without_a_template_is_a_clear_400():
+    engine = FakeEngine(make_tokenizer())
+    srv = HttpThread(engine, template=None)
+    try:
+        status, raw = srv.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})
+        err = _error(status, raw)
+        assert status == 400 and err["code"] == "no_chat_template" and "chat template" in err["message"]
+        assert srv.client().completions.create(model=MODEL, prompt="a").choices[0].text == FULL
+    finally:
+        srv.stop()
+
+
+# ------------------------------------------------------------------ disconnects
+
+def _wait_closed(engine: FakeEngine, timeout_s: float = 5.0) -> tuple[str, bool]:
+    assert engine.closed_event.wait(timeout_s), "the engine's generator was never closed"
+    return engine.closed[-1]
+
+
+def test_a_client_leaving_a_stream_closes_the_engine_generator_at_once(fake):
+    fake.engine.completions = ["word " * 200]
+    fake.engine.token_delay = 0.02
+    stream = fake.client().completions.create(model=MODEL, prompt="a", max_tokens=60, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    t0 = time.monotonic()
+    stream.close()
+    _, finished = _wait_closed(fake.engine)
+    assert not finished and time.monotonic() - t0 < 1.0  # aborted, long before 60 tokens x 20 ms
+
+
+def test_a_client_leaving_a_non_streamed_request_closes_the_engine_generator(fake):
+    fake.engine.completions = ["word " * 200]
+    fake.engine.token_delay = 0.05
+    with pytest.raises(openai.APITimeoutError):
+        fake.client(timeout=0.3).completions.create(model=MODEL, prompt="a", max_tokens=60)
+    _, finished = _wait_closed(fake.engine)
+    assert not finished
+
+
+def test_connections_send_without_nagle_delay(fake):
+    """Each SSE event is a small write; with Nagle's algorithm on, every one after the first
+    waits for the client's delayed ACK (~40 ms on Linux)."""
+    fake.engine.token_delay = 0.05
+    stream = fake.client().completions.create(model=MODEL, prompt="a", stream=True)
+    next(iter(stream))
+    conns = list(fake.server.server.server_state.connections)
+    sockets = [c.transport.get_extra_info("socket") for c in conns]
+    assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
+    stream.close()
