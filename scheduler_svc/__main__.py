@@ -18,12 +18,14 @@ import signal
 from pathlib import Path
 
 import uvloop
+from starlette.middleware import Middleware
 from tokenizers import Tokenizer
 
 from pagedserve.wire.fingerprint import model_fingerprint
 from scheduler_svc.config import ServiceConfig, load_config
 from scheduler_svc.engine import Engine, tune_gc
 from scheduler_svc.http.app import OpenAIFront, build_app
+from scheduler_svc.http.auth import ApiKeyMiddleware
 from scheduler_svc.http.chat_template import load_chat_template
 from scheduler_svc.http.serve import HttpServer, start_http_server
 from scheduler_svc.metrics import Metrics, start_metrics_server
@@ -81,7 +83,12 @@ async def start_http(cfg: ServiceConfig, engine: Engine, tokenizer: Tokenizer,
     if template is None:
         log.warning("%s has no chat template: /v1/chat/completions will refuse requests", cfg.model_dir)
     front = OpenAIFront(engine, tokenizer, template, cfg.limits, cfg.http_limits, metrics)
-    return front, await start_http_server(build_app(front), cfg.http_host, cfg.http_port)
+    middleware = []
+    if cfg.api_keys is not None:  # the same keys and TLS files as the gRPC front
+        middleware.append(Middleware(ApiKeyMiddleware, keys=cfg.api_keys,
+                                     on_denied=lambda: metrics.on_rejected("UNAUTHENTICATED")))
+    ssl = cfg.tls.uvicorn_options() if cfg.tls is not None else None
+    return front, await start_http_server(build_app(front, middleware), cfg.http_host, cfg.http_port, ssl)
 
 
 async def serve(cfg: ServiceConfig) -> None:

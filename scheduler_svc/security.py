@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,13 @@ class TlsFiles:
     cert_file: Path
     key_file: Path
     client_ca_file: Path | None = None  # set: clients must present a certificate signed by it
+
+    def uvicorn_options(self) -> dict:
+        """The same files as uvicorn's ssl_* keyword arguments (the HTTP front)."""
+        opts = {"ssl_certfile": str(self.cert_file), "ssl_keyfile": str(self.key_file)}
+        if self.client_ca_file is not None:
+            opts.update(ssl_ca_certs=str(self.client_ca_file), ssl_cert_reqs=ssl.CERT_REQUIRED)
+        return opts
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
         ca = self.client_ca_file.read_bytes() if self.client_ca_file else None

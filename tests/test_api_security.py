@@ -4,6 +4,7 @@ CA made in the test, malformed messages, and prompts no executor could ever take
 from __future__ import annotations
 
 import io
+import ssl
 
 import grpc
 import pytest
@@ -24,6 +25,14 @@ def _generate(channel: grpc.Channel) -> list[int]:
                                                                                     ignore_eos=True))
     return [t for r in pb_grpc.GenerationStub(channel).Generate(req, timeout=30) for c in r.choices
             for t in c.token_ids]
+
+
+def _tls(pki: dict, client: bool = False) -> ssl.SSLContext:
+    """What an HTTPS client trusts (the test CA) and, for mutual TLS, presents."""
+    ctx = ssl.create_default_context(cafile=str(pki["ca"]))
+    if client:
+        ctx.load_cert_chain(str(pki["client_cert"]), str(pki["client_key"]))
+    return ctx
 
 
 def _code(call) -> grpc.StatusCode:
@@ -96,6 +105,12 @@ def test_mutual_tls_requires_a_client_certificate(tiny_llama_dir, tmp_path, pki)
         assert len(_generate(s.channel)) == 4
         with s.open_channel(tls_cert=None, tls_key=None) as anonymous:
             assert _code(lambda: _generate(anonymous)) == grpc.StatusCode.UNAVAILABLE
+        import httpx2 as httpx
+
+        url = f"https://localhost:{s.http_port}/health"
+        assert httpx.get(url, verify=_tls(pki, client=True), timeout=10).status_code == 200
+        with pytest.raises(httpx.HTTPError):  # the HTTP front requires the client certificate too
+            httpx.get(url, verify=_tls(pki), timeout=10)
     finally:
         s.stop()
 
@@ -120,3 +135,27 @@ def test_a_malformed_message_is_invalid_argument(plain, payload):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "not a valid pagedserve.v1.GenerateRequest" in e.value.details()
     assert len(_generate(plain.channel)) == 4
+
+
+def test_the_http_front_takes_the_same_keys_and_tls(tls_stack, pki):
+    import httpx2 as httpx  # the HTTP client the openai package is built on
+    import openai
+
+    url = f"https://localhost:{tls_stack.http_port}"
+    with httpx.Client(verify=_tls(pki), timeout=30) as http:
+        assert http.get(f"{url}/health").status_code == 200  # probes carry no key
+        for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}):
+            r = http.get(f"{url}/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        r = http.post(f"{url}/v1/completions", json={"model": "x", "prompt": "hi"})
+        assert r.status_code == 401  # refused before the body is read or the model checked
+        assert http.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0,
+                           http_client=httpx.Client(verify=_tls(pki), timeout=60))
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
+                                          max_tokens=4, temperature=0)
+    assert chat.usage.completion_tokens >= 1
+    with httpx.Client(timeout=10) as plain:  # plaintext against the TLS port
+        with pytest.raises(httpx.HTTPError):
+            plain.get(f"http://127.0.0.1:{tls_stack.http_port}/health")
