@@ -29,6 +29,7 @@ from scheduler_svc.http.auth import ApiKeyMiddleware
 from scheduler_svc.http.chat_template import load_chat_template
 from scheduler_svc.http.serve import HttpServer, start_http_server
 from scheduler_svc.metrics import Metrics, start_metrics_server
+from scheduler_svc.offload import return_large_allocations_to_the_os
 from scheduler_svc.server import start_grpc_server
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -129,6 +130,7 @@ async def serve(cfg: ServiceConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = load_config(argv)
+    return_large_allocations_to_the_os()  # request messages of megabytes must not stay in RSS
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvloop.run(serve(cfg))  # a faster event loop: each step wakes every streaming request (PERF.md)
 

@@ -113,6 +113,7 @@ class ModelInfo:
     num_executors: int
     eos_token_ids: tuple[int, ...] = ()  # every end-of-sequence id, first = config.json's first
     max_request_blocks: int = 0  # KV blocks one request may hold on the roomiest executor (0: unchecked)
+    max_token_chars: int = 0  # characters the longest vocabulary entry spans (0: unchecked)
 
 
 @dataclass(slots=True)

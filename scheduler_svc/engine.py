@@ -59,6 +59,9 @@ class Engine:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
+        # Byte-level BPE spells each byte as one character, SentencePiece a piece as its characters:
+        # either way no token covers more characters of a prompt than its longest entry has.
+        self.max_token_chars = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=0)
         self.metrics = metrics
         keys = None if cfg.cluster_secret_file is None else derive_keys(read_cluster_secret(cfg.cluster_secret_file))
         self.hub = ExecutorHub(cfg.executor_endpoint, block_size=cfg.scheduler.block_size,
@@ -118,7 +121,8 @@ class Engine:
                          max_model_len=max(s.scheduler.config.max_model_len for s in ready),
                          vocab_size=info.vocab_size, block_size=self.cfg.scheduler.block_size,
                          num_executors=len(live), eos_token_ids=self.eos_token_ids,
-                         max_request_blocks=max(s.scheduler.usable_blocks for s in ready))
+                         max_request_blocks=max(s.scheduler.usable_blocks for s in ready),
+                         max_token_chars=self.max_token_chars)
 
     def stats(self) -> EngineStats:
         st = EngineStats(num_preemptions=self._retired_preemptions,

@@ -43,6 +43,7 @@ from scheduler_svc.api_types import (
     RequestOutput,
 )
 from scheduler_svc.metrics import Metrics
+from scheduler_svc.offload import validate_off_loop
 from scheduler_svc.security import ApiKeyInterceptor, ApiKeys, TlsFiles
 from scheduler_svc.validation import ServerLimits, ValidationError, validate_generate_request
 
@@ -50,8 +51,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 assert SERVICE_NAME == HEALTH_SCHEDULER_READY, "readiness is reported under the service's own name"
-# Prompts longer than this are tokenized in a worker thread, off the event loop.
-THREAD_TOKENIZE_CHARS = 4096
 # The largest request message gRPC reads (its default, stated): a prompt longer than the model could
 # ever take is refused from its length before tokenizing (validation.py), so this bounds memory.
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
@@ -89,10 +88,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         # A coroutine writing with context.write (not an async generator): a cancel or deadline
         # raises CancelledError here, inside aclosing, so the engine's stream is closed at once.
+        # Aborts happen outside the except blocks: context.abort raises, and an exception raised
+        # while handling _Refused would chain it, its traceback and the request's frames (a
+        # multi-megabyte prompt) into a cycle that only a full garbage collection frees.
+        refusal = None
         try:
             greq = await self._admit(request, context)
         except _Refused as e:
-            await self._abort(context, e.code, str(e))
+            refusal = (e.code, str(e))
+        if refusal is not None:
+            del request  # (grpc keeps the aborting frames in a cycle until a full collection)
+            await self._abort(context, *refusal)
             return
         self._in_flight.add(greq.request_id)
         try:
@@ -100,9 +106,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 async for msg in responses:
                     await context.write(msg)
         except _Refused as e:
-            await self._abort(context, e.code, str(e))
+            refusal = (e.code, str(e))
         finally:
             self._in_flight.discard(greq.request_id)
+        if refusal is not None:
+            await self._abort(context, *refusal)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
                            ) -> pb.ModelInfo:
@@ -136,12 +144,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         arrival = time.monotonic()
         args = (request, info, self._limits, self._tokenize)
         try:
-            if request.HasField("prompt") and len(request.prompt) > THREAD_TOKENIZE_CHARS:
-                greq = await asyncio.to_thread(validate_generate_request, *args)
-            else:
-                greq = validate_generate_request(*args)
+            size = len(request.prompt) if request.HasField("prompt") else 0
+            greq = await validate_off_loop(size, validate_generate_request, *args)
         except ValidationError as e:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None  # (no frames kept: see Generate)
         except Exception as e:  # e.g. the tokenizer failed: a server bug, not the client's
             log.exception("validating a request failed")
             raise _Refused(grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__})") from e
@@ -266,11 +272,14 @@ def _parsing(cls, method):
 
     async def handler(raw: bytes, context: grpc.aio.ServicerContext):
         try:
-            request = cls.FromString(raw)
+            request = [cls.FromString(raw)]
         except DecodeError as e:
+            request, problem = None, str(e)
+        raw = None  # this frame outlives the call in grpc's abort cycles: keep no prompt in it
+        if request is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the request is not a valid {cls.DESCRIPTOR.full_name} message ({e})")
-        return await method(request, context)
+                                f"the request is not a valid {cls.DESCRIPTOR.full_name} message ({problem})")
+        return await method(request.pop(), context)
 
     return handler
 

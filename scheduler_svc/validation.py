@@ -176,11 +176,15 @@ def _prompt_token_ids(f: RequestFields, model: ModelInfo, tokenize: Callable[[st
     if has_text:
         if not f.prompt:
             raise ValidationError("prompt", "must not be empty (got '')")
+        _check_prompt_chars(len(f.prompt), model)  # before tokenizing: a huge prompt costs nothing
         ids = list(tokenize(f.prompt))
         if not ids:
             raise ValidationError("prompt", f"tokenizes to 0 tokens (got {f.prompt[:40]!r})")
         field = "prompt"
     else:
+        if len(f.prompt_token_ids) >= model.max_model_len:  # before copying or checking a long list
+            raise ValidationError("prompt_token_ids", f"has {len(f.prompt_token_ids)} tokens; max_model_len is "
+                                                      f"{model.max_model_len}")
         ids = list(f.prompt_token_ids)
         field = "prompt_token_ids"
     _check_vocab(field, ids, model.vocab_size)
@@ -191,6 +195,18 @@ def _prompt_token_ids(f: RequestFields, model: ModelInfo, tokenize: Callable[[st
             "so it must have at most max_model_len - 1 tokens to leave room to generate",
         )
     return ids
+
+
+def _check_prompt_chars(chars: int, model: ModelInfo) -> None:
+    """A token spans at most ``model.max_token_chars`` characters, so a longer prompt than
+    ``max_model_len`` such tokens can never fit: refused from its length, never tokenized."""
+    if not model.max_token_chars:
+        return
+    bound = (model.max_model_len - 1) * model.max_token_chars
+    if chars > bound:
+        raise ValidationError("prompt", f"has {chars} characters; no prompt longer than {bound} characters can fit "
+                                        f"max_model_len {model.max_model_len} (the longest token has "
+                                        f"{model.max_token_chars} characters)")
 
 
 def _check_vocab(field: str, ids: Sequence[int], vocab_size: int) -> None:

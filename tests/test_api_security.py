@@ -159,3 +159,30 @@ def test_the_http_front_takes_the_same_keys_and_tls(tls_stack, pki):
     with httpx.Client(timeout=10) as plain:  # plaintext against the TLS port
         with pytest.raises(httpx.HTTPError):
             plain.get(f"http://127.0.0.1:{tls_stack.http_port}/health")
+
+
+def test_a_burst_of_maximum_size_prompts_is_refused_unread_and_memory_comes_back(plain):
+    """20 prompts just under gRPC's 4 MiB message limit, at once: each is INVALID_ARGUMENT from its
+    length alone (never tokenized), and the scheduler's memory returns to its baseline."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def rss_mib() -> float:
+        with open(f"/proc/{plain.scheduler.pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+    baseline = rss_mib()
+    stub = pb_grpc.GenerationStub(plain.channel)
+    prompt = "All work and no play makes Jack a dull boy. " * (3_900_000 // 44)
+
+    def send(i: int) -> grpc.StatusCode:
+        req = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=4))
+        return _code(lambda: list(stub.Generate(req, timeout=60)))
+
+    with ThreadPoolExecutor(max_workers=20) as pool:
+        codes = list(pool.map(send, range(20)))
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 20
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(prompt=prompt), timeout=60))
+    assert "characters can fit max_model_len" in e.value.details()
+    assert rss_mib() - baseline < 64, (baseline, rss_mib())
+    assert len(_generate(plain.channel)) == 4

@@ -13,7 +13,6 @@ authentication (API keys) plugs in.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -42,7 +41,8 @@ from scheduler_svc.http.openai_types import (
 )
 from scheduler_svc.http.responses import ChatRender, CompletionRender, TokenTexts, _Render
 from scheduler_svc.metrics import Metrics
-from scheduler_svc.server import THREAD_TOKENIZE_CHARS, Engine
+from scheduler_svc.offload import validate_off_loop
+from scheduler_svc.server import Engine
 from scheduler_svc.validation import RequestFields, ServerLimits, ValidationError, validate_request
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class OpenAIFront:
                         ) -> list[GenerationRequest]:
         """Tokenizing (and rendering) a large body runs in a worker thread, as the gRPC front does;
         each request is stamped with the time its HTTP request arrived."""
-        greqs = await asyncio.to_thread(fn, *args) if size > THREAD_TOKENIZE_CHARS else fn(*args)
+        greqs = await validate_off_loop(size, fn, *args)
         for g in greqs:
             g.arrival_time = arrival
         return greqs
