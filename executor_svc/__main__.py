@@ -107,7 +107,7 @@ def run(cfg: ExecutorConfig, argv: list[str] | None = None) -> int:
     if cfg.health_port:
         from executor_svc.health import HealthServer
 
-        health = HealthServer(cfg.health_port).start()
+        health = HealthServer(cfg.health_port, cfg.health_host).start()
     group, runner = None, None
     try:
         if cfg.tensor_parallel_size > 1:

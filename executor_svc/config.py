@@ -55,6 +55,7 @@ class ExecutorConfig:
     cpu_attention: str  # auto | fused | torch (executor_svc/backends.py, make_attention_backend)
     executor_id: str
     health_port: int  # 0 = no health server
+    health_host: str
     drain_timeout: float  # seconds to keep serving after SIGTERM
     cluster_secret_file: Path | None  # CURVE keys of the link to the scheduler (None: unencrypted)
     log_level: str
@@ -92,6 +93,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--executor-id", default=None, help="name in the scheduler's registry (default HOST-PID)")
     p.add_argument("--health-port", type=number(int, "--health-port", 0, low_inclusive=True, high=65535),
                    default=8090, help="grpc.health.v1 port (0 disables)")
+    p.add_argument("--health-host", default="[::]",
+                   help="grpc.health.v1 listen address (the kubelet probes it; it serves status only)")
     p.add_argument("--drain-timeout", type=number(float, "--drain-timeout", 0.0, low_inclusive=True),
                    default=30.0, help="seconds to keep serving plans after SIGTERM")
     p.add_argument("--cluster-secret-file", type=Path, default=None,
@@ -154,6 +157,6 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         swap_space=args.swap_space, block_size=args.block_size, dtype=args.dtype,
         cpu_attention=args.cpu_attention,
         executor_id=args.executor_id or f"{socket.gethostname()}-{os.getpid()}",
-        health_port=args.health_port, drain_timeout=args.drain_timeout,
+        health_port=args.health_port, health_host=args.health_host, drain_timeout=args.drain_timeout,
         cluster_secret_file=args.cluster_secret_file, log_level=args.log_level,
         tensor_parallel_size=args.tensor_parallel_size, rank_env=ranks)

@@ -16,11 +16,11 @@ log = logging.getLogger(__name__)
 
 
 class HealthServer:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, host: str = "[::]") -> None:
         self._servicer = health.HealthServicer()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, self._server)
-        self.port = self._server.add_insecure_port(f"[::]:{port}")
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
         self._servicer.set(HEALTH_LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         self.set_ready(False)
 
