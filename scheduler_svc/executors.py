@@ -107,6 +107,7 @@ class ExecutorHub:
         sock.bind(self.endpoint)
         self.bound_port = int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
         self._sock = sock
+        self._loop = asyncio.get_running_loop()  # (looked up once: a getpid() per call on 3.11)
         self._tasks = [asyncio.create_task(self._recv_loop(), name="executor-recv"),
                        asyncio.create_task(self._heartbeat_loop(), name="executor-heartbeat")]
 
@@ -128,7 +129,7 @@ class ExecutorHub:
             raise ExecutorLost(conn.id)
         if not conn.in_flight:
             conn.oldest_since = time.monotonic()
-        conn.in_flight.append((plan.step_id, asyncio.get_running_loop().create_future()))
+        conn.in_flight.append((plan.step_id, self._loop.create_future()))
         if not await self._send(conn, plan):
             raise ExecutorLost(conn.id)
 
