@@ -8,6 +8,7 @@ one, a well-formed request running at the same time must complete.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -48,6 +49,15 @@ def _handshake(executor_id: str, **overrides) -> bytes:
     return wire.encode(wire.Handshake(**fields))
 
 
+def _send_unless_refused(sock: zmq.Socket, frame: bytes) -> None:
+    """Send, or stop trying once the transport has refused the peer: libzmq then drops
+    the connection's pipe, and a blocking send on a DEALER with no pipe waits forever."""
+    try:
+        sock.send(frame, zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+
+
 def _received(sock: zmq.Socket, within_s: float) -> list[bytes]:
     frames = []
     deadline = time.monotonic() + within_s
@@ -75,8 +85,8 @@ def test_a_peer_without_the_secret_never_completes_the_transport_handshake(secur
     other = derive_keys(read_cluster_secret(write_secret(tmp_path / "not-the-secret")))
     rogues = [_dealer(secure, b"rogue-plain"), _dealer(secure, b"rogue-wrong-key", other)]
     for sock in rogues:
-        sock.send(_handshake(sock.getsockopt(zmq.ROUTING_ID).decode()))
-        sock.send(msgpack.packb([wire.WIRE_VERSION, wire.KIND_HANDSHAKE, [[[]] * 1000] * 1000]))
+        _send_unless_refused(sock, _handshake(sock.getsockopt(zmq.ROUTING_ID).decode()))
+        _send_unless_refused(sock, msgpack.packb([wire.WIRE_VERSION, wire.KIND_HANDSHAKE, [[[]] * 1000] * 1000]))
     assert _generate(secure) == reference  # served meanwhile, by the real executor only
     for sock in rogues:
         assert _received(sock, 1.0) == []  # not even a refusal: no plan, no prompt, nothing
@@ -134,21 +144,32 @@ def test_absurd_handshakes_are_refused_or_cost_nothing(secure, tiny_llama_dir):
         time.sleep(0.2)
 
 
-def _swallowing_executor(stack: Stack, name: str, handshake: wire.Handshake) -> threading.Thread:
-    """A real executor loop (handshake, heartbeats) whose device never finishes a step."""
+@contextlib.contextmanager
+def _swallowing_executor(stack: Stack, name: str, handshake: wire.Handshake):
+    """A real executor loop (handshake, heartbeats) whose device never finishes a step; stopped on exit
+    (a worker left running would outlive the test and log into the next ones)."""
+    released = threading.Event()
 
     class Swallow:
         def reset(self) -> None:
             pass
 
         def execute(self, plan):
-            time.sleep(3600)
+            released.wait(3600)
+            return wire.StepResult(plan.step_id, error="released at the end of the test")
 
     keys = derive_keys(read_cluster_secret(stack.secret_file))
     worker = ExecutorWorker(f"tcp://127.0.0.1:{stack.executor_port}", Swallow(), handshake, keys=keys)
     t = threading.Thread(target=worker.run, daemon=True, name=name)
     t.start()
-    return t
+    try:
+        yield
+    finally:
+        released.set()
+        worker.request_drain()
+        worker.request_drain()  # the second signal: exit at once
+        t.join(10)
+        assert not t.is_alive()
 
 
 def test_a_peer_that_swallows_plans_while_heartbeating_loses_its_requests_to_others(secure, tiny_llama_dir):
@@ -157,24 +178,24 @@ def test_a_peer_that_swallows_plans_while_heartbeating_loses_its_requests_to_oth
     reference = _generate(secure, 24)
     hs = wire.Handshake("swallower", wire.WIRE_VERSION, model_fingerprint(tiny_llama_dir), "tiny",
                         "LlamaForCausalLM", 512, 16, 4096, 0, 4096, "float32", "cpu")
-    _swallowing_executor(secure, "swallower", hs)
-    secure.wait_executors(2)
-    # Both look ready; the router sends work to both. The swallower's steps never come back.
-    outs = [None] * 8
+    with _swallowing_executor(secure, "swallower", hs):
+        secure.wait_executors(2)
+        # Both look ready; the router sends work to both. The swallower's steps never come back.
+        outs = [None] * 8
 
-    def run(i):
-        outs[i] = _generate(secure, 24, timeout=60)
+        def run(i):
+            outs[i] = _generate(secure, 24, timeout=60)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-    start = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert outs == [reference] * 8  # every request finished, identical, on the real executor
-    assert time.monotonic() - start < 30  # after about --step-timeout, not at their deadline
-    st = secure.stats()
-    assert st.num_migrations > 0 and [e.id for e in st.executors if e.state != "dead"] == ["ex0"]
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        start = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert outs == [reference] * 8  # every request finished, identical, on the real executor
+        assert time.monotonic() - start < 30  # after about --step-timeout, not at their deadline
+        st = secure.stats()
+        assert st.num_migrations > 0 and [e.id for e in st.executors if e.state != "dead"] == ["ex0"]
 
 
 @pytest.fixture(scope="module")
