@@ -40,7 +40,7 @@ from scheduler_svc.api_types import (
 from scheduler_svc.executors import ExecutorConn, ExecutorHub, ExecutorLost
 from scheduler_svc.lifecycle import ProtocolError
 from scheduler_svc.outputs import RequestStream
-from scheduler_svc.publish import Publisher
+from scheduler_svc.publish import Publisher, merge_updates
 from scheduler_svc.request import MigratedRequest
 from scheduler_svc.routing import Router
 from scheduler_svc.sched_config import EngineConfig
@@ -280,7 +280,7 @@ class Engine:
                     pub.publish_now(slot, failed)
                 if slot.unpublished:
                     updates, slot.unpublished = slot.unpublished, []
-                    await pub.publish(slot, updates)
+                    slot.unpublished = await pub.publish(slot, updates, lambda: self.hub.result_ready(conn))
                 if not sched.in_flight:
                     await self._idle(slot)
                     continue
@@ -288,7 +288,7 @@ class Engine:
                 if depth == 1:
                     pub.publish_now(slot, updates)
                 else:
-                    slot.unpublished = pub.settle_stops(slot, updates)
+                    slot.unpublished = merge_updates(slot.unpublished, pub.settle_stops(slot, updates))
                 self._observe()
         except ExecutorLost:
             pass

@@ -144,6 +144,11 @@ class ExecutorHub:
             if conn.in_flight and conn.in_flight[0][1] is fut:
                 conn.in_flight.popleft()
 
+    @staticmethod
+    def result_ready(conn: ExecutorConn) -> bool:
+        """Whether the oldest plan's result (or the executor's death) has arrived."""
+        return bool(conn.in_flight) and conn.in_flight[0][1].done()
+
     # ------------------------------------------------------------------ internals
 
     async def _send(self, conn: ExecutorConn, msg: wire.Message) -> bool:

@@ -7,6 +7,13 @@ before the next plan is built means it is computed at most once more), then
 the next plan goes out, and only then is everything else detokenized and
 handed to its consumer, in chunks that yield to the event loop so another
 executor's result is not held up behind this one's fan-out.
+
+When the next result arrives before the fan-out is done (the process is short
+of CPU: many executors, fast steps), the fan-out stops after the current chunk
+and the result goes first; what was not streamed is merged with the next
+step's updates (:func:`merge_updates`), so a lagging request gets its tokens in
+one message instead of one per step. The fan-out's cost per token falls as
+load rises, instead of the executors' next plans waiting behind it.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import time
 from collections.abc import Callable
 
 from scheduler_svc.api_types import FinishReason, RequestFailed, RequestOutput
-from scheduler_svc.request import RequestUpdate
+from scheduler_svc.request import RequestUpdate, SeqUpdate
 from scheduler_svc.slots import ExecutorSlot, Tracked
 
 CHUNK = 64  # updates published between yields to the event loop
@@ -43,11 +50,17 @@ class Publisher:
             self.publish_now(slot, now)
         return rest
 
-    async def publish(self, slot: ExecutorSlot, updates: list[RequestUpdate]) -> None:
+    async def publish(self, slot: ExecutorSlot, updates: list[RequestUpdate],
+                      yield_to: Callable[[], bool] = lambda: False) -> list[RequestUpdate]:
+        """Stream ``updates`` in chunks; stop once ``yield_to()`` (checked between chunks, after
+        at least one, so every request is streamed within a few steps) and return the rest."""
         for i in range(0, len(updates), CHUNK):
             if i:
                 await asyncio.sleep(0)  # let other executors' results through
+                if yield_to():
+                    return updates[i:]
             self.publish_now(slot, updates[i:i + CHUNK])
+        return []
 
     def publish_now(self, slot: ExecutorSlot, updates: list[RequestUpdate]) -> None:
         requests, now = slot.requests, time.monotonic()
@@ -100,3 +113,32 @@ class Publisher:
         reason = next((c.finish_reason for c in out.choices), FinishReason.LENGTH)
         self.metrics.on_finish(reason, time.monotonic() - stream.created, len(stream.req.prompt_token_ids),
                                out.usage.completion_tokens if out.usage else 0)
+
+
+def merge_updates(older: list[RequestUpdate], newer: list[RequestUpdate]) -> list[RequestUpdate]:
+    """``older`` (not streamed yet) followed by ``newer``, one update per request: a request's
+    tokens of several steps become one update, in order. Mutates and returns ``older``."""
+    if not older:
+        return newer
+    by_id = {u.request_id: u for u in older}
+    for u in newer:
+        o = by_id.get(u.request_id)
+        if o is None:
+            by_id[u.request_id] = u
+            older.append(u)
+            continue
+        o.finished = o.finished or u.finished
+        o.prompt_tokens = u.prompt_tokens or o.prompt_tokens
+        o.num_cached_prompt_tokens = u.num_cached_prompt_tokens or o.num_cached_prompt_tokens
+        o.error = u.error or o.error
+        for su in u.seqs:
+            at = next((i for i, x in enumerate(o.seqs) if x.index == su.index), None)
+            if at is None:
+                o.seqs.append(su)
+                continue
+            prev = o.seqs[at]
+            # New lists: a streamed delta keeps its update's token list.
+            o.seqs[at] = SeqUpdate(su.index, prev.new_token_ids + su.new_token_ids,
+                                   (prev.logprobs or []) + su.logprobs if su.logprobs else prev.logprobs,
+                                   su.finish_reason or prev.finish_reason)
+    return older

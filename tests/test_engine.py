@@ -283,3 +283,69 @@ def test_a_slow_executor_does_not_stall_the_others(tokenizer):
             await slow
 
     _run(main())
+
+
+def test_a_fan_out_that_falls_behind_merges_steps_without_changing_a_token(tokenizer, monkeypatch):
+    """A CPU-starved process (the next result always waiting, chunks of 2): streams get several
+    steps' tokens per message, with the same tokens, text, logprobs and usage as one by one."""
+    import scheduler_svc.publish as publish
+
+    reqs = [_req(f"g{i}", list(range(3, 20 + i)), 12) for i in range(5)]
+    reqs += [GenerationRequest(f"n{i}", list(range(5, 25)), RequestParams(
+        max_tokens=9, n=2, ignore_eos=True, sampling=SamplingParams(
+            temperature=0.8, seed=7 + i, want_logprobs=True, logprobs=2))) for i in range(3)]
+
+    async def collect_all(lagging: bool):
+        if lagging:
+            monkeypatch.setattr(publish, "CHUNK", 2)
+        async with running(tokenizer, 1, async_scheduling=True) as (engine, execs):
+            if lagging:
+                monkeypatch.setattr(engine.hub, "result_ready", lambda conn: True)
+            per_message, outs = [], []
+            for r in reqs:
+                r.request_id += "-lag" if lagging else ""
+
+            async def one(req):
+                text, toks, lps, usage = {}, {}, {}, None
+                async for out in engine.generate(req):
+                    for c in out.choices:
+                        per_message.append(len(c.token_ids))
+                        text[c.index] = text.get(c.index, "") + c.text
+                        toks.setdefault(c.index, []).extend(c.token_ids)
+                        lps.setdefault(c.index, []).extend((lp.token_id, lp.logprob) for lp in c.logprobs)
+                    usage = out.usage or usage
+                return text, toks, lps, usage.completion_tokens
+
+            outs = await asyncio.gather(*(one(r) for r in reqs))
+            await _settle(engine)
+            return outs, max(per_message)
+
+    plain, most_plain = _run(collect_all(False))
+    lagged, most_lagged = _run(collect_all(True))
+    assert lagged == plain
+    assert most_plain == 1 and most_lagged > 1  # merged only when the fan-out fell behind
+
+
+def test_merged_updates_keep_every_token_in_order():
+    from scheduler_svc.api_types import TokenLogprob
+    from scheduler_svc.publish import merge_updates
+    from scheduler_svc.request import RequestUpdate, SeqUpdate
+
+    def lp(t):
+        return TokenLogprob(t, -float(t))
+
+    older = [RequestUpdate("a", [SeqUpdate(0, [1], [lp(1)]), SeqUpdate(1, [2], [lp(2)])], prompt_tokens=4),
+             RequestUpdate("b", [SeqUpdate(0, [5])], num_cached_prompt_tokens=16)]
+    first_list = older[0].seqs[0].new_token_ids
+    newer = [RequestUpdate("b", [SeqUpdate(0, [6], None, FinishReason.LENGTH)], True, 4, 0),
+             RequestUpdate("a", [SeqUpdate(1, [3], [lp(3)], FinishReason.EOS), SeqUpdate(2, [9], [lp(9)])]),
+             RequestUpdate("c", [SeqUpdate(0, [7])])]
+    merged = merge_updates(older, newer)
+    assert [u.request_id for u in merged] == ["a", "b", "c"]
+    a, b, c = merged
+    assert [(s.index, s.new_token_ids, [x.token_id for x in s.logprobs], s.finish_reason) for s in a.seqs] == [
+        (0, [1], [1], None), (1, [2, 3], [2, 3], FinishReason.EOS), (2, [9], [9], None)]
+    assert (b.seqs[0].new_token_ids, b.seqs[0].finish_reason, b.finished, b.num_cached_prompt_tokens) == (
+        [5, 6], FinishReason.LENGTH, True, 16)
+    assert c is newer[2] and first_list == [1]  # lists a delta may hold are never extended in place
+    assert merge_updates([], newer) is newer
