@@ -62,9 +62,10 @@ class Stack:
     @classmethod
     @contextlib.contextmanager
     def running(cls, model: Path, logdir: Path, scheduler_args: list[str] | None = None,
-                executors: tuple[str, ...] = ("ex0",)) -> Iterator[Stack]:
-        """A ready stack (scheduler + ``executors``), stopped on exit: a module fixture's body."""
-        s = cls(model, logdir, scheduler_args)
+                executors: tuple[str, ...] = ("ex0",), **options) -> Iterator[Stack]:
+        """A ready stack (scheduler + ``executors``), stopped on exit: a module fixture's body.
+        ``options``: the constructor's (``secure``, ``api_key``, ``tls_ca``, ``tls_client``)."""
+        s = cls(model, logdir, scheduler_args, **options)
         try:
             s.start_scheduler()
             for name in executors:

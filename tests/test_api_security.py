@@ -52,16 +52,10 @@ def tls_stack(tiny_llama_dir, tmp_path_factory, pki):
     logdir = tmp_path_factory.mktemp("tls")
     keys = logdir / "api-keys"
     keys.write_text(f"# keys of the tests\n{KEY}\n\nanother-key-0123456789\n")
-    s = Stack(tiny_llama_dir, logdir, api_key=KEY, tls_ca=pki["ca"], scheduler_args=[
-        "--api-key-file", str(keys), "--tls-cert-file", str(pki["server_cert"]),
-        "--tls-key-file", str(pki["server_key"])])
-    try:
-        s.start_scheduler()
-        s.start_executor("ex0")
-        s.wait_health()
+    with Stack.running(tiny_llama_dir, logdir, api_key=KEY, tls_ca=pki["ca"], scheduler_args=[
+            "--api-key-file", str(keys), "--tls-cert-file", str(pki["server_cert"]),
+            "--tls-key-file", str(pki["server_key"])]) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_calls_need_an_api_key_and_health_does_not(tls_stack):
@@ -117,14 +111,8 @@ def test_mutual_tls_requires_a_client_certificate(tiny_llama_dir, tmp_path, pki)
 
 @pytest.fixture(scope="module")
 def plain(tiny_llama_dir, tmp_path_factory):
-    s = Stack(tiny_llama_dir, tmp_path_factory.mktemp("plain"))
-    try:
-        s.start_scheduler()
-        s.start_executor("ex0")
-        s.wait_health()
+    with Stack.running(tiny_llama_dir, tmp_path_factory.mktemp("plain")) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.mark.parametrize("payload", [b"\xff\xff\xff", b"\x0a\x05abc", b"\x12\x80\x80\x80\x80\x10"])

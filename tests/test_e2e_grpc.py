@@ -19,14 +19,8 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama_dir, tmp_path_factory):
-    s = Stack(tiny_llama_dir, tmp_path_factory.mktemp("e2e"))
-    try:
-        s.start_scheduler()
-        s.start_executor("ex0")
-        s.wait_health()
+    with Stack.running(tiny_llama_dir, tmp_path_factory.mktemp("e2e")) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _greedy(max_tokens: int, **kw) -> pb.SamplingParams:

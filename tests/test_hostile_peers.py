@@ -70,14 +70,8 @@ def _received(sock: zmq.Socket, within_s: float) -> list[bytes]:
 @pytest.fixture(scope="module")
 def secure(tiny_llama_dir, tmp_path_factory):
     """A stack whose executor link runs CurveZMQ, with one real executor."""
-    s = Stack(tiny_llama_dir, tmp_path_factory.mktemp("secure"), scheduler_args=["--step-timeout", "3"])
-    try:
-        s.start_scheduler()
-        s.start_executor("ex0")
-        s.wait_health()
+    with Stack.running(tiny_llama_dir, tmp_path_factory.mktemp("secure"), scheduler_args=["--step-timeout", "3"]) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_a_peer_without_the_secret_never_completes_the_transport_handshake(secure, tmp_path):
@@ -201,14 +195,8 @@ def test_a_peer_that_swallows_plans_while_heartbeating_loses_its_requests_to_oth
 @pytest.fixture(scope="module")
 def loopback(tiny_llama_dir, tmp_path_factory):
     """A stack without a cluster secret: its executor port is on loopback only, and unauthenticated."""
-    s = Stack(tiny_llama_dir, tmp_path_factory.mktemp("loopback"), secure=False)
-    try:
-        s.start_scheduler()
-        s.start_executor("ex0")
-        s.wait_health()
+    with Stack.running(tiny_llama_dir, tmp_path_factory.mktemp("loopback"), secure=False) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_frame_bombs_and_floods_neither_stall_the_loop_nor_flood_the_log(loopback):
