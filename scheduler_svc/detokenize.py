@@ -118,6 +118,11 @@ class IncrementalDetokenizer:
     def finished(self) -> bool:
         return self._finished
 
+    @property
+    def has_stops(self) -> bool:
+        """Whether a stop string can end the sequence (then text is checked token by token)."""
+        return self._has_stops
+
     def step(self, token_id: int) -> str:
         """Feed one generated token; return the text that may be streamed now.
 

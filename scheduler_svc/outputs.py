@@ -118,6 +118,11 @@ class RequestStream:
             text = detok.step(ids[0])
             out.append(ids[0])
             delta = ChoiceDelta(su.index, text, ids)  # the update's list: not reused by the scheduler
+        elif not su.logprobs and not detok.has_stops:  # several steps merged: no stop can cut them
+            step = detok.step
+            text = "".join([step(tok) for tok in ids])
+            out.extend(ids)
+            delta = ChoiceDelta(su.index, text, list(ids))
         else:
             delta = ChoiceDelta(su.index)
             logprobs = su.logprobs or []

@@ -131,14 +131,17 @@ def merge_updates(older: list[RequestUpdate], newer: list[RequestUpdate]) -> lis
         o.prompt_tokens = u.prompt_tokens or o.prompt_tokens
         o.num_cached_prompt_tokens = u.num_cached_prompt_tokens or o.num_cached_prompt_tokens
         o.error = u.error or o.error
-        for su in u.seqs:
-            at = next((i for i, x in enumerate(o.seqs) if x.index == su.index), None)
-            if at is None:
-                o.seqs.append(su)
+        seqs = o.seqs
+        for su in u.seqs:  # (this runs when the process is short of CPU: no generators here)
+            for at in range(len(seqs)):
+                if seqs[at].index == su.index:
+                    break
+            else:
+                seqs.append(su)
                 continue
-            prev = o.seqs[at]
+            prev = seqs[at]
             # New lists: a streamed delta keeps its update's token list.
-            o.seqs[at] = SeqUpdate(su.index, prev.new_token_ids + su.new_token_ids,
-                                   (prev.logprobs or []) + su.logprobs if su.logprobs else prev.logprobs,
-                                   su.finish_reason or prev.finish_reason)
+            seqs[at] = SeqUpdate(su.index, prev.new_token_ids + su.new_token_ids,
+                                 (prev.logprobs or []) + su.logprobs if su.logprobs else prev.logprobs,
+                                 su.finish_reason or prev.finish_reason)
     return older
