@@ -307,7 +307,7 @@ class Engine:
             slot.requests = {}
             self.hub.drop(slot.conn, "engine loop failed")
         finally:
-            if slot.unpublished:  # applied by the scheduler: the streams must have them before a move
+            if slot.unpublished:  # (at shutdown too, where nothing moves)
                 updates, slot.unpublished = slot.unpublished, []
                 pub.publish_now(slot, updates)
             if slot.conn.state == "dead" or not self._closing:
@@ -358,6 +358,9 @@ class Engine:
 
     def _evacuate(self, slot: ExecutorSlot, why: str) -> None:
         """Move every request of ``slot`` elsewhere (executor dead or drain over)."""
+        if slot.unpublished:  # applied by its scheduler: the streams must have them before the move
+            updates, slot.unpublished = slot.unpublished, []
+            self.publisher.publish_now(slot, updates)
         moving = slot.take_adds() + [slot.requests[m.request.request_id]
                                      for m in self._take(slot) if m.request.request_id in slot.requests]
         slot.requests = {}

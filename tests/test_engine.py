@@ -50,10 +50,11 @@ class FakeRunner:
 
 
 class FakeExecutorThread:
-    def __init__(self, endpoint: str, name: str, vocab: int, step_s: float = 0.0) -> None:
+    def __init__(self, endpoint: str, name: str, vocab: int, step_s: float = 0.0,
+                 drain_timeout: float = 5.0) -> None:
         hs = wire.Handshake(name, wire.WIRE_VERSION, "fake", "fake-model", "FakeForCausalLM", vocab, 16,
                             BLOCKS, 16, 1024, "float32", "cpu")
-        self.worker = ExecutorWorker(endpoint, FakeRunner(vocab, step_s), hs, drain_timeout=5.0)
+        self.worker = ExecutorWorker(endpoint, FakeRunner(vocab, step_s), hs, drain_timeout=drain_timeout)
         self.thread = threading.Thread(target=self.worker.run, daemon=True)
         self.thread.start()
 
@@ -91,9 +92,10 @@ async def running(tokenizer, n_executors: int, metrics=None, **cfg_kw):
             e.kill()
 
 
-def engine_executor(engine: Engine, name: str, step_s: float = 0.0) -> FakeExecutorThread:
+def engine_executor(engine: Engine, name: str, step_s: float = 0.0, drain_timeout: float = 5.0
+                    ) -> FakeExecutorThread:
     return FakeExecutorThread(f"tcp://127.0.0.1:{engine.hub.bound_port}", name,
-                              engine.tokenizer.get_vocab_size(), step_s)
+                              engine.tokenizer.get_vocab_size(), step_s, drain_timeout)
 
 
 async def _collect(engine: Engine, req: GenerationRequest):
@@ -191,6 +193,33 @@ def test_dead_executor_requests_continue_elsewhere_without_gap_or_repeat(tokeniz
             assert [o[0] for o in outs] == [r[0] for r in reference]
             assert [o[1] for o in outs] == [r[1] for r in reference]
             assert engine.stats().num_migrations > 0
+            await _settle(engine)
+
+    _run(main())
+
+
+def test_a_drain_that_runs_out_of_time_moves_requests_without_a_gap(tokenizer):
+    """At the end of a drain's grace period the requests move while a step's tokens are applied
+    but not yet streamed: the stream must get them before the move, or it skips them."""
+    async def main():
+        async with running(tokenizer, 0) as (engine, execs):
+            execs.append(engine_executor(engine, "draining", step_s=0.005, drain_timeout=1.0))
+            while len(engine.slots) < 1:
+                await asyncio.sleep(0.01)
+            reqs = [_req(f"d{i}", [9 + i] + list(range(3, 20)), 250) for i in range(4)]
+            reference = await asyncio.gather(*(_collect(engine, r) for r in reqs))
+            for r in reqs:
+                r.request_id += "-again"
+            tasks = [asyncio.create_task(_collect(engine, r)) for r in reqs]
+            await asyncio.sleep(0)  # all admitted (to the only executor) before the survivor joins
+            execs.append(engine_executor(engine, "survivor"))
+            while len(engine.slots) < 2 or engine.slots["draining"].scheduler.num_running < len(reqs):
+                await asyncio.sleep(0.005)
+            execs[0].worker.request_drain()  # grace 1 s: the requests move after ~0.6 s
+            outs = await asyncio.gather(*tasks)
+            assert engine.stats().num_migrations == len(reqs)
+            assert [o[0] for o in outs] == [r[0] for r in reference]
+            assert [o[1] for o in outs] == [r[1] for r in reference]
             await _settle(engine)
 
     _run(main())
