@@ -118,7 +118,7 @@ class RequestLifecycle:
         if width > min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
             return (f"n/beam_width {width} exceeds max_num_seqs {cfg.max_num_seqs} "
                     f"or max_num_batched_tokens {cfg.max_num_batched_tokens}")
-        need = request_blocks(req, cfg.max_model_len, cfg.block_size)
+        need = request_blocks(n, req.params.max_tokens, width, cfg.max_model_len, cfg.block_size)
         if need > self.usable_blocks:
             return f"request needs up to {need} KV blocks; this pool has {self.usable_blocks} usable"
         return None
@@ -291,10 +291,10 @@ class RequestLifecycle:
                                    f"owe it {owed.get(s.seq_id, 0)} samples")
 
 
-def request_blocks(req: GenerationRequest, max_model_len: int, block_size: int) -> int:
-    """KV blocks a request may hold at once at its longest: every choice or beam at full length."""
-    longest = min(len(req.prompt_token_ids) + req.params.max_tokens, max_model_len)
-    return max(req.params.n, req.params.beam_width) * -(-longest // block_size)
+def request_blocks(prompt_len: int, max_tokens: int, width: int, max_model_len: int, block_size: int) -> int:
+    """KV blocks a request may hold at once at its longest: ``width`` choices or beams at full length."""
+    longest = min(prompt_len + max_tokens, max_model_len)
+    return width * -(-longest // block_size)
 
 
 def seeded(sp: SamplingParams, i: int) -> SamplingParams:

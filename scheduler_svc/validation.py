@@ -23,6 +23,7 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.wire import GREEDY_TEMPERATURE_EPS, MAX_SEED, SamplingParams
 from pagedserve.wire.protocol import MAX_INT32
 from scheduler_svc.api_types import GenerationRequest, ModelInfo, RequestParams
+from scheduler_svc.lifecycle import request_blocks
 
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI presence / frequency penalties
 # Beam scores divide by length ** length_penalty: within this bound that stays a finite float for
@@ -247,7 +248,7 @@ def _check_blocks(prompt_len: int, max_tokens: int, n: int, beam_width: int, mod
         return
     width = max(n, beam_width)
     longest = min(prompt_len + max_tokens, model.max_model_len)
-    need = width * -(-longest // model.block_size)
+    need = request_blocks(prompt_len, max_tokens, width, model.max_model_len, model.block_size)
     if need > model.max_request_blocks:
         field = "sampling.n" if n > 1 else "sampling.beam_width" if beam_width > 1 else "sampling.max_tokens"
         raise ValidationError(
