@@ -62,9 +62,6 @@ class BatchHistogram(Collector):
                 counts[i] += 1
             self._sum += total
 
-    def observe(self, value: float) -> None:
-        self.observe_many([value])
-
     def collect(self):
         with self._lock:
             counts, total = list(self._counts), self._sum
@@ -156,16 +153,9 @@ class Metrics:
     def on_prompt_tokens(self, n: int) -> None:
         self.prompt_tokens.inc(n)
 
-    def on_generation_tokens(self, n: int) -> None:
-        self.generation_tokens.inc(n)
-
     def on_first_token(self, seconds: float) -> None:
         """Arrival to the first generated token of a request."""
         self.ttft.observe(seconds)
-
-    def on_token(self, seconds: float) -> None:
-        """Time since the previous token of the same sequence."""
-        self.itl.observe(seconds)
 
     def on_step_tokens(self, num_tokens: int, inter_token_seconds: list[float]) -> None:
         """A step's worth of streamed tokens, and the inter-token latency of each that had a predecessor."""

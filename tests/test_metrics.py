@@ -78,10 +78,8 @@ def test_zero_sized_pools_report_zero_usage():
 def test_request_events():
     m = Metrics()
     m.on_prompt_tokens(12)
-    m.on_generation_tokens(3)
     m.on_first_token(0.05)
-    m.on_token(0.02)
-    m.on_token(0.03)
+    m.on_step_tokens(3, [0.02, 0.03])
     m.on_scheduled(0.01)
     m.on_finish(FinishReason.EOS, 2.0, 12, 3)
     m.on_finish(FinishReason.LENGTH, 3.0, 12, 3)
@@ -98,7 +96,7 @@ def test_request_events():
 
 def test_metrics_served_over_http():
     m = Metrics()
-    m.on_generation_tokens(5)
+    m.on_step_tokens(5, [])
     srv = start_metrics_server(0, m.registry, host="127.0.0.1")
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=5) as resp:
@@ -111,7 +109,7 @@ def test_metrics_served_over_http():
 def test_a_step_of_tokens_is_observed_at_once_in_the_histogram_format():
     m = Metrics()
     m.on_step_tokens(4, [0.01, 0.01, 0.3, 100.0])
-    m.on_token(0.025)
+    m.on_step_tokens(0, [0.025])
     assert value(m, "pagedserve:generation_tokens_total") == 4
     assert value(m, "pagedserve:inter_token_latency_seconds_count") == 5
     assert value(m, "pagedserve:inter_token_latency_seconds_sum") == pytest.approx(100.345)
