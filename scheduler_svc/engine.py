@@ -265,6 +265,10 @@ class Engine:
         streamed. Synchronous (``depth`` 1): plan, wait, update, stream, plan again."""
         sched, conn, pub = slot.scheduler, slot.conn, self.publisher
         depth = 2 if self.cfg.async_scheduling else 1
+
+        def result_waiting() -> bool:  # the fan-out gives way to it
+            return self.hub.result_ready(conn)
+
         try:
             while conn.state != "dead":
                 self._drain_inbox(slot)
@@ -280,7 +284,7 @@ class Engine:
                     pub.publish_now(slot, failed)
                 if slot.unpublished:
                     updates, slot.unpublished = slot.unpublished, []
-                    slot.unpublished = await pub.publish(slot, updates, lambda: self.hub.result_ready(conn))
+                    slot.unpublished = await pub.publish(slot, updates, result_waiting)
                 if not sched.in_flight:
                     await self._idle(slot)
                     continue
@@ -307,9 +311,7 @@ class Engine:
             slot.requests = {}
             self.hub.drop(slot.conn, "engine loop failed")
         finally:
-            if slot.unpublished:  # (at shutdown too, where nothing moves)
-                updates, slot.unpublished = slot.unpublished, []
-                pub.publish_now(slot, updates)
+            self._flush(slot)  # (at shutdown too, where nothing moves)
             if slot.conn.state == "dead" or not self._closing:
                 self._evacuate(slot, "executor lost")
                 self._retire(slot)
@@ -356,11 +358,16 @@ class Engine:
         t.stream.abort()
         t.put(exc)
 
-    def _evacuate(self, slot: ExecutorSlot, why: str) -> None:
-        """Move every request of ``slot`` elsewhere (executor dead or drain over)."""
-        if slot.unpublished:  # applied by its scheduler: the streams must have them before the move
+    def _flush(self, slot: ExecutorSlot) -> None:
+        """Stream what ``slot``'s scheduler applied and did not stream yet: before its requests
+        move (the new executor resumes after those tokens) or the loop ends."""
+        if slot.unpublished:
             updates, slot.unpublished = slot.unpublished, []
             self.publisher.publish_now(slot, updates)
+
+    def _evacuate(self, slot: ExecutorSlot, why: str) -> None:
+        """Move every request of ``slot`` elsewhere (executor dead or drain over)."""
+        self._flush(slot)
         moving = slot.take_adds() + [slot.requests[m.request.request_id]
                                      for m in self._take(slot) if m.request.request_id in slot.requests]
         slot.requests = {}

@@ -51,7 +51,7 @@ class Publisher:
         return rest
 
     async def publish(self, slot: ExecutorSlot, updates: list[RequestUpdate],
-                      yield_to: Callable[[], bool] = lambda: False) -> list[RequestUpdate]:
+                      yield_to: Callable[[], bool]) -> list[RequestUpdate]:
         """Stream ``updates`` in chunks; stop once ``yield_to()`` (checked between chunks, after
         at least one, so every request is streamed within a few steps) and return the rest."""
         for i in range(0, len(updates), CHUNK):
