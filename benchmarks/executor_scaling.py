@@ -22,93 +22,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import time
 from pathlib import Path
 
-from benchmarks.sim_executor import CostModel, SimExecutor
-from pagedserve import wire
-from pagedserve.wire import SamplingParams
-from scheduler_svc.api_types import GenerationRequest, RequestParams
-from scheduler_svc.engine import Engine, EngineConfig, tune_gc
+from benchmarks.engine_harness import consume, distinct_requests, engine_with_executors, small_tokenizer
+from scheduler_svc.engine import EngineConfig, tune_gc
 from scheduler_svc.sched_config import SchedulerConfig
-
-SIM_BLOCKS = 8192  # per executor: room for 256 sequences of 2k tokens, so no preemption
-
-
-class SleepingRunner:
-    """The worker's runner interface over SimExecutor, taking the modelled time for real."""
-
-    def __init__(self, vocab: int, eos: int | None) -> None:
-        self.vocab, self.eos = vocab, eos
-        self.reset()
-
-    def reset(self) -> None:
-        self.sim = SimExecutor(CostModel(), eos_token_id=self.eos, vocab_size=self.vocab)
-
-    def execute(self, plan: wire.BatchPlan) -> wire.StepResult:
-        t0 = time.perf_counter()
-        result = self.sim.execute(plan)
-        time.sleep(max(0.0, result.model_seconds - (time.perf_counter() - t0)))
-        return result
-
-
-def _executor_process(endpoint: str, name: str, vocab: int, eos: int | None) -> None:
-    from executor_svc.worker import ExecutorWorker
-
-    hs = wire.Handshake(executor_id=name, wire_version=wire.WIRE_VERSION, model_fingerprint="sim-opt13b",
-                        model_name="sim-opt-13b", architecture="SimExecutor", vocab_size=vocab,
-                        block_size=16, num_device_blocks=SIM_BLOCKS, num_cpu_blocks=0,
-                        max_model_len=4096, dtype="float16", device="sim")
-    ExecutorWorker(endpoint, SleepingRunner(vocab, eos), hs, drain_timeout=1.0).run()
-
-
-def _tokenizer():
-    from executor_svc.tiny_model import EOS_TOKEN, SIZES, train_tokenizer
-
-    tok = train_tokenizer(SIZES["small"]["vocab"])
-    return tok, tok.token_to_id(EOS_TOKEN)
-
-
-async def _consume(engine: Engine, req: GenerationRequest) -> int:
-    n = 0
-    async for out in engine.generate(req):
-        n += sum(len(c.token_ids) for c in out.choices)
-    return n
 
 
 async def run_once(num_executors: int, seqs_per_executor: int, prompt_len: int, output_len: int,
                    tok, eos: int | None) -> dict:
     cfg = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192),
                        executor_endpoint="tcp://127.0.0.1:0", max_queued_requests=10**6)
-    engine = Engine(cfg, tok, () if eos is None else (eos,))
-    await engine.start()
-    endpoint = f"tcp://127.0.0.1:{engine.hub.bound_port}"
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_executor_process, args=(endpoint, f"sim{i}", tok.get_vocab_size(), eos),
-                         daemon=True) for i in range(num_executors)]
-    for p in procs:
-        p.start()
-    try:
-        while sum(1 for s in engine.slots.values() if s.conn.state == "ready") < num_executors:
-            await asyncio.sleep(0.05)
-        vocab = tok.get_vocab_size()
-        # Distinct first two tokens per request: no accidental prefix sharing steers routing.
-        reqs = [GenerationRequest(f"r{i}", [5 + i % 400, 5 + i // 400] +
-                                  [(i * 31 + j) % (vocab - 10) + 5 for j in range(prompt_len - 2)],
-                                  RequestParams(max_tokens=output_len, sampling=SamplingParams(temperature=0.0),
-                                                ignore_eos=True))
-                for i in range(num_executors * seqs_per_executor)]
+    async with engine_with_executors(cfg, tok, eos, num_executors) as engine:
+        reqs = distinct_requests(num_executors * seqs_per_executor, tok.get_vocab_size(), prompt_len, output_len)
         steps0 = engine.num_steps
         cpu0, t0 = time.process_time(), time.perf_counter()
-        tokens = sum(await asyncio.gather(*(_consume(engine, r) for r in reqs)))
+        tokens = sum(await asyncio.gather(*(consume(engine, r) for r in reqs)))
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         steps = engine.num_steps - steps0
-    finally:
-        await engine.shutdown(0.0)
-        for p in procs:
-            p.terminate()
-            p.join(5)
     assert tokens == len(reqs) * output_len, "every request must produce all its tokens"
     return {"executors": num_executors, "requests": len(reqs), "output_tokens": tokens,
             "seconds": wall, "tokens_per_s": tokens / wall, "scheduler_cpu_s": cpu, "steps": steps,
@@ -125,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     prompt_len, output_len = 64, 64 if a.quick else 128
     repeats = 1 if a.quick else a.repeats
-    tok, eos = _tokenizer()
+    tok, eos = small_tokenizer()
     tune_gc()  # as the scheduler service does
     rows = []
     for n in (int(x) for x in a.executors.split(",")):

@@ -35,11 +35,8 @@ import time
 
 import uvloop
 
-from benchmarks.sim_executor import CostModel, SimExecutor
-from pagedserve import wire
-from pagedserve.wire import SamplingParams
-from scheduler_svc.api_types import GenerationRequest, RequestParams
-from scheduler_svc.engine import Engine, tune_gc
+from benchmarks.engine_harness import consume, distinct_requests, engine_with_executors, small_tokenizer
+from scheduler_svc.engine import tune_gc
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.sched_config import EngineConfig, SchedulerConfig
 
@@ -47,96 +44,19 @@ SEQS, PROMPT = 256, 64
 CONFIGS = (("5ms_256", 1, 0.005), ("10ms_4x256", 4, 0.010), ("20ms_8x256", 8, 0.020))
 
 
-class ConstantStepRunner:
-    """The worker's runner: apply the plan like an executor, then take ``step_s`` in all.
-
-    ``stats`` (shared with the benchmark process): [busy seconds, first start, last end, steps].
-    """
-
-    def __init__(self, vocab: int, eos: int | None, step_s: float, stats) -> None:
-        self.vocab, self.eos, self.step_s, self.stats = vocab, eos, step_s, stats
-        self.reset()
-
-    def reset(self) -> None:
-        self.sim = SimExecutor(CostModel(), eos_token_id=self.eos, vocab_size=self.vocab)
-
-    def execute(self, plan: wire.BatchPlan) -> wire.StepResult:
-        start = time.perf_counter()
-        result = self.sim.execute(plan)
-        time.sleep(max(0.0, self.step_s - (time.perf_counter() - start)))
-        end = time.perf_counter()
-        st = self.stats
-        with st.get_lock():
-            st[0] += end - start
-            st[1] = start if st[3] == 0 else st[1]
-            st[2] = end
-            st[3] += 1
-        return result
-
-
-def _executor_process(endpoint: str, name: str, vocab: int, eos: int | None, step_s: float, stats) -> None:
-    from executor_svc.worker import ExecutorWorker
-
-    hs = wire.Handshake(executor_id=name, wire_version=wire.WIRE_VERSION, model_fingerprint="sim",
-                        model_name="sim", architecture="ConstantStep", vocab_size=vocab, block_size=16,
-                        num_device_blocks=8192, num_cpu_blocks=0, max_model_len=4096, dtype="float16",
-                        device="sim")
-    ExecutorWorker(endpoint, ConstantStepRunner(vocab, eos, step_s, stats), hs, drain_timeout=1.0).run()
-
-
-def _tokenizer():
-    from executor_svc.tiny_model import EOS_TOKEN, SIZES, train_tokenizer
-
-    tok = train_tokenizer(SIZES["small"]["vocab"])
-    return tok, tok.token_to_id(EOS_TOKEN)
-
-
-def _requests(tag: str, count: int, vocab: int, output_len: int) -> list[GenerationRequest]:
-    # Distinct first tokens: no accidental prefix sharing steers the routing.
-    return [GenerationRequest(f"{tag}-{i}", [5 + i % 400, 5 + i // 400] +
-                              [(i * 31 + j) % (vocab - 10) + 5 for j in range(PROMPT - 2)],
-                              RequestParams(max_tokens=output_len, sampling=SamplingParams(temperature=0.0),
-                                            ignore_eos=True))
-            for i in range(count)]
-
-
-async def _consume(engine: Engine, req: GenerationRequest) -> int:
-    n = 0
-    async for out in engine.generate(req):
-        for c in out.choices:
-            n += len(c.token_ids)
-    return n
-
-
 async def run_once(n_exec: int, step_s: float, async_scheduling: bool, output_len: int, tok, eos) -> dict:
     cfg = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=SEQS, max_num_batched_tokens=8192),
                        executor_endpoint="tcp://127.0.0.1:0", max_queued_requests=10**6,
                        async_scheduling=async_scheduling)
-    engine = Engine(cfg, tok, () if eos is None else (eos,), Metrics())
-    await engine.start()
-    ctx = mp.get_context("spawn")
-    stats = [ctx.Array("d", 4) for _ in range(n_exec)]
-    endpoint = f"tcp://127.0.0.1:{engine.hub.bound_port}"
-    procs = [ctx.Process(target=_executor_process, daemon=True,
-                         args=(endpoint, f"sim{i}", tok.get_vocab_size(), eos, step_s, stats[i]))
-             for i in range(n_exec)]
-    for p in procs:
-        p.start()
-    try:
-        while sum(s.conn.state == "ready" for s in engine.slots.values()) < n_exec:
-            await asyncio.sleep(0.05)
-        reqs = _requests("r", n_exec * SEQS, tok.get_vocab_size(), output_len)
+    stats = [mp.get_context("spawn").Array("d", 4) for _ in range(n_exec)]
+    async with engine_with_executors(cfg, tok, eos, n_exec, Metrics(), step_s, stats) as engine:
+        reqs = distinct_requests(n_exec * SEQS, tok.get_vocab_size(), PROMPT, output_len)
         for st in stats:
             with st.get_lock():
                 st[:] = [0.0, 0.0, 0.0, 0.0]
         steps0, cpu0, t0 = engine.num_steps, time.process_time(), time.perf_counter()
-        tokens = sum(await asyncio.gather(*(_consume(engine, r) for r in reqs)))
+        tokens = sum(await asyncio.gather(*(consume(engine, r) for r in reqs)))
         wall, cpu, steps = time.perf_counter() - t0, time.process_time() - cpu0, engine.num_steps - steps0
-    finally:
-        await engine.shutdown(0.0)
-        for p in procs:
-            p.terminate()
-            p.join(5)
     if tokens != len(reqs) * output_len:
         raise RuntimeError(f"{tokens} tokens streamed, expected {len(reqs) * output_len}")
     busy = [st[0] / (st[2] - st[1]) for st in stats if st[3] > 1]
@@ -151,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", help="run one configuration, e.g. 5ms_256")
     a = ap.parse_args(argv)
     output_len, repeats = (64, 1) if a.quick else (128, a.repeats)
-    tok, eos = _tokenizer()
+    tok, eos = small_tokenizer()
     tune_gc()  # as the scheduler service does
     rows, summary = [], {}
     print(f"{'config':<12} {'loop':<6} {'executor busy':>13} {'sched CPU ms/step':>18} {'gap ms/step':>12} "
