@@ -46,8 +46,14 @@ async def validate_off_loop(size: int, fn: Callable[..., T], *args) -> T:
     loop = asyncio.get_running_loop()
     slots = _slots.setdefault(loop, asyncio.Semaphore(CONCURRENT))
     async with slots:
-        try:
-            return await asyncio.to_thread(fn, *args)
-        finally:
-            if _trim is not None:
-                _trim(0)  # return the encoding's freed pages to the OS
+        return await asyncio.to_thread(_then_trim, fn, *args)
+
+
+def _then_trim(fn: Callable[..., T], *args) -> T:
+    """``fn(*args)``, then the encoding's freed pages back to the OS: in the worker thread, since
+    walking the heap takes a while and the event loop must not wait for it."""
+    try:
+        return fn(*args)
+    finally:
+        if _trim is not None:
+            _trim(0)
