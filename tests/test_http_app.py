@@ -274,6 +274,22 @@ def test_rejections_are_counted_with_the_grpc_code_names(fake):
     assert fake.metrics.rejected.labels("INVALID_ARGUMENT")._value.get() == before + 1
 
 
+def test_a_client_gone_mid_upload_is_counted_cancelled_not_an_internal_error(fake, caplog):
+    import socket
+    import time
+
+    before = fake.metrics.rejected.labels("CANCELLED")._value.get()
+    with socket.create_connection(("127.0.0.1", fake.server.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": \"a")  # then hangs up, 988 bytes short
+    deadline = time.monotonic() + 5
+    while fake.metrics.rejected.labels("CANCELLED")._value.get() == before:
+        assert time.monotonic() < deadline, "the abandoned upload was never accounted for"
+        time.sleep(0.02)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert fake.client().completions.create(model=MODEL, prompt="a").choices[0].text == FULL
+
+
 def test_unavailable_before_an_executor_and_while_shutting_down(fake):
     fake.engine.info = None
     try:

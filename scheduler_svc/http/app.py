@@ -21,7 +21,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from tokenizers import Tokenizer
@@ -257,11 +257,15 @@ async def _read_body(request: Request, limit: int) -> bytes:
         raise ApiError(413, f"request body: at most {limit} bytes (Content-Length: {length[:20]})",
                        code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body: at most {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body: at most {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-upload: counted as cancelled, not an internal error
+        raise ApiError(499, "the client closed the connection while sending the request",
+                       code="client_closed_request") from None
     return b"".join(chunks)
 
 

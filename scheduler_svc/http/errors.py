@@ -4,6 +4,7 @@
     body over --http-max-body-bytes -> 413       unknown model -> 404 model_not_found
     QueueFull -> 429                             NoExecutor, no model yet, shutting down -> 503
     RequestFailed, anything unexpected -> 500 (this request only; logged)
+    client gone while sending or waiting -> 499 (nginx's "client closed request"; nobody reads it)
 
 The body is ``{"error": {"message", "type", "param", "code"}}``. Each status also has the gRPC
 code name the gRPC front would have used, so ``pagedserve:request_rejected_total{code}``
@@ -18,7 +19,7 @@ from typing import Any
 from scheduler_svc.validation import ValidationError
 
 GRPC_CODE_OF_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 405: "UNIMPLEMENTED", 413: "INVALID_ARGUMENT",
-                       429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
+                       429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL", 503: "UNAVAILABLE"}
 _TYPE_OF_STATUS = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
                    413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
                    503: "service_unavailable_error"}

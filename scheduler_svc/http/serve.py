@@ -35,7 +35,6 @@ class _EmbeddedServer(uvicorn.Server):
 class HttpServer:
     server: uvicorn.Server
     task: asyncio.Task
-    host: str
     port: int
 
     async def stop(self, grace: float) -> None:
@@ -87,4 +86,4 @@ async def start_http_server(app: ASGIApp, host: str, port: int, ssl: Mapping[str
             raise RuntimeError("the HTTP server stopped during startup")
         await asyncio.sleep(0.01)
     log.info("OpenAI-compatible HTTP API listening on %s:%d", host, bound)
-    return HttpServer(server, task, host, bound)
+    return HttpServer(server, task, bound)
