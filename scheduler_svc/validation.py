@@ -140,8 +140,8 @@ def validate_request(
     request_id = _request_id(f.request_id, limits)
     prompt_ids = _prompt_token_ids(f, model, tokenize)
     default = limits.default_max_tokens if default_max_tokens is None else default_max_tokens
-    max_tokens = _max_tokens(f.max_tokens, len(prompt_ids), model, default)
     n, beam_width = _n_and_beam_width(f, limits)
+    max_tokens = _max_tokens(f.max_tokens, len(prompt_ids), model, default, max(n, beam_width))
     _check_blocks(len(prompt_ids), max_tokens, n, beam_width, model)
     params = RequestParams(
         max_tokens=max_tokens,
@@ -216,10 +216,12 @@ def _check_vocab(field: str, ids: Sequence[int], vocab_size: int) -> None:
             raise ValidationError(f"{field}[{i}]", f"must be a token id in [0, vocab_size={vocab_size}) (got {tok})")
 
 
-def _max_tokens(max_tokens: int, prompt_len: int, model: ModelInfo, default: int) -> int:
+def _max_tokens(max_tokens: int, prompt_len: int, model: ModelInfo, default: int, width: int) -> int:
     room = model.max_model_len - prompt_len  # >= 1, checked with the prompt
-    if max_tokens == 0:
-        return min(default, room)
+    if max_tokens == 0:  # the default never asks for more than the roomiest pool holds at once
+        if model.max_request_blocks:
+            room = min(room, model.max_request_blocks // width * model.block_size - prompt_len)
+        return max(1, min(default, room))  # (below 1 the prompt alone does not fit: refused next)
     if max_tokens < 1:
         raise ValidationError("sampling.max_tokens", f"must be >= 1, or 0 for the default (got {max_tokens})")
     if max_tokens > room:

@@ -181,6 +181,10 @@ def test_a_request_that_can_never_fit_an_executor_pool_is_refused_at_the_edge():
         with pytest.raises(ValidationError) as e:
             check(**sampling)
         assert e.value.field == field and "the largest executor pool holds 100" in str(e.value)
+    # Without max_tokens the default (chat: the whole context) shrinks to what the pool holds.
+    chat_default = validate_request(RequestFields(prompt_token_ids=[5] * 10, n=4), info, LIMITS, lambda t: [],
+                                    default_max_tokens=4096)
+    assert chat_default.params.max_tokens == 100 // 4 * 16 - 10
 
 
 def test_proto_presence_becomes_none_and_set_zeros_stay():
