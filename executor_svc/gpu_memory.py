@@ -80,8 +80,8 @@ def make_profile_step(model, backend, num_tokens: int, block_size: int,
         positions = torch.arange(num_tokens, dtype=torch.int64, device=dev)
         with torch.inference_mode():
             hidden = model(ids, positions, caches, meta, backend)
-            rows = min(num_tokens, num_logits_rows)
-            model.compute_logits(hidden[-rows:])
+            if model.with_lm_head:  # (a tensor-parallel rank other than 0 has none: rank 0 samples)
+                model.compute_logits(hidden[-min(num_tokens, num_logits_rows):])
         del caches
 
     return step

@@ -214,6 +214,19 @@ def test_profile_step_runs_a_full_forward(tiny_llama_dir):
     assert calls and all(shape[0] == 37 for shape in calls)
 
 
+def test_profile_step_runs_on_a_tensor_parallel_rank_without_the_lm_head(tiny_llama_dir):
+    """Every rank of a CUDA group profiles its step; ranks above 0 hold no LM head (checked on CPU,
+    the shard alone: the sum over ranks does not change which layers run)."""
+    from executor_svc.attention import TorchAttentionBackend
+    from executor_svc.gpu_memory import make_profile_step
+    from executor_svc.model import load_model
+    from executor_svc.parallel.shard import TPShard
+
+    model = load_model(tiny_llama_dir, shard=TPShard(1, 2))
+    assert not model.with_lm_head
+    make_profile_step(model, TorchAttentionBackend(), num_tokens=37, block_size=16)()
+
+
 def test_compile_cache_groups_instantiations_and_never_recompiles(monkeypatch):
     """precompile/get_function against a stand-in for CuPy: one RawModule per chunk of
     instantiations of a source, every key resolvable afterwards, nothing compiled twice."""
