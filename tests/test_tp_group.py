@@ -227,6 +227,21 @@ def test_the_memory_benchmark_reports_halves_per_rank(tiny_checkpoint):
     assert rows[(2, 0)]["other_weight_bytes"] > rows[(2, 1)]["other_weight_bytes"]  # the LM head: rank 0 only
 
 
+
+def test_a_single_node_group_store_listens_on_loopback_only():
+    """The store is unauthenticated: reachable from another host, anyone could drain the group."""
+    store = make_store("127.0.0.1", 0, 2, serve=True, timeout_s=5)
+    listening = []
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.split(":")[1], 16) == store.port:  # 0A: LISTEN
+                listening.append(local.split(":")[0])
+    assert listening == ["0100007F"]  # 127.0.0.1, not 0.0.0.0
+    store.set("k", "v")
+    assert make_store("127.0.0.1", store.port, 2, serve=False, timeout_s=5).get("k") == b"v"
+
+
 def test_a_rank_that_never_joins_is_named_when_start_up_times_out():
     store = make_store("127.0.0.1", 0, 3, serve=True, timeout_s=5)
     group = TPGroup(0, 3, store, torch.device("cpu"), loopback=True)

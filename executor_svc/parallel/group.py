@@ -21,6 +21,7 @@ import datetime
 import json
 import logging
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +53,14 @@ def make_store(addr: str, port: int, size: int, *, serve: bool, timeout_s: float
     """Rank 0 serves the store (``serve``; ``port`` 0 picks a free one); clients connect, retrying
     for ``timeout_s``, which is also how long their store calls may wait."""
     timeout = datetime.timedelta(seconds=timeout_s)
+    if serve and addr in LOOPBACK_HOSTS:
+        # TCPStore itself listens on every interface whatever ``addr`` says, and the store is
+        # unauthenticated (anyone could write a drain or a heartbeat): a single-node group's store
+        # listens on a socket bound to loopback, handed over by its descriptor.
+        sock = socket.create_server(("::1" if addr == "::1" else "127.0.0.1", port), backlog=128)
+        port = sock.getsockname()[1]
+        return dist.TCPStore(addr, port, size, is_master=True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=sock.detach())
     if serve:
         return dist.TCPStore(addr, port, size, is_master=True, timeout=timeout, wait_for_workers=False)
     return dist.TCPStore(addr, port, size, is_master=False, timeout=timeout)
