@@ -178,14 +178,15 @@ class ModelRunner:
                      torch.from_numpy(np.concatenate(pos)).to(dev), meta, rows, sample_ids)
 
     def _report(self, seqs: list[SeqState], out: SampleOutput, result: StepResult) -> None:
+        for i, s in enumerate(seqs):  # every row checked before any is appended: all or nothing
+            if out.beam[i] is None and out.token_ids[i] is None:
+                raise RuntimeError(f"sampler returned no token for seq {s.seq_id}")
         for i, s in enumerate(seqs):
             beam = out.beam[i]
             if beam is not None:
                 result.beam_candidates.append(SeqLogprobs(s.seq_id, 0.0, beam.top_token_ids, beam.top_logprobs))
                 continue
             tok = out.token_ids[i]
-            if tok is None:
-                raise RuntimeError(f"sampler returned no token for seq {s.seq_id}")
             lp = out.logprobs[i]
             if lp is not None:
                 result.logprobs.append(SeqLogprobs(s.seq_id, lp.token_logprob, lp.top_token_ids, lp.top_logprobs))

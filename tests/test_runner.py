@@ -100,3 +100,16 @@ def test_logprobs_are_reported_per_sampled_sequence(runner):
     lp = res.logprobs[0]
     assert lp.top_token_ids[0] == res.sampled_token_ids[0] and lp.token_logprob == lp.top_logprobs[0]
     assert res.model_seconds > 0
+
+
+def test_a_step_whose_sampler_missed_a_row_appends_no_token_to_any_sequence():
+    """All or nothing: a tensor-parallel group's other ranks append nothing for a failed step, so
+    rank 0 must not keep the rows it reported before the bad one."""
+    from executor_svc.runner import ModelRunner, SeqState
+    from executor_svc.sampler import SampleOutput
+    from pagedserve.wire import SamplingParams, StepResult
+
+    seqs = [SeqState(1, [5, 6], 2, [], 2, SamplingParams()), SeqState(2, [7], 1, [], 1, SamplingParams())]
+    with pytest.raises(RuntimeError, match="no token for seq 2"):
+        ModelRunner._report(None, seqs, SampleOutput([9, None], [None, None], [None, None]), StepResult(1))
+    assert [s.token_ids for s in seqs] == [[5, 6], [7]]
