@@ -23,11 +23,12 @@ from __future__ import annotations
 import torch
 
 from executor_svc.parallel.group import TPGroup
+from pagedserve import wire
 
 PLAN, RESET, TICK, STOP, TOKENS = 1, 2, 3, 4, 5
 OK, FAILED = 0, 1
 TICK_S = 1.0
-MAX_PLAN_BYTES = 1 << 30  # a follower refuses a header announcing more (a corrupt channel)
+MAX_PLAN_BYTES = wire.MAX_FRAME_BYTES  # the plan came in one such frame: a header announcing more is corrupt
 
 
 class PlanChannel:
