@@ -100,7 +100,12 @@ class ExecutorHub:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises
         # No ROUTER_HANDOVER: a connected routing id cannot be taken over by another connection.
-        # A restarted executor gets its id back once the kernel closed the dead one's socket.
+        # A restarted executor gets its id back once the dead one's connection is closed: by the
+        # kernel when the process died, else (a crashed or cut-off node sends no FIN) by libzmq's
+        # own heartbeat after the same silence that declares an executor dead.
+        dead_after_ms = int(wire.DEAD_AFTER_INTERVALS * self.heartbeat_interval_s * 1000)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self.heartbeat_interval_s * 1000)))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, dead_after_ms)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_RESULT_FRAME_BYTES)  # libzmq drops peers sending more
         if self.keys is not None:
             make_server(sock, self.keys)

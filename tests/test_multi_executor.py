@@ -231,3 +231,30 @@ def test_shared_prefixes_land_where_they_are_cached(tiny_llama_dir, tmp_path):
         assert max_skew <= 8 + 16 * 0.5  # routing.SKEW_ABS / SKEW_REL bound
     finally:
         s.stop()
+
+
+def test_an_executor_whose_old_connection_hangs_gets_its_id_back(tiny_llama_dir, tmp_path):
+    """A frozen or cut-off node sends no FIN, so its connection stays open; the routing id is not
+    handed over to a newcomer. libzmq's heartbeat closes the silent connection, and the restarted
+    executor (same id, as a recreated pod keeps its name) registers again."""
+    s = Stack(tiny_llama_dir, tmp_path)
+    frozen = None
+    try:
+        s.start_scheduler()
+        frozen = s.start_executor("ex0")
+        s.wait_executors(1)
+        frozen.send_signal(signal.SIGSTOP)  # alive to the kernel, silent to everyone
+        deadline = time.monotonic() + 30
+        while [e.id for e in s.stats().executors]:
+            assert time.monotonic() < deadline, "the frozen executor was never declared dead"
+            time.sleep(0.1)
+        s.start_executor("ex0")  # its restart, under the same id
+        s.wait_executors(1, timeout_s=30)
+        req = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=pb.SamplingParams(
+            max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert sum(len(c.token_ids) for r in s.stub.Generate(req, timeout=60) for c in r.choices) == 4
+    finally:
+        if frozen is not None:
+            frozen.kill()
+            frozen.wait(10)
+        s.stop()
