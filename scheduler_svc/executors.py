@@ -36,7 +36,10 @@ from pagedserve.ratelog import RateLimitedLog
 from pagedserve.wire.keys import ZAP_DOMAIN, ClusterKeys, make_server
 
 log = logging.getLogger(__name__)
-peer_warning = RateLimitedLog(log)  # what peers send wrong: at most one line per 10 s
+# What peers send wrong, at most one line per 10 s each: a flood of junk from unregistered peers
+# must not hide a registered executor's protocol errors behind the same limit.
+peer_warning = RateLimitedLog(log)
+executor_warning = RateLimitedLog(log)
 STEP_TIMEOUT_PER_STEP = 20  # a step may take this many times the executor's recent average...
 _REGISTERED_KINDS = (wire.Heartbeat, wire.StepResult, wire.Drain, wire.Handshake)
 
@@ -183,7 +186,8 @@ class ExecutorHub:
                 else:  # not registered: a small handshake is all we read from it
                     msg = wire.decode(payload, accept=(wire.Handshake,), max_bytes=wire.MAX_HANDSHAKE_FRAME_BYTES)
             except wire.WireError as exc:
-                peer_warning("dropping a malformed frame from %r: %s", identity[:64], exc)
+                (peer_warning if conn is None else executor_warning)(
+                    "dropping a malformed frame from %r: %s", identity[:64], exc)
                 continue
             try:
                 await self._dispatch(identity, msg)
@@ -203,7 +207,7 @@ class ExecutorHub:
             waiting = next((f for step, f in conn.in_flight if not f.done()), None)
             expected = next((step for step, f in conn.in_flight if f is waiting), None)
             if waiting is None or msg.step_id != expected:
-                peer_warning("executor %s: unexpected result for step %d (expected %s)", conn.id, msg.step_id,
+                executor_warning("executor %s: unexpected result for step %d (expected %s)", conn.id, msg.step_id,
                              expected)
             else:
                 waiting.set_result(msg)
