@@ -26,7 +26,6 @@ from pagedserve.envargs import number, parse_bytes, parse_with_env
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 CPU_ATTENTION = ("auto", "fused", "torch")  # --cpu-attention; executor_svc/backends.py acts on it
 DEVICES = ("cpu", "cuda")
-MAX_TENSOR_PARALLEL_SIZE = 1024  # the handshake's bound (pagedserve/wire/messages.py)
 LEADER_PID_ENV = "PAGEDSERVE_TP_LEADER_PID"  # set by a local leader for the ranks it starts
 
 
@@ -102,7 +101,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "authenticated and encrypted (CurveZMQ)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.add_argument("--tensor-parallel-size", default=1,
-                   type=number(int, "--tensor-parallel-size", 1, low_inclusive=True, high=MAX_TENSOR_PARALLEL_SIZE),
+                   type=number(int, "--tensor-parallel-size", 1, low_inclusive=True, high=wire.MAX_TENSOR_PARALLEL_SIZE),
                    help="serve the model across N ranks as one executor (Megatron-style sharding; one "
                         "process per rank, GPUs 0..N-1 with --device cuda). Started alone, this process "
                         "starts the other ranks; with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and "

@@ -209,7 +209,7 @@ class Handshake(_Message):
     dtype: Name
     device: Name
     # Ranks serving this model as one executor (tensor parallelism); older executors omit it.
-    tensor_parallel_size: Annotated[int, Meta(ge=1, le=1024)] = 1
+    tensor_parallel_size: Annotated[int, Meta(ge=1, le=p.MAX_TENSOR_PARALLEL_SIZE)] = 1
 
 
 class HandshakeReply(_Message):

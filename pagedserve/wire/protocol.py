@@ -33,6 +33,7 @@ MAX_ID_CHARS = 256  # executor ids, model names, dtypes, devices
 MAX_TEXT_CHARS = 4096  # error and refusal messages
 MAX_INT32 = 2**31 - 1  # sequence, token and block ids: the executor indexes with int32
 MAX_SEED = 2**63 - 1  # executors seed int64 generators
+MAX_TENSOR_PARALLEL_SIZE = 1024  # ranks (GPUs) of one executor
 
 # ---- KV cache layout both sides must agree on ------------------------------------
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block (the paper's default)
