@@ -104,13 +104,12 @@ class _TimedAllReduce:
             return None
 
     def __init__(self, pg) -> None:
-        self.pg, self.seconds, self.calls = pg, 0.0, 0
+        self.pg, self.seconds = pg, 0.0
 
     def allreduce(self, tensors):
         start = time.perf_counter()
         self.pg.allreduce(tensors).wait()
         self.seconds += time.perf_counter() - start
-        self.calls += 1
         return self._Done()
 
 

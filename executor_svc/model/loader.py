@@ -40,7 +40,6 @@ class Target(NamedTuple):
 
 def _targets(cfg: ModelConfig, shard: TPShard = NO_SHARD) -> dict[str, Target]:
     """HF tensor name -> Target for every tensor this rank needs (all of them when not sharded)."""
-    local = shard.local_config(cfg) if shard.size > 1 else cfg
     hd = cfg.head_dim
     (q0, nq), (kv0, nkv), (i0, ni) = shard.q_heads(cfg), shard.kv_heads(cfg), shard.intermediate(cfg)
     q, kv, inter = nq * hd, nkv * hd, ni
@@ -58,7 +57,7 @@ def _targets(cfg: ModelConfig, shard: TPShard = NO_SHARD) -> dict[str, Target]:
     }
     if shard.holds_lm_head and not cfg.tie_word_embeddings:
         t["lm_head.weight"] = Target("lm_head.weight", 0, cfg.vocab_size)
-    for i in range(local.num_layers):
+    for i in range(cfg.num_layers):  # (every rank holds every layer, a slice of each)
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         kinds = ["weight"] + (["bias"] if cfg.qkv_bias else [])
         for kind in kinds:
