@@ -96,6 +96,7 @@ _LIMIT_HELP = {
     "max_body_bytes": "HTTP: largest request body; bigger ones get 413 before they are read",
     "max_messages": "HTTP: most messages in one chat request",
     "max_prompts": "HTTP: most prompts in one completions request (a batch)",
+    "body_timeout_s": "HTTP: seconds a client may take to send a request body (408 after)",
 }
 
 

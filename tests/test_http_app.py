@@ -290,6 +290,23 @@ def test_a_client_gone_mid_upload_is_counted_cancelled_not_an_internal_error(fak
     assert fake.client().completions.create(model=MODEL, prompt="a").choices[0].text == FULL
 
 
+def test_a_body_trickled_past_the_time_limit_is_408_and_the_server_keeps_serving():
+    import socket
+
+    engine = FakeEngine(make_tokenizer(), MAX_MODEL_LEN)
+    engine.ready = True
+    http = HttpThread(engine, ChatTemplate.compile(CHATML), LIMITS, HttpLimits(body_timeout_s=1), Metrics())
+    try:
+        with socket.create_connection(("127.0.0.1", http.server.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")  # and nothing more
+            reply = sock.recv(4096).decode()
+        assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply
+        assert http.client().completions.create(model=MODEL, prompt="a").choices[0].text == FULL
+    finally:
+        http.stop()
+
+
 def test_unavailable_before_an_executor_and_while_shutting_down(fake):
     fake.engine.info = None
     try:

@@ -13,6 +13,7 @@ authentication (API keys) plugs in.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -111,7 +112,7 @@ class OpenAIFront:
     async def _admit(self, request: Request, kind: type) -> tuple[float, bytes, Any, ModelInfo]:
         """(arrival time, body, decoded body, model): the bounded read, the JSON, the model named."""
         arrival = time.monotonic()
-        body = await _read_body(request, self.http_limits.max_body_bytes)
+        body = await _read_body(request, self.http_limits.max_body_bytes, self.http_limits.body_timeout_s)
         req = decode(body, kind)
         return arrival, body, req, self._model(req.model)
 
@@ -250,19 +251,24 @@ def _json(body: Any, status: int = 200) -> Response:
     return Response(streams.json_bytes(body), status_code=status, media_type="application/json")
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (413) from its Content-Length before reading, or as soon as it passes ``limit``."""
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refused (413) from its Content-Length before reading, or as soon as it passes
+    ``limit``; 408 unless it has all arrived within ``timeout_s``."""
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > limit):
         raise ApiError(413, f"request body: at most {limit} bytes (Content-Length: {length[:20]})",
                        code="request_too_large")
     chunks, size = [], 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body: at most {limit} bytes", code="request_too_large")
-            chunks.append(chunk)
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"request body: at most {limit} bytes", code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"request body: not received within {timeout_s:g}s (received {size} bytes)",
+                       code="request_timeout") from None
     except ClientDisconnect:  # gone mid-upload: counted as cancelled, not an internal error
         raise ApiError(499, "the client closed the connection while sending the request",
                        code="client_closed_request") from None

@@ -2,6 +2,7 @@
 
     ValidationError, bad JSON, unsupported field -> 400 invalid_request_error (param: the field)
     body over --http-max-body-bytes -> 413       unknown model -> 404 model_not_found
+    body not received within --http-body-timeout-s -> 408
     QueueFull -> 429                             NoExecutor, no model yet, shutting down -> 503
     RequestFailed, anything unexpected -> 500 (this request only; logged)
     client gone while sending or waiting -> 499 (nginx's "client closed request"; nobody reads it)
@@ -18,11 +19,12 @@ from typing import Any
 
 from scheduler_svc.validation import ValidationError
 
-GRPC_CODE_OF_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 405: "UNIMPLEMENTED", 413: "INVALID_ARGUMENT",
-                       429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL", 503: "UNAVAILABLE"}
+GRPC_CODE_OF_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 405: "UNIMPLEMENTED", 408: "DEADLINE_EXCEEDED",
+                       413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL",
+                       503: "UNAVAILABLE"}
 _TYPE_OF_STATUS = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-                   413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-                   503: "service_unavailable_error"}
+                   408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                   500: "server_error", 503: "service_unavailable_error"}
 
 
 class ApiError(Exception):

@@ -1,8 +1,8 @@
 """Bounds on what an HTTP client may send, checked before the shared validator runs.
 
 The port is reachable by anyone who can reach the service: a body is refused from its
-Content-Length before it is read (and while it streams, when there is none), and the
-counts that make work proportional to themselves (chat messages, prompts in one
+Content-Length before it is read (and while it streams, when there is none), it must
+arrive within a time limit, and the counts that make work proportional to themselves (chat messages, prompts in one
 request) are bounded. Built once in ``__main__`` from the flags (scheduler_svc/config.py).
 """
 
@@ -18,6 +18,7 @@ class HttpLimits:
     max_body_bytes: int = 8 << 20
     max_messages: int = 1024  # per chat request
     max_prompts: int = 64  # prompts in one completions request (a batch)
+    body_timeout_s: int = 60  # to receive a whole body: a client trickling one holds a task and its buffer
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
