@@ -1,7 +1,8 @@
 """What the public fronts require of a caller: API keys and TLS, one set for gRPC and HTTP.
 
 ``--api-key-file FILE`` holds one key per line (blank lines and ``#`` comments
-ignored); a call must then carry ``authorization: Bearer <key>``. Keys are kept
+ignored), each at least ``MIN_KEY_CHARS`` printable characters without spaces;
+a call must then carry ``authorization: Bearer <key>``. Keys are kept
 only as SHA-256 digests and compared by digest. gRPC health stays open, so
 probes need no key. ``--tls-cert-file``/``--tls-key-file`` serve TLS;
 ``--tls-client-ca-file`` additionally requires client certificates signed by
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import ssl
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +25,7 @@ import grpc
 log = logging.getLogger(__name__)
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes carry no credentials
 MAX_KEY_FILE_BYTES = 1 << 20
+MIN_KEY_CHARS = 16  # a short key can be guessed online; e.g. openssl rand -hex 32 gives 64
 
 
 class ApiKeys:
@@ -34,10 +38,30 @@ class ApiKeys:
 
     @classmethod
     def from_file(cls, path: Path) -> ApiKeys:
-        if path.stat().st_size > MAX_KEY_FILE_BYTES:
-            raise ValueError(f"--api-key-file: {path} is larger than {MAX_KEY_FILE_BYTES} bytes")
-        lines = (line.strip() for line in path.read_text().splitlines())
-        return cls(line for line in lines if line and not line.startswith("#"))
+        """The keys in ``path``; ValueError naming the flag, the line and the limit if unusable."""
+        flag = "--api-key-file"
+        # One open, non-blocking (a FIFO would otherwise block start-up): what is checked is what is read.
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            info = os.fstat(f.fileno())
+            # A FIFO or a device would block start-up or never end; a huge file is a mistake.
+            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_KEY_FILE_BYTES:
+                raise ValueError(f"{flag}: {path} must be a regular file of at most {MAX_KEY_FILE_BYTES} bytes")
+            data = f.read(MAX_KEY_FILE_BYTES + 1)
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            raise ValueError(f"{flag}: {path} is not UTF-8 text") from None
+        keys = []
+        for number, line in enumerate(text.splitlines(), 1):
+            key = line.strip()
+            if not key or key.startswith("#"):
+                continue
+            if len(key) < MIN_KEY_CHARS or not key.isprintable() or any(c.isspace() for c in key):
+                # (the message never repeats the key: start-up errors end up in logs)
+                raise ValueError(f"{flag}: line {number} of {path} is not a usable key: keys must be at least "
+                                 f"{MIN_KEY_CHARS} printable characters without spaces (got {len(key)})")
+            keys.append(key)
+        return cls(keys)
 
     def authorizes(self, authorization: str | None) -> bool:
         """Whether an ``authorization`` header value (``Bearer <key>``) carries an accepted key."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 import pytest
 
@@ -128,3 +129,30 @@ def test_the_executor_link_is_loopback_only_without_a_cluster_secret(model_dir, 
     with pytest.raises(SystemExit):
         load_config([*base, "--cluster-secret-file", str(secret)], {})
     assert "must be at least 16 bytes" in capsys.readouterr().err
+
+
+def test_an_api_key_file_must_hold_usable_keys_in_a_regular_file(model_dir, tmp_path, capsys):
+    base, keys = ["--model", str(model_dir), "--api-key-file"], tmp_path / "keys"
+    keys.write_text("# ours\n\n  " + "k" * 16 + "  \n")
+    assert load_config([*base, str(keys)], {}).api_keys.authorizes("Bearer " + "k" * 16)
+
+    def refused(path) -> str:
+        with pytest.raises(SystemExit):
+            load_config([*base, str(path)], {})
+        return capsys.readouterr().err
+
+    keys.write_text("k" * 16 + "\npassword\n")
+    err = refused(keys)
+    assert "line 2 of" in err and "at least 16 printable characters without spaces (got 8)" in err
+    assert "password" not in err.replace(str(keys), "")  # the error never repeats a key
+    keys.write_text("two words and more\n")
+    assert "line 1 of" in refused(keys)
+    keys.write_bytes(b"\xff" * 20)
+    assert "is not UTF-8 text" in refused(keys)
+    keys.write_text("# only a comment\n")
+    assert "holds no key" in refused(keys)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opening it for reading would block start-up for ever
+    assert "must be a regular file" in refused(fifo)
+    assert "Is a directory" in refused(tmp_path)
+    assert "cannot read" in refused(tmp_path / "missing")
