@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from executor_svc.config import parse_config
 from executor_svc.model import load_model, load_model_config
 from executor_svc.parallel.channel import PLAN, STOP, TICK, PlanChannel
 from executor_svc.parallel.group import GroupFailure, TPGroup, make_store
+from executor_svc.parallel.serve import serve_follower
 from executor_svc.parallel.shard import TPShard
 from executor_svc.parallel.watchdog import Watchdog
 from pagedserve import wire
@@ -272,3 +274,30 @@ def test_a_follower_waiting_at_start_up_notices_rank_0_is_gone():
         group.exchange("identity", "{}", timeout_s=60)
     assert time.monotonic() - start < 10
     rank0.wait()
+
+
+def test_rank_0_keeps_its_store_up_until_the_followers_stopped_watching_it():
+    """Multi-node, a follower is not rank 0's child: rank 0 must not exit (taking the store down)
+    while a follower's watchdog still polls it, or that follower calls a normal stop a failure."""
+    groups, dogs, fatal = _watched(3)
+    for g, d in zip(groups, dogs, strict=True):
+        g.watchdog = d
+        d.start()
+
+    def follow(g) -> None:
+        channel = PlanChannel(g)
+        runner = types.SimpleNamespace(group=g, serve=lambda: channel.recv()[0] == STOP or None)
+        serve_follower(runner)
+
+    threads = [threading.Thread(target=follow, args=(g,)) for g in groups[1:]]
+    for t in threads:
+        t.start()
+    dogs[0].stop()
+    PlanChannel(groups[0]).send(STOP)
+    groups[0].wait_followers_left(timeout_s=10)
+    assert not any(d.is_alive() for d in dogs[1:])  # both stopped watching before rank 0 may go
+    for t in threads:
+        t.join(10)
+    started = time.monotonic()
+    groups[0].wait_followers_left(timeout_s=10)  # every key is there: no wait
+    assert time.monotonic() - started < 1 and not fatal

@@ -39,6 +39,7 @@ COLLECTIVE_TIMEOUT_S = 60.0  # one collective; idle followers stay under it than
 START_TIMEOUT_S = 900.0  # ranks reaching a start-up exchange (loading a large shard takes minutes)
 EXIT_GROUP_FAILED = 3  # process exit status after a group failure
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+LEAVE_TIMEOUT_S = 5.0  # a stopping rank 0 keeps its store up this long for the followers to leave
 
 
 class GroupFailure(RuntimeError):
@@ -202,6 +203,27 @@ class TPGroup:
         opts.rootRank = 0
         self.ctl_pg.broadcast([t], opts).wait()
         return t
+
+    # ---------------------------------------------------------------- an orderly stop
+
+    def mark_left(self) -> None:
+        """A follower that got STOP and stopped its watchdog says so: rank 0 may take the store down."""
+        try:
+            self.store.set(f"tp/left/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 (rank 0 is gone already: there is no one to tell)
+            pass
+
+    def wait_followers_left(self, timeout_s: float = LEAVE_TIMEOUT_S) -> None:
+        """Rank 0, after sending STOP: keep the store up until every follower has stopped watching
+        it. A follower on another node is not this process's child, and a watchdog that found the
+        store gone before its STOP arrived would call a normal stop a group failure (exit 3)."""
+        keys = [f"tp/left/{r}" for r in range(1, self.size)]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:  # noqa: BLE001 (a follower died meanwhile: stopping is all that is left)
+            missing = [k.rsplit("/", 1)[-1] for k in keys if not self._has(k)]
+            log.warning("rank(s) %s did not confirm the stop within %.0fs (%s); stopping anyway",
+                        ", ".join(missing), timeout_s, type(exc).__name__)
 
     # ---------------------------------------------------------------- failure
 

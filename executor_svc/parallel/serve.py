@@ -93,16 +93,19 @@ def serve_follower(runner: FollowerRunner, health=None) -> int:
     log.info("rank %d following the leader", runner.group.rank)
     runner.serve()
     runner.group.watchdog.stop()
+    runner.group.mark_left()  # only now may rank 0 take its store down
     log.info("rank %d: the leader stopped the group; exiting", runner.group.rank)
     return 0
 
 
 def close_group(group: TPGroup, runner: object | None) -> None:
-    """Any rank's exit: stop watching; rank 0 also tells the followers to stop and waits for the
-    ones it started (killed at once if it never finished starting, or a step still held them)."""
+    """Any rank's exit: stop watching; rank 0 also tells the followers to stop, keeps its store up
+    until they have left, and waits for the ones it started (killed at once if it never finished
+    starting, or a step still held them)."""
     if group.watchdog is not None:
         group.watchdog.stop()
     if isinstance(runner, TensorParallelRunner) and runner.close():
+        group.wait_followers_left()
         _reap(group)
     else:
         _reap(group, patience_s=0.0)
