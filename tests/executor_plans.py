@@ -1,24 +1,19 @@
-"""Hand-built plans for driving the executor's ModelRunner in tests (a toy scheduler).
-
-``PlanDriver`` owns a free list of device blocks, sends a sequence's state once
-(NewSeq), grows block tables with BlockUpdate, and mirrors what the executor
-appends, exactly as the real scheduler's deltas would.
+"""Driving the executor's ModelRunner in tests: a CPU runner, the toy scheduler that hand-builds
+its plans (``PlanDriver``, benchmarks/plan_driver.py: the device checks use it too), the real
+scheduler without a transport, transformers' references, and scenarios shared by parity tests.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from benchmarks.plan_driver import DriverSeq, PlanDriver
 from executor_svc.backends import make_attention_backend
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
-from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, SamplingParams, StepResult
-
-GREEDY = SamplingParams(temperature=0.0)
+from pagedserve.wire import BlockUpdate, Fork, SamplingParams
 
 
 def make_runner(model_dir, num_blocks: int = 64, num_cpu_blocks: int = 16, block_size: int = 16,
@@ -27,73 +22,6 @@ def make_runner(model_dir, num_blocks: int = 64, num_cpu_blocks: int = 16, block
     model = model if model is not None else load_model(model_dir)
     kv = KVCache(model.cfg, block_size, num_blocks, num_cpu_blocks, torch.float32)
     return ModelRunner(model, kv, make_attention_backend("cpu", cpu_attention), Sampler(seed=0))
-
-
-@dataclass
-class DriverSeq:
-    tokens: list[int]
-    num_prompt: int
-    table: list[int]
-    computed: int
-    outputs: list[int] = field(default_factory=list)
-
-
-class PlanDriver:
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.bs = runner.kv.block_size
-        self.free = list(range(runner.kv.num_blocks - 1, -1, -1))
-        self.seqs: dict[int, DriverSeq] = {}
-        self.pending: list[NewSeq] = []
-        self.step_id = 0
-
-    def alloc(self, n: int) -> list[int]:
-        return [self.free.pop() for _ in range(n)]
-
-    def add(self, sid: int, tokens: list[int], sampling: SamplingParams = GREEDY, *, computed: int = 0,
-            table: list[int] | None = None, num_prompt: int | None = None) -> None:
-        table = list(table) if table is not None else []
-        need = -(-max(computed, 1) // self.bs)
-        table += self.alloc(max(0, need - len(table)))
-        num_prompt = len(tokens) if num_prompt is None else num_prompt
-        self.seqs[sid] = DriverSeq(list(tokens), num_prompt, table, computed)
-        self.pending.append(NewSeq(sid, list(tokens), num_prompt, list(table), computed, sampling))
-
-    def step(self, schedule: dict[int, int], **extra) -> StepResult:
-        """schedule: seq_id -> new tokens (clipped to what remains). extra: other BatchPlan fields."""
-        updates = []
-        ids, counts = [], []
-        for sid, n in schedule.items():
-            s = self.seqs[sid]
-            n = min(n, len(s.tokens) - s.computed)
-            need = -(-(s.computed + n) // self.bs) - len(s.table)
-            if need > 0:
-                new = self.alloc(need)
-                updates.append(BlockUpdate(sid, len(s.table), new))
-                s.table += new
-            ids.append(sid)
-            counts.append(n)
-        plan = BatchPlan(self.step_id, ids, counts, new_seqs=self.pending,
-                         block_updates=updates + extra.pop("block_updates", []), **extra)
-        self.pending = []
-        self.step_id += 1
-        res = self.runner.execute(plan)
-        assert res.error is None, res.error
-        for sid, n in zip(ids, counts, strict=True):
-            self.seqs[sid].computed += n
-        for sid, tok in zip(res.sampled_seq_ids, res.sampled_token_ids, strict=True):
-            self.seqs[sid].tokens.append(tok)
-            self.seqs[sid].outputs.append(tok)
-        return res
-
-    def run_until(self, max_new: int, chunk: int = 1 << 30, seq_ids: list[int] | None = None) -> None:
-        """Prefill (in chunks of ``chunk``) and decode every listed sequence to ``max_new`` outputs."""
-        seq_ids = list(self.seqs) if seq_ids is None else seq_ids
-        while True:
-            todo = {sid: chunk for sid in seq_ids if len(self.seqs[sid].outputs) < max_new}
-            if not todo:
-                return
-            self.step(todo)
 
 
 def serve_requests(runner, sched, reqs: dict, swaps: list[int] | None = None) -> dict[str, list[list[int]]]:

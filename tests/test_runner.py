@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from executor_plans import GREEDY, PlanDriver, make_runner
+from executor_plans import PlanDriver, make_runner
 
+from benchmarks.plan_driver import GREEDY
 from executor_svc.model import load_model
 from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, SamplingParams
 

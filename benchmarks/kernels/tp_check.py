@@ -20,12 +20,11 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.wire import BatchPlan, BlockUpdate, NewSeq, SamplingParams
+from benchmarks.plan_driver import PlanDriver
 
 PROMPT_LENS = (5, 19, 40)
 MAX_NEW = 12
 CHUNK = 7
-BLOCK = 16
 
 
 def skip_reason(device: str, world: int, device_count: int) -> str | None:
@@ -37,36 +36,12 @@ def skip_reason(device: str, world: int, device_count: int) -> str | None:
 
 
 def greedy(runner, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    """Drive the runner with hand-built plans (block tables grown as needed) to ``max_new`` outputs."""
-    free = list(range(runner.kv.num_blocks - 1, -1, -1))
-    tokens = [list(p) for p in prompts]
-    computed, tables, outputs = [0] * len(prompts), [[] for _ in prompts], [[] for _ in prompts]
-    greedy_params = SamplingParams(temperature=0.0)
-    new = [NewSeq(i, list(p), len(p), [], 0, greedy_params) for i, p in enumerate(prompts)]
-    step = 0
-    while any(len(o) < max_new for o in outputs):
-        ids, counts, updates = [], [], []
-        for i in range(len(prompts)):
-            if len(outputs[i]) >= max_new:
-                continue
-            n = min(CHUNK, len(tokens[i]) - computed[i])
-            need = -(-(computed[i] + n) // BLOCK) - len(tables[i])
-            if need > 0:
-                blocks = [free.pop() for _ in range(need)]
-                updates.append(BlockUpdate(i, len(tables[i]), blocks))
-                tables[i] += blocks
-            ids.append(i)
-            counts.append(n)
-        res = runner.execute(BatchPlan(step, ids, counts, new_seqs=new, block_updates=updates))
-        if res.error:
-            raise RuntimeError(f"step {step}: {res.error}")
-        new, step = [], step + 1
-        for i, n in zip(ids, counts, strict=True):
-            computed[i] += n
-        for i, tok in zip(res.sampled_seq_ids, res.sampled_token_ids, strict=True):
-            tokens[i].append(tok)
-            outputs[i].append(tok)
-    return outputs
+    """Prefill in chunks of CHUNK tokens while the others decode, to ``max_new`` outputs each."""
+    driver = PlanDriver(runner)
+    for i, p in enumerate(prompts):
+        driver.add(i, p)
+    driver.run_until(max_new, chunk=CHUNK)
+    return [driver.seqs[i].outputs for i in range(len(prompts))]
 
 
 def hf_greedy(model_dir: Path, prompt: list[int], max_new: int) -> list[int]:
