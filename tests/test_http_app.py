@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import openai
@@ -12,6 +13,7 @@ import pytest
 from grpc_fakes import FakeEngine, make_tokenizer
 from http_fakes import HttpThread
 
+from scheduler_svc import offload
 from scheduler_svc.http.chat_template import ChatTemplate
 from scheduler_svc.http.limits import HttpLimits
 from scheduler_svc.metrics import Metrics
@@ -136,6 +138,28 @@ def test_batch_of_prompts_runs_one_request_each_with_echo(fake):
     assert [c.text[:2] for c in r.choices] == ["Hi", "Hi", "Ho", "Ho"]
     assert len(fake.engine.requests) == 2 and len({q.request_id for q in fake.engine.requests}) == 2
     assert r.usage.prompt_tokens == sum(len(q.prompt_token_ids) for q in fake.engine.requests)
+
+
+def test_a_large_body_is_validated_and_its_echo_decoded_off_the_event_loop(fake, monkeypatch):
+    class Watched:  # the front's tokenizer, noting the thread of every call
+        def __init__(self, tok) -> None:
+            self.tok, self.threads = tok, set()
+
+        def __getattr__(self, name):
+            self.threads.add(threading.get_ident())
+            return getattr(self.tok, name)
+
+    async def ident() -> int:
+        return threading.get_ident()
+
+    watched = Watched(fake.front.tokenizer)
+    monkeypatch.setattr(fake.front, "tokenizer", watched)
+    monkeypatch.setattr(offload, "THREAD_CHARS", 64)  # this fixture's bodies stay under 4 KB
+    ids = list(range(5, 45))
+    r = fake.client().completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=3)
+    assert r.choices[0].text.startswith(watched.tok.decode(ids))  # the echo, then the completion
+    assert fake.engine.requests[0].prompt_token_ids == ids
+    assert watched.threads and fake.call(ident()) not in watched.threads  # never the loop's thread
 
 
 def test_models_and_health(fake):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -85,8 +85,8 @@ class OpenAIFront:
     async def completions(self, request: Request) -> Response:
         arrival, body, req, info = await self._admit(request, CompletionRequest)
         fields = completion_fields(req, self.http_limits)
-        greqs = await self._off_loop(arrival, len(body), self._validate, fields, info, COMPLETION_NAMES, False)
-        echo = [self._prompt_text(f) for f in fields] if req.echo else None
+        greqs, echo = await validate_off_loop(len(body), self._completion_requests, fields, info, req.echo)
+        _stamp(greqs, arrival)
         render = CompletionRender(f"cmpl-{greqs[0].request_id}", info.model_name, _choices(greqs[0]), len(greqs),
                                   self.texts, return_token_ids=req.return_token_ids,
                                   include_usage=_include_usage(req), echo=echo)
@@ -102,8 +102,9 @@ class OpenAIFront:
                            param="messages", code="no_chat_template")
         names = dict(CHAT_NAMES, max_tokens="max_completion_tokens" if req.max_completion_tokens is not None
                      else "max_tokens")
-        greqs = await self._off_loop(arrival, len(body), self._chat_request, fields, messages,
-                                     req.add_generation_prompt, info, names)
+        greqs = await validate_off_loop(len(body), self._chat_request, fields, messages,
+                                        req.add_generation_prompt, info, names)
+        _stamp(greqs, arrival)
         render = ChatRender(f"chatcmpl-{greqs[0].request_id}", info.model_name, _choices(greqs[0]), 1,
                             self.texts, return_token_ids=req.return_token_ids, include_usage=_include_usage(req))
         return await self._respond(request, greqs, render, req.stream)
@@ -130,14 +131,12 @@ class OpenAIFront:
             raise _unknown_model(name)
         return info
 
-    async def _off_loop(self, arrival: float, size: int, fn: Callable[..., list[GenerationRequest]], *args: Any
-                        ) -> list[GenerationRequest]:
-        """Tokenizing (and rendering) a large body runs in a worker thread, as the gRPC front does;
-        each request is stamped with the time its HTTP request arrived."""
-        greqs = await validate_off_loop(size, fn, *args)
-        for g in greqs:
-            g.arrival_time = arrival
-        return greqs
+    # Validating (tokenizing, rendering) a large body runs in a worker thread (validate_off_loop),
+    # as on the gRPC front; so does decoding the prompts an echo repeats.
+    def _completion_requests(self, fields: list[RequestFields], info: ModelInfo, echo: bool
+                             ) -> tuple[list[GenerationRequest], list[str] | None]:
+        greqs = self._validate(fields, info, COMPLETION_NAMES, False)
+        return greqs, [self._prompt_text(f) for f in fields] if echo else None
 
     def _chat_request(self, fields: RequestFields, messages: list[dict[str, Any]], add_generation_prompt: bool,
                       info: ModelInfo, names: dict[str, str]) -> list[GenerationRequest]:
@@ -237,6 +236,12 @@ def engine_error(e: Exception, request_id: str) -> ApiError:
 
 def _unknown_model(name: str) -> ApiError:
     return ApiError(404, f"The model {name[:200]!r} does not exist", param="model", code="model_not_found")
+
+
+def _stamp(greqs: list[GenerationRequest], arrival: float) -> None:
+    """Each request's queue time starts when its HTTP request arrived, before the body was read."""
+    for g in greqs:
+        g.arrival_time = arrival
 
 
 def _choices(g: GenerationRequest) -> int:
