@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+from collections import Counter as Tally
 from collections.abc import Iterable
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
@@ -54,12 +55,15 @@ class BatchHistogram(Collector):
         registry.register(self)
 
     def observe_many(self, values: list[float]) -> None:
+        # A step's values repeat (every request streamed at the same moment whose last token came
+        # in the same earlier step has the same gap): count them in C, bisect each distinct one.
         bounds, counts = self.bounds, self._counts
-        slots = [bisect.bisect_left(bounds, v) for v in values]  # first bound >= v
+        distinct = Tally(values)
+        slots = [(bisect.bisect_left(bounds, v), c) for v, c in distinct.items()]  # first bound >= v
         total = sum(values)
         with self._lock:
-            for i in slots:
-                counts[i] += 1
+            for i, c in slots:
+                counts[i] += c
             self._sum += total
 
     def collect(self):

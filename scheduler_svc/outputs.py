@@ -39,6 +39,9 @@ class RequestStream:
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
+    # (detokenizer, streamed tokens) of the one choice while the next token can take the
+    # publisher's fast path (Publisher.publish_now): one choice, streaming, no stop strings.
+    fast: tuple[IncrementalDetokenizer, list[int]] | None = None
 
     @property
     def done(self) -> bool:
@@ -63,7 +66,11 @@ class RequestStream:
             self.cached_prompt_tokens = update.num_cached_prompt_tokens
         seqs = update.seqs
         if len(seqs) == 1 and self.num_choices == 1 and not self.finish:
-            return self._apply_one(seqs[0], now or time.monotonic())
+            out = self._apply_one(seqs[0], now or time.monotonic())
+            detok = self.detoks.get(0)
+            self.fast = (detok, self.outputs[0]) if (detok is not None and not detok.has_stops and not self.finish
+                                                     and self.last_token_at is not None) else None
+            return out
         choices: list[ChoiceDelta] = []
         stopped: list[int] = []
         for su in seqs:
@@ -143,6 +150,7 @@ class RequestStream:
 
     def abort(self, reason: FinishReason = FinishReason.ABORTED) -> RequestOutput:
         """Finish every open choice (abort, shutdown, failure) and release held text."""
+        self.fast = None
         choices = []
         for index in range(self.num_choices):
             if index in self.finish:

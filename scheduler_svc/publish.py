@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from scheduler_svc.api_types import FinishReason, RequestFailed, RequestOutput
+from scheduler_svc.api_types import ChoiceDelta, FinishReason, RequestFailed, RequestOutput
 from scheduler_svc.request import RequestUpdate, SeqUpdate
 from scheduler_svc.slots import ExecutorSlot, Tracked
 
@@ -73,26 +73,43 @@ class Publisher:
                 requests.pop(upd.request_id, None)
                 self.fail(t, RequestFailed(f"executor {slot.id} failed the step: {upd.error}"))
                 continue
+            stream = t.stream
             try:
-                stream = t.stream
+                fast, seqs = stream.fast, upd.seqs
+                if fast is not None and len(seqs) == 1:
+                    # The decode hot path, inlined (every running request, every step): one choice,
+                    # one token, no logprobs, no finish, no stop strings (text cannot end it).
+                    su = seqs[0]
+                    ids = su.new_token_ids
+                    if len(ids) == 1 and su.finish_reason is None and not su.logprobs:
+                        detok, streamed = fast
+                        tok = ids[0]
+                        text = detok.step(tok)
+                        streamed.append(tok)
+                        if upd.num_cached_prompt_tokens:
+                            stream.cached_prompt_tokens = upd.num_cached_prompt_tokens
+                        tokens += 1
+                        itls.append(now - stream.last_token_at)  # type: ignore[operator]  (fast: not the first)
+                        stream.last_token_at = now
+                        t.put(RequestOutput(upd.request_id, [ChoiceDelta(0, text, ids)]))
+                        continue
                 prev = stream.last_token_at
                 out, stopped = stream.apply(upd, now)
                 for index in stopped:
                     slot.scheduler.finish_sequence(upd.request_id, index, FinishReason.STOP)
                 if out.choices or out.finished:
                     t.put(out)
-                if self.metrics:
-                    n = 0
-                    for c in out.choices:
-                        n += len(c.token_ids)
-                    if n:
-                        tokens += n
-                        if prev is None:
-                            self._first_token(stream)
-                        else:
-                            itls += [(now - prev) / n] * n
-                    if out.finished:
-                        self._finished(stream, out)
+                n = 0
+                for c in out.choices:
+                    n += len(c.token_ids)
+                if n:
+                    tokens += n
+                    if prev is not None:
+                        itls += [(now - prev) / n] * n
+                    elif self.metrics:
+                        self._first_token(stream)
+                if out.finished and self.metrics:
+                    self._finished(stream, out)
             except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
                 log.exception("streaming request %s failed; failing it alone", upd.request_id)
                 slot.scheduler.abort_request(upd.request_id)
@@ -102,7 +119,7 @@ class Publisher:
             if out.finished:
                 requests.pop(upd.request_id, None)
                 self.tracked.pop(upd.request_id, None)
-        if tokens:
+        if tokens and self.metrics:
             self.metrics.on_step_tokens(tokens, itls)
 
     def _first_token(self, stream) -> None:

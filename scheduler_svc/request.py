@@ -22,6 +22,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import msgspec
+
 from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import FinishReason, GenerationRequest, TokenLogprob
 
@@ -117,8 +119,7 @@ class Request:
         return len(self.req.prompt_token_ids)
 
 
-@dataclass(slots=True)
-class SeqUpdate:
+class SeqUpdate(msgspec.Struct, gc=False):  # built per token: see api_types
     """New tokens of one choice since the last update.
 
     Beam search reports nothing while it runs; its final update holds
@@ -132,8 +133,7 @@ class SeqUpdate:
     finish_reason: FinishReason | None = None
 
 
-@dataclass(slots=True)
-class RequestUpdate:
+class RequestUpdate(msgspec.Struct, gc=False):  # built per token: see api_types
     request_id: str
     seqs: list[SeqUpdate]
     finished: bool = False
