@@ -42,11 +42,13 @@ def _workload() -> list[pb.GenerateRequest]:
 
 def _run(stack: Stack, reqs: list[pb.GenerateRequest]) -> dict[str, tuple]:
     out: dict[str, tuple] = {}
+    start = threading.Barrier(len(reqs))  # all at once: the small pool must run short
 
     def one(req: pb.GenerateRequest) -> None:
         toks: dict[int, list[int]] = {}
         text: dict[int, str] = {}
         finish: dict[int, int] = {}
+        start.wait()
         try:
             for resp in stack.stub.Generate(req, timeout=180):
                 for c in resp.choices:
