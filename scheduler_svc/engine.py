@@ -152,7 +152,9 @@ class Engine:
         t = self._admit(req)
         try:
             while True:
-                for item in await t.take():
+                if (arrival := t.arrival()) is not None:
+                    await arrival
+                for item in t.take():
                     if isinstance(item, Exception):
                         raise item
                     yield item

@@ -32,7 +32,7 @@ class Tracked:
     slot: ExecutorSlot | None = None
     migrations: int = 0
     resume: MigratedRequest | None = None  # set while waiting to be re-queued elsewhere
-    loop: asyncio.AbstractEventLoop | None = None  # the consumer's, cached by take()
+    loop: asyncio.AbstractEventLoop | None = None  # the consumer's, cached by arrival()
 
     @property
     def request_id(self) -> str:
@@ -44,15 +44,24 @@ class Tracked:
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def take(self) -> list:
-        while not self.outbox:
-            loop = self.loop
-            if loop is None:
-                # Looked up once per request: on Python 3.11 get_running_loop() is a getpid()
-                # system call (a fork check), which was a fifth of the engine's CPU per step.
-                loop = self.loop = asyncio.get_running_loop()
-            self.waiter = loop.create_future()
-            await self.waiter
+    def arrival(self) -> asyncio.Future | None:
+        """None when items wait in ``outbox``, else a future the next :meth:`put` completes.
+
+        The consumer awaits the future itself and then takes ``outbox``: a coroutine here
+        would add a frame to resume on every wake-up (one per request per step).
+        """
+        if self.outbox:
+            return None
+        loop = self.loop
+        if loop is None:
+            # Looked up once per request: on Python 3.11 get_running_loop() is a getpid() system
+            # call (a fork check), which was a fifth of the engine's CPU per step.
+            loop = self.loop = asyncio.get_running_loop()
+        w = self.waiter = loop.create_future()
+        return w
+
+    def take(self) -> list:
+        """Everything put since the last take, oldest first."""
         items, self.outbox = self.outbox, []
         return items
 
