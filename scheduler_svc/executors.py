@@ -34,6 +34,7 @@ import zmq.asyncio
 from pagedserve import wire
 from pagedserve.ratelog import RateLimitedLog
 from pagedserve.wire.keys import ZAP_DOMAIN, ClusterKeys, make_server
+from scheduler_svc.router_socket import RouterSocket
 
 log = logging.getLogger(__name__)
 # What peers send wrong, at most one line per 10 s each: a flood of junk from unregistered peers
@@ -80,8 +81,8 @@ class ExecutorHub:
         self.step_timeout_s = step_timeout_s  # ...but never less than this
         self._auth = None
         self._on_join, self._on_drain, self._on_dead = on_join, on_drain, on_dead
-        self._ctx = zmq.asyncio.Context()
-        self._sock: zmq.asyncio.Socket | None = None
+        self._ctx = zmq.asyncio.Context()  # (the ZAP authenticator runs on it, asynchronously)
+        self._sock: RouterSocket | None = None
         self._tasks: list[asyncio.Task] = []
         self.conns: dict[bytes, ExecutorConn] = {}
         # The served model: computed from the scheduler's own --model directory when its weights are
@@ -99,7 +100,7 @@ class ExecutorHub:
             self._auth = AsyncioAuthenticator(self._ctx)
             self._auth.start()
             self._auth.configure_curve_callback(ZAP_DOMAIN.decode(), _ExecutorKey(self.keys.executor_public))
-        sock = self._ctx.socket(zmq.ROUTER)
+        sock = zmq.Socket(self._ctx, zmq.ROUTER)  # a plain socket, driven by RouterSocket
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises
         # No ROUTER_HANDOVER: a connected routing id cannot be taken over by another connection.
@@ -114,8 +115,8 @@ class ExecutorHub:
             make_server(sock, self.keys)
         sock.bind(self.endpoint)
         self.bound_port = int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
-        self._sock = sock
         self._loop = asyncio.get_running_loop()  # (looked up once: a getpid() per call on 3.11)
+        self._sock = RouterSocket(sock, self._loop)
         self._tasks = [asyncio.create_task(self._recv_loop(), name="executor-recv"),
                        asyncio.create_task(self._heartbeat_loop(), name="executor-heartbeat")]
 
@@ -124,7 +125,7 @@ class ExecutorHub:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._sock.close()
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()

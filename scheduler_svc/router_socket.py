@@ -1,0 +1,73 @@
+"""The hub's ROUTER socket on the event loop, without pyzmq's asyncio layer.
+
+``zmq.asyncio`` wraps every send and receive in a future and re-derives the
+socket's poll state through ``enum.Flag`` arithmetic each time: about two dozen
+enum operations and several future callbacks per step, which was a third of the
+scheduler's CPU per step with one running sequence (a fixed cost paid on every
+step of every executor). Here a send is one non-blocking ``send_multipart``,
+and a receive is a non-blocking ``recv_multipart`` that only waits when nothing
+is queued.
+
+ZeroMQ's file descriptor is edge-like: it signals that the socket's state may
+have changed, and is reset by whatever operation reads that state (any send or
+receive, or ``EVENTS``). So the reader callback reads ``EVENTS`` (which also
+clears the signal), and after every send a waiting receiver is woken if a
+message has become readable meanwhile: the send may have consumed the signal
+of a message that arrived while it ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+
+SEND_RETRY_S = 0.001  # a full pipe (the peer's high-water mark): try again this soon
+# Plain ints: pyzmq's constants are enum.Flag members, and arithmetic on them is what this avoids.
+_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+class RouterSocket:
+    """A bound ROUTER socket read and written from one asyncio loop."""
+
+    def __init__(self, sock: zmq.Socket, loop: asyncio.AbstractEventLoop) -> None:
+        self.sock, self._loop = sock, loop
+        self._waiter: asyncio.Future | None = None
+        self._fd = sock.getsockopt(zmq.FD)
+        loop.add_reader(self._fd, self._on_signal)
+
+    async def recv_multipart(self) -> list[bytes]:
+        """The next message's frames; waits (without polling) until one is queued."""
+        while True:
+            if self.sock.getsockopt(_EVENTS) & _POLLIN:  # (cheaper than catching zmq.Again)
+                return self.sock.recv_multipart(_NOBLOCK)
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    async def send_multipart(self, frames: list[bytes]) -> None:
+        """Queue a message (ZMQError: e.g. EHOSTUNREACH, the peer is gone: ROUTER_MANDATORY)."""
+        while True:
+            try:
+                self.sock.send_multipart(frames, _NOBLOCK)
+                break
+            except zmq.Again:  # the peer's pipe is full: it is not reading
+                await asyncio.sleep(SEND_RETRY_S)
+        self._wake_if_readable()
+
+    def close(self) -> None:
+        self._loop.remove_reader(self._fd)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.cancel()
+        self.sock.close(linger=0)
+
+    def _on_signal(self) -> None:
+        self._wake_if_readable()
+
+    def _wake_if_readable(self) -> None:
+        # Reading EVENTS processes libzmq's pending commands and resets the descriptor's signal.
+        w = self._waiter
+        if self.sock.getsockopt(_EVENTS) & _POLLIN and w is not None and not w.done():
+            w.set_result(None)
