@@ -307,9 +307,9 @@ class Scheduler(RequestLifecycle):
         return True
 
     def _schedule_waiting(self, plan: BatchPlan, budget: _Budget) -> None:
-        if not self.waiting:
-            return
         cfg = self.config
+        if not self.waiting or len(self.running) >= cfg.max_num_seqs:
+            return  # (full: every running request holds at least one sequence; skips the O(running) sum)
         num_live = sum(_footprint(r) for r in self.running)
         while self.waiting and budget.tokens > 0:
             r = self.waiting[0]
