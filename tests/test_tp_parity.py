@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 from executor_plans import (
-    GREEDY,
     PlanDriver,
     check_fork_with_copy_on_write,
     check_prefix_hit,
@@ -23,6 +22,7 @@ from executor_plans import (
 from tp_harness import tp_runner
 from transformers import AutoModelForCausalLM
 
+from benchmarks.plan_driver import GREEDY
 from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import GenerationRequest, RequestParams
 from scheduler_svc.sched_config import SchedulerConfig
