@@ -286,6 +286,9 @@ def test_metrics_gauges_return_to_idle_after_the_work(tokenizer):
             value = metrics.registry.get_sample_value
             assert value("pagedserve:num_requests_running") == 0
             assert value("pagedserve:generation_tokens_total") == 180
+            # every token but each request's first has an inter-token latency, whichever path streamed it
+            assert value("pagedserve:inter_token_latency_seconds_count") == 180 - 6
+            assert value("pagedserve:time_to_first_token_seconds_count") == 6
             assert value("pagedserve:kv_cache_usage_perc", {"executor": "fake0"}) == 0
             assert value("pagedserve:request_queue_time_seconds_count") == 6  # once per request
             assert 0 < value("pagedserve:request_queue_time_seconds_sum") < 60
