@@ -3,6 +3,7 @@ shapes (through the official openai client), every error status, body bounds, di
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -155,11 +156,34 @@ def test_a_large_body_is_validated_and_its_echo_decoded_off_the_event_loop(fake,
     watched = Watched(fake.front.tokenizer)
     monkeypatch.setattr(fake.front, "tokenizer", watched)
     monkeypatch.setattr(offload, "THREAD_CHARS", 64)  # this fixture's bodies stay under 4 KB
-    ids = list(range(5, 45))
+    ids = list(range(5, 105))  # more ids than THREAD_CHARS below: the echo decode is real work
     r = fake.client().completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=3)
     assert r.choices[0].text.startswith(watched.tok.decode(ids))  # the echo, then the completion
     assert fake.engine.requests[0].prompt_token_ids == ids
     assert watched.threads and fake.call(ident()) not in watched.threads  # never the loop's thread
+
+
+def test_token_id_prompts_do_not_queue_behind_long_text_prompts(fake, monkeypatch):
+    """The worker slots are for tokenizer work: with both held (two huge text prompts being
+    tokenized), a batch of token-id prompts is still served; a long text prompt waits."""
+    monkeypatch.setattr(offload, "THREAD_CHARS", 64)  # this fixture's bodies stay under 4 KB
+
+    async def hold(n: int) -> list:
+        slots = offload._slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(offload.CONCURRENT))
+        for _ in range(n):
+            await slots.acquire()
+        return [slots] * n
+
+    held = fake.call(hold(offload.CONCURRENT))
+    try:
+        ids = [list(range(5, 105)), list(range(7, 107))]  # a body of ~1 KB: "large" here
+        r = fake.client(timeout=5).completions.create(model=MODEL, prompt=ids, max_tokens=3)
+        assert len(r.choices) == 2 and [q.prompt_token_ids for q in fake.engine.requests] == ids
+        with pytest.raises(openai.APITimeoutError):  # text to tokenize: it needs a slot
+            fake.client(timeout=1).completions.create(model=MODEL, prompt="word " * 40, max_tokens=3)
+    finally:
+        for slots in held:
+            fake.loop.call_soon_threadsafe(slots.release)
 
 
 def test_models_and_health(fake):

@@ -85,7 +85,8 @@ class OpenAIFront:
     async def completions(self, request: Request) -> Response:
         arrival, body, req, info = await self._admit(request, CompletionRequest)
         fields = completion_fields(req, self.http_limits)
-        greqs, echo = await validate_off_loop(len(body), self._completion_requests, fields, info, req.echo)
+        greqs, echo = await validate_off_loop(_tokenizer_work(fields, req.echo), self._completion_requests,
+                                              fields, info, req.echo)
         _stamp(greqs, arrival)
         render = CompletionRender(f"cmpl-{greqs[0].request_id}", info.model_name, _choices(greqs[0]), len(greqs),
                                   self.texts, return_token_ids=req.return_token_ids,
@@ -236,6 +237,15 @@ def engine_error(e: Exception, request_id: str) -> ApiError:
 
 def _unknown_model(name: str) -> ApiError:
     return ApiError(404, f"The model {name[:200]!r} does not exist", param="model", code="model_not_found")
+
+
+def _tokenizer_work(fields: list[RequestFields], echo: bool) -> int:
+    """How much a completions request makes the tokenizer do, in characters or ids: the text
+    prompts to encode, and the token-id prompts an echo decodes. Token ids alone are checked
+    inline as on the gRPC front, so a large batch of them never queues for the worker slots
+    that long text prompts hold."""
+    return sum(len(f.prompt) if f.prompt is not None else len(f.prompt_token_ids) if echo else 0
+               for f in fields)
 
 
 def _stamp(greqs: list[GenerationRequest], arrival: float) -> None:
