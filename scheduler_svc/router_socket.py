@@ -28,7 +28,7 @@ _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class RouterSocket:
-    """A bound ROUTER socket read and written from one asyncio loop."""
+    """A bound ROUTER socket written from one asyncio loop and read by one task of it."""
 
     def __init__(self, sock: zmq.Socket, loop: asyncio.AbstractEventLoop) -> None:
         self.sock, self._loop = sock, loop
@@ -49,13 +49,16 @@ class RouterSocket:
 
     async def send_multipart(self, frames: list[bytes]) -> None:
         """Queue a message (ZMQError: e.g. EHOSTUNREACH, the peer is gone: ROUTER_MANDATORY)."""
-        while True:
-            try:
-                self.sock.send_multipart(frames, _NOBLOCK)
-                break
-            except zmq.Again:  # the peer's pipe is full: it is not reading
-                await asyncio.sleep(SEND_RETRY_S)
-        self._wake_if_readable()
+        try:
+            while True:
+                try:
+                    self.sock.send_multipart(frames, _NOBLOCK)
+                    return
+                except zmq.Again:  # the peer's pipe is full: it is not reading
+                    await asyncio.sleep(SEND_RETRY_S)
+        finally:  # a failed send may have consumed the signal too
+            if not self.sock.closed:
+                self._wake_if_readable()
 
     def close(self) -> None:
         self._loop.remove_reader(self._fd)
