@@ -2,7 +2,8 @@
 
 Kubernetes passes configuration through a ConfigMap as environment variables;
 the command line still wins. This is the only place either service reads the
-environment for its flags.
+environment for its flags. :func:`read_flag_file` reads the small secret files
+flags name (the cluster secret, the API keys), with the same checks for both.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import stat
 import sys
+from pathlib import Path
 
 ENV_PREFIX = "PAGEDSERVE_"
 
@@ -82,3 +85,25 @@ def number(kind: type, name: str, low: float, low_inclusive: bool = False, high:
             raise argparse.ArgumentTypeError(f"{name}: must be {bound}, got {value}")
         return value
     return convert
+
+
+def read_flag_file(path: str | os.PathLike, flag: str, max_bytes: int) -> bytes:
+    """The bytes of the file a flag names; ValueError naming the flag when it cannot be read, is
+    not a regular file (a FIFO or a device would block start-up or never end) or holds more than
+    ``max_bytes``. One non-blocking open: what is checked is what is read."""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            f = os.fdopen(fd, "rb")
+        except OSError:
+            os.close(fd)
+            raise
+        with f:
+            info = os.fstat(f.fileno())
+            data = f.read(max_bytes + 1) if stat.S_ISREG(info.st_mode) else b""
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot read {p}: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode) or len(data) > max_bytes:
+        raise ValueError(f"{flag}: {p} must be a regular file of at most {max_bytes} bytes")
+    return data

@@ -185,9 +185,7 @@ def _api_keys(parser: argparse.ArgumentParser, a: argparse.Namespace) -> ApiKeys
     if a.api_key_file is None:
         return None
     try:
-        return ApiKeys.from_file(a.api_key_file)
-    except OSError as exc:
-        parser.error(f"--api-key-file: cannot read {a.api_key_file}: {exc.strerror}")
+        return ApiKeys.from_file(a.api_key_file)  # (unreadable files are a ValueError too)
     except ValueError as exc:
         parser.error(str(exc))
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import ssl
-import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from pagedserve.envargs import read_flag_file
 
 log = logging.getLogger(__name__)
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes carry no credentials
@@ -40,13 +40,7 @@ class ApiKeys:
     def from_file(cls, path: Path) -> ApiKeys:
         """The keys in ``path``; ValueError naming the flag, the line and the limit if unusable."""
         flag = "--api-key-file"
-        # One open, non-blocking (a FIFO would otherwise block start-up): what is checked is what is read.
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-            info = os.fstat(f.fileno())
-            # A FIFO or a device would block start-up or never end; a huge file is a mistake.
-            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_KEY_FILE_BYTES:
-                raise ValueError(f"{flag}: {path} must be a regular file of at most {MAX_KEY_FILE_BYTES} bytes")
-            data = f.read(MAX_KEY_FILE_BYTES + 1)
+        data = read_flag_file(path, flag, MAX_KEY_FILE_BYTES)
         try:
             text = data.decode()
         except UnicodeDecodeError:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import stat
 from dataclasses import dataclass
-from pathlib import Path
 
 import zmq
 from zmq.utils import z85
+
+from pagedserve.envargs import read_flag_file
 
 MIN_SECRET_BYTES = 16  # 128 bits
 MAX_SECRET_BYTES = 4096
@@ -36,17 +36,10 @@ class ClusterKeys:
 
 def read_cluster_secret(path: str | os.PathLike, flag: str = "--cluster-secret-file") -> bytes:
     """The secret's bytes (surrounding whitespace stripped); ValueError naming the flag if unusable."""
-    p = Path(path)
-    try:
-        info = p.stat()
-    except OSError as exc:
-        raise ValueError(f"{flag}: cannot read {p}: {exc.strerror}") from None
-    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_SECRET_BYTES:
-        raise ValueError(f"{flag}: {p} must be a regular file of at most {MAX_SECRET_BYTES} bytes")
-    secret = p.read_bytes().strip()
+    secret = read_flag_file(path, flag, MAX_SECRET_BYTES).strip()
     if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"{flag}: the secret in {p} must be at least {MIN_SECRET_BYTES} bytes "
-                         f"(got {len(secret)}); e.g. head -c 32 /dev/urandom | base64 > {p}")
+        raise ValueError(f"{flag}: the secret in {path} must be at least {MIN_SECRET_BYTES} bytes "
+                         f"(got {len(secret)}); e.g. head -c 32 /dev/urandom | base64 > {path}")
     return secret
 
 
