@@ -39,8 +39,8 @@ class RequestStream:
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
-    # (detokenizer, streamed tokens) of the one choice while the next token can take the
-    # publisher's fast path (Publisher.publish_now): one choice, streaming, no stop strings.
+    # (detokenizer, streamed tokens) of the one choice while next_token() may take the decode
+    # case: one choice, streaming, no stop strings; apply() keeps it current.
     fast: tuple[IncrementalDetokenizer, list[int]] | None = None
 
     @property
@@ -89,6 +89,25 @@ class RequestStream:
                 self.first_token_at = now
             self.last_token_at = now
         return self._output(choices), stopped
+
+    def next_token(self, update: RequestUpdate, now: float) -> RequestOutput | None:
+        """The decode case alone, for the fan-out's hot path: one choice, one token, no logprobs,
+        no finish, no stop strings (``fast`` set). None when ``update`` is anything else: then
+        :meth:`apply`, which handles every case."""
+        fast, seqs = self.fast, update.seqs
+        if fast is None or len(seqs) != 1:
+            return None
+        su = seqs[0]
+        ids = su.new_token_ids
+        if len(ids) != 1 or su.finish_reason is not None or su.logprobs:
+            return None
+        detok, streamed = fast
+        text = detok.step(ids[0])  # (no stop strings: text cannot end the choice)
+        streamed.append(ids[0])
+        if update.num_cached_prompt_tokens:
+            self.cached_prompt_tokens = update.num_cached_prompt_tokens
+        self.last_token_at = now
+        return RequestOutput(update.request_id, [ChoiceDelta(0, text, ids)])
 
     def _apply_one(self, su: SeqUpdate, now: float) -> tuple[RequestOutput, list[int]]:
         """The common case, kept lean (it runs for every running request every step): one choice."""

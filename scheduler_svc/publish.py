@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from scheduler_svc.api_types import ChoiceDelta, FinishReason, RequestFailed, RequestOutput
+from scheduler_svc.api_types import FinishReason, RequestFailed, RequestOutput
 from scheduler_svc.request import RequestUpdate, SeqUpdate
 from scheduler_svc.slots import ExecutorSlot, Tracked
 
@@ -75,25 +75,12 @@ class Publisher:
                 continue
             stream = t.stream
             try:
-                fast, seqs = stream.fast, upd.seqs
-                if fast is not None and len(seqs) == 1:
-                    # The decode hot path, inlined (every running request, every step): one choice,
-                    # one token, no logprobs, no finish, no stop strings (text cannot end it).
-                    su = seqs[0]
-                    ids = su.new_token_ids
-                    if len(ids) == 1 and su.finish_reason is None and not su.logprobs:
-                        detok, streamed = fast
-                        tok = ids[0]
-                        text = detok.step(tok)
-                        streamed.append(tok)
-                        if upd.num_cached_prompt_tokens:
-                            stream.cached_prompt_tokens = upd.num_cached_prompt_tokens
-                        tokens += 1
-                        itls.append(now - stream.last_token_at)  # type: ignore[operator]  (fast: not the first)
-                        stream.last_token_at = now
-                        t.put(RequestOutput(upd.request_id, [ChoiceDelta(0, text, ids)]))
-                        continue
                 prev = stream.last_token_at
+                if stream.fast is not None and (out := stream.next_token(upd, now)) is not None:
+                    tokens += 1  # the decode case (every running request, every step), kept lean
+                    itls.append(now - prev)  # type: ignore[operator]  (fast: not the first token)
+                    t.put(out)
+                    continue
                 out, stopped = stream.apply(upd, now)
                 for index in stopped:
                     slot.scheduler.finish_sequence(upd.request_id, index, FinishReason.STOP)
