@@ -313,10 +313,11 @@ class Engine:
             slot.requests = {}
             self.hub.drop(slot.conn, "engine loop failed")
         finally:
-            self._flush(slot)  # (at shutdown too, where nothing moves)
             if slot.conn.state == "dead" or not self._closing:
-                self._evacuate(slot, "executor lost")
+                self._evacuate(slot, "executor lost")  # (streams what was applied first)
                 self._retire(slot)
+            else:
+                self._flush(slot)  # shutdown: nothing moves, but what was applied is streamed
 
     async def _idle(self, slot: ExecutorSlot) -> None:
         slot.wakeup.clear()
