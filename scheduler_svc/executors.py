@@ -162,7 +162,7 @@ class ExecutorHub:
 
     async def _send(self, conn: ExecutorConn, msg: wire.Message) -> bool:
         try:
-            await self._sock.send_multipart([conn.identity, wire.encode(msg)])
+            self._sock.send_multipart([conn.identity, wire.encode(msg)])
             return True
         except zmq.ZMQError as exc:
             self._declare_dead(conn, f"send failed: {exc}")
@@ -247,7 +247,7 @@ class ExecutorHub:
         reason = self._refusal(hs)
         reply = wire.HandshakeReply(reason is None, reason or "", self.heartbeat_interval_s)
         try:
-            await self._sock.send_multipart([identity, wire.encode(reply)])
+            self._sock.send_multipart([identity, wire.encode(reply)])
         except zmq.ZMQError as exc:
             log.warning("could not answer handshake of %r: %s", identity, exc)
             return

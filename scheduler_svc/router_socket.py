@@ -4,9 +4,9 @@
 socket's poll state through ``enum.Flag`` arithmetic each time: about two dozen
 enum operations and several future callbacks per step, which was a third of the
 scheduler's CPU per step with one running sequence (a fixed cost paid on every
-step of every executor). Here a send is one non-blocking ``send_multipart``,
-and a receive is a non-blocking ``recv_multipart`` that only waits when nothing
-is queued.
+step of every executor). Here a send is one non-blocking ``send_multipart`` (a
+peer whose pipe is full fails it), and a receive is a non-blocking
+``recv_multipart`` that only waits when nothing is queued.
 
 ZeroMQ's file descriptor is edge-like: it signals that the socket's state may
 have changed, and is reset by whatever operation reads that state (any send or
@@ -22,7 +22,6 @@ import asyncio
 
 import zmq
 
-SEND_RETRY_S = 0.001  # a full pipe (the peer's high-water mark): try again this soon
 # Plain ints: pyzmq's constants are enum.Flag members, and arithmetic on them is what this avoids.
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 
@@ -47,16 +46,14 @@ class RouterSocket:
             finally:
                 self._waiter = None
 
-    async def send_multipart(self, frames: list[bytes]) -> None:
-        """Queue a message (ZMQError: e.g. EHOSTUNREACH, the peer is gone: ROUTER_MANDATORY)."""
+    def send_multipart(self, frames: list[bytes]) -> None:
+        """Queue a message; ZMQError when it cannot be: EHOSTUNREACH (the peer is gone:
+        ROUTER_MANDATORY) or EAGAIN (the peer's pipe is full: thousands of messages it has not
+        read, since at most two plans and a heartbeat a second are outstanding; a peer that stops
+        reading fails here instead of holding up the caller, and with it every other executor)."""
         try:
-            while True:
-                try:
-                    self.sock.send_multipart(frames, _NOBLOCK)
-                    return
-                except zmq.Again:  # the peer's pipe is full: it is not reading
-                    await asyncio.sleep(SEND_RETRY_S)
-        finally:  # a failed send may have consumed the signal too
+            self.sock.send_multipart(frames, _NOBLOCK)
+        finally:  # a send, failed or not, may have consumed the signal of a message that arrived
             if not self.sock.closed:
                 self._wake_if_readable()
 

@@ -33,14 +33,14 @@ def test_messages_flow_both_ways_and_one_arriving_during_a_send_is_not_missed():
         try:
             dealer.send(b"hello")
             assert await asyncio.wait_for(rs.recv_multipart(), 5) == [b"peer", b"hello"]
-            await rs.send_multipart([b"peer", b"welcome"])
+            rs.send_multipart([b"peer", b"welcome"])
             assert dealer.poll(5000) and dealer.recv() == b"welcome"
 
             waiting = asyncio.create_task(rs.recv_multipart())
             await asyncio.sleep(0.05)  # the receiver waits on the descriptor
             dealer.send(b"result")
             time.sleep(0.1)  # (the loop does not run: the message is queued, its signal pending)
-            await rs.send_multipart([b"peer", b"next plan"])  # reads the socket's state first
+            rs.send_multipart([b"peer", b"next plan"])  # reads the socket's state first
             assert await asyncio.wait_for(waiting, 0.5) == [b"peer", b"result"]
 
             for i in range(200):  # many at once: each is received, in order
@@ -62,11 +62,49 @@ def test_sending_to_a_vanished_peer_raises():
         rs = RouterSocket(router, asyncio.get_running_loop())
         try:
             try:
-                await rs.send_multipart([b"nobody", b"x"])
+                rs.send_multipart([b"nobody", b"x"])
             except zmq.ZMQError as exc:
                 assert exc.errno == zmq.EHOSTUNREACH
             else:
                 raise AssertionError("a send to an unknown routing id must fail")
+        finally:
+            rs.close()
+            dealer.close()
+            ctx.term()
+
+    asyncio.run(scenario())
+
+
+def test_a_peer_that_stops_reading_fails_the_send_instead_of_blocking_it():
+    """The hub sends every executor's heartbeats from one loop: a send that waited for a peer
+    which never reads would hold up all the others."""
+    async def scenario() -> None:
+        ctx = zmq.Context()
+        router = zmq.Socket(ctx, zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.SNDHWM, 1)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 1)
+        dealer.setsockopt(zmq.IDENTITY, b"stalled")
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        rs = RouterSocket(router, asyncio.get_running_loop())
+        try:
+            dealer.send(b"hello")  # registers its routing id; it never reads anything
+            assert await asyncio.wait_for(rs.recv_multipart(), 5) == [b"stalled", b"hello"]
+            big = b"x" * (1 << 16)
+            started = time.monotonic()
+            try:
+                for _ in range(100_000):  # the kernel's socket buffers fill first, then the pipe
+                    rs.send_multipart([b"stalled", big])
+                    await asyncio.sleep(0)  # (libzmq's I/O thread moves queued frames to the kernel)
+            except zmq.Again:
+                pass
+            else:
+                raise AssertionError("sends to a peer that never reads kept succeeding")
+            assert time.monotonic() - started < 30
         finally:
             rs.close()
             dealer.close()
