@@ -31,7 +31,6 @@ from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
 from executor_svc.worker import ExecutorWorker
 from pagedserve import wire
-from pagedserve.wire.keys import derive_keys, read_cluster_secret
 
 log = logging.getLogger("executor_svc")
 
@@ -115,8 +114,8 @@ def run(cfg: ExecutorConfig, argv: list[str] | None = None) -> int:
         runner, hs = build_runner(cfg, group)
         if isinstance(runner, FollowerRunner):
             return serve_follower(runner, health)
-        keys = None if cfg.cluster_secret_file is None else derive_keys(read_cluster_secret(cfg.cluster_secret_file))
-        worker = ExecutorWorker(cfg.scheduler, runner, hs, drain_timeout=cfg.drain_timeout, health=health, keys=keys)
+        worker = ExecutorWorker(cfg.scheduler, runner, hs, drain_timeout=cfg.drain_timeout, health=health,
+                                keys=cfg.cluster_keys)
         if group is not None:
             group.watchdog.on_drain = worker.request_drain
         signal.signal(signal.SIGTERM, lambda *_: worker.request_drain())

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pagedserve import wire
 from pagedserve.envargs import number, parse_bytes, parse_with_env
+from pagedserve.wire.keys import ClusterKeys, load_cluster_keys
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 CPU_ATTENTION = ("auto", "fused", "torch")  # --cpu-attention; executor_svc/backends.py acts on it
@@ -56,7 +57,7 @@ class ExecutorConfig:
     health_port: int  # 0 = no health server
     health_host: str
     drain_timeout: float  # seconds to keep serving after SIGTERM
-    cluster_secret_file: Path | None  # CURVE keys of the link to the scheduler (None: unencrypted)
+    cluster_keys: ClusterKeys | None  # CURVE keys of the link to the scheduler (None: unencrypted)
     log_level: str
     tensor_parallel_size: int = 1  # ranks serving one model as one executor (executor_svc/parallel)
     rank_env: RankEnv | None = None  # None with N > 1: this process leads and starts the others
@@ -148,7 +149,9 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
     args = parse_with_env(parser, argv, environ)
     try:
         ranks = rank_env(args.tensor_parallel_size, environ)
-    except ValueError as exc:
+        # Read now, not after the model loaded: a bad secret file fails in a second, not minutes.
+        keys = None if args.cluster_secret_file is None else load_cluster_keys(args.cluster_secret_file)
+    except (ValueError, RuntimeError) as exc:
         parser.error(str(exc))
     return ExecutorConfig(
         model_dir=Path(args.model), scheduler=args.scheduler, device=args.device,
@@ -157,5 +160,5 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         cpu_attention=args.cpu_attention,
         executor_id=args.executor_id or f"{socket.gethostname()}-{os.getpid()}",
         health_port=args.health_port, health_host=args.health_host, drain_timeout=args.drain_timeout,
-        cluster_secret_file=args.cluster_secret_file, log_level=args.log_level,
+        cluster_keys=keys, log_level=args.log_level,
         tensor_parallel_size=args.tensor_parallel_size, rank_env=ranks)

@@ -21,7 +21,7 @@ from typing import Any
 
 from pagedserve import wire
 from pagedserve.envargs import number, parse_with_env
-from pagedserve.wire.keys import read_cluster_secret
+from pagedserve.wire.keys import ClusterKeys, load_cluster_keys
 from scheduler_svc.http.limits import HttpLimits
 from scheduler_svc.sched_config import PREEMPTION_MODES, EngineConfig, SchedulerConfig
 from scheduler_svc.security import ApiKeys, TlsFiles
@@ -82,7 +82,8 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     **{"--http-" + f.name.replace("_", "-"): (HttpLimits, f.name) for f in dataclasses.fields(HttpLimits)},
 }
 RUNTIME_FIELDS = {(SchedulerConfig, "max_model_len"), (EngineConfig, "scheduler"),
-                  (EngineConfig, "executor_endpoint"), (EngineConfig, "model_fingerprint")}
+                  (EngineConfig, "executor_endpoint"), (EngineConfig, "model_fingerprint"),
+                  (EngineConfig, "cluster_keys")}
 
 _LIMIT_HELP = {
     "max_n": "largest n (parallel samples) a request may ask for",
@@ -204,13 +205,20 @@ def _tls(parser: argparse.ArgumentParser, a: argparse.Namespace) -> TlsFiles | N
     return TlsFiles(a.tls_cert_file, a.tls_key_file, a.tls_client_ca_file)
 
 
-def _executor_host(parser: argparse.ArgumentParser, a: argparse.Namespace) -> str:
+def _cluster_keys(parser: argparse.ArgumentParser, a: argparse.Namespace) -> ClusterKeys | None:
+    """The executor link's keys, from the one read of the secret file (a file changed later is
+    never read again)."""
+    if a.cluster_secret_file is None:
+        return None
+    try:
+        return load_cluster_keys(a.cluster_secret_file)
+    except (ValueError, RuntimeError) as exc:
+        parser.error(str(exc))
+
+
+def _executor_host(parser: argparse.ArgumentParser, a: argparse.Namespace, keys: ClusterKeys | None) -> str:
     """Secure by default: without a cluster secret the executor port binds loopback only."""
-    if a.cluster_secret_file is not None:
-        try:
-            read_cluster_secret(a.cluster_secret_file)
-        except ValueError as exc:
-            parser.error(str(exc))
+    if keys is not None:
         return a.executor_host or "0.0.0.0"
     host = a.executor_host or "127.0.0.1"
     if not _is_loopback(host):
@@ -245,8 +253,10 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         room = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
         if width > room:  # such a request could never be scheduled: refuse the configuration, not it
             parser.error(f"{flag}: must be <= --max-num-seqs and --max-num-batched-tokens ({room}), got {width}")
-    host = _executor_host(parser, a)
+    keys = _cluster_keys(parser, a)
+    host = _executor_host(parser, a, keys)
     engine = EngineConfig(scheduler=scheduler, executor_endpoint=f"tcp://{host}:{a.executor_port}",
+                          cluster_keys=keys,
                           **{k: v for k, v in _fields(EngineConfig, a).items() if k != "scheduler"})
     http_limits = HttpLimits(**{f.name: getattr(a, f"http_{f.name}") for f in dataclasses.fields(HttpLimits)})
     return ServiceConfig(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedserve import wire
+from pagedserve.wire.keys import ClusterKeys
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -66,6 +67,7 @@ class EngineConfig:
     max_queued_requests: int = 1024
     max_migrations: int = 3
     async_scheduling: bool = True  # plan step k+1 while the executor runs step k
-    cluster_secret_file: Path | None = None  # CURVE keys of the executor link (None: no encryption)
+    cluster_secret_file: Path | None = None  # where cluster_keys came from (None: no encryption)
+    cluster_keys: ClusterKeys | None = None  # CURVE keys of the executor link, derived once at start-up
     step_timeout_s: float = 30.0  # least time a step may take before its executor counts as failed
     model_fingerprint: str | None = None  # the served model (from --model's weights), None: the first executor's

@@ -465,13 +465,21 @@ def _bytes(quantity: str) -> int:
     return int(value) * 2 ** (10 * ("Ki", "Mi", "Gi", "Ti").index(unit) + 10)
 
 
-def test_tensor_parallel_executors_get_n_gpus_and_shared_memory_for_nccl(rendered):
+def _secret_mounted(env: dict[str, str], tmp_path) -> dict[str, str]:
+    """``env`` with the cluster Secret's mount path replaced by a local file: the executor reads
+    its secret while parsing its flags."""
+    assert env["PAGEDSERVE_CLUSTER_SECRET_FILE"].startswith("/etc/pagedserve/")
+    return {**env, "PAGEDSERVE_CLUSTER_SECRET_FILE": str(write_secret(tmp_path / "cluster-secret"))}
+
+
+def test_tensor_parallel_executors_get_n_gpus_and_shared_memory_for_nccl(rendered, tmp_path):
     from executor_svc.config import parse_config
 
     docs = rendered["gpu-tp"]
     deploy = find(docs, "Deployment", EXEC)
     c, spec = container(deploy), pod_spec(deploy)
-    cfg = parse_config(c["args"], container_env(docs, c, pod_name="pagedserve-executor-7d9f8b6c5-x2x4z"))
+    cfg = parse_config(c["args"], _secret_mounted(container_env(docs, c, pod_name="pagedserve-executor-7d9f8b6c5-x2x4z"),
+                                                  tmp_path))
     gpus = c["resources"]["limits"]["nvidia.com/gpu"]
     assert cfg.tensor_parallel_size == gpus == 2 and cfg.rank_env is None  # this pod starts all N ranks
     assert cfg.device == "cuda"
@@ -494,7 +502,7 @@ def _lws_env(docs: list[Doc], lws: Doc, worker_index: int) -> dict[str, str]:
                          pod_labels=labels, injected={"LWS_LEADER_ADDRESS": leader, "LWS_GROUP_SIZE": str(size)})
 
 
-def test_multinode_executors_are_leaderworkerset_groups_of_ranks(rendered):
+def test_multinode_executors_are_leaderworkerset_groups_of_ranks(rendered, tmp_path):
     from executor_svc.config import parse_config
 
     docs = rendered["gpu-multinode"]
@@ -508,7 +516,7 @@ def test_multinode_executors_are_leaderworkerset_groups_of_ranks(rendered):
     rendezvous = {p["name"]: p["containerPort"] for p in c["ports"]}["rendezvous"]
     for index in range(size):
         env = _lws_env(docs, lws, index)
-        cfg = parse_config(c["command"][1:] + c["args"], env)
+        cfg = parse_config(c["command"][1:] + c["args"], _secret_mounted(env, tmp_path))
         ranks = cfg.rank_env
         assert cfg.tensor_parallel_size == size and (ranks.rank, ranks.world_size, ranks.local_rank) == (index, size, 0)
         assert ranks.master_addr == env["LWS_LEADER_ADDRESS"] and ranks.master_port == rendezvous

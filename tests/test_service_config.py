@@ -156,3 +156,39 @@ def test_an_api_key_file_must_hold_usable_keys_in_a_regular_file(model_dir, tmp_
     assert "must be a regular file" in refused(fifo)
     assert "Is a directory" in refused(tmp_path)
     assert "cannot read" in refused(tmp_path / "missing")
+
+
+def test_the_cluster_secret_is_read_once_at_start_up(model_dir, tmp_path):
+    """The keys come from the one read the configuration made: the engine never reads the file again,
+    so a file that changes (or goes) between parsing and start-up cannot change or break them."""
+    from benchmarks.engine_harness import small_tokenizer
+    from pagedserve.wire.keys import derive_keys
+    from scheduler_svc.engine import Engine
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 32 + b"\n")
+    cfg = load_config(["--model", str(model_dir), "--cluster-secret-file", str(secret)], {})
+    assert cfg.engine.cluster_keys == derive_keys(b"s" * 32)
+    assert b"s" * 32 not in repr(cfg).encode() and cfg.engine.cluster_keys.server_secret.decode() not in repr(cfg)
+    secret.write_text("short")  # changed after the flags were checked
+    tok, eos = small_tokenizer()
+    engine = Engine(cfg.engine, tok, (eos,))
+    assert engine.hub.keys == derive_keys(b"s" * 32)
+    with pytest.raises(ValueError, match="cluster_keys is not"):  # a hand-built config cannot lose them
+        Engine(dataclasses.replace(cfg.engine, cluster_keys=None), tok, (eos,))
+
+
+def test_the_executor_checks_its_cluster_secret_before_loading_the_model(tmp_path, capsys):
+    from executor_svc.config import parse_config
+    from pagedserve.wire.keys import derive_keys
+
+    secret = tmp_path / "secret"
+    secret.write_text("short")
+    argv = ["--model", str(tmp_path / "no-model-here"), "--scheduler", "tcp://127.0.0.1:5556",
+            "--cluster-secret-file", str(secret)]
+    with pytest.raises(SystemExit):
+        parse_config(argv, {})
+    assert f"--cluster-secret-file: the secret in {secret} must be at least 16 bytes" in capsys.readouterr().err
+    secret.write_text("e" * 40)
+    assert parse_config(argv, {}).cluster_keys == derive_keys(b"e" * 40)
+    assert parse_config(argv[:4], {}).cluster_keys is None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 from zmq.utils import z85
@@ -26,12 +26,13 @@ MAX_SECRET_BYTES = 4096
 
 @dataclass(frozen=True, slots=True)
 class ClusterKeys:
-    """z85-encoded CURVE keys (the form pyzmq's socket options take)."""
+    """z85-encoded CURVE keys (the form pyzmq's socket options take). The secret keys stay out of
+    ``repr``: configurations holding them may be logged."""
 
     server_public: bytes
-    server_secret: bytes
+    server_secret: bytes = field(repr=False)
     executor_public: bytes
-    executor_secret: bytes
+    executor_secret: bytes = field(repr=False)
 
 
 def read_cluster_secret(path: str | os.PathLike, flag: str = "--cluster-secret-file") -> bytes:
@@ -41,6 +42,12 @@ def read_cluster_secret(path: str | os.PathLike, flag: str = "--cluster-secret-f
         raise ValueError(f"{flag}: the secret in {path} must be at least {MIN_SECRET_BYTES} bytes "
                          f"(got {len(secret)}); e.g. head -c 32 /dev/urandom | base64 > {path}")
     return secret
+
+
+def load_cluster_keys(path: str | os.PathLike, flag: str = "--cluster-secret-file") -> ClusterKeys:
+    """The keys of the secret in ``path``, read once at start-up: ValueError naming the flag if the
+    file is unusable, RuntimeError if this libzmq cannot encrypt."""
+    return derive_keys(read_cluster_secret(path, flag))
 
 
 def derive_keys(secret: bytes) -> ClusterKeys:
