@@ -62,13 +62,9 @@ class Engine:
         # either way no token covers more characters of a prompt than its longest entry has.
         self.max_token_chars = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=0)
         self.metrics = metrics
-        if cfg.cluster_secret_file is not None and cfg.cluster_keys is None:
-            raise ValueError("EngineConfig: cluster_secret_file is set but cluster_keys is not "
-                             "(load_config derives them; the link would run unencrypted)")
-        keys = cfg.cluster_keys
         self.hub = ExecutorHub(cfg.executor_endpoint, block_size=cfg.scheduler.block_size,
                                heartbeat_interval_s=cfg.heartbeat_interval_s, on_join=self._on_join,
-                               on_drain=self._on_drain, on_dead=self._on_dead, keys=keys,
+                               on_drain=self._on_drain, on_dead=self._on_dead, keys=cfg.cluster_keys,
                                step_timeout_s=cfg.step_timeout_s, model_fingerprint=cfg.model_fingerprint)
         self.slots: dict[str, ExecutorSlot] = {}
         self.router = Router(cfg.scheduler.block_size)

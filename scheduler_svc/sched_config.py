@@ -71,3 +71,8 @@ class EngineConfig:
     cluster_keys: ClusterKeys | None = None  # CURVE keys of the executor link, derived once at start-up
     step_timeout_s: float = 30.0  # least time a step may take before its executor counts as failed
     model_fingerprint: str | None = None  # the served model (from --model's weights), None: the first executor's
+
+    def __post_init__(self) -> None:
+        if self.cluster_secret_file is not None and self.cluster_keys is None:
+            raise ValueError("EngineConfig: cluster_secret_file is set but cluster_keys is not "
+                             "(load_config derives them; the link would run unencrypted)")
