@@ -12,12 +12,25 @@ When a stop string matches, the text before it is released, the stop string
 and everything after it are dropped, and ``stop_matched`` names it so the
 engine finishes the sequence with FinishReason.STOP. When a sequence ends for
 another reason the engine calls :meth:`finish` to release what is held.
+
+Most tokens' text does not depend on their neighbours: once the text so far
+ends on a whole character, such a token adds exactly its own text. Those
+tokens are looked up in a table built once per tokenizer
+(:func:`standalone_token_texts`) instead of going through ``DecodeStream``,
+which decodes a window of ids twice per token (a table hit costs a seventh of
+a ``DecodeStream.step``; this runs for every token of every sequence). The
+table is built only for decoders known to have that property, and each entry
+is checked against two different left neighbours.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import dataclasses
+import itertools
+import json
+import re
+from collections.abc import Mapping, Sequence
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -25,6 +38,66 @@ from tokenizers.decoders import DecodeStream
 # Prompt tokens given to the decoder as context: enough for decoders whose
 # output for a token depends on its neighbours (SentencePiece's leading space).
 PROMPT_CONTEXT_TOKENS = 6
+
+# Decoders that map each token to text on its own, apart from the very first token of a
+# decode (Metaspace and Strip drop its leading space: a generated token always follows
+# context) and from byte-fallback tokens (<0xE2> joins its neighbours; they are left out).
+_PER_TOKEN_DECODERS = frozenset({"ByteLevel", "Metaspace", "Replace", "ByteFallback", "Fuse", "Strip"})
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class TokenTexts:
+    """What :class:`IncrementalDetokenizer` may look up instead of decoding (one per tokenizer)."""
+
+    texts: Mapping[int, str]  # token id -> the text it adds after text ending on a whole character
+    joining: frozenset[int]  # byte-fallback tokens: the next byte token may join them into a character
+
+
+NO_TOKEN_TEXTS = TokenTexts({}, frozenset())
+
+
+def standalone_token_texts(tokenizer: Tokenizer) -> TokenTexts:
+    """The tokens whose text does not depend on their neighbours, with that text.
+
+    Empty when the tokenizer's decoder is not one whose output is known to be the
+    concatenation of per-token texts. Added (special) tokens, byte-fallback tokens and
+    tokens that are not whole characters on their own are never in it. Built with two
+    batched decodes of the vocabulary, once per engine.
+    """
+    decoder = tokenizer.decoder
+    if decoder is None or not _per_token(json.loads(decoder.__getstate__())):
+        return NO_TOKEN_TEXTS
+    added = set(tokenizer.get_added_tokens_decoder())
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    joining = frozenset(i for t, i in vocab.items() if _BYTE_TOKEN.fullmatch(t))
+    ids = sorted(i for i in vocab.values() if i not in added and i not in joining)
+    anchors = list(itertools.islice((i for i in ids if _whole(tokenizer.decode([i]))), 2))
+    if len(anchors) < 2:
+        return NO_TOKEN_TEXTS
+    texts: dict[int, str] | None = None
+    for anchor in anchors:  # an entry must read the same after either neighbour
+        before = tokenizer.decode([anchor])
+        seen = {}
+        for i, full in zip(ids, tokenizer.decode_batch([[anchor, i] for i in ids]), strict=True):
+            if full.startswith(before) and _whole(text := full[len(before):]):
+                seen[i] = text
+        texts = seen if texts is None else {i: t for i, t in texts.items() if seen.get(i) == t}
+    return TokenTexts(texts or {}, joining)
+
+
+def _per_token(spec: dict) -> bool:
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_per_token(d) for d in spec.get("decoders", ()))
+    if kind == "Strip" and spec.get("stop"):  # trims the end: the last token reads differently
+        return False
+    return kind in _PER_TOKEN_DECODERS
+
+
+def _whole(text: str) -> bool:
+    """Non-empty and free of U+FFFD (what an incomplete UTF-8 character decodes to)."""
+    return bool(text) and "\ufffd" not in text
 
 
 class StopStringBuffer:
@@ -86,11 +159,14 @@ class IncrementalDetokenizer:
 
     ``prompt_token_ids``' last few ids give the decoder context, so the first
     generated token decodes as it would inside the full text.
+    ``token_texts``: :func:`standalone_token_texts` of ``tokenizer`` (by default none: every
+    token goes through ``DecodeStream``); the deltas are the same either way.
     Invariant: the concatenated deltas plus :meth:`finish` equal
     ``tokenizer.decode(output_ids)`` cut before the first stop string.
     """
 
-    __slots__ = ("_tok", "_stream", "_skip", "_stops", "_has_stops", "_ids", "_emitted", "_finished")
+    __slots__ = ("_tok", "_stream", "_skip", "_stops", "_has_stops", "_ids", "_emitted", "_finished",
+                 "_texts", "_joining", "_whole")
 
     def __init__(
         self,
@@ -98,6 +174,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        token_texts: TokenTexts = NO_TOKEN_TEXTS,
     ) -> None:
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._tok = tokenizer
@@ -108,6 +185,12 @@ class IncrementalDetokenizer:
         self._ids = context  # prompt context, then every id fed (finish() decodes the tail)
         self._emitted = len(context)  # ids[:emitted] are text already
         self._finished = False
+        self._texts, self._joining = token_texts.texts, token_texts.joining
+        # The text so far ends on a whole character, after a token that joins nothing: a table
+        # token adds just its text. (Table tokens are not fed to DecodeStream: its window then
+        # lacks them, which changes nothing, as their text depends on no neighbour.) False until
+        # the decoder first produced text: the prompt may end inside a character.
+        self._whole = False
 
     @property
     def stop_matched(self) -> str | None:
@@ -133,9 +216,12 @@ class IncrementalDetokenizer:
             raise RuntimeError("IncrementalDetokenizer.step after the sequence finished")
         ids = self._ids
         ids.append(token_id)
-        chunk = self._stream.step(self._tok, token_id)
-        if chunk is None:  # an incomplete character, or a skipped special token
-            return ""
+        if not self._whole or (chunk := self._texts.get(token_id)) is None:
+            chunk = self._stream.step(self._tok, token_id)
+            if chunk is None:  # an incomplete character, or a skipped special token
+                self._whole = False
+                return ""
+            self._whole = token_id not in self._joining
         self._emitted = len(ids)
         if not self._has_stops:  # (this runs for every token of every sequence)
             return chunk

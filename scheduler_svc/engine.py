@@ -36,6 +36,7 @@ from scheduler_svc.api_types import (
     RequestFailed,
     RequestOutput,
 )
+from scheduler_svc.detokenize import standalone_token_texts
 from scheduler_svc.executors import ExecutorConn, ExecutorHub, ExecutorLost
 from scheduler_svc.lifecycle import ProtocolError
 from scheduler_svc.outputs import RequestStream
@@ -61,6 +62,7 @@ class Engine:
         # Byte-level BPE spells each byte as one character, SentencePiece a piece as its characters:
         # either way no token covers more characters of a prompt than its longest entry has.
         self.max_token_chars = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=0)
+        self.token_texts = standalone_token_texts(tokenizer)  # detokenization's table of most tokens
         self.metrics = metrics
         self.hub = ExecutorHub(cfg.executor_endpoint, block_size=cfg.scheduler.block_size,
                                heartbeat_interval_s=cfg.heartbeat_interval_s, on_join=self._on_join,
@@ -178,7 +180,8 @@ class Engine:
             req.request_id = req.request_id + "-" + uuid.uuid4().hex[:8] if req.request_id \
                 else uuid.uuid4().hex
         p = req.params
-        stream = RequestStream(req, self.tokenizer, num_choices=max(p.n, p.beam_width))
+        stream = RequestStream(req, self.tokenizer, num_choices=max(p.n, p.beam_width),
+                               token_texts=self.token_texts)
         t = Tracked(stream)
         if (why := self._place(t)) is not None:
             raise NoExecutor(why)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+import json
+
 import pytest
 from grpc_fakes import make_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from scheduler_svc.detokenize import IncrementalDetokenizer, StopStringBuffer
+from scheduler_svc import detokenize
+from scheduler_svc.detokenize import IncrementalDetokenizer, StopStringBuffer, standalone_token_texts
 
 EOS_ID = 1
 
@@ -171,3 +175,115 @@ def test_stop_buffer_matches_a_search_after_each_chunk(text, stops, cuts):
         assert not held or any(s.startswith(held) and s != held for s in stops)
         assert all(not s.startswith(fed[i:]) for s in stops for i in range(len(emitted)))
     assert buf.matched is None and emitted + buf.flush() == text
+
+
+# ---------------------------------------------------------------- the table of standalone token texts
+
+SP_CORPUS = ["Hello world, hello again. The world is big.", "Grüße aus München, naïve café."]
+
+
+def metaspace_tokenizer(byte_fallback: bool) -> Tokenizer:
+    """SentencePiece-like: Metaspace pieces; with ``byte_fallback`` the Llama-2 decoder chain and
+    <0x00>..<0xFF> pieces, so characters outside the corpus split into byte tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.train_from_iterator(SP_CORPUS * 4, trainers.BpeTrainer(vocab_size=150, special_tokens=["<unk>", "</s>"],
+                                                               show_progress=False))
+    if not byte_fallback:
+        tok.decoder = decoders.Metaspace()
+        return tok
+    vocab = tok.get_vocab(with_added_tokens=False)
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab) + 2)
+    merges = [tuple(m.split(" ") if isinstance(m, str) else m) for m in json.loads(tok.to_str())["model"]["merges"]]
+    out = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    out.add_special_tokens(["<unk>", "</s>"])
+    out.pre_tokenizer = pre_tokenizers.Metaspace()
+    out.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return out
+
+
+TOKENIZERS = {"byte-level": make_tokenizer, "metaspace": lambda: metaspace_tokenizer(False),
+              "byte-fallback": lambda: metaspace_tokenizer(True)}
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_the_table_covers_plain_tokens_only(name):
+    tok = TOKENIZERS[name]()
+    table = standalone_token_texts(tok)
+    vocab = tok.get_vocab()
+    byte_ids = {i for t, i in vocab.items() if t.startswith("<0x")}
+    # Most of a real vocabulary; here every token but the added ones and, in byte-level BPE,
+    # the 128 lone bytes of multi-byte characters.
+    assert len(table.texts) > (len(vocab) - len(byte_ids)) // 2
+    assert not set(table.texts) & set(tok.get_added_tokens_decoder())  # special tokens: never looked up
+    assert all(t and "\ufffd" not in t for t in table.texts.values())
+    assert table.joining == (frozenset(byte_ids) if name == "byte-fallback" else frozenset())
+    assert not set(table.texts) & byte_ids
+    ids = tok.encode("Hello world, hello again.", add_special_tokens=False).ids
+    anchor = tok.encode("Hello", add_special_tokens=False).ids
+    for i in ids:  # an entry is what the token adds after whole text
+        assert i not in table.texts or tok.decode(anchor + [i]) == tok.decode(anchor) + table.texts[i]
+
+
+@pytest.mark.parametrize("decoder", [None, decoders.WordPiece(), decoders.BPEDecoder(),
+                                     decoders.Sequence([decoders.Fuse(), decoders.Strip(" ", 0, 1)])])
+def test_no_table_for_decoders_whose_text_depends_on_neighbours(decoder):
+    """WordPiece joins "##" pieces and cleans up spaces; BPEDecoder spaces a word's end only when
+    a token follows; a trailing Strip changes the last token; no decoder joins with spaces."""
+    tok = Tokenizer.from_str(make_tokenizer().to_str())
+    tok.decoder = decoder
+    table = standalone_token_texts(tok)
+    assert not table.texts and not table.joining
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_deltas_are_the_same_with_and_without_the_table(name, data):
+    """Token by token, on any ids (special tokens, lone UTF-8 bytes, byte-fallback runs),
+    with stop strings or none: the table changes nothing a client sees."""
+    tok = TOKENIZERS[name]()
+    table = _tables(name)
+    ids = data.draw(st.lists(st.integers(0, tok.get_vocab_size() - 1), max_size=40), label="ids")
+    prompt = data.draw(st.lists(st.integers(0, tok.get_vocab_size() - 1), min_size=1, max_size=8), label="prompt")
+    stop = data.draw(st.sampled_from([(), ("o w",), ("é",)]), label="stop")
+    plain = IncrementalDetokenizer(tok, prompt, stop)
+    fast = IncrementalDetokenizer(tok, prompt, stop, token_texts=table)
+    for i in ids:
+        try:
+            want = plain.step(i)
+        except Exception:  # noqa: BLE001  DecodeStream itself gives up on some byte-fallback runs
+            return
+        assert fast.step(i) == want
+        if plain.finished:
+            break
+    assert fast.finish() == plain.finish()
+    assert fast.stop_matched == plain.stop_matched
+
+
+@functools.cache
+def _tables(name):
+    return standalone_token_texts(TOKENIZERS[name]())
+
+
+def test_table_tokens_skip_the_decoder(monkeypatch):
+    """The point of the table: plain tokens are not decoded one window at a time."""
+    calls = []
+
+    class CountingStream:
+        def __init__(self, **kwargs):
+            self.inner = real(**kwargs)
+
+        def step(self, tok, token_id):
+            calls.append(token_id)
+            return self.inner.step(tok, token_id)
+
+    real = detokenize.DecodeStream
+    monkeypatch.setattr(detokenize, "DecodeStream", CountingStream)
+    tok = make_tokenizer()
+    ids = tok.encode("Hello world, hello again. The world is big.", add_special_tokens=False).ids
+    d = IncrementalDetokenizer(tok, [0], token_texts=standalone_token_texts(tok))
+    assert "".join(d.step(i) for i in ids) + d.finish() == "Hello world, hello again. The world is big."
+    assert calls == ids[:1]  # only the first token: until then the text may end inside a character
