@@ -87,47 +87,46 @@ class Scheduler(RequestLifecycle):
     def _schedule_running(self, plan: BatchPlan, budget: _Budget) -> bool:
         """Running requests oldest first; returns whether anyone was preempted."""
         self._preempted = False
-        running = self.running
+        running, allocate, bs = self.running, self.kv.allocate, self.config.block_size
+        ids, nums = plan.scheduled_seq_ids, plan.num_new_tokens
+        sampling, to_commit = self._step.sampling, self._step.to_commit
         i = 0
         while i < len(running) and budget.tokens > 0 and budget.seqs > 0:
             r = running[i]
             try:
-                if not self._schedule_one_running(r, plan, budget):
+                live = r.live
+                if len(live) == 1 and r.beam is None and r.forked and live[0].resident:
+                    # The decode case (one resident sequence, nothing owed), inline: it runs for
+                    # every running sequence every step.
+                    seq = live[0]
+                    c = seq.num_computed_tokens
+                    total = len(seq.token_ids) + seq.num_pending
+                    if seq.num_pending and total >= r.stop_len:
+                        i += 1  # its last token is in flight: it ends by length when that result comes
+                        continue
+                    n = total - c if total - c <= budget.tokens else budget.tokens
+                    ch = allocate(seq, n)
+                    if ch is not None:
+                        if ch is not NO_CHANGE:
+                            self._emit_change(seq, ch, plan)
+                        ids.append(seq.seq_id)
+                        nums.append(n)
+                        seq.num_computed_tokens = c + n  # counted at schedule time, as in vLLM v1
+                        if c + n == total:  # it samples: a placeholder until the result comes
+                            seq.num_pending += 1
+                            sampling.append(seq)
+                        if (c + n) // bs != c // bs:  # cache its newly full block once the step returns
+                            to_commit.append((seq, seq.residency, c + n))
+                        budget.tokens -= n
+                        budget.seqs -= 1
+                        i += 1
+                        continue
+                if not self._schedule_with_preemption(r, plan, budget):
                     break  # r itself was preempted: everyone after it is gone too
                 i += 1
             except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
                 self._isolate(r, plan, exc)  # r left `running`: the next request is at index i now
         return self._preempted
-
-    def _schedule_one_running(self, r: Request, plan: BatchPlan, budget: _Budget) -> bool:
-        """Schedule one running request; False when it had to be preempted itself."""
-        live = r.live
-        if len(live) == 1 and r.beam is None and r.forked and live[0].resident:
-            # Hot path (one resident sequence, nothing owed), kept short: it runs per sequence per step.
-            seq = live[0]
-            c = seq.num_computed_tokens
-            total = len(seq.token_ids) + seq.num_pending
-            if seq.num_pending and total >= r.stop_len:
-                return True  # its last token is in flight: it ends by length when that result comes
-            n = min(total - c, budget.tokens)
-            ch = self.kv.allocate(seq, n)
-            if ch is not None:
-                if ch is not NO_CHANGE:
-                    self._emit_change(seq, ch, plan)
-                plan.scheduled_seq_ids.append(seq.seq_id)
-                plan.num_new_tokens.append(n)
-                seq.num_computed_tokens = c + n  # counted at schedule time, as in vLLM v1
-                step = self._step
-                if c + n == total:  # it samples: a placeholder until the result comes
-                    seq.num_pending += 1
-                    step.sampling.append(seq)
-                bs = self.config.block_size
-                if (c + n) // bs != c // bs:  # cache its newly full block once the step returns
-                    step.to_commit.append((seq, seq.residency, c + n))
-                budget.tokens -= n
-                budget.seqs -= 1
-                return True
-        return self._schedule_with_preemption(r, plan, budget)
 
     def _schedule_with_preemption(self, r: Request, plan: BatchPlan, budget: _Budget) -> bool:
         """Schedule ``r``, preempting the latest arrivals while blocks are short.
