@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 
 from benchmarks.engine_harness import small_tokenizer
-from scheduler_svc.detokenize import NO_TOKEN_TEXTS, IncrementalDetokenizer, standalone_token_texts
+from scheduler_svc.detokenize import NO_STANDALONE_TEXTS, IncrementalDetokenizer, standalone_token_texts
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def us_per_token(tok, ids: list[int], table) -> float:
-    d = IncrementalDetokenizer(tok, ids[:2], token_texts=table)
+    d = IncrementalDetokenizer(tok, ids[:2], standalone=table)
     t0 = time.perf_counter()
     for i in ids:
         d.step(i)
@@ -54,7 +54,7 @@ def main() -> None:
     for name, ids in inputs.items():
         runs: dict[str, list[float]] = {"stream": [], "table": []}
         for _ in range(args.repeats):  # alternating, so both see the same machine
-            runs["stream"].append(us_per_token(tok, ids, NO_TOKEN_TEXTS))
+            runs["stream"].append(us_per_token(tok, ids, NO_STANDALONE_TEXTS))
             runs["table"].append(us_per_token(tok, ids, table))
         med = {k: statistics.median(v) for k, v in runs.items()}
         for k, v in med.items():

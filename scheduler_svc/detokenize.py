@@ -47,17 +47,17 @@ _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class TokenTexts:
+class StandaloneTexts:
     """What :class:`IncrementalDetokenizer` may look up instead of decoding (one per tokenizer)."""
 
     texts: Mapping[int, str]  # token id -> the text it adds after text ending on a whole character
     joining: frozenset[int]  # byte-fallback tokens: the next byte token may join them into a character
 
 
-NO_TOKEN_TEXTS = TokenTexts({}, frozenset())
+NO_STANDALONE_TEXTS = StandaloneTexts({}, frozenset())
 
 
-def standalone_token_texts(tokenizer: Tokenizer) -> TokenTexts:
+def standalone_token_texts(tokenizer: Tokenizer) -> StandaloneTexts:
     """The tokens whose text does not depend on their neighbours, with that text.
 
     Empty when the tokenizer's decoder is not one whose output is known to be the
@@ -67,14 +67,14 @@ def standalone_token_texts(tokenizer: Tokenizer) -> TokenTexts:
     """
     decoder = tokenizer.decoder
     if decoder is None or not _per_token(json.loads(decoder.__getstate__())):
-        return NO_TOKEN_TEXTS
+        return NO_STANDALONE_TEXTS
     added = set(tokenizer.get_added_tokens_decoder())
     vocab = tokenizer.get_vocab(with_added_tokens=False)
     joining = frozenset(i for t, i in vocab.items() if _BYTE_TOKEN.fullmatch(t))
     ids = sorted(i for i in vocab.values() if i not in added and i not in joining)
     anchors = list(itertools.islice((i for i in ids if _whole(tokenizer.decode([i]))), 2))
     if len(anchors) < 2:
-        return NO_TOKEN_TEXTS
+        return NO_STANDALONE_TEXTS
     texts: dict[int, str] | None = None
     for anchor in anchors:  # an entry must read the same after either neighbour
         before = tokenizer.decode([anchor])
@@ -83,7 +83,7 @@ def standalone_token_texts(tokenizer: Tokenizer) -> TokenTexts:
             if full.startswith(before) and _whole(text := full[len(before):]):
                 seen[i] = text
         texts = seen if texts is None else {i: t for i, t in texts.items() if seen.get(i) == t}
-    return TokenTexts(texts or {}, joining)
+    return StandaloneTexts(texts or {}, joining)
 
 
 def _per_token(spec: dict) -> bool:
@@ -174,7 +174,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
-        token_texts: TokenTexts = NO_TOKEN_TEXTS,
+        standalone: StandaloneTexts = NO_STANDALONE_TEXTS,
     ) -> None:
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._tok = tokenizer
@@ -185,7 +185,7 @@ class IncrementalDetokenizer:
         self._ids = context  # prompt context, then every id fed (finish() decodes the tail)
         self._emitted = len(context)  # ids[:emitted] are text already
         self._finished = False
-        self._texts, self._joining = token_texts.texts, token_texts.joining
+        self._texts, self._joining = standalone.texts, standalone.joining
         # The text so far ends on a whole character, after a token that joins nothing: a table
         # token adds just its text. (Table tokens are not fed to DecodeStream: its window then
         # lacks them, which changes nothing, as their text depends on no neighbour.) False until

@@ -62,7 +62,7 @@ class Engine:
         # Byte-level BPE spells each byte as one character, SentencePiece a piece as its characters:
         # either way no token covers more characters of a prompt than its longest entry has.
         self.max_token_chars = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=0)
-        self.token_texts = standalone_token_texts(tokenizer)  # detokenization's table of most tokens
+        self.standalone_texts = standalone_token_texts(tokenizer)  # detokenization's table of most tokens
         self.metrics = metrics
         self.hub = ExecutorHub(cfg.executor_endpoint, block_size=cfg.scheduler.block_size,
                                heartbeat_interval_s=cfg.heartbeat_interval_s, on_join=self._on_join,
@@ -181,7 +181,7 @@ class Engine:
                 else uuid.uuid4().hex
         p = req.params
         stream = RequestStream(req, self.tokenizer, num_choices=max(p.n, p.beam_width),
-                               token_texts=self.token_texts)
+                               standalone_texts=self.standalone_texts)
         t = Tracked(stream)
         if (why := self._place(t)) is not None:
             raise NoExecutor(why)

@@ -21,7 +21,7 @@ from scheduler_svc.api_types import (
     RequestOutput,
     Usage,
 )
-from scheduler_svc.detokenize import NO_TOKEN_TEXTS, IncrementalDetokenizer, TokenTexts
+from scheduler_svc.detokenize import NO_STANDALONE_TEXTS, IncrementalDetokenizer, StandaloneTexts
 from scheduler_svc.request import RequestUpdate, SeqUpdate
 
 _NOTHING: list[int] = []  # no choice ended by a stop string (shared: callers only read it)
@@ -42,7 +42,7 @@ class RequestStream:
     # (detokenizer, streamed tokens) of the one choice while next_token() may take the decode
     # case: one choice, streaming, no stop strings; apply() keeps it current.
     fast: tuple[IncrementalDetokenizer, list[int]] | None = None
-    token_texts: TokenTexts = NO_TOKEN_TEXTS  # the tokenizer's standalone_token_texts(), shared
+    standalone_texts: StandaloneTexts = NO_STANDALONE_TEXTS  # the tokenizer's standalone_token_texts(), shared
 
     @property
     def done(self) -> bool:
@@ -52,7 +52,7 @@ class RequestStream:
         d = self.detoks.get(index)
         if d is None:
             d = IncrementalDetokenizer(self.tokenizer, self.req.prompt_token_ids, self.req.params.stop,
-                                       token_texts=self.token_texts)
+                                       standalone=self.standalone_texts)
             self.detoks[index] = d
             self.outputs.setdefault(index, [])
         return d

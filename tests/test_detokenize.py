@@ -250,7 +250,7 @@ def test_deltas_are_the_same_with_and_without_the_table(name, data):
     prompt = data.draw(st.lists(st.integers(0, tok.get_vocab_size() - 1), min_size=1, max_size=8), label="prompt")
     stop = data.draw(st.sampled_from([(), ("o w",), ("é",)]), label="stop")
     plain = IncrementalDetokenizer(tok, prompt, stop)
-    fast = IncrementalDetokenizer(tok, prompt, stop, token_texts=table)
+    fast = IncrementalDetokenizer(tok, prompt, stop, standalone=table)
     for i in ids:
         try:
             want = plain.step(i)
@@ -284,6 +284,6 @@ def test_table_tokens_skip_the_decoder(monkeypatch):
     monkeypatch.setattr(detokenize, "DecodeStream", CountingStream)
     tok = make_tokenizer()
     ids = tok.encode("Hello world, hello again. The world is big.", add_special_tokens=False).ids
-    d = IncrementalDetokenizer(tok, [0], token_texts=standalone_token_texts(tok))
+    d = IncrementalDetokenizer(tok, [0], standalone=standalone_token_texts(tok))
     assert "".join(d.step(i) for i in ids) + d.finish() == "Hello world, hello again. The world is big."
     assert calls == ids[:1]  # only the first token: until then the text may end inside a character
