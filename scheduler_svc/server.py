@@ -1,10 +1,10 @@
 """The public gRPC API: the pagedserve.v1.Generation servicer, health and reflection.
 
-This is the one place engine errors become gRPC status codes:
+Status codes: the engine's errors as scheduler_svc/refusals.py says (the table both fronts
+share: QueueFull -> RESOURCE_EXHAUSTED, NoExecutor -> UNAVAILABLE, RequestFailed and anything
+unexpected -> INTERNAL, this request only); before the engine, here:
 
-    ValidationError -> INVALID_ARGUMENT    QueueFull -> RESOURCE_EXHAUSTED
-    NoExecutor, no model info, shutting down -> UNAVAILABLE
-    RequestFailed, anything unexpected -> INTERNAL (this request only; logged)
+    ValidationError -> INVALID_ARGUMENT    no model info, shutting down -> UNAVAILABLE
     a request_id already in flight -> ALREADY_EXISTS
 
 The servicer talks to the engine only through the interface in
@@ -37,13 +37,11 @@ from scheduler_svc.api_types import (
     EngineStats,
     GenerationRequest,
     ModelInfo,
-    NoExecutor,
-    QueueFull,
-    RequestFailed,
     RequestOutput,
 )
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.offload import validate_off_loop
+from scheduler_svc.refusals import refusal
 from scheduler_svc.security import ApiKeyInterceptor, ApiKeys, TlsFiles
 from scheduler_svc.validation import ServerLimits, ValidationError, validate_generate_request
 
@@ -166,16 +164,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             stream = self._engine.generate(greq)
             async for out in stream:
                 yield _response(out)  # inside the try: a malformed output is INTERNAL too
-        except QueueFull as e:
-            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request queue is full: {e}") from e
-        except NoExecutor as e:
-            raise _Refused(grpc.StatusCode.UNAVAILABLE, f"no executor available: {e}") from e
-        except RequestFailed as e:
-            log.warning("request %s failed: %s", greq.request_id, e)
-            raise _Refused(grpc.StatusCode.INTERNAL, f"request failed: {e}") from e
-        except Exception as e:
-            log.exception("request %s: unexpected engine error", greq.request_id)
-            raise _Refused(grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__})") from e
+        except Exception as e:  # the engine's errors, and a malformed output (a bug): refusals.py
+            r = refusal(e, greq.request_id)
+            raise _Refused(grpc.StatusCode[r.grpc_code], r.message) from e
         finally:
             # Cancellation or deadline: closing the generator tells the engine to abort and free blocks.
             aclose = getattr(stream, "aclose", None)

@@ -14,7 +14,6 @@ authentication (API keys) plugs in.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -27,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from tokenizers import Tokenizer
 
-from scheduler_svc.api_types import GenerationRequest, ModelInfo, NoExecutor, QueueFull, RequestFailed
+from scheduler_svc.api_types import GenerationRequest, ModelInfo, RequestFailed
 from scheduler_svc.http import streams
 from scheduler_svc.http.chat_template import ChatTemplate, ChatTemplateError
 from scheduler_svc.http.errors import ApiError, bad_field, from_validation
@@ -43,10 +42,9 @@ from scheduler_svc.http.openai_types import (
 from scheduler_svc.http.responses import ChatRender, CompletionRender, TokenTexts, _Render
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.offload import validate_off_loop
+from scheduler_svc.refusals import refusal
 from scheduler_svc.server import Engine
 from scheduler_svc.validation import RequestFields, ServerLimits, ValidationError, validate_request
-
-log = logging.getLogger(__name__)
 
 # The validator's field names -> the OpenAI fields a client sent (errors.from_validation).
 COMPLETION_NAMES = {"prompt_token_ids": "prompt", "beam_width": "n"}
@@ -221,18 +219,11 @@ async def _drain(outputs: AsyncIterator[streams.Tagged], render: _Render) -> Non
 
 
 def engine_error(e: Exception, request_id: str) -> ApiError:
-    """The engine's errors (and anything unexpected) as HTTP statuses; see errors.py."""
+    """The engine's errors (and anything unexpected) as HTTP statuses (refusals.py)."""
     if isinstance(e, ApiError):
         return e
-    if isinstance(e, QueueFull):
-        return ApiError(429, f"request queue is full: {e}", code="queue_full")
-    if isinstance(e, NoExecutor):
-        return ApiError(503, f"no executor available: {e}", code="no_executor")
-    if isinstance(e, RequestFailed):
-        log.warning("request %s failed: %s", request_id, e)
-        return ApiError(500, f"request failed: {e}", code="request_failed")
-    log.exception("request %s: unexpected error", request_id, exc_info=e)
-    return ApiError(500, f"internal error ({type(e).__name__})", code="internal_error")
+    r = refusal(e, request_id)
+    return ApiError(r.http_status, r.message, code=r.api_code)
 
 
 def _unknown_model(name: str) -> ApiError:

@@ -5,6 +5,7 @@
     body not received within --http-body-timeout-s -> 408
     QueueFull -> 429                             NoExecutor, no model yet, shutting down -> 503
     RequestFailed, anything unexpected -> 500 (this request only; logged)
+    (the engine's errors: from the table both fronts share, scheduler_svc/refusals.py)
     client gone while sending or waiting -> 499 (nginx's "client closed request"; nobody reads it)
 
 The body is ``{"error": {"message", "type", "param", "code"}}``. Each status also has the gRPC
