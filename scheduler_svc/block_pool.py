@@ -60,6 +60,7 @@ class BlockPool:
         self._tail.prev = self._head
         self._num_free = num_blocks  # refcount 0: on the free list (cached or not) or never used
         self._num_cached_free = 0  # of those, how many still hold a hash
+        self._num_shared = 0  # refcount > 1 (kept, not counted: GetStats may be called at any rate)
         self._by_hash: dict[bytes, Block] = {}  # registered full blocks, in use or free
 
     # ---------------------------------------------------------------- list ops
@@ -100,8 +101,8 @@ class BlockPool:
 
     @property
     def num_shared_blocks(self) -> int:
-        """Blocks referenced by more than one block-table entry. O(num_blocks): stats only."""
-        return sum(1 for b in self.blocks if b.ref_cnt > 1)
+        """Blocks referenced by more than one block-table entry."""
+        return self._num_shared
 
     # ---------------------------------------------------------------- alloc/free
     def allocate(self) -> Block:
@@ -132,13 +133,17 @@ class BlockPool:
             if b.block_hash is not None:
                 self._num_cached_free -= 1
         b.ref_cnt += 1
+        if b.ref_cnt == 2:
+            self._num_shared += 1
 
     def free(self, b: Block) -> None:
         """Drop one reference; at zero the block joins the free list."""
         if b.ref_cnt <= 0:
             raise RuntimeError(f"double free of block {b.block_id}")
         b.ref_cnt -= 1
-        if b.ref_cnt == 0:
+        if b.ref_cnt == 1:
+            self._num_shared -= 1
+        elif b.ref_cnt == 0:
             self._num_free += 1
             if b.block_hash is not None:
                 self._num_cached_free += 1
@@ -191,6 +196,9 @@ class BlockPool:
             raise RuntimeError(
                 f"free list holds {len(seen)} blocks, {len(free_blocks)} have refcount 0, {never_used} were "
                 f"never used, counter says {self._num_free}")
+        shared = sum(1 for b in self.blocks if b.ref_cnt > 1)
+        if shared != self._num_shared:
+            raise RuntimeError(f"shared-block counter {self._num_shared} != actual {shared}")
         cached_free = sum(1 for b in free_blocks if b.block_hash is not None)
         if cached_free != self._num_cached_free:
             raise RuntimeError(f"cached-free counter {self._num_cached_free} != actual {cached_free}")

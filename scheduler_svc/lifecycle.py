@@ -254,7 +254,6 @@ class RequestLifecycle:
 
     @property
     def num_shared_blocks(self) -> int:
-        """O(num_blocks): for stats, not the hot path."""
         return self.kv.stats().get("shared", 0)
 
     @property
@@ -262,7 +261,7 @@ class RequestLifecycle:
         return self.kv.stats().get("cpu_used", 0)
 
     def block_stats(self) -> dict[str, int]:
-        """used / cached / shared device blocks and cpu_used (stats; O(num_blocks))."""
+        """used / cached / shared device blocks and cpu_used (counters: GetStats reads them)."""
         return self.kv.stats()
 
     def check_integrity(self) -> None:

@@ -103,3 +103,27 @@ def test_blocks_are_created_on_first_use_so_a_huge_pool_costs_nothing_until_used
     assert pool.allocate() is b
     assert pool.allocate().block_id == 2 and pool.lookup(b"A") is a
     pool.check_integrity([[b], [pool.blocks[2]]])
+
+
+def test_stats_never_walk_the_pool():
+    """GetStats and the metrics read the pool's counters at whatever rate clients ask: with
+    100K blocks a walk would hold the event loop for milliseconds per call."""
+    pool = BlockPool(64)
+    a, b = pool.allocate(), pool.allocate()
+    pool.touch(a)
+    pool.touch(a)  # a: 3 references
+    pool.touch(b)
+    pool.free(b)  # b: back to 1
+
+    class NoWalk(list):
+        def __iter__(self):
+            raise AssertionError("a counter walked the pool")
+
+    blocks, pool.blocks = pool.blocks, NoWalk(pool.blocks)
+    assert (pool.num_shared_blocks, pool.num_used_blocks, pool.num_cached_blocks, pool.num_free_blocks) == (1, 2, 0, 62)
+    pool.blocks = blocks
+    pool.check_integrity([[a, a, a], [b]])
+    pool.free(a)
+    pool.free(a)
+    assert pool.num_shared_blocks == 0
+    pool.check_integrity([[a], [b]])
