@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from scheduler_svc.kv_cache_manager import hash_block
+from scheduler_svc.kv_cache_manager import hash_blocks
 
 if TYPE_CHECKING:
     from scheduler_svc.slots import ExecutorSlot
@@ -42,11 +42,7 @@ class Router:
         self._owner: OrderedDict[bytes, str] = OrderedDict()  # block hash -> executor id (LRU)
 
     def _hashes(self, prompt: list[int]) -> list[bytes]:
-        bs = self.block_size
-        out: list[bytes] = []
-        for i in range(len(prompt) // bs):
-            out.append(hash_block(out[-1] if out else None, prompt[i * bs:(i + 1) * bs]))
-        return out
+        return hash_blocks(None, prompt, self.block_size)
 
     def _hit_blocks(self, hashes: list[bytes], executor_id: str) -> int:
         n = 0

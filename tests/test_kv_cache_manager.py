@@ -5,13 +5,13 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
 from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import GenerationRequest, RequestParams
-from scheduler_svc.kv_cache_manager import NO_CHANGE, KVCacheManager, hash_block
+from scheduler_svc.kv_cache_manager import NO_CHANGE, KVCacheManager, hash_block, hash_blocks
 from scheduler_svc.request import Request, Sequence
 
 _REQ = Request(GenerationRequest("r", [1], RequestParams(max_tokens=1)), 0)
@@ -35,6 +35,18 @@ def test_hash_block_is_a_sha256_chain():
     assert hash_block(h1, [3, 4]) != hash_block(None, [3, 4])  # depends on the whole prefix
     assert hash_block(None, [1, 2], b"salt") != h1
     assert h1 == hashlib.sha256(b"\x00" * 32 + (1).to_bytes(8, "little") + (2).to_bytes(8, "little")).digest()
+
+
+@given(tokens=st.lists(st.integers(-2**63, 2**63 - 1), max_size=70), block_size=st.sampled_from([1, 4, 16]),
+       extra=st.sampled_from([b"", b"salt"]), parent=st.sampled_from([None, b"\x07" * 32]))
+def test_hash_blocks_is_hash_block_over_each_full_block(tokens, block_size, extra, parent):
+    """The one-pass chain (routing, prefix lookups) and the per-block one (blocks filled while
+    decoding) must give the same hashes, or a prompt would never hit blocks a decode cached."""
+    want, h = [], parent
+    for i in range(len(tokens) // block_size):
+        h = hash_block(h, tokens[i * block_size:(i + 1) * block_size], extra)
+        want.append(h)
+    assert hash_blocks(parent, tokens, block_size, extra) == want
 
 
 def test_allocate_is_check_then_commit():
