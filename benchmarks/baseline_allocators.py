@@ -290,7 +290,7 @@ class ContiguousKVCacheManager(KVCacheManagerBase):
     def num_free_blocks(self) -> int:
         return self.space.largest_hole()
 
-    def lookup_prefix(self, seq: Sequence) -> PrefixHit:
+    def lookup_prefix(self, seq: Sequence, known=()) -> PrefixHit:
         return NO_HIT
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> int:

@@ -56,6 +56,9 @@ class GenerationRequest:
     arrival_time: float = 0.0  # time.monotonic() at the API edge (the engine stamps it if unset)
     deadline: float | None = None  # time.monotonic() after which the engine aborts it
     first_scheduled_at: float | None = None  # set once, by the first scheduler that admits it
+    # The prompt's full-block hash chain (kv_cache_manager.hash_blocks, unsalted): computed once,
+    # by the engine for routing, and reused by every scheduler that admits the request.
+    prompt_block_hashes: list[bytes] | None = None
 
 
 class TokenLogprob(msgspec.Struct, gc=False):

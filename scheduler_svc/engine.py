@@ -38,6 +38,7 @@ from scheduler_svc.api_types import (
 )
 from scheduler_svc.detokenize import standalone_token_texts
 from scheduler_svc.executors import ExecutorConn, ExecutorHub, ExecutorLost
+from scheduler_svc.kv_cache_manager import hash_blocks
 from scheduler_svc.lifecycle import ProtocolError
 from scheduler_svc.outputs import RequestStream
 from scheduler_svc.publish import Publisher, merge_updates
@@ -202,7 +203,9 @@ class Engine:
         fits = [s for s in ready if s.scheduler.refusal(req) is None]
         if ready and not fits:
             return f"no connected executor can hold this request: {ready[0].scheduler.refusal(req)}"
-        slot = self.router.choose(fits, req.prompt_token_ids)
+        if req.prompt_block_hashes is None:  # hashed once: routing now, each scheduler's prefix lookup later
+            req.prompt_block_hashes = hash_blocks(None, req.prompt_token_ids, self.cfg.scheduler.block_size)
+        slot = self.router.choose(fits, req.prompt_block_hashes)
         if slot is None:
             self.orphans.append(t)
             return None

@@ -102,8 +102,11 @@ class KVCacheManagerBase(abc.ABC):
         """Device blocks an allocation can take now."""
 
     @abc.abstractmethod
-    def lookup_prefix(self, seq: Sequence) -> PrefixHit:
-        """Longest cached prefix usable by a sequence with no blocks (never all its tokens)."""
+    def lookup_prefix(self, seq: Sequence, known: Seq[bytes] = ()) -> PrefixHit:
+        """Longest cached prefix usable by a sequence with no blocks (never all its tokens).
+
+        ``known``: the chained hashes of the sequence's first full blocks, when the caller has
+        them (``hash_blocks`` without salt: a salted manager hashes for itself)."""
 
     @abc.abstractmethod
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> int:
@@ -195,13 +198,15 @@ class KVCacheManager(KVCacheManagerBase):
                                   self._extra)
         return hashes
 
-    def lookup_prefix(self, seq: Sequence) -> PrefixHit:
+    def lookup_prefix(self, seq: Sequence, known: Seq[bytes] = ()) -> PrefixHit:
         if not self.enable_prefix_caching or seq.seq_id in self._tables:
             return NO_HIT
+        if known and not self._extra and not self._hashes.get(seq.seq_id):
+            self._hashes[seq.seq_id] = list(known)  # (a copy: decode blocks extend it)
         # The last token is always computed: its logits are what we sample from.
         max_blocks = (seq.num_tokens - 1) // self.block_size
         blocks: list[Block] = []
-        for h in self._hashes_upto(seq, max_blocks):
+        for h in self._hashes_upto(seq, max_blocks)[:max_blocks]:
             b = self.pool.lookup(h)
             if b is None:
                 break

@@ -26,8 +26,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from scheduler_svc.kv_cache_manager import hash_blocks
-
 if TYPE_CHECKING:
     from scheduler_svc.slots import ExecutorSlot
 
@@ -41,9 +39,6 @@ class Router:
         self.max_entries = max_entries
         self._owner: OrderedDict[bytes, str] = OrderedDict()  # block hash -> executor id (LRU)
 
-    def _hashes(self, prompt: list[int]) -> list[bytes]:
-        return hash_blocks(None, prompt, self.block_size)
-
     def _hit_blocks(self, hashes: list[bytes], executor_id: str) -> int:
         n = 0
         for h in hashes:
@@ -52,15 +47,15 @@ class Router:
             n += 1
         return n
 
-    def choose(self, ready: list[ExecutorSlot], prompt: list[int]) -> ExecutorSlot | None:
-        """The executor for a request among ``ready`` ones (each able to hold it); None if empty."""
+    def choose(self, ready: list[ExecutorSlot], hashes: list[bytes]) -> ExecutorSlot | None:
+        """The executor for a request among ``ready`` ones (each able to hold it); None if empty.
+        ``hashes``: the prompt's full-block hash chain (``kv_cache_manager.hash_blocks``)."""
         if not ready:
             return None
         loads = {s.id: _load(s) for s in ready}
         min_load = min(loads.values())
         bound = min_load + max(SKEW_ABS, SKEW_REL * min_load)
         eligible = [s for s in ready if loads[s.id] <= bound]
-        hashes = self._hashes(prompt)
         hits = {s.id: self._hit_blocks(hashes, s.id) for s in eligible}
         # Load before free blocks: a request queued in a scheduler holds no blocks
         # yet, so free blocks alone would pile a burst onto whoever admitted first.

@@ -365,8 +365,9 @@ class Scheduler(RequestLifecycle):
     def _take_prefix_hits(self, r: Request) -> list[int] | None:
         """Give each seq its cached prefix blocks (check-then-commit per seq)."""
         hits = []
+        known = r.req.prompt_block_hashes or ()  # every seq of r starts with the prompt
         for seq in r.live:
-            hit = self.kv.lookup_prefix(seq)
+            hit = self.kv.lookup_prefix(seq, known)
             if self.kv.allocate(seq, 0, hit) is None:
                 self._unadmit(r)
                 return None

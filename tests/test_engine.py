@@ -381,3 +381,32 @@ def test_merged_updates_keep_every_token_in_order():
         [5, 6], FinishReason.LENGTH, True, 16)
     assert c is newer[2] and first_list == [1]  # lists a delta may hold are never extended in place
     assert merge_updates([], newer) is newer
+
+
+def test_a_prompt_is_hashed_once_for_routing_and_admission(tokenizer, monkeypatch):
+    """The prompt's block hashes (sha256 per block, on the event loop) are computed once: the
+    router's chain is what the scheduler's prefix lookup and cache registration use."""
+    from scheduler_svc import engine as engine_mod
+    from scheduler_svc import kv_cache_manager
+
+    hashed = []
+
+    def counting(parent, toks, bs, extra=b""):
+        hashed.append(len(toks) // bs)
+        return real(parent, toks, bs, extra)
+
+    real = kv_cache_manager.hash_blocks
+    monkeypatch.setattr(kv_cache_manager, "hash_blocks", counting)
+    monkeypatch.setattr(engine_mod, "hash_blocks", counting)
+
+    async def main():
+        async with running(tokenizer, 1) as (engine, _):
+            tokens, _, _, _ = await _collect(engine, _req("h", list(range(100, 164)), 2))  # 4 full blocks
+            assert len(tokens[0]) == 2
+            await _settle(engine)
+            again, _, _, usage = await _collect(engine, _req("h2", list(range(100, 164)), 2))
+            assert usage.cached_prompt_tokens == 48  # the first request's blocks were cached under them
+            await _settle(engine)
+
+    _run(main())
+    assert hashed == [4, 4]  # one chain per request (routing), none at admission or registration

@@ -323,3 +323,36 @@ TestKVMachine = KVMachine.TestCase
 def test_negative_cpu_blocks_rejected(bad):
     with pytest.raises(ValueError, match="num_cpu_blocks"):
         KVCacheManager(4, 4, bad)
+
+
+@pytest.mark.parametrize("prompt_len", [31, 32, 33])  # 32: the prompt ends on a block boundary
+def test_known_prompt_hashes_give_the_same_hits_without_hashing_again(prompt_len, monkeypatch):
+    """The engine hashes a prompt once (for routing) and hands the chain to the scheduler: the
+    lookup must find exactly what it would have found, never the prompt's last token, and
+    hash nothing it was given."""
+    from scheduler_svc import kv_cache_manager
+
+    prompt = list(range(100, 100 + prompt_len))
+    warm = KVCacheManager(4, 32, 0)
+    a = mkseq(0, prompt + [7])
+    assert compute(warm, a, prompt_len + 1) is not None  # every block of the prompt is cached
+    hashed = []
+    real = kv_cache_manager.hash_blocks
+    monkeypatch.setattr(kv_cache_manager, "hash_blocks",
+                        lambda parent, toks, bs, extra=b"": hashed.append(len(toks)) or real(parent, toks, bs, extra))
+    plain = warm.lookup_prefix(mkseq(1, list(prompt)))
+    from_known = warm.lookup_prefix(mkseq(2, list(prompt)), real(None, prompt, 4))
+    assert from_known.blocks == plain.blocks and from_known.num_tokens == plain.num_tokens
+    assert plain.num_tokens == (prompt_len - 1) // 4 * 4  # the last token is always computed
+    assert hashed == [(prompt_len - 1) // 4 * 4]  # the plain lookup hashed its prompt; the other, nothing
+
+
+def test_a_salted_manager_hashes_for_itself():
+    """Known hashes are unsalted: a manager with a salt must not take them for its own."""
+    kv = KVCacheManager(4, 32, 0, hash_extra=b"model-b")
+    a = mkseq(0, list(range(9)))
+    assert compute(kv, a, 9) is not None
+    unsalted = hash_blocks(None, list(range(9)), 4)
+    hit = kv.lookup_prefix(mkseq(1, list(range(9))), unsalted)
+    assert hit.num_tokens == 8  # found by its own (salted) hashes
+    assert kv.lookup_prefix(mkseq(2, list(range(9))), [b"\0" * 32, b"\1" * 32]).num_tokens == 8
