@@ -159,7 +159,7 @@ class IncrementalDetokenizer:
 
     ``prompt_token_ids``' last few ids give the decoder context, so the first
     generated token decodes as it would inside the full text.
-    ``token_texts``: :func:`standalone_token_texts` of ``tokenizer`` (by default none: every
+    ``standalone``: :func:`standalone_token_texts` of ``tokenizer`` (by default none: every
     token goes through ``DecodeStream``); the deltas are the same either way.
     Invariant: the concatenated deltas plus :meth:`finish` equal
     ``tokenizer.decode(output_ids)`` cut before the first stop string.
