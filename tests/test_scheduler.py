@@ -588,3 +588,27 @@ def test_an_exception_while_handling_one_request_fails_it_alone(where, monkeypat
         if r.request_id != victim:
             assert outs[(r.request_id, 0)] == oracle(r)
     assert_all_released(sched, ex)
+
+
+def test_a_request_that_cannot_fit_yet_does_not_take_its_prefix_hits_every_step(monkeypatch):
+    """The head of the queue is retried every step while blocks are short. Taking its cached
+    prefix blocks and handing them back each time cost two refcount changes per hit block per
+    step (milliseconds for a preempted long request); it is now refused before touching them,
+    and admitted with the same hits once it fits."""
+    from scheduler_svc.block_pool import BlockPool
+
+    sched, ex = make(40, tokens=32, seqs=4)
+    shared = [10 + i % 50 for i in range(60)]
+    run_all(sched, ex, [req("first", shared, max_tokens=1)])  # its 15 prompt blocks stay cached
+    hog = req("hog", [5] * 100, max_tokens=40)  # 25 to 35 of the 40 blocks
+    late = req("late", shared + [7] * 40, max_tokens=4)
+    touched: list[int] = []
+    real = BlockPool.touch
+    monkeypatch.setattr(BlockPool, "touch", lambda self, b: touched.append(b.block_id) or real(self, b))
+    waiting: list[int] = []
+    outs = run_all(sched, ex, [hog, late], on_step=lambda plan, ups: waiting.append(sched.num_waiting))
+    assert waiting.count(1) >= 10, "precondition: late waited for blocks while hog ran"
+    assert len(touched) <= 15  # its hits, taken once
+    assert outs[("late", 0)] == oracle(late) and outs[("hog", 0)] == oracle(hog)
+    assert sched.prefix_cache_hit_tokens >= 4  # it still started from cached blocks
+    assert_all_released(sched, ex)
