@@ -105,8 +105,9 @@ class KVCacheManagerBase(abc.ABC):
     def lookup_prefix(self, seq: Sequence, known: Seq[bytes] = ()) -> PrefixHit:
         """Longest cached prefix usable by a sequence with no blocks (never all its tokens).
 
-        ``known``: the chained hashes of the sequence's first full blocks, when the caller has
-        them (``hash_blocks`` without salt: a salted manager hashes for itself)."""
+        ``known``: the chained hashes of the prompt's full blocks, when the caller has them
+        (``hash_blocks`` without salt: a salted manager hashes for itself; so does one given
+        a chain of the wrong length, i.e. for another block size)."""
 
     @abc.abstractmethod
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> int:
@@ -201,7 +202,8 @@ class KVCacheManager(KVCacheManagerBase):
     def lookup_prefix(self, seq: Sequence, known: Seq[bytes] = ()) -> PrefixHit:
         if not self.enable_prefix_caching or seq.seq_id in self._tables:
             return NO_HIT
-        if known and not self._extra and not self._hashes.get(seq.seq_id):
+        if (known and not self._extra and not self._hashes.get(seq.seq_id)
+                and len(known) == seq.num_prompt_tokens // self.block_size):  # (another block size: not ours)
             self._hashes[seq.seq_id] = list(known)  # (a copy: decode blocks extend it)
         # The last token is always computed: its logits are what we sample from.
         max_blocks = (seq.num_tokens - 1) // self.block_size

@@ -356,3 +356,12 @@ def test_a_salted_manager_hashes_for_itself():
     hit = kv.lookup_prefix(mkseq(1, list(range(9))), unsalted)
     assert hit.num_tokens == 8  # found by its own (salted) hashes
     assert kv.lookup_prefix(mkseq(2, list(range(9))), [b"\0" * 32, b"\1" * 32]).num_tokens == 8
+
+
+def test_hashes_for_another_block_size_are_not_taken():
+    """A request's prompt chain is computed for the engine's block size; a manager with another
+    one (a request reused across engines in a test, say) must not look its blocks up by it."""
+    kv = KVCacheManager(4, 32, 0)
+    assert compute(kv, mkseq(0, list(range(17))), 17) is not None
+    for_8 = hash_blocks(None, list(range(17)), 8)  # 2 hashes; this manager's chain has 4
+    assert kv.lookup_prefix(mkseq(1, list(range(17))), for_8).num_tokens == 16
