@@ -70,7 +70,7 @@ class Engine:
                                on_drain=self._on_drain, on_dead=self._on_dead, keys=cfg.cluster_keys,
                                step_timeout_s=cfg.step_timeout_s, model_fingerprint=cfg.model_fingerprint)
         self.slots: dict[str, ExecutorSlot] = {}
-        self.router = Router(cfg.scheduler.block_size)
+        self.router = Router()
         self.tracked: dict[str, Tracked] = {}
         self.orphans: list[Tracked] = []  # waiting for an executor after a failure
         self._closing = False

@@ -1,8 +1,10 @@
 """A scheduler's requests: intake, the one release path, migration, counters.
 
 :class:`RequestLifecycle` holds the queues and the request/sequence indexes
-and everything that adds or removes requests; the step planning that uses
-them lives in :mod:`scheduler_svc.scheduler` (``Scheduler`` subclasses this).
+and everything that adds or removes requests, including what the prefix cache
+gives a request being admitted and how a failed admission is undone; the step
+planning that uses them lives in :mod:`scheduler_svc.scheduler` (``Scheduler``
+subclasses this).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import msgspec
 
 from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import FinishReason, GenerationRequest
-from scheduler_svc.kv_cache_manager import KVCacheManager, KVCacheManagerBase
+from scheduler_svc.kv_cache_manager import KVCacheManager, KVCacheManagerBase, PrefixHit
 from scheduler_svc.request import BeamState, MigratedRequest, Request, RequestState, RequestUpdate, Sequence
 from scheduler_svc.sched_config import SchedulerConfig
 
@@ -225,6 +227,53 @@ class RequestLifecycle:
             bisect.insort(self.running, r, key=lambda x: x.arrival)
 
     # ------------------------------------------------------------------ introspection
+    # ------------------------------------------------------------------ prefix hits at admission
+    def _take_prefix_hits(self, r: Request, max_tokens: int) -> list[int] | None:
+        """Give each seq of ``r`` (being admitted) its cached prefix blocks, check-then-commit per
+        seq; None (nothing changed) when they, or a first chunk of up to ``max_tokens`` after
+        them, cannot fit."""
+        hits = []
+        known = r.req.prompt_block_hashes or ()  # every seq of r starts with the prompt
+        for seq in r.live:
+            hit = self.kv.lookup_prefix(seq, known)
+            if hit.blocks and len(r.live) == 1 and not self._first_chunk_fits(r, seq, hit, max_tokens):
+                self._unadmit(r)
+                return None
+            if self.kv.allocate(seq, 0, hit) is None:
+                self._unadmit(r)
+                return None
+            seq.num_computed_tokens = hit.num_tokens
+            hits.append(hit.num_tokens)
+        return hits
+
+    def _first_chunk_fits(self, r: Request, seq: Sequence, hit: PrefixHit, max_tokens: int) -> bool:
+        """Whether a one-sequence request's hits plus what ``Scheduler._group_work`` would compute
+        first fit with the watermark kept: the check ``Scheduler._allocate`` makes after the hits
+        are taken, made before. A request that waits at the head of the queue is retried every step, and
+        taking then returning its hits costs two refcount changes per hit block (a preempted
+        32K-token request: ~2K blocks, milliseconds per step). True when it cannot tell (an
+        n > 1 request whose hits cover its shared prefill: it forks its choices next)."""
+        target = seq.num_tokens - (0 if r.forked else 1)  # unforked: all but the last prompt token
+        if target <= hit.num_tokens:
+            return True
+        n = min(target - hit.num_tokens, max_tokens)
+        return self.kv.blocks_needed(seq, n, hit) + self._watermark <= self.kv.num_free_blocks
+
+    def _unadmit(self, r: Request) -> None:
+        """Undo a failed admission: hit blocks go back to the cache, nothing was sent."""
+        for seq in r.live:
+            self.kv.free(seq)
+            seq.residency += 1
+            seq.num_computed_tokens = 0
+            seq.forget_executor_state()  # choices forked during the attempt get NewSeq later
+
+    def _count_prefix(self, r: Request, hits: list[int]) -> None:
+        for seq, h in zip(r.live[: len(hits)], hits, strict=True):  # choices forked at admission share the hit
+            self.prefix_cache_query_tokens += seq.num_tokens
+            self.prefix_cache_hit_tokens += h
+        if r.emitted_seqs == 0 and not r.num_cached_prompt_tokens and hits:
+            r.num_cached_prompt_tokens = min(hits[0], r.num_prompt_tokens)
+
     def has_work(self) -> bool:
         return bool(self.requests or self._pending_free)
 

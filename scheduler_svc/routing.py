@@ -34,8 +34,7 @@ SKEW_REL = 0.5  # ...or within 50% of the least busy executor's load, whichever 
 
 
 class Router:
-    def __init__(self, block_size: int, max_entries: int = 200_000) -> None:
-        self.block_size = block_size
+    def __init__(self, max_entries: int = 200_000) -> None:
         self.max_entries = max_entries
         self._owner: OrderedDict[bytes, str] = OrderedDict()  # block hash -> executor id (LRU)
 

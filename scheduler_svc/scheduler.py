@@ -40,7 +40,7 @@ import time
 from collections.abc import Collection
 
 from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, StepResult
-from scheduler_svc.kv_cache_manager import NO_CHANGE, KVCacheManagerBase, PrefixHit, SlotChange
+from scheduler_svc.kv_cache_manager import NO_CHANGE, KVCacheManagerBase, SlotChange
 from scheduler_svc.lifecycle import InFlight, ProtocolError, RequestLifecycle, Work, seeded
 from scheduler_svc.request import Request, RequestState, RequestUpdate, Sequence
 from scheduler_svc.sched_config import SchedulerConfig
@@ -325,7 +325,7 @@ class Scheduler(RequestLifecycle):
     def _admit(self, r: Request, plan: BatchPlan, budget: _Budget) -> bool:
         """Admit the head of the waiting queue with its prefix hits; False (nothing changed) if it
         does not fit."""
-        hit_tokens = self._take_prefix_hits(r, budget)
+        hit_tokens = self._take_prefix_hits(r, budget.tokens)
         if hit_tokens is None:
             return False
         work = self._group_work(r, budget)
@@ -361,51 +361,6 @@ class Scheduler(RequestLifecycle):
             due[:] = [s for s in due if s.seq_id not in mine]
         step.to_commit[:] = [x for x in step.to_commit if x[0].seq_id not in mine]
         self.failures.append(self.fail_request(r, exc))
-
-    def _take_prefix_hits(self, r: Request, budget: _Budget) -> list[int] | None:
-        """Give each seq its cached prefix blocks (check-then-commit per seq); None (nothing
-        changed) when they, or the first chunk after them, cannot fit."""
-        hits = []
-        known = r.req.prompt_block_hashes or ()  # every seq of r starts with the prompt
-        for seq in r.live:
-            hit = self.kv.lookup_prefix(seq, known)
-            if hit.blocks and len(r.live) == 1 and not self._first_chunk_fits(r, seq, hit, budget):
-                self._unadmit(r)
-                return None
-            if self.kv.allocate(seq, 0, hit) is None:
-                self._unadmit(r)
-                return None
-            seq.num_computed_tokens = hit.num_tokens
-            hits.append(hit.num_tokens)
-        return hits
-
-    def _first_chunk_fits(self, r: Request, seq: Sequence, hit: PrefixHit, budget: _Budget) -> bool:
-        """Whether a one-sequence request's hits plus what ``_group_work`` would compute first
-        fit with the watermark kept: the check ``_allocate`` makes after the hits are taken,
-        made before. A request that waits at the head of the queue is retried every step, and
-        taking then returning its hits costs two refcount changes per hit block (a preempted
-        32K-token request: ~2K blocks, milliseconds per step). True when it cannot tell (an
-        n > 1 request whose hits cover its shared prefill: it forks its choices next)."""
-        target = seq.num_tokens - (0 if r.forked else 1)  # unforked: all but the last prompt token
-        if target <= hit.num_tokens:
-            return True
-        n = min(target - hit.num_tokens, budget.tokens)
-        return self.kv.blocks_needed(seq, n, hit) + self._watermark <= self.kv.num_free_blocks
-
-    def _unadmit(self, r: Request) -> None:
-        """Undo a failed admission: hit blocks go back to the cache, nothing was sent."""
-        for seq in r.live:
-            self.kv.free(seq)
-            seq.residency += 1
-            seq.num_computed_tokens = 0
-            seq.forget_executor_state()  # choices forked during the attempt get NewSeq later
-
-    def _count_prefix(self, r: Request, hits: list[int]) -> None:
-        for seq, h in zip(r.live[: len(hits)], hits, strict=True):  # choices forked at admission share the hit
-            self.prefix_cache_query_tokens += seq.num_tokens
-            self.prefix_cache_hit_tokens += h
-        if r.emitted_seqs == 0 and not r.num_cached_prompt_tokens and hits:
-            r.num_cached_prompt_tokens = min(hits[0], r.num_prompt_tokens)
 
     # ------------------------------------------------------------------ update
     def update(self, result: StepResult) -> list[RequestUpdate]:
