@@ -226,7 +226,6 @@ class RequestLifecycle:
         else:
             bisect.insort(self.running, r, key=lambda x: x.arrival)
 
-    # ------------------------------------------------------------------ introspection
     # ------------------------------------------------------------------ prefix hits at admission
     def _take_prefix_hits(self, r: Request, max_tokens: int) -> list[int] | None:
         """Give each seq of ``r`` (being admitted) its cached prefix blocks, check-then-commit per
@@ -249,15 +248,22 @@ class RequestLifecycle:
     def _first_chunk_fits(self, r: Request, seq: Sequence, hit: PrefixHit, max_tokens: int) -> bool:
         """Whether a one-sequence request's hits plus what ``Scheduler._group_work`` would compute
         first fit with the watermark kept: the check ``Scheduler._allocate`` makes after the hits
-        are taken, made before. A request that waits at the head of the queue is retried every step, and
-        taking then returning its hits costs two refcount changes per hit block (a preempted
-        32K-token request: ~2K blocks, milliseconds per step). True when it cannot tell (an
-        n > 1 request whose hits cover its shared prefill: it forks its choices next)."""
-        target = seq.num_tokens - (0 if r.forked else 1)  # unforked: all but the last prompt token
+        are taken, made before. A request waiting at the head of the queue is retried every
+        step, and taking then returning its hits costs two refcount changes per hit block (a
+        preempted 32K-token request: ~2K blocks, milliseconds per step). True when it cannot
+        tell (an n > 1 request whose hits cover its shared prefill: it forks its choices next)."""
+        target = self._prefill_target(r, seq)
         if target <= hit.num_tokens:
             return True
         n = min(target - hit.num_tokens, max_tokens)
         return self.kv.blocks_needed(seq, n, hit) + self._watermark <= self.kv.num_free_blocks
+
+    @staticmethod
+    def _prefill_target(r: Request, seq: Sequence) -> int:
+        """The tokens of ``seq`` its request computes before anything else: all of them, or for
+        an n > 1 request not forked yet all but the last prompt token (computed once, then shared
+        by the choices it forks into)."""
+        return seq.num_tokens if r.forked else seq.num_tokens - 1
 
     def _unadmit(self, r: Request) -> None:
         """Undo a failed admission: hit blocks go back to the cache, nothing was sent."""
@@ -274,6 +280,7 @@ class RequestLifecycle:
         if r.emitted_seqs == 0 and not r.num_cached_prompt_tokens and hits:
             r.num_cached_prompt_tokens = min(hits[0], r.num_prompt_tokens)
 
+    # ------------------------------------------------------------------ introspection
     def has_work(self) -> bool:
         return bool(self.requests or self._pending_free)
 

@@ -156,7 +156,7 @@ class Scheduler(RequestLifecycle):
             return []
         if not r.forked:
             seq0 = r.live[0]
-            target = seq0.num_tokens - 1  # prefill all but the last prompt token once, then fork
+            target = self._prefill_target(r, seq0)  # all but the last prompt token, once; then fork
             if seq0.num_computed_tokens < target:
                 return [(seq0, min(target - seq0.num_computed_tokens, budget.tokens))]
             if r.req.params.n > budget.seqs:
