@@ -21,7 +21,7 @@ import gc
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Collection
+from collections.abc import Collection
 
 from tokenizers import Tokenizer
 
@@ -34,12 +34,12 @@ from scheduler_svc.api_types import (
     NoExecutor,
     QueueFull,
     RequestFailed,
-    RequestOutput,
 )
 from scheduler_svc.detokenize import standalone_token_texts
 from scheduler_svc.executors import ExecutorConn, ExecutorHub, ExecutorLost
 from scheduler_svc.kv_cache_manager import hash_blocks
 from scheduler_svc.lifecycle import ProtocolError
+from scheduler_svc.output_stream import OutputStream
 from scheduler_svc.outputs import RequestStream
 from scheduler_svc.publish import Publisher, merge_updates
 from scheduler_svc.request import MigratedRequest
@@ -149,21 +149,12 @@ class Engine:
                 num_waiting=s.num_waiting + len(slot.adds), tensor_parallel_size=info.tensor_parallel_size))
         return st
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        t = self._admit(req)
-        try:
-            while True:
-                if (arrival := t.arrival()) is not None:
-                    await arrival
-                for item in t.take():
-                    if isinstance(item, Exception):
-                        raise item
-                    yield item
-                    if item.finished:
-                        return
-        finally:
-            if not t.stream.done and t.request_id in self.tracked:
-                self._abort(t, notify=False)  # client went away or deadline passed
+    def generate(self, req: GenerationRequest) -> OutputStream:
+        """``req``'s outputs, as an async iterator (admitted at its first ``__anext__``).
+
+        Close it (``aclose()``) to stop early: the request is aborted and its blocks freed.
+        """
+        return OutputStream(req, self._admit, self._abandon)
 
     # ------------------------------------------------------------------ admission
 
@@ -188,6 +179,11 @@ class Engine:
             raise NoExecutor(why)
         self.tracked[req.request_id] = t
         return t
+
+    def _abandon(self, t: Tracked) -> None:
+        """Its consumer went away (stream closed or dropped, client gone, deadline passed)."""
+        if not t.stream.done and t.request_id in self.tracked:
+            self._abort(t, notify=False)
 
     def _num_queued(self) -> int:
         return len(self.orphans) + sum(s.scheduler.num_waiting + len(s.adds) for s in self.slots.values())
@@ -363,7 +359,7 @@ class Engine:
     def _fail(self, t: Tracked, exc: Exception) -> None:
         self.tracked.pop(t.request_id, None)
         t.stream.abort()
-        t.put(exc)
+        t.put_error(exc)
 
     def _flush(self, slot: ExecutorSlot) -> None:
         """Stream what ``slot``'s scheduler applied and did not stream yet: before its requests

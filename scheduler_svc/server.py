@@ -9,7 +9,7 @@ unexpected -> INTERNAL, this request only); before the engine, here:
 
 The servicer talks to the engine only through the interface in
 docs/ARCHITECTURE.md ("Engine <-> servicer"). When the client cancels or its
-deadline passes, the handler is cancelled and the engine's generator is closed
+deadline passes, the handler is cancelled and the engine's stream is closed
 right away (``aclose``), which is the engine's signal to abort the request.
 """
 
@@ -158,7 +158,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return greq
 
     async def _run(self, greq: GenerationRequest) -> AsyncIterator[pb.GenerateResponse]:
-        """The engine's stream as protobuf, errors mapped to _Refused; always closes the engine's generator."""
+        """The engine's stream as protobuf, errors mapped to _Refused; always closes the engine's stream."""
         stream = None
         try:
             stream = self._engine.generate(greq)
@@ -168,7 +168,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             r = refusal(e, greq.request_id)
             raise _Refused(grpc.StatusCode[r.grpc_code], r.message) from e
         finally:
-            # Cancellation or deadline: closing the generator tells the engine to abort and free blocks.
+            # Cancellation or deadline: closing the stream tells the engine to abort and free blocks.
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from scheduler_svc.api_types import RequestOutput
 from scheduler_svc.executors import ExecutorConn
 from scheduler_svc.outputs import RequestStream
 from scheduler_svc.request import MigratedRequest
@@ -21,49 +22,45 @@ from scheduler_svc.scheduler import Scheduler
 class Tracked:
     """A request as the engine follows it, across executors.
 
-    ``outbox`` + ``waiter`` is a minimal single-consumer mailbox: an
-    asyncio.Queue costs several times more per token, and the engine pushes
-    one item per request per step.
+    Its outputs reach the consumer (:class:`~scheduler_svc.output_stream.OutputStream`)
+    through a minimal single-consumer mailbox: the consumer's ``waiter`` while it
+    waits, else ``outbox``. An asyncio.Queue costs several times more per token,
+    and the engine puts one output per request per step.
     """
 
     stream: RequestStream
-    outbox: list = field(default_factory=list)  # RequestOutput | Exception, oldest first
-    waiter: asyncio.Future | None = None
+    outbox: list = field(default_factory=list)  # RequestOutput | Exception put while nobody waited, oldest first
+    waiter: asyncio.Future | None = None  # the consumer's, while it waits for the next output
+    ended: bool = False  # the last item (the finished output, or an error) has been put
     slot: ExecutorSlot | None = None
     migrations: int = 0
     resume: MigratedRequest | None = None  # set while waiting to be re-queued elsewhere
-    loop: asyncio.AbstractEventLoop | None = None  # the consumer's, cached by arrival()
 
     @property
     def request_id(self) -> str:
         return self.stream.req.request_id
 
-    def put(self, item) -> None:
-        self.outbox.append(item)
+    def put(self, out: RequestOutput) -> None:
+        if out.finished:
+            self.ended = True
         w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        if w is not None:
+            self.waiter = None
+            if not w.done():  # (cancelled: its consumer stopped waiting; the output waits below)
+                w.set_result(out)
+                return
+        self.outbox.append(out)
 
-    def arrival(self) -> asyncio.Future | None:
-        """None when items wait in ``outbox``, else a future the next :meth:`put` completes.
-
-        The consumer awaits the future itself and then takes ``outbox``: a coroutine here
-        would add a frame to resume on every wake-up (one per request per step).
-        """
-        if self.outbox:
-            return None
-        loop = self.loop
-        if loop is None:
-            # Looked up once per request: on Python 3.11 get_running_loop() is a getpid() system
-            # call (a fork check), which was a fifth of the engine's CPU per step.
-            loop = self.loop = asyncio.get_running_loop()
-        w = self.waiter = loop.create_future()
-        return w
-
-    def take(self) -> list:
-        """Everything put since the last take, oldest first."""
-        items, self.outbox = self.outbox, []
-        return items
+    def put_error(self, exc: Exception) -> None:
+        """End the consumer's stream with ``exc`` (raised where it awaits its next output)."""
+        self.ended = True
+        w = self.waiter
+        if w is not None:
+            self.waiter = None
+            if not w.done():
+                w.set_exception(exc)
+                return
+        self.outbox.append(exc)
 
 
 @dataclass(slots=True, eq=False)

@@ -175,6 +175,38 @@ def test_closing_the_stream_aborts_and_frees(tokenizer):
     _run(main())
 
 
+def test_a_cancelled_consumer_aborts_its_request_and_frees_its_blocks(tokenizer):
+    """A client disconnect as a consumer without aclose() sees it: its task is cancelled while it
+    waits for a token and the stream is dropped. The request must not run on to max_tokens."""
+    from scheduler_svc.metrics import Metrics
+
+    async def main():
+        metrics = Metrics()
+        async with running(tokenizer, 1, metrics=metrics) as (engine, execs):
+            got = []
+
+            async def consume():
+                async for out in engine.generate(_req("left", list(range(3, 40)), 400)):
+                    got.append(out)
+
+            task = asyncio.ensure_future(consume())
+            while len(got) < 3:
+                await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(100):
+                if "left" not in engine.tracked:
+                    break
+                await asyncio.sleep(0.01)
+            assert "left" not in engine.tracked
+            await _settle(engine)
+            assert metrics.registry.get_sample_value("pagedserve:request_success_total",
+                                                     {"finished_reason": "aborted"}) == 1
+
+    _run(main())
+
+
 def test_dead_executor_requests_continue_elsewhere_without_gap_or_repeat(tokenizer):
     async def main():
         async with running(tokenizer, 1) as (engine, execs):

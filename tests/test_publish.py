@@ -63,7 +63,7 @@ def test_fast_and_general_paths_stream_the_same_text_usage_and_metrics(merge_eve
     assert applied["fast"] == (2 if merge_every == 1 else updates)
     texts = {}
     for name, t in tracked.items():
-        outs = t.take()
+        outs = t.outbox  # (nobody waited: every output was kept)
         texts[name] = "".join(c.text for o in outs for c in o.choices)
         assert [i for o in outs for c in o.choices for i in c.token_ids] == ids
         assert outs[-1].finished and outs[-1].usage.completion_tokens == len(ids)

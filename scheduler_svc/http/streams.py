@@ -1,7 +1,7 @@
 """Engine streams for the HTTP front: merging a batch, client disconnects, server-sent events.
 
 Whatever ends a response early (the client goes away, an error, the server stops) closes
-every engine generator of the request at once, which is the engine's signal to abort it
+every engine stream of the request at once, which is the engine's signal to abort it
 and free its blocks, as for a cancelled gRPC call.
 
 SSE format: one ``data: <json>\\n\\n`` event per chunk; the stream ends with
@@ -71,7 +71,7 @@ async def _disconnect(receive: Receive) -> None:
 
 
 async def single(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[Tagged]:
-    """One engine stream as (0, output) pairs; closing this closes the engine's generator."""
+    """One engine stream as (0, output) pairs; closing this closes the engine's stream."""
     async with contextlib.aclosing(stream):
         async for out in stream:
             yield 0, out
@@ -107,7 +107,7 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[Ta
                 yield i, out
     finally:
         for t in tasks:
-            t.cancel()  # a pump cancelled inside the engine's generator closes it (abort + free)
+            t.cancel()  # a pump cancelled while it waits closes the engine's stream (abort + free)
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
