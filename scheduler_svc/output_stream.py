@@ -110,7 +110,7 @@ class OutputStream:
         return f
 
     def _failed(self, exc: BaseException) -> asyncio.Future[RequestOutput]:
-        f = asyncio.get_running_loop().create_future()
+        f = (self._loop or asyncio.get_running_loop()).create_future()
         f.set_exception(exc)
         return f
 
