@@ -43,6 +43,7 @@ def test_http_api_port_and_host(model_dir):
     ([], {"PAGEDSERVE_MAX_MIGRATIONS": "-1"}, "--max-migrations: must be >= 0, got -1"),
     ([], {"PAGEDSERVE_PREEMPTION_MODE": "drop"}, "invalid choice: 'drop'"),
     ([], {"PAGEDSERVE_DISABLE_PREFIX_CACHING": "maybe"}, "PAGEDSERVE_DISABLE_PREFIX_CACHING: expected a boolean"),
+    (["--stream-interval", "0"], {}, "--stream-interval: must be >= 1, got 0"),
 ])
 def test_bad_values_name_the_flag_and_the_limit(model_dir, capsys, argv, env, message):
     with pytest.raises(SystemExit):
@@ -192,3 +193,8 @@ def test_the_executor_checks_its_cluster_secret_before_loading_the_model(tmp_pat
     secret.write_text("e" * 40)
     assert parse_config(argv, {}).cluster_keys == derive_keys(b"e" * 40)
     assert parse_config(argv[:4], {}).cluster_keys is None
+
+
+def test_the_stream_interval_defaults_to_every_step_and_reads_the_environment(model_dir):
+    assert load_config(["--model", str(model_dir)], {}).stream_interval == 1
+    assert load_config(["--model", str(model_dir)], {"PAGEDSERVE_STREAM_INTERVAL": "4"}).stream_interval == 4

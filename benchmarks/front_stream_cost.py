@@ -1,0 +1,153 @@
+"""What streaming a token through the gRPC front costs the scheduler, by ``--stream-interval``.
+
+The real gRPC server (``start_grpc_server``: validation, ``Engine.generate``'s
+``OutputStream``, protobuf, grpc.aio writes) runs in this process on uvloop; the
+engine is replaced by a ticker that, every modelled step, puts one token into
+each running request's mailbox, as the engine's fan-out does. So what is
+measured is the front's own cost per token, which ``step_overlap``'s bare
+consumers leave out. The clients (grpc.aio, one streaming ``Generate`` per
+request) run in a subprocess whose CPU is not counted.
+
+    .venv/bin/python -m benchmarks.front_stream_cost [--streams 256] [--tokens 200] [--repeats 3]
+
+Intervals alternate run by run; prints a table, then one JSON line with
+``us_per_token_interval_<k>`` (the scheduler process's CPU per streamed token,
+median of the repeats) and ``tokens_per_message_interval_<k>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import uvloop
+
+from benchmarks.engine_harness import small_tokenizer
+from scheduler_svc.api_types import (
+    ChoiceDelta,
+    FinishReason,
+    GenerationRequest,
+    ModelInfo,
+    RequestOutput,
+    Usage,
+)
+from scheduler_svc.engine import tune_gc
+from scheduler_svc.output_stream import OutputStream
+from scheduler_svc.outputs import RequestStream
+from scheduler_svc.server import start_grpc_server
+from scheduler_svc.slots import Tracked
+
+STEP_S = 0.005
+CLIENT = r"""
+import asyncio, sys, grpc
+from pagedserve.v1 import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+async def one(stub, i, tokens):
+    n = msgs = 0
+    req = pb.GenerateRequest(request_id=f"r{i}", prompt_token_ids=[5, 6, 7],
+                             sampling=pb.SamplingParams(max_tokens=tokens))
+    async for r in stub.Generate(req):
+        msgs += 1
+        n += sum(len(c.token_ids) for c in r.choices)
+    return n, msgs
+async def main(port, streams, tokens):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        res = await asyncio.gather(*(one(stub, i, tokens) for i in range(streams)))
+    print(sum(r[0] for r in res), sum(r[1] for r in res))
+asyncio.run(main(*map(int, sys.argv[1:])))
+"""
+
+
+class TickingEngine:
+    """The engine interface the servicer uses; every STEP_S each running request gets one token."""
+
+    def __init__(self, tokenizer, tokens: int) -> None:
+        self.tokenizer, self.tokens = tokenizer, tokens
+        self.running: dict[str, tuple[Tracked, list[int]]] = {}
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo("bench", "LlamaForCausalLM", 4096, self.tokenizer.get_vocab_size(), 16, 1)
+
+    def is_ready(self) -> bool:
+        return True
+
+    def stats(self):
+        raise NotImplementedError
+
+    def generate(self, req: GenerationRequest) -> OutputStream:
+        return OutputStream(req, self._admit, self._abandon)
+
+    def _admit(self, req: GenerationRequest) -> Tracked:
+        t = Tracked(RequestStream(req, self.tokenizer, 1))
+        self.running[req.request_id] = (t, [0])
+        return t
+
+    def _abandon(self, t: Tracked) -> None:
+        self.running.pop(t.request_id, None)
+
+    async def tick(self) -> None:
+        while True:
+            await asyncio.sleep(STEP_S)
+            for rid, (t, sent) in list(self.running.items()):
+                sent[0] += 1
+                last = sent[0] >= self.tokens
+                t.put(RequestOutput(rid, [ChoiceDelta(0, "ab", [7], finish_reason=FinishReason.LENGTH if last
+                                                      else FinishReason.UNSPECIFIED)],
+                                    Usage(3, self.tokens, 0) if last else None, finished=last))
+                if last:
+                    del self.running[rid]
+
+
+async def run_once(interval: int, streams: int, tokens: int, tokenizer) -> dict:
+    engine = TickingEngine(tokenizer, tokens)
+    api = await start_grpc_server(engine, tokenizer, "127.0.0.1", 0, health_poll_interval=None,
+                                  stream_interval=interval)
+    ticker = asyncio.ensure_future(engine.tick())
+    try:
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        client = await asyncio.create_subprocess_exec(sys.executable, "-c", CLIENT, str(api.port), str(streams),
+                                                      str(tokens), stdout=subprocess.PIPE)
+        out, _ = await client.communicate()
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+    finally:
+        ticker.cancel()
+        await api.shutdown(0.0)
+    got, messages = map(int, out.split())
+    if got != streams * tokens:
+        raise RuntimeError(f"{got} tokens streamed, expected {streams * tokens}")
+    return {"us_per_token": 1e6 * cpu / got, "tokens_per_message": got / messages, "wall_s": wall}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--streams", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=200, help="tokens per request")
+    ap.add_argument("--intervals", default="1,4", help="--stream-interval values, comma-separated")
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args(argv)
+    tokenizer, _ = small_tokenizer()
+    tune_gc()
+    intervals = [int(x) for x in a.intervals.split(",")]
+    runs: dict[int, list[dict]] = {k: [] for k in intervals}
+    for _ in range(a.repeats):
+        for k in intervals:
+            runs[k].append(uvloop.run(run_once(k, a.streams, a.tokens, tokenizer)))
+    print(f"{'interval':>8} {'scheduler CPU us/token':>23} {'tokens/message':>15} {'runs (us/token)':>24}")
+    summary: dict[str, float | int] = {}
+    for k in intervals:
+        us = statistics.median(r["us_per_token"] for r in runs[k])
+        per_msg = statistics.median(r["tokens_per_message"] for r in runs[k])
+        print(f"{k:>8} {us:>23.1f} {per_msg:>15.2f} {str([round(r['us_per_token'], 1) for r in runs[k]]):>24}")
+        summary[f"us_per_token_interval_{k}"] = round(us, 2)
+        summary[f"tokens_per_message_interval_{k}"] = round(per_msg, 2)
+    summary.update({"streams": a.streams, "tokens": a.tokens, "repeats": a.repeats})
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
