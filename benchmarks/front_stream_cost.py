@@ -1,14 +1,17 @@
-"""What streaming a token through the gRPC front costs the scheduler, by ``--stream-interval``.
+"""What streaming a token through a front costs the scheduler, by ``--stream-interval``.
 
 The real gRPC server (``start_grpc_server``: validation, ``Engine.generate``'s
-``OutputStream``, protobuf, grpc.aio writes) runs in this process on uvloop; the
+``OutputStream``, protobuf, grpc.aio writes), or with ``--api http`` the real
+OpenAI-compatible server (uvicorn, Starlette, one server-sent event per message,
+``return_token_ids``), runs in this process on uvloop; the
 engine is replaced by a ticker that, every modelled step, puts one token into
 each running request's mailbox, as the engine's fan-out does. So what is
 measured is the front's own cost per token, which ``step_overlap``'s bare
 consumers leave out. The clients (grpc.aio, one streaming ``Generate`` per
-request) run in a subprocess whose CPU is not counted.
+request; or aiohttp, one streaming ``POST /v1/completions`` per request) run in a
+subprocess whose CPU is not counted.
 
-    .venv/bin/python -m benchmarks.front_stream_cost [--streams 256] [--tokens 200] [--repeats 3]
+    .venv/bin/python -m benchmarks.front_stream_cost [--api grpc|http] [--streams 256] [--tokens 200] [--repeats 3]
 
 Intervals alternate run by run; prints a table, then one JSON line with
 ``us_per_token_interval_<k>`` (the scheduler process's CPU per streamed token,
@@ -37,10 +40,14 @@ from scheduler_svc.api_types import (
     Usage,
 )
 from scheduler_svc.engine import tune_gc
+from scheduler_svc.http.app import OpenAIFront, build_app
+from scheduler_svc.http.limits import HttpLimits
+from scheduler_svc.http.serve import start_http_server
 from scheduler_svc.output_stream import OutputStream
 from scheduler_svc.outputs import RequestStream
 from scheduler_svc.server import start_grpc_server
 from scheduler_svc.slots import Tracked
+from scheduler_svc.validation import ServerLimits
 
 STEP_S = 0.005
 CLIENT = r"""
@@ -58,6 +65,24 @@ async def main(port, streams, tokens):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = pb_grpc.GenerationStub(ch)
         res = await asyncio.gather(*(one(stub, i, tokens) for i in range(streams)))
+    print(sum(r[0] for r in res), sum(r[1] for r in res))
+asyncio.run(main(*map(int, sys.argv[1:])))
+"""
+HTTP_CLIENT = r"""
+import asyncio, json, sys, aiohttp
+async def one(session, url, tokens):
+    n = msgs = 0
+    body = {"prompt": [5, 6, 7], "max_tokens": tokens, "stream": True, "return_token_ids": True}
+    async with session.post(url, json=body) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                msgs += 1
+                n += sum(len(c.get("token_ids", ())) for c in json.loads(line[6:])["choices"])
+    return n, msgs
+async def main(port, streams, tokens):
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        res = await asyncio.gather(*(one(session, url, tokens) for i in range(streams)))
     print(sum(r[0] for r in res), sum(r[1] for r in res))
 asyncio.run(main(*map(int, sys.argv[1:])))
 """
@@ -103,20 +128,26 @@ class TickingEngine:
                     del self.running[rid]
 
 
-async def run_once(interval: int, streams: int, tokens: int, tokenizer) -> dict:
+async def run_once(api: str, interval: int, streams: int, tokens: int, tokenizer) -> dict:
     engine = TickingEngine(tokenizer, tokens)
-    api = await start_grpc_server(engine, tokenizer, "127.0.0.1", 0, health_poll_interval=None,
-                                  stream_interval=interval)
+    if api == "grpc":
+        server = await start_grpc_server(engine, tokenizer, "127.0.0.1", 0, health_poll_interval=None,
+                                         stream_interval=interval)
+        client_code, stop = CLIENT, server.shutdown(0.0)
+    else:
+        front = OpenAIFront(engine, tokenizer, None, ServerLimits(), HttpLimits(), None, interval)
+        server = await start_http_server(build_app(front), "127.0.0.1", 0)
+        client_code, stop = HTTP_CLIENT, server.stop(0.5)
     ticker = asyncio.ensure_future(engine.tick())
     try:
         cpu0, t0 = time.process_time(), time.perf_counter()
-        client = await asyncio.create_subprocess_exec(sys.executable, "-c", CLIENT, str(api.port), str(streams),
-                                                      str(tokens), stdout=subprocess.PIPE)
+        client = await asyncio.create_subprocess_exec(sys.executable, "-c", client_code, str(server.port),
+                                                      str(streams), str(tokens), stdout=subprocess.PIPE)
         out, _ = await client.communicate()
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
     finally:
         ticker.cancel()
-        await api.shutdown(0.0)
+        await stop
     got, messages = map(int, out.split())
     if got != streams * tokens:
         raise RuntimeError(f"{got} tokens streamed, expected {streams * tokens}")
@@ -125,6 +156,7 @@ async def run_once(interval: int, streams: int, tokens: int, tokenizer) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--api", choices=("grpc", "http"), default="grpc")
     ap.add_argument("--streams", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=200, help="tokens per request")
     ap.add_argument("--intervals", default="1,4", help="--stream-interval values, comma-separated")
@@ -136,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[int, list[dict]] = {k: [] for k in intervals}
     for _ in range(a.repeats):
         for k in intervals:
-            runs[k].append(uvloop.run(run_once(k, a.streams, a.tokens, tokenizer)))
+            runs[k].append(uvloop.run(run_once(a.api, k, a.streams, a.tokens, tokenizer)))
     print(f"{'interval':>8} {'scheduler CPU us/token':>23} {'tokens/message':>15} {'runs (us/token)':>24}")
     summary: dict[str, float | int] = {}
     for k in intervals:
@@ -145,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{k:>8} {us:>23.1f} {per_msg:>15.2f} {str([round(r['us_per_token'], 1) for r in runs[k]]):>24}")
         summary[f"us_per_token_interval_{k}"] = round(us, 2)
         summary[f"tokens_per_message_interval_{k}"] = round(per_msg, 2)
-    summary.update({"streams": a.streams, "tokens": a.tokens, "repeats": a.repeats})
+    summary.update({"api": a.api, "streams": a.streams, "tokens": a.tokens, "repeats": a.repeats})
     print(json.dumps(summary))
 
 

@@ -4,6 +4,7 @@ shapes (through the official openai client), every error status, body bounds, di
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -279,6 +280,44 @@ def test_chunked_body_is_cut_off_at_the_limit(fake):
             s.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
         reply = s.recv(4096)
     assert reply.startswith(b"HTTP/1.1 413")
+
+
+def test_an_endless_request_head_is_cut_off_and_the_server_keeps_serving(fake):
+    """httptools (llhttp) does not bound a head: a header value sent forever would be buffered
+    forever. The connection gets 400 and is closed once the head passes 16 KiB, as with h11."""
+    from scheduler_svc.http.serve import MAX_REQUEST_HEAD_BYTES, BoundedHttpToolsProtocol
+
+    assert fake.server.server.config.http_protocol_class is BoundedHttpToolsProtocol
+    with socket.create_connection(("127.0.0.1", fake.server.port), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+        sent, reply = 0, b""
+        with contextlib.suppress(OSError):  # (the server may close while we still send)
+            while sent < 40 * MAX_REQUEST_HEAD_BYTES and not reply:
+                s.sendall(b"a" * 4096)
+                sent += 4096
+                s.settimeout(0.01)
+                with contextlib.suppress(TimeoutError):
+                    reply = s.recv(4096)
+                s.settimeout(5)
+        reply += s.recv(4096) if not reply else b""
+    assert reply.startswith(b"HTTP/1.1 400") and b"head too large" in reply
+    assert sent <= 2 * MAX_REQUEST_HEAD_BYTES  # cut off near the bound, not after buffering it all
+    assert fake.client().completions.create(model=MODEL, prompt="a").choices[0].text == FULL
+
+
+def test_a_large_body_sent_with_its_head_is_not_counted_as_head(fake):
+    """The head bound counts only what precedes the end of the headers, even when the body
+    arrives in the same read."""
+    body = json.dumps({"prompt": "a", "model": MODEL, "user": "u" * 3000}).encode()  # < max_body_bytes
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + b"X-Pad: " + b"p" * 12000 + b"\r\n"  # head 12 KB + body 3 KB > 16 KiB together
+            + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
+    with socket.create_connection(("127.0.0.1", fake.server.port), timeout=5) as s:
+        s.sendall(head + body)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
 
 
 def test_unknown_model_route_and_method(fake):
