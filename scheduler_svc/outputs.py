@@ -190,3 +190,23 @@ class RequestStream:
                           completion_tokens=sum(len(v) for v in self.outputs.values()),
                           cached_prompt_tokens=self.cached_prompt_tokens)
         return RequestOutput(self.req.request_id, choices, usage, finished=done)
+
+
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: each choice's text, tokens and logprobs in
+    order, its last finish reason; the last output's usage and finished flag."""
+    if len(outs) == 1:
+        return outs[0]
+    merged: dict[int, ChoiceDelta] = {}
+    for out in outs:
+        for c in out.choices:
+            m = merged.get(c.index)
+            if m is None:
+                merged[c.index] = m = ChoiceDelta(c.index)
+            m.text += c.text
+            m.token_ids.extend(c.token_ids)
+            m.logprobs.extend(c.logprobs)
+            if c.finish_reason != FinishReason.UNSPECIFIED:
+                m.finish_reason = c.finish_reason
+    last = outs[-1]
+    return RequestOutput(last.request_id, list(merged.values()), last.usage, last.finished)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-from scheduler_svc.api_types import ChoiceDelta, FinishReason, RequestOutput
+from scheduler_svc.api_types import RequestOutput
+from scheduler_svc.outputs import merge_outputs
 
 
 async def coalesce(stream: AsyncIterator[RequestOutput], interval: int) -> AsyncIterator[RequestOutput]:
@@ -47,22 +48,3 @@ async def coalesce(stream: AsyncIterator[RequestOutput], interval: int) -> Async
                 yield merge_outputs(held)
             raise
 
-
-def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
-    """Consecutive outputs of one request as one: each choice's text, tokens and logprobs in
-    order, its last finish reason; the last output's usage and finished flag."""
-    if len(outs) == 1:
-        return outs[0]
-    merged: dict[int, ChoiceDelta] = {}
-    for out in outs:
-        for c in out.choices:
-            m = merged.get(c.index)
-            if m is None:
-                merged[c.index] = m = ChoiceDelta(c.index)
-            m.text += c.text
-            m.token_ids.extend(c.token_ids)
-            m.logprobs.extend(c.logprobs)
-            if c.finish_reason != FinishReason.UNSPECIFIED:
-                m.finish_reason = c.finish_reason
-    last = outs[-1]
-    return RequestOutput(last.request_id, list(merged.values()), last.usage, last.finished)

@@ -64,10 +64,10 @@ def test_outputs_arrive_in_order_whether_or_not_the_consumer_waits():
         t.put(_out("a"))  # the consumer waits: its own future gets the output
         assert first.done() and not t.outbox
         assert (await first).choices[0].text == "a"
-        t.put(_out("b"))  # nobody waits: kept, handed over in order
+        t.put(_out("b"))  # nobody waits: kept, and handed over together, in order
         t.put(_out("c", finished=True))
-        got = [o.choices[0].text async for o in s]
-        assert got == ["b", "c"]
+        got = [o async for o in s]
+        assert [(o.choices[0].text, o.choices[0].token_ids, o.finished) for o in got] == [("bc", [7, 7], True)]
         assert await anext(s, "end") == "end"  # over, and stays over
         assert a.abandoned == [t]  # told once; the engine aborts only a request still running
 
@@ -87,6 +87,25 @@ def test_an_error_is_raised_where_the_consumer_waits_and_ends_the_stream():
             with pytest.raises(RequestFailed, match="executor died"):
                 await (nxt if waiting else s.__anext__())
             assert await anext(s, "end") == "end"
+
+    _run(main())
+
+
+def test_a_consumer_that_fell_behind_gets_the_backlog_as_one_output_then_the_error():
+    async def main():
+        a = Admission()
+        s = a.stream()
+        pending = s.__anext__()
+        a.tracked.put(_out("a"))
+        await pending
+        for text in "bcd":  # the consumer is busy (a slow client): three steps pile up
+            a.tracked.put(_out(text))
+        a.tracked.put_error(RequestFailed("executor died"))
+        caught_up = await s.__anext__()
+        assert caught_up.choices[0].text == "bcd" and caught_up.choices[0].token_ids == [7, 7, 7]
+        with pytest.raises(RequestFailed, match="executor died"):  # after every token it had
+            await s.__anext__()
+        assert await anext(s, "end") == "end"
 
     _run(main())
 
