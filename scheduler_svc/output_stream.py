@@ -114,7 +114,7 @@ class OutputStream:
         n = 0
         while n < len(outbox) and not isinstance(outbox[n], Exception):
             n += 1
-        if n == 0:
+        if n <= 1:  # the error, or one output: nothing to merge
             return outbox.pop(0)
         outs = outbox[:n]
         del outbox[:n]

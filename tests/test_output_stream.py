@@ -44,6 +44,14 @@ class Admission:
     def stream(self) -> OutputStream:
         return OutputStream(GenerationRequest("r", [5, 6], RequestParams(max_tokens=8)), self.admit, self.abandon)
 
+    async def streaming(self) -> OutputStream:
+        """A stream admitted and past its first output ("a")."""
+        s = self.stream()
+        pending = s.__anext__()
+        self.tracked.put(_out("a"))
+        await pending
+        return s
+
 
 def _out(text: str, finished: bool = False) -> RequestOutput:
     return RequestOutput("r", [ChoiceDelta(0, text, [7])], finished=finished)
@@ -78,10 +86,7 @@ def test_an_error_is_raised_where_the_consumer_waits_and_ends_the_stream():
     async def main():
         for waiting in (True, False):
             a = Admission()
-            s = a.stream()
-            pending = s.__anext__()
-            a.tracked.put(_out("a"))
-            await pending
+            s = await a.streaming()
             nxt = s.__anext__() if waiting else None
             a.tracked.put_error(RequestFailed("executor died"))
             with pytest.raises(RequestFailed, match="executor died"):
@@ -94,10 +99,7 @@ def test_an_error_is_raised_where_the_consumer_waits_and_ends_the_stream():
 def test_a_consumer_that_fell_behind_gets_the_backlog_as_one_output_then_the_error():
     async def main():
         a = Admission()
-        s = a.stream()
-        pending = s.__anext__()
-        a.tracked.put(_out("a"))
-        await pending
+        s = await a.streaming()
         for text in "bcd":  # the consumer is busy (a slow client): three steps pile up
             a.tracked.put(_out(text))
         a.tracked.put_error(RequestFailed("executor died"))
@@ -126,10 +128,7 @@ def test_a_refusal_is_raised_by_the_first_await():
 def test_closing_early_aborts_once_and_ends_the_stream():
     async def main():
         a = Admission()
-        s = a.stream()
-        pending = s.__anext__()
-        a.tracked.put(_out("a"))
-        await pending
+        s = await a.streaming()
         waiting = s.__anext__()
         await s.aclose()
         await s.aclose()
@@ -170,11 +169,8 @@ def test_a_cancelled_consumer_ends_the_stream_and_loses_nothing_put_meanwhile():
 def test_dropping_an_unclosed_stream_aborts_its_request_on_the_loop():
     async def main():
         a = Admission()
-        s = a.stream()
-        pending = s.__anext__()
-        a.tracked.put(_out("a"))
-        await pending
-        del s, pending
+        s = await a.streaming()
+        del s
         gc.collect()
         assert a.abandoned == []  # not from the finalizer itself (it may run on any thread)
         await asyncio.sleep(0)
