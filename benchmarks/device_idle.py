@@ -6,7 +6,7 @@ step: applying the plan, building the batch's tensors, and the sampler's sync.
 The real scheduler plans the steps (in this process, outside the timed window);
 each ``ModelRunner.execute`` is timed, and on CUDA the union of the kernels'
 intervals from torch.profiler is the device's busy time. On CPU "busy" is the
-time inside the model's forward (there is no separate device).
+time inside the model's forward and LM head (there is no separate device).
 
     .venv/bin/python -m benchmarks.device_idle --model DIR [--device cuda] [--seqs 64]
 
@@ -76,22 +76,23 @@ def measure(model_dir: Path, device: str = "cpu", seqs: int = 64, prompt: int = 
     for _ in range(warmup):  # prefill and the first decodes (kernel compiles, caches)
         step()
     forward_s = 0.0
-    forward = model.forward
 
-    def timed_forward(*a, **k):
-        nonlocal forward_s
-        t = time.perf_counter()
-        out = forward(*a, **k)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        forward_s += time.perf_counter() - t
-        return out
+    def timed(fn):
+        def run(*a, **k):
+            nonlocal forward_s
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            forward_s += time.perf_counter() - t
+            return out
+        return run
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    else:
-        model.forward = timed_forward
+    else:  # the model's compute: its layers and the LM head
+        model.forward, model.compute_logits = timed(model.forward), timed(model.compute_logits)
     with torch.profiler.profile(activities=activities) as prof:
         wall = sum(step() for _ in range(steps))
     if device == "cuda":

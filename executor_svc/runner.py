@@ -145,37 +145,58 @@ class ModelRunner:
         self._report(seqs, self.sampler.sample(logits, seqs), result)
 
     def build_batch(self, seq_ids: list[int], num_new: list[int]) -> Batch:
+        """One pass over the sequences gathers what only they know (their computed counts, new
+        tokens and block tables); positions, slots and the padded tables are then computed for
+        the whole batch at once. A decode step of 256 sequences costs the device's host thread
+        a few hundred microseconds here instead of milliseconds (numpy calls per sequence)."""
         bs = self.kv.block_size
-        ids, pos, slots, rows, sample_ids = [], [], [], [], []
-        starts, lens = [0], []
-        tables = []
+        seqs = self.seqs
+        ids: list[int] = []
+        begins: list[int] = []
+        lens: list[int] = []
+        blocks: list[int] = []  # every sequence's needed block ids, back to back
+        blocks_per_seq: list[int] = []
+        sampling: list[bool] = []
         for sid, n in zip(seq_ids, num_new, strict=True):
-            s = self.seqs[sid]
-            begin, end = s.num_computed_tokens, s.num_computed_tokens + n
-            p = np.arange(begin, end, dtype=np.int64)
-            table = np.asarray(s.block_ids[: -(-end // bs)], dtype=np.int64)
-            ids.extend(s.token_ids[begin:end])
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            starts.append(starts[-1] + n)
+            s = seqs[sid]
+            begin = s.num_computed_tokens
+            end = begin + n
+            tokens = s.token_ids
+            if n == 1:
+                ids.append(tokens[begin])
+            else:
+                ids.extend(tokens[begin:end])
+            nb = -(-end // bs)
+            blocks.extend(s.block_ids[:nb])
+            blocks_per_seq.append(nb)
+            begins.append(begin)
             lens.append(end)
-            tables.append(table)
-            if end == len(s.token_ids):
-                rows.append(starts[-1] - 1)
-                sample_ids.append(sid)
-        block_tables = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
+            sampling.append(end == len(tokens))
+        num_seqs = len(lens)
+        new = np.asarray(num_new, dtype=np.int64)
+        starts = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(new, out=starts[1:])
+        seq_of_token = np.repeat(np.arange(num_seqs), new)
+        positions = np.asarray(begins, dtype=np.int64)[seq_of_token] + (np.arange(starts[-1]) - starts[seq_of_token])
+        per_seq = np.asarray(blocks_per_seq, dtype=np.int64)
+        first_block = np.zeros(num_seqs, dtype=np.int64)
+        np.cumsum(per_seq[:-1], out=first_block[1:])
+        block_tables = np.zeros((num_seqs, int(per_seq.max())), dtype=np.int32)
+        seq_of_block = np.repeat(np.arange(num_seqs), per_seq)
+        block_tables[seq_of_block, np.arange(len(blocks)) - first_block[seq_of_block]] = blocks
+        slots = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        sample_at = np.flatnonzero(sampling)
+        starts_host = starts.tolist()
         dev = self.model.device
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
             block_tables=torch.from_numpy(block_tables).to(dev),
             max_query_len=max(num_new), max_seq_len=max(lens),
-            query_start_loc_host=starts, seq_lens_host=lens)
-        return Batch(torch.tensor(ids, dtype=torch.int64, device=dev),
-                     torch.from_numpy(np.concatenate(pos)).to(dev), meta, rows, sample_ids)
+            query_start_loc_host=starts_host, seq_lens_host=lens)
+        return Batch(torch.tensor(ids, dtype=torch.int64, device=dev), torch.from_numpy(positions).to(dev), meta,
+                     (starts[1:][sample_at] - 1).tolist(), [seq_ids[i] for i in sample_at.tolist()])
 
     def _report(self, seqs: list[SeqState], out: SampleOutput, result: StepResult) -> None:
         for i, s in enumerate(seqs):  # every row checked before any is appended: all or nothing
