@@ -156,7 +156,7 @@ class Sampler:
 
     @staticmethod
     def _greedy(logits, seqs, rows: list[int], out: SampleOutput) -> None:
-        sel = logits[rows]
+        sel = logits if len(rows) == logits.shape[0] else logits[rows]  # all rows: no copy of the logits
         tokens = torch.argmax(sel, dim=-1).tolist()
         want = [r for r, i in enumerate(rows) if seqs[i].sampling.want_logprobs]
         lp = torch.log_softmax(sel[want], dim=-1) if want else None
