@@ -89,7 +89,8 @@ async def start_http(cfg: ServiceConfig, engine: Engine, tokenizer: Tokenizer,
         middleware.append(Middleware(ApiKeyMiddleware, keys=cfg.api_keys,
                                      on_denied=lambda: metrics.on_rejected("UNAUTHENTICATED")))
     ssl = cfg.tls.uvicorn_options() if cfg.tls is not None else None
-    return front, await start_http_server(build_app(front, middleware), cfg.http_host, cfg.http_port, ssl)
+    return front, await start_http_server(build_app(front, middleware), cfg.http_host, cfg.http_port, ssl,
+                                          cfg.http_limits.head_timeout_s)
 
 
 async def serve(cfg: ServiceConfig) -> None:

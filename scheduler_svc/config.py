@@ -99,6 +99,8 @@ _LIMIT_HELP = {
     "max_messages": "HTTP: most messages in one chat request",
     "max_prompts": "HTTP: most prompts in one completions request (a batch)",
     "body_timeout_s": "HTTP: seconds a client may take to send a request body (408 after)",
+    "head_timeout_s": "HTTP: seconds a client may take to send a request line and headers, counted from "
+                      "their first byte or, for a new connection, from connecting (408 and closed after)",
 }
 
 

@@ -287,7 +287,7 @@ def test_an_endless_request_head_is_cut_off_and_the_server_keeps_serving(fake):
     forever. The connection gets 400 and is closed once the head passes 16 KiB, as with h11."""
     from scheduler_svc.http.serve import MAX_REQUEST_HEAD_BYTES, BoundedHttpToolsProtocol
 
-    assert fake.server.server.config.http_protocol_class is BoundedHttpToolsProtocol
+    assert fake.server.server.config.http_protocol_class.func is BoundedHttpToolsProtocol
     with socket.create_connection(("127.0.0.1", fake.server.port), timeout=5) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Endless: ")
         sent, reply = 0, b""
@@ -391,6 +391,72 @@ def test_a_body_trickled_past_the_time_limit_is_408_and_the_server_keeps_serving
             while b"request_timeout" not in reply and (chunk := sock.recv(4096)):  # headers, body: 1-2 reads
                 reply += chunk
         assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
+        assert http.client().completions.create(model=MODEL, prompt="a").choices[0].text == FULL
+    finally:
+        http.stop()
+
+
+def _read_response(sock) -> tuple[int, bytes]:
+    """One HTTP/1.1 response with a Content-Length from a keep-alive socket: (status, body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split()[1]), body
+
+
+def _trickle_head(sock) -> bytes:
+    """Send a request head one byte every 0.2 s, never finishing it; what the server answers
+    before it closes the connection (at most 5 s)."""
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+    reply, start = b"", time.monotonic()
+    with contextlib.suppress(OSError):  # (the server may close while we still send)
+        while not reply and time.monotonic() - start < 5:
+            sock.sendall(b"X")
+            sock.settimeout(0.2)
+            with contextlib.suppress(TimeoutError):
+                reply = sock.recv(4096)
+    sock.settimeout(5)
+    while chunk := sock.recv(4096):
+        reply += chunk
+    return reply
+
+
+def test_a_head_sent_slowly_or_never_is_timed_out_and_the_server_keeps_serving():
+    """uvicorn bounds neither: any byte resets its keep-alive timer, and a new connection may wait
+    for ever. A head trickled past head_timeout_s gets 408; a connection that sends nothing is
+    closed; a client that sends its head in time (also after idling on keep-alive) is served."""
+    import socket
+
+    engine = FakeEngine(make_tokenizer(), MAX_MODEL_LEN)
+    engine.ready = True
+    http = HttpThread(engine, ChatTemplate.compile(CHATML), LIMITS, HttpLimits(head_timeout_s=1), Metrics())
+    try:
+        port = http.server.port
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as slow, \
+                socket.create_connection(("127.0.0.1", port), timeout=10) as silent:
+            start = time.monotonic()
+            reply = _trickle_head(slow)
+            took = time.monotonic() - start
+            assert reply.startswith(b"HTTP/1.1 408") and b"not received in time" in reply, reply[:200]
+            assert 0.9 < took < 3
+            assert silent.recv(4096) == b""  # closed without an answer
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # keep-alive: two requests
+            body = json.dumps({"prompt": "a", "model": MODEL}).encode()
+            head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % len(body))
+            for i in range(3):
+                if i:
+                    time.sleep(0.6)  # idle between requests: uvicorn's keep-alive timeout, not ours
+                s.sendall(head[:20])
+                time.sleep(0.6 if i else 0.3)  # a later head ends 1.2 s after the last response: its
+                s.sendall(head[20:] + body)  # clock starts at its first byte
+                status, _ = _read_response(s)
+                assert status == 200
+            assert _trickle_head(s).startswith(b"HTTP/1.1 408")  # a later request's head is timed too
         assert http.client().completions.create(model=MODEL, prompt="a").choices[0].text == FULL
     finally:
         http.stop()

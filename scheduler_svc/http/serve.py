@@ -10,13 +10,15 @@ HTTP/1.1 is parsed by httptools (llhttp, in C) rather than h11 (pure Python): ea
 streamed event costs the scheduler ~28% less CPU (docs/PERF.md, "Streaming cost of the
 fronts"). llhttp does not bound a request's head, and httptools keeps a header value it
 is still receiving whole, so :class:`BoundedHttpToolsProtocol` bounds the head itself, as
-h11 does: a client cannot make the process buffer an endless header.
+h11 does: a client cannot make the process buffer an endless header. Neither parser bounds
+the time a head takes, so the protocol does that too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 from collections.abc import Iterator, Mapping
@@ -25,7 +27,9 @@ from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from scheduler_svc.http.limits import HttpLimits
 
 log = logging.getLogger(__name__)
 
@@ -33,18 +37,34 @@ MAX_REQUEST_HEAD_BYTES = 16 * 1024  # request line + headers: h11's bound (uvico
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with each request's head bounded by MAX_REQUEST_HEAD_BYTES.
+    """uvicorn's httptools protocol with each request's head bounded in size and in time.
 
-    Counted after the parser has seen each chunk: a chunk that leaves the head incomplete was
-    all head (what the parser is buffering), one that completes it is not counted, so a body is
-    never mistaken for a head. What is buffered stays below the bound plus one read. Over it:
+    Size: counted after the parser has seen each chunk. A chunk that leaves the head incomplete
+    was all head (what the parser is buffering); one that completes it is not counted, so a body
+    is never mistaken for a head. What is buffered stays below the bound plus one read. Over it:
     400 and the connection closed, as uvicorn answers a head h11 finds too long.
+
+    Time: uvicorn bounds neither a new connection's wait for its first request nor a head sent a
+    byte at a time (any byte resets its keep-alive timer), so a client could hold a connection
+    and its buffer for ever. A head must be whole within ``head_timeout_s`` of its first byte
+    (a new connection's: of connecting); after that, 408 and the connection closed, or just
+    closed when nothing was sent. The time between requests stays uvicorn's keep-alive timeout.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, head_timeout_s: float = HttpLimits.head_timeout_s, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._in_head = True  # between a request's first byte and its headers' end
         self._head_bytes = 0
+        self._head_timeout_s = head_timeout_s
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -57,10 +77,34 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head, self._head_bytes = True, 0
+        self._arm_head_timer()
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._disarm_head_timer()
         super().on_headers_complete()
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self._head_timeout_s, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self._in_head or self.transport.is_closing():
+            return
+        if not self._head_bytes:  # connected and sent nothing: nobody to answer
+            self.transport.close()
+            return
+        log.warning("closing a connection whose request head took over %gs", self._head_timeout_s)
+        msg = b"Request head not received in time."
+        self.transport.write(b"".join([STATUS_LINE[408], b"content-type: text/plain; charset=utf-8\r\n",
+                                       b"content-length: %d\r\nconnection: close\r\n\r\n" % len(msg), msg]))
+        self.transport.close()
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -110,11 +154,12 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def start_http_server(app: ASGIApp, host: str, port: int, ssl: Mapping[str, Any] | None = None
-                            ) -> HttpServer:
+async def start_http_server(app: ASGIApp, host: str, port: int, ssl: Mapping[str, Any] | None = None,
+                            head_timeout_s: float = HttpLimits.head_timeout_s) -> HttpServer:
     """Bind ``host:port`` (0: a free port, see ``.port``) and serve ``app``; must run in the engine's loop."""
+    protocol = functools.partial(BoundedHttpToolsProtocol, head_timeout_s=head_timeout_s)
     config = uvicorn.Config(app, host=host, port=port, lifespan="off", access_log=False, log_config=None,
-                            server_header=False, http=BoundedHttpToolsProtocol, **dict(ssl or {}))
+                            server_header=False, http=protocol, **dict(ssl or {}))
     server = _EmbeddedServer(config)
     sock = _listening_socket(host, port)
     bound = sock.getsockname()[1]
