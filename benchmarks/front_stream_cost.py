@@ -39,7 +39,7 @@ from scheduler_svc.api_types import (
     RequestOutput,
     Usage,
 )
-from scheduler_svc.engine import tune_gc
+from scheduler_svc.gc_tuning import tune_gc
 from scheduler_svc.http.app import OpenAIFront, build_app
 from scheduler_svc.http.limits import HttpLimits
 from scheduler_svc.http.serve import start_http_server

@@ -36,7 +36,7 @@ import time
 import uvloop
 
 from benchmarks.engine_harness import consume, distinct_requests, engine_with_executors, small_tokenizer
-from scheduler_svc.engine import tune_gc
+from scheduler_svc.gc_tuning import tune_gc
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.sched_config import EngineConfig, SchedulerConfig
 

@@ -23,7 +23,8 @@ from tokenizers import Tokenizer
 
 from pagedserve.wire.fingerprint import model_fingerprint
 from scheduler_svc.config import ServiceConfig, load_config
-from scheduler_svc.engine import Engine, tune_gc
+from scheduler_svc.engine import Engine
+from scheduler_svc.gc_tuning import tune_gc
 from scheduler_svc.http.app import OpenAIFront, build_app
 from scheduler_svc.http.auth import ApiKeyMiddleware
 from scheduler_svc.http.chat_template import load_chat_template
