@@ -27,8 +27,8 @@ class HttpThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server: HttpServer = self.call(start_http_server(
-            build_app(self.front), "127.0.0.1", 0, head_timeout_s=(http_limits or HttpLimits()).head_timeout_s))
+        timeout = {} if http_limits is None else {"head_timeout_s": http_limits.head_timeout_s}  # else the default
+        self.server: HttpServer = self.call(start_http_server(build_app(self.front), "127.0.0.1", 0, **timeout))
         self.url = f"http://127.0.0.1:{self.server.port}"
 
     def call(self, coro, timeout: float = 10.0):

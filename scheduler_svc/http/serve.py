@@ -34,6 +34,7 @@ from scheduler_svc.http.limits import HttpLimits
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_HEAD_BYTES = 16 * 1024  # request line + headers: h11's bound (uvicorn's other parser)
+DEFAULT_HEAD_TIMEOUT_S = HttpLimits().head_timeout_s
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
@@ -51,7 +52,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     closed when nothing was sent. The time between requests stays uvicorn's keep-alive timeout.
     """
 
-    def __init__(self, *args: Any, head_timeout_s: float = HttpLimits.head_timeout_s, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._in_head = True  # between a request's first byte and its headers' end
         self._head_bytes = 0
@@ -155,7 +156,7 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 
 async def start_http_server(app: ASGIApp, host: str, port: int, ssl: Mapping[str, Any] | None = None,
-                            head_timeout_s: float = HttpLimits.head_timeout_s) -> HttpServer:
+                            head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S) -> HttpServer:
     """Bind ``host:port`` (0: a free port, see ``.port``) and serve ``app``; must run in the engine's loop."""
     protocol = functools.partial(BoundedHttpToolsProtocol, head_timeout_s=head_timeout_s)
     config = uvicorn.Config(app, host=host, port=port, lifespan="off", access_log=False, log_config=None,
