@@ -5,7 +5,8 @@ The real gRPC server (``start_grpc_server``: validation, ``Engine.generate``'s
 OpenAI-compatible server (uvicorn, Starlette, one server-sent event per message,
 ``return_token_ids``), runs in this process on uvloop; the
 engine is replaced by a ticker that, every modelled step, puts one token into
-each running request's mailbox, as the engine's fan-out does. So what is
+each running request's mailbox (a real ``Tracked``, which holds tokens for
+``--stream-interval`` as the engine's does), as the engine's fan-out does. So what is
 measured is the front's own cost per token, which ``step_overlap``'s bare
 consumers leave out. The clients (grpc.aio, one streaming ``Generate`` per
 request; or aiohttp, one streaming ``POST /v1/completions`` per request) run in a
@@ -91,8 +92,8 @@ asyncio.run(main(*map(int, sys.argv[1:])))
 class TickingEngine:
     """The engine interface the servicer uses; every STEP_S each running request gets one token."""
 
-    def __init__(self, tokenizer, tokens: int) -> None:
-        self.tokenizer, self.tokens = tokenizer, tokens
+    def __init__(self, tokenizer, tokens: int, stream_interval: int = 1) -> None:
+        self.tokenizer, self.tokens, self.stream_interval = tokenizer, tokens, stream_interval
         self.running: dict[str, tuple[Tracked, list[int]]] = {}
 
     def model_info(self) -> ModelInfo:
@@ -108,7 +109,7 @@ class TickingEngine:
         return OutputStream(req, self._admit, self._abandon)
 
     def _admit(self, req: GenerationRequest) -> Tracked:
-        t = Tracked(RequestStream(req, self.tokenizer, 1))
+        t = Tracked(RequestStream(req, self.tokenizer, 1), self.stream_interval)  # as Engine._admit
         self.running[req.request_id] = (t, [0])
         return t
 
@@ -129,13 +130,12 @@ class TickingEngine:
 
 
 async def run_once(api: str, interval: int, streams: int, tokens: int, tokenizer) -> dict:
-    engine = TickingEngine(tokenizer, tokens)
+    engine = TickingEngine(tokenizer, tokens, interval)
     if api == "grpc":
-        server = await start_grpc_server(engine, tokenizer, "127.0.0.1", 0, health_poll_interval=None,
-                                         stream_interval=interval)
+        server = await start_grpc_server(engine, tokenizer, "127.0.0.1", 0, health_poll_interval=None)
         client_code, stop = CLIENT, server.shutdown(0.0)
     else:
-        front = OpenAIFront(engine, tokenizer, None, ServerLimits(), HttpLimits(), None, interval)
+        front = OpenAIFront(engine, tokenizer, None, ServerLimits(), HttpLimits(), None)
         server = await start_http_server(build_app(front), "127.0.0.1", 0)
         client_code, stop = HTTP_CLIENT, server.stop(0.5)
     ticker = asyncio.ensure_future(engine.tick())

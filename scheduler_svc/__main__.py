@@ -84,7 +84,7 @@ async def start_http(cfg: ServiceConfig, engine: Engine, tokenizer: Tokenizer,
         raise SystemExit(f"--model: {e}") from None
     if template is None:
         log.warning("%s has no chat template: /v1/chat/completions will refuse requests", cfg.model_dir)
-    front = OpenAIFront(engine, tokenizer, template, cfg.limits, cfg.http_limits, metrics, cfg.stream_interval)
+    front = OpenAIFront(engine, tokenizer, template, cfg.limits, cfg.http_limits, metrics)
     middleware = []
     if cfg.api_keys is not None:  # the same keys and TLS files as the gRPC front
         middleware.append(Middleware(ApiKeyMiddleware, keys=cfg.api_keys,
@@ -102,7 +102,7 @@ async def serve(cfg: ServiceConfig) -> None:
     await engine.start()
     http = await start_http(cfg, engine, tokenizer, metrics)  # first: gRPC liveness then implies HTTP is up
     api = await start_grpc_server(engine, tokenizer, cfg.host, cfg.port, cfg.limits, metrics,
-                                  api_keys=cfg.api_keys, tls=cfg.tls, stream_interval=cfg.stream_interval)
+                                  api_keys=cfg.api_keys, tls=cfg.tls)
     loop = asyncio.get_running_loop()
     engine.on_readiness_change = lambda: loop.create_task(api.update_health())
     metrics_server = (start_metrics_server(cfg.metrics_port, metrics.registry, host=cfg.metrics_host)

@@ -173,7 +173,7 @@ class Engine:
         p = req.params
         stream = RequestStream(req, self.tokenizer, num_choices=max(p.n, p.beam_width),
                                standalone_texts=self.standalone_texts)
-        t = Tracked(stream)
+        t = Tracked(stream, self.cfg.stream_interval)
         if (why := self._place(t)) is not None:
             raise NoExecutor(why)
         self.tracked[req.request_id] = t

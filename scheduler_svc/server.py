@@ -43,7 +43,6 @@ from scheduler_svc.metrics import Metrics
 from scheduler_svc.offload import validate_off_loop
 from scheduler_svc.refusals import refusal
 from scheduler_svc.security import ApiKeyInterceptor, ApiKeys, TlsFiles
-from scheduler_svc.stream_interval import coalesce
 from scheduler_svc.validation import ServerLimits, ValidationError, validate_generate_request
 
 log = logging.getLogger(__name__)
@@ -76,9 +75,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     """pagedserve.v1.Generation over an engine."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, limits: ServerLimits,
-                 metrics: Metrics | None = None, stream_interval: int = 1) -> None:
+                 metrics: Metrics | None = None) -> None:
         self._engine = engine
-        self._stream_interval = stream_interval  # tokens per message after the first (output_stream.coalesce)
         self._tokenizer = tokenizer
         self._limits = limits
         self._metrics = metrics
@@ -164,8 +162,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         stream = None
         try:
             stream = self._engine.generate(greq)
-            if self._stream_interval > 1:
-                stream = coalesce(stream, self._stream_interval)
             async for out in stream:
                 yield _response(out)  # inside the try: a malformed output is INTERNAL too
         except Exception as e:  # the engine's errors, and a malformed output (a bug): refusals.py
@@ -302,16 +298,14 @@ async def start_grpc_server(
     health_poll_interval: float | None = 1.0,
     api_keys: ApiKeys | None = None,
     tls: TlsFiles | None = None,
-    stream_interval: int = 1,
 ) -> ApiServer:
     """Bind and start the server (port 0: a free port, see ``.port``); must run in the engine's loop.
 
     ``health_poll_interval`` re-reads ``engine.is_ready()`` periodically as a
     safety net; the engine should still call ``update_health()`` on changes.
     ``api_keys``: calls need one (health excepted); ``tls``: the port serves TLS only.
-    ``stream_interval``: tokens per streamed message after the first (``--stream-interval``).
     """
-    servicer = GenerationServicer(engine, tokenizer, limits or ServerLimits(), metrics, stream_interval)
+    servicer = GenerationServicer(engine, tokenizer, limits or ServerLimits(), metrics)
     health = health_aio.HealthServicer()
     interceptors = []
     if api_keys is not None:

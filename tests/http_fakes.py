@@ -19,11 +19,10 @@ from scheduler_svc.validation import ServerLimits
 
 class HttpThread:
     def __init__(self, engine: FakeEngine, template: ChatTemplate | None = None,
-                 limits: ServerLimits | None = None, http_limits: HttpLimits | None = None, metrics=None,
-                 stream_interval: int = 1) -> None:
+                 limits: ServerLimits | None = None, http_limits: HttpLimits | None = None, metrics=None) -> None:
         self.engine = engine
         self.front = OpenAIFront(engine, engine.tok, template, limits or ServerLimits(), http_limits or HttpLimits(),
-                                 metrics, stream_interval)
+                                 metrics)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -92,7 +92,7 @@ def test_every_flag_reaches_the_object_that_uses_it(model_dir, tmp_path):
     values = {"--block-size": "32", "--max-num-seqs": "77", "--max-num-batched-tokens": "999",
               "--preemption-mode": "swap", "--watermark": "0.05", "--heartbeat-interval": "0.25",
               "--max-queued-requests": "11", "--max-migrations": "5", "--step-timeout": "7.5",
-              "--cluster-secret-file": str(secret)}
+              "--stream-interval": "4", "--cluster-secret-file": str(secret)}
     values.update({flag: str(default(cls, name) + 3) for flag, (cls, name) in FLAG_FIELDS.items()
                    if cls in (ServerLimits, HttpLimits)})
     argv = ["--model", str(model_dir), "--disable-prefix-caching", "--no-async-scheduling"]
@@ -196,5 +196,5 @@ def test_the_executor_checks_its_cluster_secret_before_loading_the_model(tmp_pat
 
 
 def test_the_stream_interval_defaults_to_every_step_and_reads_the_environment(model_dir):
-    assert load_config(["--model", str(model_dir)], {}).stream_interval == 1
-    assert load_config(["--model", str(model_dir)], {"PAGEDSERVE_STREAM_INTERVAL": "4"}).stream_interval == 4
+    assert load_config(["--model", str(model_dir)], {}).engine.stream_interval == 1
+    assert load_config(["--model", str(model_dir)], {"PAGEDSERVE_STREAM_INTERVAL": "4"}).engine.stream_interval == 4

@@ -1,7 +1,9 @@
-"""``--stream-interval``: a request's outputs merged into fewer messages, nothing lost or reordered.
+"""``--stream-interval``: a request's outputs held in its mailbox and handed over merged.
 
-``coalesce`` is checked against random streams (several choices, logprobs, merged steps, a
-finish); then each front is run with the option, against its own run without it.
+``Tracked`` (the engine's per-request mailbox) is driven with random streams (several choices,
+logprobs, a finish) and a consumer that sometimes waits and sometimes falls behind; then the
+engine is run with the option against its own run without it, and the benchmark that measures
+the fronts' cost is checked to stream every token.
 """
 
 from __future__ import annotations
@@ -9,35 +11,34 @@ from __future__ import annotations
 import asyncio
 import json
 
-import grpc
 import pytest
-from grpc_fakes import FakeEngine, ServerThread, make_tokenizer
-from http_fakes import HttpThread
+from grpc_fakes import make_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_engine import _req, running
 
-from pagedserve.v1 import generation_pb2 as pb
-from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.api_types import (
     ChoiceDelta,
     FinishReason,
+    GenerationRequest,
     RequestFailed,
     RequestOutput,
+    RequestParams,
     TokenLogprob,
     Usage,
 )
-from scheduler_svc.stream_interval import coalesce, merge_outputs
+from scheduler_svc.output_stream import OutputStream
+from scheduler_svc.outputs import RequestStream, merge_outputs
+from scheduler_svc.slots import Tracked
+
+TOKENIZER = make_tokenizer()
 
 
-async def _source(outs: list[RequestOutput], error: Exception | None = None, closed: list | None = None):
-    try:
-        for out in outs:
-            yield out
-        if error is not None:
-            raise error
-    finally:
-        if closed is not None:
-            closed.append(True)
+def _mailbox(interval: int) -> tuple[Tracked, OutputStream]:
+    """A request's mailbox and its consumer's stream, as Engine._admit makes them."""
+    req = GenerationRequest("r", [5, 6], RequestParams(max_tokens=64))
+    t = Tracked(RequestStream(req, TOKENIZER, num_choices=3), interval)
+    return t, OutputStream(req, lambda _: t, lambda _: None)
 
 
 def _per_choice(outs: list[RequestOutput]) -> dict[int, tuple[str, list[int], list[int], list[int]]]:
@@ -74,49 +75,72 @@ def streams(draw) -> list[RequestOutput]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(outs=streams(), interval=st.integers(1, 5))
-def test_coalescing_keeps_every_token_in_order_and_holds_at_most_interval_tokens(outs, interval):
+@given(outs=streams(), interval=st.integers(1, 5), waits=st.lists(st.booleans(), min_size=1, max_size=8))
+def test_held_outputs_keep_every_token_in_order_and_wake_the_consumer_once_per_interval(outs, interval, waits):
+    """``waits[i]``: whether the consumer waits when output i is put (else it is busy elsewhere
+    and takes what piled up later)."""
     async def run():
-        return [o async for o in coalesce(_source(outs), interval)]
-
-    merged = asyncio.run(run())
-    assert _per_choice(merged) == _per_choice(outs)
-    assert merged[0] is outs[0]  # the first output is sent as it came: time to first token unchanged
-    assert merged[-1].finished and merged[-1].usage == outs[-1].usage
-    assert not any(m.finished for m in merged[:-1])
-    counts = [max((len(c.token_ids) for c in m.choices), default=0) for m in merged]
-    # Between the first and the last message, each went out only once one choice reached the
-    # interval (and with interval 1, every output went out on its own).
-    assert all(c >= interval for c in counts[1:-1])
-    if interval == 1:
-        assert len(merged) == len(outs)
-
-
-def test_an_error_first_releases_the_held_tokens():
-    outs = [RequestOutput("r", [ChoiceDelta(0, t, [i])]) for i, t in enumerate("abc")]
-
-    async def run():
-        got = []
-        with pytest.raises(RequestFailed, match="executor died"):
-            async for o in coalesce(_source(outs, RequestFailed("executor died")), 10):
-                got.append(o)
-        return got
+        t, stream = _mailbox(interval)
+        got, pending = [], None
+        for i, out in enumerate(outs):
+            if pending is None and waits[i % len(waits)]:
+                pending = stream.__anext__()
+            t.put(out)
+            if pending is not None and pending.done():
+                got.append(pending.result())
+                pending = None
+        if pending is not None:
+            got.append(await pending)
+        return got + [o async for o in stream]
 
     got = asyncio.run(run())
-    assert [c.text for o in got for c in o.choices] == ["a", "bc"]  # "bc" was held when it failed
+    assert _per_choice(got) == _per_choice(outs)
+    if waits[0]:
+        assert got[0] is outs[0]  # the first output goes as it came: time to first token unchanged
+    assert got[-1].finished and got[-1].usage == outs[-1].usage
+    assert not any(m.finished for m in got[:-1])
+    counts = [max((len(c.token_ids) for c in m.choices), default=0) for m in got]
+    # Between the first and the last message, each was released only once one choice reached
+    # the interval (a consumer that fell behind gets several releases merged: more, never fewer).
+    assert all(c >= interval for c in counts[1:-1])
+    if interval == 1 and all(waits):
+        assert len(got) == len(outs)
 
 
-def test_closing_the_coalesced_stream_closes_the_engine_stream():
-    outs = [RequestOutput("r", [ChoiceDelta(0, t, [i])]) for i, t in enumerate("abcdef")]
-
+@pytest.mark.parametrize("waiting", [True, False])
+def test_an_error_first_releases_the_held_tokens(waiting):
     async def run():
-        closed: list = []
-        stream = coalesce(_source(outs, closed=closed), 2)
-        assert (await anext(stream)).choices[0].text == "a"
-        await stream.aclose()
-        return closed
+        t, stream = _mailbox(10)
+        for i, text in enumerate("abc"):
+            t.put(RequestOutput("r", [ChoiceDelta(0, text, [i])]))
+            if i == 0:
+                assert (await anext(stream)).choices[0].text == "a"
+        assert not t.outbox and len(t.held) == 2  # "b", "c": held, the consumer not woken
+        pending = stream.__anext__() if waiting else None
+        t.put_error(RequestFailed("executor died"))
+        got = [(await pending).choices[0].text] if waiting else []
+        with pytest.raises(RequestFailed, match="executor died"):
+            async for o in stream:
+                got.append(o.choices[0].text)
+        return got
 
-    assert asyncio.run(run()) == [True]
+    assert asyncio.run(run()) == ["bc"]  # held when it failed, handed over before the error
+
+
+def test_a_consumer_waiting_on_held_tokens_is_woken_once_they_reach_the_interval():
+    async def run():
+        t, stream = _mailbox(3)
+        t.put(RequestOutput("r", [ChoiceDelta(0, "a", [1])]))
+        assert (await anext(stream)).choices[0].text == "a"
+        pending = stream.__anext__()
+        t.put(RequestOutput("r", [ChoiceDelta(0, "b", [2]), ChoiceDelta(1, "x", [9])]))
+        t.put(RequestOutput("r", [ChoiceDelta(0, "c", [3])]))
+        assert not pending.done()  # choice 0 holds 2 tokens, choice 1 holds 1: below 3
+        t.put(RequestOutput("r", [ChoiceDelta(0, "d", [4])]))
+        out = await pending
+        assert [(c.index, c.text, c.token_ids) for c in out.choices] == [(0, "bcd", [2, 3, 4]), (1, "x", [9])]
+
+    asyncio.run(run())
 
 
 def test_merging_one_output_returns_it_and_keeps_the_last_usage():
@@ -130,43 +154,24 @@ def test_merging_one_output_returns_it_and_keeps_the_last_usage():
     assert a.choices[0].token_ids == [1]  # the inputs are not modified
 
 
-def test_the_grpc_front_sends_fewer_messages_with_the_same_text():
-    engine = FakeEngine(make_tokenizer(), max_model_len=64)
-    engine.ready = True
-    per_interval = {}
-    for interval in (1, 3):
-        srv = ServerThread(engine, stream_interval=interval)
-        try:
-            with grpc.insecure_channel(srv.address) as channel:
-                stub = pb_grpc.GenerationStub(channel)
-                per_interval[interval] = list(stub.Generate(pb.GenerateRequest(prompt="Hello"), timeout=10))
-        finally:
-            srv.stop()
-    ones, threes = per_interval[1], per_interval[3]
-    assert "".join(c.text for r in threes for c in r.choices) == "".join(c.text for r in ones for c in r.choices)
-    assert [t for r in threes for c in r.choices for t in c.token_ids] == \
-        [t for r in ones for c in r.choices for t in c.token_ids]
-    sizes = [sum(len(c.token_ids) for c in r.choices) for r in threes]
-    assert sizes[0] == 1 and all(s >= 3 for s in sizes[1:-1]) and len(threes) < len(ones)
-    assert threes[-1].usage.completion_tokens == ones[-1].usage.completion_tokens
+def test_the_engine_hands_over_fewer_outputs_with_the_same_tokens():
+    """The real engine, one fake executor, greedy (so both runs generate the same tokens)."""
+    async def collect(engine, rid):
+        return [(sum(len(c.token_ids) for c in o.choices), [t for c in o.choices for t in c.token_ids],
+                 "".join(c.text for c in o.choices)) async for o in engine.generate(_req(rid, list(range(3, 20)), 11))]
 
+    async def main():
+        per_interval = {}
+        for interval in (1, 3):
+            async with running(TOKENIZER, 1, stream_interval=interval) as (engine, _):
+                per_interval[interval] = await collect(engine, "r")
+        return per_interval
 
-def test_the_http_front_sends_fewer_events_with_the_same_text():
-    engine = FakeEngine(make_tokenizer(), max_model_len=64)
-    engine.ready = True
-    texts, counts = {}, {}
-    for interval in (1, 3):
-        srv = HttpThread(engine, stream_interval=interval)
-        try:
-            status, raw = srv.request("POST", "/v1/completions", {"prompt": "a", "stream": True})
-        finally:
-            srv.stop()
-        assert status == 200
-        events = [json.loads(e.removeprefix("data: ")) for e in raw.decode().split("\n\n")
-                  if e and e != "data: [DONE]"]
-        texts[interval] = "".join(c["text"] for e in events for c in e["choices"])
-        counts[interval] = len(events)
-    assert texts[3] == texts[1] and counts[3] < counts[1]
+    got = asyncio.run(asyncio.wait_for(main(), 60))
+    ones, threes = got[1], got[3]
+    assert [t for _, ids, _ in threes for t in ids] == [t for _, ids, _ in ones for t in ids]
+    assert "".join(x for *_, x in threes) == "".join(x for *_, x in ones)
+    assert [n for n, *_ in threes] == [1, 3, 3, 3, 1] and len(ones) == 11  # 1 at once, then 3 at a time
 
 
 def test_the_front_cost_benchmark_streams_every_token(capsys):

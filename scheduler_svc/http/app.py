@@ -44,7 +44,6 @@ from scheduler_svc.metrics import Metrics
 from scheduler_svc.offload import validate_off_loop
 from scheduler_svc.refusals import refusal
 from scheduler_svc.server import Engine
-from scheduler_svc.stream_interval import coalesce
 from scheduler_svc.validation import RequestFields, ServerLimits, ValidationError, validate_request
 
 # The validator's field names -> the OpenAI fields a client sent (errors.from_validation).
@@ -56,10 +55,8 @@ class OpenAIFront:
     """The endpoint handlers over an engine (Starlette request -> response)."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, chat_template: ChatTemplate | None,
-                 limits: ServerLimits, http_limits: HttpLimits, metrics: Metrics | None = None,
-                 stream_interval: int = 1) -> None:
+                 limits: ServerLimits, http_limits: HttpLimits, metrics: Metrics | None = None) -> None:
         self.engine, self.tokenizer, self.chat_template = engine, tokenizer, chat_template
-        self.stream_interval = stream_interval  # tokens per message after the first (output_stream.coalesce)
         self.limits, self.http_limits, self.metrics = limits, http_limits, metrics
         self.texts = TokenTexts(tokenizer)
         self.shutting_down = False
@@ -179,8 +176,6 @@ class OpenAIFront:
     async def _respond(self, request: Request, greqs: list[GenerationRequest], render: _Render,
                        stream: bool) -> Response:
         engine_streams = [self.engine.generate(g) for g in greqs]
-        if self.stream_interval > 1:
-            engine_streams = [coalesce(s, self.stream_interval) for s in engine_streams]
         outputs = streams.single(engine_streams[0]) if len(greqs) == 1 else streams.merge(engine_streams)
         try:  # errors before the first output (queue full, no executor) still get their status
             first = await streams.until_disconnect(request, _next(outputs))
