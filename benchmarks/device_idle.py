@@ -26,6 +26,7 @@ import torch
 from executor_svc.backends import make_attention_backend
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model
+from executor_svc.pipeline import StepPipeline
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
 from pagedserve.wire import SamplingParams
@@ -49,7 +50,9 @@ def _busy_union_us(events) -> float:
 
 
 def measure(model_dir: Path, device: str = "cpu", seqs: int = 64, prompt: int = 128, steps: int = 30,
-            warmup: int = 4) -> dict:
+            warmup: int = 4, prepare_ahead: bool = False) -> dict:
+    """``prepare_ahead``: the timed steps go through a StepPipeline with two plans in flight, as the
+    executor runs them on a GPU (executor_svc/pipeline.py); else one plan at a time."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = load_model(model_dir, device, dtype)
     bs, blocks = 16, seqs * (-(-(prompt + warmup + steps + 2) // 16)) + 8
@@ -73,6 +76,23 @@ def measure(model_dir: Path, device: str = "cpu", seqs: int = 64, prompt: int = 
         sched.update(result)
         return took
 
+    def pipelined(n: int) -> float:
+        pipe, pushed, start = StepPipeline(runner), 0, time.perf_counter()
+        while True:
+            plan = sched.schedule() if pushed < n and len(sched.in_flight) < 2 else None
+            if plan is not None:
+                pushed += 1
+                results = pipe.push(plan)
+            elif pipe.in_flight is not None:
+                results = [pipe.finish()]
+            else:
+                break
+            for result in results:
+                sched.update(result)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
     for _ in range(warmup):  # prefill and the first decodes (kernel compiles, caches)
         step()
     forward_s = 0.0
@@ -94,13 +114,13 @@ def measure(model_dir: Path, device: str = "cpu", seqs: int = 64, prompt: int = 
     else:  # the model's compute: its layers and the LM head
         model.forward, model.compute_logits = timed(model.forward), timed(model.compute_logits)
     with torch.profiler.profile(activities=activities) as prof:
-        wall = sum(step() for _ in range(steps))
+        wall = pipelined(steps) if prepare_ahead else sum(step() for _ in range(steps))
     if device == "cuda":
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy = _busy_union_us(kernels) / 1e6
     else:
         busy = forward_s
-    return {"device": device, "seqs": seqs, "prompt": prompt, "steps": steps,
+    return {"device": device, "seqs": seqs, "prompt": prompt, "steps": steps, "prepare_ahead": prepare_ahead,
             "wall_ms_per_step": round(1e3 * wall / steps, 3), "busy_ms_per_step": round(1e3 * busy / steps, 3),
             "idle_ms_per_step": round(1e3 * (wall - busy) / steps, 3), "idle_frac": round(1 - busy / wall, 4)}
 
@@ -112,8 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--prepare-ahead", action="store_true", help="two plans in flight through a StepPipeline")
     a = ap.parse_args(argv)
-    print(json.dumps(measure(a.model, a.device, a.seqs, a.prompt, a.steps)))
+    print(json.dumps(measure(a.model, a.device, a.seqs, a.prompt, a.steps, prepare_ahead=a.prepare_ahead)))
 
 
 if __name__ == "__main__":

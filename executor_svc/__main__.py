@@ -82,6 +82,8 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
     max_len = min(model_cfg.max_position_embeddings, kv.num_blocks * cfg.block_size)
     if group is None:
         runner = ModelRunner(model, kv, backend, Sampler(), max_model_len=max_len)
+        if cfg.prepare_ahead is not None:
+            runner.prepare_ahead = cfg.prepare_ahead
     elif group.is_leader:
         runner = TensorParallelRunner(model, kv, backend, group, Sampler(), max_model_len=max_len)
     else:
@@ -91,6 +93,8 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
              cfg.block_size, kv.num_cpu_blocks, max_len, str(dtype).removeprefix("torch."), backend.name,
              f", rank {shard.rank} of {shard.size}: {model.cfg.num_heads} q / {model.cfg.num_kv_heads} KV heads, "
              f"{model.cfg.intermediate_size} MLP columns" if group is not None else "")
+    if getattr(runner, "prepare_ahead", False):
+        log.info("each queued plan is prepared while the step before it runs (--prepare-ahead)")
     hs = wire.Handshake(
         executor_id=cfg.executor_id, wire_version=wire.WIRE_VERSION,
         model_fingerprint=model_fingerprint(cfg.model_dir), model_name=cfg.model_dir.resolve().name,

@@ -60,6 +60,7 @@ class ExecutorConfig:
     cluster_keys: ClusterKeys | None  # CURVE keys of the link to the scheduler (None: unencrypted)
     log_level: str
     tensor_parallel_size: int = 1  # ranks serving one model as one executor (executor_svc/parallel)
+    prepare_ahead: bool | None = None  # prepare each plan while the step before runs (None: on with CUDA)
     rank_env: RankEnv | None = None  # None with N > 1: this process leads and starts the others
 
 
@@ -101,6 +102,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="file holding the cluster secret the scheduler was given: the link is then "
                         "authenticated and encrypted (CurveZMQ)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--prepare-ahead", action=argparse.BooleanOptionalAction, default=None,
+                   help="check and apply each queued plan and build its batch while the device runs the "
+                        "step before, so the device does not wait for that host work (default: on with "
+                        "--device cuda; on CPU nothing overlaps). Outputs are the same either way; one "
+                        "device only (tensor parallelism runs its steps in order)")
     p.add_argument("--tensor-parallel-size", default=1,
                    type=number(int, "--tensor-parallel-size", 1, low_inclusive=True, high=wire.MAX_TENSOR_PARALLEL_SIZE),
                    help="serve the model across N ranks as one executor (Megatron-style sharding; one "
@@ -153,6 +159,8 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         keys = None if args.cluster_secret_file is None else load_cluster_keys(args.cluster_secret_file)
     except (ValueError, RuntimeError) as exc:
         parser.error(str(exc))
+    if args.prepare_ahead and args.tensor_parallel_size > 1:
+        parser.error("--prepare-ahead: a tensor-parallel executor runs its steps in order (one device only)")
     return ExecutorConfig(
         model_dir=Path(args.model), scheduler=args.scheduler, device=args.device,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -161,4 +169,4 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         executor_id=args.executor_id or f"{socket.gethostname()}-{os.getpid()}",
         health_port=args.health_port, health_host=args.health_host, drain_timeout=args.drain_timeout,
         cluster_keys=keys, log_level=args.log_level,
-        tensor_parallel_size=args.tensor_parallel_size, rank_env=ranks)
+        tensor_parallel_size=args.tensor_parallel_size, rank_env=ranks, prepare_ahead=args.prepare_ahead)

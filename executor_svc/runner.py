@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,13 +40,41 @@ class SeqState:
 
 @dataclass(slots=True)
 class Batch:
-    """Host-side tensors of one forward (moved to the device by the runner)."""
+    """One forward's inputs: the layout on the device, the token ids still on the host."""
 
-    input_ids: torch.Tensor  # [num_tokens] int64
+    token_ids: list[int]  # [num_tokens]; copied to the device when the forward starts
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
     logits_rows: list[int]  # rows of the packed tokens whose logits are sampled
     sample_seq_ids: list[int]  # the sequence of each logits row
+    sample_seqs: list[SeqState]  # the same sequences (a later plan may free them before they sample)
+    # Inputs that are tokens the step in flight samples (a plan prepared ahead): (row in
+    # token_ids, sequence, index of the token in its token_ids once appended).
+    in_flight_inputs: list[tuple[int, SeqState, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A plan checked and applied, its batch built: what ``ModelRunner.launch`` starts."""
+
+    plan: BatchPlan
+    batch: Batch | None  # None: nothing scheduled
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose forward has been started (on a GPU it may still be running)."""
+
+    plan: BatchPlan
+    batch: Batch | None
+    logits: torch.Tensor | None
+    start: float  # when it was launched: its model_seconds run from here (its preparation overlapped)
+
+    def sampling_seqs(self) -> dict[int, SeqState]:
+        """The sequences that get a token when this step completes (beam rows get none)."""
+        if self.batch is None or self.logits is None:
+            return {}
+        return {s.seq_id: s for s in self.batch.sample_seqs if s.sampling.beam_candidates <= 0}
 
 
 class ModelRunner:
@@ -58,6 +86,9 @@ class ModelRunner:
         self.checker = PlanChecker(kv_cache.num_blocks, kv_cache.num_cpu_blocks, kv_cache.block_size,
                                    model.cfg.vocab_size, self.max_model_len)
         self.seqs: dict[int, SeqState] = {}
+        # The compute thread prepares each plan while the device runs the step before
+        # (executor_svc/pipeline.py): on a GPU only, where that overlaps; tests set it on CPU.
+        self.prepare_ahead = self.model.device.type == "cuda"
         self.keep_logits = False  # tests: keep the last step's sampled logits rows in last_logits
         self.last_logits: torch.Tensor | None = None  # [num_sampled, vocab] float32
 
@@ -67,18 +98,72 @@ class ModelRunner:
 
     def execute(self, plan: BatchPlan) -> StepResult:
         start = time.perf_counter()
-        try:
-            self.checker.check(plan, {sid: (len(s.token_ids), len(s.block_ids), s.num_computed_tokens)
-                                      for sid, s in self.seqs.items()})
-        except PlanError as exc:
-            log.warning("step %d: refusing plan: %s", plan.step_id, exc)
-            return StepResult(step_id=plan.step_id, error=f"invalid plan: {exc}")
+        if (refused := self._check(plan, {})) is not None:
+            return refused
         try:
             result = self._step(plan)
         except Exception as exc:  # a failed step must not kill the executor; the scheduler fails it
-            log.exception("step %d failed", plan.step_id)
-            return StepResult(step_id=plan.step_id, error=f"executor error: {type(exc).__name__}: {exc}")
+            return _failed(plan, exc)
         result.model_seconds = time.perf_counter() - start
+        return result
+
+    def _check(self, plan: BatchPlan, in_flight: dict[int, SeqState]) -> StepResult | None:
+        """The refusal of a plan that does not fit the sequences' state (None: it fits). A
+        sequence of ``in_flight`` holds one token more: the one its step in flight samples."""
+        try:
+            self.checker.check(plan, {sid: (len(s.token_ids) + (in_flight.get(sid) is s), len(s.block_ids),
+                                            s.num_computed_tokens) for sid, s in self.seqs.items()})
+        except PlanError as exc:
+            log.warning("step %d: refusing plan: %s", plan.step_id, exc)
+            return StepResult(step_id=plan.step_id, error=f"invalid plan: {exc}")
+        return None
+
+    # ---------------------------------------------------------------- in phases (executor_svc/pipeline.py)
+
+    def can_prepare_ahead(self, plan: BatchPlan) -> bool:
+        """Whether ``plan`` may be prepared while the step before it is in flight: not when it
+        copies or extends a sequence's tokens (forks, beam search's appended tokens), which
+        would need that step's sampled token first."""
+        return not plan.forks and not plan.append_tokens
+
+    def prepare(self, plan: BatchPlan, after: LaunchedStep | None = None) -> PreparedStep | StepResult:
+        """Check and apply ``plan`` and build its batch, on the host. ``after``: the step still in
+        flight; the tokens it samples are inputs of this one, filled in by :meth:`launch`."""
+        in_flight = after.sampling_seqs() if after is not None else {}
+        if (refused := self._check(plan, in_flight)) is not None:
+            return refused
+        try:
+            self._apply(plan)
+            batch = (self.build_batch(plan.scheduled_seq_ids, plan.num_new_tokens, in_flight)
+                     if plan.scheduled_seq_ids else None)
+        except Exception as exc:  # noqa: BLE001  as in execute(): the step fails, the executor lives
+            return _failed(plan, exc)
+        return PreparedStep(plan, batch)
+
+    def launch(self, step: PreparedStep) -> LaunchedStep | StepResult:
+        """Start the forward of a prepared step (the step before it has completed by now)."""
+        start = time.perf_counter()
+        try:
+            if step.batch is None:
+                return LaunchedStep(step.plan, None, None, start)
+            for row, seq, index in step.batch.in_flight_inputs:
+                if index >= len(seq.token_ids):  # the step before failed: its token never came
+                    raise RuntimeError(f"seq {seq.seq_id}: the token the previous step was to sample is missing")
+                step.batch.token_ids[row] = seq.token_ids[index]
+            logits = self._forward_batch(step.plan, step.batch)
+        except Exception as exc:  # noqa: BLE001
+            return _failed(step.plan, exc)
+        return LaunchedStep(step.plan, step.batch, logits, start)
+
+    def complete(self, step: LaunchedStep) -> StepResult:
+        """Sample a launched step (waits for its forward) and report it."""
+        result = StepResult(step_id=step.plan.step_id)
+        try:
+            if step.batch is not None and step.logits is not None:
+                self._sample(step.batch, step.logits, result)
+        except Exception as exc:  # noqa: BLE001
+            return _failed(step.plan, exc)
+        result.model_seconds = time.perf_counter() - step.start
         return result
 
     def _step(self, plan: BatchPlan) -> StepResult:
@@ -124,12 +209,16 @@ class ModelRunner:
         if not plan.scheduled_seq_ids:
             return None, None
         batch = self.build_batch(plan.scheduled_seq_ids, plan.num_new_tokens)
+        return batch, self._forward_batch(plan, batch)
+
+    def _forward_batch(self, plan: BatchPlan, batch: Batch) -> torch.Tensor | None:
+        input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.model.device)
         with torch.inference_mode():
-            hidden = self.model(batch.input_ids, batch.positions, self.kv.layers, batch.meta, self.backend)
+            hidden = self.model(input_ids, batch.positions, self.kv.layers, batch.meta, self.backend)
             logits = self._logits(hidden, batch)
         for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True):
             self.seqs[sid].num_computed_tokens += n
-        return batch, logits
+        return logits
 
     def _logits(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """hidden [num_tokens, hidden] -> logits [num_sampling_rows, vocab] float32 (None if none)."""
@@ -141,14 +230,18 @@ class ModelRunner:
     def _sample(self, batch: Batch, logits: torch.Tensor, result: StepResult) -> None:
         if self.keep_logits:
             self.last_logits = logits.clone()
-        seqs = [self.seqs[sid] for sid in batch.sample_seq_ids]
+        seqs = batch.sample_seqs
         self._report(seqs, self.sampler.sample(logits, seqs), result)
 
-    def build_batch(self, seq_ids: list[int], num_new: list[int]) -> Batch:
+    def build_batch(self, seq_ids: list[int], num_new: list[int], in_flight: dict[int, SeqState] | None = None
+                    ) -> Batch:
         """One pass over the sequences gathers what only they know (their computed counts, new
         tokens and block tables); positions, slots and the padded tables are then computed for
         the whole batch at once. A decode step of 256 sequences costs the device's host thread
-        a few hundred microseconds here instead of milliseconds (numpy calls per sequence)."""
+        a few hundred microseconds here instead of milliseconds (numpy calls per sequence).
+
+        ``in_flight``: sequences whose next token a step still running samples; where it is an
+        input, the row is left for ``launch`` to fill (``Batch.in_flight_inputs``)."""
         bs = self.kv.block_size
         seqs = self.seqs
         ids: list[int] = []
@@ -157,21 +250,30 @@ class ModelRunner:
         blocks: list[int] = []  # every sequence's needed block ids, back to back
         blocks_per_seq: list[int] = []
         sampling: list[bool] = []
+        sample_seqs: list[SeqState] = []
+        pending: list[tuple[int, SeqState, int]] = []
         for sid, n in zip(seq_ids, num_new, strict=True):
             s = seqs[sid]
             begin = s.num_computed_tokens
             end = begin + n
             tokens = s.token_ids
-            if n == 1:
+            known = len(tokens)
+            length = known + 1 if in_flight and in_flight.get(sid) is s else known  # +1: being sampled
+            if end - begin == 1 and end <= known:
                 ids.append(tokens[begin])
             else:
                 ids.extend(tokens[begin:end])
+            if end > known:  # the token in flight is this step's last input: its row is filled at launch
+                pending.append((len(ids), s, known))
+                ids.append(0)
             nb = -(-end // bs)
             blocks.extend(s.block_ids[:nb])
             blocks_per_seq.append(nb)
             begins.append(begin)
             lens.append(end)
-            sampling.append(end == len(tokens))
+            sampling.append(end == length)
+            if end == length:
+                sample_seqs.append(s)
         num_seqs = len(lens)
         new = np.asarray(num_new, dtype=np.int64)
         starts = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -195,8 +297,8 @@ class ModelRunner:
             block_tables=torch.from_numpy(block_tables).to(dev),
             max_query_len=max(num_new), max_seq_len=max(lens),
             query_start_loc_host=starts_host, seq_lens_host=lens)
-        return Batch(torch.tensor(ids, dtype=torch.int64, device=dev), torch.from_numpy(positions).to(dev), meta,
-                     (starts[1:][sample_at] - 1).tolist(), [seq_ids[i] for i in sample_at.tolist()])
+        return Batch(ids, torch.from_numpy(positions).to(dev), meta, (starts[1:][sample_at] - 1).tolist(),
+                     [seq_ids[i] for i in sample_at.tolist()], sample_seqs, pending)
 
     def _report(self, seqs: list[SeqState], out: SampleOutput, result: StepResult) -> None:
         for i, s in enumerate(seqs):  # every row checked before any is appended: all or nothing
@@ -215,3 +317,8 @@ class ModelRunner:
             result.sampled_seq_ids.append(s.seq_id)
             result.sampled_token_ids.append(tok)
 
+
+def _failed(plan: BatchPlan, exc: Exception) -> StepResult:
+    """A step that raised: reported as failed (the scheduler fails its requests), the executor lives."""
+    log.exception("step %d failed", plan.step_id, exc_info=exc)
+    return StepResult(step_id=plan.step_id, error=f"executor error: {type(exc).__name__}: {exc}")

@@ -25,6 +25,7 @@ import time
 
 import zmq
 
+from executor_svc.pipeline import StepPipeline
 from executor_svc.runner import ModelRunner
 from pagedserve import wire
 from pagedserve.ratelog import RateLimitedLog
@@ -51,17 +52,51 @@ class ComputeThread(threading.Thread):
         sock = self.ctx.socket(zmq.PAIR)
         sock.connect(self.endpoint)
         try:
-            while True:
-                gen, item = self.inbox.get()
-                if item == _STOP:
-                    return
-                if item == _RESET:
-                    self.runner.reset()
-                elif gen == self.current_gen:
-                    result = self.runner.execute(item)
-                    sock.send_multipart([str(gen).encode(), wire.encode(result)])
+            if getattr(self.runner, "prepare_ahead", False):
+                self._run_pipelined(sock)
+            else:
+                self._run_in_order(sock)
         finally:
             sock.close(linger=0)
+
+    def _run_in_order(self, sock: zmq.Socket) -> None:
+        while True:
+            gen, item = self.inbox.get()
+            if item == _STOP:
+                return
+            if item == _RESET:
+                self.runner.reset()
+            elif gen == self.current_gen:
+                sock.send_multipart([str(gen).encode(), wire.encode(self.runner.execute(item))])
+
+    def _run_pipelined(self, sock: zmq.Socket) -> None:
+        """As _run_in_order, but each plan already queued is prepared while the device runs the
+        step before it (executor_svc/pipeline.py); a step completes once no plan is waiting."""
+        pipeline, in_flight_gen = StepPipeline(self.runner), 0
+
+        def send(result: wire.StepResult, gen: int) -> None:
+            sock.send_multipart([str(gen).encode(), wire.encode(result)])
+
+        while True:
+            if pipeline.in_flight is None:
+                gen, item = self.inbox.get()
+            else:
+                try:
+                    gen, item = self.inbox.get_nowait()
+                except queue.Empty:
+                    send(pipeline.finish(), in_flight_gen)
+                    continue
+            if item in (_STOP, _RESET) or gen != in_flight_gen:
+                if pipeline.in_flight is not None:  # (a stale generation's result is dropped by the main thread)
+                    send(pipeline.finish(), in_flight_gen)
+            if item == _STOP:
+                return
+            if item == _RESET:
+                self.runner.reset()
+            elif gen == self.current_gen:
+                for result in pipeline.push(item):
+                    send(result, gen)
+                in_flight_gen = gen
 
 
 class ExecutorWorker:

@@ -69,22 +69,26 @@ def _run(stack: Stack, reqs: list[pb.GenerateRequest]) -> dict[str, tuple]:
 
 
 @pytest.fixture(scope="module")
-def outputs(tiny_llama_dir, tmp_path_factory) -> dict[str, tuple[dict, int]]:
+def outputs(tiny_llama_dir, tmp_path_factory) -> dict[tuple, tuple[dict, int]]:
     """(outputs, preemptions) per configuration, each on a fresh stack with a small KV pool."""
     reqs = _workload()
     results = {}
-    for mode in ("recompute", "swap"):
-        for loop in ("--no-async-scheduling", "--async-scheduling"):
-            s = Stack(tiny_llama_dir, tmp_path_factory.mktemp(f"{mode}{loop}"),
-                      scheduler_args=["--preemption-mode", mode, loop])
-            try:
-                s.start_scheduler()
-                s.start_executor("ex", "--kv-cache-memory", SMALL_POOL)
-                s.wait_health()
-                results[(mode, loop)] = (_run(s, reqs), s.stats())
-                assert s.stats().executors[0].kv_blocks_used == 0
-            finally:
-                s.stop()
+    configs = [(mode, loop, ()) for mode in ("recompute", "swap") for loop in ("--no-async-scheduling",
+                                                                               "--async-scheduling")]
+    configs.append(("recompute", "--async-scheduling", ("--prepare-ahead",)))  # on CPU only when asked
+    for mode, loop, executor_args in configs:
+        s = Stack(tiny_llama_dir, tmp_path_factory.mktemp(f"{mode}{loop}{''.join(executor_args)}"),
+                  scheduler_args=["--preemption-mode", mode, loop])
+        try:
+            s.start_scheduler()
+            s.start_executor("ex", "--kv-cache-memory", SMALL_POOL, *executor_args)
+            s.wait_health()
+            results[(mode, loop, *executor_args)] = (_run(s, reqs), s.stats())
+            assert s.stats().executors[0].kv_blocks_used == 0
+            ahead = "prepared while the step before it runs" in (s.logdir / "ex.log").read_text()
+            assert ahead == bool(executor_args)  # the CPU executor prepares ahead only when asked
+        finally:
+            s.stop()
     return results
 
 
@@ -97,6 +101,13 @@ def test_async_and_sync_loops_give_identical_outputs_under_preemption(outputs, m
     assert overlapped == sync
     stopped = [k for k, (_, _, finish) in sync.items() if k.startswith("stop") and finish[0] == pb.FINISH_REASON_STOP]
     assert stopped, "no stop string matched: the stop-string case was not exercised"
+
+
+def test_an_executor_preparing_each_plan_ahead_gives_identical_outputs(outputs):
+    """--prepare-ahead (executor_svc/pipeline.py; the default on GPUs) forced on the CPU executor."""
+    ahead, stats = outputs[("recompute", "--async-scheduling", "--prepare-ahead")]
+    assert stats.num_preemptions > 0
+    assert ahead == outputs[("recompute", "--no-async-scheduling")][0]
 
 
 def test_preemption_mode_does_not_change_outputs_either(outputs):

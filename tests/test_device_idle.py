@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.device_idle import _busy_union_us, measure
 
 
-def test_the_executor_idle_measurement_adds_up(tiny_llama_dir):
-    r = measure(tiny_llama_dir, "cpu", seqs=8, prompt=32, steps=4, warmup=2)
-    assert r["wall_ms_per_step"] > r["busy_ms_per_step"] > 0
+@pytest.mark.parametrize("prepare_ahead", [False, True])
+def test_the_executor_idle_measurement_adds_up(tiny_llama_dir, prepare_ahead):
+    r = measure(tiny_llama_dir, "cpu", seqs=8, prompt=32, steps=4, warmup=2, prepare_ahead=prepare_ahead)
+    assert r["wall_ms_per_step"] > r["busy_ms_per_step"] > 0 and r["prepare_ahead"] is prepare_ahead
     assert abs(r["wall_ms_per_step"] - r["busy_ms_per_step"] - r["idle_ms_per_step"]) < 0.01
     assert 0 < r["idle_frac"] < 1
 

@@ -162,7 +162,7 @@ def test_batch_layout_matches_the_per_sequence_reference(runner, shapes, rnd):
     batch = runner.build_batch(seq_ids, num_new)
     ids, pos, slots, starts, lens, tables, rows, sample_ids = _reference_batch(runner, seq_ids, num_new)
     meta = batch.meta
-    assert batch.input_ids.tolist() == ids and batch.positions.tolist() == pos
+    assert batch.token_ids == ids and batch.positions.tolist() == pos
     assert meta.slot_mapping.tolist() == slots and meta.slot_mapping.dtype == torch.int64
     assert meta.query_start_loc.tolist() == starts == meta.query_start_loc_host
     assert meta.seq_lens.tolist() == lens == meta.seq_lens_host

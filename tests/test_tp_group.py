@@ -39,12 +39,19 @@ def test_tensor_parallel_size_flag_env_and_rank_variables():
     assert parse_config(BASE, RANKS).rank_env is None  # one rank: torch.distributed's variables are ignored
 
 
+def test_prepare_ahead_defaults_to_the_device_and_can_be_set_either_way():
+    assert parse_config(BASE, {}).prepare_ahead is None  # None: on with CUDA (executor_svc/runner.py)
+    assert parse_config([*BASE, "--prepare-ahead"], {}).prepare_ahead is True
+    assert parse_config(BASE, {"PAGEDSERVE_PREPARE_AHEAD": "0"}).prepare_ahead is False
+
+
 @pytest.mark.parametrize("argv,env,message", [
     (["--tensor-parallel-size", "0"], {}, "--tensor-parallel-size: must be >= 1 and <= 1024, got 0"),
     (["--tensor-parallel-size", "4"], RANKS, "--tensor-parallel-size is 4 but WORLD_SIZE is 2"),
     (["--tensor-parallel-size", "2"], {**RANKS, "RANK": "2"}, "RANK: must lie in [0, WORLD_SIZE=2), got 2"),
     (["--tensor-parallel-size", "2"], {**RANKS, "MASTER_ADDR": ""}, "MASTER_ADDR: required with RANK set"),
     (["--tensor-parallel-size", "2"], {**RANKS, "MASTER_PORT": "x"}, "MASTER_PORT: expected an integer, got 'x'"),
+    (["--tensor-parallel-size", "2", "--prepare-ahead"], {}, "--prepare-ahead: a tensor-parallel executor runs"),
 ])
 def test_bad_group_settings_name_the_variable_and_the_value(capsys, argv, env, message):
     with pytest.raises(SystemExit):

@@ -85,9 +85,10 @@ def run_bench() -> tuple[float, list]:
     return copy_gbs, rows
 
 
-def run_device_idle() -> dict:
+def run_device_idle(prepare_ahead: bool) -> dict:
     """The executor's host work per decode step that leaves the GPU idle (benchmarks/device_idle.py),
-    on the default tiny model, 64 sequences."""
+    on the default tiny model, 64 sequences; one plan at a time, or each prepared while the step
+    before runs (issue 14, item 5)."""
     import tempfile
 
     from benchmarks.device_idle import measure
@@ -95,7 +96,8 @@ def run_device_idle() -> dict:
 
     try:
         with tempfile.TemporaryDirectory() as d:
-            return measure(build_tiny_model(Path(d), "llama", "default"), "cuda", seqs=64, prompt=128, steps=30)
+            return measure(build_tiny_model(Path(d), "llama", "default"), "cuda", seqs=64, prompt=128, steps=30,
+                           prepare_ahead=prepare_ahead)
     except Exception as exc:  # report it; the kernel table still matters
         return {"error": f"{type(exc).__name__}: {exc}"}
 
@@ -139,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.kernels.bench import markdown
 
     print("device idle per step inside the executor ...", flush=True)
-    report["device_idle"] = run_device_idle()
-    print(report["device_idle"], flush=True)
+    report["device_idle"] = run_device_idle(prepare_ahead=False)
+    report["device_idle_prepare_ahead"] = run_device_idle(prepare_ahead=True)
+    print(report["device_idle"], report["device_idle_prepare_ahead"], sep="\n", flush=True)
     print("timing decode attention ...", flush=True)
     copy_gbs, rows = run_bench()
     report["copy_bandwidth_gbs"] = copy_gbs
@@ -148,11 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     report["verdicts"] = verdicts(rows)
     table = markdown(rows, copy_gbs, report["info"]["device"])
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
-    idle = report["device_idle"]
-    idle_line = (f"Executor, 64 sequences decoding (default tiny model): {idle['wall_ms_per_step']} ms per step, "
-                 f"GPU busy {idle['busy_ms_per_step']} ms, idle {idle['idle_ms_per_step']} ms "
-                 f"({100 * idle['idle_frac']:.0f}%)" if "error" not in idle else f"device idle: {idle['error']}")
-    (out / "gpu_check.md").write_text(table + "\n\n" + "\n".join(report["verdicts"]) + "\n\n" + idle_line + "\n")
+    idle_lines = [
+        (f"Executor, 64 sequences decoding (default tiny model), {how}: {idle['wall_ms_per_step']} ms per step, "
+         f"GPU busy {idle['busy_ms_per_step']} ms, idle {idle['idle_ms_per_step']} ms ({100 * idle['idle_frac']:.0f}%)"
+         if "error" not in idle else f"device idle ({how}): {idle['error']}")
+        for how, idle in (("one plan at a time", report["device_idle"]),
+                          ("each plan prepared ahead", report["device_idle_prepare_ahead"]))]
+    (out / "gpu_check.md").write_text(table + "\n\n" + "\n".join(report["verdicts"]) + "\n\n"
+                                      + "\n".join(idle_lines) + "\n")
     tests = report.get("tests", {"returncode": 0})
     tp = report.get("tensor_parallel", {"returncode": 0})
     print("\n" + table + "\n\n" + "\n".join(report["verdicts"]))

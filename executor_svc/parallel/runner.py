@@ -44,6 +44,7 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend, group: TPGroup,
                  sampler: Sampler | None = None, max_model_len: int | None = None) -> None:
         super().__init__(model, kv_cache, backend, sampler, max_model_len)
+        self.prepare_ahead = False  # each step is one message sequence to the followers: in order
         self.group, self.channel = group, PlanChannel(group)
         self._lock = threading.Lock()  # one message sequence (a whole step) on the channel at a time
         self._last_send = time.monotonic()
