@@ -7,6 +7,10 @@ the order documented in ``pagedserve/wire/messages.py``, packs the scheduled
 sequences' new tokens into one batch (no padding), runs the model, samples
 where a sequence's computed count reaches its token count, and appends the
 sampled token itself so the scheduler can plan the next step without waiting.
+
+The same step also runs in three phases, ``prepare`` (check, apply, build the
+batch), ``launch`` (start the forward) and ``complete`` (sample, report), so that
+``executor_svc/pipeline.py`` can prepare a plan while the step before it runs.
 """
 
 from __future__ import annotations
