@@ -50,11 +50,18 @@ class Batch:
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
     logits_rows: list[int]  # rows of the packed tokens whose logits are sampled
-    sample_seq_ids: list[int]  # the sequence of each logits row
-    sample_seqs: list[SeqState]  # the same sequences (a later plan may free them before they sample)
+    sample_seqs: list[SeqState]  # the sequence of each logits row (kept: a later plan may free it first)
     # Inputs that are tokens the step in flight samples (a plan prepared ahead): (row in
     # token_ids, sequence, index of the token in its token_ids once appended).
     in_flight_inputs: list[tuple[int, SeqState, int]] = field(default_factory=list)
+
+    @property
+    def sample_seq_ids(self) -> list[int]:
+        return [s.seq_id for s in self.sample_seqs]
+
+    def token_seqs(self) -> list[SeqState]:
+        """The sampling rows that get a token (beam rows report candidates and append nothing)."""
+        return [s for s in self.sample_seqs if s.sampling.beam_candidates <= 0]
 
 
 @dataclass(slots=True)
@@ -78,7 +85,7 @@ class LaunchedStep:
         """The sequences that get a token when this step completes (beam rows get none)."""
         if self.batch is None or self.logits is None:
             return {}
-        return {s.seq_id: s for s in self.batch.sample_seqs if s.sampling.beam_candidates <= 0}
+        return {s.seq_id: s for s in self.batch.token_seqs()}
 
 
 class ModelRunner:
@@ -253,7 +260,7 @@ class ModelRunner:
         lens: list[int] = []
         blocks: list[int] = []  # every sequence's needed block ids, back to back
         blocks_per_seq: list[int] = []
-        sampling: list[bool] = []
+        sample_at: list[int] = []  # batch index of each sampling sequence
         sample_seqs: list[SeqState] = []
         pending: list[tuple[int, SeqState, int]] = []
         for sid, n in zip(seq_ids, num_new, strict=True):
@@ -275,8 +282,8 @@ class ModelRunner:
             blocks_per_seq.append(nb)
             begins.append(begin)
             lens.append(end)
-            sampling.append(end == length)
             if end == length:
+                sample_at.append(len(lens) - 1)
                 sample_seqs.append(s)
         num_seqs = len(lens)
         new = np.asarray(num_new, dtype=np.int64)
@@ -291,7 +298,6 @@ class ModelRunner:
         seq_of_block = np.repeat(np.arange(num_seqs), per_seq)
         block_tables[seq_of_block, np.arange(len(blocks)) - first_block[seq_of_block]] = blocks
         slots = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        sample_at = np.flatnonzero(sampling)
         starts_host = starts.tolist()
         dev = self.model.device
         meta = AttentionMetadata(
@@ -302,7 +308,7 @@ class ModelRunner:
             max_query_len=max(num_new), max_seq_len=max(lens),
             query_start_loc_host=starts_host, seq_lens_host=lens)
         return Batch(ids, torch.from_numpy(positions).to(dev), meta, (starts[1:][sample_at] - 1).tolist(),
-                     [seq_ids[i] for i in sample_at.tolist()], sample_seqs, pending)
+                     sample_seqs, pending)
 
     def _report(self, seqs: list[SeqState], out: SampleOutput, result: StepResult) -> None:
         for i, s in enumerate(seqs):  # every row checked before any is appended: all or nothing

@@ -38,17 +38,21 @@ def serve_requests(runner, sched, reqs: dict, swaps: list[int] | None = None) ->
             continue
         if swaps is not None:
             swaps.append(len(plan.swap_out) + len(plan.swap_in))
-        result = runner.execute(plan)
-        assert result.error is None, result.error
-        for upd in sched.update(result):
-            assert upd.error is None
-            choices = out[upd.request_id]
-            for s in upd.seqs:
-                while len(choices) <= s.index:
-                    choices.append([])
-                choices[s.index].extend(s.new_token_ids)
-        sched.check_integrity()
+        apply_result(sched, runner.execute(plan), out)
     raise AssertionError("scheduler did not finish")
+
+
+def apply_result(sched, result, out: dict[str, list[list[int]]]) -> None:
+    """``result`` (which must not have failed) into ``sched``; each choice's new tokens into ``out``."""
+    assert result.error is None, result.error
+    for upd in sched.update(result):
+        assert upd.error is None
+        choices = out[upd.request_id]
+        for s in upd.seqs:
+            while len(choices) <= s.index:
+                choices.append([])
+            choices[s.index].extend(s.new_token_ids)
+    sched.check_integrity()
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:

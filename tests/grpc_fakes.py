@@ -165,14 +165,14 @@ def example_stats() -> EngineStats:
 class ServerThread:
     """A grpc.aio server with a fake engine, on its own event loop thread."""
 
-    def __init__(self, engine: FakeEngine, limits: ServerLimits | None = None, metrics=None, **server_kw) -> None:
+    def __init__(self, engine: FakeEngine, limits: ServerLimits | None = None, metrics=None) -> None:
         self.engine = engine
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.api: ApiServer = self.call(start_grpc_server(
             engine, engine.tok, host="127.0.0.1", port=0, limits=limits, metrics=metrics,
-            health_poll_interval=None, **server_kw))
+            health_poll_interval=None))
         self.address = f"127.0.0.1:{self.api.port}"
 
     def call(self, coro, timeout: float = 10.0):

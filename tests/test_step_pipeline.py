@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from executor_plans import hf_greedy, make_runner, serve_requests
+from executor_plans import apply_result, hf_greedy, make_runner, serve_requests
 from transformers import AutoModelForCausalLM
 
 from executor_svc.model import load_model
@@ -62,15 +62,7 @@ def serve_pipelined(runner, sched: Scheduler, reqs: dict) -> dict[str, list[list
         else:
             continue
         for result in results:
-            assert result.error is None, result.error
-            for upd in sched.update(result):
-                assert upd.error is None
-                choices = out[upd.request_id]
-                for s in upd.seqs:
-                    while len(choices) <= s.index:
-                        choices.append([])
-                    choices[s.index].extend(s.new_token_ids)
-            sched.check_integrity()
+            apply_result(sched, result, out)
     raise AssertionError("scheduler did not finish")
 
 

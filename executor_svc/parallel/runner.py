@@ -27,15 +27,10 @@ from executor_svc.kv_cache import KVCache
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.parallel.channel import FAILED, OK, PLAN, RESET, STOP, TICK, TICK_S, PlanChannel
 from executor_svc.parallel.group import TPGroup
-from executor_svc.runner import Batch, ModelRunner, SeqState
+from executor_svc.runner import Batch, ModelRunner
 from executor_svc.sampler import Sampler
 from pagedserve import wire
 from pagedserve.wire import BatchPlan, StepResult
-
-
-def token_rows(seqs: dict[int, SeqState], batch: Batch) -> list[SeqState]:
-    """The sampling rows that get a token (beam rows report candidates and append nothing)."""
-    return [seqs[sid] for sid in batch.sample_seq_ids if seqs[sid].sampling.beam_candidates <= 0]
 
 
 class TensorParallelRunner(ModelRunner):
@@ -66,7 +61,7 @@ class TensorParallelRunner(ModelRunner):
             result = StepResult(step_id=plan.step_id)
             if batch is None or logits is None:
                 return result
-            count = len(token_rows(self.seqs, batch))
+            count = len(batch.token_seqs())
             try:
                 self._sample(batch, logits, result)
             except Exception:
@@ -118,7 +113,7 @@ class FollowerRunner(ModelRunner):
         self._apply(plan)
         batch, _ = self._forward(plan)
         if batch is not None and batch.logits_rows:
-            rows = token_rows(self.seqs, batch)
+            rows = batch.token_seqs()
             tokens = self.channel.recv_tokens(len(rows))
             if tokens is not None:
                 for s, tok in zip(rows, tokens, strict=True):
