@@ -5,8 +5,8 @@ sequence's K/V blocks in place through its block table instead of gathering
 them into a padded tensor for SDPA: on the serve_vs_hf shapes that is the
 difference between reading the cache once and copying it twice
 (docs/PERF.md). Rows with several new tokens (prefill, chunked prefill) keep
-the torch reference path, as does anything not float32 on the CPU (the kernel
-is float32 only; bf16/fp16 CPU executors fall back per call).
+the torch reference path, as do queries not in float32 (the kernel computes in
+float32 and reads a float32 or bfloat16 cache; other dtypes fall back per call).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from executor_svc.attention import AttentionMetadata, TorchAttentionBackend
-from executor_svc.cpu_kernels import DecodeKernel
+from executor_svc.cpu_kernels import KV_TYPES, DecodeKernel
 
 
 class FusedCpuAttentionBackend(TorchAttentionBackend):
@@ -27,7 +27,7 @@ class FusedCpuAttentionBackend(TorchAttentionBackend):
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if query.dtype != torch.float32 or k_cache.dtype != torch.float32 or query.device.type != "cpu":
+        if query.dtype != torch.float32 or k_cache.dtype not in KV_TYPES or query.device.type != "cpu":
             return super().forward(query, k_cache, v_cache, meta, scale)
         starts = meta.query_start_loc_host or meta.query_start_loc.tolist()
         lens = meta.seq_lens_host or meta.seq_lens.tolist()

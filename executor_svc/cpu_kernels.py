@@ -1,8 +1,9 @@
-"""Build, cache and call the C kernels in ``executor_svc/csrc`` (CPU paged decode attention).
+"""Build, cache and load the C kernels in ``executor_svc/csrc``; call the paged decode attention.
 
-The source is compiled on the machine that runs it, by the system C compiler
-(``$CC``, else ``cc``/``gcc``), into a shared library named by a hash of the
-source text, the flags and (for ``-march=native`` builds) the CPU. The library
+Every ``csrc/*.c`` (paged decode attention, linear layers, the fused decode
+stack, a memory-bandwidth probe) is compiled on the machine that runs it, by the
+system C compiler (``$CC``, else ``cc``/``gcc``), into one shared library named
+by a hash of the sources, the flags and (for ``-march=native`` builds) the CPU. The library
 lands in a cache directory: ``$PAGEDSERVE_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/pagedserve``, else ``~/.cache/pagedserve``, else a directory
 under the system temp dir; it is written to a temporary name and renamed, so
@@ -38,8 +39,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.c"
-ABI_VERSION = 1  # ps_abi_version() in the source
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+LIB_PREFIX = "pagedserve_cpu"
+ABI_VERSION = 2  # ps_abi_version() in paged_decode_cpu.c
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11")
 # Never -ffast-math: it would let the compiler assume no NaN/inf, and the softmax must propagate
 # them like torch's SDPA does. The source spells out the partial sums it wants vectorised instead.
@@ -109,6 +111,16 @@ def _cpu_signature() -> str:
     return platform.processor()
 
 
+def sources() -> list[Path]:
+    """The C files compiled into the library, in a fixed order."""
+    return sorted(SOURCE_DIR.glob("*.c"))
+
+
+def _source_text() -> bytes:
+    """Every source and header, names included: any edit gives a new library name."""
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.[ch]")))
+
+
 def library_key(source: bytes, flags: tuple[str, ...], variant: str) -> str:
     h = hashlib.sha256(source)
     h.update("\0".join((*flags, platform.machine(), sys.platform)).encode())
@@ -134,20 +146,21 @@ class Build:
 
 
 def _candidates(variant: str) -> list[tuple[tuple[str, ...], str]]:
-    source = SOURCE.read_bytes()
+    source = _source_text()
     out = []
     for omp in OPENMP_FLAGS:
         flags = (*BASE_FLAGS, *VARIANTS[variant], *omp)
-        out.append((flags, f"paged_decode_cpu-{variant}-{library_key(source, flags, variant)}.so"))
+        out.append((flags, f"{LIB_PREFIX}-{variant}-{library_key(source, flags, variant)}.so"))
     return out
 
 
 def _compile(compiler: str, flags: tuple[str, ...], dest: Path) -> str | None:
-    """Compile SOURCE to ``dest`` atomically; the compiler's complaint on failure."""
+    """Compile the sources to ``dest`` atomically; the compiler's complaint on failure."""
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name, suffix=".tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+        proc = subprocess.run([compiler, *flags, "-I", str(SOURCE_DIR), "-o", tmp, *map(str, sources()), "-lm"],
+                              capture_output=True,
                               text=True, timeout=COMPILE_TIMEOUT_S, check=False)
         if proc.returncode != 0:
             return (proc.stderr or proc.stdout).strip()[-2000:] or f"exit status {proc.returncode}"
@@ -188,13 +201,13 @@ def build_library(variant: str = "native", cache_dir: Path | None = None,
             _prune_stale(cache, variant, keep=name)
             return Build(cache / name, variant, flags, compiled=True)
         errors.append(f"{compiler} {' '.join(flags)}: {err}")
-    raise RuntimeError("compiling " + SOURCE.name + " failed:\n" + "\n".join(errors))
+    raise RuntimeError(f"compiling {SOURCE_DIR}/*.c failed:\n" + "\n".join(errors))
 
 
 def _prune_stale(cache: Path, variant: str, keep: str) -> None:
     """Remove this variant's builds of older sources (one per upgrade would pile up otherwise).
     A process still running one keeps its mapping: unlinking a loaded library is safe."""
-    for old in cache.glob(f"paged_decode_cpu-{variant}-*.so"):
+    for old in (*cache.glob(f"{LIB_PREFIX}-{variant}-*.so"), *cache.glob(f"paged_decode_cpu-{variant}-*.so")):
         if old.name != keep:
             try:
                 old.unlink()
@@ -202,20 +215,29 @@ def _prune_stale(cache: Path, variant: str, keep: str) -> None:
                 pass
 
 
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # PS_KV_* in csrc/ps_cpu.h
+
+
+def open_library(build: Build) -> ctypes.CDLL:
+    """The library of ``build``, its ABI checked."""
+    lib = ctypes.CDLL(str(build.path))
+    if lib.ps_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{build.path}: ABI {lib.ps_abi_version()}, expected {ABI_VERSION}")
+    return lib
+
+
 class DecodeKernel:
-    """ctypes binding of ``ps_paged_decode_f32`` with the checks that keep it memory-safe."""
+    """ctypes binding of ``ps_paged_decode`` with the checks that keep it memory-safe."""
 
     def __init__(self, build: Build) -> None:
         self.build = build
-        lib = ctypes.CDLL(str(build.path))
-        if lib.ps_abi_version() != ABI_VERSION:
-            raise RuntimeError(f"{build.path}: ABI {lib.ps_abi_version()}, expected {ABI_VERSION}")
+        lib = open_library(build)
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        fn = lib.ps_paged_decode_f32
-        fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i32, ptr, ptr, ptr, i32,
+        fn = lib.ps_paged_decode
+        fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i32, ptr, i64, i32, ptr, ptr, ptr, i32,
                        i32, i32, i32, i32, i64, ctypes.c_float, i32]
         fn.restype = i32
-        self._fn, self._lib = fn, lib
+        self._fn, self.lib = fn, lib
 
     def __call__(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, seqs: torch.Tensor,
@@ -235,7 +257,8 @@ class DecodeKernel:
         nb, bs, kvh, d = k_cache.shape
         status = self._fn(
             out.data_ptr(), out.stride(0), out.stride(1), query.data_ptr(), query.stride(0), query.stride(1),
-            k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            k_cache.data_ptr(), v_cache.data_ptr(), KV_TYPES[k_cache.dtype], block_tables.data_ptr(),
+            block_tables.stride(0),
             block_tables.shape[1], seq_lens.data_ptr(), rows.data_ptr(), seqs.data_ptr(), rows.shape[0],
             query.shape[1], kvh, d, bs, nb, float(scale), num_threads or torch.get_num_threads())
         if status:
@@ -249,9 +272,9 @@ def _check(out, query, k_cache, v_cache, block_tables, seq_lens, rows, seqs) -> 
     tensors = (out, query, k_cache, v_cache, block_tables, seq_lens, rows, seqs)
     if any(t.device != cpu for t in tensors):
         _fail("every tensor must be on the CPU, got " + ", ".join(str(t.device) for t in tensors))
-    if not out.dtype == query.dtype == k_cache.dtype == v_cache.dtype == f32:
-        _fail(f"out/query/k_cache/v_cache must be float32, got {out.dtype}/{query.dtype}/{k_cache.dtype}/"
-              f"{v_cache.dtype}")
+    if not (out.dtype == query.dtype == f32 and k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_TYPES):
+        _fail(f"out/query must be float32 and k_cache/v_cache both float32 or both bfloat16, got "
+              f"{out.dtype}/{query.dtype}/{k_cache.dtype}/{v_cache.dtype}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         _fail(f"k/v caches must be [blocks, block_size, kv_heads, head] and alike, got "
               f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 
 import pytest
 import torch
@@ -132,7 +133,21 @@ def test_bad_inputs_raise_instead_of_reading_out_of_bounds(kernel):
         kernel(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, rows + 1, rows, 0.1)
 
 
-def test_non_float32_caches_take_the_torch_path(kernel):
+def test_bfloat16_caches_with_float32_queries(kernel, monkeypatch):
+    """The bf16 KV cache of a bf16 CPU model: read in place by the kernel, widened exactly."""
+    query, k_cache, v_cache, meta = _case([(n, 1) for n in (1, 16, 17, 90)], 2, 64, 16)
+    k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
+    ref = TorchAttentionBackend().forward(query, k16.float(), v16.float(), meta, 0.125)
+
+    def no_fallback(*_):
+        raise AssertionError("decode rows with a bf16 cache fell back to torch")
+
+    monkeypatch.setattr(TorchAttentionBackend, "forward", no_fallback)
+    out = FusedCpuAttentionBackend(kernel).forward(query, k16, v16, meta, 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_non_float32_queries_take_the_torch_path(kernel):
     query, k_cache, v_cache, meta = _case([(20, 1), (9, 4)], 2, 32, 8)
     args = (query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), meta, 0.2)
     out = FusedCpuAttentionBackend(kernel).forward(*args)
@@ -143,9 +158,11 @@ def test_compile_cache_reuses_and_keys_by_source(tmp_path, monkeypatch):
     first = cpu_kernels.build_library("portable", tmp_path)
     second = cpu_kernels.build_library("portable", tmp_path)
     assert first.compiled and not second.compiled and second.path == first.path
-    changed = tmp_path / "changed.c"
-    changed.write_text(cpu_kernels.SOURCE.read_text() + "\n/* changed */\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCE", changed)
+    changed = tmp_path / "csrc"
+    shutil.copytree(cpu_kernels.SOURCE_DIR, changed)
+    header = changed / "ps_cpu.h"  # a header counts too: every source includes it
+    header.write_text(header.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE_DIR", changed)
     third = cpu_kernels.build_library("portable", tmp_path)
     assert third.compiled and third.path != first.path
     assert not first.path.exists()  # the old source's build is pruned, not left to pile up

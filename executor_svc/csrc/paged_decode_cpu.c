@@ -5,7 +5,8 @@
  * threads. It walks the sequence's blocks in place through its block table (no gather), scores
  * every cached key against the G query heads that share its KV head (GQA: each K/V row is read
  * once for the whole group), keeps a running max and sum per query head (online softmax, one
- * rescale per block), and accumulates the values. Everything is float32.
+ * rescale per block), and accumulates the values. Queries, outputs and all arithmetic are
+ * float32; the cache holds float32 or bfloat16 (widened exactly on load).
  *
  * Cache layout: [num_blocks, block_size, num_kv_heads, head_size], contiguous. Query and
  * output rows may be strided (row and head strides in elements; the head_size axis is
@@ -18,32 +19,38 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define PS_OK 0
-#define PS_BAD_BLOCK 1   /* a block id outside [0, num_blocks) */
-#define PS_BAD_LEN 2     /* seq_len < 1 or longer than its block table */
-#define PS_NO_MEMORY 3
+#include "ps_cpu.h"
 
-/* Bumped whenever the C signature changes; checked by the loader. */
-int ps_abi_version(void) { return 1; }
+/* Bumped whenever a C signature changes; checked by the loader. */
+int ps_abi_version(void) { return 2; }
+
+/* A K/V element as float32: the cache holds float32, or bfloat16 (the upper half of a float32). */
+static inline float kv_at(const void *p, int64_t i, const int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 /* 16 independent partial sums, then a fixed tree: vectorises to whole registers at any SIMD
  * width without -ffast-math (no reassociation the compiler has to invent), and is deterministic. */
-static inline float dot(const float *restrict a, const float *restrict b, int n) {
+static inline float dot(const float *restrict a, const void *restrict b, int64_t off, int n, const int bf16) {
     float p[16] = {0};
     int d = 0;
     for (; d + 16 <= n; d += 16)
-        for (int l = 0; l < 16; l++) p[l] += a[d + l] * b[d + l];
+        for (int l = 0; l < 16; l++) p[l] += a[d + l] * kv_at(b, off + d + l, bf16);
     float h8[8], h4[4];
     for (int l = 0; l < 8; l++) h8[l] = p[l] + p[l + 8];
     for (int l = 0; l < 4; l++) h4[l] = h8[l] + h8[l + 4];
     float s = (h4[0] + h4[2]) + (h4[1] + h4[3]);
-    for (; d < n; d++) s += a[d] * b[d];
+    for (; d < n; d++) s += a[d] * kv_at(b, off + d, bf16);
     return s;
 }
 
-static inline void axpy(float *restrict y, float a, const float *restrict x, int n) {
+static inline void axpy(float *restrict y, float a, const void *restrict x, int64_t off, int n, const int bf16) {
 #pragma omp simd
-    for (int d = 0; d < n; d++) y[d] += a * x[d];
+    for (int d = 0; d < n; d++) y[d] += a * kv_at(x, off + d, bf16);
 }
 
 /* exp(x) for x <= 0 (a score minus the running max) or NaN, in a form the compiler vectorises
@@ -78,10 +85,10 @@ static inline void scale_by(float *restrict y, float a, int n) {
  * Token-major: a block's rows for these heads are read front to back (one contiguous run per
  * token when the chunk is every head), which the hardware prefetcher follows.
  * scratch: qs [Q*D] scaled queries, acc [Q*D], s [Q*B] scores, m [Q], l [Q]. */
-static inline __attribute__((always_inline)) int one_unit(float *out, int64_t o_head, const float *q, int64_t q_head, const float *k_cache,
-                    const float *v_cache, const int32_t *table, int seq_len, int max_blocks, int h0,
-                    int h1, int G, int H_kv, int D, int B, int64_t num_blocks, float scale,
-                    float *scratch) {
+static inline __attribute__((always_inline)) int one_unit(float *out, int64_t o_head, const float *q, int64_t q_head,
+                    const void *k_cache, const void *v_cache, const int bf16, const int32_t *table, int seq_len,
+                    int max_blocks, int h0, int h1, int G, int H_kv, int D, int B, int64_t num_blocks,
+                    float scale, float *scratch) {
     const int Q = (h1 - h0) * G, qh0 = h0 * G;
     float *qs = scratch, *acc = qs + (size_t)Q * D, *s = acc + (size_t)Q * D;
     float *m = s + (size_t)Q * B, *l = m + Q;
@@ -99,12 +106,12 @@ static inline __attribute__((always_inline)) int one_unit(float *out, int64_t o_
         const int64_t blk = table[b];
         if (blk < 0 || blk >= num_blocks) return PS_BAD_BLOCK;
         const int n = (b == nblocks - 1) ? seq_len - b * B : B;
-        const float *kb = k_cache + (blk * B) * tok_stride + (int64_t)h0 * D;
-        const float *vb = v_cache + (blk * B) * tok_stride + (int64_t)h0 * D;
+        const int64_t base = (blk * B) * tok_stride + (int64_t)h0 * D; /* element offset of the block's rows */
         for (int j = 0; j < n; j++) {
-            const float *kr = kb + j * tok_stride;
+            const int64_t kr = base + j * tok_stride;
             for (int kh = 0, h = 0; kh < h1 - h0; kh++)
-                for (int g = 0; g < G; g++, h++) s[(size_t)h * B + j] = dot(qs + (size_t)h * D, kr + kh * D, D);
+                for (int g = 0; g < G; g++, h++)
+                    s[(size_t)h * B + j] = dot(qs + (size_t)h * D, k_cache, kr + kh * D, D, bf16);
         }
         for (int h = 0; h < Q; h++) {
             float *sh = s + (size_t)h * B;
@@ -121,9 +128,10 @@ static inline __attribute__((always_inline)) int one_unit(float *out, int64_t o_
             m[h] = m_new;
         }
         for (int j = 0; j < n; j++) {
-            const float *vr = vb + j * tok_stride;
+            const int64_t vr = base + j * tok_stride;
             for (int kh = 0, h = 0; kh < h1 - h0; kh++)
-                for (int g = 0; g < G; g++, h++) axpy(acc + (size_t)h * D, s[(size_t)h * B + j], vr + kh * D, D);
+                for (int g = 0; g < G; g++, h++)
+                    axpy(acc + (size_t)h * D, s[(size_t)h * B + j], v_cache, vr + kh * D, D, bf16);
         }
     }
     for (int h = 0; h < Q; h++) {
@@ -144,58 +152,94 @@ static inline __attribute__((always_inline)) int one_unit(float *out, int64_t o_
 #define PS_CLONES
 #endif
 
-/* The common head sizes as compile-time constants: the dot products and updates unroll into
- * whole registers. Any other size takes the same code with a run-time bound. */
+/* The common head sizes and both cache types as compile-time constants: the dot products and
+ * updates unroll into whole registers. Any other size takes the same code with a run-time bound. */
 PS_CLONES static int unit_for_head_size(float *out, int64_t o_head, const float *q, int64_t q_head,
-                              const float *k_cache, const float *v_cache, const int32_t *table,
+                              const void *k_cache, const void *v_cache, int kv_type, const int32_t *table,
                               int seq_len, int max_blocks, int h0, int h1, int G, int H_kv, int D, int B,
                               int64_t num_blocks, float scale, float *scratch) {
-#define PS_UNIT(DC) one_unit(out, o_head, q, q_head, k_cache, v_cache, table, seq_len, max_blocks, h0, h1, \
-                             G, H_kv, DC, B, num_blocks, scale, scratch)
+#define PS_UNIT(DC, BF) one_unit(out, o_head, q, q_head, k_cache, v_cache, BF, table, seq_len, max_blocks, h0, \
+                                 h1, G, H_kv, DC, B, num_blocks, scale, scratch)
+    if (kv_type == PS_KV_BF16) {
+        switch (D) {
+        case 64: return PS_UNIT(64, 1);
+        case 128: return PS_UNIT(128, 1);
+        default: return PS_UNIT(D, 1);
+        }
+    }
     switch (D) {
-    case 64: return PS_UNIT(64);
-    case 128: return PS_UNIT(128);
-    default: return PS_UNIT(D);
+    case 64: return PS_UNIT(64, 0);
+    case 128: return PS_UNIT(128, 0);
+    default: return PS_UNIT(D, 0);
     }
 #undef PS_UNIT
 }
 
-/* rows[i]: the query/output row of decode sequence i; seqs[i]: its index into seq_lens and
- * block_tables. Returns PS_OK or the first error seen (the output is then undefined). */
-int ps_paged_decode_f32(float *out, int64_t o_row, int64_t o_head, const float *query, int64_t q_row,
-                        int64_t q_head, const float *k_cache, const float *v_cache,
-                        const int32_t *block_tables, int64_t bt_row, int max_blocks,
-                        const int32_t *seq_lens, const int64_t *rows, const int64_t *seqs, int num_seqs,
-                        int num_q_heads, int num_kv_heads, int head_size, int block_size,
-                        int64_t num_blocks, float scale, int num_threads) {
-    const int G = num_q_heads / num_kv_heads;
-    const int threads = num_threads > 0 ? num_threads : 1;
-    /* Work units are (sequence, chunk of KV heads). Whole sequences read their blocks as one
-     * contiguous run per token; split heads only when there are too few sequences to keep
-     * every thread busy. */
+/* Work units are (sequence, chunk of KV heads). Whole sequences read their blocks as one
+ * contiguous run per token; split heads only when there are too few sequences to keep every
+ * thread busy. Returns the number of chunks (1 .. num_kv_heads). */
+int ps_decode_chunks(int num_seqs, int num_kv_heads, int threads) {
     int chunks = 1;
     while (chunks < num_kv_heads && (int64_t)num_seqs * chunks < 4 * (int64_t)threads) chunks++;
     const int per_chunk = (num_kv_heads + chunks - 1) / chunks;
-    chunks = (num_kv_heads + per_chunk - 1) / per_chunk;
+    return (num_kv_heads + per_chunk - 1) / per_chunk;
+}
+
+int64_t ps_decode_scratch_floats(int num_q_heads, int num_kv_heads, int head_size, int block_size, int chunks) {
+    const int per_chunk = (num_kv_heads + chunks - 1) / chunks;
+    const int G = num_q_heads / num_kv_heads;
+    return (int64_t)per_chunk * G * (2 * (int64_t)head_size + block_size + 2);
+}
+
+/* Every thread of a parallel region calls this with its own scratch (NULL: its allocation
+ * failed; the thread then takes no unit and reports PS_NO_MEMORY); ends with a barrier.
+ * Returns PS_OK or the first error this thread saw. */
+int ps_paged_decode_region(float *out, int64_t o_row, int64_t o_head, const float *query, int64_t q_row,
+                           int64_t q_head, const void *k_cache, const void *v_cache, int kv_type,
+                           const int32_t *block_tables, int64_t bt_row, int max_blocks,
+                           const int32_t *seq_lens, const int64_t *rows, const int64_t *seqs, int num_seqs,
+                           int num_q_heads, int num_kv_heads, int head_size, int block_size,
+                           int64_t num_blocks, float scale, float *scratch, int chunks) {
+    const int G = num_q_heads / num_kv_heads;
+    const int per_chunk = (num_kv_heads + chunks - 1) / chunks;
     const int64_t units = (int64_t)num_seqs * chunks;
-    const size_t scratch_floats = (size_t)per_chunk * G * (2 * (size_t)head_size + block_size + 2);
+    int mine = scratch ? PS_OK : PS_NO_MEMORY;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; u++) {
+        if (mine != PS_OK) continue;
+        const int64_t i = u / chunks;
+        const int h0 = (int)(u % chunks) * per_chunk;
+        const int h1 = h0 + per_chunk < num_kv_heads ? h0 + per_chunk : num_kv_heads;
+        const int64_t sq = rows ? seqs[i] : i, r = rows ? rows[i] : i;
+        mine = unit_for_head_size(out + r * o_row, o_head, query + r * q_row, q_head, k_cache, v_cache, kv_type,
+                                  block_tables + sq * bt_row, seq_lens[sq], max_blocks, h0, h1, G, num_kv_heads,
+                                  head_size, block_size, num_blocks, scale, scratch);
+    }
+    return mine;
+}
+
+/* rows[i]: the query/output row of decode sequence i; seqs[i]: its index into seq_lens and
+ * block_tables (both NULL: row i is sequence i). Returns PS_OK or the first error seen (the
+ * output is then undefined). */
+int ps_paged_decode(float *out, int64_t o_row, int64_t o_head, const float *query, int64_t q_row,
+                    int64_t q_head, const void *k_cache, const void *v_cache, int kv_type,
+                    const int32_t *block_tables, int64_t bt_row, int max_blocks,
+                    const int32_t *seq_lens, const int64_t *rows, const int64_t *seqs, int num_seqs,
+                    int num_q_heads, int num_kv_heads, int head_size, int block_size,
+                    int64_t num_blocks, float scale, int num_threads) {
+    const int threads = num_threads > 0 ? num_threads : 1;
+    if (kv_type != PS_KV_F32 && kv_type != PS_KV_BF16) return PS_BAD_ARG;
+    const int chunks = ps_decode_chunks(num_seqs, num_kv_heads, threads);
+    const size_t scratch_floats =
+        (size_t)ps_decode_scratch_floats(num_q_heads, num_kv_heads, head_size, block_size, chunks);
     int status = PS_OK;
 #pragma omp parallel num_threads(threads)
     {
         float *scratch = malloc(sizeof(float) * scratch_floats);
-        int mine = scratch ? PS_OK : PS_NO_MEMORY;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < units; u++) {
-            if (mine != PS_OK) continue;
-            const int64_t i = u / chunks;
-            const int h0 = (int)(u % chunks) * per_chunk;
-            const int h1 = h0 + per_chunk < num_kv_heads ? h0 + per_chunk : num_kv_heads;
-            const int64_t sq = seqs[i], r = rows[i];
-            mine = unit_for_head_size(out + r * o_row, o_head, query + r * q_row, q_head, k_cache,
-                                      v_cache, block_tables + sq * bt_row, seq_lens[sq], max_blocks, h0,
-                                      h1, G, num_kv_heads, head_size, block_size, num_blocks, scale,
-                                      scratch);
-        }
+        const int mine = ps_paged_decode_region(out, o_row, o_head, query, q_row, q_head, k_cache, v_cache,
+                                                kv_type, block_tables, bt_row, max_blocks, seq_lens, rows, seqs,
+                                                num_seqs, num_q_heads, num_kv_heads, head_size, block_size,
+                                                num_blocks, scale, scratch, chunks);
         free(scratch);
         if (mine != PS_OK) {
 #pragma omp critical

@@ -22,6 +22,7 @@ from torch import nn
 from executor_svc.attention import AttentionBackend, AttentionMetadata, KVCaches
 from executor_svc.model.config import ModelConfig
 from executor_svc.model.rope import RotaryEmbedding, apply_rotary
+from executor_svc.model.weights import PackedEmbedding, PackedLinear
 
 
 class RMSNorm(nn.Module):
@@ -122,10 +123,16 @@ class LlamaForCausalLM(nn.Module):
         untied = with_lm_head and not cfg.tie_word_embeddings
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False) if untied else None
         self.rotary: RotaryEmbedding | None = None  # built by the loader on the target device
+        self.reduce = reduce
+        # Set by cpu_pack.pack_for_cpu: the linear layers' weight format, and the fused C path of
+        # pure decode steps (executor_svc/model/cpu_decode.py; None: every step runs the modules).
+        self.weight_format: str | None = None
+        self.decode_stack = None
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        """The activations' dtype (a CPU-packed model keeps them float32 whatever its weights)."""
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
@@ -137,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
         if self.rotary is None:
             raise RuntimeError("model used before load_model() built its rotary embedding")
         x = self.embed_tokens(input_ids)
+        if self.decode_stack is not None and meta.max_query_len == 1 and backend.name == "cpu-fused":
+            return self.decode_stack(x, positions, caches, meta)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer(x, cos, sin, cache, meta, backend)
@@ -146,5 +155,9 @@ class LlamaForCausalLM(nn.Module):
         """hidden [n, hidden] -> logits [n, vocab] float32."""
         if not self.with_lm_head:
             raise RuntimeError("compute_logits on a tensor-parallel rank without the LM head (rank 0 samples)")
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).to(torch.float32)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, PackedEmbedding):  # packed for the CPU: a tied LM head shares its table
+            head = head.table
+        if isinstance(head, PackedLinear):
+            return head(hidden)
+        return F.linear(hidden, head.weight).to(torch.float32)

@@ -16,7 +16,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from executor_svc.cpu_ops import load_cpu_ops
 from executor_svc.model.config import ModelConfig, UnsupportedModelError, load_model_config
+from executor_svc.model.cpu_pack import pack_for_cpu, weight_format
 from executor_svc.model.llama import AllReduce, LlamaForCausalLM
 from executor_svc.model.rope import RotaryEmbedding
 from executor_svc.parallel.shard import NO_SHARD, TPShard
@@ -78,12 +80,27 @@ def _targets(cfg: ModelConfig, shard: TPShard = NO_SHARD) -> dict[str, Target]:
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               shard: TPShard = NO_SHARD, reduce: AllReduce | None = None) -> LlamaForCausalLM:
+               shard: TPShard = NO_SHARD, reduce: AllReduce | None = None, quantization: str | None = None,
+               cpu_kernels: bool = True) -> LlamaForCausalLM:
     """The whole model, or with ``shard`` one tensor-parallel rank's part of it (only those bytes
-    are read) and ``reduce`` its sum over ranks."""
+    are read) and ``reduce`` its sum over ranks.
+
+    An unsharded float32 or bfloat16 model on the CPU is packed for the CPU kernels
+    (``cpu_pack.py``): weights in ``dtype``, or int8 with ``quantization="int8"``, activations
+    float32. ``cpu_kernels=False`` keeps the formats but computes them with torch alone."""
     cfg = load_model_config(model_dir)
+    packed = torch.device(device).type == "cpu" and shard.size == 1 and dtype in (torch.float32, torch.bfloat16)
+    if quantization is not None and not packed:
+        raise UnsupportedModelError(f"quantization {quantization!r}: the CPU executor's, unsharded, with "
+                                    f"float32 or bfloat16 (got device {device}, dtype {dtype}, {shard.size} ranks)")
+    fmt = weight_format(dtype, quantization) if packed else None
+    # Packed formats convert from the checkpoint's own precision (a bfloat16 checkpoint loads as
+    # such, halving the peak; a float32 one keeps exact norms and int8 scales).
+    load_dtype = dtype
+    if fmt is not None:
+        load_dtype = torch.bfloat16 if fmt != "float32" and cfg.torch_dtype == "bfloat16" else torch.float32
     local = shard.local_config(cfg) if shard.size > 1 else cfg
-    model = LlamaForCausalLM(local, reduce, with_lm_head=shard.holds_lm_head).to_empty(device=device).to(dtype)
+    model = LlamaForCausalLM(local, reduce, with_lm_head=shard.holds_lm_head).to_empty(device=device).to(load_dtype)
     params = dict(model.named_parameters())
     targets = _targets(cfg, shard)
     files = weight_files(model_dir)
@@ -107,6 +124,8 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     if missing:
         raise UnsupportedModelError(f"{model_dir}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
     model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, torch.device(device))
+    if fmt is not None:
+        pack_for_cpu(model, fmt, load_cpu_ops() if cpu_kernels else None)
     return model.eval()
 
 

@@ -1,0 +1,242 @@
+/* A whole decode step of a Llama-family decoder stack on CPU in one call: for every layer
+ * RMSNorm -> fused q/k/v projection -> rotary embedding -> K/V written to the paged cache ->
+ * paged decode attention -> o projection added to the residual -> RMSNorm -> fused gate/up
+ * projection -> SiLU(gate) * up -> down projection added to the residual; then the final norm.
+ *
+ * Why one call: at batch 1 a step reads every weight once (a few milliseconds at memory
+ * bandwidth), and the per-operator cost of running the same layer as ~40 torch operators from
+ * Python is of the same order. Here the step is one OpenMP parallel region: the stages of a
+ * layer are worksharing loops separated by barriers, so the threads never go back to Python.
+ *
+ * Activations, the residual stream, norms, rotary and softmax are float32 whatever the weight
+ * type (ps_linear_t); the KV cache is float32 or bfloat16. One query token per sequence: token
+ * t belongs to sequence t (row t of block_tables / seq_lens). The caller (executor_svc/
+ * model/cpu_decode.py) checks the shapes; this file checks what indexes memory (slots, block
+ * ids, lengths) and returns PS_BAD_BLOCK / PS_BAD_LEN instead of touching anything outside.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "ps_cpu.h"
+
+typedef struct {
+    ps_linear_t qkv, o, gate_up, down;
+    const float *ln1, *ln2; /* [hidden] RMSNorm weights before attention and before the MLP */
+    void *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] of kv_type */
+} ps_layer_t;
+
+typedef struct {
+    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, kv_type;
+    int64_t num_blocks;
+    float eps, attn_scale;
+    const ps_layer_t *layers;
+    const float *inv_freq;   /* [head_dim / 2] rotary inverse frequencies */
+    const float *final_norm; /* [hidden] */
+} ps_model_t;
+
+#define ALIGN_F 16 /* floats: every buffer of the work area starts on a 64-byte boundary */
+
+static inline int64_t up(int64_t v) { return (v + ALIGN_F - 1) / ALIGN_F * ALIGN_F; }
+
+typedef struct {
+    float *h, *qkv, *att, *gu, *act, *cos, *sin, *attn_scratch;
+    void *lin_work;
+    int64_t attn_scratch_floats;
+    int chunks;
+} layout_t;
+
+/* Offsets of every buffer in the caller's work area (all floats); returns its size in floats. */
+static int64_t plan(const ps_model_t *M, int n, int threads, float *base, layout_t *lo) {
+    const int64_t qkv_w = (int64_t)(M->num_heads + 2 * M->num_kv_heads) * M->head_dim;
+    const int64_t q_w = (int64_t)M->num_heads * M->head_dim;
+    int64_t lin = 0;
+    for (int l = 0; l < M->num_layers; l++) {
+        const ps_linear_t *ls[4] = {&M->layers[l].qkv, &M->layers[l].o, &M->layers[l].gate_up, &M->layers[l].down};
+        for (int i = 0; i < 4; i++) {
+            const int64_t b = ps_linear_work_bytes(ls[i]->wtype, n, ls[i]->k);
+            lin = b > lin ? b : lin;
+        }
+    }
+    const int chunks = ps_decode_chunks(n, M->num_kv_heads, threads);
+    const int64_t sf = up(ps_decode_scratch_floats(M->num_heads, M->num_kv_heads, M->head_dim, M->block_size, chunks));
+    const int64_t sizes[9] = {up((int64_t)n * M->hidden), up(n * qkv_w), up(n * q_w),
+                              up((int64_t)n * 2 * M->intermediate), up((int64_t)n * M->intermediate),
+                              up((int64_t)n * M->head_dim / 2), up((int64_t)n * M->head_dim / 2),
+                              sf * threads, up((lin + 3) / 4)};
+    float **slots[9] = {&lo->h, &lo->qkv, &lo->att, &lo->gu, &lo->act, &lo->cos, &lo->sin, &lo->attn_scratch, NULL};
+    int64_t off = 0;
+    for (int i = 0; i < 9; i++) {
+        if (base && slots[i]) *slots[i] = base + off;
+        if (base && !slots[i]) lo->lin_work = base + off;
+        off += sizes[i];
+    }
+    lo->attn_scratch_floats = sf;
+    lo->chunks = chunks;
+    return off;
+}
+
+int64_t ps_stack_work_bytes(const ps_model_t *M, int n, int num_threads) {
+    layout_t lo;
+    return plan(M, n, num_threads > 0 ? num_threads : 1, NULL, &lo) * (int64_t)sizeof(float);
+}
+
+/* exp(x) for any float in a form the compiler vectorises: x = k ln2 + r, |r| <= ln2/2, exp(r)
+ * by its Taylor series to r^7, times 2^k put in the exponent. Clamped to [-87, 88] (the
+ * result then underflows to ~1e-38 or stays below FLT_MAX); max error ~2 ulp. NaN stays NaN. */
+static inline float exp_any(float x0) {
+    float x = x0 < -87.0f ? -87.0f : x0;
+    x = x > 88.0f ? 88.0f : x;
+    const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float r = (x - k * 0.693145751953125f) - k * 1.42860682030941723e-6f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)(k == k ? k : 0.0f) + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x0 != x0 ? x0 : p * scale;
+}
+
+/* out = w * (x / sqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm in float32. */
+static void rms_norm(const float *restrict x, const float *restrict w, int d, float eps, float *out) {
+    float p[16] = {0};
+    int i = 0;
+    for (; i + 16 <= d; i += 16)
+        for (int l = 0; l < 16; l++) p[l] += x[i + l] * x[i + l];
+    float ss = 0.0f;
+    for (int l = 0; l < 16; l++) ss += p[l];
+    for (; i < d; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)d + eps);
+    for (i = 0; i < d; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* x [heads, D] rotated in place ("rotate half", as HF Llama): pairs (d, d + D/2). */
+static void rope(float *x, int heads, int D, const float *cs, const float *sn) {
+    const int half = D / 2;
+    for (int h = 0; h < heads; h++) {
+        float *v = x + (int64_t)h * D;
+        for (int d = 0; d < half; d++) {
+            const float a = v[d], b = v[d + half];
+            v[d] = a * cs[d] - b * sn[d];
+            v[d + half] = b * cs[d] + a * sn[d];
+        }
+    }
+}
+
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)r;
+}
+
+static void store_kv(void *cache, int kv_type, int64_t at, const float *src, int count) {
+    if (kv_type == PS_KV_F32) {
+        memcpy((float *)cache + at, src, sizeof(float) * (size_t)count);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + at;
+    for (int i = 0; i < count; i++) dst[i] = bf16_round(src[i]);
+}
+
+static int check_model(const ps_model_t *M) {
+    if (!M || M->num_layers < 1 || M->hidden < 1 || M->num_heads < 1 || M->num_kv_heads < 1 ||
+        M->num_heads % M->num_kv_heads || M->head_dim < 2 || M->head_dim % 2 || M->intermediate < 1 ||
+        M->block_size < 1 || M->num_blocks < 1 || (M->kv_type != PS_KV_F32 && M->kv_type != PS_KV_BF16) ||
+        !M->layers || !M->inv_freq || !M->final_norm)
+        return PS_BAD_ARG;
+    const int qkv = (M->num_heads + 2 * M->num_kv_heads) * M->head_dim, q = M->num_heads * M->head_dim;
+    for (int l = 0; l < M->num_layers; l++) {
+        const ps_layer_t *L = &M->layers[l];
+        if (L->qkv.k != M->hidden || L->qkv.m != qkv || L->o.k != q || L->o.m != M->hidden ||
+            L->gate_up.k != M->hidden || L->gate_up.m != 2 * M->intermediate || L->down.k != M->intermediate ||
+            L->down.m != M->hidden || !L->ln1 || !L->ln2 || !L->k_cache || !L->v_cache)
+            return PS_BAD_ARG;
+    }
+    return PS_OK;
+}
+
+/* x [n, hidden]: the tokens' embeddings in, the final-normed hidden states out. positions [n]
+ * (rotary), slots [n] (cache slot of each new K/V; < 0: not written), block_tables
+ * [n, bt_row] with max_blocks valid columns, seq_lens [n] (context including the new token). */
+int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positions, const int64_t *slots,
+                    const int32_t *block_tables, int64_t bt_row, int max_blocks, const int32_t *seq_lens,
+                    void *work, int64_t work_bytes, int num_threads) {
+    const int threads = num_threads > 0 ? num_threads : 1;
+    if (check_model(M) != PS_OK || n < 0) return PS_BAD_ARG;
+    if (work_bytes < ps_stack_work_bytes(M, n, threads)) return PS_NO_MEMORY;
+    if (n == 0) return PS_OK;
+    const int64_t total_slots = M->num_blocks * M->block_size;
+    for (int t = 0; t < n; t++)
+        if (slots[t] >= total_slots) return PS_BAD_BLOCK;
+    layout_t lo;
+    plan(M, n, threads, work, &lo);
+    const int H = M->hidden, D = M->head_dim, half = D / 2, I = M->intermediate;
+    const int q_w = M->num_heads * D, kv_w = M->num_kv_heads * D, qkv_w = q_w + 2 * kv_w;
+    int status = PS_OK;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scratch = lo.attn_scratch + lo.attn_scratch_floats * PS_TID();
+        int mine = PS_OK;
+#pragma omp for schedule(static)
+        for (int t = 0; t < n; t++)
+            for (int i = 0; i < half; i++) {
+                const float f = (float)positions[t] * M->inv_freq[i];
+                lo.cos[(int64_t)t * half + i] = cosf(f);
+                lo.sin[(int64_t)t * half + i] = sinf(f);
+            }
+        for (int l = 0; l < M->num_layers; l++) {
+            const ps_layer_t *L = &M->layers[l];
+#pragma omp for schedule(static)
+            for (int t = 0; t < n; t++) rms_norm(x + (int64_t)t * H, L->ln1, H, M->eps, lo.h + (int64_t)t * H);
+            ps_linear_region(&L->qkv, lo.h, H, n, lo.qkv, qkv_w, 0, lo.lin_work);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int t = 0; t < n; t++) {
+                float *row = lo.qkv + (int64_t)t * qkv_w;
+                const float *cs = lo.cos + (int64_t)t * half, *sn = lo.sin + (int64_t)t * half;
+                rope(row, M->num_heads, D, cs, sn);
+                rope(row + q_w, M->num_kv_heads, D, cs, sn);
+                if (slots[t] >= 0) {
+                    store_kv(L->k_cache, M->kv_type, slots[t] * kv_w, row + q_w, kv_w);
+                    store_kv(L->v_cache, M->kv_type, slots[t] * kv_w, row + q_w + kv_w, kv_w);
+                }
+            }
+            const int st = ps_paged_decode_region(lo.att, q_w, D, lo.qkv, qkv_w, D, L->k_cache, L->v_cache, M->kv_type,
+                                                  block_tables, bt_row, max_blocks, seq_lens, NULL, NULL, n,
+                                                  M->num_heads, M->num_kv_heads, D, M->block_size, M->num_blocks,
+                                                  M->attn_scale, scratch, lo.chunks);
+            mine = mine != PS_OK ? mine : st;
+            ps_linear_region(&L->o, lo.att, q_w, n, x, H, 1, lo.lin_work);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int t = 0; t < n; t++) rms_norm(x + (int64_t)t * H, L->ln2, H, M->eps, lo.h + (int64_t)t * H);
+            ps_linear_region(&L->gate_up, lo.h, H, n, lo.gu, 2 * I, 0, lo.lin_work);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int t = 0; t < n; t++) {
+                const float *g = lo.gu + (int64_t)t * 2 * I, *u = g + I;
+                float *a = lo.act + (int64_t)t * I;
+                for (int i = 0; i < I; i++) a[i] = g[i] / (1.0f + exp_any(-g[i])) * u[i];
+            }
+            ps_linear_region(&L->down, lo.act, I, n, x, H, 1, lo.lin_work);
+#pragma omp barrier
+        }
+#pragma omp for schedule(static)
+        for (int t = 0; t < n; t++) {
+            rms_norm(x + (int64_t)t * H, M->final_norm, H, M->eps, lo.h + (int64_t)t * H);
+            memcpy(x + (int64_t)t * H, lo.h + (int64_t)t * H, sizeof(float) * (size_t)H);
+        }
+        if (mine != PS_OK) {
+#pragma omp critical
+            if (status == PS_OK) status = mine;
+        }
+    }
+    return status;
+}

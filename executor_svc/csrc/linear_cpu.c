@@ -1,0 +1,299 @@
+/* Linear layers on CPU: y = x W^T (* scale) (+ bias), weights in float32 (row-major), bfloat16
+ * or int8 (packed panels, one scale per output row; layouts in ps_cpu.h), x float32 [n, k].
+ *
+ * Decoding one token per sequence makes these matrix-vector products over every weight of the
+ * model: at small n the time is that of reading the weights from memory once, so each call
+ * streams every weight exactly once, each thread its own contiguous share (float32: rows;
+ * packed formats: units of 64 outputs), with all n tokens (from L1/L2) against it.
+ *
+ * The inner kernels by weight type and instruction set (chosen at run time, ps_isa_level; the
+ * AVX2/AVX-512 ones are in linear_x86.c):
+ *   float32   dot products, 4 rows x 4 tokens: AVX-512 FMA | AVX2 FMA | scalar
+ *   bfloat16  x rounded to bf16; AVX-512 BF16 vdpbf16ps | AVX2: widened to f32, FMA | scalar
+ *   int8      x quantised per row to int8 (symmetric, scale max|x|/127, round half to even);
+ *             AVX-512 VNNI vpdpbusd (x biased to u8, the bias removed with the row's weight sum) |
+ *             AVX2 vpmaddubsw | scalar: exact integer sums on every path.
+ * Never -ffast-math (see paged_decode_cpu.c): the rounding tricks below rely on IEEE order.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "linear_tiles.h"
+#include "ps_cpu.h"
+
+#ifdef PS_X86
+#include <cpuid.h>
+#endif
+
+#define KPAD 64 /* converted activation rows are padded to this many elements */
+
+/* ------------------------------------------------------------------ CPU features */
+
+static int g_limit = PS_ISA_AVX512;
+static int g_feat = -1; /* bit 0 AVX2+FMA, 1 AVX-512 F/BW/VL/DQ, 2 AVX-512 BF16, 3 AVX-512 VNNI */
+
+int ps_cpu_features(void) {
+    if (g_feat >= 0) return g_feat;
+    int f = 0;
+#ifdef PS_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) f |= 1;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) f |= 2;
+    if ((f & 2) && __builtin_cpu_supports("avx512bf16")) f |= 4;
+    if ((f & 2) && __builtin_cpu_supports("avx512vnni")) f |= 8;
+#endif
+    g_feat = f;
+    return f;
+}
+
+/* Cap the level every kernel may use (tests run each path on one machine). Returns the cap. */
+int ps_set_isa_limit(int level) {
+    g_limit = level < PS_ISA_SCALAR ? PS_ISA_SCALAR : level > PS_ISA_AVX512 ? PS_ISA_AVX512 : level;
+    return g_limit;
+}
+
+int ps_isa_level(int wtype) {
+    const int f = ps_cpu_features();
+    int best = PS_ISA_SCALAR;
+    if (f & 1) best = PS_ISA_AVX2;
+    const int need = wtype == PS_W_BF16 ? 4 : wtype == PS_W_Q8 ? 8 : 0;
+    if ((f & 2) && (f & need) == need) best = PS_ISA_AVX512;
+    return best < g_limit ? best : g_limit;
+}
+
+/* ------------------------------------------------------------------ activations */
+
+static inline int64_t padded(int k) { return ((int64_t)k + KPAD - 1) / KPAD * KPAD; }
+
+int64_t ps_linear_work_bytes(int wtype, int n, int k) {
+    if (wtype == PS_W_BF16) return (int64_t)n * padded(k) * 4; /* bf16 rows, or float32 rows (AVX2, scalar) */
+    if (wtype == PS_W_Q8) return ((int64_t)n * 4 + KPAD - 1) / KPAD * KPAD + (int64_t)n * padded(k);
+    return 0;
+}
+
+/* Round to nearest even, as torch's .to(torch.bfloat16); NaN stays NaN (quiet). */
+static inline uint16_t bf16_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u) : (uint16_t)r;
+}
+
+static inline float f32_of_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static void to_bf16_row(const float *restrict x, int k, uint16_t *restrict out) {
+    int j = 0;
+    for (; j < k; j++) out[j] = bf16_of(x[j]);
+    for (; j < padded(k); j++) out[j] = 0;
+}
+
+static void to_bf16_f32_row(const float *restrict x, int k, float *restrict out) {
+    int j = 0;
+    for (; j < k; j++) out[j] = f32_of_bf16(bf16_of(x[j]));
+    for (; j < padded(k); j++) out[j] = 0.0f;
+}
+
+/* Symmetric per-row int8: q = round_half_even(x * 127 / max|x|), in [-127, 127]. The rounding
+ * is the float trick (x + 1.5 * 2^23) - 1.5 * 2^23, exact for |x| <= 2^22 and the same on
+ * every instruction set; a row of zeros (or one with NaN/inf) quantises with scale 0 / NaN. */
+static float to_q8_row(const float *restrict x, int k, int8_t *restrict out) {
+    float amax = 0.0f;
+    for (int j = 0; j < k; j++) {
+        const float a = fabsf(x[j]);
+        amax = a > amax ? a : amax;
+    }
+    if (!(amax <= 3.0e38f)) { /* NaN or inf: let it show in the output */
+        memset(out, 0, (size_t)padded(k));
+        return amax != amax ? amax : (float)NAN;
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int j = 0;
+    for (; j < k; j++) {
+        const float r = (x[j] * inv + 12582912.0f) - 12582912.0f;
+        out[j] = (int8_t)(int)r;
+    }
+    for (; j < padded(k); j++) out[j] = 0;
+    return amax / 127.0f;
+}
+
+/* ------------------------------------------------------------------ scalar kernels */
+
+static void f32_tile_scalar(int T, const float *x, int64_t ldx, const float *const *w, int64_t ahead, int k,
+                            float *res) {
+    (void)ahead;
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < 4; r++) {
+            float p[8] = {0};
+            int j = 0;
+            for (; j + 8 <= k; j += 8)
+                for (int l = 0; l < 8; l++) p[l] += x[t * ldx + j + l] * w[r][j + l];
+            float s = ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]));
+            for (; j < k; j++) s += x[t * ldx + j] * w[r][j];
+            res[t * 4 + r] = s;
+        }
+}
+
+static void store_scalar(float v, const ps_out_t *o, int t, int out) {
+    if (o->bias) v += o->bias[out];
+    float *dst = o->y + t * o->ldy + out;
+    *dst = o->accumulate ? *dst + v : v;
+}
+
+/* x: float32 rows of bf16-rounded values. */
+static void bf16_unit_scalar(int T, const void *xv, int64_t ldx, const void *wv, int64_t pstride, int kp,
+                             const ps_out_t *out) {
+    const float *x = xv;
+    for (int p = 0; p < 4; p++) {
+        const uint16_t *w = (const uint16_t *)wv + p * pstride;
+        for (int t = 0; t < T; t++) {
+            float acc[16] = {0};
+            for (int j = 0; j < kp / 2; j++)
+                for (int l = 0; l < 16; l++)
+                    acc[l] += x[t * ldx + 2 * j] * f32_of_bf16(w[j * 32 + 2 * l]) +
+                              x[t * ldx + 2 * j + 1] * f32_of_bf16(w[j * 32 + 2 * l + 1]);
+            for (int l = 0; l < 16 && out->o0 + p * 16 + l < out->m; l++) store_scalar(acc[l], out, t, out->o0 + p * 16 + l);
+        }
+    }
+}
+
+/* x: s8 rows. */
+static void q8_unit_scalar(int T, const void *xv, int64_t ldx, const void *wv, int64_t pstride, int kp,
+                           const ps_out_t *out) {
+    const int8_t *x = xv;
+    for (int p = 0; p < 4; p++) {
+        const int8_t *w = (const int8_t *)wv + p * pstride;
+        for (int t = 0; t < T; t++) {
+            int32_t acc[16] = {0};
+            for (int j = 0; j < kp / 4; j++)
+                for (int l = 0; l < 16; l++)
+                    for (int g = 0; g < 4; g++) acc[l] += (int32_t)x[t * ldx + 4 * j + g] * (int32_t)w[j * 64 + 4 * l + g];
+            for (int l = 0; l < 16 && out->o0 + p * 16 + l < out->m; l++) {
+                const int o = out->o0 + p * 16 + l;
+                store_scalar((float)acc[l] * out->scale[o] * out->sx[t], out, t, o);
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ one thread's share */
+
+static void f32_rows(const ps_linear_t *L, const float *x, int64_t ldx, int n, float *y, int64_t ldy, int accumulate,
+                     int r0, int r1, int isa) {
+    const int m = L->m, k = L->k;
+    ps_f32_tile_fn tile = f32_tile_scalar;
+#ifdef PS_X86
+    if (isa == PS_ISA_AVX512) tile = ps_f32_tile_512;
+    else if (isa == PS_ISA_AVX2) tile = ps_f32_tile_avx2;
+#endif
+    float res[16];
+    for (int r = r0; r < r1; r += 4) {
+        const float *w[4];
+        for (int i = 0; i < 4; i++) /* rows past m repeat the last one; their results are dropped */
+            w[i] = (const float *)L->w + (int64_t)(r + i < m ? r + i : m - 1) * L->ldw;
+        for (int t0 = 0; t0 < n; t0 += 4) {
+            const int T = n - t0 < 4 ? n - t0 : 4;
+            tile(T, x + (int64_t)t0 * ldx, ldx, w, 4 * L->ldw, k, res);
+            for (int t = 0; t < T; t++) {
+                float *yt = y + (int64_t)(t0 + t) * ldy;
+                for (int i = 0; i < 4 && r + i < m; i++) {
+                    float v = res[t * 4 + i];
+                    if (L->bias) v += L->bias[r + i];
+                    yt[r + i] = accumulate ? yt[r + i] + v : v;
+                }
+            }
+        }
+    }
+}
+
+static void packed_units(const ps_linear_t *L, const void *xp, int64_t ldxp, const float *sx, int n, float *y,
+                         int64_t ldy, int accumulate, int u0, int u1, int isa) {
+    const int q8 = L->wtype == PS_W_Q8, g = q8 ? 4 : 2;
+    const int kp = (L->k + g - 1) / g * g;
+    const int64_t pstride = (int64_t)kp * 16;          /* elements per panel */
+    const size_t xb = q8 ? 1 : (isa == PS_ISA_AVX512 ? 2 : 4); /* bytes per converted activation */
+    ps_unit_fn unit = q8 ? q8_unit_scalar : bf16_unit_scalar;
+    int tmax = PS_UNIT_T_SCALAR;
+#ifdef PS_X86
+    if (isa == PS_ISA_AVX512) {
+        unit = q8 ? ps_q8_unit_512 : ps_bf16_unit_512;
+        tmax = PS_UNIT_T_512;
+    } else if (isa == PS_ISA_AVX2) {
+        unit = q8 ? ps_q8_unit_avx2 : ps_bf16_unit_avx2;
+        tmax = PS_UNIT_T_AVX2;
+    }
+#endif
+    for (int u = u0; u < u1; u++) {
+        const void *w = (const char *)L->w + (size_t)u * 4 * (size_t)pstride * (q8 ? 1 : 2);
+        for (int t0 = 0; t0 < n; t0 += tmax) {
+            const int T = n - t0 < tmax ? n - t0 : tmax;
+            const ps_out_t out = {y + (int64_t)t0 * ldy, ldy, accumulate, L->m, u * 64, L->scale, L->wsum, L->bias,
+                                  sx ? sx + t0 : NULL};
+            unit(T, (const char *)xp + (size_t)t0 * (size_t)ldxp * xb, ldxp, w, pstride, kp, &out);
+        }
+    }
+}
+
+void ps_linear_region(const ps_linear_t *L, const float *x, int64_t ldx, int n, float *y, int64_t ldy,
+                      int accumulate, void *work) {
+    const int wt = L->wtype, k = L->k, isa = ps_isa_level(wt);
+    const int tid = PS_TID(), nth = PS_NTH();
+    if (wt == PS_W_F32) {
+        const int tiles = (L->m + 3) / 4;
+        const int r0 = (int)((int64_t)tiles * tid / nth) * 4;
+        int r1 = (int)((int64_t)tiles * (tid + 1) / nth) * 4;
+        r1 = r1 < L->m ? r1 : L->m;
+        if (r0 < r1) f32_rows(L, x, ldx, n, y, ldy, accumulate, r0, r1, isa);
+        return;
+    }
+    const int64_t ldxp = padded(k);
+    float *sx = NULL;
+    const void *xp = work;
+    if (wt == PS_W_BF16) {
+#pragma omp for schedule(static)
+        for (int t = 0; t < n; t++) {
+            if (isa == PS_ISA_AVX512) to_bf16_row(x + (int64_t)t * ldx, k, (uint16_t *)work + t * ldxp);
+            else to_bf16_f32_row(x + (int64_t)t * ldx, k, (float *)work + t * ldxp);
+        }
+    } else {
+        sx = work;
+        int8_t *xq = (int8_t *)work + ((int64_t)n * 4 + KPAD - 1) / KPAD * KPAD;
+        xp = xq;
+#pragma omp for schedule(static)
+        for (int t = 0; t < n; t++) {
+            int8_t *row = xq + t * ldxp;
+            sx[t] = to_q8_row(x + (int64_t)t * ldx, k, row);
+            if (isa == PS_ISA_AVX512) /* u8 = q + 128 for vpdpbusd (the padding too: w is 0 there) */
+                for (int64_t j = 0; j < ldxp; j++) row[j] = (int8_t)((uint8_t)row[j] ^ 0x80u);
+        }
+    }
+    /* (the worksharing loops above end in a barrier: every row is converted before any is read) */
+    const int units = (L->m + 63) / 64;
+    const int u0 = (int)((int64_t)units * tid / nth), u1 = (int)((int64_t)units * (tid + 1) / nth);
+    if (u0 < u1) packed_units(L, xp, ldxp, sx, n, y, ldy, accumulate, u0, u1, isa);
+}
+
+static int check_linear(const ps_linear_t *L) {
+    if (!L || !L->w || L->m < 1 || L->k < 1 || L->wtype < PS_W_F32 || L->wtype > PS_W_Q8 ||
+        (L->wtype == PS_W_F32 && L->ldw < L->k))
+        return PS_BAD_ARG;
+    if (L->wtype == PS_W_Q8 && (!L->scale || !L->wsum)) return PS_BAD_ARG;
+    return PS_OK;
+}
+
+/* One linear layer as its own parallel region (the prefill path and the LM head). */
+int ps_linear(const ps_linear_t *L, const float *x, int64_t ldx, int n, float *y, int64_t ldy, int accumulate,
+              void *work, int64_t work_bytes, int num_threads) {
+    if (check_linear(L) != PS_OK || n < 0 || ldx < L->k || ldy < L->m) return PS_BAD_ARG;
+    if (work_bytes < ps_linear_work_bytes(L->wtype, n, L->k)) return PS_NO_MEMORY;
+    if (n == 0) return PS_OK;
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+    ps_linear_region(L, x, ldx, n, y, ldy, accumulate, work);
+    return PS_OK;
+}

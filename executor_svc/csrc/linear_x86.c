@@ -1,0 +1,308 @@
+/* AVX2 and AVX-512 inner kernels of the linear layers (linear_cpu.c picks one at run time).
+ *
+ * float32 (row-major): 4 weight rows x T <= 4 tokens of dot products, the partial sums in
+ *   registers for the whole row, the 4 rows of a token reduced together at the end, the next
+ *   tile's rows prefetched (rows are short: the hardware prefetcher alone restarts on each).
+ * bfloat16 / int8 (packed panels, ps_cpu.h): 64 outputs x T tokens of outer products: a
+ *   64-byte load holds 16 outputs x 2 (bf16) or 4 (int8) inputs, multiplied with the token's
+ *   matching inputs broadcast to every lane (vdpbf16ps / vpdpbusd on AVX-512), so there is no
+ *   horizontal sum at all and each weight vector loaded serves every token of the tile.
+ *   AVX2 widens bf16 to float32 for FMAs, and does int8 with vpmaddubsw on |x| and the weight
+ *   with x's sign (pairs stay below 2 * 127 * 127: no saturation), then vpmaddwd.
+ * The int8 sums are exact integers on every path; the float epilogue is (float)sum * scale *
+ * sx (+ bias).
+ */
+#include "linear_tiles.h"
+
+#ifdef PS_X86
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+#define TGT_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TGT_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+#define TGT_512BF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,avx512bf16")))
+#define TGT_512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,avx512vnni")))
+#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+
+/* ------------------------------------------------------------------ float32, dot form */
+
+/* [sum a, sum b, sum c, sum d] */
+TGT_AVX2 INLINE __m128 reduce4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+TGT_512 INLINE __m256 half512(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
+
+TGT_AVX2 INLINE void f32_tile_avx2_t(const int T, const float *x, int64_t ldx, const float *const *w, int64_t ahead,
+                                     int k, float *res) {
+    __m256 acc[4][4];
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < 4; r++) acc[t][r] = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= k; j += 8) {
+        if (!(j & 15))
+            for (int r = 0; r < 4; r++) PREFETCH(w[r] + j + ahead);
+        const __m256 w0 = _mm256_loadu_ps(w[0] + j), w1 = _mm256_loadu_ps(w[1] + j),
+                     w2 = _mm256_loadu_ps(w[2] + j), w3 = _mm256_loadu_ps(w[3] + j);
+        for (int t = 0; t < T; t++) {
+            const __m256 xv = _mm256_loadu_ps(x + t * ldx + j);
+            acc[t][0] = _mm256_fmadd_ps(xv, w0, acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(xv, w1, acc[t][1]);
+            acc[t][2] = _mm256_fmadd_ps(xv, w2, acc[t][2]);
+            acc[t][3] = _mm256_fmadd_ps(xv, w3, acc[t][3]);
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        _mm_storeu_ps(res + t * 4, reduce4_256(acc[t][0], acc[t][1], acc[t][2], acc[t][3]));
+        for (int jj = j; jj < k; jj++)
+            for (int r = 0; r < 4; r++) res[t * 4 + r] += x[t * ldx + jj] * w[r][jj];
+    }
+}
+
+TGT_AVX2 void ps_f32_tile_avx2(int T, const float *x, int64_t ldx, const float *const *w, int64_t ahead, int k,
+                               float *res) {
+    switch (T) {
+    case 1: f32_tile_avx2_t(1, x, ldx, w, ahead, k, res); break;
+    case 2: f32_tile_avx2_t(2, x, ldx, w, ahead, k, res); break;
+    case 3: f32_tile_avx2_t(3, x, ldx, w, ahead, k, res); break;
+    default: f32_tile_avx2_t(4, x, ldx, w, ahead, k, res); break;
+    }
+}
+
+TGT_512 INLINE void f32_tile_512_t(const int T, const float *x, int64_t ldx, const float *const *w, int64_t ahead,
+                                   int k, float *res) {
+    __m512 acc[4][4];
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < 4; r++) acc[t][r] = _mm512_setzero_ps();
+    for (int j = 0; j < k; j += 16) {
+        for (int r = 0; r < 4; r++) PREFETCH(w[r] + j + ahead);
+        const __mmask16 m = k - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - j)) - 1);
+        const __m512 w0 = _mm512_maskz_loadu_ps(m, w[0] + j), w1 = _mm512_maskz_loadu_ps(m, w[1] + j),
+                     w2 = _mm512_maskz_loadu_ps(m, w[2] + j), w3 = _mm512_maskz_loadu_ps(m, w[3] + j);
+        for (int t = 0; t < T; t++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(m, x + t * ldx + j);
+            acc[t][0] = _mm512_fmadd_ps(xv, w0, acc[t][0]);
+            acc[t][1] = _mm512_fmadd_ps(xv, w1, acc[t][1]);
+            acc[t][2] = _mm512_fmadd_ps(xv, w2, acc[t][2]);
+            acc[t][3] = _mm512_fmadd_ps(xv, w3, acc[t][3]);
+        }
+    }
+    for (int t = 0; t < T; t++)
+        _mm_storeu_ps(res + t * 4, reduce4_256(half512(acc[t][0]), half512(acc[t][1]), half512(acc[t][2]),
+                                              half512(acc[t][3])));
+}
+
+TGT_512 void ps_f32_tile_512(int T, const float *x, int64_t ldx, const float *const *w, int64_t ahead, int k,
+                             float *res) {
+    switch (T) {
+    case 1: f32_tile_512_t(1, x, ldx, w, ahead, k, res); break;
+    case 2: f32_tile_512_t(2, x, ldx, w, ahead, k, res); break;
+    case 3: f32_tile_512_t(3, x, ldx, w, ahead, k, res); break;
+    default: f32_tile_512_t(4, x, ldx, w, ahead, k, res); break;
+    }
+}
+
+/* ------------------------------------------------------------------ epilogues */
+
+/* 16 results of token t, panel p: (+ bias) (+ y), stored to the outputs that exist. */
+TGT_512 INLINE void store16(__m512 v, const ps_out_t *o, int t, int p) {
+    const int first = o->o0 + p * 16;
+    if (first >= o->m) return;
+    const __mmask16 mk = o->m - first >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (o->m - first)) - 1);
+    if (o->bias) v = _mm512_add_ps(v, _mm512_loadu_ps(o->bias + first));
+    float *dst = o->y + t * o->ldy + first;
+    if (o->accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(mk, dst), v);
+    _mm512_mask_storeu_ps(dst, mk, v);
+}
+
+TGT_512 INLINE __m512 dequant16(__m512i acc, const ps_out_t *o, int t, int p) {
+    const int first = o->o0 + p * 16;
+    const __m512i wsum = _mm512_loadu_si512((const void *)(o->wsum + first));
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_slli_epi32(wsum, 7)));
+    return _mm512_mul_ps(_mm512_mul_ps(f, _mm512_loadu_ps(o->scale + first)), _mm512_set1_ps(o->sx[t]));
+}
+
+/* 8 results (outputs first .. first + 7 of token t), AVX2. */
+TGT_AVX2 INLINE void store8(__m256 v, const ps_out_t *o, int t, int first) {
+    if (first >= o->m) return;
+    if (o->bias) v = _mm256_add_ps(v, _mm256_loadu_ps(o->bias + first));
+    float *dst = o->y + t * o->ldy + first;
+    if (o->m - first >= 8) {
+        if (o->accumulate) v = _mm256_add_ps(_mm256_loadu_ps(dst), v);
+        _mm256_storeu_ps(dst, v);
+        return;
+    }
+    float tmp[8];
+    _mm256_storeu_ps(tmp, v);
+    for (int i = 0; i < o->m - first; i++) dst[i] = o->accumulate ? dst[i] + tmp[i] : tmp[i];
+}
+
+TGT_AVX2 INLINE __m256 dequant8(__m256i acc, const ps_out_t *o, int t, int first) {
+    const __m256 f = _mm256_cvtepi32_ps(acc);
+    return _mm256_mul_ps(_mm256_mul_ps(f, _mm256_loadu_ps(o->scale + first)), _mm256_set1_ps(o->sx[t]));
+}
+
+/* ------------------------------------------------------------------ bfloat16 panels */
+
+/* x: bf16 activations, rows ldx elements; read as pairs (one 32-bit broadcast per 2 inputs). */
+TGT_512BF INLINE void bf16_unit_512_t(const int T, const void *xv, int64_t ldx, const void *wv, int64_t pstride,
+                                      int kp, const ps_out_t *out) {
+    const uint32_t *x = xv;
+    const uint16_t *w = wv;
+    __m512 acc[PS_UNIT_T_512][4];
+    for (int t = 0; t < T; t++)
+        for (int p = 0; p < 4; p++) acc[t][p] = _mm512_setzero_ps();
+    for (int j = 0; j < kp / 2; j++) {
+        const uint16_t *wj = w + (int64_t)j * 32;
+        __m512bh wp[4];
+        for (int p = 0; p < 4; p++) {
+            PREFETCH(wj + p * pstride + PS_PF_BYTES / 2);
+            wp[p] = (__m512bh)_mm512_loadu_si512((const void *)(wj + p * pstride));
+        }
+        for (int t = 0; t < T; t++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[t * (ldx / 2) + j]);
+            for (int p = 0; p < 4; p++) acc[t][p] = _mm512_dpbf16_ps(acc[t][p], xb, wp[p]);
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int p = 0; p < 4; p++) store16(acc[t][p], out, t, p);
+}
+
+TGT_512BF void ps_bf16_unit_512(int T, const void *x, int64_t ldx, const void *w, int64_t pstride, int kp,
+                                const ps_out_t *out) {
+    switch (T) {
+    case 1: bf16_unit_512_t(1, x, ldx, w, pstride, kp, out); break;
+    case 2: bf16_unit_512_t(2, x, ldx, w, pstride, kp, out); break;
+    case 3: bf16_unit_512_t(3, x, ldx, w, pstride, kp, out); break;
+    case 4: bf16_unit_512_t(4, x, ldx, w, pstride, kp, out); break;
+    case 5: bf16_unit_512_t(5, x, ldx, w, pstride, kp, out); break;
+    default: bf16_unit_512_t(6, x, ldx, w, pstride, kp, out); break;
+    }
+}
+
+/* x: float32 activations already rounded to bf16 values. One panel (16 outputs) at a time. */
+TGT_AVX2 INLINE void bf16_unit_avx2_t(const int T, const void *xv, int64_t ldx, const void *wv, int64_t pstride,
+                                      int kp, const ps_out_t *out) {
+    const float *x = xv;
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    for (int p = 0; p < 4; p++) {
+        const uint16_t *w = (const uint16_t *)wv + p * pstride;
+        __m256 acc[PS_UNIT_T_AVX2][2];
+        for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        for (int j = 0; j < kp / 2; j++) {
+            const uint16_t *wj = w + (int64_t)j * 32;
+            PREFETCH(wj + PS_PF_BYTES / 2);
+            const __m256i r0 = _mm256_loadu_si256((const __m256i *)wj), r1 = _mm256_loadu_si256((const __m256i *)(wj + 16));
+            const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(r0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(r0, hi));
+            const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(r1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(r1, hi));
+            for (int t = 0; t < T; t++) {
+                const __m256 xe = _mm256_broadcast_ss(x + t * ldx + 2 * j), xo = _mm256_broadcast_ss(x + t * ldx + 2 * j + 1);
+                acc[t][0] = _mm256_fmadd_ps(xo, o0, _mm256_fmadd_ps(xe, e0, acc[t][0]));
+                acc[t][1] = _mm256_fmadd_ps(xo, o1, _mm256_fmadd_ps(xe, e1, acc[t][1]));
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            store8(acc[t][0], out, t, out->o0 + p * 16);
+            store8(acc[t][1], out, t, out->o0 + p * 16 + 8);
+        }
+    }
+}
+
+TGT_AVX2 void ps_bf16_unit_avx2(int T, const void *x, int64_t ldx, const void *w, int64_t pstride, int kp,
+                                const ps_out_t *out) {
+    switch (T) {
+    case 1: bf16_unit_avx2_t(1, x, ldx, w, pstride, kp, out); break;
+    case 2: bf16_unit_avx2_t(2, x, ldx, w, pstride, kp, out); break;
+    case 3: bf16_unit_avx2_t(3, x, ldx, w, pstride, kp, out); break;
+    default: bf16_unit_avx2_t(4, x, ldx, w, pstride, kp, out); break;
+    }
+}
+
+/* ------------------------------------------------------------------ int8 panels */
+
+/* x: u8 (q + 128), 4 inputs per 32-bit broadcast; the +128 is removed with 128 * wsum. */
+TGT_512VNNI INLINE void q8_unit_512_t(const int T, const void *xv, int64_t ldx, const void *wv, int64_t pstride,
+                                      int kp, const ps_out_t *out) {
+    const uint32_t *x = xv;
+    const int8_t *w = wv;
+    __m512i acc[PS_UNIT_T_512][4];
+    for (int t = 0; t < T; t++)
+        for (int p = 0; p < 4; p++) acc[t][p] = _mm512_setzero_si512();
+    for (int j = 0; j < kp / 4; j++) {
+        const int8_t *wj = w + (int64_t)j * 64;
+        __m512i wp[4];
+        for (int p = 0; p < 4; p++) {
+            PREFETCH(wj + p * pstride + PS_PF_BYTES);
+            wp[p] = _mm512_loadu_si512((const void *)(wj + p * pstride));
+        }
+        for (int t = 0; t < T; t++) {
+            const __m512i xb = _mm512_set1_epi32((int)x[t * (ldx / 4) + j]);
+            for (int p = 0; p < 4; p++) acc[t][p] = _mm512_dpbusd_epi32(acc[t][p], xb, wp[p]);
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int p = 0; p < 4; p++)
+            if (out->o0 + p * 16 < out->m) store16(dequant16(acc[t][p], out, t, p), out, t, p);
+}
+
+TGT_512VNNI void ps_q8_unit_512(int T, const void *x, int64_t ldx, const void *w, int64_t pstride, int kp,
+                                const ps_out_t *out) {
+    switch (T) {
+    case 1: q8_unit_512_t(1, x, ldx, w, pstride, kp, out); break;
+    case 2: q8_unit_512_t(2, x, ldx, w, pstride, kp, out); break;
+    case 3: q8_unit_512_t(3, x, ldx, w, pstride, kp, out); break;
+    case 4: q8_unit_512_t(4, x, ldx, w, pstride, kp, out); break;
+    case 5: q8_unit_512_t(5, x, ldx, w, pstride, kp, out); break;
+    default: q8_unit_512_t(6, x, ldx, w, pstride, kp, out); break;
+    }
+}
+
+/* x: s8, 4 inputs per broadcast. One panel at a time: 2 x 8 outputs. */
+TGT_AVX2 INLINE void q8_unit_avx2_t(const int T, const void *xv, int64_t ldx, const void *wv, int64_t pstride,
+                                    int kp, const ps_out_t *out) {
+    const int32_t *x = xv;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int p = 0; p < 4; p++) {
+        const int8_t *w = (const int8_t *)wv + p * pstride;
+        __m256i acc[PS_UNIT_T_AVX2][2];
+        for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
+        for (int j = 0; j < kp / 4; j++) {
+            const int8_t *wj = w + (int64_t)j * 64;
+            PREFETCH(wj + PS_PF_BYTES);
+            const __m256i r0 = _mm256_loadu_si256((const __m256i *)wj), r1 = _mm256_loadu_si256((const __m256i *)(wj + 32));
+            for (int t = 0; t < T; t++) {
+                const __m256i xb = _mm256_set1_epi32(x[t * (ldx / 4) + j]);
+                const __m256i ax = _mm256_sign_epi8(xb, xb);
+                const __m256i p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(r0, xb));
+                const __m256i p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(r1, xb));
+                acc[t][0] = _mm256_add_epi32(acc[t][0], _mm256_madd_epi16(p0, ones));
+                acc[t][1] = _mm256_add_epi32(acc[t][1], _mm256_madd_epi16(p1, ones));
+            }
+        }
+        const int first = out->o0 + p * 16;
+        if (first >= out->m) continue;
+        for (int t = 0; t < T; t++) {
+            store8(dequant8(acc[t][0], out, t, first), out, t, first);
+            store8(dequant8(acc[t][1], out, t, first + 8), out, t, first + 8);
+        }
+    }
+}
+
+TGT_AVX2 void ps_q8_unit_avx2(int T, const void *x, int64_t ldx, const void *w, int64_t pstride, int kp,
+                              const ps_out_t *out) {
+    switch (T) {
+    case 1: q8_unit_avx2_t(1, x, ldx, w, pstride, kp, out); break;
+    case 2: q8_unit_avx2_t(2, x, ldx, w, pstride, kp, out); break;
+    case 3: q8_unit_avx2_t(3, x, ldx, w, pstride, kp, out); break;
+    default: q8_unit_avx2_t(4, x, ldx, w, pstride, kp, out); break;
+    }
+}
+
+#else
+typedef int ps_linear_x86_unused; /* (ISO C: a translation unit must declare something) */
+#endif

@@ -1,0 +1,78 @@
+/* Declarations shared by the CPU kernels in executor_svc/csrc (built into one library by
+ * executor_svc/cpu_kernels.py). Everything here runs on the executor's compute thread or on the
+ * OpenMP threads it starts; the "_region" functions are called from inside an OpenMP parallel
+ * region by every thread of it (tid of nth) and use orphaned worksharing. */
+#ifndef PS_CPU_H
+#define PS_CPU_H
+
+#include <stdint.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#define PS_TID() omp_get_thread_num()
+#define PS_NTH() omp_get_num_threads()
+#else
+#define PS_TID() 0
+#define PS_NTH() 1
+#endif
+
+#define PS_OK 0
+#define PS_BAD_BLOCK 1   /* a block id outside [0, num_blocks) */
+#define PS_BAD_LEN 2     /* seq_len < 1 or longer than its block table */
+#define PS_NO_MEMORY 3
+#define PS_BAD_ARG 4     /* a shape, type or size the kernels do not take */
+
+/* Weight formats of a linear layer [m outputs, k inputs].
+ * PS_W_F32: row-major [m, ldw] float32.
+ * PS_W_BF16, PS_W_Q8: packed in panels of 16 output rows, the inputs interleaved in groups of
+ *   G = 2 (bf16) or 4 (int8) so that 64 bytes hold 16 outputs x G inputs:
+ *   w[(o / 16) * (kp / G) * 16 * G + (j / G) * 16 * G + (o % 16) * G + j % G] = W[o, j],
+ *   with m padded to mp = ceil(m / 64) * 64 rows and k to kp = ceil(k / G) * G inputs (zeros).
+ *   PS_W_Q8 is int8 with one float scale per output row (scale, wsum and bias hold mp values). */
+#define PS_W_F32 0
+#define PS_W_BF16 1
+#define PS_W_Q8 2
+
+/* Instruction-set levels the kernels pick from at run time (ps_isa_level). */
+#define PS_ISA_SCALAR 0
+#define PS_ISA_AVX2 1     /* AVX2 + FMA */
+#define PS_ISA_AVX512 2   /* AVX-512 F/BW/VL/DQ, with BF16 and VNNI where the CPU has them */
+
+/* KV cache element types. */
+#define PS_KV_F32 0
+#define PS_KV_BF16 1
+
+typedef struct {
+    const void *w;        /* [m, ldw] row-major weights in the layout of wtype */
+    const float *scale;   /* PS_W_Q8: [m] dequantisation scale per output row; else NULL */
+    const int32_t *wsum;  /* PS_W_Q8: [m] sum of each row's int8 weights (the VNNI path's offset); else NULL */
+    const float *bias;    /* [m] (PS_W_F32) or [mp] (packed formats), or NULL */
+    int64_t ldw;          /* PS_W_F32: elements between consecutive rows of w; packed: unused */
+    int32_t m, k, wtype, reserved;
+} ps_linear_t;
+
+/* Bytes of activation scratch one linear call of n tokens needs (converted/quantised inputs). */
+int64_t ps_linear_work_bytes(int wtype, int n, int k);
+
+/* y[t, o] (=|+=) sum_j x[t, j] w[o, j] * scale[o] + bias[o], for t < n, o < m.
+ * x is float32 with rows ldx apart; the bfloat16 path rounds x to bfloat16 and the int8 path
+ * quantises each row of x to int8 (symmetric, one scale per row) before the dot products.
+ * Called by every thread of a parallel region; ends without a barrier. */
+void ps_linear_region(const ps_linear_t *L, const float *x, int64_t ldx, int n, float *y, int64_t ldy,
+                      int accumulate, void *work);
+
+/* The instruction-set level the kernels of a weight type use now (the CPU's best unless limited). */
+int ps_isa_level(int wtype);
+
+/* Paged decode attention for sequences [all of them], from inside a parallel region. scratch:
+ * this thread's, ps_decode_scratch_floats() floats. */
+int ps_paged_decode_region(float *out, int64_t o_row, int64_t o_head, const float *query, int64_t q_row,
+                           int64_t q_head, const void *k_cache, const void *v_cache, int kv_type,
+                           const int32_t *block_tables, int64_t bt_row, int max_blocks,
+                           const int32_t *seq_lens, const int64_t *rows, const int64_t *seqs, int num_seqs,
+                           int num_q_heads, int num_kv_heads, int head_size, int block_size,
+                           int64_t num_blocks, float scale, float *scratch, int chunks);
+int ps_decode_chunks(int num_seqs, int num_kv_heads, int threads);
+int64_t ps_decode_scratch_floats(int num_q_heads, int num_kv_heads, int head_size, int block_size, int chunks);
+
+#endif
