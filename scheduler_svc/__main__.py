@@ -22,6 +22,8 @@ from starlette.middleware import Middleware
 from tokenizers import Tokenizer
 
 from pagedserve.wire.fingerprint import model_fingerprint
+from scheduler_svc.admission import CallBudget
+from scheduler_svc.auth_throttle import AuthThrottle
 from scheduler_svc.config import ServiceConfig, load_config
 from scheduler_svc.engine import Engine
 from scheduler_svc.gc_tuning import tune_gc
@@ -73,8 +75,8 @@ def served_model(model_dir: Path) -> str | None:
         return None
 
 
-async def start_http(cfg: ServiceConfig, engine: Engine, tokenizer: Tokenizer,
-                     metrics: Metrics) -> tuple[OpenAIFront, HttpServer] | None:
+async def start_http(cfg: ServiceConfig, engine: Engine, tokenizer: Tokenizer, metrics: Metrics, budget: CallBudget,
+                     throttle: AuthThrottle | None) -> tuple[OpenAIFront, HttpServer] | None:
     """The OpenAI-compatible API on the engine's loop, unless --http-port is 0."""
     if not cfg.http_port:
         return None
@@ -87,11 +89,10 @@ async def start_http(cfg: ServiceConfig, engine: Engine, tokenizer: Tokenizer,
     front = OpenAIFront(engine, tokenizer, template, cfg.limits, cfg.http_limits, metrics)
     middleware = []
     if cfg.api_keys is not None:  # the same keys and TLS files as the gRPC front
-        middleware.append(Middleware(ApiKeyMiddleware, keys=cfg.api_keys,
-                                     on_denied=lambda: metrics.on_rejected("UNAUTHENTICATED")))
+        middleware.append(Middleware(ApiKeyMiddleware, keys=cfg.api_keys, throttle=throttle, metrics=metrics))
     ssl = cfg.tls.uvicorn_options() if cfg.tls is not None else None
-    return front, await start_http_server(build_app(front, middleware), cfg.http_host, cfg.http_port, ssl,
-                                          cfg.http_limits.head_timeout_s)
+    return front, await start_http_server(build_app(front, middleware, budget), cfg.http_host, cfg.http_port, ssl,
+                                          cfg.http_limits)
 
 
 async def serve(cfg: ServiceConfig) -> None:
@@ -100,9 +101,17 @@ async def serve(cfg: ServiceConfig) -> None:
     engine_cfg = dataclasses.replace(cfg.engine, model_fingerprint=served_model(cfg.model_dir))
     engine = Engine(engine_cfg, tokenizer, eos_token_ids(cfg.model_dir), metrics)
     await engine.start()
-    http = await start_http(cfg, engine, tokenizer, metrics)  # first: gRPC liveness then implies HTTP is up
+    # What both fronts hold at once, and a peer's failed API keys, are counted once per process.
+    budget = CallBudget.from_limits(cfg.limits)
+    metrics.watch_budget(budget)
+    throttle = (AuthThrottle(cfg.limits.auth_failure_burst, cfg.limits.auth_failure_refill_s)
+                if cfg.api_keys is not None else None)
+    log.info("at most %d calls and %d MiB of request bytes in progress (--max-concurrent-calls, "
+             "--max-in-flight-bytes)", budget.max_calls, budget.max_bytes >> 20)
+    http = await start_http(cfg, engine, tokenizer, metrics, budget, throttle)  # first: gRPC liveness implies HTTP
     api = await start_grpc_server(engine, tokenizer, cfg.host, cfg.port, cfg.limits, metrics,
-                                  api_keys=cfg.api_keys, tls=cfg.tls)
+                                  api_keys=cfg.api_keys, tls=cfg.tls, grpc_limits=cfg.grpc_limits, budget=budget,
+                                  throttle=throttle)
     loop = asyncio.get_running_loop()
     engine.on_readiness_change = lambda: loop.create_task(api.update_health())
     metrics_server = (start_metrics_server(cfg.metrics_port, metrics.registry, host=cfg.metrics_host)

@@ -22,9 +22,12 @@ from typing import Any
 from pagedserve import wire
 from pagedserve.envargs import number, parse_with_env
 from pagedserve.wire.keys import ClusterKeys, load_cluster_keys
+from scheduler_svc.admission import sized_for_machine
+from scheduler_svc.grpc_limits import GrpcLimits
 from scheduler_svc.http.limits import HttpLimits
 from scheduler_svc.sched_config import PREEMPTION_MODES, EngineConfig, SchedulerConfig
 from scheduler_svc.security import ApiKeys, TlsFiles
+from scheduler_svc.server import MAX_REQUEST_BYTES
 from scheduler_svc.validation import ServerLimits
 
 DEFAULT_GRPC_PORT = 50051
@@ -51,6 +54,7 @@ class ServiceConfig:
     log_level: str
     api_keys: ApiKeys | None = None  # the public fronts require one of these (None: open)
     tls: TlsFiles | None = None  # the public fronts serve TLS (None: plaintext)
+    grpc_limits: GrpcLimits = GrpcLimits()  # how long gRPC connections and request messages may take
 
     @property
     def scheduler(self) -> SchedulerConfig:
@@ -81,6 +85,7 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "--step-timeout": (EngineConfig, "step_timeout_s"),
     **{"--" + f.name.replace("_", "-"): (ServerLimits, f.name) for f in dataclasses.fields(ServerLimits)},
     **{"--http-" + f.name.replace("_", "-"): (HttpLimits, f.name) for f in dataclasses.fields(HttpLimits)},
+    **{"--grpc-" + f.name.replace("_", "-"): (GrpcLimits, f.name) for f in dataclasses.fields(GrpcLimits)},
 }
 RUNTIME_FIELDS = {(SchedulerConfig, "max_model_len"), (EngineConfig, "scheduler"),
                   (EngineConfig, "executor_endpoint"), (EngineConfig, "model_fingerprint"),
@@ -101,6 +106,30 @@ _LIMIT_HELP = {
     "body_timeout_s": "HTTP: seconds a client may take to send a request body (408 after)",
     "head_timeout_s": "HTTP: seconds a client may take to send a request line and headers, counted from "
                       "their first byte or, for a new connection, from connecting (408 and closed after)",
+    "keep_alive_timeout_s": "HTTP: seconds a connection may wait for its next request after a response; "
+                            "bytes that do not begin a request do not extend it (closed after)",
+    "tls_handshake_timeout_s": "HTTP: seconds a new connection may take to finish its TLS handshake",
+    "max_concurrent_calls": "calls in progress on both fronts together (health checks excepted); more get "
+                            "429 / RESOURCE_EXHAUSTED before their request is read. 0: one per MiB of the memory "
+                            "the process may use and at most 1024 per CPU (cgroup limits, else the machine's), "
+                            "256..16384",
+    "max_in_flight_bytes": "request bytes (HTTP bodies, gRPC messages) of the calls in progress, both fronts "
+                           "together; a call that does not fit gets 429 / RESOURCE_EXHAUSTED before its body is "
+                           "read. 0: an eighth of the memory the process may use, 64 MiB..1 GiB",
+    "auth_failure_burst": "failed API-key attempts a peer (IP address, IPv6 /64) may make at once; beyond, its "
+                          "calls get 429 / RESOURCE_EXHAUSTED without their key being checked",
+    "auth_failure_refill_s": "seconds in which a peer regains one failed API-key attempt",
+}
+_GRPC_HELP = {
+    "handshake_timeout_s": "gRPC: seconds a new connection may take for its TLS handshake and HTTP/2 preface",
+    "idle_timeout_s": "gRPC: seconds a connection without calls is kept (GOAWAY and closed after; pings and "
+                      "other frames do not extend it)",
+    "message_timeout_s": "gRPC: seconds a call's request message may take to arrive, from the call's start "
+                         "(DEADLINE_EXCEEDED after)",
+    "keepalive_s": "gRPC: seconds after which the server pings a connection; one unanswered for a third of "
+                   "that is closed (its calls fail)",
+    "max_connection_age_s": "gRPC: seconds after which a connection gets GOAWAY, so clients reconnect and "
+                            "spread over replicas; its calls in progress run to their end",
 }
 
 
@@ -175,12 +204,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "for the scheduler (--no-async-scheduling: plan, wait, update, stream, repeat)")
     for f in dataclasses.fields(ServerLimits):
         flag = "--" + f.name.replace("_", "-")
-        p.add_argument(flag, type=number(int, flag, 0, low_inclusive=f.name in ServerLimits.ZERO_ALLOWED),
-                       default=f.default, help=_LIMIT_HELP[f.name])
+        zero = f.name in ServerLimits.ZERO_ALLOWED or f.name in ServerLimits.MACHINE_SIZED
+        p.add_argument(flag, type=number(int, flag, 0, low_inclusive=zero), default=f.default, help=_LIMIT_HELP[f.name])
     for f in dataclasses.fields(HttpLimits):
         flag = "--http-" + f.name.replace("_", "-")
         p.add_argument(flag, type=number(int, flag, 0), default=f.default, dest=f"http_{f.name}",
                        help=_LIMIT_HELP[f.name])
+    for f in dataclasses.fields(GrpcLimits):
+        flag = "--grpc-" + f.name.replace("_", "-")
+        p.add_argument(flag, type=number(int, flag, 0), default=f.default, dest=f"grpc_{f.name}",
+                       help=_GRPC_HELP[f.name])
     p.add_argument("--stream-interval", type=number(int, "--stream-interval", 1, True),
                    default=default(e, "stream_interval"),
                    help="after a request's first streamed message, hold its tokens until one choice has this "
@@ -268,8 +301,21 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
                           cluster_keys=keys,
                           **{k: v for k, v in _fields(EngineConfig, a).items() if k != "scheduler"})
     http_limits = HttpLimits(**{f.name: getattr(a, f"http_{f.name}") for f in dataclasses.fields(HttpLimits)})
+    grpc_limits = GrpcLimits(**{f.name: getattr(a, f"grpc_{f.name}") for f in dataclasses.fields(GrpcLimits)})
+    limits = _sized_limits(parser, a, http_limits)
     return ServiceConfig(
         model_dir=a.model, host=a.host, port=a.port, metrics_host=a.metrics_host, metrics_port=a.metrics_port,
         http_host=a.http_host, http_port=a.http_port, http_limits=http_limits, engine=engine,
-        limits=ServerLimits(**_fields(ServerLimits, a)), shutdown_grace_seconds=a.shutdown_grace_seconds,
-        log_level=a.log_level, api_keys=_api_keys(parser, a), tls=_tls(parser, a))
+        limits=limits, shutdown_grace_seconds=a.shutdown_grace_seconds,
+        log_level=a.log_level, api_keys=_api_keys(parser, a), tls=_tls(parser, a), grpc_limits=grpc_limits)
+
+
+def _sized_limits(parser: argparse.ArgumentParser, a: argparse.Namespace, http: HttpLimits) -> ServerLimits:
+    """ServerLimits with the caps given as 0 sized for this machine; the bytes cap must hold the
+    largest request either front accepts, or such a request could never run."""
+    limits = sized_for_machine(ServerLimits(**_fields(ServerLimits, a)))
+    largest = max(http.max_body_bytes, MAX_REQUEST_BYTES)
+    if limits.max_in_flight_bytes < largest:
+        parser.error(f"--max-in-flight-bytes: must be >= the largest request a front accepts "
+                     f"(--http-max-body-bytes, gRPC's {MAX_REQUEST_BYTES}): {largest}, got {limits.max_in_flight_bytes}")
+    return limits

@@ -15,6 +15,7 @@ import threading
 from collections import Counter as Tally
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -23,6 +24,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from scheduler_svc.api_types import EngineStats, FinishReason
+
+if TYPE_CHECKING:
+    from scheduler_svc.admission import CallBudget
 
 P = "pagedserve:"
 # Buckets follow vLLM's, so its Grafana dashboard reads these unchanged.
@@ -106,6 +110,17 @@ class Metrics:
                                ["finished_reason"], registry=r)
         self.rejected = Counter(P + "request_rejected", "Requests refused or failed, by gRPC status code.",
                                 ["code"], registry=r)
+        # Every admitted request ends exactly once: admitted == the sum of finished over its reasons.
+        self.admitted = Counter(P + "request_admitted", "Requests the engine accepted.", registry=r)
+        self.finished = Counter(P + "request_finished", "Requests the engine ended, by how: length, stop, eos, "
+                                "aborted (cancelled, deadline, shutdown) or failed.", ["reason"], registry=r)
+        self.shed = Counter(P + "request_shed", "Calls refused before they were read, by cap: max_concurrent_calls, "
+                            "max_in_flight_bytes, auth_throttled (also counted in request_rejected as "
+                            "RESOURCE_EXHAUSTED).", ["reason"], registry=r)
+        self.calls_in_progress = Gauge(P + "calls_in_progress", "Calls holding a slot of --max-concurrent-calls "
+                                       "(both fronts; health checks not counted).", registry=r)
+        self.request_bytes_in_flight = Gauge(P + "request_bytes_in_flight", "Request bytes of the calls in progress, "
+                                             "against --max-in-flight-bytes.", registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.",
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = BatchHistogram(P + "inter_token_latency_seconds", "Time between consecutive tokens.",
@@ -171,14 +186,32 @@ class Metrics:
                   generation_tokens: int) -> None:
         """A request finished (its last choice did)."""
         self.success.labels(FinishReason(reason).name.lower()).inc()
+        self.finished.labels(FinishReason(reason).name.lower()).inc()
         self.e2e.observe(e2e_seconds)
         self.req_prompt_tokens.observe(prompt_tokens)
         self.req_generation_tokens.observe(generation_tokens)
+
+    def on_admitted(self) -> None:
+        self.admitted.inc()
+
+    def on_failed(self) -> None:
+        """A request the engine had admitted failed (its client got an error status)."""
+        self.finished.labels("failed").inc()
 
     # ---- called by the servicer -----------------------------------------------
     def on_rejected(self, code: str) -> None:
         """A request ended with a non-OK status (e.g. "INVALID_ARGUMENT")."""
         self.rejected.labels(code).inc()
+
+    def on_shed(self, reason: str) -> None:
+        """A call refused at the door (admission.py, auth_throttle.py); its status, RESOURCE_EXHAUSTED
+        (429), is counted with on_rejected as every refusal's is."""
+        self.shed.labels(reason).inc()
+
+    def watch_budget(self, budget: CallBudget) -> None:
+        """Report ``budget``'s calls and bytes in progress (read when /metrics is scraped)."""
+        self.calls_in_progress.set_function(lambda: budget.calls)
+        self.request_bytes_in_flight.set_function(lambda: budget.bytes)
 
     def _advance(self, counter: Counter, key: str, total: int) -> None:
         last = self._last[key]

@@ -3,8 +3,10 @@
 ``--api-key-file FILE`` holds one key per line (blank lines and ``#`` comments
 ignored), each at least ``MIN_KEY_CHARS`` printable characters without spaces;
 a call must then carry ``authorization: Bearer <key>``. Keys are kept
-only as SHA-256 digests and compared by digest. gRPC health stays open, so
-probes need no key. ``--tls-cert-file``/``--tls-key-file`` serve TLS;
+only as SHA-256 digests and compared by digest. Health checks stay open, so
+probes need no key. The gRPC front checks keys in its call gate (call_gate.py),
+the HTTP front in its middleware (http/auth.py); both rate-limit a peer's failed
+attempts (auth_throttle.py). ``--tls-cert-file``/``--tls-key-file`` serve TLS;
 ``--tls-client-ca-file`` additionally requires client certificates signed by
 that CA (mutual TLS).
 """
@@ -23,7 +25,7 @@ import grpc
 from pagedserve.envargs import read_flag_file
 
 log = logging.getLogger(__name__)
-OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes carry no credentials
+OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes carry no credentials and are never shed
 MAX_KEY_FILE_BYTES = 1 << 20
 MIN_KEY_CHARS = 16  # a short key can be guessed online; e.g. openssl rand -hex 32 gives 64
 
@@ -86,34 +88,3 @@ class TlsFiles:
         ca = self.client_ca_file.read_bytes() if self.client_ca_file else None
         return grpc.ssl_server_credentials([(self.key_file.read_bytes(), self.cert_file.read_bytes())],
                                            root_certificates=ca, require_client_auth=ca is not None)
-
-
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED for calls without an accepted key (health excepted), before any handler runs."""
-
-    def __init__(self, keys: ApiKeys, on_denied=None) -> None:
-        self.keys = keys
-        self.on_denied = on_denied or (lambda: None)
-
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(OPEN_METHODS):
-            return handler
-        metadata = dict(details.invocation_metadata or ())
-        if self.keys.authorizes(metadata.get("authorization")):
-            return handler
-        return _denied(handler, self.on_denied)
-
-
-def _denied(handler: grpc.RpcMethodHandler, on_denied) -> grpc.RpcMethodHandler:
-    async def deny(request, context: grpc.aio.ServicerContext):
-        on_denied()
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                            "missing or unknown API key: send 'authorization: Bearer <key>'")
-
-    kind = {(False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler}[(handler.request_streaming,
-                                                                   handler.response_streaming)]
-    return kind(deny, request_deserializer=None, response_serializer=handler.response_serializer)

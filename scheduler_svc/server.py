@@ -7,6 +7,11 @@ unexpected -> INTERNAL, this request only); before the engine, here:
     ValidationError -> INVALID_ARGUMENT    no model info, shutting down -> UNAVAILABLE
     a request_id already in flight -> ALREADY_EXISTS
 
+and before the servicer, in the call gate (call_gate.py): no accepted API key ->
+UNAUTHENTICATED; a peer past its failed keys, no free slot or no room for the request's
+bytes -> RESOURCE_EXHAUSTED; the request message not in within --grpc-message-timeout-s ->
+DEADLINE_EXCEEDED. How long connections may idle is grpc core's job (grpc_limits.py).
+
 The servicer talks to the engine only through the interface in
 docs/ARCHITECTURE.md ("Engine <-> servicer"). When the client cancels or its
 deadline passes, the handler is cancelled and the engine's stream is closed
@@ -33,16 +38,20 @@ from tokenizers import Tokenizer
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from pagedserve.wire import HEALTH_LIVENESS, HEALTH_SCHEDULER_READY
+from scheduler_svc.admission import CallBudget
 from scheduler_svc.api_types import (
     EngineStats,
     GenerationRequest,
     ModelInfo,
     RequestOutput,
 )
+from scheduler_svc.auth_throttle import AuthThrottle
+from scheduler_svc.call_gate import CallGate
+from scheduler_svc.grpc_limits import GrpcLimits, server_options
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.offload import validate_off_loop
 from scheduler_svc.refusals import refusal
-from scheduler_svc.security import ApiKeyInterceptor, ApiKeys, TlsFiles
+from scheduler_svc.security import ApiKeys, TlsFiles
 from scheduler_svc.validation import ServerLimits, ValidationError, validate_generate_request
 
 log = logging.getLogger(__name__)
@@ -59,6 +68,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 class Engine(Protocol):
     def model_info(self) -> ModelInfo | None: ...
     def is_ready(self) -> bool: ...
+    def health_problem(self) -> str | None: ...
     def stats(self) -> EngineStats: ...
     def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
 
@@ -225,12 +235,20 @@ class ApiServer:
     engine: Engine
     port: int
     _poller: asyncio.Task | None = field(default=None, repr=False)
+    _reported: bool = field(default=False, repr=False)  # liveness already set NOT_SERVING
 
     async def update_health(self) -> None:
-        """Recompute readiness; the engine calls this on executor join/leave (a poll also does)."""
-        ready = self.engine.is_ready() and not self.servicer.shutting_down
+        """Recompute readiness, and liveness: NOT_SERVING once a loop of the engine died (then the
+        process cannot serve again, and the orchestrator restarts it). The engine calls this on
+        executor join/leave; a poll also does."""
+        problem = self.engine.health_problem()
+        ready = problem is None and self.engine.is_ready() and not self.servicer.shutting_down
         for service in ("", SERVICE_NAME):
             await self.health.set(service, SERVING if ready else NOT_SERVING)
+        if problem is not None and not self._reported:
+            self._reported = True
+            log.critical("liveness is NOT_SERVING: %s", problem)
+            await self.health.set(HEALTH_LIVENESS, NOT_SERVING)
 
     async def begin_shutdown(self) -> None:
         """Readiness off and new Generate calls refused (UNAVAILABLE); running requests continue."""
@@ -298,21 +316,30 @@ async def start_grpc_server(
     health_poll_interval: float | None = 1.0,
     api_keys: ApiKeys | None = None,
     tls: TlsFiles | None = None,
+    grpc_limits: GrpcLimits | None = None,
+    budget: CallBudget | None = None,
+    throttle: AuthThrottle | None = None,
 ) -> ApiServer:
     """Bind and start the server (port 0: a free port, see ``.port``); must run in the engine's loop.
 
     ``health_poll_interval`` re-reads ``engine.is_ready()`` periodically as a
     safety net; the engine should still call ``update_health()`` on changes.
     ``api_keys``: calls need one (health excepted); ``tls``: the port serves TLS only.
+    ``grpc_limits``: how long connections and request messages may take (grpc_limits.py).
+    ``budget`` and ``throttle``: the ones the process's fronts share (admission.py,
+    auth_throttle.py); by default this server's own, from ``limits``.
     """
-    servicer = GenerationServicer(engine, tokenizer, limits or ServerLimits(), metrics)
+    limits = limits or ServerLimits()
+    grpc_limits = grpc_limits or GrpcLimits()
+    if api_keys is not None and throttle is None:
+        throttle = AuthThrottle(limits.auth_failure_burst, limits.auth_failure_refill_s)
+    gate = CallGate(grpc_limits.message_timeout_s, MAX_REQUEST_BYTES, budget or CallBudget.from_limits(limits),
+                    api_keys, throttle, metrics)
+    servicer = GenerationServicer(engine, tokenizer, limits, metrics)
     health = health_aio.HealthServicer()
-    interceptors = []
-    if api_keys is not None:
-        on_denied = (lambda: metrics.on_rejected("UNAUTHENTICATED")) if metrics else None
-        interceptors.append(ApiKeyInterceptor(api_keys, on_denied))
-    server = grpc.aio.server(interceptors=interceptors, options=[
-        ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
+    server = grpc.aio.server(interceptors=[gate], options=[
+        ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+        *server_options(grpc_limits)])
     server.add_generic_rpc_handlers((_generation_handlers(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

@@ -86,6 +86,9 @@ class FakeEngine:
     def model_info(self) -> ModelInfo | None:
         return self.info
 
+    def health_problem(self) -> str | None:
+        return None
+
     def is_ready(self) -> bool:
         return self.ready
 
@@ -165,14 +168,15 @@ def example_stats() -> EngineStats:
 class ServerThread:
     """A grpc.aio server with a fake engine, on its own event loop thread."""
 
-    def __init__(self, engine: FakeEngine, limits: ServerLimits | None = None, metrics=None) -> None:
+    def __init__(self, engine: FakeEngine, limits: ServerLimits | None = None, metrics=None, **server) -> None:
+        """``server``: more of start_grpc_server's arguments (grpc_limits, api_keys, tls, budget)."""
         self.engine = engine
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.api: ApiServer = self.call(start_grpc_server(
             engine, engine.tok, host="127.0.0.1", port=0, limits=limits, metrics=metrics,
-            health_poll_interval=None))
+            health_poll_interval=None, **server))
         self.address = f"127.0.0.1:{self.api.port}"
 
     def call(self, coro, timeout: float = 10.0):

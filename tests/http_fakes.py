@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
+import socket
 import threading
+import time
 from typing import Any
 
 from grpc_fakes import FakeEngine
@@ -19,15 +22,17 @@ from scheduler_svc.validation import ServerLimits
 
 class HttpThread:
     def __init__(self, engine: FakeEngine, template: ChatTemplate | None = None,
-                 limits: ServerLimits | None = None, http_limits: HttpLimits | None = None, metrics=None) -> None:
+                 limits: ServerLimits | None = None, http_limits: HttpLimits | None = None, metrics=None,
+                 middleware=(), budget=None, ssl=None) -> None:
+        """``middleware``, ``budget``: build_app's; ``ssl``: start_http_server's (uvicorn's ssl_* options)."""
         self.engine = engine
-        self.front = OpenAIFront(engine, engine.tok, template, limits or ServerLimits(), http_limits or HttpLimits(),
-                                 metrics)
+        http_limits = http_limits or HttpLimits()
+        self.front = OpenAIFront(engine, engine.tok, template, limits or ServerLimits(), http_limits, metrics)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        timeout = {} if http_limits is None else {"head_timeout_s": http_limits.head_timeout_s}  # else the default
-        self.server: HttpServer = self.call(start_http_server(build_app(self.front), "127.0.0.1", 0, **timeout))
+        app = build_app(self.front, middleware, budget)
+        self.server: HttpServer = self.call(start_http_server(app, "127.0.0.1", 0, ssl, http_limits))
         self.url = f"http://127.0.0.1:{self.server.port}"
 
     def call(self, coro, timeout: float = 10.0):
@@ -55,3 +60,20 @@ class HttpThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
         self.loop.close()
+
+
+def seconds_until_closed(sock: socket.socket, limit_s: float, trickle: bytes = b"", every_s: float = 0.3) -> float:
+    """Send ``trickle`` every ``every_s`` until the server closes the connection: the seconds that
+    took, or ``limit_s`` when it stayed open (what the server sends meanwhile is read and dropped)."""
+    start = time.monotonic()
+    with contextlib.suppress(OSError):  # sending into a closed connection: closed
+        while time.monotonic() - start < limit_s:
+            if trickle:
+                sock.sendall(trickle)
+            sock.settimeout(every_s)
+            with contextlib.suppress(TimeoutError):
+                if not sock.recv(65536):
+                    break
+        else:
+            return limit_s
+    return time.monotonic() - start

@@ -4,11 +4,13 @@ CA made in the test, malformed messages, and prompts no executor could ever take
 from __future__ import annotations
 
 import io
+import socket
 import ssl
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from http_fakes import seconds_until_closed
 from stack import Stack
 from tls_certs import make_pki
 
@@ -174,3 +176,75 @@ def test_a_burst_of_maximum_size_prompts_is_refused_unread_and_memory_comes_back
     assert "characters can fit max_model_len" in e.value.details()
     assert rss_mib() - baseline < 64, (baseline, rss_mib())
     assert len(_generate(plain.channel)) == 4
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_llama_dir, tmp_path_factory):
+    """API keys, a small allowance of failed keys, two calls at once, short idle bounds."""
+    logdir = tmp_path_factory.mktemp("guarded")
+    keys = logdir / "api-keys"
+    keys.write_text(f"{KEY}\n")
+    with Stack.running(tiny_llama_dir, logdir, api_key=KEY, scheduler_args=[
+            "--api-key-file", str(keys), "--auth-failure-burst", "3", "--auth-failure-refill-s", "60",
+            "--max-concurrent-calls", "2", "--http-keep-alive-timeout-s", "1", "--grpc-idle-timeout-s", "1"]) as s:
+        yield s
+
+
+def _keyed_generate(channel: grpc.Channel, key: str, max_tokens: int = 4):
+    req = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return pb_grpc.GenerationStub(channel).Generate(req, metadata=[("authorization", f"Bearer {key}")], timeout=60)
+
+
+def test_key_guesses_are_throttled_per_peer_across_both_fronts(guarded):
+    """One peer (127.0.0.3, through a relay: grpc's client cannot pick its address) guesses keys on
+    the gRPC front: 3 failures, then RESOURCE_EXHAUSTED, and its HTTP calls get 429 too (one table),
+    even with the right key; health stays open to it, and 127.0.0.1 is served on both fronts."""
+    import httpx2 as httpx
+    from tcp_relay import Relay
+
+    relay = Relay(guarded.port, "127.0.0.3")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{relay.port}") as guesser:
+            codes = [_code(lambda i=i: list(_keyed_generate(guesser, f"wrong-key-{i}"))) for i in range(4)]
+            assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED]
+            assert _code(lambda: list(_keyed_generate(guesser, KEY))) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            health = health_pb2_grpc.HealthStub(guesser).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        relay.close()
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.3"), timeout=30) as http:
+        r = http.get(f"{guarded.http_url}/v1/models", headers=headers)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_failed_api_keys"
+        assert int(r.headers["retry-after"]) > 50
+        assert http.get(f"{guarded.http_url}/health").status_code == 200
+    with httpx.Client(timeout=30) as http:
+        assert http.get(f"{guarded.http_url}/v1/models", headers=headers).status_code == 200
+    assert len(_generate(guarded.channel)) == 4
+
+
+def test_calls_are_capped_and_idle_connections_closed_in_the_process(guarded):
+    import h2_raw
+    import httpx2 as httpx
+
+    streams = [_keyed_generate(guarded.channel, KEY, max_tokens=4000) for _ in range(2)]
+    try:
+        for s in streams:
+            next(s)  # two calls in progress: the cap
+        assert _code(lambda: list(_keyed_generate(guarded.channel, KEY))) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with httpx.Client(timeout=30) as http:
+            r = http.post(f"{guarded.http_url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "max_concurrent_calls"
+            assert http.get(f"{guarded.http_url}/health").status_code == 200
+    finally:
+        for s in streams:
+            s.cancel()
+    with socket.create_connection(("127.0.0.1", guarded.http_port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        assert seconds_until_closed(sock, 8, b"\r\n") < 3  # a CRLF every 0.3 s does not keep it
+    with h2_raw.connect(guarded.port) as sock:
+        assert h2_raw.seconds_until_closed(sock, 8, h2_raw.window_update(), every_s=0.2) < 3
+    assert len(_generate(guarded.channel)) == 4  # the calls' slots came back

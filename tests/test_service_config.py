@@ -10,6 +10,7 @@ import pytest
 
 from pagedserve.envargs import env_name, parse_bytes
 from scheduler_svc.config import FLAG_FIELDS, RUNTIME_FIELDS, build_arg_parser, default, load_config
+from scheduler_svc.grpc_limits import GrpcLimits
 from scheduler_svc.http.limits import HttpLimits
 from scheduler_svc.sched_config import EngineConfig, SchedulerConfig
 from scheduler_svc.validation import ServerLimits
@@ -76,7 +77,7 @@ def test_sizes_and_env_names():
 def test_every_knob_has_one_flag_whose_default_is_the_declared_one():
     parser = build_arg_parser()
     actions = {o: a for a in parser._actions for o in a.option_strings}
-    for cls in (SchedulerConfig, EngineConfig, ServerLimits, HttpLimits):
+    for cls in (SchedulerConfig, EngineConfig, ServerLimits, HttpLimits, GrpcLimits):
         for f in dataclasses.fields(cls):
             if (cls, f.name) in RUNTIME_FIELDS:
                 continue
@@ -94,13 +95,14 @@ def test_every_flag_reaches_the_object_that_uses_it(model_dir, tmp_path):
               "--max-queued-requests": "11", "--max-migrations": "5", "--step-timeout": "7.5",
               "--stream-interval": "4", "--cluster-secret-file": str(secret)}
     values.update({flag: str(default(cls, name) + 3) for flag, (cls, name) in FLAG_FIELDS.items()
-                   if cls in (ServerLimits, HttpLimits)})
+                   if cls in (ServerLimits, HttpLimits, GrpcLimits)})
+    values["--max-in-flight-bytes"] = str(64 << 20)  # at least the largest request a front accepts
     argv = ["--model", str(model_dir), "--disable-prefix-caching", "--no-async-scheduling"]
     for flag, value in values.items():
         argv += [flag, value]
     cfg = load_config(argv, {})
     objects = {SchedulerConfig: cfg.scheduler, EngineConfig: cfg.engine, ServerLimits: cfg.limits,
-               HttpLimits: cfg.http_limits}
+               HttpLimits: cfg.http_limits, GrpcLimits: cfg.grpc_limits}
     for flag, (cls, name) in FLAG_FIELDS.items():
         got = getattr(objects[cls], name)
         assert got != default(cls, name), f"{flag} did not reach {cls.__name__}.{name}"
@@ -198,3 +200,18 @@ def test_the_executor_checks_its_cluster_secret_before_loading_the_model(tmp_pat
 def test_the_stream_interval_defaults_to_every_step_and_reads_the_environment(model_dir):
     assert load_config(["--model", str(model_dir)], {}).engine.stream_interval == 1
     assert load_config(["--model", str(model_dir)], {"PAGEDSERVE_STREAM_INTERVAL": "4"}).engine.stream_interval == 4
+
+
+def test_the_caps_are_sized_for_the_machine_unless_given_and_must_hold_one_request(model_dir, capsys):
+    from scheduler_svc.admission import sized_for_machine
+
+    base = ["--model", str(model_dir)]
+    cfg = load_config(base, {})
+    assert cfg.limits == sized_for_machine(dataclasses.replace(cfg.limits, max_concurrent_calls=0,
+                                                               max_in_flight_bytes=0))
+    assert cfg.limits.max_concurrent_calls >= 256 and cfg.limits.max_in_flight_bytes >= 64 << 20
+    given = load_config([*base, "--max-concurrent-calls", "300"], {"PAGEDSERVE_MAX_IN_FLIGHT_BYTES": str(9 << 20)})
+    assert (given.limits.max_concurrent_calls, given.limits.max_in_flight_bytes) == (300, 9 << 20)
+    with pytest.raises(SystemExit):
+        load_config([*base, "--max-in-flight-bytes", str(1 << 20)], {})
+    assert "--max-in-flight-bytes: must be >= the largest request a front accepts" in capsys.readouterr().err

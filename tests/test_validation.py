@@ -138,7 +138,8 @@ def test_prompt_that_tokenizes_to_nothing_is_refused():
         validate_generate_request(req, model_info(make_tokenizer()), LIMITS, lambda t: [])
 
 
-@pytest.mark.parametrize("bad", [{"max_n": 0}, {"max_logprobs": -1}, {"default_max_tokens": 1.5}])
+@pytest.mark.parametrize("bad", [{"max_n": 0}, {"max_logprobs": -1}, {"default_max_tokens": 1.5},
+                                 {"max_concurrent_calls": -1}, {"auth_failure_burst": 0}])
 def test_server_limits_are_checked(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         ServerLimits(**bad)

@@ -8,7 +8,7 @@ the engine's streams are rendered as OpenAI JSON or server-sent events (response
 streams.py). Errors get their status in errors.py.
 
 :func:`build_app` is the one place the ASGI app is assembled; its ``middleware`` is where
-authentication (API keys) plugs in.
+authentication (API keys) plugs in, and inside it the process's call budget (admission.py).
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 from tokenizers import Tokenizer
 
+from scheduler_svc.admission import CallBudget
 from scheduler_svc.api_types import GenerationRequest, ModelInfo, RequestFailed
 from scheduler_svc.http import streams
+from scheduler_svc.http.admission import AdmissionMiddleware
 from scheduler_svc.http.chat_template import ChatTemplate, ChatTemplateError
 from scheduler_svc.http.errors import ApiError, bad_field, from_validation
 from scheduler_svc.http.limits import HttpLimits
@@ -281,8 +283,14 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return b"".join(chunks)
 
 
-def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = ()) -> Starlette:
-    """The ASGI app. ``middleware`` (outermost first) wraps every route: API keys go there."""
+def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = (), budget: CallBudget | None = None
+              ) -> Starlette:
+    """The ASGI app. ``middleware`` (outermost first) wraps every route: API keys go there.
+    ``budget``: the calls and request bytes the process's fronts share (admission.py), taken
+    inside ``middleware``, so a caller without a key never holds any."""
+    if budget is not None:
+        middleware = [*middleware, Middleware(AdmissionMiddleware, budget=budget,
+                                              max_body_bytes=front.http_limits.max_body_bytes, metrics=front.metrics)]
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)

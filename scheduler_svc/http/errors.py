@@ -3,7 +3,9 @@
     ValidationError, bad JSON, unsupported field -> 400 invalid_request_error (param: the field)
     body over --http-max-body-bytes -> 413       unknown model -> 404 model_not_found
     body not received within --http-body-timeout-s -> 408
-    QueueFull -> 429                             NoExecutor, no model yet, shutting down -> 503
+    no or unknown API key -> 401                 QueueFull -> 429
+    over --max-concurrent-calls or --max-in-flight-bytes, a peer's failed API keys -> 429 (before the body)
+    NoExecutor, no model yet, shutting down -> 503
     RequestFailed, anything unexpected -> 500 (this request only; logged)
     (the engine's errors: from the table both fronts share, scheduler_svc/refusals.py)
     client gone while sending or waiting -> 499 (nginx's "client closed request"; nobody reads it)
@@ -15,15 +17,18 @@ counts both fronts in one vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from starlette.types import Send
 
 from scheduler_svc.validation import ValidationError
 
-GRPC_CODE_OF_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 405: "UNIMPLEMENTED", 408: "DEADLINE_EXCEEDED",
+GRPC_CODE_OF_STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "UNIMPLEMENTED", 408: "DEADLINE_EXCEEDED",
                        413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL",
                        503: "UNAVAILABLE"}
-_TYPE_OF_STATUS = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+_TYPE_OF_STATUS = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
                    408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                    500: "server_error", 503: "service_unavailable_error"}
 
@@ -60,3 +65,11 @@ def from_validation(e: ValidationError, names: Mapping[str, str]) -> ApiError:
     base, bracket, rest = field.partition("[")
     name = names.get(base, base)
     return bad_field(name + bracket + rest, e.detail)
+
+
+async def send_error(send: Send, err: ApiError, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """``err`` as a whole response, sent by an ASGI middleware (outside Starlette's exception handlers)."""
+    body = json.dumps(err.body()).encode()
+    await send({"type": "http.response.start", "status": err.status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})

@@ -3,8 +3,9 @@
 The port is reachable by anyone who can reach the service: a body is refused from its
 Content-Length before it is read (and while it streams, when there is none), it must
 arrive within a time limit, and the counts that make work proportional to themselves (chat messages, prompts in one
-request) are bounded. A request's head is bounded in size and time by the protocol itself
-(scheduler_svc/http/serve.py). Built once in ``__main__`` from the flags (scheduler_svc/config.py).
+request) are bounded. A connection's time without a request in progress (its TLS handshake, its
+wait for a request, a request's head) is bounded by the protocol itself, whatever bytes trickle
+in (scheduler_svc/http/serve.py). Built once in ``__main__`` from the flags (scheduler_svc/config.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ class HttpLimits:
     max_prompts: int = 64  # prompts in one completions request (a batch)
     body_timeout_s: int = 60  # to receive a whole body: a client trickling one holds a task and its buffer
     head_timeout_s: int = 20  # to send a request's line and headers (and a new connection's first request)
+    keep_alive_timeout_s: int = 5  # a connection's wait for its next request, from its last response
+    tls_handshake_timeout_s: int = 10  # a new connection's TLS handshake, before its first request's clock
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -10,8 +10,9 @@ HTTP/1.1 is parsed by httptools (llhttp, in C) rather than h11 (pure Python): ea
 streamed event costs the scheduler ~28% less CPU (docs/PERF.md, "Streaming cost of the
 fronts"). llhttp does not bound a request's head, and httptools keeps a header value it
 is still receiving whole, so :class:`BoundedHttpToolsProtocol` bounds the head itself, as
-h11 does: a client cannot make the process buffer an endless header. Neither parser bounds
-the time a head takes, so the protocol does that too.
+h11 does: a client cannot make the process buffer an endless header. Neither parser, nor
+uvicorn, bounds the time a connection may hold the server without a request in progress, so
+the protocol does that too, and the server bounds TLS handshakes.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ from scheduler_svc.http.limits import HttpLimits
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_HEAD_BYTES = 16 * 1024  # request line + headers: h11's bound (uvicorn's other parser)
-DEFAULT_HEAD_TIMEOUT_S = HttpLimits().head_timeout_s
+DEFAULT_LIMITS = HttpLimits()
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with each request's head bounded in size and in time.
+    """uvicorn's httptools protocol with each request's head bounded in size, and a connection's
+    time without a request in progress bounded whatever bytes trickle in.
 
     Size: counted after the parser has seen each chunk. A chunk that leaves the head incomplete
     was all head (what the parser is buffering); one that completes it is not counted, so a body
@@ -46,18 +48,31 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     400 and the connection closed, as uvicorn answers a head h11 finds too long.
 
     Time: uvicorn bounds neither a new connection's wait for its first request nor a head sent a
-    byte at a time (any byte resets its keep-alive timer), so a client could hold a connection
-    and its buffer for ever. A head must be whole within ``head_timeout_s`` of its first byte
-    (a new connection's: of connecting); after that, 408 and the connection closed, or just
-    closed when nothing was sent. The time between requests stays uvicorn's keep-alive timeout.
+    byte at a time, and any byte at all cancels its keep-alive timer (a bare CRLF between requests,
+    which llhttp skips, cancels it and starts nothing), so a client could hold a connection and
+    its buffer for ever. Here a connection without a request in progress is always on one of two
+    clocks, and no byte resets either:
+
+    - waiting: closed, silently, ``keep_alive_timeout_s`` after its last response, unless the
+      first byte of a request arrives before;
+    - in a head: the head must be whole within ``head_timeout_s`` of its first byte (a new
+      connection's first head: of connecting); after that, 408 and the connection closed, or
+      just closed when nothing was sent.
+
+    So such a connection is closed at most ``keep_alive_timeout_s + head_timeout_s`` after its last
+    response (``head_timeout_s`` after connecting, and its TLS handshake, bounded by the server).
+    A request in progress (its head complete, its response not) is on neither clock: its body
+    has its own limit (``--http-body-timeout-s``, app.py), and a response streams for as long as
+    it produces tokens.
     """
 
-    def __init__(self, *args: Any, head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limits: HttpLimits = DEFAULT_LIMITS, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._in_head = True  # between a request's first byte and its headers' end
         self._head_bytes = 0
-        self._head_timeout_s = head_timeout_s
+        self._head_timeout_s, self._keep_alive_s = limits.head_timeout_s, limits.keep_alive_timeout_s
         self._head_timer: asyncio.TimerHandle | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -65,6 +80,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        self._disarm_idle_timer()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -78,12 +94,20 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head, self._head_bytes = True, 0
+        self._disarm_idle_timer()
         self._arm_head_timer()
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._disarm_head_timer()
         super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # Not when closing, when the next head is already arriving (on its own clock), or when
+        # uvicorn has just started a pipelined request (self.cycle is then that one).
+        if not self.transport.is_closing() and not self._in_head and self.cycle.response_complete:
+            self._idle_timer = self.loop.call_later(self._keep_alive_s, self._idle_timed_out)
 
     def _arm_head_timer(self) -> None:
         if self._head_timer is None:
@@ -93,6 +117,16 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+
+    def _disarm_idle_timer(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _idle_timed_out(self) -> None:
+        self._idle_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -109,11 +143,35 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
 
 class _EmbeddedServer(uvicorn.Server):
-    """uvicorn's Server without its signal handlers (they would replace the process's own)."""
+    """uvicorn's Server without its signal handlers (they would replace the process's own), and
+    with a bound on TLS handshakes."""
+
+    def __init__(self, config: uvicorn.Config, tls_handshake_timeout_s: float) -> None:
+        super().__init__(config)
+        self.tls_handshake_timeout_s = tls_handshake_timeout_s
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's startup for the sockets given, passing ``ssl_handshake_timeout``, which uvicorn
+        leaves at asyncio's 60 s: a client that connects and stalls its handshake (the protocol
+        above only starts once the handshake is done) holds the connection that long."""
+        if sockets is None:
+            raise RuntimeError("_EmbeddedServer serves the sockets it is given")
+        await self.lifespan.startup()
+        config = self.config
+
+        def create_protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
+            return config.http_protocol_class(config=config, server_state=self.server_state,  # type: ignore[call-arg]
+                                              app_state=self.lifespan.state, _loop=_loop)
+
+        loop = asyncio.get_running_loop()
+        tls = {"ssl_handshake_timeout": self.tls_handshake_timeout_s} if config.ssl else {}
+        self.servers = [await loop.create_server(create_protocol, sock=sock, ssl=config.ssl, backlog=config.backlog,
+                                                 **tls) for sock in sockets]
+        self.started = True
 
 
 @dataclass
@@ -156,12 +214,14 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 
 async def start_http_server(app: ASGIApp, host: str, port: int, ssl: Mapping[str, Any] | None = None,
-                            head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S) -> HttpServer:
-    """Bind ``host:port`` (0: a free port, see ``.port``) and serve ``app``; must run in the engine's loop."""
-    protocol = functools.partial(BoundedHttpToolsProtocol, head_timeout_s=head_timeout_s)
+                            limits: HttpLimits = DEFAULT_LIMITS) -> HttpServer:
+    """Bind ``host:port`` (0: a free port, see ``.port``) and serve ``app``; must run in the engine's loop.
+    ``limits``: the connection bounds (keep-alive, head and TLS handshake timeouts) of HttpLimits."""
+    protocol = functools.partial(BoundedHttpToolsProtocol, limits=limits)
     config = uvicorn.Config(app, host=host, port=port, lifespan="off", access_log=False, log_config=None,
-                            server_header=False, http=protocol, **dict(ssl or {}))
-    server = _EmbeddedServer(config)
+                            server_header=False, http=protocol, timeout_keep_alive=limits.keep_alive_timeout_s,
+                            **dict(ssl or {}))
+    server = _EmbeddedServer(config, limits.tls_handshake_timeout_s)
     sock = _listening_socket(host, port)
     bound = sock.getsockname()[1]
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="http-server")
