@@ -43,9 +43,10 @@ plans = st.builds(
     st.lists(st.builds(BlockUpdate, ids, ids, small), max_size=3), pairs, pairs, pairs)
 top = st.lists(st.tuples(ids, floats), max_size=8)
 logprobs = st.builds(lambda sid, lp, t: SeqLogprobs(sid, lp, [i for i, _ in t], [v for _, v in t]), ids, floats, top)
-results = st.builds(StepResult, ids, st.just([1, 2]), st.just([3, 4]), st.lists(logprobs, max_size=3),
-                    st.lists(logprobs, max_size=3), st.none() | st.text(max_size=20),
-                    st.floats(min_value=0.0, max_value=1e9))
+results = st.builds(lambda step, lps, beams, failed, refused, error, secs: StepResult(
+    step, [1, 2], [3, 4], lps, beams, failed, refused, error, secs),
+    ids, st.lists(logprobs, max_size=3), st.lists(logprobs, max_size=3), small, st.booleans(),
+    st.none() | st.text(max_size=20), st.floats(min_value=0.0, max_value=1e9))
 
 
 @settings(max_examples=60, deadline=None)
@@ -76,11 +77,13 @@ def test_a_decode_step_costs_a_few_bytes_per_sequence():
     assert len(wire.encode(plan)) / 256 < 5
 
 
-def _frame(body, kind=wire.KIND_PLAN, version=wire.WIRE_VERSION) -> bytes:
-    return msgpack.packb([version, kind, body])
+def _frame(body, kind=wire.KIND_PLAN, version=wire.WIRE_VERSION, tag=None) -> bytes:
+    if tag is None:  # a plan's or result's tag is its step id
+        tag = body[0] if kind in (wire.KIND_PLAN, wire.KIND_RESULT) and body and isinstance(body[0], int) else 0
+    return msgpack.packb([version, kind, tag, body])
 
 
-GOOD_PLAN = msgpack.unpackb(wire.encode(BatchPlan(1, [1], [1])))[2]
+GOOD_PLAN = msgpack.unpackb(wire.encode(BatchPlan(1, [1], [1])))[3]
 GOOD_SEQ = [1, [2], 1, [4], 0, [1.0, 1.0, 0, 0.0, None, 1.0, 0.0, 0.0, False, 0, 0]]
 
 
@@ -90,8 +93,14 @@ GOOD_SEQ = [1, [2], 1, [4], 0, [1.0, 1.0, 0, 0.0, None, 1.0, 0.0, 0.0, False, 0,
     (wire.encode(BatchPlan(1, [1], [1]))[:-1], "truncated"),
     (msgpack.packb({"a": 1}), "not a frame"),
     (msgpack.packb("a frame"), "not a frame"),
-    (msgpack.packb([1, 2]), "not a frame"),
+    (msgpack.packb([wire.WIRE_VERSION, 2]), "not a frame"),
+    (msgpack.packb([2, 4, GOOD_PLAN]), "wire version 2, expected"),  # the envelope of version 2
     (_frame(GOOD_PLAN, version=99), "wire version 99"),
+    (_frame(GOOD_PLAN, tag=2), "a BatchPlan of step 1 in a frame tagged 2"),
+    (_frame([1.5], kind=wire.KIND_HEARTBEAT, tag=3), "a Heartbeat frame with tag 3"),
+    (b"\x94\x03\x04\x01" + b"\x91" * 5000 + b"\xc0", "RecursionError"),  # nested 5,000 deep in the body
+    (b"\x94\x03\x04\x01\x9b\x01\x90\x90" + b"\x91" * 5000 + b"\xc0", "RecursionError"),
+    (b"\x93\x02\x01" + b"\x91" * 1000, "not a frame"),  # the review's 1,003-byte frame
     (_frame(GOOD_PLAN, kind=42), "unknown message kind 42"),
     (_frame(GOOD_PLAN + [[]]), "at most length 11"),
     (_frame([1, [1, "x"], [1, 1]] + GOOD_PLAN[3:]), r"plan\.scheduled_seq_ids\[1\]"),
@@ -122,7 +131,7 @@ def test_oversized_frame_is_refused_before_parsing():
 
 
 def test_a_kind_not_accepted_is_refused_before_its_body_is_parsed():
-    body = msgpack.packb([wire.WIRE_VERSION, wire.KIND_PLAN, [[[]] * 1000] * 1000])  # nonsense, never parsed
+    body = msgpack.packb([wire.WIRE_VERSION, wire.KIND_PLAN, 0, [[[]] * 1000] * 1000])  # nonsense, never parsed
     with pytest.raises(WireError, match="BatchPlan is not accepted here"):
         wire.decode(body, accept=(Handshake,))
 
@@ -138,3 +147,77 @@ def test_with_seed_keeps_every_other_field():
     child = sp.with_seed(11)
     assert child.seed == 11 and sp.seed == 3
     assert msgspec.structs.replace(child, seed=3) == sp
+
+
+# ---------------------------------------------------------------- the envelope, before the body
+
+def test_the_envelope_is_read_without_parsing_the_body():
+    frame = _frame(["not", "a", "result"], kind=wire.KIND_RESULT, tag=42)
+    env = wire.read_envelope(frame, accept=(StepResult,))
+    assert (env.kind, env.tag, env.size) == (StepResult, 42, len(frame))
+    with pytest.raises(WireError, match="malformed StepResult"):
+        wire.decode_body(env)
+
+
+def test_a_result_larger_than_its_plan_allows_is_never_larger_than_the_bound():
+    """max_result_bytes is an upper bound on what an honest executor sends for a plan."""
+    text = "\U0001F600" * wire.MAX_TEXT_CHARS  # 4 bytes a character in UTF-8
+    big = 2**31 - 1
+    lp = SeqLogprobs(big, -1e300, [big] * 21, [-1e300] * 21)
+    result = StepResult(big, [big] * 256, [big] * 256, [lp] * 256, [SeqLogprobs(big, 0.0, [big] * 8, [-1.5] * 8)] * 4,
+                        [big] * 300, True, text, 1e300)
+    bound = wire.max_result_bytes(num_scheduled=300, num_sampled=256, logprobs=256 * 20, num_logprob_seqs=256,
+                                  beam_candidates=4 * 8, num_beam_seqs=4)
+    assert len(wire.encode(result)) <= bound < 1.2 * len(wire.encode(result))
+
+
+def test_a_plain_decode_step_result_is_bounded_tightly():
+    bound = wire.max_result_bytes(num_scheduled=256, num_sampled=256)
+    assert bound < 16 * 1024 + 256 * 20  # the error text's room, and ~20 bytes a sequence
+
+
+# ---------------------------------------------------------------- fuzzing the codec
+
+VALID_FRAMES = [wire.encode(m) for m in (
+    BatchPlan(3, [1, 2], [4, 1], new_seqs=[NewSeq(1, [5, 6, 7, 8], 4, [0], 0, SamplingParams(seed=3))],
+              forks=[Fork(1, 9, 4)], block_updates=[BlockUpdate(2, 1, [7])], copies=[(1, 2)]),
+    StepResult(3, [1], [9], [SeqLogprobs(1, -0.5, [9, 4], [-0.5, -2.0])], failed_seq_ids=[2], error="x"),
+    Handshake("ex-1", wire.WIRE_VERSION, "f" * 64, "tiny", "LlamaForCausalLM", 512, 16, 100, 20, 4096,
+              "float32", "cpu"),
+    HandshakeReply(True, "", 1.0), Heartbeat(1.0), Drain(3.0), wire.Reset("plan 3 was refused"),
+)]
+NESTED = [b"\x91" * 3000 + b"\xc0", b"\x81\xa1k" * 2000 + b"\xc0", b"\xdd\xff\xff\xff\xff",
+          b"\xdf\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff"]
+
+
+def _decode_or_refuse(frame: bytes) -> None:
+    """Decoding a frame either gives a message or raises WireError: nothing else, whatever it holds."""
+    try:
+        wire.decode(frame)
+    except WireError:
+        pass
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=2048))
+def test_random_bytes_only_ever_raise_wire_errors(frame):
+    _decode_or_refuse(frame)
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.sampled_from(VALID_FRAMES), st.data())
+def test_mutated_truncated_and_nested_frames_only_ever_raise_wire_errors(frame, data):
+    op = data.draw(st.sampled_from(["flip", "truncate", "insert", "nest", "length"]))
+    at = data.draw(st.integers(0, len(frame)))
+    if op == "flip":
+        frame = frame[:at] + bytes([data.draw(st.integers(0, 255))]) + frame[at + 1:]
+    elif op == "truncate":
+        frame = frame[:at]
+    elif op == "insert":
+        frame = frame[:at] + data.draw(st.binary(min_size=1, max_size=16)) + frame[at:]
+    elif op == "nest":  # a deep or huge container spliced in anywhere, the body included
+        frame = frame[:at] + data.draw(st.sampled_from(NESTED)) + frame[at:]
+    else:  # a container or string header claiming 4 GB
+        frame = frame[:at] + bytes([data.draw(st.sampled_from([0xdc, 0xdd, 0xde, 0xdf, 0xdb, 0xc6]))]) + \
+            b"\xff\xff\xff\xff" + frame[at:]
+    _decode_or_refuse(frame)

@@ -6,7 +6,7 @@ then ``wire.BatchPlan``, ``wire.encode(msg)``, ``wire.decode(frame)``,
 ``wire.WIRE_VERSION``.
 """
 
-from pagedserve.wire.codec import WireError, decode, encode
+from pagedserve.wire.codec import Envelope, WireError, decode, decode_body, encode, read_envelope
 from pagedserve.wire.messages import (
     KIND_OF,
     BatchPlan,
@@ -18,15 +18,17 @@ from pagedserve.wire.messages import (
     Heartbeat,
     Message,
     NewSeq,
+    Reset,
     SamplingParams,
     SeqLogprobs,
     StepResult,
+    max_result_bytes,
 )
 from pagedserve.wire.protocol import *  # noqa: F403  (the constants, each defined once there)
 from pagedserve.wire.protocol import MAX_FRAME_BYTES, WIRE_VERSION
 
 __all__ = [
-    "KIND_OF", "MAX_FRAME_BYTES", "WIRE_VERSION", "BatchPlan", "BlockUpdate", "Drain", "Fork", "Handshake",
-    "HandshakeReply", "Heartbeat", "Message", "NewSeq", "SamplingParams", "SeqLogprobs", "StepResult",
-    "WireError", "decode", "encode",
+    "KIND_OF", "MAX_FRAME_BYTES", "WIRE_VERSION", "BatchPlan", "BlockUpdate", "Drain", "Envelope", "Fork",
+    "Handshake", "HandshakeReply", "Heartbeat", "Message", "NewSeq", "Reset", "SamplingParams", "SeqLogprobs",
+    "StepResult", "WireError", "decode", "decode_body", "encode", "max_result_bytes", "read_envelope",
 ]

@@ -1,27 +1,37 @@
-"""Frames <-> messages: ``[WIRE_VERSION, KIND, body]`` in msgpack, decoded with bounds.
+"""Frames <-> messages: ``[WIRE_VERSION, KIND, TAG, body]`` in msgpack, decoded with bounds.
 
-Decoding is typed (msgspec): each field is checked against its declaration in
-:mod:`pagedserve.wire.messages` while it is parsed, so a malformed frame stops
-at its first wrong element instead of being materialised first. The envelope
-is read before the body: a wrong version or an unexpected kind is refused
-without parsing the body at all (``accept=`` narrows the kinds a peer may send,
-e.g. only a handshake before it has registered). Every problem is a
-:class:`WireError` naming the field path (``plan.new_seqs[0].token_ids[3]``);
-callers log and drop such a frame, they never crash on it.
+Decoding is in two stages, so that a receiver can judge a frame before paying for it:
+
+1. :func:`read_envelope` reads the version, the kind and the tag (the step id of a
+   plan or a result) and leaves the body unparsed: a wrong version, an unknown kind
+   or a kind not accepted from this peer (``accept=``, e.g. only a handshake before
+   it has registered) is refused here, and the scheduler checks a result's tag and
+   size against the plan it answers before going on;
+2. :func:`decode_body` parses the body typed (msgspec): each field is checked
+   against its declaration in :mod:`pagedserve.wire.messages` while it is parsed,
+   so a malformed body stops at its first wrong element.
+
+Every problem, whatever raised it (a msgspec error, a ``RecursionError`` on a frame
+nested a thousand levels deep, a ``MemoryError``), is a :class:`WireError` naming
+what is wrong (the field path, ``plan.new_seqs[0].token_ids[3]``, where known);
+callers drop such a frame or the peer that sent it, they never crash on it.
 """
 
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import msgspec
 
 from pagedserve.wire import protocol as p
-from pagedserve.wire.messages import KIND_OF, Message
+from pagedserve.wire.messages import KIND_OF, BatchPlan, Message, StepResult
 
 _TYPE_OF: dict[int, type] = {k: t for t, k in KIND_OF.items()}
+_TAGGED = (BatchPlan, StepResult)  # kinds whose tag is their step id
 _ENCODER = msgspec.msgpack.Encoder()
-_ENVELOPE = msgspec.msgpack.Decoder(tuple[int, int, msgspec.Raw])
+_ENVELOPE = msgspec.msgpack.Decoder(tuple[int, int, int, msgspec.Raw])
+_ANY_ENVELOPE = msgspec.msgpack.Decoder(list[msgspec.Raw])  # (only to name another version)
 _BODY = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in _TYPE_OF.items()}
 _NAMES = {cls: re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower().replace("batch_plan", "plan")
           .replace("step_result", "result") for cls in KIND_OF}
@@ -31,9 +41,19 @@ class WireError(ValueError):
     """A frame that is not a valid message of this wire version."""
 
 
+class Envelope(NamedTuple):
+    """What a frame says of itself before its body is parsed."""
+
+    kind: type  # the message class
+    tag: int  # a plan's or result's step id; 0 for other kinds
+    body: msgspec.Raw  # the unparsed body (a view of the frame)
+    size: int  # bytes of the whole frame
+
+
 def encode(msg: Message) -> bytes:
     """Serialize a message to one frame."""
-    return _ENCODER.encode((p.WIRE_VERSION, KIND_OF[type(msg)], msg))
+    cls = type(msg)
+    return _ENCODER.encode((p.WIRE_VERSION, KIND_OF[cls], msg.step_id if cls in _TAGGED else 0, msg))  # type: ignore[union-attr]
 
 
 def decode(frame: bytes, accept: tuple[type, ...] | None = None, max_bytes: int = p.MAX_FRAME_BYTES) -> Message:
@@ -42,12 +62,18 @@ def decode(frame: bytes, accept: tuple[type, ...] | None = None, max_bytes: int 
     ``accept``: the message types allowed here (others are refused before their
     body is parsed); ``max_bytes``: the largest frame accepted.
     """
+    return decode_body(read_envelope(frame, accept, max_bytes))
+
+
+def read_envelope(frame: bytes, accept: tuple[type, ...] | None = None,
+                  max_bytes: int = p.MAX_FRAME_BYTES) -> Envelope:
+    """The frame's kind and tag, its body left unparsed; WireError as :func:`decode`."""
     if len(frame) > max_bytes:
         raise WireError(f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}")
     try:
-        version, kind, body = _ENVELOPE.decode(frame)
-    except msgspec.DecodeError as exc:
-        raise WireError(f"not a frame [version, kind, body]: {_plain(exc)}") from None
+        version, kind, tag, body = _ENVELOPE.decode(frame)
+    except Exception as exc:  # noqa: BLE001  (msgspec, or RecursionError on deep nesting: all the peer's)
+        raise WireError(_not_an_envelope(frame, exc)) from None
     if version != p.WIRE_VERSION:
         raise WireError(f"wire version {version}, expected {p.WIRE_VERSION}")
     cls = _TYPE_OF.get(kind)
@@ -56,10 +82,36 @@ def decode(frame: bytes, accept: tuple[type, ...] | None = None, max_bytes: int 
     if accept is not None and cls not in accept:
         raise WireError(f"a {cls.__name__} is not accepted here (expected "
                         f"{' or '.join(c.__name__ for c in accept)})")
+    if tag < 0 or (tag and cls not in _TAGGED):
+        raise WireError(f"a {cls.__name__} frame with tag {tag}")
+    return Envelope(cls, tag, body, len(frame))
+
+
+def decode_body(env: Envelope) -> Message:
+    """Parse the body :func:`read_envelope` left; WireError naming the field at fault."""
+    cls = env.kind
     try:
-        return _BODY[kind].decode(body)
+        msg = _BODY[KIND_OF[cls]].decode(env.body)
     except msgspec.DecodeError as exc:
         raise WireError(f"malformed {cls.__name__}: {_named(cls, exc)}") from None
+    except Exception as exc:  # noqa: BLE001  (RecursionError, MemoryError...: refused, never raised)
+        raise WireError(f"malformed {cls.__name__}: {type(exc).__name__}: {_plain(exc)}") from None
+    if cls in _TAGGED and msg.step_id != env.tag:  # type: ignore[union-attr]
+        raise WireError(f"a {cls.__name__} of step {msg.step_id} in a frame tagged {env.tag}")  # type: ignore[union-attr]
+    return msg
+
+
+def _not_an_envelope(frame: bytes, exc: Exception) -> str:
+    """Name another wire version when the frame has one; otherwise what is wrong with it."""
+    try:
+        head = _ANY_ENVELOPE.decode(frame)
+        version = msgspec.msgpack.decode(head[0], type=int) if head else None
+    except Exception:  # noqa: BLE001
+        version = None
+    if version is not None and version != p.WIRE_VERSION:
+        return f"wire version {version}, expected {p.WIRE_VERSION}"
+    detail = _plain(exc) if isinstance(exc, msgspec.DecodeError) else f"{type(exc).__name__}: {_plain(exc)}"
+    return f"not a frame [version, kind, tag, body]: {detail}"
 
 
 def _plain(exc: Exception) -> str:

@@ -169,13 +169,31 @@ class SeqLogprobs(_Message):
 
 
 class StepResult(_Message):
-    """What one executed plan produced.
+    """What the executor did with one plan: the one answer every plan gets, in plan order.
 
-    ``sampled_seq_ids[i]`` got token ``sampled_token_ids[i]`` (only sequences
-    whose computed count reached their token count sample). Beam sequences
-    instead appear in ``beam_candidates`` as (seq_id, token ids, log-probs), best
-    first, and do not append anything themselves. ``error`` is set when the
-    step failed as a whole; the scheduler then fails that step's requests.
+    Three outcomes, each with one handling on the scheduler (docs/ARCHITECTURE.md,
+    "Failure kinds"):
+
+    * **served**: ``sampled_seq_ids[i]`` got token ``sampled_token_ids[i]`` (only
+      sequences whose computed count reached their token count sample, in plan
+      order). Beam sequences instead appear in ``beam_candidates`` as (seq_id,
+      token ids, log-probs), best first, and do not append anything themselves.
+    * **some sequences failed** (``failed_seq_ids`` not empty, ``refused`` false): the
+      plan was applied, but the step could not serve these sequences (a forward or
+      sampler error). The executor has dropped them; the other sequences were served
+      as above. Plans sent after this one may still name a dropped sequence: the
+      executor skips every entry that does (a fork from it drops the child too) until
+      a plan frees it. The scheduler fails the requests that own them. ``error`` is
+      the detail, for logs only.
+    * **refused** (``refused`` true): nothing of the plan was applied: it does not fit
+      the executor's sequence state, so the two views have parted. The executor
+      refuses every later plan the same way, applying nothing, until a :class:`Reset`.
+      ``failed_seq_ids`` names the sequences the check found at fault, when it could
+      tell. ``error`` says why.
+
+    Anything else (a step id not sent, another order or set of sequences, a token id
+    outside the vocabulary, more log-probs than asked for) breaks the contract: the
+    scheduler drops the executor before any of the result is applied.
     """
 
     step_id: Count
@@ -185,12 +203,34 @@ class StepResult(_Message):
         msgspec.field(default_factory=list)
     beam_candidates: Annotated[list[SeqLogprobs], Meta(max_length=p.MAX_SEQS_PER_STEP)] = \
         msgspec.field(default_factory=list)  # token_logprob unused (0.0)
+    failed_seq_ids: Ids = msgspec.field(default_factory=list)
+    refused: bool = False
     error: Text | None = None
     model_seconds: NonNegative = 0.0
 
     def __post_init__(self) -> None:
         if len(self.sampled_seq_ids) != len(self.sampled_token_ids):
             raise ValueError("sampled_seq_ids and sampled_token_ids differ in length")
+
+
+def max_result_bytes(num_scheduled: int, num_sampled: int, logprobs: int = 0, num_logprob_seqs: int = 0,
+                     beam_candidates: int = 0, num_beam_seqs: int = 0) -> int:
+    """The largest encoded StepResult frame (envelope included) a plan can be answered with.
+
+    ``num_scheduled`` sequences computed, ``num_sampled`` of them sampling; of those,
+    ``num_logprob_seqs`` report ``logprobs`` alternatives in all (summed over them) and
+    ``num_beam_seqs`` beam sequences report ``beam_candidates`` in all. A receiver refuses a
+    larger frame before parsing it. msgpack sizes are taken at their largest: 5 bytes for
+    an int or a container header, 9 for a float, 4 bytes per character of text.
+    """
+    head = 4 * 5 + 5  # envelope (header, version, kind, tag) and the body's array header
+    scalars = 5 + 1 + 9 + 5 + 4 * p.MAX_TEXT_CHARS  # step_id, refused, model_seconds, error
+    lists = 5 * 5  # the five list headers
+    seq_logprobs = 1 + 5 + 9 + 5 + 5  # header, seq_id, own logprob, the two list headers
+    return (head + scalars + lists + 5 * num_scheduled  # failed_seq_ids
+            + 10 * num_sampled  # sampled ids and tokens
+            + seq_logprobs * (num_logprob_seqs + num_beam_seqs)
+            + 14 * (logprobs + num_logprob_seqs + beam_candidates))  # an id and a float per entry
 
 
 class Handshake(_Message):
@@ -228,9 +268,21 @@ class Drain(_Message):
     grace_seconds: NonNegative
 
 
-Message = Handshake | HandshakeReply | Heartbeat | BatchPlan | StepResult | Drain
+class Reset(_Message):
+    """Scheduler -> executor: forget every sequence and stop refusing plans.
+
+    Sent after a refused plan: the scheduler has taken that executor's requests back
+    (they resume from their tokens, here or elsewhere, as after a migration). Every
+    plan sent before the Reset is still answered, in order; the plans after it start
+    from an empty sequence state.
+    """
+
+    reason: Text = ""
+
+
+Message = Handshake | HandshakeReply | Heartbeat | BatchPlan | StepResult | Drain | Reset
 
 KIND_OF: dict[type, int] = {
     Handshake: p.KIND_HANDSHAKE, HandshakeReply: p.KIND_HANDSHAKE_REPLY, Heartbeat: p.KIND_HEARTBEAT,
-    BatchPlan: p.KIND_PLAN, StepResult: p.KIND_RESULT, Drain: p.KIND_DRAIN,
+    BatchPlan: p.KIND_PLAN, StepResult: p.KIND_RESULT, Drain: p.KIND_DRAIN, Reset: p.KIND_RESET,
 }

@@ -8,10 +8,12 @@ messages (:mod:`pagedserve.wire.messages`), their codec
 
 from __future__ import annotations
 
-# Frames are msgpack arrays [WIRE_VERSION, KIND, body]; any change of a message's
-# fields, their order or meaning bumps this. Peers of another version are refused
-# at the handshake, naming both versions.
-WIRE_VERSION = 2
+# Frames are msgpack arrays [WIRE_VERSION, KIND, TAG, body]; any change of a message's
+# fields, their order or meaning bumps this. A frame of another version is refused
+# before its body is read, naming both versions. TAG is the step id of a plan or a
+# result (0 for every other kind): a receiver checks it against what it sent before
+# it parses the body.
+WIRE_VERSION = 3
 
 # Message kinds (the second element of every frame).
 KIND_HANDSHAKE = 1
@@ -20,6 +22,7 @@ KIND_HEARTBEAT = 3
 KIND_PLAN = 4
 KIND_RESULT = 5
 KIND_DRAIN = 6
+KIND_RESET = 7
 
 # ---- bounds on what a peer may send (decoding is the trust boundary) ------------
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a plan re-sending long prompts for many sequences
