@@ -1,6 +1,6 @@
 """Run plans in order, preparing each one on the host while the device runs the one before.
 
-With asynchronous scheduling the next plan is queued before a step ends (issue 14). A
+With asynchronous scheduling the next plan is queued before a step ends. A
 sequential runner still leaves the device idle between two steps while its thread
 checks and applies the next plan and builds its batch. :class:`StepPipeline` does that
 work while the step before is in flight, in this order:
@@ -14,8 +14,9 @@ work while the step before is in flight, in this order:
 Results come out in plan order, and the tokens are the same as with the sequential
 runner (tests/test_step_pipeline.py). A plan that forks or extends a sequence (n > 1
 choices, beam search's chosen tokens) needs step k's token on the host first: step k
-completes before it is prepared. A step that fails leaves the step after it without
-its inputs; that one fails too, as the sequential runner refuses its plan.
+completes before it is prepared. When step k fails for some sequences, step k+1 is
+launched without them (``ModelRunner.launch`` rebuilds its batch), as the sequential
+runner would have skipped them: the other sequences of k+1 are served.
 
 On a GPU, step 2 runs while the device computes step k. On CPU nothing overlaps (the
 forward runs in step 1), so the executor's compute thread uses this only on CUDA

@@ -18,7 +18,12 @@ from pagedserve.wire import BatchPlan
 
 
 class PlanError(ValueError):
-    """A plan that cannot be applied to this executor's state."""
+    """A plan that cannot be applied to this executor's state; ``seq_id``: the sequence at fault,
+    when one is."""
+
+    def __init__(self, message: str, seq_id: int | None = None) -> None:
+        super().__init__(message)
+        self.seq_id = seq_id
 
 
 class PlanChecker:
@@ -27,19 +32,19 @@ class PlanChecker:
         self.num_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
         self.block_size, self.vocab_size, self.max_model_len = block_size, vocab_size, max_model_len
 
-    def _blocks(self, ids: Iterable[int], limit: int, what: str) -> None:
+    def _blocks(self, ids: Iterable[int], limit: int, what: str, seq_id: int | None = None) -> None:
         for b in ids:
             if not 0 <= b < limit:
-                raise PlanError(f"{what}: block id {b} out of range [0, {limit})")
+                raise PlanError(f"{what}: block id {b} out of range [0, {limit})", seq_id)
 
     def _pairs(self, pairs: list[tuple[int, int]], src_limit: int, dst_limit: int, what: str) -> None:
         self._blocks((p[0] for p in pairs), src_limit, f"{what} source")
         self._blocks((p[1] for p in pairs), dst_limit, f"{what} destination")
 
-    def _tokens(self, ids: Iterable[int], what: str) -> None:
+    def _tokens(self, ids: Iterable[int], what: str, seq_id: int | None = None) -> None:
         for t in ids:
             if not 0 <= t < self.vocab_size:
-                raise PlanError(f"{what}: token id {t} out of range [0, {self.vocab_size})")
+                raise PlanError(f"{what}: token id {t} out of range [0, {self.vocab_size})", seq_id)
 
     def check(self, plan: BatchPlan, state: dict[int, tuple[int, int, int]]) -> None:
         """state: seq_id -> (num_tokens, table_len, num_computed); raises PlanError."""
@@ -51,19 +56,19 @@ class PlanChecker:
             self._new_seq(s, shadow)
         for f in plan.forks:
             if f.parent_seq_id not in shadow:
-                raise PlanError(f"fork: unknown parent seq {f.parent_seq_id}")
+                raise PlanError(f"fork: unknown parent seq {f.parent_seq_id}", f.child_seq_id)
             if f.child_seq_id in shadow:
-                raise PlanError(f"fork: child seq {f.child_seq_id} already exists")
+                raise PlanError(f"fork: child seq {f.child_seq_id} already exists", f.child_seq_id)
             shadow[f.child_seq_id] = shadow[f.parent_seq_id]
         for sid, tok in plan.append_tokens:
             n, t, c = self._known(shadow, sid, "append_tokens")
-            self._tokens([tok], f"append_tokens seq {sid}")
+            self._tokens([tok], f"append_tokens seq {sid}", sid)
             shadow[sid] = (n + 1, t, c)
         for u in plan.block_updates:
             n, t, c = self._known(shadow, u.seq_id, "block_updates")
             if not 0 <= u.start <= t:
-                raise PlanError(f"block_updates seq {u.seq_id}: start {u.start} outside [0, {t}]")
-            self._blocks(u.block_ids, self.num_blocks, f"block_updates seq {u.seq_id}")
+                raise PlanError(f"block_updates seq {u.seq_id}: start {u.start} outside [0, {t}]", u.seq_id)
+            self._blocks(u.block_ids, self.num_blocks, f"block_updates seq {u.seq_id}", u.seq_id)
             shadow[u.seq_id] = (n, u.start + len(u.block_ids), c)
         self._pairs(plan.swap_in, self.num_cpu_blocks, self.num_blocks, "swap_in")
         self._pairs(plan.copies, self.num_blocks, self.num_blocks, "copies")
@@ -71,27 +76,27 @@ class PlanChecker:
 
     def _known(self, shadow, sid: int, what: str) -> tuple[int, int, int]:
         if sid not in shadow:
-            raise PlanError(f"{what}: unknown seq {sid}")
+            raise PlanError(f"{what}: unknown seq {sid}", sid)
         return shadow[sid]
 
     def _new_seq(self, s, shadow) -> None:
         if s.seq_id in shadow:
-            raise PlanError(f"new_seqs: seq {s.seq_id} already exists")
+            raise PlanError(f"new_seqs: seq {s.seq_id} already exists", s.seq_id)
         n = len(s.token_ids)
         if n == 0 or n > self.max_model_len:
-            raise PlanError(f"new_seqs seq {s.seq_id}: {n} tokens, expected 1..{self.max_model_len}")
+            raise PlanError(f"new_seqs seq {s.seq_id}: {n} tokens, expected 1..{self.max_model_len}", s.seq_id)
         if not 0 <= s.num_prompt_tokens <= n:
-            raise PlanError(f"new_seqs seq {s.seq_id}: num_prompt_tokens {s.num_prompt_tokens} outside [0, {n}]")
+            raise PlanError(f"new_seqs seq {s.seq_id}: num_prompt_tokens {s.num_prompt_tokens} outside [0, {n}]", s.seq_id)
         if not 0 <= s.num_computed_tokens <= n:
             raise PlanError(f"new_seqs seq {s.seq_id}: num_computed_tokens {s.num_computed_tokens} "
-                            f"outside [0, {n}]")
+                            f"outside [0, {n}]", s.seq_id)
         if s.num_computed_tokens > len(s.block_ids) * self.block_size:
             raise PlanError(f"new_seqs seq {s.seq_id}: {s.num_computed_tokens} computed tokens do not fit "
-                            f"in {len(s.block_ids)} blocks")
-        self._tokens(s.token_ids, f"new_seqs seq {s.seq_id}")
-        self._blocks(s.block_ids, self.num_blocks, f"new_seqs seq {s.seq_id}")
+                            f"in {len(s.block_ids)} blocks", s.seq_id)
+        self._tokens(s.token_ids, f"new_seqs seq {s.seq_id}", s.seq_id)
+        self._blocks(s.block_ids, self.num_blocks, f"new_seqs seq {s.seq_id}", s.seq_id)
         if s.sampling.beam_candidates < 0 or s.sampling.logprobs < 0 or s.sampling.top_k < 0:
-            raise PlanError(f"new_seqs seq {s.seq_id}: negative beam_candidates, logprobs or top_k")
+            raise PlanError(f"new_seqs seq {s.seq_id}: negative beam_candidates, logprobs or top_k", s.seq_id)
         shadow[s.seq_id] = (n, len(s.block_ids), s.num_computed_tokens)
 
     def _scheduled(self, plan: BatchPlan, shadow) -> None:
@@ -100,7 +105,7 @@ class PlanChecker:
         for sid, k in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True):
             n, t, c = self._known(shadow, sid, "scheduled_seq_ids")
             if k < 1 or c + k > n:
-                raise PlanError(f"scheduled seq {sid}: {k} new tokens with {c} computed of {n}")
+                raise PlanError(f"scheduled seq {sid}: {k} new tokens with {c} computed of {n}", sid)
             if c + k > t * self.block_size:
                 raise PlanError(f"scheduled seq {sid}: {c + k} tokens do not fit in {t} blocks "
-                                f"of {self.block_size}")
+                                f"of {self.block_size}", sid)

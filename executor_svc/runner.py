@@ -1,75 +1,64 @@
-"""Apply plan deltas to per-sequence state, run one forward, sample.
+"""Apply plan deltas to per-sequence state, run one forward, sample: one step, in three phases.
 
-The runner is the executor's whole per-step logic, independent of transport:
-``ModelRunner.execute(plan) -> StepResult``. It keeps each resident sequence's
-tokens, block table and computed count (:class:`SeqState`), applies a plan in
-the order documented in ``pagedserve/wire/messages.py``, packs the scheduled
-sequences' new tokens into one batch (no padding), runs the model, samples
-where a sequence's computed count reaches its token count, and appends the
-sampled token itself so the scheduler can plan the next step without waiting.
+The runner is the executor's whole per-step logic, independent of transport. It keeps each
+resident sequence's tokens, block table and computed count (:class:`SeqState`), applies a plan
+in the order documented in ``pagedserve/wire/messages.py``, packs the scheduled sequences' new
+tokens into one batch (no padding, ``executor_svc/batch.py``), runs the model, samples where a
+sequence's computed count reaches its token count, and appends the sampled token itself so the
+scheduler can plan the next step without waiting.
 
-The same step also runs in three phases, ``prepare`` (check, apply, build the
-batch), ``launch`` (start the forward) and ``complete`` (sample, report), so that
-``executor_svc/pipeline.py`` can prepare a plan while the step before it runs.
+One implementation of a step, in three phases: ``prepare`` (check, apply, build the batch),
+``launch`` (start the forward) and ``complete`` (sample, report). ``execute`` runs them back to
+back (the in-order loop); ``executor_svc/pipeline.py`` prepares a plan while the step before it
+runs; the tensor-parallel runners hook into the same phases (``_publish``, ``_guard``,
+``_sampled``).
+
+Every plan gets exactly one answer (``StepResult``, whose docstring is the contract):
+
+* a plan that does not fit the sequence state is **refused** whole, nothing of it applied, and
+  so is every later plan until the scheduler resets the runner (``reset``);
+* a step that cannot serve some sequences (the forward or the sampler raised) **fails those**:
+  they are dropped (``executor_svc/dropped.py``) and reported, the rest are served, and the
+  runner serves on. If applying the plan itself raised, the state of what it named is unknown:
+  those fail, and later plans are refused until a reset.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
-import numpy as np
+import msgspec
 import torch
 
-from executor_svc.attention import AttentionBackend, AttentionMetadata
+from executor_svc.attention import AttentionBackend
+from executor_svc.batch import Batch, SeqState, build_batch
+from executor_svc.dropped import DroppedSeqs
 from executor_svc.kv_cache import KVCache
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.plan_check import PlanChecker, PlanError
 from executor_svc.sampler import SampleOutput, Sampler
-from pagedserve.wire import BatchPlan, SamplingParams, SeqLogprobs, StepResult
+from pagedserve.wire import MAX_TEXT_CHARS, BatchPlan, SeqLogprobs, StepResult
 
 log = logging.getLogger(__name__)
+__all__ = ["Batch", "LaunchedStep", "ModelRunner", "PreparedStep", "SeqState", "StepFatal"]
 
 
-@dataclass(slots=True)
-class SeqState:
-    seq_id: int
-    token_ids: list[int]  # prompt, then every output so far (sampled here or appended by the plan)
-    num_prompt_tokens: int
-    block_ids: list[int]  # logical block i -> physical block id
-    num_computed_tokens: int  # tokens whose K/V are in the cache
-    sampling: SamplingParams
-
-
-@dataclass(slots=True)
-class Batch:
-    """One forward's inputs: the layout on the device, the token ids still on the host."""
-
-    token_ids: list[int]  # [num_tokens]; copied to the device when the forward starts
-    positions: torch.Tensor  # [num_tokens] int64
-    meta: AttentionMetadata
-    logits_rows: list[int]  # rows of the packed tokens whose logits are sampled
-    sample_seqs: list[SeqState]  # the sequence of each logits row (kept: a later plan may free it first)
-    # Inputs that are tokens the step in flight samples (a plan prepared ahead): (row in
-    # token_ids, sequence, index of the token in its token_ids once appended).
-    in_flight_inputs: list[tuple[int, SeqState, int]] = field(default_factory=list)
-
-    @property
-    def sample_seq_ids(self) -> list[int]:
-        return [s.seq_id for s in self.sample_seqs]
-
-    def token_seqs(self) -> list[SeqState]:
-        """The sampling rows that get a token (beam rows report candidates and append nothing)."""
-        return [s for s in self.sample_seqs if s.sampling.beam_candidates <= 0]
+class StepFatal(RuntimeError):
+    """An error the runner must not survive (a broken tensor-parallel group): no phase turns it
+    into a failed step; it ends the process."""
 
 
 @dataclass(slots=True)
 class PreparedStep:
     """A plan checked and applied, its batch built: what ``ModelRunner.launch`` starts."""
 
-    plan: BatchPlan
+    plan: BatchPlan  # as applied (entries naming dropped sequences left out)
     batch: Batch | None  # None: nothing scheduled
+    start: float  # when its preparation began
 
 
 @dataclass(slots=True)
@@ -97,6 +86,8 @@ class ModelRunner:
         self.checker = PlanChecker(kv_cache.num_blocks, kv_cache.num_cpu_blocks, kv_cache.block_size,
                                    model.cfg.vocab_size, self.max_model_len)
         self.seqs: dict[int, SeqState] = {}
+        self.dropped = DroppedSeqs()  # failed sequences later plans may still name
+        self.refusing: str | None = None  # why every plan is refused until reset() (None: serving)
         # The compute thread prepares each plan while the device runs the step before
         # (executor_svc/pipeline.py): on a GPU only, where that overlaps; tests set it on CPU.
         self.prepare_ahead = self.model.device.type == "cuda"
@@ -104,19 +95,106 @@ class ModelRunner:
         self.last_logits: torch.Tensor | None = None  # [num_sampled, vocab] float32
 
     def reset(self) -> None:
-        """Forget every sequence (after a reconnect the scheduler re-sends what it wants)."""
+        """Forget every sequence and serve again (the scheduler re-sends what it wants)."""
         self.seqs.clear()
+        self.dropped.clear()
+        self.refusing = None
 
     def execute(self, plan: BatchPlan) -> StepResult:
-        start = time.perf_counter()
-        if (refused := self._check(plan, {})) is not None:
-            return refused
-        try:
-            result = self._step(plan)
-        except Exception as exc:  # a failed step must not kill the executor; the scheduler fails it
-            return _failed(plan, exc)
-        result.model_seconds = time.perf_counter() - start
+        """One plan, start to end: the three phases back to back."""
+        prepared = self.prepare(plan)
+        if isinstance(prepared, StepResult):
+            return prepared
+        launched = self.launch(prepared)
+        result = launched if isinstance(launched, StepResult) else self.complete(launched)
+        result.model_seconds = time.perf_counter() - prepared.start
         return result
+
+    def can_prepare_ahead(self, plan: BatchPlan) -> bool:
+        """Whether ``plan`` may be prepared while the step before it is in flight: not when it
+        copies or extends a sequence's tokens (forks, beam search's appended tokens), which
+        would need that step's sampled token first."""
+        return not plan.forks and not plan.append_tokens
+
+    # ---------------------------------------------------------------- the three phases
+
+    def prepare(self, plan: BatchPlan, after: LaunchedStep | None = None) -> PreparedStep | StepResult:
+        """Check and apply ``plan`` and build its batch, on the host. ``after``: the step still in
+        flight; the tokens it samples are inputs of this one, filled in by :meth:`launch`."""
+        start = time.perf_counter()
+        if self.refusing is not None:
+            return StepResult(step_id=plan.step_id, refused=True,
+                              error=_text(f"discarded: a plan before it was refused ({self.refusing})"))
+        plan = self.dropped.skip(plan)
+        in_flight = after.sampling_seqs() if after is not None else {}
+        if (refused := self._check(plan, in_flight)) is not None:
+            return refused
+        self._publish(plan)
+        try:
+            with self._guard(f"applying plan {plan.step_id}"):
+                self._apply(plan)
+                batch = (build_batch(self.seqs, self.kv.block_size, self.model.device, plan.scheduled_seq_ids,
+                                     plan.num_new_tokens, in_flight) if plan.scheduled_seq_ids else None)
+        except StepFatal:
+            raise
+        except Exception as exc:  # noqa: BLE001  the state of what it named is unknown: refuse until reset
+            self.refusing = f"applying plan {plan.step_id} failed"
+            return self._failure(plan, _named(plan), exc)
+        return PreparedStep(plan, batch, start)
+
+    def launch(self, step: PreparedStep) -> LaunchedStep | StepResult:
+        """Start the forward of a prepared step (the step before it has completed by now)."""
+        start = time.perf_counter()
+        if self.dropped:
+            self._refit(step)
+        if step.batch is None:
+            return LaunchedStep(step.plan, None, None, start)
+        try:
+            for row, seq, index in step.batch.in_flight_inputs:
+                if index >= len(seq.token_ids):
+                    raise RuntimeError(f"seq {seq.seq_id}: the token the previous step was to sample is missing")
+                step.batch.token_ids[row] = seq.token_ids[index]
+            with self._guard(f"the forward of step {step.plan.step_id}"):
+                logits = self._forward_batch(step.plan, step.batch)
+        except StepFatal:
+            raise
+        except Exception as exc:  # noqa: BLE001  its sequences fail; the runner serves on
+            return self._failure(step.plan, step.plan.scheduled_seq_ids, exc)
+        return LaunchedStep(step.plan, step.batch, logits, start)
+
+    def complete(self, step: LaunchedStep) -> StepResult:
+        """Sample a launched step (waits for its forward) and report it."""
+        result = StepResult(step_id=step.plan.step_id)
+        batch = step.batch
+        if batch is not None and step.logits is not None:
+            try:
+                self._sample(batch, step.logits, result)
+            except StepFatal:
+                raise
+            except Exception as exc:  # noqa: BLE001  the sampling sequences fail; the runner serves on
+                self._sampling_failed(batch)
+                return self._failure(step.plan, [s.seq_id for s in batch.sample_seqs], exc)
+            self._sampled(batch, result)
+        result.model_seconds = time.perf_counter() - step.start
+        return result
+
+    # ---------------------------------------------------------------- hooks (tensor parallelism)
+
+    def _publish(self, plan: BatchPlan) -> None:
+        """A plan passed its check and is about to be applied (rank 0 sends it to the other ranks)."""
+
+    @contextlib.contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        """Around applying a plan and the forward (ranks in lockstep make an error there fatal)."""
+        yield
+
+    def _sampled(self, batch: Batch, result: StepResult) -> None:
+        """The step's tokens were appended (rank 0 sends them to the other ranks)."""
+
+    def _sampling_failed(self, batch: Batch) -> None:
+        """The sampler raised; nothing was appended (rank 0 tells the other ranks)."""
+
+    # ---------------------------------------------------------------- refusals and failures
 
     def _check(self, plan: BatchPlan, in_flight: dict[int, SeqState]) -> StepResult | None:
         """The refusal of a plan that does not fit the sequences' state (None: it fits). A
@@ -125,62 +203,38 @@ class ModelRunner:
             self.checker.check(plan, {sid: (len(s.token_ids) + (in_flight.get(sid) is s), len(s.block_ids),
                                             s.num_computed_tokens) for sid, s in self.seqs.items()})
         except PlanError as exc:
-            log.warning("step %d: refusing plan: %s", plan.step_id, exc)
-            return StepResult(step_id=plan.step_id, error=f"invalid plan: {exc}")
+            log.warning("refusing plan %d, and the plans after it until a reset: %s", plan.step_id, exc)
+            self.refusing = f"plan {plan.step_id}: {exc}"
+            return StepResult(step_id=plan.step_id, refused=True, error=_text(f"invalid plan: {exc}"),
+                              failed_seq_ids=[] if exc.seq_id is None else [exc.seq_id])
         return None
 
-    # ---------------------------------------------------------------- in phases (executor_svc/pipeline.py)
+    def _failure(self, plan: BatchPlan, seq_ids: Iterable[int], exc: Exception) -> StepResult:
+        """A phase raised: these sequences are dropped and reported failed; the runner serves on."""
+        failed = list(dict.fromkeys(seq_ids))
+        log.error("step %d failed for %d sequences", plan.step_id, len(failed), exc_info=exc)
+        for sid in failed:
+            self.seqs.pop(sid, None)
+        self.dropped.add(failed)
+        return StepResult(step_id=plan.step_id, failed_seq_ids=failed,
+                          error=_text(f"executor error: {type(exc).__name__}: {exc}"))
 
-    def can_prepare_ahead(self, plan: BatchPlan) -> bool:
-        """Whether ``plan`` may be prepared while the step before it is in flight: not when it
-        copies or extends a sequence's tokens (forks, beam search's appended tokens), which
-        would need that step's sampled token first."""
-        return not plan.forks and not plan.append_tokens
-
-    def prepare(self, plan: BatchPlan, after: LaunchedStep | None = None) -> PreparedStep | StepResult:
-        """Check and apply ``plan`` and build its batch, on the host. ``after``: the step still in
-        flight; the tokens it samples are inputs of this one, filled in by :meth:`launch`."""
-        in_flight = after.sampling_seqs() if after is not None else {}
-        if (refused := self._check(plan, in_flight)) is not None:
-            return refused
-        try:
-            self._apply(plan)
-            batch = (self.build_batch(plan.scheduled_seq_ids, plan.num_new_tokens, in_flight)
-                     if plan.scheduled_seq_ids else None)
-        except Exception as exc:  # noqa: BLE001  as in execute(): the step fails, the executor lives
-            return _failed(plan, exc)
-        return PreparedStep(plan, batch)
-
-    def launch(self, step: PreparedStep) -> LaunchedStep | StepResult:
-        """Start the forward of a prepared step (the step before it has completed by now)."""
-        start = time.perf_counter()
-        try:
-            if step.batch is None:
-                return LaunchedStep(step.plan, None, None, start)
-            for row, seq, index in step.batch.in_flight_inputs:
-                if index >= len(seq.token_ids):  # the step before failed: its token never came
-                    raise RuntimeError(f"seq {seq.seq_id}: the token the previous step was to sample is missing")
-                step.batch.token_ids[row] = seq.token_ids[index]
-            logits = self._forward_batch(step.plan, step.batch)
-        except Exception as exc:  # noqa: BLE001
-            return _failed(step.plan, exc)
-        return LaunchedStep(step.plan, step.batch, logits, start)
-
-    def complete(self, step: LaunchedStep) -> StepResult:
-        """Sample a launched step (waits for its forward) and report it."""
-        result = StepResult(step_id=step.plan.step_id)
-        try:
-            if step.batch is not None and step.logits is not None:
-                self._sample(step.batch, step.logits, result)
-        except Exception as exc:  # noqa: BLE001
-            return _failed(step.plan, exc)
-        result.model_seconds = time.perf_counter() - step.start
-        return result
-
-    def _step(self, plan: BatchPlan) -> StepResult:
-        """A checked plan: apply its deltas, forward, sample (tensor-parallel runners split this)."""
-        self._apply(plan)
-        return self._run(plan)
+    def _refit(self, step: PreparedStep) -> None:
+        """A step before ``step`` failed after ``step`` was prepared: leave the sequences it dropped
+        (and the children ``step`` forked from them) out of ``step``'s batch."""
+        for child in self.dropped.fork_closure(step.plan):
+            self.seqs.pop(child, None)
+        gone = self.dropped.ids
+        plan = step.plan
+        if not any(sid in gone for sid in plan.scheduled_seq_ids):
+            return
+        kept = [(sid, n) for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True)
+                if sid not in gone]
+        step.plan = msgspec.structs.replace(plan, scheduled_seq_ids=[s for s, _ in kept],
+                                            num_new_tokens=[n for _, n in kept])
+        # The step before has completed: every token of the sequences left is on the host now.
+        step.batch = (build_batch(self.seqs, self.kv.block_size, self.model.device, step.plan.scheduled_seq_ids,
+                                  step.plan.num_new_tokens) if kept else None)
 
     # ---------------------------------------------------------------- deltas
 
@@ -207,21 +261,6 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- forward
 
-    def _run(self, plan: BatchPlan) -> StepResult:
-        result = StepResult(step_id=plan.step_id)
-        batch, logits = self._forward(plan)
-        if batch is not None and logits is not None:
-            self._sample(batch, logits, result)
-        return result
-
-    def _forward(self, plan: BatchPlan) -> tuple[Batch | None, torch.Tensor | None]:
-        """Run the scheduled tokens through the model and advance their computed counts; the
-        batch (None when nothing is scheduled) and the logits of its sampling rows."""
-        if not plan.scheduled_seq_ids:
-            return None, None
-        batch = self.build_batch(plan.scheduled_seq_ids, plan.num_new_tokens)
-        return batch, self._forward_batch(plan, batch)
-
     def _forward_batch(self, plan: BatchPlan, batch: Batch) -> torch.Tensor | None:
         input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.model.device)
         with torch.inference_mode():
@@ -244,72 +283,6 @@ class ModelRunner:
         seqs = batch.sample_seqs
         self._report(seqs, self.sampler.sample(logits, seqs), result)
 
-    def build_batch(self, seq_ids: list[int], num_new: list[int], in_flight: dict[int, SeqState] | None = None
-                    ) -> Batch:
-        """One pass over the sequences gathers what only they know (their computed counts, new
-        tokens and block tables); positions, slots and the padded tables are then computed for
-        the whole batch at once. A decode step of 256 sequences costs the device's host thread
-        a few hundred microseconds here instead of milliseconds (numpy calls per sequence).
-
-        ``in_flight``: sequences whose next token a step still running samples; where it is an
-        input, the row is left for ``launch`` to fill (``Batch.in_flight_inputs``)."""
-        bs = self.kv.block_size
-        seqs = self.seqs
-        ids: list[int] = []
-        begins: list[int] = []
-        lens: list[int] = []
-        blocks: list[int] = []  # every sequence's needed block ids, back to back
-        blocks_per_seq: list[int] = []
-        sample_at: list[int] = []  # batch index of each sampling sequence
-        sample_seqs: list[SeqState] = []
-        pending: list[tuple[int, SeqState, int]] = []
-        for sid, n in zip(seq_ids, num_new, strict=True):
-            s = seqs[sid]
-            begin = s.num_computed_tokens
-            end = begin + n
-            tokens = s.token_ids
-            known = len(tokens)
-            length = known + 1 if in_flight and in_flight.get(sid) is s else known  # +1: being sampled
-            if end - begin == 1 and end <= known:
-                ids.append(tokens[begin])
-            else:
-                ids.extend(tokens[begin:end])
-            if end > known:  # the token in flight is this step's last input: its row is filled at launch
-                pending.append((len(ids), s, known))
-                ids.append(0)
-            nb = -(-end // bs)
-            blocks.extend(s.block_ids[:nb])
-            blocks_per_seq.append(nb)
-            begins.append(begin)
-            lens.append(end)
-            if end == length:
-                sample_at.append(len(lens) - 1)
-                sample_seqs.append(s)
-        num_seqs = len(lens)
-        new = np.asarray(num_new, dtype=np.int64)
-        starts = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(new, out=starts[1:])
-        seq_of_token = np.repeat(np.arange(num_seqs), new)
-        positions = np.asarray(begins, dtype=np.int64)[seq_of_token] + (np.arange(starts[-1]) - starts[seq_of_token])
-        per_seq = np.asarray(blocks_per_seq, dtype=np.int64)
-        first_block = np.zeros(num_seqs, dtype=np.int64)
-        np.cumsum(per_seq[:-1], out=first_block[1:])
-        block_tables = np.zeros((num_seqs, int(per_seq.max())), dtype=np.int32)
-        seq_of_block = np.repeat(np.arange(num_seqs), per_seq)
-        block_tables[seq_of_block, np.arange(len(blocks)) - first_block[seq_of_block]] = blocks
-        slots = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        starts_host = starts.tolist()
-        dev = self.model.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            max_query_len=max(num_new), max_seq_len=max(lens),
-            query_start_loc_host=starts_host, seq_lens_host=lens)
-        return Batch(ids, torch.from_numpy(positions).to(dev), meta, (starts[1:][sample_at] - 1).tolist(),
-                     sample_seqs, pending)
-
     def _report(self, seqs: list[SeqState], out: SampleOutput, result: StepResult) -> None:
         for i, s in enumerate(seqs):  # every row checked before any is appended: all or nothing
             if out.beam[i] is None and out.token_ids[i] is None:
@@ -328,7 +301,11 @@ class ModelRunner:
             result.sampled_token_ids.append(tok)
 
 
-def _failed(plan: BatchPlan, exc: Exception) -> StepResult:
-    """A step that raised: reported as failed (the scheduler fails its requests), the executor lives."""
-    log.exception("step %d failed", plan.step_id, exc_info=exc)
-    return StepResult(step_id=plan.step_id, error=f"executor error: {type(exc).__name__}: {exc}")
+def _named(plan: BatchPlan) -> list[int]:
+    """Every sequence a plan gives state to (scheduled, registered, forked, extended)."""
+    return [*plan.scheduled_seq_ids, *(s.seq_id for s in plan.new_seqs), *(f.child_seq_id for f in plan.forks),
+            *(u.seq_id for u in plan.block_updates), *(sid for sid, _ in plan.append_tokens)]
+
+
+def _text(message: str) -> str:
+    return message[:MAX_TEXT_CHARS]

@@ -59,6 +59,11 @@ class GenerationRequest:
     # The prompt's full-block hash chain (kv_cache_manager.hash_blocks, unsalted): computed once,
     # by the engine for routing, and reused by every scheduler that admits the request.
     prompt_block_hashes: list[bytes] | None = None
+    # The most tokens (prompt and outputs) it may reach: min(prompt + max_tokens, the longest context
+    # of an executor that could take it), fixed by the engine when it is first placed. Every executor
+    # it runs on, after a migration too, must hold that many, so where it runs never changes where it
+    # ends. None: the scheduler's own max_model_len bounds it (tests driving one scheduler).
+    max_total_tokens: int | None = None
 
 
 class TokenLogprob(msgspec.Struct, gc=False):

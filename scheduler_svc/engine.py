@@ -66,7 +66,7 @@ class Engine:
         self.metrics = metrics
         self.hub = ExecutorHub(cfg.executor_endpoint, block_size=cfg.scheduler.block_size,
                                heartbeat_interval_s=cfg.heartbeat_interval_s, on_join=self._on_join,
-                               on_drain=self._on_drain, on_dead=self._on_dead, keys=cfg.cluster_keys,
+                               on_drain=self._on_drain, on_dead=self._on_dead, keys=cfg.executor_link,
                                step_timeout_s=cfg.step_timeout_s, model_fingerprint=cfg.model_fingerprint)
         self.slots: dict[str, ExecutorSlot] = {}
         self.router = Router()
@@ -79,6 +79,7 @@ class Engine:
         self._last_observed = 0.0
         self.num_steps = 0  # executor steps planned, all executors (benchmarks read it)
         self.on_readiness_change = lambda: None  # the servicer's health hook
+        self.failure: str | None = None  # why an engine loop died unasked (liveness reports it)
         self.publisher = Publisher(metrics, self.tracked, self._fail)
 
     # ------------------------------------------------------------------ lifecycle
@@ -177,6 +178,8 @@ class Engine:
         if (why := self._place(t)) is not None:
             raise NoExecutor(why)
         self.tracked[req.request_id] = t
+        if self.metrics:
+            self.metrics.on_admitted()
         return t
 
     def _abandon(self, t: Tracked) -> None:
@@ -191,39 +194,66 @@ class Engine:
         """Route ``t`` to a ready executor that can hold it (or park it until one registers).
 
         Returns why it cannot be placed when executors are ready and none can hold it: one
-        executor's smaller pool or length limit only narrows where a request may go.
+        executor's smaller pool or shorter context only narrows where a request may go. A request
+        taken from another executor (``t.resume``) counts the tokens it generated there.
         """
         req = t.stream.req
         ready = [s for s in self.slots.values() if s.conn.state == "ready"]
-        fits = [s for s in ready if s.scheduler.refusal(req) is None]
+        if req.max_total_tokens is None and ready:
+            self._fix_length(req, ready)
+        fits = [s for s in ready if s.scheduler.refusal(req, t.resume) is None]
         if ready and not fits:
-            return f"no connected executor can hold this request: {ready[0].scheduler.refusal(req)}"
+            return f"no connected executor can hold this request: {ready[0].scheduler.refusal(req, t.resume)}"
         if req.prompt_block_hashes is None:  # hashed once: routing now, each scheduler's prefix lookup later
             req.prompt_block_hashes = hash_blocks(None, req.prompt_token_ids, self.cfg.scheduler.block_size)
         slot = self.router.choose(fits, req.prompt_block_hashes)
         if slot is None:
-            self.orphans.append(t)
+            self._park(t)
             return None
         t.slot = slot
         slot.add(t)
         slot.wakeup.set()
         return None
 
+    @staticmethod
+    def _fix_length(req: GenerationRequest, ready: list[ExecutorSlot]) -> None:
+        """Fix the most tokens ``req`` may reach, once: the longest context it fits in among the ready
+        executors, so that a later migration never changes where it ends."""
+        want = len(req.prompt_token_ids) + req.params.max_tokens
+        for length in sorted({min(want, s.scheduler.config.max_model_len) for s in ready}, reverse=True):
+            req.max_total_tokens = length
+            if any(s.scheduler.refusal(req) is None for s in ready):
+                return
+        req.max_total_tokens = None  # fits nowhere: the caller reports why
+
+    def _park(self, t: Tracked) -> None:
+        """No executor is ready: ``t`` waits for one to register, for ``orphan_timeout_s`` at most."""
+        self.orphans.append(t)
+        t.parked = asyncio.get_running_loop().call_later(self.cfg.orphan_timeout_s, self._orphan_expired, t)
+
+    def _orphan_expired(self, t: Tracked) -> None:
+        if t in self.orphans:
+            self.orphans.remove(t)
+            self._fail(t, NoExecutor(f"its executor was lost and no executor registered within "
+                                     f"{self.cfg.orphan_timeout_s:g}s (--orphan-timeout)"))
+
     def _place_or_fail(self, t: Tracked) -> None:
         if (why := self._place(t)) is not None:
             self._fail(t, NoExecutor(why))
 
     def _abort(self, t: Tracked, notify: bool) -> None:
+        if t.ended:
+            return
         self.tracked.pop(t.request_id, None)
-        if t in self.orphans:
-            self.orphans.remove(t)
+        self._unpark(t)
         slot = t.slot
         if slot is not None:
             if t in slot.adds:
                 slot.remove_add(t)
-            elif t.request_id in slot.requests:
+            elif slot.requests.pop(t.request_id, None) is not None:  # (what its last steps bring is dropped)
                 slot.aborts.append(t.request_id)
                 slot.wakeup.set()
+        t.ended = True
         out = t.stream.abort()
         if notify:
             t.put(out)
@@ -238,11 +268,13 @@ class Engine:
         info = conn.info
         cfg = dataclasses.replace(self.cfg.scheduler, max_model_len=info.max_model_len)
         slot = ExecutorSlot(conn, Scheduler(cfg, info.num_device_blocks, info.num_cpu_blocks,
-                                            self.eos_token_ids))
+                                            self.eos_token_ids, vocab_size=info.vocab_size))
         self.slots[conn.id] = slot
         slot.task = asyncio.create_task(self._run(slot), name=f"engine-{conn.id}")
+        slot.task.add_done_callback(self._loop_ended)
         orphans, self.orphans = self.orphans, []
         for t in orphans:
+            self._unpark(t)  # (already out of the list)
             self._place_or_fail(t)
         self.on_readiness_change()
 
@@ -279,7 +311,7 @@ class Engine:
                     self.num_steps += 1
                     if sched.first_scheduled:
                         self._observe_queue_times(sched)
-                    await self.hub.send_plan(conn, plan)
+                    await self.hub.send_plan(conn, plan, sched.in_flight[-1].max_result_bytes())
                 if sched.failures:  # requests that failed alone while being scheduled
                     failed, sched.failures = sched.failures, []
                     pub.publish_now(slot, failed)
@@ -289,7 +321,18 @@ class Engine:
                 if not sched.in_flight:
                     await self._idle(slot)
                     continue
-                updates = sched.update(await self.hub.next_result(conn))
+                result = await self.hub.next_result(conn)
+                if result.refused:
+                    self._resync(slot, result)
+                    continue
+                # After failures, a step that served a live sequence ends the run of them (one behind a
+                # failed step may have computed only what its executor had dropped).
+                served = slot.failed_steps and any(sid in sched.seqs for sid in sched.in_flight[0].seq_ids)
+                updates = sched.update(result)
+                if result.failed_seq_ids:
+                    self._failed_step(slot, result)
+                elif served:
+                    slot.failed_steps = 0
                 if depth == 1:
                     pub.publish_now(slot, updates)
                 else:
@@ -308,7 +351,7 @@ class Engine:
             # executor re-registers with a clean slate.
             log.exception("engine loop for executor %s failed; failing its requests", slot.id)
             for t in list(slot.requests.values()) + slot.take_adds():
-                self._fail(t, RequestFailed("internal error in the scheduler loop"))
+                self._fail(t, RequestFailed("internal error in the scheduler"))
             slot.requests = {}
             self.hub.drop(slot.conn, "engine loop failed")
         finally:
@@ -317,6 +360,51 @@ class Engine:
                 self._retire(slot)
             else:
                 self._flush(slot)  # shutdown: nothing moves, but what was applied is streamed
+
+    def _resync(self, slot: ExecutorSlot, result) -> None:
+        """The executor refused a plan: nothing of it was applied, and it refuses the plans behind it
+        until told to reset, so the two views have parted. Its requests are taken back (the ones the
+        refusal names fail) and placed again, here or elsewhere, resuming from the tokens they have,
+        as after a migration; the executor forgets every sequence and serves on."""
+        log.warning("executor %s refused plan %d (%s); resetting it and moving its requests",
+                    slot.id, result.step_id, result.error)
+        self._flush(slot)
+        if result.failed_seq_ids:
+            self.publisher.publish_now(slot, slot.scheduler.fail_seqs(
+                result.failed_seq_ids, "the executor refused this request's step"))
+        self.hub.reset(slot.conn, f"plan {result.step_id} was refused")
+        self._evacuate(slot, f"plan {result.step_id} was refused")
+        slot.scheduler.executor_reset()  # the reset covers their frees and discards their answers
+        self._count_failure(slot, "refused a plan")
+
+    def _failed_step(self, slot: ExecutorSlot, result) -> None:
+        """The executor could not serve some sequences of a step (their requests have failed)."""
+        whole = not result.sampled_seq_ids and not result.beam_candidates
+        log.warning("executor %s failed %d sequences of step %d: %s", slot.id, len(result.failed_seq_ids),
+                    result.step_id, result.error)
+        if whole:
+            self._count_failure(slot, "failed its step")
+        else:
+            slot.failed_steps = 0
+
+    def _count_failure(self, slot: ExecutorSlot, what: str) -> None:
+        slot.failed_steps += 1
+        if slot.failed_steps >= self.cfg.max_failed_steps:
+            self.hub.drop(slot.conn, f"{what} {slot.failed_steps} times in a row (--max-failed-steps)")
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """An executor's loop ended: fine once its executor is gone or at shutdown; otherwise the
+        loop died of a bug its own handler could not catch, and liveness must say so."""
+        if task.cancelled() or self._closing:
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.failure = f"{task.get_name()} ended: {exc!r}"
+            log.critical("engine loop failed: %s", self.failure, exc_info=exc)
+
+    def health_problem(self) -> str | None:
+        """Why this process cannot serve any more (liveness reports it), or None."""
+        return self.hub.failure or self.failure
 
     async def _idle(self, slot: ExecutorSlot) -> None:
         slot.wakeup.clear()
@@ -356,9 +444,22 @@ class Engine:
             self.metrics.observe_stats(self.stats())
 
     def _fail(self, t: Tracked, exc: Exception) -> None:
+        """End ``t`` with ``exc`` (its consumer gets it after the outputs it has not read yet)."""
+        if t.ended:
+            return
         self.tracked.pop(t.request_id, None)
+        self._unpark(t)
         t.stream.abort()
         t.put_error(exc)
+        if self.metrics:
+            self.metrics.on_failed()
+
+    def _unpark(self, t: Tracked) -> None:
+        if t.parked is not None:
+            t.parked.cancel()
+            t.parked = None
+            if t in self.orphans:
+                self.orphans.remove(t)
 
     def _flush(self, slot: ExecutorSlot) -> None:
         """Stream what ``slot``'s scheduler applied and did not stream yet: before its requests
@@ -400,8 +501,8 @@ class Engine:
         return taken
 
     def _retire(self, slot: ExecutorSlot) -> None:
-        self.router.forget(slot.id)
-        if self.slots.get(slot.id) is slot:
+        if self.slots.get(slot.id) is slot:  # (not a newer executor that registered under the same id)
+            self.router.forget(slot.id)
             s = slot.scheduler
             self._retired_preemptions += s.num_preemptions
             q, h = self._retired_prefix

@@ -17,7 +17,7 @@ from collections.abc import Collection
 
 import msgspec
 
-from pagedserve.wire import SamplingParams
+from pagedserve.wire import SamplingParams, max_result_bytes
 from scheduler_svc.api_types import FinishReason, GenerationRequest
 from scheduler_svc.kv_cache_manager import KVCacheManager, KVCacheManagerBase, PrefixHit
 from scheduler_svc.request import BeamState, MigratedRequest, Request, RequestState, RequestUpdate, Sequence
@@ -36,10 +36,38 @@ class InFlight:
     """A plan sent and not yet answered: what its result must be checked and applied against."""
 
     step_id: int
-    seq_ids: list[int]  # the sequences it computes (a failed step fails their requests)
+    seq_ids: list[int]  # the sequences it computes (the plan's list)
     sampling: list[Sequence]  # sequences it samples for, in plan order (each holds a placeholder)
     beams: list[Sequence]  # beam sequences it reports candidates for (each holds a placeholder)
     to_commit: list[tuple[Sequence, int, int]]  # (seq, residency, computed count) filling a block
+    forks: list = dataclasses.field(default_factory=list)  # the plan's Fork entries
+
+    def max_result_bytes(self) -> int:
+        """The largest result frame this plan can be answered with (its sequences, their log-probs)."""
+        lp = num_lp = 0
+        for s in self.sampling:
+            sp = s.sampling
+            if sp.want_logprobs:
+                num_lp += 1
+                lp += sp.logprobs
+        beams = 0
+        for s in self.beams:
+            beams += s.sampling.beam_candidates
+        return max_result_bytes(len(self.seq_ids), len(self.sampling), lp, num_lp, beams, len(self.beams))
+
+    def forget(self, dropped: set[int]) -> None:
+        """The executor dropped these sequences after an earlier step failed: this plan serves none of
+        them, nor the children it forks from them (``dropped`` gains those)."""
+        for f in self.forks:
+            if f.parent_seq_id in dropped:
+                dropped.add(f.child_seq_id)
+        for due in (self.sampling, self.beams):
+            if any(s.seq_id in dropped for s in due):
+                for s in due:
+                    if s.seq_id in dropped:
+                        s.num_pending -= 1
+                due[:] = [s for s in due if s.seq_id not in dropped]
+        self.to_commit[:] = [x for x in self.to_commit if x[0].seq_id not in dropped]
 
 
 class RequestLifecycle:
@@ -75,11 +103,10 @@ class RequestLifecycle:
         """Queue a request (``resume``: continue one taken from another scheduler)."""
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already queued")
-        self._validate(req)
+        self._validate(req, resume)
         p = req.params
         r = Request(req, self._next_arrival, eos_token_ids=frozenset() if p.ignore_eos else self.eos_token_ids,
-                    stop_token_ids=frozenset(p.stop_token_ids),
-                    stop_len=min(len(req.prompt_token_ids) + p.max_tokens, self.config.max_model_len))
+                    stop_token_ids=frozenset(p.stop_token_ids), stop_len=self.max_total_tokens(req))
         self._next_arrival += 1
         if p.beam_width > 1:
             r.beam = BeamState(p.beam_width)
@@ -97,18 +124,27 @@ class RequestLifecycle:
         self.requests[req.request_id] = r
         self.waiting.append(r)
 
-    def _validate(self, req: GenerationRequest) -> None:
-        reason = self.refusal(req)
+    def _validate(self, req: GenerationRequest, resume: MigratedRequest | None) -> None:
+        reason = self.refusal(req, resume)
         if reason is not None:
             raise ValueError(reason)
+
+    def max_total_tokens(self, req: GenerationRequest) -> int:
+        """The most tokens one of ``req``'s sequences reaches here (prompt and outputs)."""
+        longest = len(req.prompt_token_ids) + req.params.max_tokens
+        return min(longest, req.max_total_tokens or self.config.max_model_len)
 
     @property
     def usable_blocks(self) -> int:
         """The most KV blocks one request may ever hold here (the pool less the watermark)."""
         return self.kv.num_device_blocks - self._watermark
 
-    def refusal(self, req: GenerationRequest) -> str | None:
-        """Why this scheduler can never run ``req`` (its executor's length or pool), or None."""
+    def refusal(self, req: GenerationRequest, resume: MigratedRequest | None = None) -> str | None:
+        """Why this scheduler can never run ``req`` (its executor's length or pool), or None.
+
+        It counts the whole length the request may reach (``max_total_tokens``, fixed when it was
+        first placed) and, for a request taken from another executor (``resume``), the tokens it
+        generated there: a request is never sent where it cannot finish as it would have."""
         cfg, n = self.config, len(req.prompt_token_ids)
         if n == 0:
             return "prompt_token_ids must not be empty"
@@ -116,11 +152,19 @@ class RequestLifecycle:
             return f"prompt of {n} tokens must be shorter than max_model_len {cfg.max_model_len}"
         if req.params.max_tokens <= 0:
             return f"max_tokens must be positive, got {req.params.max_tokens}"
+        if req.max_total_tokens is not None and req.max_total_tokens > cfg.max_model_len:
+            return (f"the request may reach {req.max_total_tokens} tokens; this executor's max_model_len "
+                    f"is {cfg.max_model_len}")
+        if resume is not None:
+            have = n + max((len(o) for o in resume.outputs), default=0)
+            if have >= cfg.max_model_len:
+                return (f"the request holds {have} tokens already; this executor's max_model_len "
+                        f"is {cfg.max_model_len}")
         width = max(req.params.n, req.params.beam_width)
         if width > min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
             return (f"n/beam_width {width} exceeds max_num_seqs {cfg.max_num_seqs} "
                     f"or max_num_batched_tokens {cfg.max_num_batched_tokens}")
-        need = request_blocks(n, req.params.max_tokens, width, cfg.max_model_len, cfg.block_size)
+        need = width * -(-self.max_total_tokens(req) // cfg.block_size)
         if need > self.usable_blocks:
             return f"request needs up to {need} KV blocks; this pool has {self.usable_blocks} usable"
         return None
@@ -201,7 +245,7 @@ class RequestLifecycle:
                   exc_info=(type(exc), exc, exc.__traceback__))
         self.release_request(r, FinishReason.ABORTED)
         return RequestUpdate(r.request_id, [], True, r.num_prompt_tokens, r.num_cached_prompt_tokens,
-                             error=f"internal error while scheduling it ({type(exc).__name__}: {exc})")
+                             error="internal error while scheduling it")  # (the detail is logged above)
 
     def take_all_requests(self) -> list[MigratedRequest]:
         """Remove every request and free all blocks; return what re-queues each elsewhere."""
@@ -218,6 +262,12 @@ class RequestLifecycle:
         self._stale_steps.update(f.step_id for f in self.in_flight)
         self.in_flight.clear()
         return out
+
+    def executor_reset(self) -> None:
+        """The executor was told to forget every sequence (after ``take_all_requests``): the plans
+        that call dropped get no answer here, and nothing it held needs freeing any more."""
+        self._stale_steps.clear()
+        self._pending_free.clear()
 
     def _set_running(self, r: Request) -> None:
         r.state = RequestState.RUNNING

@@ -61,9 +61,10 @@ class Scheduler(RequestLifecycle):
     """
 
     def __init__(self, config: SchedulerConfig, num_device_blocks: int, num_cpu_blocks: int,
-                 eos_token_ids: Collection[int], kv_manager: KVCacheManagerBase | None = None) -> None:
+                 eos_token_ids: Collection[int], kv_manager: KVCacheManagerBase | None = None,
+                 vocab_size: int | None = None) -> None:
         super().__init__(config, num_device_blocks, num_cpu_blocks, eos_token_ids, kv_manager)
-        self._out = OutputProcessor(self)
+        self._out = OutputProcessor(self, vocab_size)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> BatchPlan | None:
@@ -71,7 +72,7 @@ class Scheduler(RequestLifecycle):
         self._step_id += 1
         plan = BatchPlan(self._step_id)
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        step = self._step = InFlight(self._step_id, plan.scheduled_seq_ids, [], [], [])
+        step = self._step = InFlight(self._step_id, plan.scheduled_seq_ids, [], [], [], plan.forks)
         preempted = self._schedule_running(plan, budget)
         if not preempted:
             self._schedule_swapped(plan, budget)
@@ -366,8 +367,10 @@ class Scheduler(RequestLifecycle):
     def update(self, result: StepResult) -> list[RequestUpdate]:
         """Apply the result of the oldest plan in flight; returns per-request news.
 
-        ProtocolError (a ValueError) for a result that does not answer that plan: the executor
-        broke the protocol, and the engine treats it as that executor failing.
+        ProtocolError (a ValueError) for a result that does not answer that plan, checked before
+        anything changes: the executor broke the contract, and the engine drops it. A refused plan
+        is not a result to apply: the engine takes every request back first (``take_all_requests``),
+        after which the answers to the plans it had in flight are ignored here.
         """
         if result.step_id in self._stale_steps:  # a plan dropped by take_all_requests
             self._stale_steps.discard(result.step_id)
@@ -378,18 +381,34 @@ class Scheduler(RequestLifecycle):
         if result.step_id != step.step_id:
             raise ProtocolError(f"update: result for step {result.step_id}, the oldest plan in flight is "
                                 f"{step.step_id}")
-        if result.error is None:
-            self._out.check(result, step)  # before anything changes: a bad result changes nothing
+        if result.refused:
+            raise RuntimeError(f"update: plan {result.step_id} was refused; take the requests back instead")
+        failed = set(result.failed_seq_ids)
+        due = self._out.check(result, step, failed)  # before anything changes: a bad result changes nothing
         self.in_flight.popleft()
-        if result.error is not None:
-            for seq in step.sampling + step.beams:
-                seq.num_pending -= 1
-            return self._out.fail([self.seqs[i] for i in step.seq_ids if i in self.seqs], result.error)
         commit = self.kv.commit_computed
         for seq, residency, computed in step.to_commit:  # computed now: safe to share via the cache
-            if seq.finish_reason is None and seq.residency == residency:
+            if seq.finish_reason is None and seq.residency == residency and seq.seq_id not in failed:
                 commit(seq, computed)  # (before the samples: a sequence they finish frees its blocks)
-        return self._out.process(result, step)
+        if not failed:
+            return self._out.process(result, step.sampling, step.beams)
+        for s in step.sampling + step.beams:
+            if s.seq_id in failed:
+                s.num_pending -= 1  # its sample never comes
+        updates = self._out.process(result, due, [s for s in step.beams if s.seq_id not in failed])
+        return updates + self._fail_dropped(failed)
+
+    def _fail_dropped(self, failed: set[int]) -> list[RequestUpdate]:
+        """The executor dropped ``failed`` (its step could not serve them): the plans behind it serve
+        none of them, and the requests that own them fail."""
+        dropped = set(failed)
+        for later in self.in_flight:
+            later.forget(dropped)
+        return self._out.fail([self.seqs[i] for i in failed if i in self.seqs], "the executor failed its step")
+
+    def fail_seqs(self, seq_ids: list[int], error: str) -> list[RequestUpdate]:
+        """Fail the requests that own these sequences (those still here)."""
+        return self._out.fail([self.seqs[i] for i in seq_ids if i in self.seqs], error)
 
 
 def _awaits_result(r: Request) -> bool:

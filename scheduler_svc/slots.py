@@ -44,6 +44,7 @@ class Tracked:
     slot: ExecutorSlot | None = None
     migrations: int = 0
     resume: MigratedRequest | None = None  # set while waiting to be re-queued elsewhere
+    parked: asyncio.TimerHandle | None = None  # waiting for an executor: when it gives up (--orphan-timeout)
 
     @property
     def request_id(self) -> str:
@@ -115,6 +116,7 @@ class ExecutorSlot:
     task: asyncio.Task | None = None
     pending_blocks: int = 0  # prompt blocks of ``adds`` (kept, not summed: routing reads it per request)
     unpublished: list = field(default_factory=list)  # RequestUpdates applied, not yet streamed
+    failed_steps: int = 0  # consecutive steps failed as a whole or refused (--max-failed-steps)
 
     @property
     def id(self) -> str:

@@ -7,7 +7,9 @@ chosen continuations become forks and ``append_tokens`` owed to the executor.
 
 A result must sample exactly the sequences its plan said would sample, in plan
 order (the executor samples every scheduled sequence that reaches its token
-count); anything else is the executor breaking the protocol (ValueError).
+count), less those it reports failed, with token ids in the vocabulary;
+anything else is the executor breaking the contract (ProtocolError), found
+before anything of the result is applied.
 Samples of sequences that finished or were aborted after the plan was sent are
 dropped: with asynchronous scheduling a finished sequence may be computed once
 more, and that token never reaches a client.
@@ -23,24 +25,55 @@ from scheduler_svc.request import Request, RequestState, RequestUpdate, Sequence
 
 
 class OutputProcessor:
-    def __init__(self, sched: RequestLifecycle) -> None:
+    def __init__(self, sched: RequestLifecycle, vocab_size: int | None = None) -> None:
         self.s = sched
+        self.vocab_size = vocab_size  # token ids a result may carry: [0, vocab_size) (None: unchecked)
 
-    @staticmethod
-    def check(result: StepResult, step: InFlight) -> None:
-        """ValueError unless ``result`` samples exactly what ``step`` said would sample, in order."""
-        due, sampled = step.sampling, result.sampled_seq_ids
+    def check(self, result: StepResult, step: InFlight, failed: set[int]) -> list[Sequence]:
+        """ProtocolError unless ``result`` answers ``step`` as the contract says; the sequences it
+        samples for, in plan order. It must sample exactly what the plan said would sample, less the
+        sequences it failed (``failed``, which the plan must have scheduled), with token ids in the
+        vocabulary and no more log-probs or beam candidates than were asked for."""
+        rid = result.step_id
+        if failed and not failed <= set(step.seq_ids):
+            raise ProtocolError(f"result {rid} fails sequences its plan did not schedule")
+        due = step.sampling if not failed else [s for s in step.sampling if s.seq_id not in failed]
+        sampled = result.sampled_seq_ids
         if len(sampled) != len(due):
-            raise ProtocolError(f"result {result.step_id} samples {len(sampled)} sequences, its plan {len(due)}")
+            raise ProtocolError(f"result {rid} samples {len(sampled)} sequences, its plan {len(due)}")
         for seq, sid in zip(due, sampled, strict=True):
             if seq.seq_id != sid:
-                raise ProtocolError(f"result {result.step_id} samples seq {sid} where its plan has {seq.seq_id}")
-        if [c.seq_id for c in result.beam_candidates] != [s.seq_id for s in step.beams]:
-            raise ProtocolError(f"result {result.step_id} has beam candidates for other sequences than its plan")
+                raise ProtocolError(f"result {rid} samples seq {sid} where its plan has {seq.seq_id}")
+        vocab = self.vocab_size
+        if vocab is not None and result.sampled_token_ids and max(result.sampled_token_ids) >= vocab:
+            raise ProtocolError(f"result {rid} samples token id {max(result.sampled_token_ids)}, outside the "
+                                f"vocabulary of {vocab}")
+        if result.logprobs or any(s.sampling.want_logprobs for s in due):
+            self._check_logprobs(result, due)
+        beams = [s for s in step.beams if s.seq_id not in failed]
+        if [c.seq_id for c in result.beam_candidates] != [s.seq_id for s in beams]:
+            raise ProtocolError(f"result {rid} has beam candidates for other sequences than its plan")
+        for seq, c in zip(beams, result.beam_candidates, strict=True):
+            self._check_top(rid, c, seq.sampling.beam_candidates - 1, "beam candidates")
+        return due
 
-    def process(self, result: StepResult, step: InFlight) -> list[RequestUpdate]:
-        """Apply a result that passed :meth:`check`."""
-        due = step.sampling
+    def _check_logprobs(self, result: StepResult, due: list[Sequence]) -> None:
+        want = [s for s in due if s.sampling.want_logprobs]
+        if [x.seq_id for x in result.logprobs] != [s.seq_id for s in want]:
+            raise ProtocolError(f"result {result.step_id} has log-probs for other sequences than asked for them")
+        for seq, x in zip(want, result.logprobs, strict=True):
+            self._check_top(result.step_id, x, seq.sampling.logprobs, "log-probs")
+
+    def _check_top(self, rid: int, x: SeqLogprobs, asked: int, what: str) -> None:
+        if len(x.top_token_ids) > asked + 1:  # (the sampled token may come on top of the alternatives)
+            raise ProtocolError(f"result {rid} reports {len(x.top_token_ids)} {what} for seq {x.seq_id}, "
+                                f"{asked} were asked for")
+        if self.vocab_size is not None and x.top_token_ids and max(x.top_token_ids) >= self.vocab_size:
+            raise ProtocolError(f"result {rid} reports token id {max(x.top_token_ids)} in its {what}, outside "
+                                f"the vocabulary of {self.vocab_size}")
+
+    def process(self, result: StepResult, due: list[Sequence], beams: list[Sequence]) -> list[RequestUpdate]:
+        """Apply a result that passed :meth:`check` (``due``, ``beams``: what it answers for)."""
         lps = {x.seq_id: x for x in result.logprobs} if result.logprobs else None
         out: list[RequestUpdate] = []
         multi: dict[str, RequestUpdate] = {}  # n > 1: one update per request, several seqs
@@ -80,8 +113,8 @@ class OutputProcessor:
                 if seq.request.request_id in self.s.requests:
                     out.append(self.s.fail_request(seq.request, exc))
 
-        if step.beams or result.beam_candidates:
-            self._beams(result.beam_candidates, step.beams, out)
+        if beams or result.beam_candidates:
+            self._beams(result.beam_candidates, beams, out)
         return out
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> bool:
@@ -93,7 +126,7 @@ class OutputProcessor:
         return False
 
     def fail(self, seqs: list[Sequence], error: str) -> list[RequestUpdate]:
-        """The step failed as a whole: fail (and free) every request it computed for."""
+        """Fail (and free) every request that owns one of ``seqs``; ``error`` is what its client sees."""
         out, seen = [], set()
         for seq in seqs:
             r = seq.request
@@ -133,8 +166,7 @@ class OutputProcessor:
                       updates: list[RequestUpdate]) -> None:
         s, p = self.s, r.req.params
         beams = list(r.live)
-        length_reached = (beams[0].num_output_tokens + 1 >= p.max_tokens
-                          or beams[0].num_tokens + 1 >= s.config.max_model_len)
+        length_reached = beams[0].num_tokens + 1 >= r.stop_len  # max_tokens, or the longest it may be
         lim = BeamLimits(r.eos_token_ids, frozenset(p.stop_token_ids),
                          p.length_penalty, p.early_stopping)
         running, done = beam_step(r.beam, beams, cands, length_reached, lim)  # type: ignore[arg-type]

@@ -8,17 +8,17 @@ scheduler's check_integrity() and no block held.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import threading
 import time
 
 import pytest
-from fake_executor import FakeExecutor
+from fake_engine import collect as _collect
+from fake_engine import engine_executor, running
+from fake_engine import req as _req
+from fake_engine import run as _run
+from fake_engine import settle as _settle
 from grpc_fakes import make_tokenizer
 from tokenizers import Tokenizer
 
-from executor_svc.worker import ExecutorWorker
-from pagedserve import wire
 from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import (
     FinishReason,
@@ -31,102 +31,10 @@ from scheduler_svc.api_types import (
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.sched_config import SchedulerConfig
 
-BLOCKS = 64
-
-
-class FakeRunner:
-    """The worker's runner interface over the fake executor (``step_s``: a slow device)."""
-
-    def __init__(self, vocab: int, step_s: float = 0.0) -> None:
-        self.vocab, self.step_s = vocab, step_s
-        self.reset()
-
-    def reset(self) -> None:
-        self.fake = FakeExecutor(BLOCKS, 16, 16, vocab_size=self.vocab)
-
-    def execute(self, plan: wire.BatchPlan) -> wire.StepResult:
-        time.sleep(self.step_s)
-        return self.fake.run(plan)
-
-
-class FakeExecutorThread:
-    def __init__(self, endpoint: str, name: str, vocab: int, step_s: float = 0.0,
-                 drain_timeout: float = 5.0) -> None:
-        hs = wire.Handshake(name, wire.WIRE_VERSION, "fake", "fake-model", "FakeForCausalLM", vocab, 16,
-                            BLOCKS, 16, 1024, "float32", "cpu")
-        self.worker = ExecutorWorker(endpoint, FakeRunner(vocab, step_s), hs, drain_timeout=drain_timeout)
-        self.thread = threading.Thread(target=self.worker.run, daemon=True)
-        self.thread.start()
-
-    def kill(self) -> None:
-        self.worker._signals = 2  # exits at once, without a drain: a crash as the scheduler sees it
-        self.thread.join(5)
-
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     return make_tokenizer()
-
-
-def _req(rid: str, prompt: list[int], max_tokens: int = 8, **kw) -> GenerationRequest:
-    return GenerationRequest(rid, prompt, RequestParams(max_tokens=max_tokens,
-                                                        sampling=SamplingParams(temperature=0.0),
-                                                        ignore_eos=True, **kw))
-
-
-@contextlib.asynccontextmanager
-async def running(tokenizer, n_executors: int, metrics=None, **cfg_kw):
-    """An engine with ``n_executors`` fake executors registered; everything stopped after."""
-    cfg = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
-                       executor_endpoint="tcp://127.0.0.1:0", heartbeat_interval_s=0.2, **cfg_kw)
-    engine = Engine(cfg, tokenizer, eos_token_ids=(), metrics=metrics)
-    await engine.start()
-    execs = [engine_executor(engine, f"fake{i}") for i in range(n_executors)]
-    try:
-        while len(engine.slots) < n_executors:
-            await asyncio.sleep(0.01)
-        yield engine, execs
-    finally:
-        await engine.shutdown(0)
-        for e in execs:
-            e.kill()
-
-
-def engine_executor(engine: Engine, name: str, step_s: float = 0.0, drain_timeout: float = 5.0
-                    ) -> FakeExecutorThread:
-    return FakeExecutorThread(f"tcp://127.0.0.1:{engine.hub.bound_port}", name,
-                              engine.tokenizer.get_vocab_size(), step_s, drain_timeout)
-
-
-async def _collect(engine: Engine, req: GenerationRequest):
-    tokens: dict[int, list[int]] = {}
-    text: dict[int, str] = {}
-    finish: dict[int, FinishReason] = {}
-    usage = None
-    async for out in engine.generate(req):
-        for c in out.choices:
-            tokens.setdefault(c.index, []).extend(c.token_ids)
-            text[c.index] = text.get(c.index, "") + c.text
-            if c.finish_reason:
-                finish[c.index] = c.finish_reason
-        usage = out.usage or usage
-    return tokens, text, finish, usage
-
-
-async def _settle(engine: Engine) -> None:
-    """Wait until every scheduler is idle, then check it holds nothing."""
-    for _ in range(200):
-        if all(not s.scheduler.has_work() for s in engine.slots.values()):
-            break
-        await asyncio.sleep(0.02)
-    for slot in engine.slots.values():
-        slot.scheduler.check_integrity()
-        assert slot.scheduler.block_stats()["used"] == 0
-        assert not slot.scheduler.has_work()
-
-
-def _run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
 
 
 def test_streams_tokens_and_frees_every_block(tokenizer):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from benchmarks.plan_driver import GREEDY
 from executor_svc.model import load_model
-from executor_svc.runner import SeqState
+from executor_svc.batch import SeqState, build_batch
 from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, SamplingParams
 
 
@@ -32,27 +32,75 @@ def _state(runner):
     return {sid: (list(s.token_ids), list(s.block_ids), s.num_computed_tokens) for sid, s in runner.seqs.items()}
 
 
-@pytest.mark.parametrize("bad", [
-    BatchPlan(1, [99], [1]),  # unknown scheduled seq
-    BatchPlan(1, [1], [1], block_updates=[BlockUpdate(1, 1, [32])]),  # block id out of range
-    BatchPlan(1, [1], [1], block_updates=[BlockUpdate(1, 5, [2])]),  # start beyond the table
-    BatchPlan(1, [1], [10]),  # more new tokens than the sequence holds
-    BatchPlan(1, [1, 1], [1, 1]),  # scheduled twice
-    BatchPlan(1, [], [], new_seqs=[_new(1)]),  # already exists
-    BatchPlan(1, [], [], forks=[Fork(7, 8)]),  # unknown parent
-    BatchPlan(1, [], [], swap_out=[(0, 4)]),  # CPU block out of range
-    BatchPlan(1, [], [], copies=[(0, -1)]),
-    BatchPlan(1, [], [], append_tokens=[(1, 10**6)]),  # token outside the vocabulary
-    BatchPlan(1, [2], [20], new_seqs=[_new(2, n=20, blocks=[1])]),  # 20 tokens do not fit one block of 16
+@pytest.mark.parametrize("bad,at_fault", [
+    (BatchPlan(1, [99], [1]), 99),  # unknown scheduled seq
+    (BatchPlan(1, [1], [1], block_updates=[BlockUpdate(1, 1, [32])]), 1),  # block id out of range
+    (BatchPlan(1, [1], [1], block_updates=[BlockUpdate(1, 5, [2])]), 1),  # start beyond the table
+    (BatchPlan(1, [1], [10]), 1),  # more new tokens than the sequence holds
+    (BatchPlan(1, [1, 1], [1, 1]), None),  # scheduled twice
+    (BatchPlan(1, [], [], new_seqs=[_new(1)]), 1),  # already exists
+    (BatchPlan(1, [], [], forks=[Fork(7, 8)]), 8),  # unknown parent
+    (BatchPlan(1, [], [], swap_out=[(0, 4)]), None),  # CPU block out of range
+    (BatchPlan(1, [], [], copies=[(0, -1)]), None),
+    (BatchPlan(1, [], [], append_tokens=[(1, 10**6)]), 1),  # token outside the vocabulary
+    (BatchPlan(1, [2], [20], new_seqs=[_new(2, n=20, blocks=[1])]), 2),  # 20 tokens do not fit one block of 16
 ])
-def test_invalid_plans_fail_the_step_and_change_nothing(runner, bad):
+def test_an_invalid_plan_is_refused_whole_and_so_is_every_plan_after_it_until_a_reset(runner, bad, at_fault):
     first = runner.execute(BatchPlan(0, [1], [3], new_seqs=[_new(1)]))
     assert first.error is None
     before = _state(runner)
     res = runner.execute(bad)
-    assert res.error and res.error.startswith("invalid plan") and res.step_id == 1
+    assert res.refused and res.error.startswith("invalid plan") and res.step_id == 1
+    assert res.failed_seq_ids == ([] if at_fault is None else [at_fault])  # the sequence at fault, if one is
     assert _state(runner) == before
-    assert runner.execute(BatchPlan(2, [1], [2])).error is None  # still usable
+    behind = runner.execute(BatchPlan(2, [1], [2]))  # built on the refused one: never applied
+    assert behind.refused and behind.error.startswith("discarded") and _state(runner) == before
+    runner.reset()
+    assert runner.execute(BatchPlan(3, [1], [3], new_seqs=[_new(1)])).error is None  # serves again
+
+
+def _fail_once(monkeypatch, owner, name: str) -> None:
+    original = getattr(owner, name)
+    calls = []
+
+    def broken(*args, **kwargs):
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("device error")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, broken)
+
+
+def test_a_failed_forward_drops_its_sequences_and_the_plans_behind_it_skip_them(runner, monkeypatch):
+    runner.execute(BatchPlan(0, [1, 2], [5, 5], new_seqs=[_new(1), _new(2, blocks=[1])]))
+    _fail_once(monkeypatch, runner, "_forward_batch")
+    failed = runner.execute(BatchPlan(1, [1], [1]))
+    assert failed.failed_seq_ids == [1] and not failed.refused and "device error" in failed.error
+    assert 1 not in runner.seqs and runner.refusing is None
+    # A plan sent before the scheduler learned of it still names seq 1 (scheduled, a block, a fork).
+    behind = runner.execute(BatchPlan(2, [1, 2, 3], [1, 1, 1], forks=[Fork(1, 3)],
+                                      block_updates=[BlockUpdate(1, 1, [5])]))
+    assert behind.error is None and behind.sampled_seq_ids == [2] and behind.failed_seq_ids == []
+    assert set(runner.seqs) == {2}  # the child of a dropped parent is dropped with it
+    assert runner.execute(BatchPlan(3, [2], [1], free_seq_ids=[1, 3])).sampled_seq_ids == [2]
+    assert not runner.dropped  # freed: nothing is remembered any more
+
+
+def test_a_failed_sampler_fails_only_the_sampling_sequences(runner, monkeypatch):
+    _fail_once(monkeypatch, runner.sampler, "sample")
+    res = runner.execute(BatchPlan(0, [1, 2], [5, 3], new_seqs=[_new(1), _new(2, blocks=[1])]))
+    assert res.failed_seq_ids == [1] and res.sampled_seq_ids == []  # seq 2 computed a prefill chunk
+    assert runner.seqs[2].num_computed_tokens == 3
+    assert runner.execute(BatchPlan(1, [2], [2])).sampled_seq_ids == [2]
+
+
+def test_a_plan_that_fails_while_applied_fails_what_it_names_and_refuses_until_a_reset(runner, monkeypatch):
+    runner.execute(BatchPlan(0, [1], [5], new_seqs=[_new(1)]))
+    _fail_once(monkeypatch, runner.backend, "copy_blocks")
+    res = runner.execute(BatchPlan(1, [1, 2], [1, 5], new_seqs=[_new(2, blocks=[1])], copies=[(0, 2)]))
+    assert sorted(res.failed_seq_ids) == [1, 2] and not res.refused
+    assert runner.execute(BatchPlan(2, [], [], new_seqs=[_new(3, blocks=[3])])).refused
 
 
 def test_freeing_unknown_sequences_is_harmless(runner):
@@ -159,7 +207,7 @@ def test_batch_layout_matches_the_per_sequence_reference(runner, shapes, rnd):
                                     rnd.sample(range(1000), -(-length // bs) + rnd.randrange(2)), computed, GREEDY)
         seq_ids.append(sid)
         num_new.append(n)
-    batch = runner.build_batch(seq_ids, num_new)
+    batch = build_batch(runner.seqs, bs, runner.model.device, seq_ids, num_new)
     ids, pos, slots, starts, lens, tables, rows, sample_ids = _reference_batch(runner, seq_ids, num_new)
     meta = batch.meta
     assert batch.token_ids == ids and batch.positions.tolist() == pos

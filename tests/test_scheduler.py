@@ -382,15 +382,17 @@ def test_abort_frees_blocks_now_and_tells_the_executor_next():
     assert sched.schedule() is None and not ex.seqs
 
 
-def test_step_error_fails_that_steps_requests():
+def test_a_failed_step_fails_the_requests_it_could_not_serve_and_no_other():
     sched, ex = make(64)
     sched.add_request(req("a", [1, 2, 3], max_tokens=5))
     sched.add_request(req("b", [4, 5, 6], max_tokens=5))
     plan = sched.schedule()
-    ups = sched.update(StepResult(plan.step_id, error="CUDA error"))
-    assert sorted(u.request_id for u in ups) == ["a", "b"]
-    assert all(u.finished and u.error == "CUDA error" for u in ups)
-    assert sched.block_stats()["used"] == 0 and not sched.requests
+    a, b = plan.scheduled_seq_ids
+    ups = sched.update(StepResult(plan.step_id, [b], [7], failed_seq_ids=[a], error="CUDA error: detail"))
+    assert [(u.request_id, u.finished, u.error) for u in ups] == [
+        ("b", False, None), ("a", True, "the executor failed its step")]  # the detail stays in the log
+    assert list(sched.requests) == ["b"]
+    sched.check_integrity()
 
 
 def test_update_checks_the_result_answers_the_oldest_plan():
@@ -561,7 +563,7 @@ def test_eos_ids_come_from_config_and_generation_config(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["_group_work", "_take_prefix_hits", "_finish", "allocate"])
-def test_an_exception_while_handling_one_request_fails_it_alone(where, monkeypatch):
+def test_an_exception_while_handling_one_request_fails_it_alone(where, monkeypatch, caplog):
     """A bug hit by one request (while admitting, scheduling, decoding or finishing it) fails
     that request; every other request runs to its oracle output and no block leaks."""
     reqs = workload(5, count=8)
@@ -583,7 +585,8 @@ def test_an_exception_while_handling_one_request_fails_it_alone(where, monkeypat
         u for u in ups + sched.failures if u.error))
     sched.failures.clear()
     errors = {u.request_id: u.error for u in failed}
-    assert list(errors) == [victim] and "ZeroDivisionError" in errors[victim]
+    assert errors == {victim: "internal error while scheduling it"}  # what its client sees
+    assert "a bug that only this request hits" in caplog.text  # the detail, in the log
     for r in reqs:
         if r.request_id != victim:
             assert outs[(r.request_id, 0)] == oracle(r)

@@ -108,21 +108,36 @@ def _decode_plans(runner, n: int = 3) -> None:
     assert runner.execute(plan).error is None
 
 
-def test_a_failed_step_fails_the_step_prepared_on_it_and_the_runner_serves_on(tiny_llama_dir, model, monkeypatch):
-    runner = make_runner(tiny_llama_dir, num_blocks=8, model=model)
-    _decode_plans(runner)
-    pipe = StepPipeline(runner)
-    assert pipe.push(BatchPlan(1, [1, 2], [1, 1])) == []  # in flight
-    sample = runner.sampler.sample
-    monkeypatch.setattr(runner.sampler, "sample", lambda *a: (_ for _ in ()).throw(RuntimeError("device fault")))
-    first, second = pipe.push(BatchPlan(2, [1, 2], [1, 1]))  # prepared on step 1, whose sampling fails
-    assert first.step_id == 1 and "device fault" in first.error
-    assert second.step_id == 2 and "missing" in second.error  # its input tokens never came
-    monkeypatch.setattr(runner.sampler, "sample", sample)
-    results = pipe.push(BatchPlan(3, [3], [4], free_seq_ids=[1, 2],
-                                  new_seqs=[NewSeq(3, [5, 6, 7, 8], 4, [3], 0, GREEDY)]))
-    results += [pipe.finish()]
-    assert [(r.step_id, r.error, r.sampled_seq_ids) for r in results] == [(3, None, [3])]
+def test_a_failed_step_leaves_only_its_sequences_out_of_the_step_prepared_on_it(tiny_llama_dir, model, monkeypatch):
+    """Step 1's sampler fails for seqs 1 and 2 after step 2 (which also admits seq 3) was prepared
+    on it: step 2 runs without them and serves seq 3, exactly as the sequential runner does."""
+    def run(pipelined: bool) -> list:
+        runner = make_runner(tiny_llama_dir, num_blocks=8, model=model)
+        _decode_plans(runner)
+        sample, calls = runner.sampler.sample, []
+
+        def fails_once(*args):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("device fault")
+            return sample(*args)
+
+        monkeypatch.setattr(runner.sampler, "sample", fails_once)
+        plans = [BatchPlan(1, [1, 2], [1, 1]),
+                 BatchPlan(2, [1, 2, 3], [1, 1, 4], new_seqs=[NewSeq(3, [5, 6, 7, 8], 4, [3], 0, GREEDY)]),
+                 BatchPlan(3, [3], [1], free_seq_ids=[1, 2])]
+        if pipelined:
+            pipe = StepPipeline(runner)
+            results = [r for p in plans for r in pipe.push(p)] + [pipe.finish()]
+        else:
+            results = [runner.execute(p) for p in plans]
+        assert not runner.dropped and set(runner.seqs) == {3}
+        return [(r.step_id, r.failed_seq_ids, r.sampled_seq_ids, r.sampled_token_ids) for r in results]
+
+    sequential = run(False)
+    assert [(step, failed, sampled) for step, failed, sampled, _ in sequential] == [
+        (1, [1, 2], []), (2, [], [3]), (3, [], [3])]
+    assert run(True) == sequential
 
 
 def test_a_plan_refused_while_prepared_ahead_comes_after_the_step_in_flight(tiny_llama_dir, model):
@@ -133,7 +148,7 @@ def test_a_plan_refused_while_prepared_ahead_comes_after_the_step_in_flight(tiny
     before = {sid: (list(s.token_ids), s.num_computed_tokens) for sid, s in runner.seqs.items()}
     done = pipe.push(BatchPlan(2, [1, 9], [1, 1]))  # seq 9 does not exist
     assert [(r.step_id, r.error is None) for r in done] == [(1, True), (2, False)]
-    assert "invalid plan" in done[1].error and pipe.in_flight is None
+    assert done[1].refused and "invalid plan" in done[1].error and pipe.in_flight is None
     for sid, (tokens, computed) in before.items():  # step 1's tokens appended, nothing of step 2 applied
         assert runner.seqs[sid].token_ids == tokens + [done[0].sampled_token_ids[done[0].sampled_seq_ids.index(sid)]]
         assert runner.seqs[sid].num_computed_tokens == computed

@@ -57,8 +57,9 @@ def _count_steps(leader: TensorParallelRunner, followers: list[FollowerRunner]) 
             return result
         return run
 
-    for r in [leader, *followers]:
-        r._step = counted(r, r._step)
+    leader.execute = counted(leader, leader.execute)
+    for f in followers:
+        f._follow = counted(f, f._follow)
 
     def settle() -> None:
         with done:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from executor_svc.parallel.shard import TPShard
+from executor_svc.runner import StepFatal
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 LEAVE_TIMEOUT_S = 5.0  # a stopping rank 0 keeps its store up this long for the followers to leave
 
 
-class GroupFailure(RuntimeError):
+class GroupFailure(StepFatal):
     """Raised instead of exiting when a test asked for it (``on_fatal``)."""
 
 

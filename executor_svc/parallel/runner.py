@@ -9,10 +9,15 @@ layers' all-reduces keep the ranks in lockstep. Rank 0 alone computes logits and
 sends the sampled tokens so each follower appends exactly what the leader appended (no rank
 relies on drawing the same random numbers).
 
+The step is ``ModelRunner``'s, in the same three phases; the leader hooks in to send the plan
+once it passed its check (``_publish``) and the tokens once sampled (``_sampled``). Plans that
+name sequences an earlier step dropped reach the followers already without them.
+
 Failures: an exception while applying a plan or inside the forward leaves the ranks in different
 places of the step, so it is fatal for the group (``TPGroup.fatal``: the process exits and the
 scheduler migrates the requests). A failure in sampling, after the last collective, is not: the
-followers are told, nothing is appended anywhere, and the step fails as on one device.
+followers are told, every rank drops the step's sampling sequences, nothing is appended anywhere,
+and the step fails them as on one device.
 """
 
 from __future__ import annotations
@@ -52,23 +57,21 @@ class TensorParallelRunner(ModelRunner):
             self._send(RESET)
             super().reset()
 
-    def _step(self, plan: BatchPlan) -> StepResult:
-        with self._lock:
-            self._send(PLAN, wire.encode(plan))
-            with self.group.fatal_on_error(f"step {plan.step_id}"):
-                self._apply(plan)
-                batch, logits = self._forward(plan)
-            result = StepResult(step_id=plan.step_id)
-            if batch is None or logits is None:
-                return result
-            count = len(batch.token_seqs())
-            try:
-                self._sample(batch, logits, result)
-            except Exception:
-                self.channel.send_tokens(FAILED, [], count)
-                raise  # execute() reports the step as failed, as on one device
-            self.channel.send_tokens(OK, result.sampled_token_ids, count)
-            return result
+    def execute(self, plan: BatchPlan) -> StepResult:
+        with self._lock:  # the whole step is one message sequence on the channel
+            return super().execute(plan)
+
+    def _publish(self, plan: BatchPlan) -> None:
+        self._send(PLAN, wire.encode(plan))  # checked here; the followers apply exactly this
+
+    def _guard(self, what: str):
+        return self.group.fatal_on_error(what)
+
+    def _sampled(self, batch: Batch, result: StepResult) -> None:
+        self.channel.send_tokens(OK, result.sampled_token_ids, len(batch.token_seqs()))
+
+    def _sampling_failed(self, batch: Batch) -> None:
+        self.channel.send_tokens(FAILED, [], len(batch.token_seqs()))  # the followers drop the same rows
 
     def _send(self, kind: int, payload: bytes = b"") -> None:
         self.channel.send(kind, payload)
@@ -109,16 +112,21 @@ class FollowerRunner(ModelRunner):
     def _logits(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         return None  # rank 0 holds the LM head and samples
 
-    def _step(self, plan: BatchPlan) -> StepResult:
-        self._apply(plan)
-        batch, _ = self._forward(plan)
+    def _follow(self, plan: BatchPlan) -> None:
+        """Apply and run the step rank 0 is running, then take its tokens (or drop what it failed)."""
+        prepared = self.prepare(plan)
+        launched = prepared if isinstance(prepared, StepResult) else self.launch(prepared)
+        if isinstance(launched, StepResult):  # rank 0 checked the same plan against the same state
+            raise RuntimeError(f"step {plan.step_id} failed on a follower: {launched.error}")
+        batch = launched.batch
         if batch is not None and batch.logits_rows:
             rows = batch.token_seqs()
             tokens = self.channel.recv_tokens(len(rows))
-            if tokens is not None:
-                for s, tok in zip(rows, tokens, strict=True):
-                    s.token_ids.append(tok)
-        return StepResult(step_id=plan.step_id)
+            if tokens is None:  # rank 0's sampler failed: it dropped these sequences, so do we
+                self._failure(plan, [s.seq_id for s in batch.sample_seqs], RuntimeError("rank 0's sampler failed"))
+                return
+            for s, tok in zip(rows, tokens, strict=True):
+                s.token_ids.append(tok)
 
     def serve(self) -> None:
         """Follow the leader's messages until STOP (plans were checked on rank 0 against the
@@ -131,4 +139,4 @@ class FollowerRunner(ModelRunner):
                 self.reset()
             elif kind == PLAN:
                 with self.group.fatal_on_error("following a plan"):
-                    self._step(wire.decode(payload, accept=(wire.BatchPlan,)))
+                    self._follow(wire.decode(payload, accept=(wire.BatchPlan,)))

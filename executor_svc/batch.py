@@ -1,0 +1,116 @@
+"""A step's batch: the scheduled sequences' new tokens packed back to back, with their layout.
+
+:func:`build_batch` turns the scheduled sequences (their computed counts, new tokens and block
+tables) into the forward's inputs: token ids, positions, and the attention metadata every layer
+shares (slots, query offsets, context lengths, padded block tables; docs/ARCHITECTURE.md,
+"Attention backend interface"). Kept apart from the runner: it is the one place that knows the
+packed layout, and tests check it against a per-sequence reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from executor_svc.attention import AttentionMetadata
+from pagedserve.wire import SamplingParams
+
+
+@dataclass(slots=True)
+class SeqState:
+    seq_id: int
+    token_ids: list[int]  # prompt, then every output so far (sampled here or appended by the plan)
+    num_prompt_tokens: int
+    block_ids: list[int]  # logical block i -> physical block id
+    num_computed_tokens: int  # tokens whose K/V are in the cache
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class Batch:
+    """One forward's inputs: the layout on the device, the token ids still on the host."""
+
+    token_ids: list[int]  # [num_tokens]; copied to the device when the forward starts
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_rows: list[int]  # rows of the packed tokens whose logits are sampled
+    sample_seqs: list[SeqState]  # the sequence of each logits row (kept: a later plan may free it first)
+    # Inputs that are tokens the step in flight samples (a plan prepared ahead): (row in
+    # token_ids, sequence, index of the token in its token_ids once appended).
+    in_flight_inputs: list[tuple[int, SeqState, int]] = field(default_factory=list)
+
+    @property
+    def sample_seq_ids(self) -> list[int]:
+        return [s.seq_id for s in self.sample_seqs]
+
+    def token_seqs(self) -> list[SeqState]:
+        """The sampling rows that get a token (beam rows report candidates and append nothing)."""
+        return [s for s in self.sample_seqs if s.sampling.beam_candidates <= 0]
+
+
+def build_batch(seqs: dict[int, SeqState], block_size: int, device: torch.device, seq_ids: list[int],
+                num_new: list[int], in_flight: dict[int, SeqState] | None = None) -> Batch:
+    """One pass over the sequences gathers what only they know (their computed counts, new
+    tokens and block tables); positions, slots and the padded tables are then computed for
+    the whole batch at once. A decode step of 256 sequences costs the device's host thread
+    a few hundred microseconds here instead of milliseconds (numpy calls per sequence).
+
+    ``in_flight``: sequences whose next token a step still running samples; where it is an
+    input, the row is left for ``launch`` to fill (``Batch.in_flight_inputs``)."""
+    bs = block_size
+    ids: list[int] = []
+    begins: list[int] = []
+    lens: list[int] = []
+    blocks: list[int] = []  # every sequence's needed block ids, back to back
+    blocks_per_seq: list[int] = []
+    sample_at: list[int] = []  # batch index of each sampling sequence
+    sample_seqs: list[SeqState] = []
+    pending: list[tuple[int, SeqState, int]] = []
+    for sid, n in zip(seq_ids, num_new, strict=True):
+        s = seqs[sid]
+        begin = s.num_computed_tokens
+        end = begin + n
+        tokens = s.token_ids
+        known = len(tokens)
+        length = known + 1 if in_flight and in_flight.get(sid) is s else known  # +1: being sampled
+        if end - begin == 1 and end <= known:
+            ids.append(tokens[begin])
+        else:
+            ids.extend(tokens[begin:end])
+        if end > known:  # the token in flight is this step's last input: its row is filled at launch
+            pending.append((len(ids), s, known))
+            ids.append(0)
+        nb = -(-end // bs)
+        blocks.extend(s.block_ids[:nb])
+        blocks_per_seq.append(nb)
+        begins.append(begin)
+        lens.append(end)
+        if end == length:
+            sample_at.append(len(lens) - 1)
+            sample_seqs.append(s)
+    num_seqs = len(lens)
+    new = np.asarray(num_new, dtype=np.int64)
+    starts = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(new, out=starts[1:])
+    seq_of_token = np.repeat(np.arange(num_seqs), new)
+    positions = np.asarray(begins, dtype=np.int64)[seq_of_token] + (np.arange(starts[-1]) - starts[seq_of_token])
+    per_seq = np.asarray(blocks_per_seq, dtype=np.int64)
+    first_block = np.zeros(num_seqs, dtype=np.int64)
+    np.cumsum(per_seq[:-1], out=first_block[1:])
+    block_tables = np.zeros((num_seqs, int(per_seq.max())), dtype=np.int32)
+    seq_of_block = np.repeat(np.arange(num_seqs), per_seq)
+    block_tables[seq_of_block, np.arange(len(blocks)) - first_block[seq_of_block]] = blocks
+    slots = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+    starts_host = starts.tolist()
+    dev = device
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(dev),
+        query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(dev),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+        block_tables=torch.from_numpy(block_tables).to(dev),
+        max_query_len=max(num_new), max_seq_len=max(lens),
+        query_start_loc_host=starts_host, seq_lens_host=lens)
+    return Batch(ids, torch.from_numpy(positions).to(dev), meta, (starts[1:][sample_at] - 1).tolist(),
+                 sample_seqs, pending)
