@@ -1,8 +1,9 @@
 """CPU cost of the scheduler's hot path per decode step, and plan size on the wire.
 
 For 64, 256 and 1024 running decode sequences, one step is timed as the
-scheduler side of an iteration: ``schedule()`` + ``plan.encode(plan)`` +
-``plan.decode(result_frame)`` + ``update(result)``. The executor's part
+scheduler side of an iteration: ``schedule()`` + the bound of its result
+(``max_result_bytes``) + ``wire.encode(plan)`` + ``wire.decode(result_frame)``
++ ``update(result)``. The executor's part
 (decoding the plan, encoding its StepResult) is done outside the timer.
 Each measurement averages 64 steps; the script repeats it and reports the
 median, because the machine is shared and noisy. ``ms_per_step_N`` is the
@@ -78,6 +79,7 @@ def measure(num_seqs: int, steps: int) -> tuple[float, float, float]:
     for _ in range(steps):
         c0, t0 = time.thread_time(), time.perf_counter()
         plan = sched.schedule()
+        sched.in_flight[-1].max_result_bytes()  # what the engine sends with the plan (the result's bound)
         frame = wire.encode(plan)  # type: ignore[arg-type]
         c1, t1 = time.thread_time(), time.perf_counter()
         result_frame = wire.encode(_respond(wire.decode(frame), tokens, computed))  # type: ignore[arg-type]

@@ -2,7 +2,7 @@
 
 The real :class:`~scheduler_svc.scheduler.Scheduler` plans every step; this
 executor applies the plan deltas exactly as a real one would (it keeps each
-sequence's token count and computed count, see the order in ``plan.py``), draws
+sequence's token count and computed count, see the order in ``pagedserve/wire/messages.py``), draws
 a token for every sequence that finished its pending tokens, and instead of
 running a model returns how long the step *would* take on the paper's hardware.
 

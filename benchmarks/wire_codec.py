@@ -3,11 +3,11 @@
 Times a 256-sequence decode plan (what the scheduler sends every step once
 prompts are in: ids and one new token each) and a 256-sequence step result
 (one sampled token each), as encode followed by decode, best of several
-rounds of many repetitions. ``--baseline REV`` loads the codec of an earlier
-commit (``scheduler_svc/plan.py`` + ``wire_fields.py`` from ``git show``) into
-this process and times it side by side, alternating rounds.
+rounds of many repetitions. ``--baseline REV`` loads the wire package of an
+earlier commit (``pagedserve/wire/`` from ``git show``, under a private name)
+into this process and times it side by side, alternating rounds.
 
-    .venv/bin/python -m benchmarks.wire_codec [--baseline 07d9fc0] [--rounds 7]
+    .venv/bin/python -m benchmarks.wire_codec [--baseline e02d98d~] [--rounds 7]
 
 Prints a table, then one JSON line: ``plan_us_256``, ``result_us_256``,
 ``bytes_per_seq_step_256`` (plan bytes per sequence), and ``baseline_*`` keys.
@@ -16,7 +16,7 @@ Prints a table, then one JSON line: ``plan_us_256``, ``result_us_256``,
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import statistics
 import subprocess
@@ -30,22 +30,20 @@ N = 256
 
 
 def _load_baseline(rev: str) -> ModuleType:
-    """The old codec, loaded from git under private module names."""
-    tmp = Path(tempfile.mkdtemp(prefix="wire-baseline-"))
-    for name in ("plan", "wire_fields"):
-        src = subprocess.run(["git", "show", f"{rev}:scheduler_svc/{name}.py"], check=True,
+    """The wire package of ``rev``, loaded from git as the private package ``_baseline_wire``."""
+    tmp = Path(tempfile.mkdtemp(prefix="wire-baseline-")) / "_baseline_wire"
+    tmp.mkdir()
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:pagedserve/wire"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in (n for n in names if n.endswith(".py")):
+        src = subprocess.run(["git", "show", f"{rev}:pagedserve/wire/{name}"], check=True,
                              capture_output=True, text=True).stdout
-        (tmp / f"{name}.py").write_text(src.replace("scheduler_svc.wire_fields", "_baseline_wire_fields"))
-    _import(tmp / "wire_fields.py", "_baseline_wire_fields")
-    return _import(tmp / "plan.py", "_baseline_plan")
-
-
-def _import(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
+        (tmp / name).write_text(src.replace("pagedserve.wire", "_baseline_wire"))
+    sys.path.insert(0, str(tmp.parent))
+    try:
+        return importlib.import_module("_baseline_wire")
+    finally:
+        sys.path.pop(0)
 
 
 def _messages(mod) -> tuple:
@@ -66,7 +64,7 @@ def _time(mod, msg, reps: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--baseline", help="git revision whose scheduler_svc/plan.py codec to compare with")
+    ap.add_argument("--baseline", help="git revision whose pagedserve/wire codec to compare with")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--reps", type=int, default=2000)
     a = ap.parse_args(argv)
@@ -74,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
 
     codecs = {"msgspec (pagedserve.wire)": wire}
     if a.baseline:
-        codecs[f"hand-written ({a.baseline})"] = _load_baseline(a.baseline)
+        codecs[f"baseline ({a.baseline})"] = _load_baseline(a.baseline)
     times: dict[str, dict[str, list[float]]] = {k: {"plan": [], "result": []} for k in codecs}
     for _ in range(a.rounds):  # alternate codecs within each round: same machine state for both
         for name, mod in codecs.items():

@@ -30,7 +30,8 @@ Each ``schedule()``:
 
 A plan carries each sequence's state once per residency (``NewSeq``, or a
 ``Fork`` of a resident parent); after that only ids, token counts and block
-changes. The application order is plan.py's.
+changes. The order an executor applies a plan in is documented in
+``pagedserve/wire/messages.py``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A deterministic stand-in for an executor, strict about the plans it gets.
 
 It keeps per-sequence state exactly as a real executor does from the plan
-deltas (tokens, block table, computed count), applies a plan in plan.py's
-order, and simulates the KV cache: every slot a sequence computes stores a
+deltas (tokens, block table, computed count), applies a plan in the order
+``pagedserve/wire/messages.py`` documents, and simulates the KV cache: every slot a sequence computes stores a
 fingerprint of (all tokens up to that position). Before a sequence computes
 and after every step, every computed position of every sequence must read
 back its own fingerprint through its block table — so a missing copy-on-write,
