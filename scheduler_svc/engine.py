@@ -35,6 +35,7 @@ from scheduler_svc.api_types import (
     RequestFailed,
 )
 from scheduler_svc.detokenize import standalone_token_texts
+from scheduler_svc.engine_state import ExecutorSlot, Tracked
 from scheduler_svc.executors import ExecutorConn, ExecutorHub, ExecutorLost
 from scheduler_svc.kv_cache_manager import hash_blocks
 from scheduler_svc.lifecycle import ProtocolError
@@ -45,7 +46,6 @@ from scheduler_svc.request import MigratedRequest
 from scheduler_svc.routing import Router
 from scheduler_svc.sched_config import EngineConfig
 from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.slots import ExecutorSlot, Tracked
 
 log = logging.getLogger(__name__)
 

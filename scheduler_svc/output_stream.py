@@ -1,6 +1,6 @@
 """A request's outputs as its consumer reads them: what ``Engine.generate`` returns.
 
-The fan-out hands each output to the request's :class:`~scheduler_svc.slots.Tracked`;
+The fan-out hands each output to the request's :class:`~scheduler_svc.engine_state.Tracked`;
 this is the other end, the consumer's. Every ``__anext__`` returns a future, and
 when the consumer already waits the fan-out completes that future with the
 output itself: a token reaches its consumer with one future and one task
@@ -29,8 +29,8 @@ import asyncio
 from collections.abc import Callable
 
 from scheduler_svc.api_types import GenerationRequest, RequestOutput
+from scheduler_svc.engine_state import Tracked
 from scheduler_svc.outputs import merge_outputs
-from scheduler_svc.slots import Tracked
 
 
 class OutputStream:

@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 
 from scheduler_svc.api_types import FinishReason, RequestFailed, RequestOutput
+from scheduler_svc.engine_state import ExecutorSlot, Tracked
 from scheduler_svc.request import RequestUpdate, SeqUpdate
-from scheduler_svc.slots import ExecutorSlot, Tracked
 
 CHUNK = 64  # updates published between yields to the event loop
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler_svc.slots import ExecutorSlot
+    from scheduler_svc.engine_state import ExecutorSlot
 
 SKEW_ABS = 8  # requests: the busiest eligible executor is within this of the least busy...
 SKEW_REL = 0.5  # ...or within 50% of the least busy executor's load, whichever is larger

@@ -21,9 +21,9 @@ from scheduler_svc.api_types import (
     RequestOutput,
     RequestParams,
 )
+from scheduler_svc.engine_state import Tracked
 from scheduler_svc.output_stream import OutputStream
 from scheduler_svc.outputs import RequestStream
-from scheduler_svc.slots import Tracked
 
 
 class Admission:

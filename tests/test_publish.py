@@ -15,11 +15,11 @@ from grpc_fakes import make_tokenizer
 
 from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
+from scheduler_svc.engine_state import Tracked
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.outputs import RequestStream
 from scheduler_svc.publish import Publisher
 from scheduler_svc.request import RequestUpdate, SeqUpdate
-from scheduler_svc.slots import Tracked
 
 TEXT = "Grüße aus München 🙂🚀 and 日本語 too; plain words as well."
 

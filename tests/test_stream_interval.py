@@ -27,9 +27,9 @@ from scheduler_svc.api_types import (
     TokenLogprob,
     Usage,
 )
+from scheduler_svc.engine_state import Tracked
 from scheduler_svc.output_stream import OutputStream
 from scheduler_svc.outputs import RequestStream, merge_outputs
-from scheduler_svc.slots import Tracked
 
 TOKENIZER = make_tokenizer()
 

@@ -1,9 +1,10 @@
 """What the engine keeps per request and per executor.
 
-``Tracked`` follows one request across executors (its output stream and a
-single-consumer mailbox the gRPC handler reads); ``ExecutorSlot`` is one
-registered executor: its connection, its own Scheduler (its KV pool) and the
-inbox of additions and aborts that only its engine loop applies.
+``Tracked`` is a request as the engine follows it across executors: its output stream, the
+single-consumer mailbox its :class:`~scheduler_svc.output_stream.OutputStream` reads, the executor
+it runs on and what moves with it when it migrates. ``ExecutorSlot`` is one registered executor:
+its connection, its own Scheduler (its KV pool), the inbox of additions and aborts that only its
+engine loop applies, and what was applied but not yet streamed.
 """
 
 from __future__ import annotations
