@@ -67,7 +67,7 @@ def build_batch(seqs: dict[int, SeqState], block_size: int, device: torch.device
     blocks_per_seq: list[int] = []
     sample_at: list[int] = []  # batch index of each sampling sequence
     sample_seqs: list[SeqState] = []
-    pending: list[tuple[int, SeqState, int]] = []
+    open_rows: list[tuple[int, SeqState, int]] = []  # inputs the step in flight samples
     for sid, n in zip(seq_ids, num_new, strict=True):
         s = seqs[sid]
         begin = s.num_computed_tokens
@@ -80,7 +80,7 @@ def build_batch(seqs: dict[int, SeqState], block_size: int, device: torch.device
         else:
             ids.extend(tokens[begin:end])
         if end > known:  # the token in flight is this step's last input: its row is filled at launch
-            pending.append((len(ids), s, known))
+            open_rows.append((len(ids), s, known))
             ids.append(0)
         nb = -(-end // bs)
         blocks.extend(s.block_ids[:nb])
@@ -113,4 +113,4 @@ def build_batch(seqs: dict[int, SeqState], block_size: int, device: torch.device
         max_query_len=max(num_new), max_seq_len=max(lens),
         query_start_loc_host=starts_host, seq_lens_host=lens)
     return Batch(ids, torch.from_numpy(positions).to(dev), meta, (starts[1:][sample_at] - 1).tolist(),
-                 sample_seqs, pending)
+                 sample_seqs, open_rows)

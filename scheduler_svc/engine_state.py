@@ -115,7 +115,7 @@ class ExecutorSlot:
     aborts: list[str] = field(default_factory=list)
     requests: dict[str, Tracked] = field(default_factory=dict)
     task: asyncio.Task | None = None
-    pending_blocks: int = 0  # prompt blocks of ``adds`` (kept, not summed: routing reads it per request)
+    queued_blocks: int = 0  # prompt blocks of ``adds`` (kept, not summed: routing reads it per request)
     unpublished: list = field(default_factory=list)  # RequestUpdates applied, not yet streamed
     failed_steps: int = 0  # consecutive steps failed as a whole or refused (--max-failed-steps)
 
@@ -125,14 +125,14 @@ class ExecutorSlot:
 
     def add(self, t: Tracked) -> None:
         self.adds.append(t)
-        self.pending_blocks += self._blocks(t)
+        self.queued_blocks += self._blocks(t)
 
     def remove_add(self, t: Tracked) -> None:
         self.adds.remove(t)
-        self.pending_blocks -= self._blocks(t)
+        self.queued_blocks -= self._blocks(t)
 
     def take_adds(self) -> list[Tracked]:
-        adds, self.adds, self.pending_blocks = self.adds, [], 0
+        adds, self.adds, self.queued_blocks = self.adds, [], 0
         return adds
 
     def _blocks(self, t: Tracked) -> int:

@@ -65,7 +65,7 @@ class InFlight:
             if any(s.seq_id in dropped for s in due):
                 for s in due:
                     if s.seq_id in dropped:
-                        s.num_pending -= 1
+                        s.num_placeholders -= 1
                 due[:] = [s for s in due if s.seq_id not in dropped]
         self.to_commit[:] = [x for x in self.to_commit if x[0].seq_id not in dropped]
 
@@ -88,7 +88,7 @@ class RequestLifecycle:
         self._next_seq_id = 0
         self._next_arrival = 0
         self._step_id = 0
-        self._pending_free: list[int] = []  # executor-resident seq ids to forget in the next plan
+        self._owed_frees: list[int] = []  # executor-resident seq ids to forget in the next plan
         self.in_flight: deque[InFlight] = deque()  # plans sent, oldest first (results come in order)
         self._stale_steps: set[int] = set()  # plans dropped by take_all_requests
         self._preempted = False  # set during one schedule() when someone was preempted
@@ -221,7 +221,7 @@ class RequestLifecycle:
         self.kv.free(seq)
         seq.residency += 1
         if seq.resident:
-            self._pending_free.append(seq.seq_id)
+            self._owed_frees.append(seq.seq_id)
         seq.forget_executor_state()
 
     def release_request(self, r: Request, reason: FinishReason | None) -> None:
@@ -267,7 +267,7 @@ class RequestLifecycle:
         """The executor was told to forget every sequence (after ``take_all_requests``): the plans
         that call dropped get no answer here, and nothing it held needs freeing any more."""
         self._stale_steps.clear()
-        self._pending_free.clear()
+        self._owed_frees.clear()
 
     def _set_running(self, r: Request) -> None:
         r.state = RequestState.RUNNING
@@ -332,7 +332,7 @@ class RequestLifecycle:
 
     # ------------------------------------------------------------------ introspection
     def has_work(self) -> bool:
-        return bool(self.requests or self._pending_free)
+        return bool(self.requests or self._owed_frees)
 
     @property
     def num_running(self) -> int:
@@ -391,8 +391,8 @@ class RequestLifecycle:
                 if s.finish_reason is None:
                     owed[s.seq_id] = owed.get(s.seq_id, 0) + 1
         for s in self.seqs.values():
-            if s.num_pending != owed.get(s.seq_id, 0):
-                raise RuntimeError(f"seq {s.seq_id} holds {s.num_pending} placeholders; the plans in flight "
+            if s.num_placeholders != owed.get(s.seq_id, 0):
+                raise RuntimeError(f"seq {s.seq_id} holds {s.num_placeholders} placeholders; the plans in flight "
                                    f"owe it {owed.get(s.seq_id, 0)} samples")
 
 

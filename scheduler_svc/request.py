@@ -8,7 +8,7 @@ catches up with ``num_tokens``. Prefill, chunked prefill, decode and recompute
 after preemption are all the same thing.
 
 With asynchronous scheduling a plan is built while the previous one still runs:
-a token sampled in a step still in flight is a *placeholder* (``num_pending``)
+a token sampled in a step still in flight is a *placeholder* (``num_placeholders``)
 that already counts in ``num_tokens``, so the next step can compute it (the
 executor knows its value: it appended its own sample) before the scheduler does.
 
@@ -51,14 +51,14 @@ class Sequence:
     resident: bool = False  # the executor holds this sequence's state
     fork_parent: int | None = None  # a Fork from this seq id is owed to the executor
     fork_seed: int | None = None
-    pending_tokens: list[int] = field(default_factory=list)  # owed as append_tokens (beams)
-    num_pending: int = 0  # samples of steps still in flight (placeholders at the end of token_ids)
+    owed_tokens: list[int] = field(default_factory=list)  # owed as append_tokens (beams)
+    num_placeholders: int = 0  # samples of steps still in flight (placeholders at the end of token_ids)
     residency: int = 0  # bumped when its blocks are released: a late commit must not touch new ones
 
     @property
     def num_tokens(self) -> int:
         """Known tokens plus placeholders for samples in flight."""
-        return len(self.token_ids) + self.num_pending
+        return len(self.token_ids) + self.num_placeholders
 
     @property
     def num_output_tokens(self) -> int:
@@ -73,7 +73,7 @@ class Sequence:
         self.resident = False
         self.fork_parent = None
         self.fork_seed = None
-        self.pending_tokens.clear()
+        self.owed_tokens.clear()
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ Cost, for each ready executor ``e`` (documented in docs/ARCHITECTURE.md):
     load(e)  = running + waiting + not-yet-admitted requests on e
     hit(e)   = prompt tokens in the longest run of leading full blocks routed to e
     eligible = { e : load(e) <= min_load + max(SKEW_ABS, SKEW_REL * min_load) }
-    choose     argmax over eligible of (hit(e), -load(e), free_blocks(e) - pending_blocks(e))
+    choose     argmax over eligible of (hit(e), -load(e), free_blocks(e) - queued_blocks(e))
 
 The skew guard is what stops one hot prefix from swamping a single executor
 (SGLang's cache-aware router "death spiral"): once the executor holding the
@@ -81,4 +81,4 @@ def _load(s: ExecutorSlot) -> int:
 
 
 def _headroom(s: ExecutorSlot) -> int:
-    return s.scheduler.num_free_blocks - s.pending_blocks
+    return s.scheduler.num_free_blocks - s.queued_blocks

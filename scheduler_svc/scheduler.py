@@ -10,7 +10,7 @@ and routes requests between them. The step model::
 ``schedule()`` may be called again before the previous plan's result came back
 (asynchronous scheduling: the engine keeps the executor's next plan queued). A
 sequence sampling in a plan still in flight holds a placeholder token
-(``Sequence.num_pending``) that the next plan computes; results are applied in
+(``Sequence.num_placeholders``) that the next plan computes; results are applied in
 plan order. What cannot be planned ahead waits for its result: beam search
 (the next step depends on which beams survive), a request whose last token is
 already in flight (it ends by length), and re-admission of a preempted request
@@ -79,8 +79,8 @@ class Scheduler(RequestLifecycle):
             self._schedule_swapped(plan, budget)
             if not self.swapped:
                 self._schedule_waiting(plan, budget)
-        plan.free_seq_ids = self._pending_free
-        self._pending_free = []
+        plan.free_seq_ids = self._owed_frees
+        self._owed_frees = []
         if not (step.seq_ids or plan.free_seq_ids or plan.swap_out or plan.swap_in or plan.new_seqs):
             return None
         self.in_flight.append(step)
@@ -102,8 +102,8 @@ class Scheduler(RequestLifecycle):
                     # every running sequence every step.
                     seq = live[0]
                     c = seq.num_computed_tokens
-                    total = len(seq.token_ids) + seq.num_pending
-                    if seq.num_pending and total >= r.stop_len:
+                    total = len(seq.token_ids) + seq.num_placeholders
+                    if seq.num_placeholders and total >= r.stop_len:
                         i += 1  # its last token is in flight: it ends by length when that result comes
                         continue
                     n = total - c if total - c <= budget.tokens else budget.tokens
@@ -115,7 +115,7 @@ class Scheduler(RequestLifecycle):
                         nums.append(n)
                         seq.num_computed_tokens = c + n  # counted at schedule time, as in vLLM v1
                         if c + n == total:  # it samples: a placeholder until the result comes
-                            seq.num_pending += 1
+                            seq.num_placeholders += 1
                             sampling.append(seq)
                         if (c + n) // bs != c // bs:  # cache its newly full block once the step returns
                             to_commit.append((seq, seq.residency, c + n))
@@ -154,7 +154,7 @@ class Scheduler(RequestLifecycle):
         """What ``r`` computes this step within ``budget``: None if it does not fit, [] if it
         waits for a result in flight (beam search chooses its next tokens from it; a sequence
         whose last token is in flight ends by length)."""
-        if r.beam is not None and any(s.num_pending for s in r.live):
+        if r.beam is not None and any(s.num_placeholders for s in r.live):
             return []
         if not r.forked:
             seq0 = r.live[0]
@@ -164,7 +164,7 @@ class Scheduler(RequestLifecycle):
             if r.req.params.n > budget.seqs:
                 return None
             self._fork_choices(r)
-        live = [s for s in r.live if not (s.num_pending and s.num_tokens >= r.stop_len)]
+        live = [s for s in r.live if not (s.num_placeholders and s.num_tokens >= r.stop_len)]
         if len(live) == 1:
             seq = live[0]
             n = seq.num_tokens - seq.num_computed_tokens
@@ -201,7 +201,7 @@ class Scheduler(RequestLifecycle):
         out: list = []
         for s in r.live:
             if not s.resident:
-                if s.num_pending:
+                if s.num_placeholders:
                     raise RuntimeError(f"seq {s.seq_id} introduced to the executor with a sample in flight")
                 if s.fork_parent is not None:
                     out.append(Fork(s.fork_parent, s.seq_id, s.fork_seed))
@@ -236,15 +236,15 @@ class Scheduler(RequestLifecycle):
         for (seq, n), ch in zip(work, changes, strict=True):
             if ch is not NO_CHANGE:
                 self._emit_change(seq, ch, plan)
-            if seq.pending_tokens:
-                plan.append_tokens.extend((seq.seq_id, t) for t in seq.pending_tokens)
-                seq.pending_tokens.clear()
+            if seq.owed_tokens:
+                plan.append_tokens.extend((seq.seq_id, t) for t in seq.owed_tokens)
+                seq.owed_tokens.clear()
             ids.append(seq.seq_id)
             nums.append(n)
             c = seq.num_computed_tokens
             seq.num_computed_tokens = c + n
             if c + n == seq.num_tokens:  # it samples (or reports beam candidates)
-                seq.num_pending += 1
+                seq.num_placeholders += 1
                 (step.sampling if seq.request.beam is None else step.beams).append(seq)
             if (c + n) // bs != c // bs:
                 step.to_commit.append((seq, seq.residency, c + n))
@@ -272,7 +272,7 @@ class Scheduler(RequestLifecycle):
             self.swapped.appendleft(r)
             for seq in r.live:
                 if seq.resident:
-                    self._pending_free.append(seq.seq_id)
+                    self._owed_frees.append(seq.seq_id)
                 seq.forget_executor_state()
             return
         for seq in r.live:
@@ -359,7 +359,7 @@ class Scheduler(RequestLifecycle):
         for due in (step.sampling, step.beams):
             for s in due:
                 if s.seq_id in mine:
-                    s.num_pending -= 1
+                    s.num_placeholders -= 1
             due[:] = [s for s in due if s.seq_id not in mine]
         step.to_commit[:] = [x for x in step.to_commit if x[0].seq_id not in mine]
         self.failures.append(self.fail_request(r, exc))
@@ -395,7 +395,7 @@ class Scheduler(RequestLifecycle):
             return self._out.process(result, step.sampling, step.beams)
         for s in step.sampling + step.beams:
             if s.seq_id in failed:
-                s.num_pending -= 1  # its sample never comes
+                s.num_placeholders -= 1  # its sample never comes
         updates = self._out.process(result, due, [s for s in step.beams if s.seq_id not in failed])
         return updates + self._fail_dropped(failed)
 
@@ -414,7 +414,7 @@ class Scheduler(RequestLifecycle):
 
 def _awaits_result(r: Request) -> bool:
     """A preempted request whose sample is still in flight: (re)admit it once that result came."""
-    return any(s.num_pending for s in r.live)
+    return any(s.num_placeholders for s in r.live)
 
 
 def _footprint(r: Request) -> int:

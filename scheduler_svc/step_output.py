@@ -82,7 +82,7 @@ class OutputProcessor:
                 sid = seq.seq_id
                 if seq.finish_reason is not None:
                     continue  # finished or aborted after the plan was sent: the token is dropped
-                seq.num_pending -= 1
+                seq.num_placeholders -= 1
                 toks = seq.token_ids
                 toks.append(tok)
                 r = seq.request
@@ -144,7 +144,7 @@ class OutputProcessor:
         for seq, c in zip(due, cands, strict=True):
             if seq.finish_reason is not None:
                 continue  # pruned, finished or aborted after the plan was sent
-            seq.num_pending -= 1
+            seq.num_placeholders -= 1
             r = seq.request
             if r.state is not RequestState.RUNNING:
                 # Preempted after the plan was sent. Its next tokens depend on choosing among
@@ -195,10 +195,10 @@ class OutputProcessor:
                 child.num_computed_tokens = parent.num_computed_tokens
                 s.kv.fork(parent, child)
                 child.fork_parent = parent.seq_id  # the executor copies parent before appends
-                child.pending_tokens.append(c.token_id)
+                child.owed_tokens.append(c.token_id)
                 child.cum_logprob = c.score
             parent.token_ids.append(cs[0].token_id)
-            parent.pending_tokens.append(cs[0].token_id)
+            parent.owed_tokens.append(cs[0].token_id)
             parent.cum_logprob = cs[0].score
         r.seqs = list(r.live)
 

@@ -147,7 +147,7 @@ def test_a_request_preempted_with_its_sample_in_flight_keeps_that_token(mode, mo
     preempt = Scheduler._preempt
 
     def watch(self, r, plan):
-        in_flight_victims.extend(s.seq_id for s in r.live if s.num_pending)
+        in_flight_victims.extend(s.seq_id for s in r.live if s.num_placeholders)
         preempt(self, r, plan)
 
     monkeypatch.setattr(Scheduler, "_preempt", watch)
