@@ -90,7 +90,12 @@ def test_a_tls_handshake_that_never_finishes_is_cut(tmp_path):
         srv.stop()
 
 
-def test_a_request_message_that_never_arrives_ends_the_call_and_then_the_connection(server):
+@pytest.mark.parametrize("method", [GENERATE, "/grpc.health.v1.Health/Check",
+                                    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"],
+                         ids=["generate", "health", "reflection-stream"])
+def test_a_request_message_that_never_arrives_ends_the_call(server, method):
+    """Health checks skip the key and the budget, not this; a request-streaming method (reflection)
+    must get each message in time."""
     gate = threading.Event()
 
     def never():  # grpc's client sends the call's headers, then waits for a message that never comes
@@ -100,11 +105,14 @@ def test_a_request_message_that_never_arrives_ends_the_call_and_then_the_connect
     with grpc.insecure_channel(server.address) as ch:
         start = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
-            list(ch.stream_stream(GENERATE)(never(), timeout=NEVER))
+            list(ch.stream_stream(method)(never(), timeout=NEVER))
         gate.set()
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
         assert "--grpc-message-timeout-s" in err.value.details()
         assert time.monotonic() - start < LIMITS.message_timeout_s + 1.5
+
+
+def test_a_request_message_that_never_completes_ends_the_call_and_then_the_connection(server):
     with h2_raw.connect(server.api.port) as sock:  # by hand: 10 bytes of a message of 100, frames after
         sock.sendall(h2_raw.grpc_headers(GENERATE) + h2_raw.frame(h2_raw.DATA, 0, 1, b"\x00\x00\x00\x00\x64" + b"x" * 5))
         took = h2_raw.seconds_until_closed(sock, NEVER, h2_raw.window_update(), every_s=0.3)
