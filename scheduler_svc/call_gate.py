@@ -56,7 +56,7 @@ class CallGate(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         guarded = not details.method.startswith(OPEN_METHODS)
-        authorization = _authorization(details.invocation_metadata) if guarded and self.keys else None
+        authorization = _authorization(details.invocation_metadata) if guarded and self.keys is not None else None
         if handler.request_streaming:
             return self._streaming(handler, guarded, authorization)
         return self._unary(handler, guarded, authorization)
@@ -94,7 +94,7 @@ class CallGate(grpc.aio.ServerInterceptor):
                 if ticket is not None:
                     ticket.release()
             if late:
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._late_message("the next message"))
+                await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, self._late_message("the next message"))
 
         kind = grpc.stream_stream_rpc_method_handler if handler.response_streaming \
             else grpc.stream_unary_rpc_method_handler
@@ -128,9 +128,7 @@ class CallGate(grpc.aio.ServerInterceptor):
             return
         if self.throttle is not None:
             self.throttle.failed(peer)
-        if self.metrics is not None:
-            self.metrics.on_rejected(UNAUTHENTICATED.name)
-        await context.abort(UNAUTHENTICATED, "missing or unknown API key: send 'authorization: Bearer <key>'")
+        await self._refuse(context, UNAUTHENTICATED, "missing or unknown API key: send 'authorization: Bearer <key>'")
 
     async def _read_request(self, context: grpc.aio.ServicerContext, ticket: Ticket | None,
                             deserialize: Callable[[bytes], Any] | None) -> Any:
@@ -156,22 +154,27 @@ class CallGate(grpc.aio.ServerInterceptor):
             raw = None
             await self._shed(context, shed.reason, str(shed))
         if raw is None:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._late_message("the request message"))
+            await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, self._late_message("the request message"))
         if raw is grpc.aio.EOF:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without a request message")
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "the call ended without a request message")
         if deserialize is None:
             return raw
         try:
             return deserialize(raw)
         except Exception:
             problem = "the request is not a valid message"
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
 
     async def _shed(self, context: grpc.aio.ServicerContext, reason: str, message: str) -> None:
         if self.metrics is not None:
             self.metrics.on_shed(reason)
-            self.metrics.on_rejected(RESOURCE_EXHAUSTED.name)
-        await context.abort(RESOURCE_EXHAUSTED, message)
+        await self._refuse(context, RESOURCE_EXHAUSTED, message)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        """End the call with ``code``, counted under its name as the servicer's refusals are."""
+        if self.metrics is not None:
+            self.metrics.on_rejected(code.name)
+        await context.abort(code, message)
 
     def _late_message(self, what: str) -> str:
         return f"{what} did not arrive within --grpc-message-timeout-s ({self.message_timeout_s:g}s)"

@@ -256,6 +256,8 @@ def test_grpc_key_guessing_is_throttled_per_peer_while_another_peer_is_served(sl
                 _greq(), metadata=[("authorization", f"Bearer {KEY}")], timeout=30))
             assert len(served) == 16
         assert len(throttle) == 1 and _shed(metrics, "auth_throttled") == 2
+        assert metrics.rejected.labels("UNAUTHENTICATED")._value.get() == 3
+        assert metrics.rejected.labels("RESOURCE_EXHAUSTED")._value.get() == 2
     finally:
         relay.close()
         srv.stop()
