@@ -119,7 +119,7 @@ def run(cfg: ExecutorConfig, argv: list[str] | None = None) -> int:
         if isinstance(runner, FollowerRunner):
             return serve_follower(runner, health)
         worker = ExecutorWorker(cfg.scheduler, runner, hs, drain_timeout=cfg.drain_timeout, health=health,
-                                keys=cfg.cluster_keys)
+                                keys=cfg.link_keys, enrollment_token_file=cfg.enrollment_token_file)
         if group is not None:
             group.watchdog.on_drain = worker.request_drain
         signal.signal(signal.SIGTERM, lambda *_: worker.request_drain())

@@ -22,7 +22,9 @@ from pathlib import Path
 
 from pagedserve import wire
 from pagedserve.envargs import number, parse_bytes, parse_with_env
-from pagedserve.wire.keys import ClusterKeys, load_cluster_keys
+from pagedserve.wire.enrollment import read_tokens
+from pagedserve.wire.key_files import load_key_pair, load_public_key
+from pagedserve.wire.keys import ClientKeys, load_cluster_keys
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 CPU_ATTENTION = ("auto", "fused", "torch")  # --cpu-attention; executor_svc/backends.py acts on it
@@ -57,11 +59,12 @@ class ExecutorConfig:
     health_port: int  # 0 = no health server
     health_host: str
     drain_timeout: float  # seconds to keep serving after SIGTERM
-    cluster_keys: ClusterKeys | None  # CURVE keys of the link to the scheduler (None: unencrypted)
+    link_keys: ClientKeys | None  # CURVE keys of the link to the scheduler (None: unencrypted)
     log_level: str
     tensor_parallel_size: int = 1  # ranks serving one model as one executor (executor_svc/parallel)
     prepare_ahead: bool | None = None  # prepare each plan while the step before runs (None: on with CUDA)
     rank_env: RankEnv | None = None  # None with N > 1: this process leads and starts the others
+    enrollment_token_file: Path | None = None  # proves this executor may enroll its key (read at each connection)
 
 
 def _endpoint(text: str) -> str:
@@ -98,9 +101,17 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="grpc.health.v1 listen address (the kubelet probes it; it serves status only)")
     p.add_argument("--drain-timeout", type=number(float, "--drain-timeout", 0.0, low_inclusive=True),
                    default=30.0, help="seconds to keep serving plans after SIGTERM")
+    p.add_argument("--curve-key-file", type=Path, default=None,
+                   help="this executor's own CURVE key pair (`pagedserve keys executor` writes NAME.key_secret): "
+                        "the link is then authenticated and encrypted; needs --scheduler-public-key-file")
+    p.add_argument("--scheduler-public-key-file", type=Path, default=None,
+                   help="the scheduler's public key (`pagedserve keys scheduler` writes NAME.key)")
+    p.add_argument("--enrollment-token-file", type=Path, default=None,
+                   help="enrollment token (the file's first): join a scheduler that does not list this "
+                        "executor's key by proving it holds the token, for that key; read at every connection")
     p.add_argument("--cluster-secret-file", type=Path, default=None,
-                   help="file holding the cluster secret the scheduler was given: the link is then "
-                        "authenticated and encrypted (CurveZMQ)")
+                   help="one machine or development only: the secret the scheduler was given, from which both "
+                        "derive the link's keys (every holder can act as the scheduler)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.add_argument("--prepare-ahead", action=argparse.BooleanOptionalAction, default=None,
                    help="check and apply each queued plan and build its batch while the device runs the "
@@ -149,14 +160,34 @@ def rank_env(tp_size: int, environ: dict[str, str]) -> RankEnv | None:
                    int(leader) if leader else None)
 
 
+def _link_keys(args: argparse.Namespace) -> ClientKeys | None:
+    """The link's keys from the flags (None: no CURVE); ValueError naming the flag."""
+    identity = {"--curve-key-file": args.curve_key_file, "--scheduler-public-key-file": args.scheduler_public_key_file,
+                "--enrollment-token-file": args.enrollment_token_file}
+    given = [flag for flag, value in identity.items() if value is not None]
+    if args.cluster_secret_file is not None:
+        if given:
+            raise ValueError(f"--cluster-secret-file: not with {', '.join(given)} (a cluster secret is the keys "
+                             f"of both sides)")
+        return load_cluster_keys(args.cluster_secret_file).client
+    if not given:
+        return None
+    if args.curve_key_file is None or args.scheduler_public_key_file is None:
+        raise ValueError(f"{given[0]}: needs --curve-key-file and --scheduler-public-key-file")
+    if args.enrollment_token_file is not None:
+        read_tokens(args.enrollment_token_file)
+    return ClientKeys(load_key_pair(args.curve_key_file, "--curve-key-file"),
+                      load_public_key(args.scheduler_public_key_file, "--scheduler-public-key-file"))
+
+
 def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> ExecutorConfig:
     environ = os.environ if environ is None else environ
     parser = build_arg_parser()
     args = parse_with_env(parser, argv, environ)
     try:
         ranks = rank_env(args.tensor_parallel_size, environ)
-        # Read now, not after the model loaded: a bad secret file fails in a second, not minutes.
-        keys = None if args.cluster_secret_file is None else load_cluster_keys(args.cluster_secret_file)
+        # Read now, not after the model loaded: a bad key file fails in a second, not minutes.
+        keys = _link_keys(args)
     except (ValueError, RuntimeError) as exc:
         parser.error(str(exc))
     if args.prepare_ahead and args.tensor_parallel_size > 1:
@@ -168,5 +199,5 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         cpu_attention=args.cpu_attention,
         executor_id=args.executor_id or f"{socket.gethostname()}-{os.getpid()}",
         health_port=args.health_port, health_host=args.health_host, drain_timeout=args.drain_timeout,
-        cluster_keys=keys, log_level=args.log_level,
+        link_keys=keys, enrollment_token_file=args.enrollment_token_file, log_level=args.log_level,
         tensor_parallel_size=args.tensor_parallel_size, rank_env=ranks, prepare_ahead=args.prepare_ahead)

@@ -22,14 +22,17 @@ import logging
 import queue
 import threading
 import time
+from pathlib import Path
 
+import msgspec
 import zmq
 
 from executor_svc.pipeline import StepPipeline
 from executor_svc.runner import ModelRunner
 from pagedserve import wire
 from pagedserve.ratelog import RateLimitedLog
-from pagedserve.wire.keys import ClusterKeys, make_client
+from pagedserve.wire.enrollment import TokenFile
+from pagedserve.wire.keys import ClientKeys, make_client
 
 log = logging.getLogger(__name__)
 peer_warning = RateLimitedLog(log)
@@ -102,9 +105,11 @@ class ComputeThread(threading.Thread):
 class ExecutorWorker:
     def __init__(self, scheduler: str, runner: ModelRunner, handshake: wire.Handshake, *,
                  drain_timeout: float = 30.0, health=None, ctx: zmq.Context | None = None,
-                 keys: ClusterKeys | None = None) -> None:
+                 keys: ClientKeys | None = None, enrollment_token_file: Path | None = None) -> None:
         self.scheduler, self.handshake, self.health = scheduler, handshake, health
         self.keys = keys  # CURVE client keys (None: the link is unencrypted, loopback setups)
+        # With a token, every handshake proves this executor may enroll its key (pagedserve/wire/enrollment.py).
+        self.enrollment = TokenFile(enrollment_token_file) if enrollment_token_file is not None else None
         self.drain_timeout = drain_timeout
         self.ctx = ctx or zmq.Context()
         self._pair = self.ctx.socket(zmq.PAIR)
@@ -141,7 +146,10 @@ class ExecutorWorker:
         self.accepted = False
         self.interval = wire.DEFAULT_HEARTBEAT_INTERVAL_S
         self.last_recv = time.monotonic()
-        self._send(self.handshake)
+        hs = self.handshake
+        if self.enrollment is not None and self.keys is not None:
+            hs = msgspec.structs.replace(hs, enrollment_proof=self.enrollment.proof(self.keys, hs.executor_id))
+        self._send(hs)
         log.info("dialled %s as %s; handshake sent", self.scheduler, self.handshake.executor_id)
 
     def _reconnect(self, why: str) -> None:

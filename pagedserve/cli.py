@@ -4,6 +4,7 @@
     pagedserve info
     pagedserve stats
     pagedserve health
+    pagedserve keys executor --out DIR   (the executor link's keys: pagedserve/keytool.py)
 
 Generated text goes to stdout; finish reasons and token counts to stderr, so
 ``pagedserve generate ... > out.txt`` keeps only the text. ``--json`` prints
@@ -25,6 +26,7 @@ import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve import keytool
 from pagedserve.channel import open_channel
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
@@ -69,6 +71,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", parents=[common], help="describe the served model").set_defaults(func=_cmd_info)
     sub.add_parser("stats", parents=[common], help="scheduler and KV-cache stats").set_defaults(func=_cmd_stats)
     sub.add_parser("health", parents=[common], help="readiness and liveness").set_defaults(func=_cmd_health)
+    keytool.add_parser(sub)  # works offline: no server is called
     return p
 
 
@@ -209,6 +212,8 @@ def _print_message(msg, as_json: bool, out: TextIO, skip: tuple[str, ...] = ()) 
 def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
     args = _build_parser().parse_args(argv)
     out, err = out or sys.stdout, err or sys.stderr
+    if args.command == "keys":
+        return keytool.run(args, out, err)
     try:
         with open_channel(args.server, args.api_key, args.tls_ca, args.tls_cert, args.tls_key) as channel:
             return args.func(channel, args, out, err)

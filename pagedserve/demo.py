@@ -19,7 +19,6 @@ import ctypes
 import ctypes.util
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -54,16 +53,22 @@ def _die_with_parent() -> None:
         ctypes.CDLL(libc_name, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
 
 
-def _cluster_secret(directory: Path) -> Path:
-    """A fresh secret for this stack's executor link (CurveZMQ), readable by its owner only."""
-    path = directory / "cluster-secret"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32))
-    return path
+def _link_keys(directory: Path) -> tuple[list[str], list[str]]:
+    """Fresh keys for this stack's executor link (CurveZMQ), as a deployment has them: the scheduler's
+    key pair, the executor's own, trusted by the scheduler. Returns both services' key flags."""
+    from pagedserve.wire.key_files import write_key_pair
+
+    write_key_pair(directory, "scheduler")
+    write_key_pair(directory, "executor")
+    (directory / "trusted").mkdir()
+    (directory / "trusted" / "executor.key").write_bytes((directory / "executor.key").read_bytes())
+    return (["--curve-secret-key-file", str(directory / "scheduler.key_secret"),
+             "--trusted-executor-keys", str(directory / "trusted")],
+            ["--curve-key-file", str(directory / "executor.key_secret"),
+             "--scheduler-public-key-file", str(directory / "scheduler.key")])
 
 
-def _start(args: argparse.Namespace, secret: Path) -> list[subprocess.Popen]:
+def _start(args: argparse.Namespace, keys: tuple[list[str], list[str]]) -> list[subprocess.Popen]:
     py = sys.executable
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # Own sessions: a terminal's Ctrl-C reaches only this process, which then stops the services
@@ -72,12 +77,12 @@ def _start(args: argparse.Namespace, secret: Path) -> list[subprocess.Popen]:
         [py, "-m", "scheduler_svc", "--model", str(args.model), "--host", "127.0.0.1",
          "--port", str(args.port), "--executor-host", "127.0.0.1", "--executor-port",
          str(args.executor_port), "--metrics-port", str(args.metrics_port), "--http-host", "127.0.0.1",
-         "--http-port", str(args.http_port), "--shutdown-grace-seconds", "5", "--cluster-secret-file", str(secret)],
+         "--http-port", str(args.http_port), "--shutdown-grace-seconds", "5", *keys[0]],
         env=env, start_new_session=True, preexec_fn=_die_with_parent)
     execu = subprocess.Popen(
         [py, "-m", "executor_svc", "--model", str(args.model), "--scheduler",
          f"tcp://127.0.0.1:{args.executor_port}", "--device", "cpu", "--kv-cache-memory",
-         args.kv_cache_memory, "--health-port", "0", "--cluster-secret-file", str(secret)], env=env,
+         args.kv_cache_memory, "--health-port", "0", *keys[1]], env=env,
         start_new_session=True,
         preexec_fn=_die_with_parent)
     return [sched, execu]
@@ -195,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_termination)
     secret_dir = tempfile.TemporaryDirectory(prefix="pagedserve-demo-")
-    procs = _start(args, _cluster_secret(Path(secret_dir.name)))
+    procs = _start(args, _link_keys(Path(secret_dir.name)))
     try:
         with grpc.insecure_channel(f"127.0.0.1:{args.port}") as ch:
             _wait_serving(ch, procs, timeout_s=180)

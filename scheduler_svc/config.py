@@ -21,10 +21,11 @@ from typing import Any
 
 from pagedserve import wire
 from pagedserve.envargs import number, parse_with_env
-from pagedserve.wire.keys import ClusterKeys, load_cluster_keys
 from scheduler_svc.admission import sized_for_machine
+from scheduler_svc.executor_auth import LinkSecurity
 from scheduler_svc.grpc_limits import GrpcLimits
 from scheduler_svc.http.limits import HttpLimits
+from scheduler_svc.link_flags import add_link_flags, link_security
 from scheduler_svc.sched_config import PREEMPTION_MODES, EngineConfig, SchedulerConfig
 from scheduler_svc.security import ApiKeys, TlsFiles
 from scheduler_svc.server import MAX_REQUEST_BYTES
@@ -81,7 +82,6 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "--max-migrations": (EngineConfig, "max_migrations"),
     "--async-scheduling": (EngineConfig, "async_scheduling"),
     "--stream-interval": (EngineConfig, "stream_interval"),
-    "--cluster-secret-file": (EngineConfig, "cluster_secret_file"),
     "--step-timeout": (EngineConfig, "step_timeout_s"),
     **{"--" + f.name.replace("_", "-"): (ServerLimits, f.name) for f in dataclasses.fields(ServerLimits)},
     **{"--http-" + f.name.replace("_", "-"): (HttpLimits, f.name) for f in dataclasses.fields(HttpLimits)},
@@ -89,7 +89,7 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
 }
 RUNTIME_FIELDS = {(SchedulerConfig, "max_model_len"), (EngineConfig, "scheduler"),
                   (EngineConfig, "executor_endpoint"), (EngineConfig, "model_fingerprint"),
-                  (EngineConfig, "cluster_keys")}
+                  (EngineConfig, "executor_link")}
 
 _LIMIT_HELP = {
     "max_n": "largest n (parallel samples) a request may ask for",
@@ -144,15 +144,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0", help="gRPC listen address")
     p.add_argument("--port", type=PORT, default=DEFAULT_GRPC_PORT, help="gRPC port")
     p.add_argument("--executor-host", default=None,
-                   help="address executors dial in to (default 0.0.0.0 with --cluster-secret-file, else "
-                        "127.0.0.1: an unencrypted executor link is never exposed by default)")
+                   help="address executors dial in to (default 0.0.0.0 when the link has keys, "
+                        "--curve-secret-key-file or --cluster-secret-file, else 127.0.0.1: an unencrypted "
+                        "executor link is never exposed by default)")
     p.add_argument("--executor-port", type=PORT, default=DEFAULT_EXECUTOR_PORT,
                    help="ZeroMQ ROUTER port executors dial in to")
-    p.add_argument("--cluster-secret-file", type=Path, default=None,
-                   help="file holding the cluster secret (>= 16 bytes) the executors share: the executor link "
-                        "is then authenticated and encrypted (CurveZMQ)")
+    add_link_flags(p)
     p.add_argument("--allow-insecure-executors", action="store_true",
-                   help="let executors dial in over a non-loopback address without a cluster secret: anyone "
+                   help="let executors dial in over a non-loopback address without keys: anyone "
                         "who reaches the port then receives prompts and can forge outputs")
     p.add_argument("--step-timeout", type=number(float, "--step-timeout", 0), default=default(EngineConfig,
                    "step_timeout_s"), dest="step_timeout_s",
@@ -247,26 +246,24 @@ def _tls(parser: argparse.ArgumentParser, a: argparse.Namespace) -> TlsFiles | N
     return TlsFiles(a.tls_cert_file, a.tls_key_file, a.tls_client_ca_file)
 
 
-def _cluster_keys(parser: argparse.ArgumentParser, a: argparse.Namespace) -> ClusterKeys | None:
-    """The executor link's keys, from the one read of the secret file (a file changed later is
-    never read again)."""
-    if a.cluster_secret_file is None:
-        return None
+def _executor_link(parser: argparse.ArgumentParser, a: argparse.Namespace) -> LinkSecurity | None:
+    """The executor link's keys (scheduler_svc/link_flags.py): its own key pair is read once, here."""
     try:
-        return load_cluster_keys(a.cluster_secret_file)
+        return link_security(a)
     except (ValueError, RuntimeError) as exc:
         parser.error(str(exc))
 
 
-def _executor_host(parser: argparse.ArgumentParser, a: argparse.Namespace, keys: ClusterKeys | None) -> str:
-    """Secure by default: without a cluster secret the executor port binds loopback only."""
+def _executor_host(parser: argparse.ArgumentParser, a: argparse.Namespace, keys: LinkSecurity | None) -> str:
+    """Secure by default: without keys the executor port binds loopback only."""
     if keys is not None:
         return a.executor_host or "0.0.0.0"
     host = a.executor_host or "127.0.0.1"
     if not _is_loopback(host):
         if not a.allow_insecure_executors:
             parser.error(f"--executor-host {host}: executors would dial in unauthenticated and unencrypted; "
-                         "give --cluster-secret-file (or, knowingly, --allow-insecure-executors)")
+                         "give --curve-secret-key-file (or --cluster-secret-file on one machine; or, knowingly, "
+                         "--allow-insecure-executors)")
         log.warning("executor link on %s WITHOUT authentication or encryption (--allow-insecure-executors): "
                     "anyone who reaches it receives prompts and can forge outputs", host)
     return host
@@ -295,10 +292,10 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         room = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
         if width > room:  # such a request could never be scheduled: refuse the configuration, not it
             parser.error(f"{flag}: must be <= --max-num-seqs and --max-num-batched-tokens ({room}), got {width}")
-    keys = _cluster_keys(parser, a)
+    keys = _executor_link(parser, a)
     host = _executor_host(parser, a, keys)
     engine = EngineConfig(scheduler=scheduler, executor_endpoint=f"tcp://{host}:{a.executor_port}",
-                          cluster_keys=keys,
+                          executor_link=keys,
                           **{k: v for k, v in _fields(EngineConfig, a).items() if k != "scheduler"})
     http_limits = HttpLimits(**{f.name: getattr(a, f"http_{f.name}") for f in dataclasses.fields(HttpLimits)})
     grpc_limits = GrpcLimits(**{f.name: getattr(a, f"grpc_{f.name}") for f in dataclasses.fields(GrpcLimits)})

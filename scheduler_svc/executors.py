@@ -8,11 +8,14 @@ asynchronous scheduling an executor has up to two plans outstanding (one
 running, the next queued behind it). It owns no scheduling state: it reports
 joins, drains and deaths through callbacks and lets the engine decide.
 
-Trust (docs/ARCHITECTURE.md, "Security model"): with a cluster secret the
-socket is a CURVE server and a ZAP handler admits only the executor key derived
-from the same secret, so nothing from a peer without it reaches this code. A
-routing id that is connected cannot be taken over by another connection (no
-ROUTER_HANDOVER). Before its handshake is accepted a peer may send one small
+Trust (docs/ARCHITECTURE.md, "Security model"): with keys the socket is a
+CURVE server and its ZAP handler admits only the executor keys the trust store
+admits (scheduler_svc/executor_auth.py: trusted, or enrolling with a token; never
+revoked), so without enrollment nothing from a peer without a trusted key reaches
+this code. An executor id is bound to the connection (and key) that registered
+it: a second connection claiming a live id is refused, and a connected routing
+id cannot be taken over (no ROUTER_HANDOVER). A live executor whose key is
+revoked is dropped. Before its handshake is accepted a peer may send one small
 handshake frame, which is all that is decoded; every frame is size-bounded by
 libzmq first and decoded with typed, bounded readers. A step that does not come
 back within the step timeout counts as the executor failing.
@@ -21,7 +24,6 @@ back within the step timeout counts as the executor failing.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections import deque
@@ -33,7 +35,8 @@ import zmq.asyncio
 
 from pagedserve import wire
 from pagedserve.ratelog import RateLimitedLog
-from pagedserve.wire.keys import ZAP_DOMAIN, ClusterKeys, make_server
+from pagedserve.wire.keys import ZAP_DOMAIN, make_server
+from scheduler_svc.executor_auth import ExecutorAuth, LinkSecurity
 from scheduler_svc.router_socket import RouterSocket
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,8 @@ class ExecutorConn:
     oldest_since: float = 0.0  # when the oldest plan in flight started to run (as far as we know)
     step_seconds: float = 0.0  # moving average of the time between results
     drain_deadline: float | None = None
+    peer_key: bytes | None = None  # the CURVE key (z85) its connection authenticated with; None without CURVE
+    enrolled: bool = False  # got in with an enrollment proof (else its key is trusted, or there is no CURVE)
 
     @property
     def id(self) -> str:
@@ -72,7 +77,7 @@ class ExecutorHub:
                  on_join: Callable[[ExecutorConn], None],
                  on_drain: Callable[[ExecutorConn], None],
                  on_dead: Callable[[ExecutorConn, str], None],
-                 keys: ClusterKeys | None = None, step_timeout_s: float = 30.0,
+                 keys: LinkSecurity | None = None, step_timeout_s: float = 30.0,
                  model_fingerprint: str | None = None) -> None:
         self.endpoint = endpoint
         self.block_size = block_size
@@ -80,6 +85,7 @@ class ExecutorHub:
         self.keys = keys  # None: no CURVE (the engine allows that on loopback only)
         self.step_timeout_s = step_timeout_s  # ...but never less than this
         self._auth = None
+        self.trust: ExecutorAuth | None = None  # the keys admitted (with keys, from start())
         self._on_join, self._on_drain, self._on_dead = on_join, on_drain, on_dead
         self._ctx = zmq.asyncio.Context()  # (the ZAP authenticator runs on it, asynchronously)
         self._sock: RouterSocket | None = None
@@ -97,9 +103,11 @@ class ExecutorHub:
         if self.keys is not None:
             from zmq.auth.asyncio import AsyncioAuthenticator
 
+            self.trust = ExecutorAuth(self.keys)  # (the key files as they are now: they may change later)
+            log.info("executor link: CurveZMQ, %s", self.trust.describe())
             self._auth = AsyncioAuthenticator(self._ctx)
             self._auth.start()
-            self._auth.configure_curve_callback(ZAP_DOMAIN.decode(), _ExecutorKey(self.keys.executor_public))
+            self._auth.configure_curve_callback(ZAP_DOMAIN.decode(), self.trust)
         sock = zmq.Socket(self._ctx, zmq.ROUTER)  # a plain socket, driven by RouterSocket
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises
@@ -112,13 +120,15 @@ class ExecutorHub:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, dead_after_ms)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_RESULT_FRAME_BYTES)  # libzmq drops peers sending more
         if self.keys is not None:
-            make_server(sock, self.keys)
+            make_server(sock, self.keys.server)
         sock.bind(self.endpoint)
         self.bound_port = int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
         self._loop = asyncio.get_running_loop()  # (looked up once: a getpid() per call on 3.11)
-        self._sock = RouterSocket(sock, self._loop)
+        self._sock = RouterSocket(sock, self._loop, peer_keys=self.keys is not None)
         self._tasks = [asyncio.create_task(self._recv_loop(), name="executor-recv"),
                        asyncio.create_task(self._heartbeat_loop(), name="executor-heartbeat")]
+        if self.trust is not None and self.keys.reloadable:
+            self._tasks.append(asyncio.create_task(self.trust.watch(self._drop_untrusted), name="executor-keys"))
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -240,11 +250,13 @@ class ExecutorHub:
         return None
 
     async def _handshake(self, identity: bytes, hs: wire.Handshake) -> None:
+        key = self._sock.peer_key(identity)  # the CURVE key this very connection authenticated with
         old = self.conns.get(identity)
         if old is not None and old.state != "dead":
-            # Same id dialled in again: that process restarted and lost its KV cache.
+            # The same connection handshakes again: that process restarted and lost its KV cache.
             self._declare_dead(old, "executor reconnected (its state is gone)")
-        reason = self._refusal(hs)
+        reason, enrolled = self._identity_refusal(identity, key, hs)
+        reason = reason or self._refusal(hs)
         reply = wire.HandshakeReply(reason is None, reason or "", self.heartbeat_interval_s)
         try:
             self._sock.send_multipart([identity, wire.encode(reply)])
@@ -252,15 +264,35 @@ class ExecutorHub:
             log.warning("could not answer handshake of %r: %s", identity, exc)
             return
         if reason is not None:
-            log.warning("refused executor %s: %s", hs.executor_id, reason)
+            peer_warning("refused executor %r (connection %r%s): %s", hs.executor_id, identity[:64],
+                         f", key {key.decode()}" if key else "", reason)
             return
         self.model_fingerprint = self.model_fingerprint or hs.model_fingerprint
         self.model_vocab_size = self.model_vocab_size or hs.vocab_size
-        conn = ExecutorConn(identity, hs)
+        conn = ExecutorConn(identity, hs, peer_key=key, enrolled=enrolled)
         self.conns[identity] = conn
-        log.info("executor %s joined: %d device blocks, %d cpu blocks, %s/%s",
-                 hs.executor_id, hs.num_device_blocks, hs.num_cpu_blocks, hs.device, hs.dtype)
+        log.info("executor %s joined: %d device blocks, %d cpu blocks, %s/%s%s",
+                 hs.executor_id, hs.num_device_blocks, hs.num_cpu_blocks, hs.device, hs.dtype,
+                 "" if key is None else f", key {key.decode()} ({'enrolled' if enrolled else 'trusted'})")
         self._on_join(conn)
+
+    def _identity_refusal(self, identity: bytes, key: bytes | None, hs: wire.Handshake) -> tuple[str | None, bool]:
+        """Whether this connection may register as ``hs.executor_id``: its key must be admitted, and
+        no other live connection may hold that id, whatever its routing id or key (the live executor
+        keeps serving). Returns (why not, or None; whether it enrolled)."""
+        holder = next((c for c in self.conns.values() if c.id == hs.executor_id and c.state != "dead"), None)
+        if holder is not None and holder.identity != identity:
+            return f"executor id {hs.executor_id!r} is held by another live connection", False
+        if key is None:  # no CURVE: loopback only; the connection is the identity
+            return None, False
+        return self.trust.refusal(key, hs)
+
+    def _drop_untrusted(self) -> None:
+        """After the trust store changed: drop each live executor whose key it no longer admits (its
+        requests migrate, as after any executor's death)."""
+        for conn in list(self.conns.values()):
+            if conn.peer_key is not None and not self.trust.still_admitted(conn.peer_key, conn.enrolled):
+                self._declare_dead(conn, f"its key {conn.peer_key.decode()} is revoked or no longer trusted")
 
     def drop(self, conn: ExecutorConn, why: str) -> None:
         """Forget an executor (the engine gave up on it); it must handshake again."""
@@ -299,12 +331,3 @@ class ExecutorHub:
                 else:
                     await self._send(conn, wire.Heartbeat(time.time()))
 
-
-class _ExecutorKey:
-    """ZAP credentials check: only the executor key derived from the cluster secret gets in."""
-
-    def __init__(self, executor_public: bytes) -> None:
-        self._key = executor_public
-
-    def callback(self, domain: str, client_key: bytes) -> bool:
-        return hmac.compare_digest(client_key, self._key)

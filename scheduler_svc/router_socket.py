@@ -29,22 +29,43 @@ _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 class RouterSocket:
     """A bound ROUTER socket written from one asyncio loop and read by one task of it."""
 
-    def __init__(self, sock: zmq.Socket, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, sock: zmq.Socket, loop: asyncio.AbstractEventLoop, peer_keys: bool = False) -> None:
+        """``peer_keys``: the socket is a CURVE server; record which key sent each message (:meth:`peer_key`)."""
         self.sock, self._loop = sock, loop
         self._waiter: asyncio.Future | None = None
         self._fd = sock.getsockopt(zmq.FD)
+        self._peer_keys = peer_keys
+        self._last: tuple[bytes, bytes | None] = (b"", None)  # (routing id, CURVE key) of the last message
         loop.add_reader(self._fd, self._on_signal)
 
     async def recv_multipart(self) -> list[bytes]:
         """The next message's frames; waits (without polling) until one is queued."""
         while True:
             if self.sock.getsockopt(_EVENTS) & _POLLIN:  # (cheaper than catching zmq.Again)
+                if self._peer_keys:
+                    return self._recv_keyed()
                 return self.sock.recv_multipart(_NOBLOCK)
             self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+
+    def _recv_keyed(self) -> list[bytes]:
+        frames = self.sock.recv_multipart(_NOBLOCK, copy=False)
+        # ZAP's User-Id: the z85 public key the connection authenticated with (pyzmq's default).
+        self._last = (frames[0].bytes, frames[-1].get("User-Id").encode())
+        return [f.bytes for f in frames]
+
+    def peer_key(self, identity: bytes) -> bytes | None:
+        """The CURVE public key (z85) of the connection that sent the message received last, which
+        must be ``identity``'s (so a caller cannot bind the key of another message); None on a
+        socket without CURVE."""
+        if not self._peer_keys:
+            return None
+        if self._last[0] != identity:
+            raise RuntimeError(f"peer_key({identity[:64]!r}) asked after a message of another peer was received")
+        return self._last[1]
 
     def send_multipart(self, frames: list[bytes]) -> None:
         """Queue a message; ZMQError when it cannot be: EHOSTUNREACH (the peer is gone:

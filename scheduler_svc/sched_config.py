@@ -10,10 +10,9 @@ directly or through ``dataclasses.replace``, never by mutating these objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from pagedserve import wire
-from pagedserve.wire.keys import ClusterKeys
+from scheduler_svc.executor_auth import LinkSecurity
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -68,14 +67,10 @@ class EngineConfig:
     max_migrations: int = 3
     async_scheduling: bool = True  # plan step k+1 while the executor runs step k
     stream_interval: int = 1  # after a request's first output, tokens a choice gathers before its consumer wakes
-    cluster_secret_file: Path | None = None  # where cluster_keys came from (None: no encryption)
-    cluster_keys: ClusterKeys | None = None  # CURVE keys of the executor link, derived once at start-up
+    executor_link: LinkSecurity | None = None  # CURVE keys of the executor link and who is admitted (None: none)
     step_timeout_s: float = 30.0  # least time a step may take before its executor counts as failed
     model_fingerprint: str | None = None  # the served model (from --model's weights), None: the first executor's
 
     def __post_init__(self) -> None:
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
             raise ValueError(f"EngineConfig.stream_interval must be an integer >= 1 (got {self.stream_interval!r})")
-        if self.cluster_secret_file is not None and self.cluster_keys is None:
-            raise ValueError("EngineConfig: cluster_secret_file is set but cluster_keys is not "
-                             "(load_config derives them; the link would run unencrypted)")

@@ -24,6 +24,8 @@ from pagedserve.channel import open_channel
 from pagedserve.demo import terminate
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+from pagedserve.wire.enrollment import new_token
+from pagedserve.wire.key_files import write_key_pair
 
 
 def write_secret(path: Path) -> Path:
@@ -44,15 +46,27 @@ class Stack:
 
     def __init__(self, model: Path, logdir: Path, scheduler_args: list[str] | None = None,
                  secure: bool = True, api_key: str | None = None, tls_ca: Path | None = None,
-                 tls_client: tuple[Path, Path] | None = None) -> None:
+                 tls_client: tuple[Path, Path] | None = None, enrollment: bool = False) -> None:
         self.model, self.logdir = model, logdir
         self.port, self.executor_port, self.http_port = free_port(), free_port(), free_port()
         self.scheduler_args = scheduler_args or []
-        # The executor link runs CurveZMQ with a secret made for this stack, as deployed.
-        self.secret_file: Path | None = None
+        # The executor link runs CurveZMQ as deployed: the scheduler's own key pair, one key pair per
+        # executor, listed in the trusted directory or (enrollment=True) enrolled with a token; the
+        # revocation list starts empty.
+        self.keys = logdir / "keys"
+        self.trusted, self.revoked = self.keys / "trusted", self.keys / "revoked-keys"
+        self.token_file: Path | None = self.keys / "enrollment-token" if enrollment else None
+        self.scheduler_key_args: list[str] = []
         if secure:
-            self.secret_file = write_secret(logdir / "cluster-secret")
-        self.secret_args = ["--cluster-secret-file", str(self.secret_file)] if secure else []
+            self.scheduler_key = write_key_pair(self.keys, "scheduler")
+            self.trusted.mkdir()
+            self.revoked.write_text("# revoked executor keys\n")
+            self.scheduler_key_args = ["--curve-secret-key-file", str(self.keys / "scheduler.key_secret"),
+                                "--trusted-executor-keys", str(self.trusted), "--revoked-executor-keys", str(self.revoked)]
+            if self.token_file is not None:
+                self.token_file.write_text(new_token() + "\n")
+                self.token_file.chmod(0o600)
+                self.scheduler_key_args += ["--enrollment-token-file", str(self.token_file)]
         # How this stack's own client reaches the API (when the scheduler requires keys or TLS).
         self.api_key, self.tls_ca, self.tls_client = api_key, tls_ca, tls_client
         self.scheduler: subprocess.Popen | None = None
@@ -86,15 +100,27 @@ class Stack:
             "--port", str(self.port), "--executor-host", "127.0.0.1",
             "--executor-port", str(self.executor_port), "--metrics-port", "0",
             "--heartbeat-interval", "0.5", "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
-            *self.secret_args, *self.scheduler_args])
+            *self.scheduler_key_args, *self.scheduler_args])
         self.channel = self.open_channel()
         self.wait_health(liveness=True)
+
+    def executor_key_args(self, name: str) -> list[str]:
+        """The key flags of an executor named ``name``: its own key pair (made on first use, kept after),
+        trusted by the scheduler unless the stack enrolls executors with its token."""
+        if not self.scheduler_key_args:
+            return []
+        write_key_pair(self.keys / "executors", name, keep_existing=True)
+        if self.token_file is None:
+            (self.trusted / f"{name}.key").write_bytes((self.keys / "executors" / f"{name}.key").read_bytes())
+        args = ["--curve-key-file", str(self.keys / "executors" / f"{name}.key_secret"),
+                "--scheduler-public-key-file", str(self.keys / "scheduler.key")]
+        return args + (["--enrollment-token-file", str(self.token_file)] if self.token_file is not None else [])
 
     def start_executor(self, name: str, *extra: str) -> subprocess.Popen:
         proc = self._spawn(name, [
             "-m", "executor_svc", "--model", str(self.model), "--scheduler",
             f"tcp://127.0.0.1:{self.executor_port}", "--device", "cpu", "--executor-id", name,
-            "--kv-cache-memory", "64MiB", "--health-port", "0", *self.secret_args, *extra])
+            "--kv-cache-memory", "64MiB", "--health-port", "0", *self.executor_key_args(name), *extra])
         self.executors[name] = proc
         return proc
 

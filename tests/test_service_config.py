@@ -88,12 +88,10 @@ def test_every_knob_has_one_flag_whose_default_is_the_declared_one():
 
 def test_every_flag_reaches_the_object_that_uses_it(model_dir, tmp_path):
     """Each knob set to a non-default value arrives in the built config (none is dropped on the way)."""
-    secret = tmp_path / "secret"
-    secret.write_text("s" * 32)
     values = {"--block-size": "32", "--max-num-seqs": "77", "--max-num-batched-tokens": "999",
               "--preemption-mode": "swap", "--watermark": "0.05", "--heartbeat-interval": "0.25",
               "--max-queued-requests": "11", "--max-migrations": "5", "--step-timeout": "7.5",
-              "--stream-interval": "4", "--cluster-secret-file": str(secret)}
+              "--stream-interval": "4"}
     values.update({flag: str(default(cls, name) + 3) for flag, (cls, name) in FLAG_FIELDS.items()
                    if cls in (ServerLimits, HttpLimits, GrpcLimits)})
     values["--max-in-flight-bytes"] = str(64 << 20)  # at least the largest request a front accepts
@@ -121,7 +119,8 @@ def test_the_executor_link_is_loopback_only_without_a_cluster_secret(model_dir, 
     assert load_config(base, {}).engine.executor_endpoint == "tcp://127.0.0.1:5556"
     with pytest.raises(SystemExit):
         load_config([*base, "--executor-host", "0.0.0.0"], {})
-    assert "give --cluster-secret-file (or, knowingly, --allow-insecure-executors)" in capsys.readouterr().err
+    assert "give --curve-secret-key-file (or --cluster-secret-file on one machine; or, knowingly, " \
+           "--allow-insecure-executors)" in capsys.readouterr().err
     insecure = load_config([*base, "--executor-host", "0.0.0.0", "--allow-insecure-executors"], {})
     assert insecure.engine.executor_endpoint == "tcp://0.0.0.0:5556"
     secret = tmp_path / "secret"
@@ -171,14 +170,14 @@ def test_the_cluster_secret_is_read_once_at_start_up(model_dir, tmp_path):
     secret = tmp_path / "secret"
     secret.write_bytes(b"s" * 32 + b"\n")
     cfg = load_config(["--model", str(model_dir), "--cluster-secret-file", str(secret)], {})
-    assert cfg.engine.cluster_keys == derive_keys(b"s" * 32)
-    assert b"s" * 32 not in repr(cfg).encode() and cfg.engine.cluster_keys.server_secret.decode() not in repr(cfg)
+    keys = derive_keys(b"s" * 32)
+    assert cfg.engine.executor_link.server == keys.server
+    assert cfg.engine.executor_link.fixed_keys == {keys.executor_public}  # the one shared executor identity
+    assert b"s" * 32 not in repr(cfg).encode() and keys.server_secret.decode() not in repr(cfg)
     secret.write_text("short")  # changed after the flags were checked
     tok, eos = small_tokenizer()
     engine = Engine(cfg.engine, tok, (eos,))
-    assert engine.hub.keys == derive_keys(b"s" * 32)
-    with pytest.raises(ValueError, match="cluster_keys is not"):  # a hand-built config cannot lose them
-        Engine(dataclasses.replace(cfg.engine, cluster_keys=None), tok, (eos,))
+    assert engine.hub.keys.server == keys.server
 
 
 def test_the_executor_checks_its_cluster_secret_before_loading_the_model(tmp_path, capsys):
@@ -193,13 +192,100 @@ def test_the_executor_checks_its_cluster_secret_before_loading_the_model(tmp_pat
         parse_config(argv, {})
     assert f"--cluster-secret-file: the secret in {secret} must be at least 16 bytes" in capsys.readouterr().err
     secret.write_text("e" * 40)
-    assert parse_config(argv, {}).cluster_keys == derive_keys(b"e" * 40)
-    assert parse_config(argv[:4], {}).cluster_keys is None
+    assert parse_config(argv, {}).link_keys == derive_keys(b"e" * 40).client
+    assert parse_config(argv[:4], {}).link_keys is None
 
 
 def test_the_stream_interval_defaults_to_every_step_and_reads_the_environment(model_dir):
     assert load_config(["--model", str(model_dir)], {}).engine.stream_interval == 1
     assert load_config(["--model", str(model_dir)], {"PAGEDSERVE_STREAM_INTERVAL": "4"}).engine.stream_interval == 4
+
+
+@pytest.fixture()
+def key_files(tmp_path):
+    """A scheduler key pair, one executor key pair trusted through a directory, a token, a revocation list."""
+    from pagedserve.wire.enrollment import new_token
+    from pagedserve.wire.key_files import write_key_pair
+
+    keys = tmp_path / "keys"
+    pairs = {"scheduler": write_key_pair(keys, "scheduler"), "ex0": write_key_pair(keys, "ex0")}
+    (keys / "trusted").mkdir()
+    (keys / "trusted" / "ex0.key").write_bytes((keys / "ex0.key").read_bytes())
+    (keys / "token").write_text(new_token() + "\n")
+    (keys / "revoked").write_text("# none yet\n")
+    return keys, pairs
+
+
+def test_identity_keys_key_the_link_and_open_it_on_every_interface(model_dir, key_files):
+    keys, pairs = key_files
+    cfg = load_config(["--model", str(model_dir), "--curve-secret-key-file", str(keys / "scheduler.key_secret"),
+                       "--trusted-executor-keys", str(keys / "trusted")],
+                      {"PAGEDSERVE_REVOKED_EXECUTOR_KEYS": str(keys / "revoked")})
+    link = cfg.engine.executor_link
+    assert link.server == pairs["scheduler"] and not link.fixed_keys
+    assert (link.trusted_keys, link.revoked_keys, link.enrollment_tokens) == (keys / "trusted", keys / "revoked", None)
+    assert cfg.engine.executor_endpoint == "tcp://0.0.0.0:5556"
+    assert pairs["scheduler"].secret.decode() not in repr(cfg)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--curve-secret-key-file", "{k}/scheduler.key_secret"],
+     "--curve-secret-key-file: give --trusted-executor-keys or --enrollment-token-file, or no executor can join"),
+    (["--trusted-executor-keys", "{k}/trusted"], "--trusted-executor-keys: needs --curve-secret-key-file"),
+    (["--enrollment-token-file", "{k}/token"], "--enrollment-token-file: needs --curve-secret-key-file"),
+    (["--cluster-secret-file", "{k}/token", "--curve-secret-key-file", "{k}/scheduler.key_secret"],
+     "--cluster-secret-file: not with --curve-secret-key-file"),
+    (["--curve-secret-key-file", "{k}/scheduler.key", "--enrollment-token-file", "{k}/token"],
+     "--curve-secret-key-file: {k}/scheduler.key is not a secret key file"),
+    (["--curve-secret-key-file", "{k}/scheduler.key_secret", "--trusted-executor-keys", "{k}"],
+     "--trusted-executor-keys: {k}/ex0.key_secret holds a secret key: give the public .key file instead"),
+    (["--curve-secret-key-file", "{k}/scheduler.key_secret", "--trusted-executor-keys", "{k}/token"],
+     "--trusted-executor-keys: {k}/token, line 1: expected a 40-character z85 key"),
+    (["--curve-secret-key-file", "{k}/scheduler.key_secret", "--enrollment-token-file", "{k}/revoked"],
+     "--enrollment-token-file: {k}/revoked holds no token"),
+    (["--curve-secret-key-file", "{k}/scheduler.key_secret", "--trusted-executor-keys", "{k}/trusted",
+      "--revoked-executor-keys", "{k}/missing"], "--revoked-executor-keys: {k}/missing does not exist"),
+])
+def test_link_key_flags_are_checked_at_start_up_naming_the_flag(model_dir, key_files, capsys, flags, message):
+    keys, _ = key_files
+    with pytest.raises(SystemExit):
+        load_config(["--model", str(model_dir), *(f.format(k=keys) for f in flags)], {})
+    assert message.format(k=keys) in capsys.readouterr().err
+
+
+def test_a_key_file_whose_two_keys_do_not_belong_together_is_refused(model_dir, key_files, capsys):
+    keys, pairs = key_files
+    text = (keys / "scheduler.key_secret").read_text().replace(pairs["scheduler"].public.decode(),
+                                                               pairs["ex0"].public.decode())
+    (keys / "mixed.key_secret").write_text(text)
+    with pytest.raises(SystemExit):
+        load_config(["--model", str(model_dir), "--curve-secret-key-file", str(keys / "mixed.key_secret"),
+                     "--enrollment-token-file", str(keys / "token")], {})
+    assert "the public key is not the secret key's" in capsys.readouterr().err
+
+
+def test_the_executor_reads_its_own_key_pair_and_the_schedulers_public_key(key_files, tmp_path, capsys):
+    from executor_svc.config import parse_config
+
+    keys, pairs = key_files
+    base = ["--model", str(tmp_path / "no-model-here"), "--scheduler", "tcp://127.0.0.1:5556"]
+    own = ["--curve-key-file", str(keys / "ex0.key_secret")]
+    server = ["--scheduler-public-key-file", str(keys / "scheduler.key")]
+    cfg = parse_config([*base, *own, *server], {"PAGEDSERVE_ENROLLMENT_TOKEN_FILE": str(keys / "token")})
+    assert cfg.link_keys.own == pairs["ex0"] and cfg.link_keys.server_public == pairs["scheduler"].public
+    assert cfg.enrollment_token_file == keys / "token" and pairs["ex0"].secret.decode() not in repr(cfg)
+    for argv, message in [
+        ([*base, *own], "--curve-key-file: needs --curve-key-file and --scheduler-public-key-file"),
+        ([*base, "--enrollment-token-file", str(keys / "token")], "--enrollment-token-file: needs --curve-key-file"),
+        ([*base, *own, *server, "--cluster-secret-file", str(keys / "token")],
+         "--cluster-secret-file: not with --curve-key-file, --scheduler-public-key-file"),
+        ([*base, "--curve-key-file", str(keys / "ex0.key"), *server], "is not a secret key file"),
+        ([*base, *own, "--scheduler-public-key-file", str(keys / "scheduler.key_secret")],
+         "holds a secret key: give the public .key file instead"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_config(argv, {})
+        assert message in capsys.readouterr().err, argv
 
 
 def test_the_caps_are_sized_for_the_machine_unless_given_and_must_hold_one_request(model_dir, capsys):

@@ -201,7 +201,7 @@ def test_sigterm_to_a_follower_drains_the_whole_group(tp_model, hf, tmp_path):
         s.start_scheduler()
         port = free_port()
         ranks = [_rank(tp_model, r, port, s.executor_port, tmp_path / f"rank{r}.log", "--drain-timeout", "30",
-                       *s.secret_args) for r in (0, 1)]
+                       *s.executor_key_args("tp")) for r in (0, 1)]
         s.executors.update({"rank0": ranks[0], "rank1": ranks[1]})  # stopped with the stack
         s.wait_executors(1)
         s.start_executor("solo")

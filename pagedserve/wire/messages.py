@@ -250,6 +250,9 @@ class Handshake(_Message):
     device: Name
     # Ranks serving this model as one executor (tensor parallelism); older executors omit it.
     tensor_parallel_size: Annotated[int, Meta(ge=1, le=p.MAX_TENSOR_PARALLEL_SIZE)] = 1
+    # An enrollment token's HMAC over the link's keys and executor_id (pagedserve/wire/enrollment.py),
+    # for an executor whose key the scheduler does not list; empty otherwise.
+    enrollment_proof: Annotated[bytes, Meta(max_length=64)] = b""
 
 
 class HandshakeReply(_Message):
