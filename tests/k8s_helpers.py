@@ -97,6 +97,15 @@ def container(workload: Doc, name: str | None = None) -> Doc:
     return next(c for c in cs if c["name"] == name)
 
 
+def mounted(workload: Doc, c: Doc, path: str) -> tuple[Doc, Doc]:
+    """The volume, and container ``c``'s mount of it, that ``path`` lies in (the deepest mount wins)."""
+    mounts = [m for m in c.get("volumeMounts", []) if path == m["mountPath"] or path.startswith(m["mountPath"] + "/")]
+    if not mounts:
+        raise AssertionError(f"{c['name']}: {path} lies in no volume mount")
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    return next(v for v in pod_spec(workload)["volumes"] if v["name"] == mount["name"]), mount
+
+
 def all_containers(workload: Doc) -> list[Doc]:
     spec = pod_spec(workload)
     return spec.get("initContainers", []) + spec["containers"]
@@ -330,8 +339,11 @@ class StandIn:
                 "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
                 "OMP_NUM_THREADS": "1", **env}
 
-    def run_init(self, pod: LocalPod, timeout_s: float = 120) -> None:
+    def run_init(self, pod: LocalPod, timeout_s: float = 120, names: tuple[str, ...] | None = None) -> None:
+        """Run the pod's init containers in order (only those in ``names``, when given)."""
         for c in pod_spec(pod.workload).get("initContainers", []):
+            if names is not None and c["name"] not in names:
+                continue
             out = subprocess.run(self.argv(pod, c), env=self.env(pod, c), capture_output=True,
                                  text=True, timeout=timeout_s)
             if out.returncode != 0:

@@ -36,6 +36,7 @@ from k8s_helpers import (
     container,
     container_env,
     find,
+    mounted,
     pod_spec,
     pod_template,
     policy_allows,
@@ -46,7 +47,8 @@ from k8s_helpers import (
     tool,
     workloads,
 )
-from stack import write_secret
+
+from pagedserve import keytool
 
 OVERLAYS = ("gpu", "cpu")
 # Overlay + optional components, rendered as a user would add them.
@@ -246,11 +248,19 @@ def test_scheduler_command_parses_and_matches_ports_and_probes(rendered, overlay
         sc.DEFAULT_GRPC_PORT, sc.DEFAULT_HTTP_PORT, sc.DEFAULT_EXECUTOR_PORT, sc.DEFAULT_METRICS_PORT)
     # Reachable from other pods.
     assert args.host == "0.0.0.0" and args.http_host == "0.0.0.0"
-    # The executor link is encrypted with the mounted cluster secret, so it listens on every interface.
-    secret = env["PAGEDSERVE_CLUSTER_SECRET_FILE"]
-    mount = next(m for m in c["volumeMounts"] if secret.startswith(m["mountPath"] + "/"))
-    volume = next(v for v in pod_spec(deploy)["volumes"] if v["name"] == mount["name"])
-    assert volume["secret"]["secretName"] == "pagedserve-cluster-secret" and mount["readOnly"]
+    # The executor link is keyed by the scheduler's own key pair, from a Secret only it mounts (see
+    # test_each_executor_pod_makes_its_own_key_pair...), so it listens on every interface.
+    volume, mount = mounted(deploy, c, env["PAGEDSERVE_CURVE_SECRET_KEY_FILE"])
+    assert volume["secret"]["secretName"] == keytool.SCHEDULER_KEY_SECRET and mount["readOnly"]
+    assert env["PAGEDSERVE_CURVE_SECRET_KEY_FILE"].endswith("/" + keytool.SCHEDULER_KEY_FILE)
+    volume, mount = mounted(deploy, c, env["PAGEDSERVE_ENROLLMENT_TOKEN_FILE"])
+    assert volume["secret"]["secretName"] == keytool.TOKEN_SECRET and "subPath" not in mount  # rotations show
+    assert args.trusted_executor_keys is None  # executors enroll: no list of keys to keep by hand
+    # Revocations: a ConfigMap the operator owns, read whole; optional (none yet), and never rendered
+    # here, so `kubectl apply -k` cannot undo one.
+    volume, mount = mounted(deploy, c, env["PAGEDSERVE_REVOKED_EXECUTOR_KEYS"])
+    assert mount["mountPath"] == env["PAGEDSERVE_REVOKED_EXECUTOR_KEYS"] and volume["configMap"]["optional"] is True
+    assert not [d for d in docs if d["metadata"]["name"] == volume["configMap"]["name"]]
     assert args.executor_host in (None, "0.0.0.0")
     # The client Service exposes both APIs (and metrics), each on the container port that serves it.
     client = {p["name"]: p for p in find(docs, "Service", SCHED)["spec"]["ports"]}
@@ -345,7 +355,7 @@ def test_gpu_model_download_job_fills_what_the_pods_wait_for(rendered):
     assert dl_env["MODEL_DIR"] == model_dir
     marker = re.search(r'touch "\$MODEL_DIR/([^"]+)"\s*$', script).group(1)
     for name in (SCHED, EXEC):
-        (wait,) = pod_spec(find(docs, "Deployment", name))["initContainers"]
+        (wait,) = [c for c in pod_spec(find(docs, "Deployment", name))["initContainers"] if c["name"] == "wait-for-model"]
         assert f"$PAGEDSERVE_MODEL/{marker}" in wait["command"][-1]
         assert container_env(docs, wait)["PAGEDSERVE_MODEL"] == model_dir
     volumes = {v["name"]: v for v in pod_spec(job)["volumes"]}
@@ -370,7 +380,7 @@ def test_cpu_overlay_builds_the_tiny_model_where_the_services_read_it(rendered):
     docs = rendered["cpu"]
     for name in (SCHED, EXEC):
         deploy = find(docs, "Deployment", name)
-        (init,) = pod_spec(deploy)["initContainers"]
+        (init,) = [c for c in pod_spec(deploy)["initContainers"] if c["name"] == "build-tiny-model"]
         assert init["command"][:3] == ["python", "-m", "executor_svc.tiny_model"]
         out = init["command"][init["command"].index("--out") + 1]
         assert container_env(docs, container(deploy))["PAGEDSERVE_MODEL"] == out
@@ -457,6 +467,37 @@ def test_pdb_covers_the_executors(rendered):
     assert executor["spec"]["template"]["metadata"]["labels"].items() >= EXEC_LABELS.items()
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_executor_pod_makes_its_own_key_pair_and_holds_nothing_of_the_schedulers(rendered, variant):
+    """No Secret shared by the replicas holds a key: each pod's init container makes its key pair into a
+    memory emptyDir of that pod; the pod gets the scheduler's public key (a ConfigMap) and the
+    enrollment token, and the scheduler's secret key is in a Secret only the scheduler mounts."""
+    from pagedserve.cli import _build_parser
+
+    docs = rendered[variant]
+    executors = executor_workload(docs)
+    c, spec = container(executors), pod_spec(executors)
+    env = container_env(docs, c)
+    volume, mount = mounted(executors, c, env["PAGEDSERVE_CURVE_KEY_FILE"])
+    assert volume["emptyDir"]["medium"] == "Memory" and mount["readOnly"] is True
+    (make,) = [i for i in spec["initContainers"] if i["name"] == "make-key"]
+    assert make["command"][0] in project_scripts()
+    args = _build_parser().parse_args(make["command"][1:])  # what the real CLI makes of it
+    assert (args.command, args.keys_command, args.keep_existing) == ("keys", "executor", True)
+    assert env["PAGEDSERVE_CURVE_KEY_FILE"] == f"{mount['mountPath']}/{args.name}.key_secret"
+    assert str(args.out) == mount["mountPath"] and mounted(executors, make, str(args.out))[0] is volume
+    volume, _ = mounted(executors, c, env["PAGEDSERVE_SCHEDULER_PUBLIC_KEY_FILE"])
+    assert volume["configMap"]["name"] == keytool.SCHEDULER_PUBLIC_CONFIGMAP
+    assert env["PAGEDSERVE_SCHEDULER_PUBLIC_KEY_FILE"].endswith("/" + keytool.SCHEDULER_PUBLIC_FILE)
+    volume, mount = mounted(executors, c, env["PAGEDSERVE_ENROLLMENT_TOKEN_FILE"])
+    assert volume["secret"]["secretName"] == keytool.TOKEN_SECRET and "subPath" not in mount
+    assert env["PAGEDSERVE_ENROLLMENT_TOKEN_FILE"].endswith("/" + keytool.TOKEN_FILE)
+    secrets = {v["secret"]["secretName"] for w in workloads(docs) for v in pod_spec(w)["volumes"] if "secret" in v
+               and w is not find(docs, "Deployment", SCHED)}
+    assert keytool.SCHEDULER_KEY_SECRET not in secrets and not [k for k in env if "CLUSTER_SECRET" in k]
+    assert {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v} == {keytool.TOKEN_SECRET}
+
+
 # ------------------------------------------------------------------ tensor-parallel executors
 
 def _bytes(quantity: str) -> int:
@@ -465,11 +506,21 @@ def _bytes(quantity: str) -> int:
     return int(value) * 2 ** (10 * ("Ki", "Mi", "Gi", "Ti").index(unit) + 10)
 
 
-def _secret_mounted(env: dict[str, str], tmp_path) -> dict[str, str]:
-    """``env`` with the cluster Secret's mount path replaced by a local file: the executor reads
-    its secret while parsing its flags."""
-    assert env["PAGEDSERVE_CLUSTER_SECRET_FILE"].startswith("/etc/pagedserve/")
-    return {**env, "PAGEDSERVE_CLUSTER_SECRET_FILE": str(write_secret(tmp_path / "cluster-secret"))}
+def _keys_mounted(env: dict[str, str], tmp_path) -> dict[str, str]:
+    """``env`` with the key files' mount paths replaced by local files: the executor reads its key
+    pair, the scheduler's public key and its token while parsing its flags."""
+    from pagedserve.wire.key_files import write_key_pair
+
+    keys = tmp_path / "keys"
+    if not keys.exists():
+        write_key_pair(keys, "executor")
+        write_key_pair(keys, "scheduler")
+        (keys / "token").write_text(keytool.kubernetes_objects(NAMESPACE)["items"][2]["stringData"][keytool.TOKEN_FILE])
+    local = {"PAGEDSERVE_CURVE_KEY_FILE": keys / "executor.key_secret",
+             "PAGEDSERVE_SCHEDULER_PUBLIC_KEY_FILE": keys / "scheduler.key",
+             "PAGEDSERVE_ENROLLMENT_TOKEN_FILE": keys / "token"}
+    assert all(env[name].startswith("/etc/pagedserve/") for name in local)
+    return {**env, **{name: str(path) for name, path in local.items()}}
 
 
 def test_tensor_parallel_executors_get_n_gpus_and_shared_memory_for_nccl(rendered, tmp_path):
@@ -478,8 +529,8 @@ def test_tensor_parallel_executors_get_n_gpus_and_shared_memory_for_nccl(rendere
     docs = rendered["gpu-tp"]
     deploy = find(docs, "Deployment", EXEC)
     c, spec = container(deploy), pod_spec(deploy)
-    cfg = parse_config(c["args"], _secret_mounted(container_env(docs, c, pod_name="pagedserve-executor-7d9f8b6c5-x2x4z"),
-                                                  tmp_path))
+    cfg = parse_config(c["args"], _keys_mounted(container_env(docs, c, pod_name="pagedserve-executor-7d9f8b6c5-x2x4z"),
+                                                tmp_path))
     gpus = c["resources"]["limits"]["nvidia.com/gpu"]
     assert cfg.tensor_parallel_size == gpus == 2 and cfg.rank_env is None  # this pod starts all N ranks
     assert cfg.device == "cuda"
@@ -516,7 +567,7 @@ def test_multinode_executors_are_leaderworkerset_groups_of_ranks(rendered, tmp_p
     rendezvous = {p["name"]: p["containerPort"] for p in c["ports"]}["rendezvous"]
     for index in range(size):
         env = _lws_env(docs, lws, index)
-        cfg = parse_config(c["command"][1:] + c["args"], _secret_mounted(env, tmp_path))
+        cfg = parse_config(c["command"][1:] + c["args"], _keys_mounted(env, tmp_path))
         ranks = cfg.rank_env
         assert cfg.tensor_parallel_size == size and (ranks.rank, ranks.world_size, ranks.local_rank) == (index, size, 0)
         assert ranks.master_addr == env["LWS_LEADER_ADDRESS"] and ranks.master_port == rendezvous
@@ -625,17 +676,22 @@ def test_cpu_overlay_serves_on_loopback_and_survives_an_executor_sigterm(rendere
 
     docs = rendered["cpu"]
     # Each pod's init container builds the same seeded tiny model; build it once and share it.
-    inits = {json.dumps(pod_spec(find(docs, "Deployment", d))["initContainers"]) for d in (SCHED, EXEC)}
+    inits = {json.dumps([c for c in pod_spec(find(docs, "Deployment", d))["initContainers"]
+                         if c["name"] == "build-tiny-model"]) for d in (SCHED, EXEC)}
     assert len(inits) == 1
     cluster = StandIn(docs, tmp_path)
     try:
-        secret_dir = tmp_path / "cluster-secret"  # the Secret both Deployments mount
-        secret_dir.mkdir()
-        write_secret(secret_dir / "cluster-secret")
-        sched = cluster.pod(SCHED, "pagedserve-scheduler-5d8f7c9b4-q7x2m", {"cluster-secret": secret_dir})
+        # What the operator creates once (README): `pagedserve keys kubernetes | kubectl create -f -`,
+        # mounted as the kubelet would, one directory per Secret or ConfigMap.
+        volumes = _operator_objects(tmp_path / "objects")
+        sched = cluster.pod(SCHED, "pagedserve-scheduler-5d8f7c9b4-q7x2m", {
+            "scheduler-key": volumes[keytool.SCHEDULER_KEY_SECRET], "enrollment-token": volumes[keytool.TOKEN_SECRET]})
         cluster.run_init(sched)
-        shared = {"models": sched.volumes["models"], "cluster-secret": secret_dir}
+        shared = {"models": sched.volumes["models"], "enrollment-token": volumes[keytool.TOKEN_SECRET],
+                  "scheduler-public-key": volumes[keytool.SCHEDULER_PUBLIC_CONFIGMAP]}
         executors = [cluster.pod(EXEC, f"pagedserve-executor-6c9d8f7b5-{s}", shared) for s in ("a1b2c", "d3e4f")]
+        for ex in executors:  # each pod makes its own key pair (the model is already built and shared)
+            cluster.run_init(ex, names=("make-key",))
         # --executor-host is not in the rendered args; its wildcard default becomes loopback too.
         cluster.start(sched, {"PAGEDSERVE_EXECUTOR_HOST": "127.0.0.1"})
         cluster.wait_probe(sched, "startupProbe", 60)
@@ -684,5 +740,38 @@ def test_cpu_overlay_serves_on_loopback_and_survives_an_executor_sigterm(rendere
         assert cluster.probe(executors[1], "readinessProbe") == health_pb2.HealthCheckResponse.SERVING
         assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).num_executors == 1
         channel.close()
+        _check_pod_keys(cluster, sched, executors, volumes)
     finally:
         cluster.stop_all()
+
+
+def _operator_objects(root: Path) -> dict[str, Path]:
+    """`pagedserve keys kubernetes`'s Secrets and ConfigMap, each as the directory a volume of it is."""
+    out = subprocess.run([str(Path(sys.executable).parent / "pagedserve"), "keys", "kubernetes"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    dirs = {}
+    for obj in json.loads(out)["items"]:
+        d = dirs[obj["metadata"]["name"]] = root / obj["metadata"]["name"]
+        d.mkdir(parents=True)
+        for key, value in obj.get("stringData", obj.get("data", {})).items():
+            (d / key).write_text(value)
+    return dirs
+
+
+def _check_pod_keys(cluster: StandIn, sched, executors, volumes: dict[str, Path]) -> None:
+    """Each executor pod enrolled a key pair of its own, made in the pod, secret key owner-only, and
+    no executor pod's volumes hold the scheduler's secret key."""
+    from pagedserve.wire.key_files import load_key_pair
+
+    scheduler = load_key_pair(volumes[keytool.SCHEDULER_KEY_SECRET] / keytool.SCHEDULER_KEY_FILE, "scheduler")
+    log = sched.log.read_text(errors="replace")
+    keys = []
+    for ex in executors:
+        secret = ex.volumes["executor-key"] / "executor.key_secret"
+        assert secret.stat().st_mode & 0o777 == 0o600
+        keys.append(load_key_pair(secret, ex.name).public)
+        assert f"executor {ex.name} joined" in log and f"key {keys[-1].decode()} (enrolled)" in log, log[-3000:]
+        for path in ex.volumes.values():
+            for f in path.rglob("*"):
+                assert not f.is_file() or scheduler.secret not in f.read_bytes(), f
+    assert len(set(keys)) == len(executors)
