@@ -13,7 +13,11 @@ resets the runner (the scheduler has declared us dead and re-sends whatever it
 still wants us to run), and stale results are dropped.
 
 Never exits on losing the scheduler: it reconnects and handshakes again. Exits
-with 0 after a drain, 2 when the scheduler refuses the handshake.
+with 0 after a drain, 2 when the scheduler refuses the handshake, 3 when the
+compute thread died (a bug; every plan's own failure is a result instead).
+Nothing the scheduler sends ends the loop: a frame that does not decode is
+dropped, and a ``Reset`` (after a refused plan) empties the runner's state
+behind the plans already queued.
 """
 
 from __future__ import annotations
@@ -36,9 +40,9 @@ from pagedserve.wire.keys import ClientKeys, make_client
 
 log = logging.getLogger(__name__)
 peer_warning = RateLimitedLog(log)
-_FROM_SCHEDULER = (wire.HandshakeReply, wire.Heartbeat, wire.BatchPlan)
+_FROM_SCHEDULER = (wire.HandshakeReply, wire.Heartbeat, wire.BatchPlan, wire.Reset)
 
-EXIT_OK, EXIT_REFUSED = 0, 2
+EXIT_OK, EXIT_REFUSED, EXIT_BROKEN = 0, 2, 3  # 3: the compute thread died (a bug): restart the process
 _RESET = "reset"
 _STOP = "stop"
 _POLL_MS = 50
@@ -59,6 +63,9 @@ class ComputeThread(threading.Thread):
                 self._run_pipelined(sock)
             else:
                 self._run_in_order(sock)
+        except BaseException:  # a bug (every plan's own failure is a result): the main thread exits on it
+            log.critical("the compute thread failed; the executor exits so that it is restarted", exc_info=True)
+            raise
         finally:
             sock.close(linger=0)
 
@@ -192,6 +199,9 @@ class ExecutorWorker:
                 return EXIT_OK
             if self._signals and not self.draining and (code := self._start_drain()) is not None:
                 return code
+            if not self.compute.is_alive():
+                log.critical("the compute thread is gone; exiting")
+                return EXIT_BROKEN
             now = time.monotonic()
             if self.draining and (now >= self.drain_deadline or (
                     self.inflight == 0 and now - self.last_plan >= max(2 * self.interval, 0.5))):
@@ -243,7 +253,7 @@ class ExecutorWorker:
                     continue  # tolerate an empty delimiter frame
                 try:
                     msg = wire.decode(frame, accept=_FROM_SCHEDULER)
-                except wire.WireError as exc:
+                except wire.WireError as exc:  # (whatever the frame held: decode raises nothing else)
                     peer_warning("dropping a malformed frame (%d bytes): %s", len(frame), exc)
                     continue
                 if (code := self._dispatch(msg)) is not None:
@@ -270,6 +280,10 @@ class ExecutorWorker:
             self.inflight += 1
             self.last_plan = self.last_recv
             self.compute.inbox.put((self.gen, msg))
+        elif isinstance(msg, wire.Reset):
+            # After the plans already queued (each is still answered, refused): forget every sequence.
+            log.warning("the scheduler reset this executor: %s", msg.reason)
+            self.compute.inbox.put((self.gen, _RESET))
         elif not isinstance(msg, wire.Heartbeat):
             log.warning("dropping unexpected %s from the scheduler", type(msg).__name__)
         return None

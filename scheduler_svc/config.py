@@ -83,6 +83,8 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "--async-scheduling": (EngineConfig, "async_scheduling"),
     "--stream-interval": (EngineConfig, "stream_interval"),
     "--step-timeout": (EngineConfig, "step_timeout_s"),
+    "--max-failed-steps": (EngineConfig, "max_failed_steps"),
+    "--orphan-timeout": (EngineConfig, "orphan_timeout_s"),
     **{"--" + f.name.replace("_", "-"): (ServerLimits, f.name) for f in dataclasses.fields(ServerLimits)},
     **{"--http-" + f.name.replace("_", "-"): (HttpLimits, f.name) for f in dataclasses.fields(HttpLimits)},
     **{"--grpc-" + f.name.replace("_", "-"): (GrpcLimits, f.name) for f in dataclasses.fields(GrpcLimits)},
@@ -197,6 +199,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-migrations", type=number(int, "--max-migrations", 0, True),
                    default=default(e, "max_migrations"),
                    help="times a request may move to another executor after a failure")
+    p.add_argument("--max-failed-steps", type=number(int, "--max-failed-steps", 1, True),
+                   default=default(e, "max_failed_steps"),
+                   help="consecutive steps an executor fails as a whole (every sequence of the step) before "
+                        "it is dropped and its requests move elsewhere")
+    p.add_argument("--orphan-timeout", type=number(float, "--orphan-timeout", 0), dest="orphan_timeout_s",
+                   default=default(e, "orphan_timeout_s"),
+                   help="seconds a request whose executors all died waits for another to register before it "
+                        "fails with UNAVAILABLE")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=default(e, "async_scheduling"),
                    help="plan each executor's next step while it runs the current one, so it never waits "

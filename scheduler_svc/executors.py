@@ -17,8 +17,13 @@ it: a second connection claiming a live id is refused, and a connected routing
 id cannot be taken over (no ROUTER_HANDOVER). A live executor whose key is
 revoked is dropped. Before its handshake is accepted a peer may send one small
 handshake frame, which is all that is decoded; every frame is size-bounded by
-libzmq first and decoded with typed, bounded readers. A step that does not come
-back within the step timeout counts as the executor failing.
+libzmq first and decoded with typed, bounded readers. A result frame is checked
+against the plan it answers (its step id, and a size no larger than that plan's
+answer can be) before its body is parsed; a registered executor whose frame
+breaks the contract is dropped at once. A step that does not come back within
+the step timeout counts as the executor failing. Nothing a peer sends ends the
+receive loop; if a transport task ends anyway, :attr:`ExecutorHub.failure` says
+why and liveness reports it.
 """
 
 from __future__ import annotations
@@ -52,13 +57,23 @@ class ExecutorLost(Exception):
     """The executor died (or was replaced) while a step was in flight."""
 
 
+@dataclass(slots=True)
+class SentPlan:
+    """A plan sent to an executor and not yet answered: what its result frame must match."""
+
+    step_id: int
+    max_result_bytes: int  # the largest answer the plan can have (wire.max_result_bytes)
+    result: asyncio.Future  # resolved with the decoded StepResult
+
+
 @dataclass(slots=True, eq=False)
 class ExecutorConn:
     identity: bytes
     info: wire.Handshake
     state: str = "ready"  # "ready" | "draining" | "dead"
     last_seen: float = field(default_factory=time.monotonic)
-    in_flight: deque[tuple[int, asyncio.Future]] = field(default_factory=deque)  # (step id, result), oldest first
+    in_flight: deque[SentPlan] = field(default_factory=deque)  # sent, not yet taken by next_result, oldest first
+    discarded: set[int] = field(default_factory=set)  # step ids sent before a Reset: answers dropped unread
     oldest_since: float = 0.0  # when the oldest plan in flight started to run (as far as we know)
     step_seconds: float = 0.0  # moving average of the time between results
     drain_deadline: float | None = None
@@ -90,6 +105,8 @@ class ExecutorHub:
         self._ctx = zmq.asyncio.Context()  # (the ZAP authenticator runs on it, asynchronously)
         self._sock: RouterSocket | None = None
         self._tasks: list[asyncio.Task] = []
+        self._closing = False
+        self.failure: str | None = None  # why a transport task ended unasked (liveness reports it)
         self.conns: dict[bytes, ExecutorConn] = {}
         # The served model: computed from the scheduler's own --model directory when its weights are
         # there; otherwise fixed by the first accepted executor.
@@ -129,8 +146,20 @@ class ExecutorHub:
                        asyncio.create_task(self._heartbeat_loop(), name="executor-heartbeat")]
         if self.trust is not None and self.keys.reloadable:
             self._tasks.append(asyncio.create_task(self.trust.watch(self._drop_untrusted), name="executor-keys"))
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        """A transport task ended: only ``close()`` may end one. Anything else is recorded in
+        :attr:`failure`, which liveness reports, so that the process is restarted."""
+        if self._closing:
+            return
+        exc = None if task.cancelled() else task.exception()
+        self.failure = f"{task.get_name()} ended: {exc!r}" if exc is not None else f"{task.get_name()} ended"
+        log.critical("executor transport failed: %s", self.failure, exc_info=exc)
 
     async def close(self) -> None:
+        self._closing = True
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -142,13 +171,14 @@ class ExecutorHub:
 
     # ------------------------------------------------------------------ steps
 
-    async def send_plan(self, conn: ExecutorConn, plan: wire.BatchPlan) -> None:
-        """Send a plan without waiting for its result; ExecutorLost if the executor is gone."""
+    async def send_plan(self, conn: ExecutorConn, plan: wire.BatchPlan, max_result_bytes: int) -> None:
+        """Send a plan without waiting for its result; ExecutorLost if the executor is gone.
+        ``max_result_bytes``: the largest answer it can have; a larger one breaks the contract."""
         if conn.state == "dead":
             raise ExecutorLost(conn.id)
         if not conn.in_flight:
             conn.oldest_since = time.monotonic()
-        conn.in_flight.append((plan.step_id, self._loop.create_future()))
+        conn.in_flight.append(SentPlan(plan.step_id, max_result_bytes, self._loop.create_future()))
         if not await self._send(conn, plan):
             raise ExecutorLost(conn.id)
 
@@ -156,21 +186,29 @@ class ExecutorHub:
         """The result of the oldest plan sent; ExecutorLost if the executor dies first."""
         if not conn.in_flight:
             raise RuntimeError(f"executor {conn.id}: no plan in flight to wait for")
-        _, fut = conn.in_flight[0]
+        fut = conn.in_flight[0].result
         try:
             return await fut
         finally:
-            if conn.in_flight and conn.in_flight[0][1] is fut:
+            if conn.in_flight and conn.in_flight[0].result is fut:
                 conn.in_flight.popleft()
 
     @staticmethod
     def result_ready(conn: ExecutorConn) -> bool:
         """Whether the oldest plan's result (or the executor's death) has arrived."""
-        return bool(conn.in_flight) and conn.in_flight[0][1].done()
+        return bool(conn.in_flight) and conn.in_flight[0].result.done()
 
-    # ------------------------------------------------------------------ internals
+    def reset(self, conn: ExecutorConn, why: str) -> None:
+        """Tell the executor to forget every sequence (it refused a plan: the two views parted). The
+        plans still in flight are discarded: their answers are dropped unread, and nobody waits for
+        them. The engine has taken the executor's requests back; the plans it sends next start afresh."""
+        for sent in conn.in_flight:
+            conn.discarded.add(sent.step_id)
+            sent.result.cancel()
+        conn.in_flight.clear()
+        self._send_now(conn, wire.Reset(why[:wire.MAX_TEXT_CHARS]))
 
-    async def _send(self, conn: ExecutorConn, msg: wire.Message) -> bool:
+    def _send_now(self, conn: ExecutorConn, msg: wire.Message) -> bool:
         try:
             self._sock.send_multipart([conn.identity, wire.encode(msg)])
             return True
@@ -178,7 +216,15 @@ class ExecutorHub:
             self._declare_dead(conn, f"send failed: {exc}")
             return False
 
+    # ------------------------------------------------------------------ internals
+
+    async def _send(self, conn: ExecutorConn, msg: wire.Message) -> bool:
+        return self._send_now(conn, msg)
+
     async def _recv_loop(self) -> None:
+        """Every frame, whatever it holds, ends here as a message handled, a frame dropped or a peer
+        dropped: nothing a peer sends stops this loop (an unexpected error is logged, rate-limited,
+        and the loop goes on). If it ends anyway, :attr:`failure` says so and liveness reports it."""
         while True:
             try:
                 frames = await self._sock.recv_multipart()
@@ -186,54 +232,84 @@ class ExecutorHub:
                 log.warning("executor socket receive failed: %s", exc)
                 await asyncio.sleep(0.05)
                 continue
-            if len(frames) != 2:
-                peer_warning("dropping a message of %d frames (expected identity + payload)", len(frames))
-                continue
-            identity, payload = frames
-            conn = self.conns.get(identity)
             try:
-                if conn is not None and conn.state != "dead":
-                    msg = wire.decode(payload, accept=_REGISTERED_KINDS, max_bytes=wire.MAX_RESULT_FRAME_BYTES)
-                else:  # not registered: a small handshake is all we read from it
-                    msg = wire.decode(payload, accept=(wire.Handshake,), max_bytes=wire.MAX_HANDSHAKE_FRAME_BYTES)
-            except wire.WireError as exc:
-                (peer_warning if conn is None else executor_warning)(
-                    "dropping a malformed frame from %r: %s", identity[:64], exc)
-                continue
-            try:
-                await self._dispatch(identity, msg)
-            except Exception:  # a bug in a callback must not kill the transport
-                log.exception("error while handling %s from %r", type(msg).__name__, identity)
+                await self._receive(frames)
+            except Exception:  # noqa: BLE001  a bug here must not end the transport
+                executor_warning("error while handling a frame from %r", frames[0][:64] if frames else b"",
+                                 exc_info=True)
 
-    async def _dispatch(self, identity: bytes, msg: wire.Message) -> None:
-        if isinstance(msg, wire.Handshake):
-            await self._handshake(identity, msg)
+    async def _receive(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            peer_warning("dropping a message of %d frames (expected identity + payload)", len(frames))
             return
+        identity, payload = frames
         conn = self.conns.get(identity)
-        if conn is None or conn.state == "dead":
-            peer_warning("ignoring %s from unregistered peer %r", type(msg).__name__, identity[:64])
+        if conn is None or conn.state == "dead":  # not registered: a small handshake is all we read from it
+            try:
+                msg = wire.decode(payload, accept=(wire.Handshake,), max_bytes=wire.MAX_HANDSHAKE_FRAME_BYTES)
+            except wire.WireError as exc:
+                peer_warning("dropping a malformed frame from %r: %s", identity[:64], exc)
+                return
+            await self._handshake(identity, msg)  # type: ignore[arg-type]
             return
-        now = conn.last_seen = time.monotonic()
-        if isinstance(msg, wire.StepResult):
-            waiting = next((f for step, f in conn.in_flight if not f.done()), None)
-            expected = next((step for step, f in conn.in_flight if f is waiting), None)
-            if waiting is None or msg.step_id != expected:
-                executor_warning("executor %s: unexpected result for step %d (expected %s)", conn.id, msg.step_id,
-                             expected)
-            else:
-                waiting.set_result(msg)
-                took = now - conn.oldest_since
-                conn.step_seconds = took if not conn.step_seconds else 0.9 * conn.step_seconds + 0.1 * took
-                conn.oldest_since = now  # the next plan (if queued) started when this one ended
+        try:
+            env = wire.read_envelope(payload, accept=_REGISTERED_KINDS, max_bytes=wire.MAX_RESULT_FRAME_BYTES)
+            waiting = self._expected(conn, env) if env.kind is wire.StepResult else None
+            if env.kind is wire.StepResult and waiting is None:
+                return  # the answer to a plan discarded by a reset: dropped unread
+            msg = wire.decode_body(env)
+        except wire.WireError as exc:
+            # An authenticated executor sent what the contract forbids: a bug or an attack, either way
+            # nothing more of it is trusted. Its requests move to other executors.
+            self._declare_dead(conn, f"protocol error: {exc}")
+            return
+        conn.last_seen = time.monotonic()
+        if waiting is not None:
+            self._resolve(conn, waiting, msg)  # type: ignore[arg-type]
         elif isinstance(msg, wire.Drain):
-            if conn.state == "ready":
-                conn.state = "draining"
-                # Migrate what is left a little before the executor's own deadline, so
-                # the last steps' tokens are not lost in flight when it exits.
-                margin = 2 * self.heartbeat_interval_s
-                conn.drain_deadline = time.monotonic() + max(0.0, msg.grace_seconds - margin)
-                log.info("executor %s is draining (grace %.1fs)", conn.id, msg.grace_seconds)
-                self._on_drain(conn)
+            self._drain(conn, msg)
+        elif isinstance(msg, wire.Handshake):  # the same id dialled in again: that process lost its state
+            await self._handshake(identity, msg)
+
+    def _expected(self, conn: ExecutorConn, env: wire.Envelope) -> SentPlan | None:
+        """The plan a result frame answers, checked before its body is parsed: the oldest plan not yet
+        answered, and a frame no larger than that plan's answer can be. None: a discarded plan's.
+        WireError for anything else (a step never sent, out of order, or too large)."""
+        if env.tag in conn.discarded:
+            conn.discarded.discard(env.tag)
+            return None
+        waiting = next((sent for sent in conn.in_flight if not sent.result.done()), None)
+        if waiting is None or env.tag != waiting.step_id:
+            raise wire.WireError(f"a result for step {env.tag}, expected "
+                                 f"{waiting.step_id if waiting else 'none (no plan in flight)'}")
+        if env.size > waiting.max_result_bytes:
+            raise wire.WireError(f"the result of step {env.tag} has {env.size} bytes; its plan allows at most "
+                                 f"{waiting.max_result_bytes}")
+        return waiting
+
+    def _resolve(self, conn: ExecutorConn, waiting: SentPlan, result: wire.StepResult) -> None:
+        waiting.result.set_result(result)
+        now = conn.last_seen
+        took = now - conn.oldest_since
+        conn.step_seconds = took if not conn.step_seconds else 0.9 * conn.step_seconds + 0.1 * took
+        conn.oldest_since = now  # the next plan (if queued) started when this one ended
+
+    def _drain(self, conn: ExecutorConn, msg: wire.Drain) -> None:
+        if conn.state == "ready":
+            conn.state = "draining"
+            # Migrate what is left a little before the executor's own deadline, so
+            # the last steps' tokens are not lost in flight when it exits.
+            margin = 2 * self.heartbeat_interval_s
+            conn.drain_deadline = time.monotonic() + max(0.0, msg.grace_seconds - margin)
+            log.info("executor %s is draining (grace %.1fs)", conn.id, msg.grace_seconds)
+            self._notify(self._on_drain, conn)
+
+    def _notify(self, callback: Callable, *args) -> None:
+        """Run an engine callback; its bug is logged, never raised into the transport's loops."""
+        try:
+            callback(*args)
+        except Exception:  # noqa: BLE001
+            log.exception("error in the engine's %s callback", getattr(callback, "__name__", "executor"))
 
     def _refusal(self, hs: wire.Handshake) -> str | None:
         if hs.wire_version != wire.WIRE_VERSION:
@@ -303,13 +379,13 @@ class ExecutorHub:
             return
         conn.state = "dead"
         log.warning("executor %s declared dead: %s", conn.id, why)
-        for _, fut in conn.in_flight:
-            if not fut.done():
-                fut.set_exception(ExecutorLost(f"{conn.id}: {why}"))
-                fut.exception()  # retrieved: the engine awaits only the oldest; the rest die with it
+        for sent in conn.in_flight:
+            if not sent.result.done():
+                sent.result.set_exception(ExecutorLost(f"{conn.id}: {why}"))
+                sent.result.exception()  # retrieved: the engine awaits only the oldest; the rest die with it
         if self.conns.get(conn.identity) is conn:
             del self.conns[conn.identity]
-        self._on_dead(conn, why)
+        self._notify(self._on_dead, conn, why)
 
     def step_timeout(self, conn: ExecutorConn) -> float:
         """How long the oldest plan in flight may take: sized from the executor's recent steps,
@@ -322,12 +398,18 @@ class ExecutorHub:
             await asyncio.sleep(self.heartbeat_interval_s)
             now = time.monotonic()
             for conn in list(self.conns.values()):
-                if now - conn.last_seen > limit:
-                    self._declare_dead(conn, f"silent for {now - conn.last_seen:.1f}s")
-                elif conn.in_flight and now - conn.oldest_since > self.step_timeout(conn):
-                    # Heartbeating but not answering (a stuck device, or a peer swallowing plans).
-                    self._declare_dead(conn, f"step {conn.in_flight[0][0]} did not come back within "
-                                             f"{self.step_timeout(conn):.0f}s (--step-timeout)")
-                else:
-                    await self._send(conn, wire.Heartbeat(time.time()))
+                try:
+                    await self._beat(conn, now, limit)
+                except Exception:  # noqa: BLE001  a bug for one executor must not stop the others' heartbeats
+                    executor_warning("heartbeat of executor %s failed", conn.id, exc_info=True)
+
+    async def _beat(self, conn: ExecutorConn, now: float, limit: float) -> None:
+        if now - conn.last_seen > limit:
+            self._declare_dead(conn, f"silent for {now - conn.last_seen:.1f}s")
+        elif conn.in_flight and now - conn.oldest_since > self.step_timeout(conn):
+            # Heartbeating but not answering (a stuck device, or a peer swallowing plans).
+            self._declare_dead(conn, f"step {conn.in_flight[0].step_id} did not come back within "
+                                     f"{self.step_timeout(conn):.0f}s (--step-timeout)")
+        else:
+            await self._send(conn, wire.Heartbeat(time.time()))
 

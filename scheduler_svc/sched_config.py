@@ -69,6 +69,8 @@ class EngineConfig:
     stream_interval: int = 1  # after a request's first output, tokens a choice gathers before its consumer wakes
     executor_link: LinkSecurity | None = None  # CURVE keys of the executor link and who is admitted (None: none)
     step_timeout_s: float = 30.0  # least time a step may take before its executor counts as failed
+    max_failed_steps: int = 3  # consecutive steps an executor fails as a whole before it is dropped
+    orphan_timeout_s: float = 60.0  # how long a request whose executors all died waits for another
     model_fingerprint: str | None = None  # the served model (from --model's weights), None: the first executor's
 
     def __post_init__(self) -> None:
