@@ -40,11 +40,11 @@ from scheduler_svc.api_types import (
     RequestOutput,
     Usage,
 )
-from scheduler_svc.engine_state import Tracked
 from scheduler_svc.gc_tuning import tune_gc
 from scheduler_svc.http.app import OpenAIFront, build_app
 from scheduler_svc.http.limits import HttpLimits
 from scheduler_svc.http.serve import start_http_server
+from scheduler_svc.mailbox import Tracked
 from scheduler_svc.output_stream import OutputStream
 from scheduler_svc.outputs import RequestStream
 from scheduler_svc.server import start_grpc_server

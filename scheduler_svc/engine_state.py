@@ -1,109 +1,39 @@
-"""What the engine keeps per request and per executor.
+"""What the engine core keeps per request and per executor.
 
-``Tracked`` is a request as the engine follows it across executors: its output stream, the
-single-consumer mailbox its :class:`~scheduler_svc.output_stream.OutputStream` reads, the executor
-it runs on and what moves with it when it migrates. ``ExecutorSlot`` is one registered executor:
-its connection, its own Scheduler (its KV pool), the inbox of additions and aborts that only its
-engine loop applies, and what was applied but not yet streamed.
+``CoreRequest`` is a request as the core follows it across its executors: the front that owns
+it (where its updates go), the executor it runs on and what moves with it when it migrates.
+``ExecutorSlot`` is one registered executor: its connection, its own Scheduler (its KV pool), the
+inbox of additions, aborts and finished choices that only its engine loop applies, the requests
+it runs and the updates applied but not yet handed to their fronts.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
-from scheduler_svc.api_types import RequestOutput
+from scheduler_svc.api_types import GenerationRequest
 from scheduler_svc.executors import ExecutorConn
-from scheduler_svc.outputs import RequestStream, merge_outputs
 from scheduler_svc.request import MigratedRequest
 from scheduler_svc.scheduler import Scheduler
 
 
 @dataclass(slots=True, eq=False)
-class Tracked:
-    """A request as the engine follows it, across executors.
+class CoreRequest:
+    """A request as the engine core follows it, across its executors."""
 
-    Its outputs reach the consumer (:class:`~scheduler_svc.output_stream.OutputStream`)
-    through a minimal single-consumer mailbox: the consumer's ``waiter`` while it
-    waits, else ``outbox``. An asyncio.Queue costs several times more per token,
-    and the engine puts one output per request per step.
-
-    ``--stream-interval`` N > 1 is applied here, before the mailbox: after the first
-    output, outputs wait in ``held`` until one choice has N new tokens, the request
-    finishes or fails, and then go to the consumer merged, with one wake-up. Holding
-    them at the fronts instead cost a wake-up per token: at N = 4, 14.4 vs 12.3 us of
-    the scheduler's CPU per streamed gRPC token (docs/PERF.md, "Streaming cost of the fronts").
-    """
-
-    stream: RequestStream
-    interval: int = 1  # --stream-interval
-    outbox: list = field(default_factory=list)  # RequestOutput | Exception put while nobody waited, oldest first
-    waiter: asyncio.Future | None = None  # the consumer's, while it waits for the next output
-    ended: bool = False  # the last item (the finished output, or an error) has been put
-    held: list = field(default_factory=list)  # outputs held back for the interval, oldest first
-    held_tokens: dict[int, int] | None = None  # per choice, tokens in ``held`` (interval > 1, after the first output)
+    req: GenerationRequest
+    sink: Any  # engine_core.UpdateSink: the front its updates go to
     slot: ExecutorSlot | None = None
     migrations: int = 0
     resume: MigratedRequest | None = None  # set while waiting to be re-queued elsewhere
     parked: asyncio.TimerHandle | None = None  # waiting for an executor: when it gives up (--orphan-timeout)
+    ended: bool = False  # finished, failed or aborted: nothing more goes to its front
 
     @property
     def request_id(self) -> str:
-        return self.stream.req.request_id
-
-    def put(self, out: RequestOutput) -> None:
-        if out.finished:
-            self.ended = True
-        elif self.held_tokens is not None:
-            if self._holds(out):
-                return
-        elif self.interval > 1:
-            self.held_tokens = {}  # the first output goes at once; the ones after it are held
-        if self.held:  # released: what was held goes with it
-            self.held.append(out)
-            out = merge_outputs(self.held)
-            self.held = []
-        w = self.waiter  # (_hand, inlined: this runs for every request every step)
-        if w is not None:
-            self.waiter = None
-            if not w.done():  # (cancelled: its consumer stopped waiting; the output waits below)
-                w.set_result(out)
-                return
-        self.outbox.append(out)
-
-    def _holds(self, out: RequestOutput) -> bool:
-        """Hold ``out`` back, unless it brings one choice to the interval."""
-        counts = self.held_tokens
-        top = 0
-        for c in out.choices:
-            n = counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)  # type: ignore[index]
-            top = max(top, n)
-        if top < self.interval:
-            self.held.append(out)
-            return True
-        counts.clear()  # type: ignore[union-attr]
-        return False
-
-    def put_error(self, exc: Exception) -> None:
-        """End the consumer's stream with ``exc`` (raised where it awaits its next output), after
-        the outputs still held: no generated token is lost."""
-        self.ended = True
-        if self.held:
-            held, self.held = self.held, []
-            self._hand(merge_outputs(held))
-        self._hand(exc)
-
-    def _hand(self, item: RequestOutput | Exception) -> None:
-        w = self.waiter
-        if w is not None:
-            self.waiter = None
-            if not w.done():
-                if isinstance(item, Exception):
-                    w.set_exception(item)
-                else:
-                    w.set_result(item)
-                return
-        self.outbox.append(item)
+        return self.req.request_id
 
 
 @dataclass(slots=True, eq=False)
@@ -111,29 +41,30 @@ class ExecutorSlot:
     conn: ExecutorConn
     scheduler: Scheduler
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
-    adds: list[Tracked] = field(default_factory=list)
+    adds: list[CoreRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
-    requests: dict[str, Tracked] = field(default_factory=dict)
+    finished_choices: list[tuple[str, int]] = field(default_factory=list)  # (request id, choice) a stop string ended
+    requests: dict[str, CoreRequest] = field(default_factory=dict)
     task: asyncio.Task | None = None
     queued_blocks: int = 0  # prompt blocks of ``adds`` (kept, not summed: routing reads it per request)
-    unpublished: list = field(default_factory=list)  # RequestUpdates applied, not yet streamed
+    unpublished: list = field(default_factory=list)  # RequestUpdates applied, not yet handed to their fronts
     failed_steps: int = 0  # consecutive steps failed as a whole or refused (--max-failed-steps)
 
     @property
     def id(self) -> str:
         return self.conn.id
 
-    def add(self, t: Tracked) -> None:
+    def add(self, t: CoreRequest) -> None:
         self.adds.append(t)
         self.queued_blocks += self._blocks(t)
 
-    def remove_add(self, t: Tracked) -> None:
+    def remove_add(self, t: CoreRequest) -> None:
         self.adds.remove(t)
         self.queued_blocks -= self._blocks(t)
 
-    def take_adds(self) -> list[Tracked]:
+    def take_adds(self) -> list[CoreRequest]:
         adds, self.adds, self.queued_blocks = self.adds, [], 0
         return adds
 
-    def _blocks(self, t: Tracked) -> int:
-        return -(-len(t.stream.req.prompt_token_ids) // self.scheduler.config.block_size)
+    def _blocks(self, t: CoreRequest) -> int:
+        return -(-len(t.req.prompt_token_ids) // self.scheduler.config.block_size)

@@ -1,6 +1,6 @@
 """A request's outputs as its consumer reads them: what ``Engine.generate`` returns.
 
-The fan-out hands each output to the request's :class:`~scheduler_svc.engine_state.Tracked`;
+The fan-out hands each output to the request's :class:`~scheduler_svc.mailbox.Tracked`;
 this is the other end, the consumer's. Every ``__anext__`` returns a future, and
 when the consumer already waits the fan-out completes that future with the
 output itself: a token reaches its consumer with one future and one task
@@ -29,7 +29,7 @@ import asyncio
 from collections.abc import Callable
 
 from scheduler_svc.api_types import GenerationRequest, RequestOutput
-from scheduler_svc.engine_state import Tracked
+from scheduler_svc.mailbox import Tracked
 from scheduler_svc.outputs import merge_outputs
 
 

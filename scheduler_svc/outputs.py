@@ -109,7 +109,7 @@ class RequestStream:
         if update.num_cached_prompt_tokens:
             self.cached_prompt_tokens = update.num_cached_prompt_tokens
         self.last_token_at = now
-        return RequestOutput(update.request_id, [ChoiceDelta(0, text, ids)])
+        return RequestOutput(self.req.request_id, [ChoiceDelta(0, text, ids)])
 
     def _apply_one(self, su: SeqUpdate, now: float) -> tuple[RequestOutput, list[int]]:
         """The common case, kept lean (it runs for every running request every step): one choice."""

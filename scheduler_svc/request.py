@@ -133,13 +133,19 @@ class SeqUpdate(msgspec.Struct, gc=False):  # built per token: see api_types
     finish_reason: FinishReason | None = None
 
 
+# What an error update means for the client (RequestUpdate.error_kind): the engine's exceptions of
+# api_types, which scheduler_svc/refusals.py maps to gRPC and HTTP statuses.
+ERROR_FAILED, ERROR_NO_EXECUTOR, ERROR_QUEUE_FULL = 0, 1, 2
+
+
 class RequestUpdate(msgspec.Struct, gc=False):  # built per token: see api_types
     request_id: str
     seqs: list[SeqUpdate]
     finished: bool = False
     prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
-    error: str | None = None  # set when the step failed; the request is finished and freed
+    error: str | None = None  # set when it failed (a generic message: details are logged); it is freed
+    error_kind: int = ERROR_FAILED  # with error: RequestFailed, NoExecutor or QueueFull
 
 
 @dataclass(slots=True)

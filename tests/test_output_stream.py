@@ -21,7 +21,7 @@ from scheduler_svc.api_types import (
     RequestOutput,
     RequestParams,
 )
-from scheduler_svc.engine_state import Tracked
+from scheduler_svc.mailbox import Tracked
 from scheduler_svc.output_stream import OutputStream
 from scheduler_svc.outputs import RequestStream
 

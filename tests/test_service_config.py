@@ -91,7 +91,7 @@ def test_every_flag_reaches_the_object_that_uses_it(model_dir, tmp_path):
     values = {"--block-size": "32", "--max-num-seqs": "77", "--max-num-batched-tokens": "999",
               "--preemption-mode": "swap", "--watermark": "0.05", "--heartbeat-interval": "0.25",
               "--max-queued-requests": "11", "--max-migrations": "5", "--step-timeout": "7.5",
-              "--stream-interval": "4"}
+              "--stream-interval": "4", "--max-failed-steps": "5", "--orphan-timeout": "12.5"}
     values.update({flag: str(default(cls, name) + 3) for flag, (cls, name) in FLAG_FIELDS.items()
                    if cls in (ServerLimits, HttpLimits, GrpcLimits)})
     values["--max-in-flight-bytes"] = str(64 << 20)  # at least the largest request a front accepts

@@ -1,6 +1,6 @@
-"""The publisher's decode fast path streams exactly what the general path does.
+"""The front's decode fast path streams exactly what the general path does.
 
-Most updates take ``Publisher.publish_now``'s inlined path (one choice, one token, no
+Most updates take ``FrontStreams.stream_now``'s inlined path (one choice, one token, no
 logprobs, no stop strings); the first token, merged steps, a finish and every request with
 stop strings take ``RequestStream.apply``. Fed the same tokens, both must give the same text
 (``decode`` of the outputs: multi-byte characters split across tokens included), the same
@@ -8,17 +8,15 @@ usage and the same inter-token-latency count."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 from grpc_fakes import make_tokenizer
 
 from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
-from scheduler_svc.engine_state import Tracked
+from scheduler_svc.front_streams import FrontStreams
+from scheduler_svc.mailbox import Tracked
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.outputs import RequestStream
-from scheduler_svc.publish import Publisher
 from scheduler_svc.request import RequestUpdate, SeqUpdate
 
 TEXT = "Grüße aus München 🙂🚀 and 日本語 too; plain words as well."
@@ -27,7 +25,21 @@ TEXT = "Grüße aus München 🙂🚀 and 日本語 too; plain words as well."
 def _stream(tok, rid: str, stop: list[str]) -> Tracked:
     req = GenerationRequest(rid, tok.encode("Hi").ids, RequestParams(
         max_tokens=500, sampling=SamplingParams(temperature=0.0), stop=stop))
-    return Tracked(RequestStream(req, tok, num_choices=1))
+    return Tracked(RequestStream(req, tok, num_choices=1), core_id=rid)
+
+
+class NoCore:
+    """A front's core that is never asked anything in these tests (no stop string matches)."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the core was asked {name}")
+
+
+def _front(tok, metrics, tracked: Tracked) -> FrontStreams:
+    front = FrontStreams(NoCore(), tok, metrics=metrics)
+    front.by_core_id[tracked.core_id] = tracked
+    front.tracked[tracked.core_id] = tracked
+    return front
 
 
 @pytest.mark.parametrize("merge_every", [1, 3])
@@ -46,8 +58,7 @@ def test_fast_and_general_paths_stream_the_same_text_usage_and_metrics(merge_eve
     # it on RequestStream.apply for every token.
     tracked = {"fast": _stream(tok, "fast", []), "general": _stream(tok, "general", ["\x00never"])}
     metrics = {name: Metrics() for name in tracked}
-    slots = {name: types.SimpleNamespace(id="x", requests={name: t}, scheduler=None) for name, t in tracked.items()}
-    pubs = {name: Publisher(metrics[name], {name: t}, fail=None) for name, t in tracked.items()}
+    fronts = {name: _front(tok, metrics[name], t) for name, t in tracked.items()}
     updates = 0
     for at in range(0, len(ids), merge_every):
         chunk = ids[at:at + merge_every]
@@ -56,7 +67,7 @@ def test_fast_and_general_paths_stream_the_same_text_usage_and_metrics(merge_eve
         for name in tracked:
             upd = RequestUpdate(name, [SeqUpdate(0, list(chunk), None, FinishReason.LENGTH if last else None)],
                                 last, 2)
-            pubs[name].publish_now(slots[name], [upd])
+            fronts[name].stream_now([upd])
     assert tracked["general"].stream.fast is None
     assert applied["general"] == updates
     # One token per update: only the first and the finishing one take the general path.
@@ -77,10 +88,9 @@ def test_fast_and_general_paths_stream_the_same_text_usage_and_metrics(merge_eve
 def test_an_abort_ends_the_fast_path():
     tok = make_tokenizer()
     t = _stream(tok, "r", [])
-    slot = types.SimpleNamespace(id="x", requests={"r": t}, scheduler=None)
-    pub = Publisher(None, {"r": t}, fail=None)
+    front = _front(tok, None, t)
     for tid in tok.encode("two words", add_special_tokens=False).ids:
-        pub.publish_now(slot, [RequestUpdate("r", [SeqUpdate(0, [tid])], False, 2)])
+        front.stream_now([RequestUpdate("r", [SeqUpdate(0, [tid])], False, 2)])
     assert t.stream.fast is not None
     t.stream.abort()
     assert t.stream.fast is None
