@@ -8,6 +8,10 @@ step of every executor). Here a send is one non-blocking ``send_multipart`` (a
 peer whose pipe is full fails it), and a receive is a non-blocking
 ``recv_multipart`` that only waits when nothing is queued.
 
+On a CURVE server (``peer_keys``) each receive also records which key sent the
+message (:meth:`RouterSocket.peer_key`), so that a handshake is bound to the key
+its connection authenticated with, never to one the peer names.
+
 ZeroMQ's file descriptor is edge-like: it signals that the socket's state may
 have changed, and is reset by whatever operation reads that state (any send or
 receive, or ``EVENTS``). So the reader callback reads ``EVENTS`` (which also
@@ -52,10 +56,12 @@ class RouterSocket:
                 self._waiter = None
 
     def _recv_keyed(self) -> list[bytes]:
-        frames = self.sock.recv_multipart(_NOBLOCK, copy=False)
-        # ZAP's User-Id: the z85 public key the connection authenticated with (pyzmq's default).
-        self._last = (frames[0].bytes, frames[-1].get("User-Id").encode())
-        return [f.bytes for f in frames]
+        # Only the routing id frame is received as a Frame: it carries the connection's metadata, whose
+        # ZAP User-Id is the z85 public key the connection authenticated with (pyzmq's default).
+        head = self.sock.recv(_NOBLOCK, copy=False)
+        frames = [head.bytes, *self.sock.recv_multipart(_NOBLOCK)] if head.more else [head.bytes]
+        self._last = (frames[0], head.get("User-Id").encode())
+        return frames
 
     def peer_key(self, identity: bytes) -> bytes | None:
         """The CURVE public key (z85) of the connection that sent the message received last, which

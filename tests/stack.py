@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import socket
 import subprocess
 import sys
@@ -26,13 +25,6 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from pagedserve.wire.enrollment import new_token
 from pagedserve.wire.key_files import write_key_pair
-
-
-def write_secret(path: Path) -> Path:
-    """A fresh cluster secret, readable by its owner only."""
-    path.write_bytes(secrets.token_urlsafe(32).encode())
-    path.chmod(0o600)
-    return path
 
 
 def free_port() -> int:

@@ -272,3 +272,14 @@ def test_pagedserve_keys_kubernetes_prints_a_scheduler_pair_its_public_half_and_
     pair = load_key_pair(tmp_path / "s", "f")
     assert isinstance(pair, KeyPair) and load_public_key(tmp_path / "p", "f") == pair.public
     assert pair.secret.decode() not in public and len(enrollment.read_tokens(tmp_path / "t")) == 1
+
+
+def test_a_cluster_secret_admits_the_one_executor_key_derived_from_it():
+    from pagedserve.wire.keys import derive_keys
+
+    keys = derive_keys(b"s" * 32)
+    auth = ExecutorAuth(LinkSecurity(keys.server, fixed_keys=frozenset({keys.executor_public})))
+    assert not auth.link.reloadable and "--cluster-secret-file" in auth.describe()
+    assert auth.callback("d", keys.executor_public) and auth.refusal(keys.executor_public, _handshake()) == (None, False)
+    assert not auth.callback("d", derive_keys(b"t" * 32).executor_public)
+    assert keys.client.server_public == keys.server.public  # what an executor given the same secret dials with

@@ -274,7 +274,7 @@ def test_revoking_a_key_drops_its_live_executor_and_keeps_it_out(secure, tiny_ll
 
 @pytest.fixture(scope="module")
 def loopback(tiny_llama_dir, tmp_path_factory):
-    """A stack without a cluster secret: its executor port is on loopback only, and unauthenticated."""
+    """A stack without keys: its executor port is on loopback only, and unauthenticated."""
     with Stack.running(tiny_llama_dir, tmp_path_factory.mktemp("loopback"), secure=False) as s:
         yield s
 
