@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from executor_svc import threads
 from executor_svc.backends import make_attention_backend
 from executor_svc.config import ExecutorConfig, parse_config
 from executor_svc.kv_cache import KVCache
@@ -29,6 +30,7 @@ from executor_svc.parallel.serve import close_group, serve_follower, start_group
 from executor_svc.parallel.shard import NO_SHARD
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
+from executor_svc.warmup import warm_up
 from executor_svc.worker import ExecutorWorker
 from pagedserve import wire
 
@@ -66,13 +68,14 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
     model_cfg = load_model_config(cfg.model_dir)  # refuse unsupported models before reading weights
     shard = group.shard if group is not None else NO_SHARD
     dtype = resolve_dtype(cfg, model_cfg)
-    if cfg.device == "cpu" and dtype != torch.float32:
+    if cfg.device == "cpu" and (dtype == torch.float16 or (group is not None and dtype != torch.float32)):
         log.warning("computing in %s on CPU: expect it to be much slower than float32", dtype)
     device = group.device if group is not None else cfg.device
-    model = load_model(cfg.model_dir, device, dtype, shard, group.all_reduce if group is not None else None)
+    model = load_model(cfg.model_dir, device, dtype, shard, group.all_reduce if group is not None else None,
+                       quantization=cfg.quantization)
     backend = make_attention_backend(cfg.device, cfg.cpu_attention)
-    if backend.name == "cpu-fused" and dtype != torch.float32:
-        log.warning("the fused CPU decode kernel is float32 only: %s attention uses the torch path", dtype)
+    if backend.name == "cpu-fused" and model.dtype != torch.float32:  # (activations: float32 when packed)
+        log.warning("the fused CPU decode kernel computes in float32: %s attention uses the torch path", dtype)
     agree = None
     if group is not None:
         group.exchange("loaded", "1")  # every shard in place before the profiling step's collectives
@@ -113,11 +116,15 @@ def run(cfg: ExecutorConfig, argv: list[str] | None = None) -> int:
         health = HealthServer(cfg.health_port, cfg.health_host).start()
     group, runner = None, None
     try:
+        if cfg.device == "cpu":
+            threads.configure(cfg.cpu_threads)
         if cfg.tensor_parallel_size > 1:
             group = start_group(cfg, sys.argv[1:] if argv is None else argv)
         runner, hs = build_runner(cfg, group)
         if isinstance(runner, FollowerRunner):
             return serve_follower(runner, health)
+        if cfg.warmup and cfg.device == "cpu" and group is None:
+            warm_up(runner)  # before dialling in: the first request must not pay for it
         worker = ExecutorWorker(cfg.scheduler, runner, hs, drain_timeout=cfg.drain_timeout, health=health,
                                 keys=cfg.link_keys, enrollment_token_file=cfg.enrollment_token_file)
         if group is not None:

@@ -28,6 +28,8 @@ from pagedserve.wire.keys import ClientKeys, load_cluster_keys
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 CPU_ATTENTION = ("auto", "fused", "torch")  # --cpu-attention; executor_svc/backends.py acts on it
+QUANTIZATIONS = ("int8",)  # --quantization (CPU): executor_svc/model/weights.py
+MAX_CPU_THREADS = 4096
 DEVICES = ("cpu", "cuda")
 LEADER_PID_ENV = "PAGEDSERVE_TP_LEADER_PID"  # set by a local leader for the ranks it starts
 
@@ -64,6 +66,9 @@ class ExecutorConfig:
     tensor_parallel_size: int = 1  # ranks serving one model as one executor (executor_svc/parallel)
     prepare_ahead: bool | None = None  # prepare each plan while the step before runs (None: on with CUDA)
     rank_env: RankEnv | None = None  # None with N > 1: this process leads and starts the others
+    cpu_threads: int | None = None  # CPU compute threads (None: OMP_NUM_THREADS, else usable CPUs; threads.py)
+    quantization: str | None = None  # CPU weight quantization (None: weights in --dtype)
+    warmup: bool = True  # run warm-up steps before registering (executor_svc/warmup.py)
     enrollment_token_file: Path | None = None  # proves this executor may enroll its key (read at each connection)
 
 
@@ -90,7 +95,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, choices=wire.BLOCK_SIZES, default=wire.DEFAULT_BLOCK_SIZE,
                    help="tokens per KV block; must match the scheduler's")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="compute dtype; auto = float32 on CPU, the checkpoint's on CUDA")
+                   help="compute dtype; auto = float32 on CPU, the checkpoint's on CUDA. On CPU it is the "
+                        "weights' and the KV cache's dtype; activations stay float32")
     p.add_argument("--cpu-attention", choices=CPU_ATTENTION, default="auto",
                    help="CPU decode attention: fused = the C kernel (executor_svc/csrc), torch = gather + "
                         "SDPA; auto = fused when it compiles, else torch with a warning")
@@ -113,6 +119,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="one machine or development only: the secret the scheduler was given, from which both "
                         "derive the link's keys (every holder can act as the scheduler)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--cpu-threads", default=None,
+                   type=number(int, "--cpu-threads", 1, low_inclusive=True, high=MAX_CPU_THREADS),
+                   help="CPU compute threads; wins over OMP_NUM_THREADS (default: the CPUs this process may use, "
+                        "cgroup quota included, one left free from 8 up)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="CPU: store linear weights as int8, one scale per output channel (activations "
+                        "quantised per token on the fly); a quarter of float32's bytes per step")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="run a few prefill and decode steps before registering, so the first request runs "
+                        "at steady-state speed")
     p.add_argument("--prepare-ahead", action=argparse.BooleanOptionalAction, default=None,
                    help="check and apply each queued plan and build its batch while the device runs the "
                         "step before, so the device does not wait for that host work (default: on with "
@@ -190,6 +206,11 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         keys = _link_keys(args)
     except (ValueError, RuntimeError) as exc:
         parser.error(str(exc))
+    if args.quantization is not None and (args.device != "cpu" or args.tensor_parallel_size > 1
+                                          or args.dtype == "float16"):
+        parser.error(f"--quantization {args.quantization}: CPU executors with one rank and --dtype auto, float32 "
+                     f"or bfloat16 only (got --device {args.device}, --tensor-parallel-size "
+                     f"{args.tensor_parallel_size}, --dtype {args.dtype})")
     if args.prepare_ahead and args.tensor_parallel_size > 1:
         parser.error("--prepare-ahead: a tensor-parallel executor runs its steps in order (one device only)")
     return ExecutorConfig(
@@ -200,4 +221,5 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         executor_id=args.executor_id or f"{socket.gethostname()}-{os.getpid()}",
         health_port=args.health_port, health_host=args.health_host, drain_timeout=args.drain_timeout,
         link_keys=keys, enrollment_token_file=args.enrollment_token_file, log_level=args.log_level,
-        tensor_parallel_size=args.tensor_parallel_size, rank_env=ranks, prepare_ahead=args.prepare_ahead)
+        tensor_parallel_size=args.tensor_parallel_size, rank_env=ranks, prepare_ahead=args.prepare_ahead,
+        cpu_threads=args.cpu_threads, quantization=args.quantization, warmup=args.warmup)

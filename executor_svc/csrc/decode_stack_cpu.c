@@ -5,8 +5,13 @@
  *
  * Why one call: at batch 1 a step reads every weight once (a few milliseconds at memory
  * bandwidth), and the per-operator cost of running the same layer as ~40 torch operators from
- * Python is of the same order. Here the step is one OpenMP parallel region: the stages of a
- * layer are worksharing loops separated by barriers, so the threads never go back to Python.
+ * Python is of the same order. Here the step is one OpenMP parallel region, and a layer has
+ * four barriers, one after each projection and one after attention: for up to PRIVATE_MAX_N
+ * tokens every thread computes the norms, SiLU and activation conversions of all tokens itself
+ * (a few microseconds) instead of sharing them behind a barrier, and each attention unit applies
+ * the rotary embedding and writes the K/V of its own heads before attending. On a machine whose
+ * cores the executor shares with the scheduler, a thread the OS preempts stalls the others at
+ * the next barrier, so fewer barriers is also steadier.
  *
  * Activations, the residual stream, norms, rotary and softmax are float32 whatever the weight
  * type (ps_linear_t); the KV cache is float32 or bfloat16. One query token per sequence: token
@@ -36,17 +41,19 @@ typedef struct {
 } ps_model_t;
 
 #define ALIGN_F 16 /* floats: every buffer of the work area starts on a 64-byte boundary */
+#define PRIVATE_MAX_N 16 /* tokens up to which each thread converts activations on its own */
 
 static inline int64_t up(int64_t v) { return (v + ALIGN_F - 1) / ALIGN_F * ALIGN_F; }
 
 typedef struct {
-    float *h, *qkv, *att, *gu, *act, *cos, *sin, *attn_scratch;
-    void *lin_work;
-    int64_t attn_scratch_floats;
-    int chunks;
+    float *qkv, *att, *gu, *cos, *sin, *attn_scratch, *sets;
+    int64_t attn_scratch_floats, set_floats, h_off, act_off, work_off;
+    int chunks, private_sets;
 } layout_t;
 
-/* Offsets of every buffer in the caller's work area (all floats); returns its size in floats. */
+/* Offsets of every buffer in the caller's work area (all floats); returns its size in floats.
+ * "sets" are the norm output h [n, hidden], the MLP activation act [n, intermediate] and the
+ * linear layers' converted activations: one per thread (private) or one shared. */
 static int64_t plan(const ps_model_t *M, int n, int threads, float *base, layout_t *lo) {
     const int64_t qkv_w = (int64_t)(M->num_heads + 2 * M->num_kv_heads) * M->head_dim;
     const int64_t q_w = (int64_t)M->num_heads * M->head_dim;
@@ -58,21 +65,23 @@ static int64_t plan(const ps_model_t *M, int n, int threads, float *base, layout
             lin = b > lin ? b : lin;
         }
     }
-    const int chunks = ps_decode_chunks(n, M->num_kv_heads, threads);
-    const int64_t sf = up(ps_decode_scratch_floats(M->num_heads, M->num_kv_heads, M->head_dim, M->block_size, chunks));
-    const int64_t sizes[9] = {up((int64_t)n * M->hidden), up(n * qkv_w), up(n * q_w),
-                              up((int64_t)n * 2 * M->intermediate), up((int64_t)n * M->intermediate),
+    lo->chunks = ps_decode_chunks(n, M->num_kv_heads, threads);
+    lo->attn_scratch_floats =
+        up(ps_decode_scratch_floats(M->num_heads, M->num_kv_heads, M->head_dim, M->block_size, lo->chunks));
+    lo->private_sets = n <= PRIVATE_MAX_N;
+    lo->h_off = 0;
+    lo->act_off = up((int64_t)n * M->hidden);
+    lo->work_off = lo->act_off + up((int64_t)n * M->intermediate);
+    lo->set_floats = lo->work_off + up((lin + 3) / 4);
+    const int64_t sizes[7] = {up(n * qkv_w), up(n * q_w), up((int64_t)n * 2 * M->intermediate),
                               up((int64_t)n * M->head_dim / 2), up((int64_t)n * M->head_dim / 2),
-                              sf * threads, up((lin + 3) / 4)};
-    float **slots[9] = {&lo->h, &lo->qkv, &lo->att, &lo->gu, &lo->act, &lo->cos, &lo->sin, &lo->attn_scratch, NULL};
+                              lo->attn_scratch_floats * threads, lo->set_floats * (lo->private_sets ? threads : 1)};
+    float **slots[7] = {&lo->qkv, &lo->att, &lo->gu, &lo->cos, &lo->sin, &lo->attn_scratch, &lo->sets};
     int64_t off = 0;
-    for (int i = 0; i < 9; i++) {
-        if (base && slots[i]) *slots[i] = base + off;
-        if (base && !slots[i]) lo->lin_work = base + off;
+    for (int i = 0; i < 7; i++) {
+        if (base) *slots[i] = base + off;
         off += sizes[i];
     }
-    lo->attn_scratch_floats = sf;
-    lo->chunks = chunks;
     return off;
 }
 
@@ -103,8 +112,8 @@ static inline float exp_any(float x0) {
     return x0 != x0 ? x0 : p * scale;
 }
 
-/* out = w * (x / sqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm in float32. */
-static void rms_norm(const float *restrict x, const float *restrict w, int d, float eps, float *out) {
+/* out = w * (x / sqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm in float32 (out may be x). */
+static void rms_norm(const float *x, const float *restrict w, int d, float eps, float *out) {
     float p[16] = {0};
     int i = 0;
     for (; i + 16 <= d; i += 16)
@@ -162,6 +171,41 @@ static int check_model(const ps_model_t *M) {
     return PS_OK;
 }
 
+/* Token loops of a stage: every thread over all tokens (private sets: no barrier), or the
+ * tokens shared out (one set) with the worksharing loop's barrier at the end. */
+#define FOR_TOKENS(priv, n, t, body)                                                  \
+    do {                                                                              \
+        if (priv) {                                                                   \
+            for (int t = 0; t < (n); t++) body                                        \
+        } else {                                                                      \
+            _Pragma("omp for schedule(static)") for (int t = 0; t < (n); t++) body    \
+        }                                                                             \
+    } while (0)
+
+static void silu_mul(const float *restrict gate, const float *restrict up_, int d, float *restrict out) {
+    for (int i = 0; i < d; i++) out[i] = gate[i] / (1.0f + exp_any(-gate[i])) * up_[i];
+}
+
+/* One attention unit: rotary and K/V store for KV heads [h0, h1) of token i, then attention. */
+static int attention_unit(const ps_model_t *M, const ps_layer_t *L, const layout_t *lo, int i, int h0, int h1,
+                          const int64_t *slots, const int32_t *block_tables, int64_t bt_row, int max_blocks,
+                          const int32_t *seq_lens, float *scratch) {
+    const int D = M->head_dim, half = D / 2, G = M->num_heads / M->num_kv_heads;
+    const int q_w = M->num_heads * D, kv_w = M->num_kv_heads * D, qkv_w = q_w + 2 * kv_w;
+    float *row = lo->qkv + (int64_t)i * qkv_w;
+    const float *cs = lo->cos + (int64_t)i * half, *sn = lo->sin + (int64_t)i * half;
+    rope(row + (int64_t)h0 * G * D, (h1 - h0) * G, D, cs, sn);
+    rope(row + q_w + (int64_t)h0 * D, h1 - h0, D, cs, sn);
+    if (slots[i] >= 0) {
+        const int64_t at = slots[i] * kv_w + (int64_t)h0 * D;
+        store_kv(L->k_cache, M->kv_type, at, row + q_w + (int64_t)h0 * D, (h1 - h0) * D);
+        store_kv(L->v_cache, M->kv_type, at, row + q_w + kv_w + (int64_t)h0 * D, (h1 - h0) * D);
+    }
+    return ps_paged_decode_unit(lo->att + (int64_t)i * q_w, D, row, D, L->k_cache, L->v_cache, M->kv_type,
+                                block_tables + (int64_t)i * bt_row, seq_lens[i], max_blocks, h0, h1, M->num_heads,
+                                M->num_kv_heads, D, M->block_size, M->num_blocks, M->attn_scale, scratch);
+}
+
 /* x [n, hidden]: the tokens' embeddings in, the final-normed hidden states out. positions [n]
  * (rotary), slots [n] (cache slot of each new K/V; < 0: not written), block_tables
  * [n, bt_row] with max_blocks valid columns, seq_lens [n] (context including the new token). */
@@ -177,12 +221,17 @@ int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positio
         if (slots[t] >= total_slots) return PS_BAD_BLOCK;
     layout_t lo;
     plan(M, n, threads, work, &lo);
-    const int H = M->hidden, D = M->head_dim, half = D / 2, I = M->intermediate;
-    const int q_w = M->num_heads * D, kv_w = M->num_kv_heads * D, qkv_w = q_w + 2 * kv_w;
+    const int H = M->hidden, D = M->head_dim, half = D / 2, I = M->intermediate, priv = lo.private_sets;
+    const int q_w = M->num_heads * D, qkv_w = q_w + 2 * M->num_kv_heads * D;
+    const int chunks = lo.chunks, per_chunk = (M->num_kv_heads + chunks - 1) / chunks;
     int status = PS_OK;
 #pragma omp parallel num_threads(threads)
     {
-        float *scratch = lo.attn_scratch + lo.attn_scratch_floats * PS_TID();
+        const int tid = PS_TID();
+        float *scratch = lo.attn_scratch + lo.attn_scratch_floats * tid;
+        float *set = lo.sets + (priv ? lo.set_floats * tid : 0);
+        float *h = set + lo.h_off, *act = set + lo.act_off;
+        void *lw = set + lo.work_off;
         int mine = PS_OK;
 #pragma omp for schedule(static)
         for (int t = 0; t < n; t++)
@@ -193,46 +242,38 @@ int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positio
             }
         for (int l = 0; l < M->num_layers; l++) {
             const ps_layer_t *L = &M->layers[l];
-#pragma omp for schedule(static)
-            for (int t = 0; t < n; t++) rms_norm(x + (int64_t)t * H, L->ln1, H, M->eps, lo.h + (int64_t)t * H);
-            ps_linear_region(&L->qkv, lo.h, H, n, lo.qkv, qkv_w, 0, lo.lin_work);
+            FOR_TOKENS(priv, n, t, {
+                rms_norm(x + (int64_t)t * H, L->ln1, H, M->eps, h + (int64_t)t * H);
+                ps_linear_prep(&L->qkv, h, H, t, t + 1, n, lw);
+            });
+            ps_linear_compute(&L->qkv, h, H, n, lw, lo.qkv, qkv_w, 0);
 #pragma omp barrier
-#pragma omp for schedule(static)
-            for (int t = 0; t < n; t++) {
-                float *row = lo.qkv + (int64_t)t * qkv_w;
-                const float *cs = lo.cos + (int64_t)t * half, *sn = lo.sin + (int64_t)t * half;
-                rope(row, M->num_heads, D, cs, sn);
-                rope(row + q_w, M->num_kv_heads, D, cs, sn);
-                if (slots[t] >= 0) {
-                    store_kv(L->k_cache, M->kv_type, slots[t] * kv_w, row + q_w, kv_w);
-                    store_kv(L->v_cache, M->kv_type, slots[t] * kv_w, row + q_w + kv_w, kv_w);
-                }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t u = 0; u < (int64_t)n * chunks; u++) {
+                const int i = (int)(u / chunks), h0 = (int)(u % chunks) * per_chunk;
+                const int h1 = h0 + per_chunk < M->num_kv_heads ? h0 + per_chunk : M->num_kv_heads;
+                const int st = attention_unit(M, L, &lo, i, h0, h1, slots, block_tables, bt_row, max_blocks,
+                                              seq_lens, scratch);
+                mine = mine != PS_OK ? mine : st;
             }
-            const int st = ps_paged_decode_region(lo.att, q_w, D, lo.qkv, qkv_w, D, L->k_cache, L->v_cache, M->kv_type,
-                                                  block_tables, bt_row, max_blocks, seq_lens, NULL, NULL, n,
-                                                  M->num_heads, M->num_kv_heads, D, M->block_size, M->num_blocks,
-                                                  M->attn_scale, scratch, lo.chunks);
-            mine = mine != PS_OK ? mine : st;
-            ps_linear_region(&L->o, lo.att, q_w, n, x, H, 1, lo.lin_work);
+            FOR_TOKENS(priv, n, t, { ps_linear_prep(&L->o, lo.att, q_w, t, t + 1, n, lw); });
+            ps_linear_compute(&L->o, lo.att, q_w, n, lw, x, H, 1);
 #pragma omp barrier
-#pragma omp for schedule(static)
-            for (int t = 0; t < n; t++) rms_norm(x + (int64_t)t * H, L->ln2, H, M->eps, lo.h + (int64_t)t * H);
-            ps_linear_region(&L->gate_up, lo.h, H, n, lo.gu, 2 * I, 0, lo.lin_work);
+            FOR_TOKENS(priv, n, t, {
+                rms_norm(x + (int64_t)t * H, L->ln2, H, M->eps, h + (int64_t)t * H);
+                ps_linear_prep(&L->gate_up, h, H, t, t + 1, n, lw);
+            });
+            ps_linear_compute(&L->gate_up, h, H, n, lw, lo.gu, 2 * I, 0);
 #pragma omp barrier
-#pragma omp for schedule(static)
-            for (int t = 0; t < n; t++) {
-                const float *g = lo.gu + (int64_t)t * 2 * I, *u = g + I;
-                float *a = lo.act + (int64_t)t * I;
-                for (int i = 0; i < I; i++) a[i] = g[i] / (1.0f + exp_any(-g[i])) * u[i];
-            }
-            ps_linear_region(&L->down, lo.act, I, n, x, H, 1, lo.lin_work);
+            FOR_TOKENS(priv, n, t, {
+                silu_mul(lo.gu + (int64_t)t * 2 * I, lo.gu + (int64_t)t * 2 * I + I, I, act + (int64_t)t * I);
+                ps_linear_prep(&L->down, act, I, t, t + 1, n, lw);
+            });
+            ps_linear_compute(&L->down, act, I, n, lw, x, H, 1);
 #pragma omp barrier
         }
 #pragma omp for schedule(static)
-        for (int t = 0; t < n; t++) {
-            rms_norm(x + (int64_t)t * H, M->final_norm, H, M->eps, lo.h + (int64_t)t * H);
-            memcpy(x + (int64_t)t * H, lo.h + (int64_t)t * H, sizeof(float) * (size_t)H);
-        }
+        for (int t = 0; t < n; t++) rms_norm(x + (int64_t)t * H, M->final_norm, H, M->eps, x + (int64_t)t * H);
         if (mine != PS_OK) {
 #pragma omp critical
             if (status == PS_OK) status = mine;

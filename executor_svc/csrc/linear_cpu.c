@@ -3,8 +3,9 @@
  *
  * Decoding one token per sequence makes these matrix-vector products over every weight of the
  * model: at small n the time is that of reading the weights from memory once, so each call
- * streams every weight exactly once, each thread its own contiguous share (float32: rows;
- * packed formats: units of 64 outputs), with all n tokens (from L1/L2) against it.
+ * streams every weight exactly once, in chunks of consecutive rows (float32) or units of 64
+ * outputs (packed formats) that the threads take in turn, with all n tokens (from L1/L2)
+ * against each.
  *
  * The inner kernels by weight type and instruction set (chosen at run time, ps_isa_level; the
  * AVX2/AVX-512 ones are in linear_x86.c):
@@ -27,6 +28,10 @@
 #endif
 
 #define KPAD 64 /* converted activation rows are padded to this many elements */
+/* Work is handed out in chunks (float32: this many rows; packed: one unit of 64 outputs) from a
+ * shared counter rather than split up front: on a machine shared with the scheduler and other
+ * processes a thread the OS preempts holds up one chunk, not a whole share of the matrix. */
+#define F32_CHUNK 16
 
 /* ------------------------------------------------------------------ CPU features */
 
@@ -240,43 +245,57 @@ static void packed_units(const ps_linear_t *L, const void *xp, int64_t ldxp, con
     }
 }
 
-void ps_linear_region(const ps_linear_t *L, const float *x, int64_t ldx, int n, float *y, int64_t ldy,
-                      int accumulate, void *work) {
+/* Where the converted activations of n tokens live in a work area (see ps_linear_work_bytes). */
+static float *q8_scales(void *work) { return work; }
+static void *prepped_rows(int wt, void *work, int n) {
+    return wt == PS_W_Q8 ? (char *)work + ((int64_t)n * 4 + KPAD - 1) / KPAD * KPAD : work;
+}
+
+void ps_linear_prep(const ps_linear_t *L, const float *x, int64_t ldx, int t0, int t1, int n, void *work) {
     const int wt = L->wtype, k = L->k, isa = ps_isa_level(wt);
-    const int tid = PS_TID(), nth = PS_NTH();
-    if (wt == PS_W_F32) {
-        const int tiles = (L->m + 3) / 4;
-        const int r0 = (int)((int64_t)tiles * tid / nth) * 4;
-        int r1 = (int)((int64_t)tiles * (tid + 1) / nth) * 4;
-        r1 = r1 < L->m ? r1 : L->m;
-        if (r0 < r1) f32_rows(L, x, ldx, n, y, ldy, accumulate, r0, r1, isa);
-        return;
-    }
     const int64_t ldxp = padded(k);
-    float *sx = NULL;
-    const void *xp = work;
-    if (wt == PS_W_BF16) {
-#pragma omp for schedule(static)
-        for (int t = 0; t < n; t++) {
-            if (isa == PS_ISA_AVX512) to_bf16_row(x + (int64_t)t * ldx, k, (uint16_t *)work + t * ldxp);
-            else to_bf16_f32_row(x + (int64_t)t * ldx, k, (float *)work + t * ldxp);
-        }
-    } else {
-        sx = work;
-        int8_t *xq = (int8_t *)work + ((int64_t)n * 4 + KPAD - 1) / KPAD * KPAD;
-        xp = xq;
-#pragma omp for schedule(static)
-        for (int t = 0; t < n; t++) {
-            int8_t *row = xq + t * ldxp;
-            sx[t] = to_q8_row(x + (int64_t)t * ldx, k, row);
+    void *rows = prepped_rows(wt, work, n);
+    for (int t = t0; t < t1; t++) {
+        const float *xt = x + (int64_t)t * ldx;
+        if (wt == PS_W_BF16) {
+            if (isa == PS_ISA_AVX512) to_bf16_row(xt, k, (uint16_t *)rows + t * ldxp);
+            else to_bf16_f32_row(xt, k, (float *)rows + t * ldxp);
+        } else if (wt == PS_W_Q8) {
+            int8_t *row = (int8_t *)rows + t * ldxp;
+            q8_scales(work)[t] = to_q8_row(xt, k, row);
             if (isa == PS_ISA_AVX512) /* u8 = q + 128 for vpdpbusd (the padding too: w is 0 there) */
                 for (int64_t j = 0; j < ldxp; j++) row[j] = (int8_t)((uint8_t)row[j] ^ 0x80u);
         }
     }
-    /* (the worksharing loops above end in a barrier: every row is converted before any is read) */
+}
+
+void ps_linear_compute(const ps_linear_t *L, const float *x, int64_t ldx, int n, const void *work, float *y,
+                       int64_t ldy, int accumulate) {
+    const int wt = L->wtype, isa = ps_isa_level(wt);
+    if (wt == PS_W_F32) {
+        const int chunks = (L->m + F32_CHUNK - 1) / F32_CHUNK;
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int c = 0; c < chunks; c++) {
+            const int r1 = (c + 1) * F32_CHUNK < L->m ? (c + 1) * F32_CHUNK : L->m;
+            f32_rows(L, x, ldx, n, y, ldy, accumulate, c * F32_CHUNK, r1, isa);
+        }
+        return;
+    }
+    const void *rows = prepped_rows(wt, (void *)work, n);
+    const float *sx = wt == PS_W_Q8 ? q8_scales((void *)work) : NULL;
     const int units = (L->m + 63) / 64;
-    const int u0 = (int)((int64_t)units * tid / nth), u1 = (int)((int64_t)units * (tid + 1) / nth);
-    if (u0 < u1) packed_units(L, xp, ldxp, sx, n, y, ldy, accumulate, u0, u1, isa);
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int u = 0; u < units; u++) packed_units(L, rows, padded(L->k), sx, n, y, ldy, accumulate, u, u + 1, isa);
+}
+
+void ps_linear_region(const ps_linear_t *L, const float *x, int64_t ldx, int n, float *y, int64_t ldy,
+                      int accumulate, void *work) {
+    if (L->wtype != PS_W_F32) {
+#pragma omp for schedule(static)
+        for (int t = 0; t < n; t++) ps_linear_prep(L, x, ldx, t, t + 1, n, work);
+        /* (the loop's barrier: every row is converted before any is read) */
+    }
+    ps_linear_compute(L, x, ldx, n, work, y, ldy, accumulate);
 }
 
 static int check_linear(const ps_linear_t *L) {

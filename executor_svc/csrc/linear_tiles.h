@@ -38,7 +38,7 @@ void ps_bf16_unit_avx2(int T, const void *x, int64_t ldx, const void *w, int64_t
 void ps_bf16_unit_512(int T, const void *x, int64_t ldx, const void *w, int64_t pstride, int kp, const ps_out_t *out);
 void ps_q8_unit_avx2(int T, const void *x, int64_t ldx, const void *w, int64_t pstride, int kp, const ps_out_t *out);
 void ps_q8_unit_512(int T, const void *x, int64_t ldx, const void *w, int64_t pstride, int kp, const ps_out_t *out);
-#define PS_UNIT_T_512 4  /* tokens per AVX-512 unit call: 16 accumulators, 4 weights, 1 broadcast (6 spills) */
+#define PS_UNIT_T_512 4  /* tokens per AVX-512 unit call: 16 accumulators (6 spilled registers and ran slower) */
 #define PS_UNIT_T_AVX2 4
 #endif
 #define PS_UNIT_T_SCALAR 4

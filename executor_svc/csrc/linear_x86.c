@@ -20,7 +20,7 @@
 #include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
-#define TGT_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TGT_AVX2 __attribute__((target("avx2,fma")))
 #define TGT_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 #define TGT_512BF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,avx512bf16")))
 #define TGT_512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,avx512vnni")))
@@ -179,9 +179,7 @@ TGT_512BF void ps_bf16_unit_512(int T, const void *x, int64_t ldx, const void *w
     case 1: bf16_unit_512_t(1, x, ldx, w, pstride, kp, out); break;
     case 2: bf16_unit_512_t(2, x, ldx, w, pstride, kp, out); break;
     case 3: bf16_unit_512_t(3, x, ldx, w, pstride, kp, out); break;
-    case 4: bf16_unit_512_t(4, x, ldx, w, pstride, kp, out); break;
-    case 5: bf16_unit_512_t(5, x, ldx, w, pstride, kp, out); break;
-    default: bf16_unit_512_t(6, x, ldx, w, pstride, kp, out); break;
+    default: bf16_unit_512_t(4, x, ldx, w, pstride, kp, out); break; /* PS_UNIT_T_512 */
     }
 }
 
@@ -256,9 +254,7 @@ TGT_512VNNI void ps_q8_unit_512(int T, const void *x, int64_t ldx, const void *w
     case 1: q8_unit_512_t(1, x, ldx, w, pstride, kp, out); break;
     case 2: q8_unit_512_t(2, x, ldx, w, pstride, kp, out); break;
     case 3: q8_unit_512_t(3, x, ldx, w, pstride, kp, out); break;
-    case 4: q8_unit_512_t(4, x, ldx, w, pstride, kp, out); break;
-    case 5: q8_unit_512_t(5, x, ldx, w, pstride, kp, out); break;
-    default: q8_unit_512_t(6, x, ldx, w, pstride, kp, out); break;
+    default: q8_unit_512_t(4, x, ldx, w, pstride, kp, out); break; /* PS_UNIT_T_512 */
     }
 }
 

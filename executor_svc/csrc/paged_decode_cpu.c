@@ -175,6 +175,15 @@ PS_CLONES static int unit_for_head_size(float *out, int64_t o_head, const float 
 #undef PS_UNIT
 }
 
+int ps_paged_decode_unit(float *out, int64_t o_head, const float *q, int64_t q_head, const void *k_cache,
+                         const void *v_cache, int kv_type, const int32_t *table, int seq_len, int max_blocks,
+                         int h0, int h1, int num_q_heads, int num_kv_heads, int head_size, int block_size,
+                         int64_t num_blocks, float scale, float *scratch) {
+    return unit_for_head_size(out, o_head, q, q_head, k_cache, v_cache, kv_type, table, seq_len, max_blocks, h0, h1,
+                              num_q_heads / num_kv_heads, num_kv_heads, head_size, block_size, num_blocks, scale,
+                              scratch);
+}
+
 /* Work units are (sequence, chunk of KV heads). Whole sequences read their blocks as one
  * contiguous run per token; split heads only when there are too few sequences to keep every
  * thread busy. Returns the number of chunks (1 .. num_kv_heads). */

@@ -61,8 +61,23 @@ int64_t ps_linear_work_bytes(int wtype, int n, int k);
 void ps_linear_region(const ps_linear_t *L, const float *x, int64_t ldx, int n, float *y, int64_t ldy,
                       int accumulate, void *work);
 
+/* The two halves of ps_linear_region, for callers that convert the activations themselves:
+ * prep converts rows [t0, t1) of n into work (any thread, any split); compute then reads them
+ * (float32 reads x itself) from every thread of a region, taking chunks of outputs from a
+ * shared counter; it ends without a barrier. */
+void ps_linear_prep(const ps_linear_t *L, const float *x, int64_t ldx, int t0, int t1, int n, void *work);
+void ps_linear_compute(const ps_linear_t *L, const float *x, int64_t ldx, int n, const void *work, float *y,
+                       int64_t ldy, int accumulate);
+
 /* The instruction-set level the kernels of a weight type use now (the CPU's best unless limited). */
 int ps_isa_level(int wtype);
+
+/* One work unit of paged decode attention: sequence row `row` of query/out, KV heads [h0, h1).
+ * scratch: ps_decode_scratch_floats() floats of the calling thread. */
+int ps_paged_decode_unit(float *out, int64_t o_head, const float *q, int64_t q_head, const void *k_cache,
+                         const void *v_cache, int kv_type, const int32_t *table, int seq_len, int max_blocks,
+                         int h0, int h1, int num_q_heads, int num_kv_heads, int head_size, int block_size,
+                         int64_t num_blocks, float scale, float *scratch);
 
 /* Paged decode attention for sequences [all of them], from inside a parallel region. scratch:
  * this thread's, ps_decode_scratch_floats() floats. */

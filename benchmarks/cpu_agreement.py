@@ -1,0 +1,145 @@
+"""Teacher-forced top-1 agreement of the CPU weight formats with float32 transformers.
+
+    .venv/bin/python -m benchmarks.cpu_agreement [--model DIR] [--formats bfloat16,int8]
+        [--prompts 20] [--steps 100] [--seed 1]
+
+transformers' float32 model generates ``--steps`` greedy tokens after each of ``--prompts``
+random prompts (seeded by ``--seed``; tuning used seed 0, reported figures use other seeds).
+Our model, loaded in each format, is then fed exactly those tokens (teacher forcing: its own
+choices never feed back), all prompts as one decode batch, through the CPU fast path (the
+fused decode stack, the KV cache in the format's dtype). At every step it is scored on
+whether its top-1 token is the one transformers chose; the largest absolute logit difference
+is reported too. ``prompts x steps`` decode steps in all (default 2,000). Float32 is included
+as the reference point of the measurement itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from executor_svc.attention import AttentionMetadata
+from executor_svc.backends import make_attention_backend
+from executor_svc.kv_cache import KVCache
+from executor_svc.model import load_model
+
+FORMAT_ARGS = {"float32": {}, "bfloat16": {"dtype": torch.bfloat16}, "int8": {"quantization": "int8"}}
+KV_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32}
+BLOCK = 16
+
+
+@dataclass(slots=True)
+class Agreement:
+    fmt: str
+    steps: int
+    agree: int
+    max_logit_diff: float
+
+    @property
+    def rate(self) -> float:
+        return self.agree / self.steps
+
+
+def reference(hf, prompts: list[list[int]], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(greedy tokens [P, steps], their logits [P, steps, vocab]) of transformers in float32."""
+    tokens, logits = [], []
+    with torch.inference_mode():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+            tokens.append(out.sequences[0, len(p):])
+            logits.append(torch.stack(out.logits, dim=1)[0].float())
+    return torch.stack(tokens), torch.stack(logits)
+
+
+class Forcer:
+    """Drives our model directly (no scheduler): prefill each prompt, then decode all at once."""
+
+    def __init__(self, model, kv_dtype: torch.dtype, num_seqs: int, max_len: int, attention: str = "fused") -> None:
+        """``attention="torch"``: the torch modules and attention instead of the fused decode stack."""
+        self.model = model
+        self.backend = make_attention_backend("cpu", attention)
+        self.per_seq = -(-max_len // BLOCK)
+        self.kv = KVCache(model.cfg, BLOCK, num_seqs * self.per_seq, 0, kv_dtype)
+        self.lens = [0] * num_seqs
+
+    def _meta(self, seqs: list[int], new: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
+        starts, slots, positions = [0], [], []
+        for s, q in zip(seqs, new, strict=True):
+            starts.append(starts[-1] + q)
+            for pos in range(self.lens[s], self.lens[s] + q):
+                positions.append(pos)
+                slots.append((s * self.per_seq + pos // BLOCK) * BLOCK + pos % BLOCK)
+            self.lens[s] += q
+        lens = [self.lens[s] for s in seqs]
+        tables = torch.tensor([list(range(s * self.per_seq, (s + 1) * self.per_seq)) for s in seqs], dtype=torch.int32)
+        meta = AttentionMetadata(torch.tensor(slots), torch.tensor(starts, dtype=torch.int32),
+                                 torch.tensor(lens, dtype=torch.int32), tables, max(new), max(lens), starts, lens)
+        return meta, torch.tensor(positions)
+
+    def step(self, seqs: list[int], tokens: list[list[int]]) -> torch.Tensor:
+        """Feed ``tokens[i]`` to sequence ``seqs[i]``; logits [len(seqs), vocab] of each last token."""
+        meta, positions = self._meta(seqs, [len(t) for t in tokens])
+        ids = torch.tensor([t for ts in tokens for t in ts])
+        with torch.inference_mode():
+            hidden = self.model(ids, positions, self.kv.layers, meta, self.backend)
+            last = torch.tensor(meta.query_start_loc_host[1:]) - 1
+            return self.model.compute_logits(hidden.index_select(0, last))
+
+
+def measure(model_dir: Path, fmt: str, prompts: list[list[int]], ref_tokens: torch.Tensor,
+            ref_logits: torch.Tensor) -> Agreement:
+    model = load_model(model_dir, **FORMAT_ARGS[fmt])
+    steps = ref_tokens.shape[1]
+    forcer = Forcer(model, KV_DTYPE[fmt], len(prompts), max(map(len, prompts)) + steps + 1)
+    ours = [torch.stack([forcer.step([i], [p])[0] for i, p in enumerate(prompts)])]  # prefill: output 0
+    for k in range(steps - 1):  # teacher forcing: transformers' token k is the input
+        ours.append(forcer.step(list(range(len(prompts))), [[int(t)] for t in ref_tokens[:, k]]))
+    logits = torch.stack(ours, dim=1)  # [P, steps, vocab]
+    agree = int((logits.argmax(-1) == ref_tokens).sum())
+    return Agreement(fmt, ref_tokens.numel(), agree, float((logits - ref_logits).abs().max()))
+
+
+def run(model_dir: Path, formats: list[str], num_prompts: int, steps: int, seed: int,
+        prompt_lens: tuple[int, int] = (8, 64)) -> list[Agreement]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vocab = hf.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (int(torch.randint(*prompt_lens, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(num_prompts)]
+    ref_tokens, ref_logits = reference(hf, prompts, steps)
+    return [measure(model_dir, fmt, prompts, ref_tokens, ref_logits) for fmt in formats]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=None, help="HF checkpoint (default: the default tiny llama)")
+    ap.add_argument("--formats", default="float32,bfloat16,int8")
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            from executor_svc.tiny_model import build_tiny_model
+
+            model_dir = build_tiny_model(Path(tmp) / "tiny", "llama", "default")
+        results = run(model_dir, args.formats.split(","), args.prompts, args.steps, args.seed)
+    for r in results:
+        print(f"{r.fmt:9} top-1 agreement {r.agree}/{r.steps} = {r.rate:.2%}, max |logit diff| {r.max_logit_diff:.4g}")
+    print(json.dumps({f"agreement_{r.fmt}": round(r.rate, 4) for r in results}
+                     | {f"max_logit_diff_{r.fmt}": round(r.max_logit_diff, 4) for r in results}))
+
+
+if __name__ == "__main__":
+    main()

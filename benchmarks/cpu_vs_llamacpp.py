@@ -1,0 +1,304 @@
+"""pagedserve's CPU executor against llama.cpp's ``llama-server`` on the same weights and machine.
+
+    .venv/bin/python -m benchmarks.cpu_vs_llamacpp [--threads 2] [--formats f32,bf16,int8]
+        [--concurrency 1,16,48] [--size default|500mb] [--reps 3] [--llamacpp-cache DIR]
+
+* llama.cpp: ``llama-server`` built from the source the ``llama-cpp-python`` sdist vendors
+  (benchmarks/llamacpp_build.py: downloaded with pip, built with cmake into a cache outside the
+  repository, ~12 minutes the first time), and each checkpoint converted to GGUF by
+  llama.cpp's own ``convert_hf_to_gguf.py`` (f32, bf16, q8_0). Our test checkpoints' tokenizer
+  is trained locally, so the converter's table of known BPE pre-tokenizers cannot know it; it
+  is GPT-2's byte-level regex, so the launcher names it ``gpt-2`` when the table has no entry
+  (both servers get token ids anyway).
+* pagedserve: a scheduler and one CPU executor (``--cpu-threads N``), f32 ``--dtype float32``,
+  bf16 ``--dtype bfloat16``, int8 ``--dtype bfloat16 --quantization int8`` against Q8_0.
+  The KV cache holds what ``--dtype`` says; llama.cpp is given the same (``-ctk/-ctv``).
+* Workload: for each concurrency C, C workers stream ``/v1/completions`` requests back to back
+  (C = 1: 4 requests; else 2 per worker): 128 random prompt token ids, 64 output tokens,
+  greedy, EOS ignored. Output tokens/s = tokens streamed / wall time. Servers are restarted
+  for every repetition, systems interleaved; each cell is the median of ``--reps``.
+* Before any server starts it measures the machine's read bandwidth (STREAM-style, array 4x
+  the last-level cache, same threads) and reports each system's batch-1 decode as weight and
+  KV bytes read per token over the median time per output token.
+* Cold start: the first request after the executor registered, against the median of the
+  batch-1 requests after it (pagedserve; target within 10%).
+
+Prints a table, then one JSON line with ``ratio_{f32,bf16,int8}_c{1,16,48}`` (pagedserve /
+llama.cpp output tokens/s; target >= 1.0) and the figures behind them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from benchmarks import llamacpp_build
+from benchmarks.completions_client import LoadResult, run_in_subprocess
+from benchmarks.cpu_linear_kernels import llc_bytes
+from benchmarks.serve_vs_hf import ServeProcesses, _die_with_parent
+
+FORMATS = {  # pagedserve executor flags, GGUF type, KV cache type for both
+    "f32": (["--dtype", "float32"], "f32", "f32"),
+    "bf16": (["--dtype", "bfloat16"], "bf16", "bf16"),
+    "int8": (["--dtype", "bfloat16", "--quantization", "int8"], "q8_0", "bf16"),
+}
+WEIGHT_BYTES = {"f32": 4.0, "bf16": 2.0, "int8": 1.0, "q8_0": 34 / 32}  # per weight (Q8_0: 32 int8 + f16 scale)
+KV_BYTES = {"f32": 4, "bf16": 2}
+SIZES = {"default": None, "500mb": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=9,
+                                        num_attention_heads=16, num_key_value_heads=8, vocab=8192)}
+CONVERT = """
+import runpy, sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+from conversion import base
+known = base.TextModel.get_vocab_base_pre
+def pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:  # a locally trained byte-level BPE: GPT-2's pre-tokenizer
+        return "gpt-2"
+base.TextModel.get_vocab_base_pre = pre
+sys.argv = sys.argv[3:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def ensure_model(size: str, root: Path) -> Path:
+    """The checkpoint of ``size`` under ``root`` (built with executor_svc/tiny_model.py if missing)."""
+    from executor_svc import tiny_model
+
+    path = root / ("tiny-llama" if size == "default" else f"tiny-llama-{size}")
+    if not (path / "config.json").exists():
+        name = "default"
+        if SIZES[size] is not None:
+            tiny_model.SIZES[size] = SIZES[size]  # a size only this benchmark uses
+            name = size
+        print(f"building the {size} checkpoint into {path} ...", flush=True)
+        tiny_model.build_tiny_model(path, "llama", name)
+    return path
+
+
+def ensure_gguf(model: Path, outtype: str, cache: Path) -> Path:
+    """``model`` converted to GGUF ``outtype`` by llama.cpp's converter (cached by checkpoint)."""
+    from pagedserve.wire.fingerprint import model_fingerprint
+
+    out = cache / "gguf" / f"{model.name}-{model_fingerprint(model)[:12]}-{outtype}.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    script, gguf_py = llamacpp_build.converter(cache)
+    tmp = out.with_suffix(".tmp")
+    subprocess.run([sys.executable, "-c", CONVERT, str(gguf_py), str(script.parent), str(script), str(model),
+                    "--outtype", outtype, "--outfile", str(tmp)], check=True, stdout=subprocess.DEVNULL)
+    os.replace(tmp, out)
+    return out
+
+
+class LlamaServer:
+    def __init__(self, binary: Path, gguf: Path, threads: int, slots: int, ctx_per_slot: int, kv: str) -> None:
+        self.port = free_ports(1)[0]
+        self.log = Path(tempfile.mkdtemp(prefix="llama-server-")) / "server.log"
+        argv = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+                "-c", str(slots * ctx_per_slot), "-ctk", kv, "-ctv", kv, "--host", "127.0.0.1",
+                "--port", str(self.port), "--threads-http", str(slots + 4)]
+        self.proc = subprocess.Popen(argv, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT,
+                                     preexec_fn=_die_with_parent)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited early; log {self.log}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"llama-server not ready; log {self.log}")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports (all bound at once, so no two are the same)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class PagedServe(ServeProcesses):
+    """serve_vs_hf's scheduler + executor, with the HTTP front on a port distinct from the others."""
+
+    def __init__(self, model: Path, fmt: str, threads: int, kv_memory: str) -> None:
+        import benchmarks.serve_vs_hf as svh
+
+        ports = free_ports(3)
+        self.http_port = ports[2]
+        spare = iter(ports[:2])
+        original, svh._free_port = svh._free_port, lambda: next(spare)
+        try:
+            super().__init__(model, threads, ["--http-port", str(self.http_port), "--http-host", "127.0.0.1",
+                                              "--log-level", "INFO"],
+                             ["--cpu-threads", str(threads), "--kv-cache-memory", kv_memory, "--log-level", "INFO",
+                              *FORMATS[fmt][0]])
+        finally:
+            svh._free_port = original
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+
+def _loads(url: str, levels: list[int], args, vocab: int, seed: int) -> dict[int, LoadResult]:
+    out = {}
+    for c in levels:
+        per_worker = 4 if c == 1 else 2
+        out[c] = run_in_subprocess(url, c, per_worker, args.prompt_len, args.max_tokens, vocab, seed + 1000 * c)
+    return out
+
+
+def step_bytes(model: Path, weights: str, kv_type: str, ctx: float) -> tuple[float, float]:
+    """(weight bytes, KV bytes) a batch-1 decode step reads at context ``ctx``: every linear
+    weight in format ``weights`` (a WEIGHT_BYTES key) and the K/V of ``ctx`` tokens."""
+    cfg = json.loads((model / "config.json").read_text())
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kvh, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    hd = cfg.get("head_dim") or h // heads
+    linear = layers * (h * (heads + 2 * kvh) * hd + heads * hd * h + 2 * h * inter + inter * h) + vocab * h
+    kv = 2 * layers * kvh * hd * KV_BYTES[kv_type] * ctx
+    return linear * WEIGHT_BYTES[weights], kv
+
+
+def run(args) -> dict:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    fmts = args.formats.split(",")
+    binary = llamacpp_build.llama_server(args.llamacpp_cache)
+    model = ensure_model(args.size, args.models)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    ggufs = {f: ensure_gguf(model, FORMATS[f][1], args.llamacpp_cache) for f in fmts}
+    from executor_svc.cpu_ops import native_ops
+
+    bw = native_ops().read_bandwidth(max(4 * llc_bytes(), 256 << 20), args.threads)
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s ({args.threads} threads); model {model}", flush=True)
+    runs: dict[tuple[str, str, int], list[LoadResult]] = {}
+    cold: dict[str, list[float]] = {f: [] for f in fmts}
+    slots = max(levels)
+    for rep in range(args.reps):
+        for fmt in fmts:
+            stack = PagedServe(model, fmt, args.threads, args.kv_cache_memory)
+            try:
+                stack.wait_ready()
+                url = stack.url
+                first = run_in_subprocess(url, 1, 1, args.prompt_len, args.max_tokens, vocab, 7 + rep).requests[0]
+                for c, r in _loads(url, levels, args, vocab, 100 * rep).items():
+                    runs.setdefault(("pagedserve", fmt, c), []).append(r)
+                if 1 in levels:
+                    steady = statistics.median(x.seconds for x in runs[("pagedserve", fmt, 1)][-1].requests)
+                    cold[fmt].append(first.seconds / steady)
+            except Exception:
+                stack.stop()
+                print(f"pagedserve failed; logs in {stack.logdir}:", flush=True)
+                for name in ("scheduler", "executor"):
+                    print((stack.logdir / f"{name}.log").read_text()[-3000:])
+                raise
+            finally:
+                stack.stop()
+            server = LlamaServer(binary, ggufs[fmt], args.threads, slots, args.prompt_len + args.max_tokens + 64,
+                                 FORMATS[fmt][2])
+            try:
+                server.wait_ready()
+                for c, r in _loads(server.url, levels, args, vocab, 100 * rep).items():
+                    runs.setdefault(("llama.cpp", fmt, c), []).append(r)
+            finally:
+                server.stop()
+            print(f"rep {rep + 1}/{args.reps} {fmt}: " + ", ".join(
+                f"c{c} {runs[('pagedserve', fmt, c)][-1].tokens_per_s:.0f} vs "
+                f"{runs[('llama.cpp', fmt, c)][-1].tokens_per_s:.0f} tok/s" for c in levels), flush=True)
+    return report(args, model, fmts, levels, runs, cold, bw)
+
+
+def _median_run(rs: list[LoadResult]) -> LoadResult:
+    return sorted(rs, key=lambda r: r.tokens_per_s)[len(rs) // 2]
+
+
+def report(args, model: Path, fmts, levels, runs, cold, bw: float) -> dict:
+    result: dict = {"bandwidth_gbs": round(bw / 1e9, 2), "threads": args.threads, "size": args.size}
+    print(f"\n{'format':6} {'conc':>4} {'pagedserve tok/s':>17} {'llama.cpp tok/s':>16} {'ratio':>6}")
+    for fmt in fmts:
+        for c in levels:
+            ours, theirs = _median_run(runs[("pagedserve", fmt, c)]), _median_run(runs[("llama.cpp", fmt, c)])
+            ratio = ours.tokens_per_s / theirs.tokens_per_s
+            result[f"ratio_{fmt}_c{c}"] = round(ratio, 3)
+            result[f"tok_s_{fmt}_c{c}"] = [round(ours.tokens_per_s, 1), round(theirs.tokens_per_s, 1)]
+            print(f"{fmt:6} {c:>4} {ours.tokens_per_s:17.1f} {theirs.tokens_per_s:16.1f} {ratio:6.2f}")
+    if 1 in levels:
+        print(f"\nbatch-1 decode (median time per output token; bytes = weights + KV at the mean context), "
+              f"bandwidth {bw / 1e9:.1f} GB/s:")
+        for fmt in fmts:
+            for system in ("pagedserve", "llama.cpp"):
+                tpot = statistics.median(r.median_tpot_s for r in runs[(system, fmt, 1)])
+                wfmt = fmt if system == "pagedserve" else FORMATS[fmt][1]
+                weights, kv = step_bytes(model, wfmt, FORMATS[fmt][2], args.prompt_len + args.max_tokens / 2)
+                gbs = (weights + kv) / tpot / 1e9
+                key = "ours" if system == "pagedserve" else "llamacpp"
+                result[f"c1_gbs_{fmt}_{key}"] = round(gbs, 2)
+                result[f"c1_tpot_ms_{fmt}_{key}"] = round(tpot * 1e3, 3)
+                print(f"  {fmt:5} {system:10} {tpot * 1e3:6.2f} ms/token  {(weights + kv) / 1e6:7.1f} MB/token  "
+                      f"{gbs:6.1f} GB/s = {gbs * 1e9 / bw:5.0%} of measured")
+        for fmt in fmts:
+            if cold[fmt]:
+                result[f"first_request_{fmt}"] = round(statistics.median(cold[fmt]), 3)
+                print(f"  first request after ready, {fmt}: {statistics.median(cold[fmt]):.2f}x the steady batch-1 "
+                      f"request time (runs {[round(x, 2) for x in cold[fmt]]})")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2, help="--cpu-threads for pagedserve, -t/-tb for llama-server")
+    ap.add_argument("--formats", default="f32,bf16,int8")
+    ap.add_argument("--concurrency", default="1,16,48")
+    ap.add_argument("--size", choices=tuple(SIZES), default="default")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--kv-cache-memory", default="1GiB")
+    ap.add_argument("--models", type=Path, default=Path("models"), help="where the checkpoints are built")
+    ap.add_argument("--llamacpp-cache", type=Path, default=None,
+                    help="llama.cpp sdist, build and GGUF cache (default: $PAGEDSERVE_LLAMACPP_CACHE, else "
+                         "~/.cache/pagedserve/llamacpp)")
+    args = ap.parse_args(argv)
+    args.llamacpp_cache = args.llamacpp_cache or llamacpp_build.default_cache()
+    result = run(args)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""The fused CPU decode stack (csrc/decode_stack_cpu.c) against the same packed model run
+operator by operator (torch attention), in every weight format, and its checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.cpu_agreement import Forcer
+from executor_svc.model import load_model
+
+# (load_model arguments, KV cache dtype, tolerance relative to the largest logit). The two paths
+# order their float sums differently; in bf16 and int8 that moves an activation's rounding now
+# and then, which a wrong head, position or weight would exceed by far (errors of order 1).
+FORMATS = {"float32": ({}, torch.float32, 1e-4), "bfloat16": ({"dtype": torch.bfloat16}, torch.bfloat16, 1e-2),
+           "int8": ({"quantization": "int8"}, torch.float32, 1e-2)}
+
+
+def _prompts(n: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return [torch.randint(1, vocab, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v bias, tied embeddings
+@pytest.mark.parametrize("num_seqs", [1, 3, 20])  # 20: past the per-thread conversions (16), shared ones
+def test_stack_matches_the_modules(tiny_checkpoint, fmt, arch, num_seqs):
+    kwargs, kv_dtype, tol = FORMATS[fmt]
+    model = load_model(tiny_checkpoint(arch, "small"), **kwargs)
+    calls = []
+    stack = model.decode_stack
+    model.decode_stack = lambda *a: calls.append(a[0].shape[0]) or stack(*a)
+    prompts = _prompts(num_seqs, model.cfg.vocab_size)
+    fused, modules = (Forcer(model, kv_dtype, num_seqs, 64, attention) for attention in ("fused", "torch"))
+    first = [fused.step([i], [p]) for i, p in enumerate(prompts)]  # prefills: the modules in both
+    for i, p in enumerate(prompts):
+        modules.step([i], [p])
+    tokens = torch.cat(first).argmax(-1)
+    seqs = list(range(num_seqs))
+    for _ in range(6):
+        ours = fused.step(seqs, [[int(t)] for t in tokens])
+        ref = modules.step(seqs, [[int(t)] for t in tokens])
+        torch.testing.assert_close(ours, ref, rtol=0, atol=tol * float(ref.abs().max()))
+        tokens = ref.argmax(-1)
+    assert calls == [num_seqs] * 6  # every decode step took the fused path, no prefill did
+
+
+def test_a_block_id_outside_the_cache_is_refused(tiny_llama_dir):
+    model = load_model(tiny_llama_dir)
+    forcer = Forcer(model, torch.float32, 1, 32)
+    forcer.step([0], [[5, 6, 7]])
+    meta, positions = forcer._meta([0], [1])
+    meta.block_tables[0, 0] = forcer.kv.num_blocks  # one past the end
+    with pytest.raises(ValueError, match="outside the cache"), torch.inference_mode():
+        model(torch.tensor([8]), positions, forcer.kv.layers, meta, forcer.backend)
