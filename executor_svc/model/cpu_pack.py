@@ -54,7 +54,10 @@ def pack_for_cpu(model: LlamaForCausalLM, fmt: str, ops: CpuOps | None) -> Llama
         attn.o_proj = pack_linear(attn.o_proj, fmt, ops)
         mlp.gate_up_proj = pack_linear(mlp.gate_up_proj, fmt, ops)
         mlp.down_proj = pack_linear(mlp.down_proj, fmt, ops)
-    table = PackedLinear.from_float(model.embed_tokens.weight.data, None, fmt, ops)
+    # A tied table is also the LM head: packed for the kernels. An untied one is only looked up:
+    # kept row-major, where a lookup is one plain gather.
+    tied = model.lm_head is None and model.with_lm_head
+    table = PackedLinear.from_float(model.embed_tokens.weight.data, None, fmt, ops if tied else None)
     model.embed_tokens = PackedEmbedding(table)
     if model.lm_head is not None:
         model.lm_head = pack_linear(model.lm_head, fmt, ops)
