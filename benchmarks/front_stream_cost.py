@@ -99,6 +99,9 @@ class TickingEngine:
     def model_info(self) -> ModelInfo:
         return ModelInfo("bench", "LlamaForCausalLM", 4096, self.tokenizer.get_vocab_size(), 16, 1)
 
+    async def current_stats(self):
+        return self.stats()
+
     def health_problem(self) -> str | None:
         return None
 

@@ -31,7 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     keys = sub.add_parser("keys", help="make the executor link's keys (CurveZMQ) and enrollment tokens")
     ksub = keys.add_subparsers(dest="keys_command", required=True)
     for role, what in (("scheduler", "the scheduler's key pair: its secret key never leaves the scheduler"),
-                       ("executor", "an executor's own key pair")):
+                       ("executor", "an executor's own key pair"),
+                       ("front", "a front's own key pair (pagedserve-front; the scheduler admits it with "
+                                 "--trusted-front-keys)")):
         p = ksub.add_parser(role, help=what)
         p.add_argument("--out", type=Path, required=True, help="directory to write NAME.key_secret and NAME.key in")
         p.add_argument("--name", default=role, help="file name (default %(default)s)")

@@ -1,11 +1,16 @@
 """``pagedserve-scheduler`` / ``python -m scheduler_svc``: the scheduler service.
 
-Wires the frozen config, the engine (which binds the executors' ZeroMQ
-port), the gRPC API, the OpenAI-compatible HTTP API (same loop, same engine)
-and the metrics endpoint, then serves until SIGTERM or SIGINT: readiness goes
-NOT_SERVING, new requests are refused on both APIs, in-flight ones get
-``--shutdown-grace-seconds`` to finish, the rest are aborted and every block
-is freed.
+This process is the engine core: it owns the executors (their ZeroMQ port), the schedulers, the
+KV block tables and every plan, and serves ``/metrics`` (its gauges and its fronts' counters). The
+public APIs are served by ``--api-server-count`` front processes it starts (``front_process.py``),
+which share the gRPC and HTTP ports and do all the per-request and per-token work; they reach the
+core over a local front link (an ``ipc://`` socket in a directory only this user can enter), and
+fronts of their own Deployment over ``--front-link-port``. The core's loop does nothing a request's
+size or text can stretch (docs/ARCHITECTURE.md, "Serving tier").
+
+Until SIGTERM or SIGINT: then readiness goes NOT_SERVING, the fronts refuse new requests and give
+in-flight ones ``--shutdown-grace-seconds`` to finish, the rest are aborted and every block is
+freed.
 """
 
 from __future__ import annotations
@@ -14,35 +19,25 @@ import asyncio
 import dataclasses
 import json
 import logging
+import shutil
 import signal
+import sys
+import tempfile
 from pathlib import Path
 
 import uvloop
-from starlette.middleware import Middleware
-from tokenizers import Tokenizer
+from prometheus_client import generate_latest
 
 from pagedserve.wire.fingerprint import model_fingerprint
-from scheduler_svc.admission import CallBudget
-from scheduler_svc.auth_throttle import AuthThrottle
 from scheduler_svc.config import ServiceConfig, load_config
-from scheduler_svc.engine import Engine
+from scheduler_svc.engine_core import EngineCore
+from scheduler_svc.front_processes import FrontProcesses, fixed_port
 from scheduler_svc.gc_tuning import tune_gc
-from scheduler_svc.http.app import OpenAIFront, build_app
-from scheduler_svc.http.auth import ApiKeyMiddleware
-from scheduler_svc.http.chat_template import load_chat_template
-from scheduler_svc.http.serve import HttpServer, start_http_server
 from scheduler_svc.metrics import Metrics, start_metrics_server
-from scheduler_svc.offload import return_large_allocations_to_the_os
-from scheduler_svc.server import start_grpc_server
+from scheduler_svc.tier.core_link import FrontLink
+from scheduler_svc.tier.metrics import FamiliesCollector, merge_families
 
 log = logging.getLogger("pagedserve.scheduler")
-
-
-def load_tokenizer(model_dir: Path) -> Tokenizer:
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        raise SystemExit(f"--model: {model_dir} has no tokenizer.json (needed to tokenize prompts)")
-    return Tokenizer.from_file(str(path))
 
 
 def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
@@ -75,75 +70,65 @@ def served_model(model_dir: Path) -> str | None:
         return None
 
 
-async def start_http(cfg: ServiceConfig, engine: Engine, tokenizer: Tokenizer, metrics: Metrics, budget: CallBudget,
-                     throttle: AuthThrottle | None) -> tuple[OpenAIFront, HttpServer] | None:
-    """The OpenAI-compatible API on the engine's loop, unless --http-port is 0."""
-    if not cfg.http_port:
-        return None
-    try:
-        template = load_chat_template(cfg.model_dir)
-    except ValueError as e:
-        raise SystemExit(f"--model: {e}") from None
-    if template is None:
-        log.warning("%s has no chat template: /v1/chat/completions will refuse requests", cfg.model_dir)
-    front = OpenAIFront(engine, tokenizer, template, cfg.limits, cfg.http_limits, metrics)
-    middleware = []
-    if cfg.api_keys is not None:  # the same keys and TLS files as the gRPC front
-        middleware.append(Middleware(ApiKeyMiddleware, keys=cfg.api_keys, throttle=throttle, metrics=metrics))
-    ssl = cfg.tls.uvicorn_options() if cfg.tls is not None else None
-    return front, await start_http_server(build_app(front, middleware, budget), cfg.http_host, cfg.http_port, ssl,
-                                          cfg.http_limits)
-
-
-async def serve(cfg: ServiceConfig) -> None:
-    tokenizer = load_tokenizer(cfg.model_dir)
-    metrics = Metrics()
+async def serve(cfg: ServiceConfig, argv: list[str]) -> None:
+    metrics = Metrics(part="engine")
     engine_cfg = dataclasses.replace(cfg.engine, model_fingerprint=served_model(cfg.model_dir))
-    engine = Engine(engine_cfg, tokenizer, eos_token_ids(cfg.model_dir), metrics)
-    await engine.start()
-    # What both fronts hold at once, and a peer's failed API keys, are counted once per process.
-    budget = CallBudget.from_limits(cfg.limits)
-    metrics.watch_budget(budget)
-    throttle = (AuthThrottle(cfg.limits.auth_failure_burst, cfg.limits.auth_failure_refill_s)
-                if cfg.api_keys is not None else None)
-    log.info("at most %d calls and %d MiB of request bytes in progress (--max-concurrent-calls, "
-             "--max-in-flight-bytes)", budget.max_calls, budget.max_bytes >> 20)
-    http = await start_http(cfg, engine, tokenizer, metrics, budget, throttle)  # first: gRPC liveness implies HTTP
-    api = await start_grpc_server(engine, tokenizer, cfg.host, cfg.port, cfg.limits, metrics,
-                                  api_keys=cfg.api_keys, tls=cfg.tls, grpc_limits=cfg.grpc_limits, budget=budget,
-                                  throttle=throttle)
-    loop = asyncio.get_running_loop()
-    engine.on_readiness_change = lambda: loop.create_task(api.update_health())
+    core = EngineCore(engine_cfg, eos_token_ids(cfg.model_dir), metrics)
+    await core.start()
+    runtime = Path(tempfile.mkdtemp(prefix="pagedserve-"))  # 0700: only this user reaches the local link
+    links = [FrontLink(core, f"ipc://{runtime}/fronts", exposition=lambda: exposition())]
+    if cfg.front_link_port:  # fronts of their own Deployment (CURVE with keys, as executors)
+        keys = cfg.engine.executor_link.server if cfg.engine.executor_link is not None else None
+        links.append(FrontLink(core, f"tcp://{cfg.front_link_host}:{cfg.front_link_port}", keys, lambda: exposition(),
+                               cfg.trusted_front_keys))
+    metrics.registry.register(FamiliesCollector(lambda: merge_families(link.front_families() for link in links)))
+
+    def exposition() -> str:
+        return generate_latest(metrics.registry).decode()
+
+    for link in links:
+        await link.start()
+    core.on_readiness_change = lambda: [link.broadcast_status() for link in links]
     metrics_server = (start_metrics_server(cfg.metrics_port, metrics.registry, host=cfg.metrics_host)
                       if cfg.metrics_port else None)
+    # The fronts bind the same ports (a port 0 is fixed here, once for all of them).
+    ports = ["--port", str(fixed_port(cfg.host, cfg.port))]
+    if cfg.http_port:
+        ports += ["--http-port", str(fixed_port(cfg.http_host, cfg.http_port))]
+    fronts = FrontProcesses([*argv, *ports], cfg.api_server_count, links[0].endpoint,
+                            on_exit=lambda front_id, why: links[0].drop_front(front_id, why))
+    fronts.start()
+    watcher = asyncio.create_task(fronts.watch(), name="fronts")
     tune_gc()
-    log.info("scheduler ready: gRPC :%d, HTTP :%s, executors dial %s (port %d), metrics :%s",
-             api.port, http[1].port if http else "off", cfg.engine.executor_endpoint, engine.hub.bound_port,
-             cfg.metrics_port or "off")
+    log.info("scheduler ready: %d fronts on gRPC :%s, HTTP :%s; executors dial %s (port %d); metrics :%s; "
+             "front link %s", cfg.api_server_count, ports[1], ports[3] if cfg.http_port else "off",
+             cfg.engine.executor_endpoint, core.hub.bound_port, cfg.metrics_port or "off",
+             ", ".join(link.endpoint for link in links))
 
     stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down: refusing new requests, %.0fs grace for in-flight ones",
              cfg.shutdown_grace_seconds)
-    await api.begin_shutdown()
-    if http:
-        http[0].shutting_down = True  # new HTTP requests: 503; running streams continue
-    await engine.shutdown(cfg.shutdown_grace_seconds)
-    await api.stop(1.0)
-    if http:
-        await http[1].stop(1.0)
+    core.begin_shutdown()
+    await fronts.stop(cfg.shutdown_grace_seconds + 10.0)  # each front drains its own requests
+    watcher.cancel()
+    await core.stop()
+    for link in links:
+        await link.close()
     if metrics_server:
         metrics_server.close()
+    shutil.rmtree(runtime, ignore_errors=True)
     log.info("scheduler stopped")
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     cfg = load_config(argv)
-    return_large_allocations_to_the_os()  # request messages of megabytes must not stay in RSS
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvloop.run(serve(cfg))  # a faster event loop: each step wakes every streaming request (PERF.md)
+    uvloop.run(serve(cfg, argv))  # a faster event loop: the core's loop runs every executor's
 
 
 if __name__ == "__main__":

@@ -56,6 +56,10 @@ class ServiceConfig:
     api_keys: ApiKeys | None = None  # the public fronts require one of these (None: open)
     tls: TlsFiles | None = None  # the public fronts serve TLS (None: plaintext)
     grpc_limits: GrpcLimits = GrpcLimits()  # how long gRPC connections and request messages may take
+    api_server_count: int = 1  # front processes the scheduler starts (they share the public ports)
+    front_link_host: str = "127.0.0.1"  # where fronts of their own Deployment dial the core
+    front_link_port: int = 0  # 0: only the scheduler's own fronts (over a local ipc:// link)
+    trusted_front_keys: Path | None = None  # the keys of fronts of their own (a CURVE front link)
 
     @property
     def scheduler(self) -> SchedulerConfig:
@@ -190,6 +194,21 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-requests", type=number(int, "--max-queued-requests", 0),
                    default=default(e, "max_queued_requests"),
                    help="waiting requests beyond which new ones get RESOURCE_EXHAUSTED")
+    p.add_argument("--api-server-count", type=number(int, "--api-server-count", 1, True), default=1,
+                   help="front processes to start: each serves the gRPC and HTTP ports (shared, SO_REUSEPORT) "
+                        "and does the per-request and per-token work (validation, tokenization, detokenization, "
+                        "streaming), so that the scheduling loop does none of it")
+    p.add_argument("--front-link-host", default=None,
+                   help="address fronts of their own (pagedserve-front) dial in to (default 0.0.0.0 when the "
+                        "link has keys, else 127.0.0.1)")
+    p.add_argument("--front-link-port", type=PORT, default=0,
+                   help="port for fronts of their own (pagedserve-front --core tcp://HOST:PORT); 0: off, only the "
+                        "scheduler's own fronts serve (with --curve-secret-key-file the link is CURVE, and a front's "
+                        "key must be in --trusted-front-keys)")
+    p.add_argument("--trusted-front-keys", type=Path, default=None,
+                   help="public keys of the fronts of their own that may dial the front link: a directory of "
+                        "NAME.key files (`pagedserve keys front` makes a key pair) or a file of "
+                        "lines 'KEY [name]'; re-read when it changes")
     p.add_argument("--shutdown-grace-seconds", type=number(float, "--shutdown-grace-seconds", 0, True),
                    default=30.0,
                    help="on SIGTERM, time in-flight requests get to finish before they are aborted")
@@ -279,6 +298,19 @@ def _executor_host(parser: argparse.ArgumentParser, a: argparse.Namespace, keys:
     return host
 
 
+def _front_link_host(parser: argparse.ArgumentParser, a: argparse.Namespace, keys: LinkSecurity | None) -> str:
+    """As the executor link: without keys, fronts of their own dial in on loopback only."""
+    host = a.front_link_host or ("0.0.0.0" if keys is not None else "127.0.0.1")
+    if a.front_link_port and keys is not None and a.trusted_front_keys is None:
+        parser.error("--front-link-port: with keys, give --trusted-front-keys (the fronts' public keys)")
+    if a.trusted_front_keys is not None and not a.trusted_front_keys.exists():
+        parser.error(f"--trusted-front-keys: {a.trusted_front_keys} does not exist")
+    if a.front_link_port and keys is None and not _is_loopback(host) and not a.allow_insecure_executors:
+        parser.error(f"--front-link-host: {host} is not loopback and the link has no keys; give "
+                     "--curve-secret-key-file (or, knowingly, --allow-insecure-executors)")
+    return host
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -314,7 +346,9 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         model_dir=a.model, host=a.host, port=a.port, metrics_host=a.metrics_host, metrics_port=a.metrics_port,
         http_host=a.http_host, http_port=a.http_port, http_limits=http_limits, engine=engine,
         limits=limits, shutdown_grace_seconds=a.shutdown_grace_seconds,
-        log_level=a.log_level, api_keys=_api_keys(parser, a), tls=_tls(parser, a), grpc_limits=grpc_limits)
+        log_level=a.log_level, api_keys=_api_keys(parser, a), tls=_tls(parser, a), grpc_limits=grpc_limits,
+        api_server_count=a.api_server_count, front_link_host=_front_link_host(parser, a, keys),
+        front_link_port=a.front_link_port, trusted_front_keys=a.trusted_front_keys)
 
 
 def _sized_limits(parser: argparse.ArgumentParser, a: argparse.Namespace, http: HttpLimits) -> ServerLimits:

@@ -279,6 +279,8 @@ class EngineCore:
 
     def _on_join(self, conn: ExecutorConn) -> None:
         info = conn.info
+        if self.metrics:
+            self.metrics.served_model = info.model_name
         cfg = dataclasses.replace(self.cfg.scheduler, max_model_len=info.max_model_len)
         slot = ExecutorSlot(conn, Scheduler(cfg, info.num_device_blocks, info.num_cpu_blocks,
                                             self.eos_token_ids, vocab_size=info.vocab_size))

@@ -158,6 +158,15 @@ class ExecutorHub:
         self.failure = f"{task.get_name()} ended: {exc!r}" if exc is not None else f"{task.get_name()} ended"
         log.critical("executor transport failed: %s", self.failure, exc_info=exc)
 
+    def curve_domain(self, domain: str, provider) -> zmq.Context:
+        """Admit another CURVE server socket's clients (the front link's) through this process's ZAP
+        handler, under ``domain``, by ``provider.callback(domain, key)``; the context that socket
+        must be made on. RuntimeError when this link has no keys (nor a ZAP handler)."""
+        if self._auth is None:
+            raise RuntimeError("no ZAP handler: the executor link has no keys")
+        self._auth.configure_curve_callback(domain, provider)
+        return self._ctx
+
     async def close(self) -> None:
         self._closing = True
         for t in self._tasks:

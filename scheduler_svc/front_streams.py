@@ -92,6 +92,11 @@ class FrontStreams:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
+    async def current_stats(self) -> EngineStats:
+        """The engine's stats now (a remote core's last Status is up to a heartbeat old)."""
+        current = getattr(self.core, "current_stats", None)
+        return await current() if current is not None else self.core.stats()
+
     def health_problem(self) -> str | None:
         return self.core.health_problem()
 
@@ -162,6 +167,11 @@ class FrontStreams:
         t.put_error(exc)
         if self.metrics:
             self.metrics.on_failed()
+
+    def fail_all(self, exc: Exception) -> None:
+        """The core that ran them is gone: every request ends with ``exc``."""
+        for t in list(self.by_core_id.values()):
+            self._fail(t, exc)
 
     def _end(self, t: Tracked) -> None:
         self.tracked.pop(t.stream.req.request_id, None)

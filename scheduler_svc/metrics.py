@@ -81,10 +81,30 @@ class BatchHistogram(Collector):
 
 
 class Metrics:
-    """All pagedserve metrics, registered in ``self.registry``."""
+    """pagedserve's metrics, registered in ``self.registry``.
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    ``part``: which half a process registers. An engine core counts what it schedules
+    ("engine": requests running and waiting, KV usage, preemptions, migrations, queue time, and
+    the ``vllm:`` gauges the Gateway API Inference Extension reads); a front counts what it
+    streams and refuses ("front": tokens, latencies, how requests ended, admission). The engine
+    core sums its fronts' into the one /metrics (``scheduler_svc/tier/metrics.py``); a process
+    with both halves (tests, benchmarks) registers "all".
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, part: str = "all") -> None:
+        if part not in ("all", "engine", "front"):
+            raise ValueError(f"Metrics part: expected all, engine or front, got {part!r}")
         r = self.registry = registry if registry is not None else CollectorRegistry()
+        if part in ("all", "engine"):
+            self._engine_metrics(r)
+        if part in ("all", "front"):
+            self._front_metrics(r)
+        self._last = {"pq": 0, "ph": 0, "pre": 0, "mig": 0}  # cumulative engine counters already counted
+        self._executors: set[str] = set()
+        self._states: set[str] = set()
+        self.served_model = ""  # the model_name label of the vllm: gauges (the engine sets it)
+
+    def _engine_metrics(self, r: CollectorRegistry) -> None:
         ex = ["executor"]
         self.num_running = Gauge(P + "num_requests_running", "Requests running on executors.", registry=r)
         self.num_waiting = Gauge(P + "num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
@@ -104,6 +124,19 @@ class Metrics:
         self.prefix_hits = Counter(P + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
         self.preemptions = Counter(P + "num_preemptions", "Preemptions (recompute and swap).", registry=r)
         self.migrations = Counter(P + "request_migrations", "Requests moved to another executor.", registry=r)
+        self.queue_time = Histogram(P + "request_queue_time_seconds", "Arrival to first scheduled.",
+                                    buckets=E2E_BUCKETS, registry=r)
+        # What the Kubernetes Gateway API Inference Extension's endpoint picker reads of a vLLM
+        # model server, under vLLM's names: this deployment as one model server.
+        self.model_name = ["model_name"]
+        self.vllm_running = Gauge("vllm:num_requests_running", "Requests running (the deployment's).",
+                                  self.model_name, registry=r)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled (the "
+                                  "deployment's).", self.model_name, registry=r)
+        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of the deployment's KV blocks in use "
+                                   "(0..1).", self.model_name, registry=r)
+
+    def _front_metrics(self, r: CollectorRegistry) -> None:
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", registry=r)
         self.success = Counter(P + "request_success", "Finished requests, by finish reason.",
@@ -127,15 +160,10 @@ class Metrics:
                                   ITL_BUCKETS, r)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish.", buckets=E2E_BUCKETS,
                              registry=r)
-        self.queue_time = Histogram(P + "request_queue_time_seconds", "Arrival to first scheduled.",
-                                    buckets=E2E_BUCKETS, registry=r)
         self.req_prompt_tokens = Histogram(P + "request_prompt_tokens", "Prompt tokens per request.",
                                            buckets=TOKEN_BUCKETS, registry=r)
         self.req_generation_tokens = Histogram(P + "request_generation_tokens", "Generated tokens per request.",
                                                buckets=TOKEN_BUCKETS, registry=r)
-        self._last = {"pq": 0, "ph": 0, "pre": 0, "mig": 0}  # cumulative engine counters already counted
-        self._executors: set[str] = set()
-        self._states: set[str] = set()
 
     # ---- called by the engine -------------------------------------------------
     def observe_stats(self, stats: EngineStats) -> None:
@@ -143,6 +171,12 @@ class Metrics:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.num_swapped.set(stats.num_swapped)
+        total = sum(e.kv_blocks_total for e in stats.executors)
+        used = sum(e.kv_blocks_used for e in stats.executors)
+        name = self.served_model
+        self.vllm_running.labels(name).set(stats.num_running)
+        self.vllm_waiting.labels(name).set(stats.num_waiting)
+        self.vllm_kv_usage.labels(name).set(used / total if total else 0.0)
         self._advance(self.prefix_queries, "pq", stats.prefix_cache_query_tokens)
         self._advance(self.prefix_hits, "ph", stats.prefix_cache_hit_tokens)
         self._advance(self.preemptions, "pre", stats.num_preemptions)

@@ -119,7 +119,7 @@ class Request:
         return len(self.req.prompt_token_ids)
 
 
-class SeqUpdate(msgspec.Struct, gc=False):  # built per token: see api_types
+class SeqUpdate(msgspec.Struct, array_like=True, gc=False):  # built per token; positional on the tier link
     """New tokens of one choice since the last update.
 
     Beam search reports nothing while it runs; its final update holds
@@ -138,7 +138,7 @@ class SeqUpdate(msgspec.Struct, gc=False):  # built per token: see api_types
 ERROR_FAILED, ERROR_NO_EXECUTOR, ERROR_QUEUE_FULL = 0, 1, 2
 
 
-class RequestUpdate(msgspec.Struct, gc=False):  # built per token: see api_types
+class RequestUpdate(msgspec.Struct, array_like=True, gc=False):  # built per token; a front gets them positional
     request_id: str
     seqs: list[SeqUpdate]
     finished: bool = False

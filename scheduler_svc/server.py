@@ -69,6 +69,7 @@ class Engine(Protocol):
     def model_info(self) -> ModelInfo | None: ...
     def is_ready(self) -> bool: ...
     def health_problem(self) -> str | None: ...
+    async def current_stats(self) -> EngineStats: ...  # (stats() may be a heartbeat old in a front)
     def stats(self) -> EngineStats: ...
     def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
 
@@ -137,7 +138,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.Stats:
         try:
-            return _stats(self._engine.stats())
+            return _stats(await self._engine.current_stats())
         except Exception:
             log.exception("engine.stats() failed")
             await self._abort(context, grpc.StatusCode.INTERNAL, "could not collect stats")
@@ -319,6 +320,7 @@ async def start_grpc_server(
     grpc_limits: GrpcLimits | None = None,
     budget: CallBudget | None = None,
     throttle: AuthThrottle | None = None,
+    reuse_port: bool = False,
 ) -> ApiServer:
     """Bind and start the server (port 0: a free port, see ``.port``); must run in the engine's loop.
 
@@ -327,7 +329,8 @@ async def start_grpc_server(
     ``api_keys``: calls need one (health excepted); ``tls``: the port serves TLS only.
     ``grpc_limits``: how long connections and request messages may take (grpc_limits.py).
     ``budget`` and ``throttle``: the ones the process's fronts share (admission.py,
-    auth_throttle.py); by default this server's own, from ``limits``.
+    auth_throttle.py); by default this server's own, from ``limits``. ``reuse_port``: other
+    processes of this host (the scheduler's fronts) serve the same port (SO_REUSEPORT).
     """
     limits = limits or ServerLimits()
     grpc_limits = grpc_limits or GrpcLimits()
@@ -338,7 +341,7 @@ async def start_grpc_server(
     servicer = GenerationServicer(engine, tokenizer, limits, metrics)
     health = health_aio.HealthServicer()
     server = grpc.aio.server(interceptors=[gate], options=[
-        ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+        ("grpc.so_reuseport", int(reuse_port)), ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
         *server_options(grpc_limits)])
     server.add_generic_rpc_handlers((_generation_handlers(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -86,6 +86,9 @@ class FakeEngine:
     def model_info(self) -> ModelInfo | None:
         return self.info
 
+    async def current_stats(self):
+        return self.stats()
+
     def health_problem(self) -> str | None:
         return None
 

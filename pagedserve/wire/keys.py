@@ -138,13 +138,13 @@ def _derived_pair(secret: bytes, role: bytes) -> KeyPair:
 
 # ------------------------------------------------------------------ sockets
 
-def make_server(sock: zmq.Socket, server: KeyPair) -> None:
+def make_server(sock: zmq.Socket, server: KeyPair, zap_domain: bytes = ZAP_DOMAIN) -> None:
     """The scheduler's ROUTER: CURVE server with its own key pair, every client checked by the ZAP
-    handler of :data:`ZAP_DOMAIN` (set before bind)."""
+    handler of ``zap_domain`` (the executors', unless given; set before bind)."""
     sock.curve_secretkey = server.secret
     sock.curve_publickey = server.public
     sock.curve_server = True
-    sock.zap_domain = ZAP_DOMAIN
+    sock.zap_domain = zap_domain
 
 
 def make_client(sock: zmq.Socket, keys: ClientKeys) -> None:

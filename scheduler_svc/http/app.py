@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -63,6 +64,9 @@ class OpenAIFront:
         self.texts = TokenTexts(tokenizer)
         self.shutting_down = False
         self.created = int(time.time())
+        # The deployment's metrics (a front asks its engine core, which sums every front's): None in a
+        # process that has the whole engine, whose own registry is then served.
+        self.metrics_text = None
 
     # ------------------------------------------------------------------ endpoints
     async def health(self, request: Request) -> Response:
@@ -72,6 +76,19 @@ class OpenAIFront:
         if not self.engine.is_ready():
             return _json(ApiError(503, "no executor is ready", code="no_executor").body(), 503)
         return _json({"status": "ok"})
+
+    async def prometheus(self, request: Request) -> Response:
+        """/metrics on the API port: the deployment's metrics, whichever front answers (the
+        Gateway API Inference Extension's endpoint picker scrapes the port it routes to)."""
+        if self.metrics_text is not None:
+            try:
+                text = await self.metrics_text()
+            except (TimeoutError, asyncio.TimeoutError):
+                return _json(ApiError(503, "the engine core did not answer", code="no_executor").body(), 503)
+            body = text.encode()
+        else:
+            body = generate_latest(self.metrics.registry) if self.metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
         info = self._info()
@@ -307,6 +324,7 @@ def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = (), budget:
 
     routes = [
         Route("/health", front.health, methods=["GET"]),
+        Route("/metrics", front.prometheus, methods=["GET"]),
         Route("/v1/models", front.models, methods=["GET"]),
         Route("/v1/models/{model:path}", front.models, methods=["GET"]),
         Route("/v1/completions", front.completions, methods=["POST"]),

@@ -16,7 +16,7 @@ from scheduler_svc.http.errors import ApiError, send_error
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.security import ApiKeys
 
-OPEN_PATHS = frozenset({"/health"})  # probes carry no credentials and are never shed
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes carry no credentials, are never shed
 AUTH_THROTTLED = "auth_throttled"  # the shed reason counted in metrics
 
 

@@ -193,7 +193,7 @@ class HttpServer:
                 await self.task
 
 
-def _listening_socket(host: str, port: int) -> socket.socket:
+def _listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound to ``host:port``, created with proto=IPPROTO_TCP.
 
     asyncio sets TCP_NODELAY only on connections whose socket says IPPROTO_TCP, and
@@ -206,6 +206,8 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:  # several fronts share the port; the kernel spreads connections among them
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except OSError:
         sock.close()
@@ -214,15 +216,16 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 
 async def start_http_server(app: ASGIApp, host: str, port: int, ssl: Mapping[str, Any] | None = None,
-                            limits: HttpLimits = DEFAULT_LIMITS) -> HttpServer:
+                            limits: HttpLimits = DEFAULT_LIMITS, reuse_port: bool = False) -> HttpServer:
     """Bind ``host:port`` (0: a free port, see ``.port``) and serve ``app``; must run in the engine's loop.
-    ``limits``: the connection bounds (keep-alive, head and TLS handshake timeouts) of HttpLimits."""
+    ``limits``: the connection bounds (keep-alive, head and TLS handshake timeouts) of HttpLimits.
+    ``reuse_port``: other processes of this host (the scheduler's fronts) serve the same port."""
     protocol = functools.partial(BoundedHttpToolsProtocol, limits=limits)
     config = uvicorn.Config(app, host=host, port=port, lifespan="off", access_log=False, log_config=None,
                             server_header=False, http=protocol, timeout_keep_alive=limits.keep_alive_timeout_s,
                             **dict(ssl or {}))
     server = _EmbeddedServer(config, limits.tls_handshake_timeout_s)
-    sock = _listening_socket(host, port)
+    sock = _listening_socket(host, port, reuse_port)
     bound = sock.getsockname()[1]
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="http-server")
     while not server.started:
