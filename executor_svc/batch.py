@@ -10,12 +10,16 @@ packed layout, and tests check it against a per-sequence reference.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from executor_svc.attention import AttentionMetadata
 from pagedserve.wire import SamplingParams
+
+if TYPE_CHECKING:
+    from executor_svc.grammar import SeqGrammar
 
 
 @dataclass(slots=True)
@@ -26,6 +30,7 @@ class SeqState:
     block_ids: list[int]  # logical block i -> physical block id
     num_computed_tokens: int  # tokens whose K/V are in the cache
     sampling: SamplingParams
+    grammar: SeqGrammar | None = None  # structured outputs: its matcher (executor_svc/grammar.py)
 
 
 @dataclass(slots=True)

@@ -37,6 +37,7 @@ import torch
 from executor_svc.attention import AttentionBackend
 from executor_svc.batch import Batch, SeqState, build_batch
 from executor_svc.dropped import DroppedSeqs
+from executor_svc.grammar import GrammarBackend, GrammarMasks, SeqGrammar, unserved
 from executor_svc.kv_cache import KVCache
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.plan_check import PlanChecker, PlanError
@@ -69,6 +70,7 @@ class LaunchedStep:
     batch: Batch | None
     logits: torch.Tensor | None
     start: float  # when it was launched: its model_seconds run from here (its preparation overlapped)
+    masks: GrammarMasks | None = None  # the constrained rows' token masks, filled while the forward runs
 
     def sampling_seqs(self) -> dict[int, SeqState]:
         """The sequences that get a token when this step completes (beam rows get none)."""
@@ -79,9 +81,11 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend,
-                 sampler: Sampler | None = None, max_model_len: int | None = None) -> None:
+                 sampler: Sampler | None = None, max_model_len: int | None = None,
+                 grammar: GrammarBackend | None = None) -> None:
         self.model, self.kv, self.backend = model, kv_cache, backend
         self.sampler = sampler or Sampler()
+        self.grammar = grammar  # structured outputs (None: a follower rank, or no tokenizer.json)
         self.max_model_len = max_model_len or model.cfg.max_position_embeddings
         self.checker = PlanChecker(kv_cache.num_blocks, kv_cache.num_cpu_blocks, kv_cache.block_size,
                                    model.cfg.vocab_size, self.max_model_len)
@@ -160,7 +164,10 @@ class ModelRunner:
             raise
         except Exception as exc:  # noqa: BLE001  its sequences fail; the runner serves on
             return self._failure(step.plan, step.plan.scheduled_seq_ids, exc)
-        return LaunchedStep(step.plan, step.batch, logits, start)
+        # The grammar masks are computed while the forward runs on the device (an error in one is
+        # the sampler's: it fails the step's sampling rows, not the forward's).
+        masks = self._masks(step.batch) if logits is not None else None
+        return LaunchedStep(step.plan, step.batch, logits, start, masks)
 
     def complete(self, step: LaunchedStep) -> StepResult:
         """Sample a launched step (waits for its forward) and report it."""
@@ -168,7 +175,7 @@ class ModelRunner:
         batch = step.batch
         if batch is not None and step.logits is not None:
             try:
-                self._sample(batch, step.logits, result)
+                self._sample(batch, step.logits, result, step.masks)
             except StepFatal:
                 raise
             except Exception as exc:  # noqa: BLE001  the sampling sequences fail; the runner serves on
@@ -244,14 +251,19 @@ class ModelRunner:
             self.seqs.pop(sid, None)
         for s in plan.new_seqs:
             self.seqs[s.seq_id] = SeqState(s.seq_id, list(s.token_ids), s.num_prompt_tokens,
-                                           list(s.block_ids), s.num_computed_tokens, s.sampling)
+                                           list(s.block_ids), s.num_computed_tokens, s.sampling,
+                                           self._grammar_of(s.sampling, s.token_ids[s.num_prompt_tokens:]))
         for f in plan.forks:
             p = self.seqs[f.parent_seq_id]
             sampling = p.sampling if f.seed is None else p.sampling.with_seed(f.seed)
             self.seqs[f.child_seq_id] = SeqState(f.child_seq_id, list(p.token_ids), p.num_prompt_tokens,
-                                                 list(p.block_ids), p.num_computed_tokens, sampling)
+                                                 list(p.block_ids), p.num_computed_tokens, sampling,
+                                                 p.grammar.fork() if p.grammar is not None else None)
         for sid, tok in plan.append_tokens:
-            self.seqs[sid].token_ids.append(tok)
+            s = self.seqs[sid]
+            s.token_ids.append(tok)
+            if s.grammar is not None:
+                s.grammar.accept(tok)
         for u in plan.block_updates:
             table = self.seqs[u.seq_id].block_ids
             del table[u.start:]
@@ -277,11 +289,27 @@ class ModelRunner:
         rows = torch.tensor(batch.logits_rows, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, rows))
 
-    def _sample(self, batch: Batch, logits: torch.Tensor, result: StepResult) -> None:
+    def _grammar_of(self, sampling, outputs: list[int]) -> SeqGrammar | None:
+        """A structured sequence's grammar state; it starts compiling now, while the sequence prefills."""
+        if sampling.structured is None:
+            return None
+        if self.grammar is None:
+            return unserved("this executor has no tokenizer.json, so it cannot serve structured outputs")
+        return self.grammar.track(sampling.structured, sampling.end_token_ids, outputs)
+
+    def _masks(self, batch: Batch | None) -> GrammarMasks | None:
+        if batch is None or not any(s.grammar is not None for s in batch.sample_seqs):
+            return None
+        if self.grammar is None:
+            return GrammarMasks.unserved(batch.sample_seqs)
+        return self.grammar.masks(batch.sample_seqs)
+
+    def _sample(self, batch: Batch, logits: torch.Tensor, result: StepResult,
+                masks: GrammarMasks | None = None) -> None:
         if self.keep_logits:
             self.last_logits = logits.clone()
         seqs = batch.sample_seqs
-        self._report(seqs, self.sampler.sample(logits, seqs), result)
+        self._report(seqs, self.sampler.sample(logits, seqs, masks), result)
 
     def _report(self, seqs: list[SeqState], out: SampleOutput, result: StepResult) -> None:
         for i, s in enumerate(seqs):  # every row checked before any is appended: all or nothing
@@ -297,6 +325,8 @@ class ModelRunner:
             if lp is not None:
                 result.logprobs.append(SeqLogprobs(s.seq_id, lp.token_logprob, lp.top_token_ids, lp.top_logprobs))
             s.token_ids.append(tok)
+            if s.grammar is not None:
+                s.grammar.accept(tok)  # (masked by it: accepted; a terminated matcher takes no more)
             result.sampled_seq_ids.append(s.seq_id)
             result.sampled_token_ids.append(tok)
 

@@ -8,18 +8,26 @@ Per row, in this order (each step only for rows that ask for it):
    positive logits divided by the penalty, negative ones multiplied), then
    frequency and presence (OpenAI: ``logit -= f * count + p * (count > 0)``
    over output tokens);
-3. ``temperature == 0``: greedy argmax (ties go to the lowest id);
-4. otherwise divide by the temperature, keep the top-k, then the smallest
+3. ``logit_bias`` added;
+4. the grammar's mask (structured outputs, ``executor_svc/grammar.py``): tokens
+   it does not allow get -inf;
+5. ``min_tokens``: while the sequence has fewer outputs, its end tokens (EOS,
+   stop token ids) get -inf, unless the grammar allows nothing else (a structured
+   output stays valid: the grammar wins);
+6. ``temperature == 0``: greedy argmax (ties go to the lowest id);
+7. otherwise divide by the temperature, keep the top-k, then the smallest
    top-probability set reaching top-p (renormalised after top-k), then drop
    tokens whose probability is below ``min_p`` times the best one;
-5. draw by inverse CDF over the kept tokens with ONE uniform number ``u``.
+8. draw by inverse CDF over the kept tokens with ONE uniform number ``u``.
    With a seed, ``u = hash(seed, j)`` for output position ``j``, so the draw
    depends only on (seed, j): the same alone, in any batch, after preemption.
 
-Logprobs are ``log_softmax`` of the final processed distribution: after
-penalties, temperature and truncation (greedy rows: after penalties), the
-distribution the token was actually drawn from. Alternatives are its top
-``logprobs`` entries; tokens removed by truncation are never listed.
+Logprobs come in vLLM's two modes, per sequence (``processed_logprobs``):
+raw (the default) is the model's ``log_softmax`` of the logits before any of
+the above; processed is ``log_softmax`` of the final distribution the token was
+drawn from (after penalties, bias, mask, temperature and truncation; greedy
+rows: before temperature and truncation), where tokens removed by truncation or
+the grammar are never listed. Alternatives are the top ``logprobs`` entries.
 """
 
 from __future__ import annotations
@@ -34,6 +42,12 @@ import torch
 from pagedserve.wire import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 _MASK64 = (1 << 64) - 1
+
+
+class TokenMasks(Protocol):
+    """A step's grammar masks (``executor_svc/grammar.py``'s GrammarMasks): applied in place."""
+
+    def apply(self, logits: torch.Tensor) -> None: ...
 
 
 class SampleInput(Protocol):
@@ -88,6 +102,35 @@ def apply_penalties(logits: torch.Tensor, seqs: Sequence[SampleInput]) -> None:
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def apply_logit_bias(logits: torch.Tensor, seqs: Sequence[SampleInput], rows: Sequence[int]) -> None:
+    """In place: each row's ``logit_bias`` added to its ids (ids past the logits' width are ignored)."""
+    vocab = logits.shape[1]
+    for i in rows:
+        bias = seqs[i].sampling.logit_bias
+        if bias:
+            pairs = [(t, b) for t, b in bias if t < vocab]
+            if pairs:
+                ids = torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=logits.device)
+                logits[i].index_add_(0, ids, torch.tensor([b for _, b in pairs], dtype=logits.dtype,
+                                                          device=logits.device))
+
+
+def apply_min_tokens(logits: torch.Tensor, seqs: Sequence[SampleInput], rows: Sequence[int]) -> None:
+    """In place: a row with fewer outputs than ``min_tokens`` cannot sample its end tokens, unless
+    they are all that is left to it (a grammar that has reached its end)."""
+    vocab = logits.shape[1]
+    for i in rows:
+        s = seqs[i]
+        p = s.sampling
+        if p.min_tokens <= len(s.token_ids) - s.num_prompt_tokens or not p.end_token_ids:
+            continue
+        ids = torch.tensor([t for t in p.end_token_ids if t < vocab], dtype=torch.int64, device=logits.device)
+        kept = logits[i, ids].clone()
+        logits[i, ids] = float("-inf")
+        if not bool(torch.isfinite(logits[i]).any()):
+            logits[i, ids] = kept
+
+
 def truncate_sorted(sorted_logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Apply top-k, top-p, min-p to logits sorted descending [n, vocab]; removed -> -inf."""
     n, vocab = sorted_logits.shape
@@ -132,8 +175,10 @@ class Sampler:
         return seeded_uniform(seed, len(s.token_ids) - s.num_prompt_tokens)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: Sequence[SampleInput]) -> SampleOutput:
-        """logits [num_rows, vocab] float32 (modified in place), one row per sequence."""
+    def sample(self, logits: torch.Tensor, seqs: Sequence[SampleInput], masks: TokenMasks | None = None
+               ) -> SampleOutput:
+        """logits [num_rows, vocab] float32 (modified in place), one row per sequence; ``masks``:
+        the grammar masks of the constrained rows (structured outputs)."""
         n = len(seqs)
         out = SampleOutput([None] * n, [None] * n, [None] * n)
         beam = [i for i, s in enumerate(seqs) if s.sampling.beam_candidates > 0]
@@ -145,29 +190,37 @@ class Sampler:
         rest = [i for i, s in enumerate(seqs) if s.sampling.beam_candidates <= 0]
         if not rest:
             return out
+        raw = [i for i in rest if seqs[i].sampling.want_logprobs and not seqs[i].sampling.processed_logprobs]
+        raw_lp = dict(zip(raw, torch.log_softmax(logits[raw], dim=-1), strict=True)) if raw else {}
         apply_penalties(logits, seqs)
+        apply_logit_bias(logits, seqs, rest)
+        if masks is not None:
+            masks.apply(logits)
+        apply_min_tokens(logits, seqs, rest)
         greedy = [i for i in rest if seqs[i].sampling.temperature < GREEDY_TEMPERATURE_EPS]
         rand = [i for i in rest if seqs[i].sampling.temperature >= GREEDY_TEMPERATURE_EPS]
         if greedy:
-            self._greedy(logits, seqs, greedy, out)
+            self._greedy(logits, seqs, greedy, out, raw_lp)
         if rand:
-            self._random(logits, seqs, rand, out)
+            self._random(logits, seqs, rand, out, raw_lp)
         return out
 
     @staticmethod
-    def _greedy(logits, seqs, rows: list[int], out: SampleOutput) -> None:
+    def _greedy(logits, seqs, rows: list[int], out: SampleOutput, raw_lp: dict[int, torch.Tensor]) -> None:
         sel = logits if len(rows) == logits.shape[0] else logits[rows]  # all rows: no copy of the logits
         tokens = torch.argmax(sel, dim=-1).tolist()
-        want = [r for r, i in enumerate(rows) if seqs[i].sampling.want_logprobs]
-        lp = torch.log_softmax(sel[want], dim=-1) if want else None
+        want = [r for r, i in enumerate(rows) if seqs[i].sampling.want_logprobs and i not in raw_lp]
+        lp = dict(zip(want, torch.log_softmax(sel[want], dim=-1), strict=True)) if want else {}
         for r, i in enumerate(rows):
             out.token_ids[i] = tokens[r]
-        for w, r in enumerate(want):
-            i = rows[r]
-            ids, vals = _top(lp[w], seqs[i].sampling.logprobs)
-            out.logprobs[i] = TokenLogprobs(float(lp[w, tokens[r]]), ids, vals)
+            row = raw_lp.get(i)
+            if row is None:
+                row = lp.get(r)
+            if row is not None:
+                ids, vals = _top(row, seqs[i].sampling.logprobs)
+                out.logprobs[i] = TokenLogprobs(float(row[tokens[r]]), ids, vals)
 
-    def _random(self, logits, seqs, rows: list[int], out: SampleOutput) -> None:
+    def _random(self, logits, seqs, rows: list[int], out: SampleOutput, raw_lp: dict[int, torch.Tensor]) -> None:
         params = [seqs[i].sampling for i in rows]
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
         scaled = logits[rows] / temps[:, None]
@@ -180,9 +233,16 @@ class Sampler:
         tokens = cols if order is None else order.gather(1, cols[:, None])[:, 0]
         token_list = tokens.tolist()
         for r, i in enumerate(rows):
-            out.token_ids[i] = token_list[r]
-            if params[r].want_logprobs:
-                ids, vals = _top(lp[r], params[r].logprobs)
-                if order is not None:
-                    ids = order[r, ids].tolist()
-                out.logprobs[i] = TokenLogprobs(float(lp[r, cols[r]]), ids, vals)
+            tok = token_list[r]
+            out.token_ids[i] = tok
+            if not params[r].want_logprobs:
+                continue
+            row = raw_lp.get(i)
+            if row is not None:  # the model's own distribution, in vocabulary order
+                ids, vals = _top(row, params[r].logprobs)
+                out.logprobs[i] = TokenLogprobs(float(row[tok]), ids, vals)
+                continue
+            ids, vals = _top(lp[r], params[r].logprobs)
+            if order is not None:
+                ids = order[r, ids].tolist()
+            out.logprobs[i] = TokenLogprobs(float(lp[r, cols[r]]), ids, vals)

@@ -100,7 +100,8 @@ def _fields(p: SamplingParams) -> dict:
 
 def test_greedy_is_argmax_with_logprobs_of_the_penalised_distribution():
     logits = _logits(3, seed=5)
-    rows = [Row(SamplingParams(temperature=0.0, want_logprobs=True, logprobs=4)) for _ in range(3)]
+    rows = [Row(SamplingParams(temperature=0.0, want_logprobs=True, logprobs=4, processed_logprobs=True))
+            for _ in range(3)]
     out = Sampler().sample(logits.clone(), rows)
     assert out.token_ids == logits.argmax(-1).tolist()
     for i, lp in enumerate(out.logprobs):
@@ -109,9 +110,9 @@ def test_greedy_is_argmax_with_logprobs_of_the_penalised_distribution():
         assert lp.top_token_ids == torch.topk(ref, 4).indices.tolist()
 
 
-def test_logprobs_describe_the_truncated_distribution():
+def test_processed_logprobs_describe_the_truncated_distribution():
     logits = _logits(1, seed=6)
-    p = SamplingParams(temperature=0.5, top_k=2, seed=1, want_logprobs=True, logprobs=5)
+    p = SamplingParams(temperature=0.5, top_k=2, seed=1, want_logprobs=True, logprobs=5, processed_logprobs=True)
     out = Sampler().sample(logits.clone(), [Row(p)])
     lp = out.logprobs[0]
     top2 = torch.topk(logits[0], 2).indices.tolist()

@@ -22,6 +22,7 @@ from pagedserve.wire.messages import (
     SamplingParams,
     SeqLogprobs,
     StepResult,
+    Structured,
     max_result_bytes,
 )
 from pagedserve.wire.protocol import *  # noqa: F403  (the constants, each defined once there)
@@ -30,5 +31,5 @@ from pagedserve.wire.protocol import MAX_FRAME_BYTES, WIRE_VERSION
 __all__ = [
     "KIND_OF", "MAX_FRAME_BYTES", "WIRE_VERSION", "BatchPlan", "BlockUpdate", "Drain", "Envelope", "Fork",
     "Handshake", "HandshakeReply", "Heartbeat", "Message", "NewSeq", "Reset", "SamplingParams", "SeqLogprobs",
-    "StepResult", "WireError", "decode", "decode_body", "encode", "max_result_bytes", "read_envelope",
+    "StepResult", "Structured", "WireError", "decode", "decode_body", "encode", "max_result_bytes", "read_envelope",
 ]

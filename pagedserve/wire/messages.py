@@ -58,6 +58,15 @@ class _Message(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=F
     """Base of every wire message: positional, no extra elements, not GC-tracked (acyclic)."""
 
 
+class Structured(_Message):
+    """A constraint on a sequence's output: ``kind`` is one of ``protocol.STRUCTURED_*``, which says
+    what ``spec`` holds (a JSON schema, a regex, a JSON list of choices, a GBNF grammar). The
+    executor compiles it (cached by spec) and masks every sampled token with it."""
+
+    kind: Annotated[int, Meta(ge=min(p.STRUCTURED_KINDS), le=max(p.STRUCTURED_KINDS))]
+    spec: Annotated[str, Meta(max_length=p.MAX_STRUCTURED_CHARS)]
+
+
 class SamplingParams(_Message):
     """What an executor needs to turn logits into a token for one sequence.
 
@@ -69,6 +78,18 @@ class SamplingParams(_Message):
     (log-softmax of the raw logits) and the scheduler chooses the token.
     ``logprobs`` is how many top alternatives to report besides the sampled
     token's own log-prob (reported when the request asked, ``want_logprobs``).
+
+    The fields after ``beam_candidates`` came later and default to "off", so a
+    sender may leave them out. ``logit_bias`` adds to the logits of those ids;
+    ``min_tokens`` keeps ``end_token_ids`` (the ids that would end the sequence:
+    its EOS ids unless it ignores EOS, and its stop token ids) from being sampled
+    until it has that many output tokens. ``structured`` constrains every token to
+    a grammar; it ends by sampling one of ``end_token_ids`` once the grammar has
+    accepted its end. ``prompt_logprobs`` >= 0 asks the executor for the prompt
+    tokens' log-probs (with that many alternatives each), computed while the prompt
+    is prefilled. ``processed_logprobs``: report log-probs of the distribution the
+    token is drawn from (after penalties, bias, grammar, temperature, truncation)
+    instead of the model's raw log-softmax.
     """
 
     temperature: NonNegative = 1.0
@@ -82,6 +103,13 @@ class SamplingParams(_Message):
     want_logprobs: bool = False
     logprobs: Annotated[int, Meta(ge=0, le=p.MAX_TOP_LOGPROBS)] = 0
     beam_candidates: Annotated[int, Meta(ge=0, le=p.MAX_TOP_LOGPROBS)] = 0
+    logit_bias: Annotated[list[tuple[Id, Finite]], Meta(max_length=p.MAX_LOGIT_BIAS)] = \
+        msgspec.field(default_factory=list)  # (token id, added to its logit)
+    min_tokens: Count = 0
+    end_token_ids: Annotated[list[Id], Meta(max_length=p.MAX_END_TOKEN_IDS)] = msgspec.field(default_factory=list)
+    structured: Structured | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=-1, le=p.MAX_TOP_LOGPROBS)] = -1  # -1: none
+    processed_logprobs: bool = False
 
     def with_seed(self, seed: int | None) -> SamplingParams:
         """The same parameters with another seed (every other field carried over)."""

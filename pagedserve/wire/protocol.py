@@ -37,6 +37,9 @@ MAX_TEXT_CHARS = 4096  # error and refusal messages
 MAX_INT32 = 2**31 - 1  # sequence, token and block ids: the executor indexes with int32
 MAX_SEED = 2**63 - 1  # executors seed int64 generators
 MAX_TENSOR_PARALLEL_SIZE = 1024  # ranks (GPUs) of one executor
+MAX_LOGIT_BIAS = 1 << 16  # (token id, bias) pairs of one sequence's logit bias
+MAX_END_TOKEN_IDS = 1 << 12  # ids that end one sequence (its EOS ids and stop token ids)
+MAX_STRUCTURED_CHARS = 1 << 20  # characters of one structured-output spec (a JSON schema, a grammar)
 
 # ---- KV cache layout both sides must agree on ------------------------------------
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block (the paper's default)
@@ -50,6 +53,13 @@ DEAD_AFTER_INTERVALS = 5  # a peer silent this many heartbeat intervals is dead 
 # Temperatures below this are greedy: dividing logits by ~0 overflows. The API edge
 # maps them to 0.0 and the executor's sampler treats them as greedy.
 GREEDY_TEMPERATURE_EPS = 1e-5
+
+# ---- structured outputs: SamplingParams.structured.kind (the spec's meaning) -----
+STRUCTURED_JSON = 1  # spec: a JSON schema (JSON text); {"type": "object"} for any JSON object
+STRUCTURED_REGEX = 2  # spec: a regular expression the whole output matches
+STRUCTURED_CHOICE = 3  # spec: a JSON array of strings; the output is one of them
+STRUCTURED_GRAMMAR = 4  # spec: an EBNF grammar in GBNF notation, rule "root" first
+STRUCTURED_KINDS = (STRUCTURED_JSON, STRUCTURED_REGEX, STRUCTURED_CHOICE, STRUCTURED_GRAMMAR)
 
 # ---- step sizes ---------------------------------------------------------------------
 # The scheduler's default --max-num-batched-tokens: the largest step an executor
