@@ -42,7 +42,8 @@ class ModelDesc(ctypes.Structure):
     _fields_ = [("num_layers", c_i32), ("hidden", c_i32), ("num_heads", c_i32), ("num_kv_heads", c_i32),
                 ("head_dim", c_i32), ("intermediate", c_i32), ("block_size", c_i32), ("kv_type", c_i32),
                 ("num_blocks", c_i64), ("eps", c_f32), ("attn_scale", c_f32),
-                ("layers", ctypes.POINTER(LayerDesc)), ("inv_freq", c_ptr), ("final_norm", c_ptr)]
+                ("layers", ctypes.POINTER(LayerDesc)), ("inv_freq", c_ptr), ("final_norm", c_ptr),
+                ("lm_head", LinearDesc)]
 
 
 def check_status(what: str, status: int) -> None:
@@ -68,7 +69,7 @@ class CpuOps:
         lib.ps_stack_work_bytes.argtypes = [ctypes.POINTER(ModelDesc), c_i32, c_i32]
         lib.ps_stack_work_bytes.restype = c_i64
         lib.ps_decode_stack.argtypes = [ctypes.POINTER(ModelDesc), c_ptr, c_i32, c_ptr, c_ptr, c_ptr, c_i64, c_i32,
-                                        c_ptr, c_ptr, c_i64, c_i32]
+                                        c_ptr, c_ptr, c_ptr, c_i64, c_i32]
         lib.ps_decode_stack.restype = c_i32
         lib.ps_read_sum.argtypes = [c_ptr, c_i64, c_i32]
         lib.ps_read_sum.restype = ctypes.c_double

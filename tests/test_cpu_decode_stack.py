@@ -16,6 +16,25 @@ FORMATS = {"float32": ({}, torch.float32, 1e-4), "bfloat16": ({"dtype": torch.bf
            "int8": ({"quantization": "int8"}, torch.float32, 1e-2)}
 
 
+class _Spy:
+    """The model's decode stack, counting its calls (rows per call)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls, self.logits_served = inner, [], 0
+
+    def __call__(self, *args):
+        self.calls.append(args[0].shape[0])
+        return self.inner(*args)
+
+    def logits_for(self, hidden):
+        done = self.inner.logits_for(hidden)
+        self.logits_served += done is not None
+        return done
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
 def _prompts(n: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(n)
     return [torch.randint(1, vocab, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
@@ -28,9 +47,7 @@ def _prompts(n: int, vocab: int) -> list[list[int]]:
 def test_stack_matches_the_modules(tiny_checkpoint, fmt, arch, num_seqs):
     kwargs, kv_dtype, tol = FORMATS[fmt]
     model = load_model(tiny_checkpoint(arch, "small"), **kwargs)
-    calls = []
-    stack = model.decode_stack
-    model.decode_stack = lambda *a: calls.append(a[0].shape[0]) or stack(*a)
+    model.decode_stack = spy = _Spy(model.decode_stack)
     prompts = _prompts(num_seqs, model.cfg.vocab_size)
     fused, modules = (Forcer(model, kv_dtype, num_seqs, 64, attention) for attention in ("fused", "torch"))
     first = [fused.step([i], [p]) for i, p in enumerate(prompts)]  # prefills: the modules in both
@@ -43,7 +60,8 @@ def test_stack_matches_the_modules(tiny_checkpoint, fmt, arch, num_seqs):
         ref = modules.step(seqs, [[int(t)] for t in tokens])
         torch.testing.assert_close(ours, ref, rtol=0, atol=tol * float(ref.abs().max()))
         tokens = ref.argmax(-1)
-    assert calls == [num_seqs] * 6  # every decode step took the fused path, no prefill did
+    assert spy.calls == [num_seqs] * 6  # every decode step took the fused path, no prefill did
+    assert spy.logits_served == 6  # and computed its logits in the same call
 
 
 def test_a_block_id_outside_the_cache_is_refused(tiny_llama_dir):

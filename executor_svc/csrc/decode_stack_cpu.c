@@ -1,7 +1,8 @@
 /* A whole decode step of a Llama-family decoder stack on CPU in one call: for every layer
  * RMSNorm -> fused q/k/v projection -> rotary embedding -> K/V written to the paged cache ->
  * paged decode attention -> o projection added to the residual -> RMSNorm -> fused gate/up
- * projection -> SiLU(gate) * up -> down projection added to the residual; then the final norm.
+ * projection -> SiLU(gate) * up -> down projection added to the residual; then the final norm
+ * and, when the model descriptor has one, the LM head (every token's logits).
  *
  * Why one call: at batch 1 a step reads every weight once (a few milliseconds at memory
  * bandwidth), and the per-operator cost of running the same layer as ~40 torch operators from
@@ -38,6 +39,7 @@ typedef struct {
     const ps_layer_t *layers;
     const float *inv_freq;   /* [head_dim / 2] rotary inverse frequencies */
     const float *final_norm; /* [hidden] */
+    ps_linear_t lm_head;     /* k = hidden, m = vocab; w NULL: the caller computes the logits */
 } ps_model_t;
 
 #define ALIGN_F 16 /* floats: every buffer of the work area starts on a 64-byte boundary */
@@ -57,7 +59,7 @@ typedef struct {
 static int64_t plan(const ps_model_t *M, int n, int threads, float *base, layout_t *lo) {
     const int64_t qkv_w = (int64_t)(M->num_heads + 2 * M->num_kv_heads) * M->head_dim;
     const int64_t q_w = (int64_t)M->num_heads * M->head_dim;
-    int64_t lin = 0;
+    int64_t lin = M->lm_head.w ? ps_linear_work_bytes(M->lm_head.wtype, n, M->lm_head.k) : 0;
     for (int l = 0; l < M->num_layers; l++) {
         const ps_linear_t *ls[4] = {&M->layers[l].qkv, &M->layers[l].o, &M->layers[l].gate_up, &M->layers[l].down};
         for (int i = 0; i < 4; i++) {
@@ -160,6 +162,7 @@ static int check_model(const ps_model_t *M) {
         M->block_size < 1 || M->num_blocks < 1 || (M->kv_type != PS_KV_F32 && M->kv_type != PS_KV_BF16) ||
         !M->layers || !M->inv_freq || !M->final_norm)
         return PS_BAD_ARG;
+    if (M->lm_head.w && (M->lm_head.k != M->hidden || M->lm_head.m < 1)) return PS_BAD_ARG;
     const int qkv = (M->num_heads + 2 * M->num_kv_heads) * M->head_dim, q = M->num_heads * M->head_dim;
     for (int l = 0; l < M->num_layers; l++) {
         const ps_layer_t *L = &M->layers[l];
@@ -208,12 +211,13 @@ static int attention_unit(const ps_model_t *M, const ps_layer_t *L, const layout
 
 /* x [n, hidden]: the tokens' embeddings in, the final-normed hidden states out. positions [n]
  * (rotary), slots [n] (cache slot of each new K/V; < 0: not written), block_tables
- * [n, bt_row] with max_blocks valid columns, seq_lens [n] (context including the new token). */
+ * [n, bt_row] with max_blocks valid columns, seq_lens [n] (context including the new token).
+ * logits [n, lm_head.m]: written when the model has an LM head (else may be NULL). */
 int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positions, const int64_t *slots,
                     const int32_t *block_tables, int64_t bt_row, int max_blocks, const int32_t *seq_lens,
-                    void *work, int64_t work_bytes, int num_threads) {
+                    float *logits, void *work, int64_t work_bytes, int num_threads) {
     const int threads = num_threads > 0 ? num_threads : 1;
-    if (check_model(M) != PS_OK || n < 0) return PS_BAD_ARG;
+    if (check_model(M) != PS_OK || n < 0 || (M->lm_head.w && !logits)) return PS_BAD_ARG;
     if (work_bytes < ps_stack_work_bytes(M, n, threads)) return PS_NO_MEMORY;
     if (n == 0) return PS_OK;
     const int64_t total_slots = M->num_blocks * M->block_size;
@@ -274,6 +278,10 @@ int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positio
         }
 #pragma omp for schedule(static)
         for (int t = 0; t < n; t++) rms_norm(x + (int64_t)t * H, M->final_norm, H, M->eps, x + (int64_t)t * H);
+        if (M->lm_head.w) {
+            FOR_TOKENS(priv, n, t, { ps_linear_prep(&M->lm_head, x, H, t, t + 1, n, lw); });
+            ps_linear_compute(&M->lm_head, x, H, n, lw, logits, M->lm_head.m, 0);
+        }
         if (mine != PS_OK) {
 #pragma omp critical
             if (status == PS_OK) status = mine;

@@ -5,8 +5,10 @@ exactly one token (pure decode), the model was packed for the CPU (``cpu_pack.py
 fused CPU attention backend serves it. The C side (``csrc/decode_stack_cpu.c``) runs norms,
 projections, rotary, the KV write, paged attention and the MLP of every layer in one OpenMP
 region: no per-operator dispatch from Python, which at batch 1 would cost as much as reading
-the weights. Any other step (prefill, chunked prefill, mixed) runs the torch modules, whose
-linear layers call the same kernels.
+the weights. The same call computes the LM head of every row, which ``compute_logits`` hands
+back when asked for exactly those hidden states (a pure decode step samples every row). Any
+other step (prefill, chunked prefill, mixed) runs the torch modules, whose linear layers call
+the same kernels.
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ class DecodeStack:
         self.model, self.ops = model, ops
         self._bound: tuple | None = None  # (key, caches, ModelDesc, LayerDesc array)
         self._work = torch.empty(0, dtype=torch.uint8)
+        # The step's logits, computed in the same call: (its hidden states, their logits).
+        self._logits: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def logits_for(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The last step's logits if ``hidden`` is exactly its hidden states (the runner selects
+        every row of a pure decode step); else None. Used once."""
+        last, self._logits = self._logits, None
+        if last is None or hidden.shape != last[0].shape or not torch.equal(hidden, last[0]):
+            return None
+        return last[1]
 
     def _bind(self, caches: KVCaches) -> ModelDesc:
         """The C model descriptor for these KV caches (built once per cache set)."""
@@ -54,6 +66,9 @@ class DecodeStack:
                           cfg.intermediate_size, shape[1], KV_TYPES[dtype], shape[0], cfg.rms_norm_eps,
                           m.layers[0].self_attn.scale, ctypes.cast(layers, ctypes.POINTER(LayerDesc)),
                           m.rotary.inv_freq.data_ptr(), m.norm.weight.data_ptr())
+        head = m.logits_head()
+        if head is not None and head.ops is not None:
+            model.lm_head = head.desc()
         self._bound = (key, caches, model, layers)  # caches kept: its id cannot be reused while bound
         return model
 
@@ -74,7 +89,10 @@ class DecodeStack:
         nbytes = lib.ps_stack_work_bytes(ctypes.byref(desc), n, threads)
         if self._work.numel() < nbytes:
             self._work = torch.empty(max(nbytes, 2 * self._work.numel()), dtype=torch.uint8)
+        logits = torch.empty(n, desc.lm_head.m, dtype=torch.float32) if desc.lm_head.w else None
         check_status("decode stack", lib.ps_decode_stack(
             ctypes.byref(desc), x.data_ptr(), n, positions.data_ptr(), slots.data_ptr(), bt.data_ptr(), bt.stride(0),
-            bt.shape[1], lens.data_ptr(), self._work.data_ptr(), self._work.numel(), threads))
+            bt.shape[1], lens.data_ptr(), None if logits is None else logits.data_ptr(), self._work.data_ptr(),
+            self._work.numel(), threads))
+        self._logits = None if logits is None else (x, logits)
         return x

@@ -151,13 +151,21 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, cache, meta, backend)
         return self.norm(x)
 
+    def logits_head(self) -> PackedLinear | None:
+        """The LM head of a CPU-packed model (a tied one is the embedding's table); else None."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, PackedEmbedding):
+            head = head.table
+        return head if isinstance(head, PackedLinear) and self.with_lm_head else None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] float32."""
         if not self.with_lm_head:
             raise RuntimeError("compute_logits on a tensor-parallel rank without the LM head (rank 0 samples)")
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        if isinstance(head, PackedEmbedding):  # packed for the CPU: a tied LM head shares its table
-            head = head.table
-        if isinstance(head, PackedLinear):
+        if self.decode_stack is not None and (done := self.decode_stack.logits_for(hidden)) is not None:
+            return done  # computed by the fused decode step itself
+        head = self.logits_head()
+        if head is not None:
             return head(hidden)
-        return F.linear(hidden, head.weight).to(torch.float32)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).to(torch.float32)
