@@ -114,6 +114,7 @@ class ExecutorWorker:
                  drain_timeout: float = 30.0, health=None, ctx: zmq.Context | None = None,
                  keys: ClientKeys | None = None, enrollment_token_file: Path | None = None) -> None:
         self.scheduler, self.handshake, self.health = scheduler, handshake, health
+        self.endpoint = scheduler  # dialled now: the scheduler, or the engine core it redirected us to
         self.keys = keys  # CURVE client keys (None: the link is unencrypted, loopback setups)
         # With a token, every handshake proves this executor may enroll its key (pagedserve/wire/enrollment.py).
         self.enrollment = TokenFile(enrollment_token_file) if enrollment_token_file is not None else None
@@ -148,7 +149,7 @@ class ExecutorWorker:
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
         if self.keys is not None:
             make_client(sock, self.keys)
-        sock.connect(self.scheduler)
+        sock.connect(self.endpoint)
         self.sock = sock
         self.accepted = False
         self.interval = wire.DEFAULT_HEARTBEAT_INTERVAL_S
@@ -157,10 +158,11 @@ class ExecutorWorker:
         if self.enrollment is not None and self.keys is not None:
             hs = msgspec.structs.replace(hs, enrollment_proof=self.enrollment.proof(self.keys, hs.executor_id))
         self._send(hs)
-        log.info("dialled %s as %s; handshake sent", self.scheduler, self.handshake.executor_id)
+        log.info("dialled %s as %s; handshake sent", self.endpoint, self.handshake.executor_id)
 
     def _reconnect(self, why: str) -> None:
         log.warning("lost the scheduler (%s); reconnecting and dropping all sequence state", why)
+        self.endpoint = self.scheduler  # (back to the directory, if an engine core redirected us)
         self.gen += 1
         self.compute.current_gen = self.gen
         self.compute.inbox.put((self.gen, _RESET))
@@ -264,6 +266,11 @@ class ExecutorWorker:
         if isinstance(msg, wire.HandshakeReply):
             if self.accepted:
                 return None
+            if not msg.accepted and msg.redirect_port:
+                self.endpoint = _with_port(self.scheduler, msg.redirect_port)
+                log.info("the scheduler has several engine cores: this executor is scheduled by %s", self.endpoint)
+                self._connect()
+                return None
             if not msg.accepted:
                 log.error("scheduler refused this executor: %s", msg.reason)
                 return EXIT_REFUSED
@@ -299,3 +306,9 @@ class ExecutorWorker:
                 return EXIT_OK
             self._reconnect(f"silent for {now - self.last_recv:.1f}s")
         return None
+
+
+def _with_port(endpoint: str, port: int) -> str:
+    """``tcp://host:5556`` with another port (the engine core a directory sent us to)."""
+    head, _, _ = endpoint.rpartition(":")
+    return f"{head}:{port}"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import shutil
 import signal
@@ -26,48 +25,19 @@ import tempfile
 from pathlib import Path
 
 import uvloop
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
-from pagedserve.wire.fingerprint import model_fingerprint
+from scheduler_svc.children import Children, fixed_port
 from scheduler_svc.config import ServiceConfig, load_config
+from scheduler_svc.core_process import core_links
 from scheduler_svc.engine_core import EngineCore
-from scheduler_svc.front_processes import FrontProcesses, fixed_port
 from scheduler_svc.gc_tuning import tune_gc
 from scheduler_svc.metrics import Metrics, start_metrics_server
-from scheduler_svc.tier.core_link import FrontLink
-from scheduler_svc.tier.metrics import FamiliesCollector, merge_families
+from scheduler_svc.model_dir import eos_token_ids, served_model
+from scheduler_svc.tier.metrics import FamiliesCollector, families_of, merge_families
+from scheduler_svc.tier.other_cores import OtherCores
 
 log = logging.getLogger("pagedserve.scheduler")
-
-
-def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
-    """Every end-of-sequence id the model declares, config.json's first.
-
-    ``eos_token_id`` may be an int or a list in config.json and in
-    generation_config.json (Llama 3.1 Instruct lists <|end_of_text|>, <|eom_id|> and
-    <|eot_id|> there, and a chat turn ends with the last): generation stops at any.
-    """
-    ids: list[int] = []
-    for name in ("config.json", "generation_config.json"):
-        path = model_dir / name
-        if not path.is_file():
-            continue
-        value = json.loads(path.read_text()).get("eos_token_id")
-        for tok in value if isinstance(value, list) else [value]:
-            if isinstance(tok, int) and not isinstance(tok, bool) and tok >= 0 and tok not in ids:
-                ids.append(tok)
-    return tuple(ids)
-
-
-def served_model(model_dir: Path) -> str | None:
-    """The fingerprint executors must present, when --model holds the weights (else the first
-    executor's is taken, with a warning)."""
-    try:
-        return model_fingerprint(model_dir)
-    except (OSError, ValueError, KeyError) as exc:
-        log.warning("cannot fingerprint %s (%s): the first executor to register fixes the served model",
-                    model_dir, exc)
-        return None
 
 
 async def serve(cfg: ServiceConfig, argv: list[str]) -> None:
@@ -75,34 +45,47 @@ async def serve(cfg: ServiceConfig, argv: list[str]) -> None:
     engine_cfg = dataclasses.replace(cfg.engine, model_fingerprint=served_model(cfg.model_dir))
     core = EngineCore(engine_cfg, eos_token_ids(cfg.model_dir), metrics)
     await core.start()
-    runtime = Path(tempfile.mkdtemp(prefix="pagedserve-"))  # 0700: only this user reaches the local link
-    links = [FrontLink(core, f"ipc://{runtime}/fronts", exposition=lambda: exposition())]
-    if cfg.front_link_port:  # fronts of their own Deployment (CURVE with keys, as executors)
-        keys = cfg.engine.executor_link.server if cfg.engine.executor_link is not None else None
-        links.append(FrontLink(core, f"tcp://{cfg.front_link_host}:{cfg.front_link_port}", keys, lambda: exposition(),
-                               cfg.trusted_front_keys))
-    metrics.registry.register(FamiliesCollector(lambda: merge_families(link.front_families() for link in links)))
+    runtime = Path(tempfile.mkdtemp(prefix="pagedserve-"))  # 0700: only this user reaches the local links
+    local = [f"ipc://{runtime}/core-{k}" for k in range(cfg.engine_cores)]  # each engine core's, for the fronts
+
+    # What /metrics shows: this core's metrics, its fronts' and the other cores', summed (one family
+    # per name; the vllm: gauges are this core's, computed from every core's stats).
+    deployment = CollectorRegistry()
+    deployment.register(FamiliesCollector(lambda: merge_families(
+        [families_of(metrics.registry), *(link.front_families() for link in links), others.families()])))
 
     def exposition() -> str:
-        return generate_latest(metrics.registry).decode()
+        return generate_latest(deployment).decode()
 
+    links = core_links(core, cfg, 0, local[0], metrics, exposition)
+    others = OtherCores(core, local[1:], core.hub.bound_port)
+    if cfg.engine_cores > 1:  # this executor port is the directory; each core schedules on its own
+        core.hub.director = others.director
+        core.deployment_stats = others.deployment_stats
     for link in links:
         await link.start()
     core.on_readiness_change = lambda: [link.broadcast_status() for link in links]
-    metrics_server = (start_metrics_server(cfg.metrics_port, metrics.registry, host=cfg.metrics_host)
+    metrics_server = (start_metrics_server(cfg.metrics_port, deployment, host=cfg.metrics_host)
                       if cfg.metrics_port else None)
+    cores = Children("scheduler_svc.core_process", cfg.engine_cores - 1, name=lambda c: f"engine core {c.index + 1}",
+                     args=lambda c: [*argv, "--core-index", str(c.index + 1), "--core-link", local[c.index + 1]],
+                     on_exit=lambda name, why: None)  # (its executors and fronts see it go silent)
+    cores.start()
+    await others.start()
     # The fronts bind the same ports (a port 0 is fixed here, once for all of them).
     ports = ["--port", str(fixed_port(cfg.host, cfg.port))]
     if cfg.http_port:
         ports += ["--http-port", str(fixed_port(cfg.http_host, cfg.http_port))]
-    fronts = FrontProcesses([*argv, *ports], cfg.api_server_count, links[0].endpoint,
-                            on_exit=lambda front_id, why: links[0].drop_front(front_id, why))
+    to_cores = [arg for endpoint in local for arg in ("--core", endpoint)]
+    fronts = Children("scheduler_svc.front_process", cfg.api_server_count, name=lambda c: f"local-{c.index}.{c.generation}",
+                      args=lambda c: [*argv, *ports, *to_cores, "--front-id", c.name],
+                      on_exit=lambda front_id, why: links[0].drop_front(front_id, why))
     fronts.start()
-    watcher = asyncio.create_task(fronts.watch(), name="fronts")
+    watchers = [asyncio.create_task(children.watch(), name=children.module) for children in (cores, fronts)]
     tune_gc()
-    log.info("scheduler ready: %d fronts on gRPC :%s, HTTP :%s; executors dial %s (port %d); metrics :%s; "
-             "front link %s", cfg.api_server_count, ports[1], ports[3] if cfg.http_port else "off",
-             cfg.engine.executor_endpoint, core.hub.bound_port, cfg.metrics_port or "off",
+    log.info("scheduler ready: %d fronts on gRPC :%s, HTTP :%s; %d engine cores; executors dial %s (port %d); "
+             "metrics :%s; front link %s", cfg.api_server_count, ports[1], ports[3] if cfg.http_port else "off",
+             cfg.engine_cores, cfg.engine.executor_endpoint, core.hub.bound_port, cfg.metrics_port or "off",
              ", ".join(link.endpoint for link in links))
 
     stop = asyncio.Event()
@@ -114,7 +97,10 @@ async def serve(cfg: ServiceConfig, argv: list[str]) -> None:
              cfg.shutdown_grace_seconds)
     core.begin_shutdown()
     await fronts.stop(cfg.shutdown_grace_seconds + 10.0)  # each front drains its own requests
-    watcher.cancel()
+    await cores.stop(10.0)
+    for w in watchers:
+        w.cancel()
+    await others.close()
     await core.stop()
     for link in links:
         await link.close()

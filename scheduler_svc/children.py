@@ -1,11 +1,16 @@
-"""The fronts a scheduler starts: ``--api-server-count`` processes sharing its public ports.
+"""The processes a scheduler starts and keeps alive: its fronts, and its other engine cores.
 
-Each is ``python -m scheduler_svc.front_process`` with the scheduler's own command line (so it
-gets the same flags and ``PAGEDSERVE_*`` variables) and, added, the engine core's local front link
-and its own front id. The ports are fixed before they start (a port 0 becomes a free port, the
-same for all), and each binds them with SO_REUSEPORT: the kernel spreads new connections among
-the live fronts. A front that exits unasked is reported (its requests are aborted at the core at
-once, not after its silence) and started again; the survivors keep serving the ports meanwhile.
+Fronts (``--api-server-count``) are ``python -m scheduler_svc.front_process`` with the scheduler's
+own command line (same flags, same ``PAGEDSERVE_*`` variables) and, added, every engine core's
+local front link and a front id of their own. The public ports are fixed before they start (a
+port 0 becomes one free port, the same for all), and each front binds them with SO_REUSEPORT: the
+kernel spreads new connections among the live fronts. Engine cores beyond the first
+(``--engine-cores``) are ``python -m scheduler_svc.core_process``, likewise.
+
+A child that exits unasked is reported at once (a front's requests are aborted at the core, not
+after its silence) and started again, after a backoff when it keeps exiting quickly; the other
+fronts keep serving the ports meanwhile. A child does not outlive the scheduler (Linux's parent
+death signal).
 """
 
 from __future__ import annotations
@@ -27,79 +32,73 @@ RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)  # after consecutive quick exits 
 
 
 @dataclass(slots=True)
-class FrontProcess:
+class Child:
     index: int
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
     quick_exits: int = 0
     generation: int = 0
-
-    @property
-    def front_id(self) -> str:
-        return f"local-{self.index}.{self.generation}"
+    name: str = ""  # what it is called now (a front's id: its generation makes it new to the core)
 
 
 @dataclass
-class FrontProcesses:
-    argv: list[str]  # the scheduler's own command line
+class Children:
+    module: str  # what each runs: python -m MODULE
     count: int
-    core_endpoint: str
-    on_exit: Callable[[str, str], None]  # (front id, why): the core aborts its requests now
-    fronts: list[FrontProcess] = field(default_factory=list)
+    args: Callable[[Child], list[str]]  # its command line (the scheduler's, and its own additions)
+    name: Callable[[Child], str]
+    on_exit: Callable[[str, str], None]  # (name, why)
+    children: list[Child] = field(default_factory=list)
     stopping: bool = False
 
     def start(self) -> None:
-        self.fronts = [FrontProcess(i) for i in range(self.count)]
-        for f in self.fronts:
-            self._spawn(f)
+        self.children = [Child(i) for i in range(self.count)]
+        for c in self.children:
+            self._spawn(c)
 
-    def _spawn(self, f: FrontProcess) -> None:
-        f.generation += 1
+    def _spawn(self, c: Child) -> None:
+        c.generation += 1
+        c.name = self.name(c)
         env = dict(os.environ, **{EXIT_WITH_PARENT: "1"})
-        f.proc = subprocess.Popen([sys.executable, "-m", "scheduler_svc.front_process", *self.argv,
-                                   "--core", self.core_endpoint, "--front-id", f.front_id], env=env)
-        f.started_at = time.monotonic()
-        log.info("started front %s (pid %d)", f.front_id, f.proc.pid)
+        c.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args(c)], env=env)
+        c.started_at = time.monotonic()
+        log.info("started %s (pid %d)", c.name, c.proc.pid)
 
     async def watch(self) -> None:
-        """Restart fronts that exit, until :meth:`stop` (polled: a child's exit is seen within 0.1 s)."""
+        """Start again what exits, until :meth:`stop` (polled: an exit is seen within 0.1 s)."""
         while not self.stopping:
             await asyncio.sleep(0.1)
-            for f in self.fronts:
-                if f.proc is None or f.proc.poll() is None or self.stopping:
+            for c in self.children:
+                if c.proc is None or c.proc.poll() is None or self.stopping:
                     continue
-                why = f"exited with status {f.proc.returncode}"
-                log.warning("front %s %s; starting it again", f.front_id, why)
-                self.on_exit(f.front_id, why)
-                ran = time.monotonic() - f.started_at
-                f.quick_exits = 0 if ran > 60 else f.quick_exits + 1
-                f.proc = None
-                delay = RESTART_BACKOFF_S[min(f.quick_exits, len(RESTART_BACKOFF_S)) - 1] if f.quick_exits else 0.0
-                asyncio.get_running_loop().call_later(delay, self._respawn, f)
+                why = f"exited with status {c.proc.returncode}"
+                log.warning("%s %s; starting it again", c.name, why)
+                self.on_exit(c.name, why)
+                c.quick_exits = 0 if time.monotonic() - c.started_at > 60 else c.quick_exits + 1
+                c.proc = None
+                delay = RESTART_BACKOFF_S[min(c.quick_exits, len(RESTART_BACKOFF_S)) - 1] if c.quick_exits else 0.0
+                asyncio.get_running_loop().call_later(delay, self._respawn, c)
 
-    def _respawn(self, f: FrontProcess) -> None:
-        if not self.stopping and f.proc is None:
-            self._spawn(f)
+    def _respawn(self, c: Child) -> None:
+        if not self.stopping and c.proc is None:
+            self._spawn(c)
 
     def signal_all(self, sig: int) -> None:
-        for f in self.fronts:
-            if f.proc is not None and f.proc.poll() is None:
-                f.proc.send_signal(sig)
+        for c in self.children:
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.send_signal(sig)
 
     async def stop(self, timeout_s: float) -> None:
-        """SIGTERM every front (each drains its own requests), wait ``timeout_s``, then kill."""
+        """SIGTERM each (a front drains its own requests), wait ``timeout_s``, then kill."""
         self.stopping = True
         self.signal_all(15)
         deadline = time.monotonic() + timeout_s
-        while any(f.proc is not None and f.proc.poll() is None for f in self.fronts):
+        while any(c.proc is not None and c.proc.poll() is None for c in self.children):
             if time.monotonic() > deadline:
-                log.warning("fronts still running after %.0fs; killing them", timeout_s)
+                log.warning("%s still running after %.0fs; killing them", self.module, timeout_s)
                 self.signal_all(9)
                 break
             await asyncio.sleep(0.05)
-
-    def alive(self) -> int:
-        return sum(1 for f in self.fronts if f.proc is not None and f.proc.poll() is None)
 
 
 def fixed_port(host: str, port: int) -> int:

@@ -57,6 +57,7 @@ class ServiceConfig:
     tls: TlsFiles | None = None  # the public fronts serve TLS (None: plaintext)
     grpc_limits: GrpcLimits = GrpcLimits()  # how long gRPC connections and request messages may take
     api_server_count: int = 1  # front processes the scheduler starts (they share the public ports)
+    engine_cores: int = 1  # scheduling processes (each schedules its own executors)
     front_link_host: str = "127.0.0.1"  # where fronts of their own Deployment dial the core
     front_link_port: int = 0  # 0: only the scheduler's own fronts (over a local ipc:// link)
     trusted_front_keys: Path | None = None  # the keys of fronts of their own (a CURVE front link)
@@ -198,6 +199,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="front processes to start: each serves the gRPC and HTTP ports (shared, SO_REUSEPORT) "
                         "and does the per-request and per-token work (validation, tokenization, detokenization, "
                         "streaming), so that the scheduling loop does none of it")
+    p.add_argument("--engine-cores", type=number(int, "--engine-cores", 1, True), default=1,
+                   help="scheduling processes: when one process's CPU is the limit (many executors, short steps), "
+                        "run several; each schedules the executors the directory (--executor-port) sends it, on "
+                        "--executor-port + k, and the fronts spread requests over them")
     p.add_argument("--front-link-host", default=None,
                    help="address fronts of their own (pagedserve-front) dial in to (default 0.0.0.0 when the "
                         "link has keys, else 127.0.0.1)")
@@ -347,7 +352,8 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         http_host=a.http_host, http_port=a.http_port, http_limits=http_limits, engine=engine,
         limits=limits, shutdown_grace_seconds=a.shutdown_grace_seconds,
         log_level=a.log_level, api_keys=_api_keys(parser, a), tls=_tls(parser, a), grpc_limits=grpc_limits,
-        api_server_count=a.api_server_count, front_link_host=_front_link_host(parser, a, keys),
+        api_server_count=a.api_server_count, engine_cores=a.engine_cores,
+        front_link_host=_front_link_host(parser, a, keys),
         front_link_port=a.front_link_port, trusted_front_keys=a.trusted_front_keys)
 
 

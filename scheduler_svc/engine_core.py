@@ -26,23 +26,18 @@ import dataclasses
 import logging
 import time
 from collections.abc import Collection
-from typing import Protocol
 
 from scheduler_svc.api_types import (
     EngineStats,
     ExecutorStats,
     FinishReason,
-    GenerationRequest,
     ModelInfo,
-    NoExecutor,
-    QueueFull,
 )
-from scheduler_svc.engine_state import CoreRequest, ExecutorSlot
+from scheduler_svc.core_requests import CoreRequests
+from scheduler_svc.engine_state import ExecutorSlot
 from scheduler_svc.executors import ExecutorConn, ExecutorHub, ExecutorLost
-from scheduler_svc.kv_cache_manager import hash_blocks
 from scheduler_svc.lifecycle import ProtocolError
-from scheduler_svc.request import ERROR_FAILED, ERROR_NO_EXECUTOR, MigratedRequest, RequestUpdate
-from scheduler_svc.routing import Router
+from scheduler_svc.request import ERROR_FAILED
 from scheduler_svc.sched_config import EngineConfig
 from scheduler_svc.scheduler import Scheduler
 
@@ -52,34 +47,24 @@ IDLE_POLL_S = 0.25  # an idle loop still wakes to notice drain deadlines
 STATS_EVERY_S = 0.25  # how often gauges are refreshed from scheduler counters
 
 
-class UpdateSink(Protocol):
-    """Where the updates of one front's requests go: that front's streams, in this process or
-    over the link to a front process. Called once per step with that front's share."""
-
-    def deliver(self, updates: list[RequestUpdate]) -> None: ...
-
-
-class EngineCore:
+class EngineCore(CoreRequests):
     def __init__(self, cfg: EngineConfig, eos_token_ids: Collection[int], metrics=None) -> None:
-        self.cfg = cfg
+        super().__init__(cfg)
         self.eos_token_ids = tuple(eos_token_ids)
         self.metrics = metrics  # the engine's gauges and counters (observe_stats, on_scheduled, ...)
         self.hub = ExecutorHub(cfg.executor_endpoint, block_size=cfg.scheduler.block_size,
                                heartbeat_interval_s=cfg.heartbeat_interval_s, on_join=self._on_join,
                                on_drain=self._on_drain, on_dead=self._on_dead, keys=cfg.executor_link,
                                step_timeout_s=cfg.step_timeout_s, model_fingerprint=cfg.model_fingerprint)
-        self.slots: dict[str, ExecutorSlot] = {}
-        self.router = Router()
-        self.requests: dict[str, CoreRequest] = {}  # every request this core holds, by its id
-        self.orphans: list[CoreRequest] = []  # waiting for an executor after a failure
-        self._closing = False
-        self._num_migrations = 0
         self._retired_preemptions = 0  # counters of schedulers of executors now gone
         self._retired_prefix = (0, 0)
         self._last_observed = 0.0
         self.num_steps = 0  # executor steps planned, all executors (benchmarks read it)
         self.on_readiness_change = lambda: None  # the servicer's health hook
         self.failure: str | None = None  # why an engine loop died unasked (liveness reports it)
+        # The whole deployment's stats, for the vllm: gauges: this core's, or (the first of several
+        # engine cores) every core's.
+        self.deployment_stats = self.stats
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -106,9 +91,6 @@ class EngineCore:
         self.on_readiness_change()
 
     # ------------------------------------------------------------------ what fronts read
-
-    def is_ready(self) -> bool:
-        return not self._closing and any(s.conn.state == "ready" for s in self.slots.values())
 
     def health_problem(self) -> str | None:
         """Why this process cannot serve any more (liveness reports it), or None."""
@@ -152,135 +134,12 @@ class EngineCore:
                 num_waiting=s.num_waiting + len(slot.adds), tensor_parallel_size=info.tensor_parallel_size))
         return st
 
-    # ------------------------------------------------------------------ what fronts ask
-
-    def submit(self, req: GenerationRequest, sink: UpdateSink) -> None:
-        """Admit ``req`` (its id unique in this core); its updates go to ``sink``. QueueFull or
-        NoExecutor (nothing kept) when it cannot be taken."""
-        if self._closing:
-            raise NoExecutor("the server is shutting down")
-        if not self.is_ready():
-            raise NoExecutor("no executor is connected; try again once one has registered")
-        if self._num_queued() >= self.cfg.max_queued_requests:
-            raise QueueFull(f"{self._num_queued()} requests are queued, the limit "
-                            f"(max_queued_requests) is {self.cfg.max_queued_requests}")
-        if req.request_id in self.requests:
-            raise ValueError(f"request_id {req.request_id!r} is already running in this engine core")
-        if not req.arrival_time:
-            req.arrival_time = time.monotonic()
-        cr = CoreRequest(req, sink)
-        if (why := self._place(cr)) is not None:
-            raise NoExecutor(why)
-        self.requests[req.request_id] = cr
-
-    def abort(self, request_id: str) -> None:
-        """Its front ended it (client gone, deadline, shutdown, stop strings): free it (idempotent)."""
-        cr = self.requests.pop(request_id, None)
-        if cr is None:
-            return
-        cr.ended = True
-        self._unpark(cr)
-        slot = cr.slot
-        if slot is not None:
-            if cr in slot.adds:
-                slot.remove_add(cr)
-            elif slot.requests.pop(request_id, None) is not None:  # (what its last steps bring is dropped)
-                slot.aborts.append(request_id)
-                slot.wakeup.set()
-
-    def finish_choice(self, request_id: str, index: int) -> None:
-        """A stop string ended choice ``index`` (a front saw it in the text): the scheduler frees it."""
-        cr = self.requests.get(request_id)
-        if cr is not None and cr.slot is not None and request_id in cr.slot.requests:
-            cr.slot.finished_choices.append((request_id, index))
-            cr.slot.wakeup.set()
-
-    def abort_owned_by(self, sink: UpdateSink) -> int:
-        """A front went away: free every request it owned; how many there were."""
-        gone = [rid for rid, cr in self.requests.items() if cr.sink is sink]
-        for rid in gone:
-            self.abort(rid)
-        return len(gone)
-
-    # ------------------------------------------------------------------ placement
-
-    def _num_queued(self) -> int:
-        return len(self.orphans) + sum(s.scheduler.num_waiting + len(s.adds) for s in self.slots.values())
-
-    def _place(self, cr: CoreRequest) -> str | None:
-        """Route ``cr`` to a ready executor that can hold it (or park it until one registers).
-
-        Returns why it cannot be placed when executors are ready and none can hold it: one
-        executor's smaller pool or shorter context only narrows where a request may go. A request
-        taken from another executor (``cr.resume``) counts the tokens it generated there.
-        """
-        req = cr.req
-        ready = [s for s in self.slots.values() if s.conn.state == "ready"]
-        if req.max_total_tokens is None and ready:
-            self._fix_length(req, ready)
-        fits = [s for s in ready if s.scheduler.refusal(req, cr.resume) is None]
-        if ready and not fits:
-            return f"no connected executor can hold this request: {ready[0].scheduler.refusal(req, cr.resume)}"
-        if req.prompt_block_hashes is None:  # (fronts hash prompts; a request from elsewhere is hashed here)
-            req.prompt_block_hashes = hash_blocks(None, req.prompt_token_ids, self.cfg.scheduler.block_size)
-        slot = self.router.choose(fits, req.prompt_block_hashes)
-        if slot is None:
-            self._park(cr)
-            return None
-        cr.slot = slot
-        slot.add(cr)
-        slot.wakeup.set()
-        return None
-
-    @staticmethod
-    def _fix_length(req: GenerationRequest, ready: list[ExecutorSlot]) -> None:
-        """Fix the most tokens ``req`` may reach, once: the longest context it fits in among the ready
-        executors, so that a later migration never changes where it ends."""
-        want = len(req.prompt_token_ids) + req.params.max_tokens
-        for length in sorted({min(want, s.scheduler.config.max_model_len) for s in ready}, reverse=True):
-            req.max_total_tokens = length
-            if any(s.scheduler.refusal(req) is None for s in ready):
-                return
-        req.max_total_tokens = None  # fits nowhere: the caller reports why
-
-    def _park(self, cr: CoreRequest) -> None:
-        """No executor is ready: ``cr`` waits for one to register, for ``orphan_timeout_s`` at most."""
-        self.orphans.append(cr)
-        cr.parked = asyncio.get_running_loop().call_later(self.cfg.orphan_timeout_s, self._orphan_expired, cr)
-
-    def _orphan_expired(self, cr: CoreRequest) -> None:
-        if cr in self.orphans:
-            self.orphans.remove(cr)
-            self._fail(cr, ERROR_NO_EXECUTOR, f"its executor was lost and no executor registered within "
-                                              f"{self.cfg.orphan_timeout_s:g}s (--orphan-timeout)")
-
-    def _unpark(self, cr: CoreRequest) -> None:
-        if cr.parked is not None:
-            cr.parked.cancel()
-            cr.parked = None
-            if cr in self.orphans:
-                self.orphans.remove(cr)
-
-    def _place_or_fail(self, cr: CoreRequest) -> None:
-        if (why := self._place(cr)) is not None:
-            self._fail(cr, ERROR_NO_EXECUTOR, why)
-
-    def _fail(self, cr: CoreRequest, kind: int, message: str) -> None:
-        """End ``cr`` with an error its front turns into the client's status (``kind``)."""
-        if cr.ended:
-            return
-        self.requests.pop(cr.request_id, None)
-        cr.ended = True
-        self._unpark(cr)
-        cr.sink.deliver([RequestUpdate(cr.request_id, [], True, len(cr.req.prompt_token_ids), error=message,
-                                       error_kind=kind)])
-
     # ------------------------------------------------------------------ executor events
 
     def _on_join(self, conn: ExecutorConn) -> None:
         info = conn.info
         if self.metrics:
-            self.metrics.served_model = info.model_name
+            self.metrics.watch_deployment(info.model_name, lambda: self.deployment_stats())
         cfg = dataclasses.replace(self.cfg.scheduler, max_model_len=info.max_model_len)
         slot = ExecutorSlot(conn, Scheduler(cfg, info.num_device_blocks, info.num_cpu_blocks,
                                             self.eos_token_ids, vocab_size=info.vocab_size))
@@ -474,37 +333,6 @@ class EngineCore:
         if exc is not None:
             self.failure = f"{task.get_name()} ended: {exc!r}"
             log.critical("engine loop failed: %s", self.failure, exc_info=exc)
-
-    def _evacuate(self, slot: ExecutorSlot, why: str) -> None:
-        """Move every request of ``slot`` elsewhere (executor dead, drain over, plan refused)."""
-        self._flush(slot)
-        moving = slot.take_adds() + [slot.requests[m.request.request_id]
-                                     for m in self._take(slot) if m.request.request_id in slot.requests]
-        slot.requests = {}
-        for cr in moving:
-            if cr.ended:
-                continue
-            cr.migrations += 1
-            if cr.migrations > self.cfg.max_migrations:
-                self._fail(cr, ERROR_NO_EXECUTOR, f"request moved {cr.migrations - 1} times after executor "
-                                                  f"failures (max_migrations={self.cfg.max_migrations}); "
-                                                  f"last: {slot.id}: {why}")
-                continue
-            self._num_migrations += 1
-            cr.slot = None
-            self._place_or_fail(cr)
-
-    def _take(self, slot: ExecutorSlot) -> list[MigratedRequest]:
-        try:
-            taken = slot.scheduler.take_all_requests()
-        except Exception:  # a broken scheduler must not stop the others' evacuation
-            log.exception("could not take the requests of executor %s", slot.id)
-            return []
-        for m in taken:
-            cr = slot.requests.get(m.request.request_id)
-            if cr is not None:
-                cr.resume = m
-        return taken
 
     def _retire(self, slot: ExecutorSlot) -> None:
         if self.slots.get(slot.id) is slot:  # (not a newer executor that registered under the same id)

@@ -102,6 +102,8 @@ class ExecutorHub:
         self._auth = None
         self.trust: ExecutorAuth | None = None  # the keys admitted (with keys, from start())
         self._on_join, self._on_drain, self._on_dead = on_join, on_drain, on_dead
+        # Several engine cores: the port of the core an executor should dial instead (None: this one).
+        self.director: Callable[[wire.Handshake], int | None] = lambda hs: None
         self._ctx = zmq.asyncio.Context()  # (the ZAP authenticator runs on it, asynchronously)
         self._sock: RouterSocket | None = None
         self._tasks: list[asyncio.Task] = []
@@ -157,6 +159,12 @@ class ExecutorHub:
         exc = None if task.cancelled() else task.exception()
         self.failure = f"{task.get_name()} ended: {exc!r}" if exc is not None else f"{task.get_name()} ended"
         log.critical("executor transport failed: %s", self.failure, exc_info=exc)
+
+    def _reply(self, identity: bytes, reply: wire.HandshakeReply) -> None:
+        try:
+            self._sock.send_multipart([identity, wire.encode(reply)])
+        except zmq.ZMQError as exc:
+            log.warning("could not answer handshake of %r: %s", identity, exc)
 
     def curve_domain(self, domain: str, provider) -> zmq.Context:
         """Admit another CURVE server socket's clients (the front link's) through this process's ZAP
@@ -342,6 +350,11 @@ class ExecutorHub:
             self._declare_dead(old, "executor reconnected (its state is gone)")
         reason, enrolled = self._identity_refusal(identity, key, hs)
         reason = reason or self._refusal(hs)
+        if reason is None and (port := self.director(hs)) is not None:
+            # Several engine cores: this port is their directory, and another core is to schedule it.
+            self._reply(identity, wire.HandshakeReply(False, "", self.heartbeat_interval_s, redirect_port=port))
+            log.info("executor %s sent to the engine core on port %d", hs.executor_id, port)
+            return
         reply = wire.HandshakeReply(reason is None, reason or "", self.heartbeat_interval_s)
         try:
             self._sock.send_multipart([identity, wire.encode(reply)])

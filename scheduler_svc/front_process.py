@@ -43,6 +43,7 @@ from scheduler_svc.http.serve import HttpServer, start_http_server
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.offload import return_large_allocations_to_the_os
 from scheduler_svc.server import start_grpc_server
+from scheduler_svc.tier.core_set import CoreSet
 from scheduler_svc.tier.front_link import RemoteCore
 from scheduler_svc.tier.metrics import families_of
 
@@ -54,7 +55,7 @@ EXIT_WITH_PARENT = "PAGEDSERVE_FRONT_EXIT_WITH_PARENT"  # set by the scheduler f
 class FrontConfig:
     """What a front needs beyond the scheduler's own flags: where its core is, who it is."""
 
-    core_endpoint: str  # the engine core's front link (ipc:// from the scheduler, tcp:// from afar)
+    core_endpoints: list[str]  # each engine core's front link (ipc:// from the scheduler, tcp:// from afar)
     front_id: str  # unique among the core's fronts
     reuse_port: bool  # share the public ports with the scheduler's other fronts
     keys: ClientKeys | None  # CURVE keys of a tcp:// link (None: a local or unencrypted link)
@@ -92,7 +93,10 @@ async def start_http(cfg: ServiceConfig, engine, tokenizer: Tokenizer, metrics: 
 async def serve_front(cfg: ServiceConfig, fc: FrontConfig) -> None:
     tokenizer = load_tokenizer(cfg.model_dir)
     metrics = Metrics(part="front")
-    core = RemoteCore(fc.core_endpoint, fc.front_id, fc.keys, front_families=lambda: families_of(metrics.registry))
+    # Its metrics go to the first core, which sums every front's and every core's.
+    cores = [RemoteCore(e, fc.front_id, fc.keys, front_families=(lambda: families_of(metrics.registry)) if i == 0
+                        else None) for i, e in enumerate(fc.core_endpoints)]
+    core = CoreSet(cores, cfg.engine.max_migrations)
     streams = FrontStreams(core, tokenizer, cfg.engine.stream_interval, metrics, id_prefix=fc.front_id + ":")
     core.attach(streams)
     await core.start()
@@ -106,10 +110,11 @@ async def serve_front(cfg: ServiceConfig, fc: FrontConfig) -> None:
                                   api_keys=cfg.api_keys, tls=cfg.tls, grpc_limits=cfg.grpc_limits, budget=budget,
                                   throttle=throttle, reuse_port=fc.reuse_port)
     loop = asyncio.get_running_loop()
-    core.on_status_change = lambda: loop.create_task(api.update_health())
+    for c in cores:
+        c.on_status_change = lambda: loop.create_task(api.update_health())
     tune_gc()
-    log.info("front %s ready: gRPC :%d, HTTP :%s, engine core %s", fc.front_id, api.port,
-             http[1].port if http else "off", fc.core_endpoint)
+    log.info("front %s ready: gRPC :%d, HTTP :%s, engine cores %s", fc.front_id, api.port,
+             http[1].port if http else "off", ", ".join(fc.core_endpoints))
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -132,8 +137,9 @@ def parse_front_args(argv: list[str] | None) -> tuple[ServiceConfig, FrontConfig
     """The front's own flags; the rest are the scheduler's (the same parser: a front started by the
     scheduler gets the scheduler's own command line)."""
     p = argparse.ArgumentParser(prog="pagedserve-front", add_help=False)
-    p.add_argument("--core", dest="core_endpoint", default=None,
-                   help="the engine core's front link: tcp://HOST:5557 (the scheduler's --front-link-port)")
+    p.add_argument("--core", dest="core_endpoints", action="append", default=None,
+                   help="an engine core's front link: tcp://HOST:5557 (the scheduler's --front-link-port; with "
+                        "--engine-cores M, give each core's: ports 5557, 5558, ...); the first sums the metrics")
     p.add_argument("--front-id", default=None, help="unique among the core's fronts (default: host name and pid)")
     p.add_argument("--reuse-port", action="store_true",
                    help="share the public ports with other fronts of this host (SO_REUSEPORT)")
@@ -143,11 +149,13 @@ def parse_front_args(argv: list[str] | None) -> tuple[ServiceConfig, FrontConfig
     p.add_argument("--scheduler-public-key-file", type=Path, default=None,
                    help="the scheduler's CURVE public key (its NAME.key)")
     own, rest = p.parse_known_args(argv)
-    env = parse_with_env(p, [], None)  # PAGEDSERVE_CORE and friends, where not given
-    for name in ("core_endpoint", "front_id", "curve_key_file", "scheduler_public_key_file"):
+    env = parse_with_env(p, [], None)  # PAGEDSERVE_FRONT_ID and friends, where not given
+    for name in ("front_id", "curve_key_file", "scheduler_public_key_file"):
         if getattr(own, name) is None:
             setattr(own, name, getattr(env, name))
-    if own.core_endpoint is None:
+    if own.core_endpoints is None:  # PAGEDSERVE_CORE: one endpoint, or several separated by commas
+        own.core_endpoints = [e for e in (os.environ.get("PAGEDSERVE_CORE") or "").split(",") if e]
+    if not own.core_endpoints:
         p.error("--core: give the engine core's front link (tcp://HOST:5557)")
     cfg = load_config(rest)
     keys = None
@@ -160,11 +168,11 @@ def parse_front_args(argv: list[str] | None) -> tuple[ServiceConfig, FrontConfig
         except ValueError as exc:
             p.error(str(exc))
     front_id = own.front_id or f"{socket.gethostname()}-{os.getpid()}"
-    return cfg, FrontConfig(own.core_endpoint, front_id, own.reuse_port or bool(os.environ.get(EXIT_WITH_PARENT)),
-                            keys)
+    return cfg, FrontConfig(own.core_endpoints, front_id,
+                            own.reuse_port or bool(os.environ.get(EXIT_WITH_PARENT)), keys)
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """A front the scheduler started must not outlive it (Linux: the parent's death sends SIGTERM)."""
     if os.environ.get(EXIT_WITH_PARENT) and hasattr(ctypes, "CDLL"):
         try:
@@ -174,7 +182,7 @@ def _exit_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    _exit_with_parent()
+    exit_with_parent()
     cfg, fc = parse_front_args(argv)
     return_large_allocations_to_the_os()  # request messages of megabytes must not stay in RSS
     logging.basicConfig(level=cfg.log_level, format=f"%(asctime)s %(levelname)s front {fc.front_id} %(name)s: "

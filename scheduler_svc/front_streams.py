@@ -168,10 +168,26 @@ class FrontStreams:
         if self.metrics:
             self.metrics.on_failed()
 
-    def fail_all(self, exc: Exception) -> None:
-        """The core that ran them is gone: every request ends with ``exc``."""
-        for t in list(self.by_core_id.values()):
-            self._fail(t, exc)
+    def fail_request(self, t: Tracked, exc: Exception) -> None:
+        """The engine cannot go on with ``t`` (its core was lost, none can take it): end it."""
+        self._fail(t, exc)
+
+    def resumed(self, t: Tracked) -> GenerationRequest:
+        """``t``'s request for another engine core (under the same core id)."""
+        return dataclasses.replace(t.stream.req, request_id=t.core_id)
+
+    @staticmethod
+    def resume_of(t: Tracked) -> tuple[list[list[int]], list[int | None]]:
+        """Each choice's tokens streamed so far, and how each that ended ended: where another
+        engine core goes on from."""
+        stream, n = t.stream, t.stream.num_choices
+        outputs = [list(stream.outputs.get(i, [])) for i in range(n)]
+        return outputs, [None if (r := stream.finish.get(i)) is None else int(r) for i in range(n)]
+
+    def stream_pending(self) -> None:
+        """Stream what the cores handed over and was not streamed yet, now."""
+        while self._batches:
+            self.stream_now(self._batches.popleft())
 
     def _end(self, t: Tracked) -> None:
         self.tracked.pop(t.stream.req.request_id, None)

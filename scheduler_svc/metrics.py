@@ -13,7 +13,7 @@ import bisect
 import math
 import threading
 from collections import Counter as Tally
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
@@ -102,7 +102,6 @@ class Metrics:
         self._last = {"pq": 0, "ph": 0, "pre": 0, "mig": 0}  # cumulative engine counters already counted
         self._executors: set[str] = set()
         self._states: set[str] = set()
-        self.served_model = ""  # the model_name label of the vllm: gauges (the engine sets it)
 
     def _engine_metrics(self, r: CollectorRegistry) -> None:
         ex = ["executor"]
@@ -171,12 +170,6 @@ class Metrics:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.num_swapped.set(stats.num_swapped)
-        total = sum(e.kv_blocks_total for e in stats.executors)
-        used = sum(e.kv_blocks_used for e in stats.executors)
-        name = self.served_model
-        self.vllm_running.labels(name).set(stats.num_running)
-        self.vllm_waiting.labels(name).set(stats.num_waiting)
-        self.vllm_kv_usage.labels(name).set(used / total if total else 0.0)
         self._advance(self.prefix_queries, "pq", stats.prefix_cache_query_tokens)
         self._advance(self.prefix_hits, "ph", stats.prefix_cache_hit_tokens)
         self._advance(self.preemptions, "pre", stats.num_preemptions)
@@ -198,6 +191,17 @@ class Metrics:
         for state in self._states | states.keys():
             self.num_executors.labels(state).set(states.get(state, 0))
         self._states |= states.keys()
+
+    def watch_deployment(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        """The vllm: gauges, read from ``stats()`` (the whole deployment's) when /metrics is scraped."""
+        def kv_usage() -> float:
+            st = stats()
+            total = sum(e.kv_blocks_total for e in st.executors)
+            return sum(e.kv_blocks_used for e in st.executors) / total if total else 0.0
+
+        self.vllm_running.labels(model_name).set_function(lambda: stats().num_running)
+        self.vllm_waiting.labels(model_name).set_function(lambda: stats().num_waiting)
+        self.vllm_kv_usage.labels(model_name).set_function(kv_usage)
 
     def on_scheduled(self, queue_seconds: float) -> None:
         """A request was scheduled for the first time ``queue_seconds`` after arrival."""

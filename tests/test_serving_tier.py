@@ -213,3 +213,58 @@ def _local_link(stack: Stack) -> str:
     log = (stack.logdir / "scheduler.log").read_text()
     marker = "front link "
     return log[log.rindex(marker) + len(marker):].split()[0].rstrip(",")
+
+
+def _child(stack: Stack, module: str) -> int:
+    out = subprocess.run(["pgrep", "-P", str(stack.scheduler.pid), "-f", module], capture_output=True, text=True)
+    return int(out.stdout.split()[0])
+
+
+def _runs_on(stack: Stack, executor: str, core_pid: int) -> bool:
+    """Whether ``executor`` was sent to the engine core of ``core_pid`` (its log says which it joined)."""
+    return f"core 1 scheduler_svc.executors: executor {executor} joined" in (stack.logdir / "scheduler.log").read_text()
+
+
+def test_fronts_times_engine_cores_change_no_output_through_preemption_and_losses(tiny_llama_dir, tmp_path):
+    """2 fronts x 2 engine cores x 2 executors with small pools: greedy, seeded n = 3, beam search,
+    stop strings and preemption give exactly the 1 x 1 x 1 outputs, while one executor is killed
+    (its requests move to another executor) and engine core 1 is killed (its requests move to
+    core 0, its executor to the directory, and the core is started again)."""
+    from test_async_scheduling import SMALL_POOL, _run as run_all, _workload
+
+    reqs = _workload()
+    (tmp_path / "one").mkdir()
+    s = Stack(tiny_llama_dir, tmp_path / "one")
+    try:
+        s.start_scheduler()
+        s.start_executor("ex", "--kv-cache-memory", SMALL_POOL)
+        s.wait_health()
+        reference = run_all(s, reqs)
+    finally:
+        s.stop()
+    (tmp_path / "many").mkdir()
+    s = Stack(tiny_llama_dir, tmp_path / "many", scheduler_args=["--api-server-count", "2", "--engine-cores", "2"])
+    try:
+        s.start_scheduler()
+        for name in ("ex0", "ex1", "ex2"):
+            s.start_executor(name, "--kv-cache-memory", SMALL_POOL)
+        s.wait_health()
+        s.wait_executors(3)
+        core1 = _child(s, "scheduler_svc.core_process")
+        done: dict = {}
+        runner = threading.Thread(target=lambda: done.update(run_all(s, reqs)))
+        runner.start()
+        on_core1 = next(e.id for e in s.stats().executors if e.id != "ex0" and _runs_on(s, e.id, core1))
+        deadline = time.monotonic() + 60
+        while not any(e.id in (on_core1, "ex0") and e.num_running for e in s.stats().executors):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        subprocess.run(["kill", "-9", str(core1)], check=True)  # mid-run: its requests move to core 0
+        s.executors["ex0"].kill()
+        runner.join()
+        assert done == reference
+        log = (s.logdir / "scheduler.log").read_text()
+        assert "engine core 1 exited" in log and "sent to the engine core on port" in log
+        assert "lost the engine core" in log  # (the fronts moved core 1's requests to core 0)
+    finally:
+        s.stop()

@@ -284,9 +284,15 @@ class Handshake(_Message):
 
 
 class HandshakeReply(_Message):
+    """The answer to a Handshake. ``redirect_port`` (not accepted, no reason needed): this port is the
+    executor link of the engine core that is to schedule this executor (several engine cores: the
+    port it dialled is their directory); dial it, on the same host, and handshake there. When that
+    core goes silent, dial the directory again."""
+
     accepted: bool
     reason: Text = ""
     heartbeat_interval_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = p.DEFAULT_HEARTBEAT_INTERVAL_S
+    redirect_port: Annotated[int, Meta(ge=0, le=65535)] = 0
 
 
 class Heartbeat(_Message):

@@ -27,9 +27,15 @@ import zmq
 from pagedserve.ratelog import RateLimitedLog
 from pagedserve.wire import DEAD_AFTER_INTERVALS, MAX_HANDSHAKE_FRAME_BYTES, WireError
 from pagedserve.wire.keys import KeyPair, make_server
-from scheduler_svc.api_types import NoExecutor, QueueFull
+from scheduler_svc.api_types import FinishReason, NoExecutor, QueueFull
 from scheduler_svc.engine_core import EngineCore
-from scheduler_svc.request import ERROR_FAILED, ERROR_NO_EXECUTOR, ERROR_QUEUE_FULL, RequestUpdate
+from scheduler_svc.request import (
+    ERROR_FAILED,
+    ERROR_NO_EXECUTOR,
+    ERROR_QUEUE_FULL,
+    MigratedRequest,
+    RequestUpdate,
+)
 from scheduler_svc.router_socket import RouterSocket
 from scheduler_svc.tier import messages as m
 from scheduler_svc.tier.front_keys import FLAG, ZAP_DOMAIN, FrontKeys
@@ -60,11 +66,13 @@ class RemoteFront:
 
 class FrontLink:
     def __init__(self, core: EngineCore, endpoint: str, keys: KeyPair | None = None,
-                 exposition: Callable[[], str] | None = None, trusted: Path | None = None) -> None:
+                 exposition: Callable[[], str] | None = None, trusted: Path | None = None,
+                 own_families: Callable[[], list] | None = None) -> None:
         """``keys``: the scheduler's key pair (a CURVE link: fronts of their own); ``trusted``: the
         front keys it admits (``--trusted-front-keys``)."""
         self.core, self.endpoint, self.keys = core, endpoint, keys
         self.exposition = exposition or (lambda: "")  # the deployment's metrics, for a Query
+        self.own_families = own_families or list  # this core's own metrics (the first core sums the others')
         self.fronts: dict[bytes, RemoteFront] = {}
         self.retired: list = []  # the counters of fronts gone (a counter never goes back)
         self._ctx = zmq.Context.instance()
@@ -184,6 +192,8 @@ class FrontLink:
         elif isinstance(msg, m.Query):
             if msg.what == m.QUERY_STATS:
                 self.send(front, m.Answer(msg.query_id, stats=self.core.stats()))
+            elif msg.what == m.QUERY_FAMILIES:
+                self.send(front, m.Answer(msg.query_id, families=self.own_families()))
             else:
                 self.send(front, m.Answer(msg.query_id, text=self.exposition()))
         elif isinstance(msg, m.FrontHello):
@@ -197,8 +207,12 @@ class FrontLink:
         req.deadline = None if msg.deadline_in_s is None else now + msg.deadline_in_s
         req.first_scheduled_at = None
         req.max_total_tokens = None  # fixed here, at its first placement
+        resume = None
+        if msg.resume_outputs is not None:  # it ran on an engine core that was lost
+            reasons = [None if r is None else FinishReason(r) for r in msg.resume_finished]
+            resume = MigratedRequest(req, msg.resume_outputs, reasons + [None] * (len(msg.resume_outputs) - len(reasons)))
         try:
-            self.core.submit(req, front)
+            self.core.submit(req, front, resume)
         except (QueueFull, NoExecutor, ValueError) as exc:
             kind = ERROR_QUEUE_FULL if isinstance(exc, QueueFull) else \
                 ERROR_NO_EXECUTOR if isinstance(exc, NoExecutor) else ERROR_FAILED

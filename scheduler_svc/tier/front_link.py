@@ -39,8 +39,9 @@ class RemoteCore:
     def __init__(self, endpoint: str, front_id: str, keys: ClientKeys | None = None,
                  front_families: Callable[[], list] | None = None) -> None:
         self.endpoint, self.front_id, self.keys = endpoint, front_id, keys
-        self.front_families = front_families or list  # this front's metrics (FrontMetrics)
-        self.streams = None  # the FrontStreams the core's updates go to (attach())
+        self.id = endpoint  # (its name among a front's cores)
+        self.front_families = front_families  # this front's metrics (FrontMetrics; None: sent to another core)
+        self.streams = None  # where the core's updates go (attach(): a CoreSet, or FrontStreams)
         self.status: m.Status | None = None
         self.connected = False  # the core answered our hello and has not gone silent since
         self.on_status_change: Callable[[], None] = lambda: None  # the servicer's health hook
@@ -78,6 +79,10 @@ class RemoteCore:
         answer = await self._ask(m.QUERY_STATS, timeout_s)
         return answer.stats if answer.stats is not None else self.stats()
 
+    async def families(self, timeout_s: float = 5.0) -> list:
+        """The core's own metrics (another engine core sums them)."""
+        return (await self._ask(m.QUERY_FAMILIES, timeout_s)).families or []
+
     async def _ask(self, what: int, timeout_s: float) -> m.Answer:
         qid = next(self._queries)
         fut = self._answers[qid] = asyncio.get_running_loop().create_future()
@@ -89,13 +94,16 @@ class RemoteCore:
 
     # ------------------------------------------------------------------ what the front asks
 
-    def submit(self, req: GenerationRequest, sink) -> None:
+    def submit(self, req: GenerationRequest, sink, resume: tuple[list, list] | None = None) -> None:
+        """Send ``req`` (``resume``: the outputs and finish reasons it had on a core that was lost)."""
         if not self.is_ready():
             raise NoExecutor("the engine core is not reachable; try again")
         now = time.monotonic()
         queued = max(0.0, now - req.arrival_time) if req.arrival_time else 0.0
         deadline_in = None if req.deadline is None else max(0.0, req.deadline - now)
-        self._send(m.Submit(dataclasses.replace(req, arrival_time=0.0, deadline=None), queued, deadline_in))
+        outputs, finished = resume if resume is not None else (None, [])
+        self._send(m.Submit(dataclasses.replace(req, arrival_time=0.0, deadline=None), queued, deadline_in,
+                            outputs, finished))
 
     def abort(self, request_id: str) -> None:
         self._send(m.Abort(request_id))
@@ -161,6 +169,7 @@ class RemoteCore:
         elif isinstance(msg, m.Status):
             changed = self.status is None or self.status.ready != msg.ready or not self.connected
             self.status, self.connected = msg, True
+            self.streams.status_changed(self)
             if changed:
                 self.on_status_change()
         elif isinstance(msg, m.Answer):
@@ -180,7 +189,7 @@ class RemoteCore:
                 self._lost(f"silent for {now - self._last_heard:.1f}s")
                 continue
             self._send(m.Heartbeat())
-            if now - last_metrics >= METRICS_EVERY_S:
+            if self.front_families is not None and now - last_metrics >= METRICS_EVERY_S:
                 last_metrics = now
                 self._send(m.FrontMetrics(self.front_families()))
 
@@ -189,8 +198,9 @@ class RemoteCore:
         was = self.connected
         self.connected = False
         if was:
-            log.warning("lost the engine core (%s); failing its requests and dialling again", why)
+            log.warning("lost the engine core (%s); moving its requests to another core (or failing them) and "
+                        "dialling again", why)
             if self.streams is not None:
-                self.streams.fail_all(NoExecutor(f"the engine core was lost ({why})"))
+                self.streams.core_lost(self, NoExecutor(f"the engine core was lost ({why})"))
             self.on_status_change()
         self._connect()

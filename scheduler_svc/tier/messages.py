@@ -62,6 +62,10 @@ class Submit(_Message):
     request: GenerationRequest
     queued_s: Seconds  # since it arrived at the front
     deadline_in_s: Seconds | None = None  # None: no deadline
+    # It ran on an engine core that was lost: each choice's tokens streamed so far, and how each that
+    # ended ended (FinishReason values; None: still running). It goes on from there.
+    resume_outputs: list[list[int]] | None = None
+    resume_finished: list[int | None] = msgspec.field(default_factory=list)
 
 
 class Abort(_Message):
@@ -100,20 +104,22 @@ class FrontMetrics(_Message):
     families: Annotated[list[Family], Meta(max_length=10_000)]
 
 
-QUERY_STATS, QUERY_METRICS = 1, 2
+QUERY_STATS, QUERY_METRICS, QUERY_FAMILIES = 1, 2, 3
 
 
 class Query(_Message):
-    """Ask the core for something fresher than its last Status: its stats, or the deployment's metrics."""
+    """Ask the core for something fresher than its last Status: its stats, the deployment's metrics,
+    or its own metrics (the first engine core asks the others, and exposes the sum)."""
 
     query_id: Annotated[int, Meta(ge=0)]
-    what: Annotated[int, Meta(ge=QUERY_STATS, le=QUERY_METRICS)]
+    what: Annotated[int, Meta(ge=QUERY_STATS, le=QUERY_FAMILIES)]
 
 
 class Answer(_Message):
     query_id: int
     stats: EngineStats | None = None
     text: str | None = None  # the Prometheus exposition of the whole deployment
+    families: list[Family] | None = None  # this core's own metrics (another engine core sums them)
 
 
 Message = (FrontHello | CoreHello | Submit | Abort | FinishChoice | Heartbeat | Updates | Status | FrontMetrics
