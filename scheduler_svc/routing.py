@@ -24,8 +24,7 @@ prefix too.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from scheduler_svc.engine_state import ExecutorSlot
@@ -35,14 +34,9 @@ SKEW_REL = 0.5  # ...or within 50% of the least busy executor's load, whichever 
 
 
 class Router:
-    """``load`` and ``headroom`` say how busy a candidate is and how many blocks it has free for new
-    work: an executor's (the default), or an engine core's when a front routes among cores."""
-
-    def __init__(self, max_entries: int = 200_000, load: Callable[[Any], int] | None = None,
-                 headroom: Callable[[Any], int] | None = None) -> None:
+    def __init__(self, max_entries: int = 200_000) -> None:
         self.max_entries = max_entries
         self._owner: OrderedDict[bytes, str] = OrderedDict()  # block hash -> executor id (LRU)
-        self._load, self._headroom = load or _load, headroom or _headroom
 
     def _hit_blocks(self, hashes: list[bytes], executor_id: str) -> int:
         n = 0
@@ -57,14 +51,14 @@ class Router:
         ``hashes``: the prompt's full-block hash chain (``kv_cache_manager.hash_blocks``)."""
         if not ready:
             return None
-        loads = {s.id: self._load(s) for s in ready}
+        loads = {s.id: _load(s) for s in ready}
         min_load = min(loads.values())
         bound = min_load + max(SKEW_ABS, SKEW_REL * min_load)
         eligible = [s for s in ready if loads[s.id] <= bound]
         hits = {s.id: self._hit_blocks(hashes, s.id) for s in eligible}
         # Load before free blocks: a request queued in a scheduler holds no blocks
         # yet, so free blocks alone would pile a burst onto whoever admitted first.
-        best = max(eligible, key=lambda s: (hits[s.id], -loads[s.id], self._headroom(s)))
+        best = max(eligible, key=lambda s: (hits[s.id], -loads[s.id], _headroom(s)))
         self._remember(hashes, best.id)
         return best
 

@@ -17,9 +17,16 @@ pytestmark = pytest.mark.slow
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_llama_dir, tmp_path_factory):
-    with Stack.running(tiny_llama_dir, tmp_path_factory.mktemp("e2e")) as s:
+@pytest.fixture(scope="module", params=["1-front-1-core", "2-fronts-2-cores"])
+def stack(request, tiny_llama_dir, tmp_path_factory):
+    """The same tests through one front and one engine core, and through two of each (two executors,
+    which the directory spreads over the cores): nothing may change for clients."""
+    many = request.param == "2-fronts-2-cores"
+    args = ["--api-server-count", "2", "--engine-cores", "2"] if many else []
+    with Stack.running(tiny_llama_dir, tmp_path_factory.mktemp("e2e"), scheduler_args=args,
+                       executors=("ex0", "ex1") if many else ("ex0",)) as s:
+        if many:
+            s.wait_executors(2)
         yield s
 
 

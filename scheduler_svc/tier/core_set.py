@@ -2,10 +2,10 @@
 
 :class:`CoreSet` is the ``CoreApi`` a front's streams use, over one :class:`RemoteCore` per engine
 core (``--core``, once per core; the scheduler's own fronts get every core of it). A new request
-goes to a ready core chosen as the engine core's router chooses an executor
-(``scheduler_svc/routing.py``): prefix affinity (this front's own index of the prompts it routed),
-bounded by load (the cores' running and waiting requests, from their Status, plus what this
-front sent since), then free KV blocks. Each executor is scheduled by exactly one core; the first
+goes to a ready core that can hold it, within the engine router's skew bound of the least loaded
+(the cores' running and waiting requests, from their Status, plus what this front sent since):
+the one its prompt's first block hashes to (rendezvous hashing, so that every front sends a
+shared prefix to the same core, where its blocks are cached), else the least loaded. Each executor is scheduled by exactly one core; the first
 core's port is their directory (``HandshakeReply.redirect_port``), so executors spread over the
 cores and come back to the directory when theirs is lost.
 
@@ -18,9 +18,10 @@ between executors), at most ``--max-migrations`` times; with no core left it fai
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 from scheduler_svc.api_types import EngineStats, GenerationRequest, ModelInfo, NoExecutor
-from scheduler_svc.routing import Router
+from scheduler_svc.routing import SKEW_ABS, SKEW_REL
 from scheduler_svc.tier.front_link import RemoteCore
 
 
@@ -32,7 +33,6 @@ class CoreSet:
         self.where: dict[str, RemoteCore] = {}  # request (core id) -> the core running it
         self.moves: dict[str, int] = {}  # request -> times it moved to another core
         self.sent: dict[int, int] = {}  # id(core) -> requests sent since its last Status (load between them)
-        self.router = Router(load=self._load, headroom=_headroom)
         for i, core in enumerate(cores):
             core.id = f"core-{i}"
             core.attach(self)
@@ -99,12 +99,20 @@ class CoreSet:
             core.finish_choice(request_id, index)
 
     def _choose(self, req: GenerationRequest, exclude: RemoteCore | None = None) -> RemoteCore:
+        """The core for ``req``: among the ready cores that can hold it and are within the router's
+        skew bound of the least loaded, the one its prompt's first block hashes to (rendezvous
+        hashing: every front chooses the same core for the same prefix, so a prefix shared across
+        fronts meets its cached blocks), else the least loaded."""
         ready = [c for c in self._ready() if c is not exclude]
-        fits = [c for c in ready if _fits(c, req)]
-        core = self.router.choose(fits or ready, req.prompt_block_hashes or [])
-        if core is None:
+        fits = [c for c in ready if _fits(c, req)] or ready
+        if not fits:
             raise NoExecutor("no engine core is reachable; try again")
-        return core
+        loads = {id(c): self._load(c) for c in fits}
+        least = min(loads.values())
+        bound = least + max(SKEW_ABS, SKEW_REL * least)
+        eligible = [c for c in fits if loads[id(c)] <= bound]
+        first = (req.prompt_block_hashes or [b""])[0]
+        return max(eligible, key=lambda c: (_affinity(first, c.endpoint) if first else 0, -loads[id(c)]))
 
     def _load(self, core: RemoteCore) -> int:
         st = core.stats()
@@ -151,8 +159,9 @@ def _fits(core: RemoteCore, req: GenerationRequest) -> bool:
     return info is not None and len(req.prompt_token_ids) < info.max_model_len
 
 
-def _headroom(core: RemoteCore) -> int:
-    return sum(e.kv_blocks_total - e.kv_blocks_used for e in core.stats().executors)
+def _affinity(block_hash: bytes, core: str) -> int:
+    """Rendezvous weight of a prompt's first block on a core: the same on every front."""
+    return int.from_bytes(hashlib.blake2b(block_hash + core.encode(), digest_size=8).digest(), "big")
 
 
 def sum_stats(all_stats: list[EngineStats]) -> EngineStats:
