@@ -46,6 +46,8 @@ class RequestParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # a matched stop string stays in the text (vLLM's extension)
+    skip_special_tokens: bool = True  # special tokens are left out of the text (False: Mistral's tool calls)
 
 
 @dataclass(slots=True)
@@ -94,6 +96,9 @@ class RequestOutput(msgspec.Struct, gc=False):
     choices: list[ChoiceDelta]
     usage: Usage | None = None  # set on the last message only
     finished: bool = False
+    # When the request asked for them (SamplingParams.prompt_logprobs): one entry per prompt token,
+    # None for the first (nothing precedes it); on the first message only.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class EngineError(Exception):

@@ -29,7 +29,8 @@ from scheduler_svc.link_flags import add_link_flags, link_security
 from scheduler_svc.sched_config import PREEMPTION_MODES, EngineConfig, SchedulerConfig
 from scheduler_svc.security import ApiKeys, TlsFiles
 from scheduler_svc.server import MAX_REQUEST_BYTES
-from scheduler_svc.validation import ServerLimits
+from scheduler_svc.tool_calls import AUTO_PARSERS, ToolCallOptions
+from scheduler_svc.validation import LOGPROBS_MODES, ServerLimits
 
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_EXECUTOR_PORT = 5556
@@ -61,6 +62,8 @@ class ServiceConfig:
     front_link_host: str = "127.0.0.1"  # where fronts of their own Deployment dial the core
     front_link_port: int = 0  # 0: only the scheduler's own fronts (over a local ipc:// link)
     trusted_front_keys: Path | None = None  # the keys of fronts of their own (a CURVE front link)
+    logprobs_mode: str = LOGPROBS_MODES[0]  # what reported log-probs describe (every executor follows it)
+    tool_calls: ToolCallOptions = ToolCallOptions()  # --enable-auto-tool-choice, --tool-call-parser
 
     @property
     def scheduler(self) -> SchedulerConfig:
@@ -106,6 +109,9 @@ _LIMIT_HELP = {
     "max_stop_token_ids": "most stop token ids per request (0: none allowed)",
     "max_logprobs": "largest number of top logprobs a request may ask for",
     "default_max_tokens": "max_tokens of a request that leaves it unset (capped by the context left)",
+    "max_logit_bias": "most logit_bias entries per request (0: logit_bias is not accepted)",
+    "max_structured_chars": "longest structured-output spec (JSON schema, regex, grammar, choices as JSON), in "
+                            "characters (0: structured outputs are not accepted)",
     "max_request_id_len": "longest request_id, in characters",
     "max_body_bytes": "HTTP: largest request body; bigger ones get 413 before they are read",
     "max_messages": "HTTP: most messages in one chat request",
@@ -253,6 +259,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "many (or it finishes), then hand them to its stream as one message, on both fronts: "
                         "fewer wake-ups and writes (a gRPC message costs the scheduler ~20 us of CPU) for "
                         "coarser streaming; 1 = every step's tokens at once")
+    p.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=LOGPROBS_MODES[0],
+                   help="what reported log-probs describe: the model's raw log-softmax, or the distribution a token "
+                        "is drawn from (after penalties, logit bias, a grammar, temperature and truncation); set "
+                        "here, for every executor, so a request's log-probs mean the same wherever it runs")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice \"auto\" (the default when a chat request has tools): the model's "
+                        "text is parsed for tool calls with --tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=tuple(AUTO_PARSERS), default=None,
+                   help="how the model writes tool calls: hermes (Hermes, Qwen2.5), llama3_json (Llama 3.1-3.3), "
+                        "mistral (Mistral v0.3, Nemo)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
@@ -354,7 +370,15 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         log_level=a.log_level, api_keys=_api_keys(parser, a), tls=_tls(parser, a), grpc_limits=grpc_limits,
         api_server_count=a.api_server_count, engine_cores=a.engine_cores,
         front_link_host=_front_link_host(parser, a, keys),
-        front_link_port=a.front_link_port, trusted_front_keys=a.trusted_front_keys)
+        front_link_port=a.front_link_port, trusted_front_keys=a.trusted_front_keys,
+        logprobs_mode=a.logprobs_mode, tool_calls=_tool_calls(parser, a))
+
+
+def _tool_calls(parser: argparse.ArgumentParser, a: argparse.Namespace) -> ToolCallOptions:
+    try:
+        return ToolCallOptions(a.enable_auto_tool_choice, a.tool_call_parser)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def _sized_limits(parser: argparse.ArgumentParser, a: argparse.Namespace, http: HttpLimits) -> ServerLimits:

@@ -101,16 +101,18 @@ def _whole(text: str) -> bool:
 
 
 class StopStringBuffer:
-    """Releases text that cannot be part of a stop string; finds the first stop."""
+    """Releases text that cannot be part of a stop string; finds the first stop. ``include_stop``:
+    a matched stop string is released with the text before it (vLLM's include_stop_str_in_output)."""
 
-    __slots__ = ("_stops", "_held", "matched")
+    __slots__ = ("_stops", "_held", "matched", "_include")
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         self._stops = tuple(stops)
         self._held = ""  # a suffix of the text so far that may start a stop string
         self.matched: str | None = None
+        self._include = include_stop
 
     def push(self, text: str) -> str:
         """Add ``text``; return what may be emitted now (never past a stop string)."""
@@ -122,7 +124,7 @@ class StopStringBuffer:
         cut, stop = self._first_match(held)
         if stop is not None:
             self.matched, self._held = stop, ""
-            return held[:cut]
+            return held[:cut + len(stop)] if self._include else held[:cut]
         keep = self._partial_start(held)
         self._held = held[keep:]
         return held[:keep]
@@ -161,12 +163,15 @@ class IncrementalDetokenizer:
     generated token decodes as it would inside the full text.
     ``standalone``: :func:`standalone_token_texts` of ``tokenizer`` (by default none: every
     token goes through ``DecodeStream``); the deltas are the same either way.
+    ``include_stop``: a matched stop string stays at the end of the text. ``min_tokens``: stop
+    strings are looked for only in the text of the tokens after the first ``min_tokens`` (as
+    vLLM does: before, the sequence cannot stop).
     Invariant: the concatenated deltas plus :meth:`finish` equal
-    ``tokenizer.decode(output_ids)`` cut before the first stop string.
+    ``tokenizer.decode(output_ids)`` cut before the first stop string (after it, with ``include_stop``).
     """
 
     __slots__ = ("_tok", "_stream", "_skip", "_stops", "_has_stops", "_ids", "_emitted", "_finished",
-                 "_texts", "_joining", "_whole")
+                 "_texts", "_joining", "_whole", "_unchecked")
 
     def __init__(
         self,
@@ -175,13 +180,16 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
         standalone: StandaloneTexts = NO_STANDALONE_TEXTS,
+        include_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-        self._stops = StopStringBuffer(stop)
+        self._stops = StopStringBuffer(stop, include_stop)
         self._has_stops = bool(stop)
+        self._unchecked = min_tokens if stop else 0  # tokens whose text no stop string is looked for in
         self._ids = context  # prompt context, then every id fed (finish() decodes the tail)
         self._emitted = len(context)  # ids[:emitted] are text already
         self._finished = False
@@ -214,6 +222,9 @@ class IncrementalDetokenizer:
         """
         if self._finished:
             raise RuntimeError("IncrementalDetokenizer.step after the sequence finished")
+        unchecked = self._unchecked
+        if unchecked:  # min_tokens: this token's text cannot stop the sequence
+            self._unchecked = unchecked - 1
         ids = self._ids
         ids.append(token_id)
         if not self._whole or (chunk := self._texts.get(token_id)) is None:
@@ -224,6 +235,8 @@ class IncrementalDetokenizer:
             self._whole = token_id not in self._joining
         self._emitted = len(ids)
         if not self._has_stops:  # (this runs for every token of every sequence)
+            return chunk
+        if unchecked:
             return chunk
         out = self._stops.push(chunk)
         if self._stops.matched is not None:

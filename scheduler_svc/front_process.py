@@ -80,7 +80,8 @@ async def start_http(cfg: ServiceConfig, engine, tokenizer: Tokenizer, metrics: 
         raise SystemExit(f"--model: {e}") from None
     if template is None:
         log.warning("%s has no chat template: /v1/chat/completions will refuse requests", cfg.model_dir)
-    front = OpenAIFront(engine, tokenizer, template, cfg.limits, cfg.http_limits, metrics)
+    front = OpenAIFront(engine, tokenizer, template, cfg.limits, cfg.http_limits, metrics, cfg.tool_calls,
+                        cfg.logprobs_mode)
     front.metrics_text = metrics_text
     middleware = []
     if cfg.api_keys is not None:  # the same keys and TLS files as the gRPC front
@@ -108,7 +109,7 @@ async def serve_front(cfg: ServiceConfig, fc: FrontConfig) -> None:
     http = await start_http(cfg, streams, tokenizer, metrics, budget, throttle, fc.reuse_port, core.metrics_text)
     api = await start_grpc_server(streams, tokenizer, cfg.host, cfg.port, cfg.limits, metrics,
                                   api_keys=cfg.api_keys, tls=cfg.tls, grpc_limits=cfg.grpc_limits, budget=budget,
-                                  throttle=throttle, reuse_port=fc.reuse_port)
+                                  throttle=throttle, reuse_port=fc.reuse_port, logprobs_mode=cfg.logprobs_mode)
     loop = asyncio.get_running_loop()
     for c in cores:
         c.on_status_change = lambda: loop.create_task(api.update_health())

@@ -51,8 +51,9 @@ class RequestStream:
     def _detok(self, index: int) -> IncrementalDetokenizer:
         d = self.detoks.get(index)
         if d is None:
-            d = IncrementalDetokenizer(self.tokenizer, self.req.prompt_token_ids, self.req.params.stop,
-                                       standalone=self.standalone_texts)
+            p = self.req.params
+            d = IncrementalDetokenizer(self.tokenizer, self.req.prompt_token_ids, p.stop, p.skip_special_tokens,
+                                       self.standalone_texts, p.include_stop_str_in_output, p.sampling.min_tokens)
             self.detoks[index] = d
             self.outputs.setdefault(index, [])
         return d
@@ -194,7 +195,8 @@ class RequestStream:
 
 def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
     """Consecutive outputs of one request as one: each choice's text, tokens and logprobs in
-    order, its last finish reason; the last output's usage and finished flag."""
+    order, its last finish reason; the last output's usage and finished flag; the prompt's
+    log-probs (which only the first output may have)."""
     if len(outs) == 1:
         return outs[0]
     merged: dict[int, ChoiceDelta] = {}
@@ -209,4 +211,5 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
             if c.finish_reason != FinishReason.UNSPECIFIED:
                 m.finish_reason = c.finish_reason
     last = outs[-1]
-    return RequestOutput(last.request_id, list(merged.values()), last.usage, last.finished)
+    prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+    return RequestOutput(last.request_id, list(merged.values()), last.usage, last.finished, prompt_logprobs)

@@ -52,7 +52,14 @@ from scheduler_svc.metrics import Metrics
 from scheduler_svc.offload import validate_off_loop
 from scheduler_svc.refusals import refusal
 from scheduler_svc.security import ApiKeys, TlsFiles
-from scheduler_svc.validation import ServerLimits, ValidationError, validate_generate_request
+from scheduler_svc.validation import (
+    LOGPROBS_MODES,
+    ServerLimits,
+    ValidationError,
+    fields_from_proto,
+    validate_request,
+    validation_work,
+)
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +93,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     """pagedserve.v1.Generation over an engine."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, limits: ServerLimits,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, logprobs_mode: str = LOGPROBS_MODES[0]) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
         self._limits = limits
         self._metrics = metrics
+        self._logprobs_mode = logprobs_mode  # --logprobs-mode: what every request's log-probs describe
         self._in_flight: set[str] = set()
         self.shutting_down = False
 
@@ -151,10 +159,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if info is None:
             raise _Refused(grpc.StatusCode.UNAVAILABLE, "no executor has registered yet; retry later")
         arrival = time.monotonic()
-        args = (request, info, self._limits, self._tokenize)
         try:
-            size = len(request.prompt) if request.HasField("prompt") else 0
-            greq = await validate_off_loop(size, validate_generate_request, *args)
+            fields = fields_from_proto(request)  # (a long prompt, or a grammar to check: in a worker thread)
+            greq = await validate_off_loop(validation_work(fields), validate_request, fields, info, self._limits,
+                                           self._tokenize, None, self._logprobs_mode)
         except ValidationError as e:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None  # (no frames kept: see Generate)
         except Exception as e:  # e.g. the tokenizer failed: a server bug, not the client's
@@ -196,6 +204,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 def _response(out: RequestOutput) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(request_id=out.request_id)
+    if out.prompt_logprobs is not None:
+        for lp in out.prompt_logprobs:
+            entry = msg.prompt_logprobs.add()
+            if lp is not None:
+                entry.token_id, entry.logprob = lp.token_id, lp.logprob
+                for tid, tlp in zip(lp.top_token_ids, lp.top_logprobs, strict=True):
+                    entry.top_logprobs.add(token_id=tid, logprob=tlp)
     for c in out.choices:
         choice = msg.choices.add(index=c.index, text=c.text, token_ids=c.token_ids,
                                  finish_reason=int(c.finish_reason))
@@ -321,6 +336,7 @@ async def start_grpc_server(
     budget: CallBudget | None = None,
     throttle: AuthThrottle | None = None,
     reuse_port: bool = False,
+    logprobs_mode: str = LOGPROBS_MODES[0],
 ) -> ApiServer:
     """Bind and start the server (port 0: a free port, see ``.port``); must run in the engine's loop.
 
@@ -331,6 +347,7 @@ async def start_grpc_server(
     ``budget`` and ``throttle``: the ones the process's fronts share (admission.py,
     auth_throttle.py); by default this server's own, from ``limits``. ``reuse_port``: other
     processes of this host (the scheduler's fronts) serve the same port (SO_REUSEPORT).
+    ``logprobs_mode``: the deployment's --logprobs-mode.
     """
     limits = limits or ServerLimits()
     grpc_limits = grpc_limits or GrpcLimits()
@@ -338,7 +355,7 @@ async def start_grpc_server(
         throttle = AuthThrottle(limits.auth_failure_burst, limits.auth_failure_refill_s)
     gate = CallGate(grpc_limits.message_timeout_s, MAX_REQUEST_BYTES, budget or CallBudget.from_limits(limits),
                     api_keys, throttle, metrics)
-    servicer = GenerationServicer(engine, tokenizer, limits, metrics)
+    servicer = GenerationServicer(engine, tokenizer, limits, metrics, logprobs_mode)
     health = health_aio.HealthServicer()
     server = grpc.aio.server(interceptors=[gate], options=[
         ("grpc.so_reuseport", int(reuse_port)), ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),

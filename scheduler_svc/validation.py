@@ -21,14 +21,17 @@ from typing import ClassVar
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.wire import GREEDY_TEMPERATURE_EPS, MAX_SEED, SamplingParams
-from pagedserve.wire.protocol import MAX_INT32
+from pagedserve.wire.protocol import MAX_END_TOKEN_IDS, MAX_INT32, MAX_LOGIT_BIAS
 from scheduler_svc.api_types import GenerationRequest, ModelInfo, RequestParams
 from scheduler_svc.lifecycle import request_blocks
+from scheduler_svc.structured import StructuredError, StructuredFields, needs_check, structured_spec
 
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI presence / frequency penalties
 # Beam scores divide by length ** length_penalty: within this bound that stays a finite float for
 # any length up to the wire's limit (2**22 ** 10 ~ 1e66), and it is far beyond any useful value.
 MAX_LENGTH_PENALTY = 10.0
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's --logprobs-mode values (raw: the default)
 
 
 class ValidationError(ValueError):
@@ -46,7 +49,8 @@ class ServerLimits:
     (built once in __main__; the caps are enforced by admission.py and auth_throttle.py)."""
 
     # Limits that may be 0: that feature is then off (max_logprobs=0 still allows the sampled token's).
-    ZERO_ALLOWED: ClassVar[frozenset[str]] = frozenset({"max_stop_strings", "max_stop_token_ids", "max_logprobs"})
+    ZERO_ALLOWED: ClassVar[frozenset[str]] = frozenset({"max_stop_strings", "max_stop_token_ids", "max_logprobs",
+                                                        "max_logit_bias", "max_structured_chars"})
     # Caps that may be 0: sized for the machine when the server starts (admission.sized_for_machine).
     MACHINE_SIZED: ClassVar[frozenset[str]] = frozenset({"max_concurrent_calls", "max_in_flight_bytes"})
 
@@ -58,6 +62,8 @@ class ServerLimits:
     max_logprobs: int = 20
     default_max_tokens: int = 16  # when max_tokens is 0/unset (capped by the context left)
     max_request_id_len: int = 128
+    max_logit_bias: int = 1024  # entries of a request's logit_bias (0: not accepted)
+    max_structured_chars: int = 65536  # characters of a JSON schema, regex or grammar (0: not accepted)
     # Per process, both fronts together (health checks excepted): calls in progress, and the
     # request bytes (HTTP bodies, gRPC messages) of those calls; over either, 429 / RESOURCE_EXHAUSTED.
     max_concurrent_calls: int = 0
@@ -110,6 +116,18 @@ class RequestFields:
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: Sequence[tuple[int, float]] = ()  # (token id, bias)
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    structured: StructuredFields | None = None
+
+
+def validation_work(f: RequestFields) -> int:
+    """How much validating ``f`` costs, in characters: its text prompt, or past the threshold of
+    ``offload.validate_off_loop`` when a grammar engine must check its structured spec."""
+    prompt = len(f.prompt) if f.prompt is not None else 0
+    return prompt + (1 << 30 if needs_check(f.structured) else 0)
 
 
 def fields_from_proto(req: pb.GenerateRequest) -> RequestFields:
@@ -119,8 +137,27 @@ def fields_from_proto(req: pb.GenerateRequest) -> RequestFields:
         request_id=req.request_id, prompt=req.prompt if req.HasField("prompt") else None,
         prompt_token_ids=req.prompt_token_ids, max_tokens=sp.max_tokens, n=sp.n, beam_width=sp.beam_width,
         early_stopping=sp.early_stopping, stop=sp.stop, stop_token_ids=sp.stop_token_ids,
-        ignore_eos=sp.ignore_eos,
+        ignore_eos=sp.ignore_eos, logit_bias=sorted(sp.logit_bias.items()), min_tokens=sp.min_tokens,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
+        prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
+        structured=_structured_from_proto(sp.structured_outputs) if sp.HasField("structured_outputs") else None,
         **{name: getattr(sp, name) if sp.HasField(name) else None for name in OPTIONAL_SAMPLING})
+
+
+def _structured_from_proto(so: pb.StructuredOutputs) -> StructuredFields:
+    f = StructuredFields()
+    which = so.WhichOneof("kind")
+    if which == "json_schema":
+        f.json_schema = so.json_schema
+    elif which == "json_object":
+        f.json_object = so.json_object
+    elif which == "regex":
+        f.regex = so.regex
+    elif which == "choice":
+        f.choice = list(so.choice.values)
+    elif which == "grammar":
+        f.grammar = so.grammar
+    return f
 
 
 def validate_generate_request(
@@ -128,9 +165,10 @@ def validate_generate_request(
     model: ModelInfo,
     limits: ServerLimits,
     tokenize: Callable[[str], list[int]],
+    logprobs_mode: str = LOGPROBS_MODES[0],
 ) -> GenerationRequest:
     """The gRPC front: :func:`validate_request` of the protobuf request's fields."""
-    return validate_request(fields_from_proto(req), model, limits, tokenize)
+    return validate_request(fields_from_proto(req), model, limits, tokenize, logprobs_mode=logprobs_mode)
 
 
 def validate_request(
@@ -139,14 +177,18 @@ def validate_request(
     limits: ServerLimits,
     tokenize: Callable[[str], list[int]],
     default_max_tokens: int | None = None,
+    logprobs_mode: str = LOGPROBS_MODES[0],
 ) -> GenerationRequest:
     """Check every field of ``f`` and build the engine's request.
 
     ``tokenize`` turns a text prompt into token ids (special tokens included, or
     not for a chat template's output, which has them already).
     ``default_max_tokens`` replaces ``limits.default_max_tokens`` for a front whose
-    API has another default (chat: the whole context left). ``arrival_time`` and
-    ``deadline`` are left for the caller to fill.
+    API has another default (chat: the whole context left). ``logprobs_mode``: the
+    deployment's ``--logprobs-mode``, which every executor then follows. ``arrival_time``
+    and ``deadline`` are left for the caller to fill. A structured spec is checked by a
+    grammar engine here: a front calls this in a worker thread when ``validation_work``
+    says so.
     """
     request_id = _request_id(f.request_id, limits)
     prompt_ids = _prompt_token_ids(f, model, tokenize)
@@ -154,16 +196,23 @@ def validate_request(
     n, beam_width = _n_and_beam_width(f, limits)
     max_tokens = _max_tokens(f.max_tokens, len(prompt_ids), model, default, max(n, beam_width))
     _check_blocks(len(prompt_ids), max_tokens, n, beam_width, model)
+    stop_token_ids = _stop_token_ids(f.stop_token_ids, model, limits)
+    sampling = _sampling(f, limits)
+    _extensions(sampling, f, model, limits, max_tokens, beam_width, stop_token_ids)
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES} (got {logprobs_mode!r})")
+    sampling.processed_logprobs = logprobs_mode == "processed_logprobs"
     params = RequestParams(
         max_tokens=max_tokens,
-        sampling=_sampling(f, limits),
+        sampling=sampling,
         n=n,
         beam_width=beam_width,
         length_penalty=_length_penalty(f.length_penalty),
         early_stopping=f.early_stopping,
         stop=_stop_strings(f.stop, limits),
-        stop_token_ids=_stop_token_ids(f.stop_token_ids, model, limits),
+        stop_token_ids=stop_token_ids,
         ignore_eos=f.ignore_eos,
+        include_stop_str_in_output=f.include_stop_str_in_output,
     )
     return GenerationRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params)
 
@@ -314,6 +363,49 @@ def _sampling(f: RequestFields, limits: ServerLimits) -> SamplingParams:
     if f.logprobs is not None:
         out.want_logprobs = True
         out.logprobs = _int_range("sampling.logprobs", f.logprobs, 0, limits.max_logprobs)
+    return out
+
+
+def _extensions(out: SamplingParams, f: RequestFields, model: ModelInfo, limits: ServerLimits, max_tokens: int,
+                beam_width: int, stop_token_ids: list[int]) -> None:
+    """logit_bias, min_tokens, prompt_logprobs and structured outputs into ``out``; the ids that end
+    a sequence (EOS unless ignored, stop token ids) go along when min_tokens or a grammar needs them."""
+    out.logit_bias = _logit_bias(f.logit_bias, model, limits)
+    out.min_tokens = _int_range("sampling.min_tokens", f.min_tokens, 0, max_tokens)
+    if f.prompt_logprobs is not None:
+        out.prompt_logprobs = _int_range("sampling.prompt_logprobs", f.prompt_logprobs, 0, limits.max_logprobs)
+    if f.structured is not None:
+        field = f.structured.field
+        if beam_width > 1:
+            raise ValidationError(field, f"cannot be combined with beam search (beam_width={beam_width}): beams "
+                                         "are chosen among candidates no grammar has masked")
+        if f.ignore_eos:
+            raise ValidationError(field, "cannot be combined with ignore_eos: a structured output ends with EOS "
+                                         "once its grammar is complete")
+        if not model.eos_token_ids:
+            raise ValidationError(field, "needs an end-of-sequence token, and the model declares none")
+        try:
+            out.structured = structured_spec(f.structured, limits.max_structured_chars)
+        except StructuredError as e:
+            raise ValidationError(f"{field}.{e.field}" if e.field else field, e.detail) from None
+    if out.min_tokens or out.structured is not None:
+        ends = ([] if f.ignore_eos else list(model.eos_token_ids)) + stop_token_ids
+        out.end_token_ids = list(dict.fromkeys(ends))[:MAX_END_TOKEN_IDS]
+
+
+def _logit_bias(bias: Sequence[tuple[int, float]], model: ModelInfo, limits: ServerLimits) -> list[tuple[int, float]]:
+    cap = min(limits.max_logit_bias, MAX_LOGIT_BIAS)
+    if len(bias) > cap:
+        raise ValidationError("sampling.logit_bias", f"at most {cap} entries (got {len(bias)})")
+    lo, hi = LOGIT_BIAS_RANGE
+    out = []
+    for tok, value in bias:
+        if not 0 <= tok < model.vocab_size:
+            raise ValidationError(f"sampling.logit_bias[{tok}]",
+                                  f"must name a token id in [0, vocab_size={model.vocab_size}) (got {tok})")
+        if not lo <= value <= hi:  # (also refuses NaN)
+            raise ValidationError(f"sampling.logit_bias[{tok}]", f"must be in [{lo:g}, {hi:g}] (got {value:g})")
+        out.append((int(tok), float(value)))
     return out
 
 

@@ -133,7 +133,12 @@ class FakeEngine:
             usage = None
             if not running:
                 usage = Usage(len(req.prompt_token_ids), sum(produced), cached_prompt_tokens=3)
-            yield RequestOutput(req.request_id, deltas, usage=usage, finished=usage is not None)
+            out = RequestOutput(req.request_id, deltas, usage=usage, finished=usage is not None)
+            if p.sampling.prompt_logprobs >= 0 and sum(produced) == len(deltas):  # the first output
+                k = p.sampling.prompt_logprobs
+                out.prompt_logprobs = [None] + [TokenLogprob(t, -1.0 - j / 10, list(range(2, 2 + k)), [-0.5] * k)
+                                                for j, t in enumerate(req.prompt_token_ids[1:])]
+            yield out
 
     def _advance(self, i, seq, detok, produced, running, p) -> ChoiceDelta:
         tid = seq[produced[i]]
@@ -142,7 +147,9 @@ class FakeEngine:
         if p.sampling.want_logprobs:
             k = p.sampling.logprobs + (1 if self.mode == "bad_logprobs" else 0)
             delta.logprobs = [TokenLogprob(tid, -0.5, list(range(k)), [-1.0] * p.sampling.logprobs)]
-        if tid == 1:
+        if self.mode == "aborted" and produced[i] == 2:  # the server shut down past its grace period
+            delta.text, delta.finish_reason = detok.finish(), FinishReason.ABORTED
+        elif tid == 1:
             delta.text, delta.finish_reason = detok.finish(), FinishReason.EOS
         else:
             delta.text = detok.step(tid)

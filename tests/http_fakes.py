@@ -23,11 +23,12 @@ from scheduler_svc.validation import ServerLimits
 class HttpThread:
     def __init__(self, engine: FakeEngine, template: ChatTemplate | None = None,
                  limits: ServerLimits | None = None, http_limits: HttpLimits | None = None, metrics=None,
-                 middleware=(), budget=None, ssl=None) -> None:
-        """``middleware``, ``budget``: build_app's; ``ssl``: start_http_server's (uvicorn's ssl_* options)."""
+                 middleware=(), budget=None, ssl=None, **front) -> None:
+        """``middleware``, ``budget``: build_app's; ``ssl``: start_http_server's (uvicorn's ssl_* options);
+        ``front``: OpenAIFront's other options (tool_options, logprobs_mode)."""
         self.engine = engine
         http_limits = http_limits or HttpLimits()
-        self.front = OpenAIFront(engine, engine.tok, template, limits or ServerLimits(), http_limits, metrics)
+        self.front = OpenAIFront(engine, engine.tok, template, limits or ServerLimits(), http_limits, metrics, **front)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

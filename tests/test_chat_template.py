@@ -140,3 +140,28 @@ def test_raise_exception_in_the_template_is_a_chat_template_error():
 def test_the_sandbox_refuses_escapes_and_mutation(source):
     with pytest.raises(ChatTemplateError):
         ChatTemplate.compile(source).render([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral"])
+def test_tools_tool_calls_and_tool_results_render_as_transformers_renders_them(family):
+    """The messages as the HTTP front hands them to a template (arguments parsed from their JSON
+    string, as vLLM does), with the request's tools, equal transformers' rendering."""
+    import msgspec
+    from tool_templates import TEMPLATES as TOOL_TEMPLATES
+    from tool_templates import TOOLS, history
+    from transformers import PreTrainedTokenizerFast
+
+    from executor_svc.tiny_model import train_tokenizer
+    from scheduler_svc.http.chat_messages import chat_messages
+    from scheduler_svc.http.limits import HttpLimits
+    from scheduler_svc.http.openai_types import ChatRequest
+
+    source = TOOL_TEMPLATES[family]
+    req = msgspec.json.decode(json.dumps({"messages": history("abcDEF123")}), type=ChatRequest)
+    messages = chat_messages(req, HttpLimits())
+    assert messages[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "celsius"}
+    ours = ChatTemplate.compile(source, SPECIAL).render(messages, True, TOOLS)
+    tok = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(512), chat_template=source, **SPECIAL)
+    theirs = tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert ours == theirs
+    assert "get_time" in ours and '"city": "Paris"' in ours and "18 degrees" in ours

@@ -28,6 +28,9 @@ HTTP_LIMITS = HttpLimits(max_body_bytes=4096, max_messages=3, max_prompts=2)
 MODEL = "tiny-test"
 FULL = "Hello world, the end."  # what the fake engine generates
 MAX_MODEL_LEN = 256
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +221,29 @@ BAD = [
     ("/v1/completions", {"prompt": ["a", "b", "c"]}, "prompt"),
     ("/v1/completions", {"prompt": ["a", [1]]}, "prompt"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
-    ("/v1/completions", {"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
-    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 10}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"999999": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": "a", "prompt_logprobs": 6}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "a", "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/completions", {"prompt": "a", "response_format": {"type": "json_schema",
+                                                            "json_schema": {"schema": {"type": "foo"}}}},
+     "response_format"),
+    ("/v1/completions", {"prompt": "a", "response_format": {"type": "yaml"}}, "response_format"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+     "structured_outputs"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"choice": []}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"structural_tag": {}}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"json_object": True}, "ignore_eos": True},
+     "structured_outputs"),
+    ("/v1/completions", {"prompt": "a", "guided_regex": "a", "response_format": {"type": "json_object"}},
+     "guided_regex"),
+    ("/v1/completions", {"prompt": "a", "guided_json": {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 5, "maximum": 1}}}}, "guided_json"),
+    ("/v1/completions", {"prompt": "a", "use_beam_search": True, "n": 2, "guided_choice": ["x"]}, "guided_choice"),
     ("/v1/completions", {"prompt": "a", "suffix": "x"}, "suffix"),
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
@@ -235,6 +259,22 @@ BAD = [
                               "top_logprobs": 6}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
      "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tool_choice": "required"},
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [TOOL]}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [TOOL],
+                              "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [TOOL, TOOL],
+                              "tool_choice": "required"}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [
+        {"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "required"}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [TOOL],
+                              "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a", "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, "messages"),
 ]
 
 

@@ -212,3 +212,75 @@ def test_both_fronts_share_the_checks_and_a_front_may_set_its_own_default_max_to
     check(top_k=2**31 - 1)
     with pytest.raises(ValidationError, match="sampling.top_k"):
         check(top_k=2**31)  # the executor link carries int32; proto's int32 bounded it before
+
+
+# ---------------------------------------------------------------- structured outputs, logit bias, min_tokens
+
+@pytest.mark.parametrize("so,kind,spec", [
+    ({"json_schema": '{"type": "object", "properties": {"a": {"enum": [1, 2]}}}'}, 1,
+     '{"type":"object","properties":{"a":{"enum":[1,2]}}}'),
+    ({"json_object": True}, 1, '{"type":"object"}'),
+    ({"regex": r"\d{3}"}, 2, r"\d{3}"),
+    ({"choice": {"values": ["a", "b"]}}, 3, '["a", "b"]'),
+    ({"grammar": 'root ::= "x"+'}, 4, 'root ::= "x"+'),
+])
+def test_each_structured_output_becomes_one_spec_that_ends_with_eos(so, kind, spec):
+    sp = validate(sampling={"structured_outputs": pb.StructuredOutputs(**so)}).params.sampling
+    assert (sp.structured.kind, sp.structured.spec) == (kind, spec) and sp.end_token_ids == [1]
+
+
+@pytest.mark.parametrize("so,field,words", [
+    ({"json_schema": "{not json"}, "sampling.structured_outputs.json_schema", "not valid JSON"),
+    ({"json_schema": '"a string"'}, "sampling.structured_outputs.json_schema", "JSON object"),
+    ({"json_schema": '{"type": "wizard"}'}, "sampling.structured_outputs.json_schema", "wizard"),
+    ({"json_schema": '{"$ref": "#/$defs/nowhere"}'}, "sampling.structured_outputs.json_schema", "nowhere"),
+    ({"json_schema": '{"type": "string", "minLength": 3, "maxLength": 2}'}, "sampling.structured_outputs.json_schema",
+     "minLength (3) is greater than maxLength (2)"),
+    ({"regex": "(a"}, "sampling.structured_outputs.regex", "unclosed group"),
+    ({"regex": "(?<=a)b"}, "sampling.structured_outputs.regex", "look-around"),
+    ({"grammar": "root ::= undefined_rule"}, "sampling.structured_outputs.grammar", "undefined_rule"),
+    ({"choice": {"values": []}}, "sampling.structured_outputs.choice", "at least one"),
+    ({"choice": {"values": ["a", ""]}}, "sampling.structured_outputs.choice[1]", "non-empty"),
+    ({}, "sampling.structured_outputs", "exactly one"),
+])
+def test_an_invalid_spec_is_refused_naming_its_field_before_anything_is_scheduled(so, field, words):
+    assert words in refused(field, sampling={"structured_outputs": pb.StructuredOutputs(**so)})
+
+
+def test_structured_outputs_bounds_and_what_they_cannot_be_combined_with():
+    big = '{"type": "object", "description": "' + "x" * 100 + '"}'
+    limits = dataclasses.replace(LIMITS, max_structured_chars=64)
+    with pytest.raises(ValidationError, match="at most 64 characters"):
+        validate(limits, sampling={"structured_outputs": pb.StructuredOutputs(json_schema=big)})
+    so = pb.StructuredOutputs(json_object=True)
+    assert "beam search" in refused("sampling.structured_outputs", sampling={"structured_outputs": so, "beam_width": 2})
+    assert "ignore_eos" in refused("sampling.structured_outputs", sampling={"structured_outputs": so, "ignore_eos": True})
+    off = dataclasses.replace(LIMITS, max_structured_chars=0)
+    with pytest.raises(ValidationError, match="at most 0 characters"):
+        validate(off, sampling={"structured_outputs": pb.StructuredOutputs(regex="a")})
+
+
+def test_logit_bias_min_tokens_prompt_logprobs_and_stop_strings_in_output():
+    g = validate(sampling={"logit_bias": {5: -100.0, 7: 2.5}, "min_tokens": 3, "max_tokens": 8, "prompt_logprobs": 2,
+                           "include_stop_str_in_output": True, "stop_token_ids": [9]})
+    sp = g.params.sampling
+    assert sp.logit_bias == [(5, -100.0), (7, 2.5)] and sp.min_tokens == 3 and sp.prompt_logprobs == 2
+    assert sp.end_token_ids == [1, 9] and g.params.include_stop_str_in_output
+    assert validate().params.sampling.end_token_ids == []  # nothing needs them: not sent
+    assert validate(sampling={"min_tokens": 2, "ignore_eos": True, "max_tokens": 4}).params.sampling.end_token_ids == []
+    refused("sampling.logit_bias[5]", sampling={"logit_bias": {5: 100.5}})
+    refused("sampling.logit_bias[9999]", sampling={"logit_bias": {9999: 1.0}})
+    assert "at most 2 entries" in refused("sampling.logit_bias", limits=dataclasses.replace(LIMITS, max_logit_bias=2),
+                                          sampling={"logit_bias": {1: 1.0, 2: 1.0, 3: 1.0}})
+    refused("sampling.min_tokens", sampling={"min_tokens": 9, "max_tokens": 8})
+    refused("sampling.prompt_logprobs", sampling={"prompt_logprobs": 6})
+
+
+def test_the_logprobs_mode_is_carried_to_the_executor():
+    tok = make_tokenizer()
+    req = pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(logprobs=1))
+    fields = fields_from_proto(req)
+    raw = validate_request(fields, model_info(tok), LIMITS, lambda t: tok.encode(t).ids)
+    processed = validate_request(fields_from_proto(req), model_info(tok), LIMITS, lambda t: tok.encode(t).ids,
+                                 logprobs_mode="processed_logprobs")
+    assert not raw.params.sampling.processed_logprobs and processed.params.sampling.processed_logprobs

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\"\x90\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParamsB\t\n\x07_prompt\"\xab\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\t\n\x01n\x18\x07 \x01(\x05\x12\x12\n\nbeam_width\x18\x08 \x01(\x05\x12\x1b\n\x0elength_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x16\n\x0e\x65\x61rly_stopping\x18\n \x01(\x08\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x10 \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x11 \x01(\x02H\t\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x11\n\x0f_length_penaltyB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"s\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x15.pagedserve.v1.Choice\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"\x9b\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\"b\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xfb\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_executors\x18\x06 \x01(\r\x12\x19\n\x0c\x65os_token_id\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12+\n\x06limits\x18\x08 \x01(\x0b\x32\x1b.pagedserve.v1.ServerLimits\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x42\x0f\n\r_eos_token_id\"\xba\x01\n\x0cServerLimits\x12\r\n\x05max_n\x18\x01 \x01(\r\x12\x16\n\x0emax_beam_width\x18\x02 \x01(\r\x12\x18\n\x10max_stop_strings\x18\x03 \x01(\r\x12\x1b\n\x13max_stop_string_len\x18\x04 \x01(\r\x12\x1a\n\x12max_stop_token_ids\x18\x05 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x06 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x07 \x01(\r\"\x11\n\x0fGetStatsRequest\"\xec\x01\n\x05Stats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\x05 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x06 \x01(\x04\x12\x16\n\x0enum_migrations\x18\x07 \x01(\x04\x12/\n\texecutors\x18\x08 \x03(\x0b\x32\x1c.pagedserve.v1.ExecutorStats\"\x8a\x02\n\rExecutorStats\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x05 \x01(\r\x12\x18\n\x10kv_blocks_shared\x18\x06 \x01(\r\x12\x18\n\x10\x63pu_blocks_total\x18\x07 \x01(\r\x12\x17\n\x0f\x63pu_blocks_used\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\r*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x32\xeb\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12@\n\x08GetStats\x12\x1e.pagedserve.v1.GetStatsRequest\x1a\x14.pagedserve.v1.StatsB\x1eP\x01Z\x1apagedserve/v1;pagedservev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\"\x90\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParamsB\t\n\x07_prompt\"\xc7\x06\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\t\n\x01n\x18\x07 \x01(\x05\x12\x12\n\nbeam_width\x18\x08 \x01(\x05\x12\x1b\n\x0elength_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x16\n\x0e\x65\x61rly_stopping\x18\n \x01(\x08\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x10 \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x11 \x01(\x02H\t\x88\x01\x01\x12<\n\x12structured_outputs\x18\x12 \x01(\x0b\x32 .pagedserve.v1.StructuredOutputs\x12@\n\nlogit_bias\x18\x13 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x14 \x01(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x15 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\x05H\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x11\n\x0f_length_penaltyB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x12\n\x10_prompt_logprobs\"\x97\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pagedserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xaa\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x15.pagedserve.v1.Choice\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x35\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.PromptLogprob\"t\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprobB\n\n\x08_logprob\"\x9b\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\"b\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xfb\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_executors\x18\x06 \x01(\r\x12\x19\n\x0c\x65os_token_id\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12+\n\x06limits\x18\x08 \x01(\x0b\x32\x1b.pagedserve.v1.ServerLimits\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x42\x0f\n\r_eos_token_id\"\xf0\x01\n\x0cServerLimits\x12\r\n\x05max_n\x18\x01 \x01(\r\x12\x16\n\x0emax_beam_width\x18\x02 \x01(\r\x12\x18\n\x10max_stop_strings\x18\x03 \x01(\r\x12\x1b\n\x13max_stop_string_len\x18\x04 \x01(\r\x12\x1a\n\x12max_stop_token_ids\x18\x05 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x06 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x07 \x01(\r\x12\x16\n\x0emax_logit_bias\x18\x08 \x01(\r\x12\x1c\n\x14max_structured_chars\x18\t \x01(\r\"\x11\n\x0fGetStatsRequest\"\xec\x01\n\x05Stats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\x05 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x06 \x01(\x04\x12\x16\n\x0enum_migrations\x18\x07 \x01(\x04\x12/\n\texecutors\x18\x08 \x03(\x0b\x32\x1c.pagedserve.v1.ExecutorStats\"\x8a\x02\n\rExecutorStats\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x05 \x01(\r\x12\x18\n\x10kv_blocks_shared\x18\x06 \x01(\r\x12\x18\n\x10\x63pu_blocks_total\x18\x07 \x01(\r\x12\x17\n\x0f\x63pu_blocks_used\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\r*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x32\xeb\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12@\n\x08GetStats\x12\x1e.pagedserve.v1.GetStatsRequest\x1a\x14.pagedserve.v1.StatsB\x1eP\x01Z\x1apagedserve/v1;pagedservev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,34 +32,44 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.v1.generation_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'P\001Z\032pagedserve/v1;pagedservev1'
-  _globals['_FINISHREASON']._serialized_start=2261
-  _globals['_FINISHREASON']._serialized_end=2406
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2954
+  _globals['_FINISHREASON']._serialized_end=3099
   _globals['_GENERATEREQUEST']._serialized_start=50
   _globals['_GENERATEREQUEST']._serialized_end=194
   _globals['_SAMPLINGPARAMS']._serialized_start=197
-  _globals['_SAMPLINGPARAMS']._serialized_end=752
-  _globals['_GENERATERESPONSE']._serialized_start=754
-  _globals['_GENERATERESPONSE']._serialized_end=869
-  _globals['_CHOICE']._serialized_start=872
-  _globals['_CHOICE']._serialized_end=1027
-  _globals['_TOKENLOGPROB']._serialized_start=1029
-  _globals['_TOKENLOGPROB']._serialized_end=1127
-  _globals['_TOPLOGPROB']._serialized_start=1129
-  _globals['_TOPLOGPROB']._serialized_end=1176
-  _globals['_USAGE']._serialized_start=1178
-  _globals['_USAGE']._serialized_end=1265
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1267
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1288
-  _globals['_MODELINFO']._serialized_start=1291
-  _globals['_MODELINFO']._serialized_end=1542
-  _globals['_SERVERLIMITS']._serialized_start=1545
-  _globals['_SERVERLIMITS']._serialized_end=1731
-  _globals['_GETSTATSREQUEST']._serialized_start=1733
-  _globals['_GETSTATSREQUEST']._serialized_end=1750
-  _globals['_STATS']._serialized_start=1753
-  _globals['_STATS']._serialized_end=1989
-  _globals['_EXECUTORSTATS']._serialized_start=1992
-  _globals['_EXECUTORSTATS']._serialized_end=2258
-  _globals['_GENERATION']._serialized_start=2409
-  _globals['_GENERATION']._serialized_end=2644
+  _globals['_SAMPLINGPARAMS']._serialized_end=1036
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=815
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=863
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1039
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1190
+  _globals['_CHOICES']._serialized_start=1192
+  _globals['_CHOICES']._serialized_end=1217
+  _globals['_GENERATERESPONSE']._serialized_start=1220
+  _globals['_GENERATERESPONSE']._serialized_end=1390
+  _globals['_PROMPTLOGPROB']._serialized_start=1392
+  _globals['_PROMPTLOGPROB']._serialized_end=1508
+  _globals['_CHOICE']._serialized_start=1511
+  _globals['_CHOICE']._serialized_end=1666
+  _globals['_TOKENLOGPROB']._serialized_start=1668
+  _globals['_TOKENLOGPROB']._serialized_end=1766
+  _globals['_TOPLOGPROB']._serialized_start=1768
+  _globals['_TOPLOGPROB']._serialized_end=1815
+  _globals['_USAGE']._serialized_start=1817
+  _globals['_USAGE']._serialized_end=1904
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1906
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1927
+  _globals['_MODELINFO']._serialized_start=1930
+  _globals['_MODELINFO']._serialized_end=2181
+  _globals['_SERVERLIMITS']._serialized_start=2184
+  _globals['_SERVERLIMITS']._serialized_end=2424
+  _globals['_GETSTATSREQUEST']._serialized_start=2426
+  _globals['_GETSTATSREQUEST']._serialized_end=2443
+  _globals['_STATS']._serialized_start=2446
+  _globals['_STATS']._serialized_end=2682
+  _globals['_EXECUTORSTATS']._serialized_start=2685
+  _globals['_EXECUTORSTATS']._serialized_end=2951
+  _globals['_GENERATION']._serialized_start=3102
+  _globals['_GENERATION']._serialized_end=3337
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP front: /v1/models, /v1/completions, /v1/chat/completions, /health.
+"""The OpenAI-compatible HTTP front: /v1/models, /v1/completions, /v1/chat/completions, /health,
+/metrics (the deployment's), and vLLM's /tokenize, /detokenize and /version (extras.py).
 
 It serves the same engine as the gRPC servicer, in the same process and on the same asyncio
 loop (serve.py runs uvicorn there), through the same interface (docs/ARCHITECTURE.md,
@@ -29,8 +30,9 @@ from tokenizers import Tokenizer
 
 from scheduler_svc.admission import CallBudget
 from scheduler_svc.api_types import GenerationRequest, ModelInfo, RequestFailed
-from scheduler_svc.http import streams
+from scheduler_svc.http import extras, streams
 from scheduler_svc.http.admission import AdmissionMiddleware
+from scheduler_svc.http.chat_messages import chat_messages
 from scheduler_svc.http.chat_template import ChatTemplate, ChatTemplateError
 from scheduler_svc.http.errors import ApiError, bad_field, from_validation
 from scheduler_svc.http.limits import HttpLimits
@@ -38,7 +40,6 @@ from scheduler_svc.http.openai_types import (
     ChatRequest,
     CompletionRequest,
     chat_fields,
-    chat_messages,
     completion_fields,
     decode,
 )
@@ -47,20 +48,38 @@ from scheduler_svc.metrics import Metrics
 from scheduler_svc.offload import validate_off_loop
 from scheduler_svc.refusals import refusal
 from scheduler_svc.server import Engine
-from scheduler_svc.validation import RequestFields, ServerLimits, ValidationError, validate_request
+from scheduler_svc.tool_calls import ToolCallOptions, ToolPlan, plan_tools
+from scheduler_svc.validation import (
+    LOGPROBS_MODES,
+    RequestFields,
+    ServerLimits,
+    ValidationError,
+    validate_request,
+    validation_work,
+)
 
+NO_AUTO_TOOLS = ToolCallOptions()  # tool_choice auto refused; required and named functions served
 # The validator's field names -> the OpenAI fields a client sent (errors.from_validation).
-COMPLETION_NAMES = {"prompt_token_ids": "prompt", "beam_width": "n"}
-CHAT_NAMES = {"prompt": "messages", "prompt_token_ids": "messages", "beam_width": "n", "logprobs": "top_logprobs"}
+_STRUCTURED_NAMES = {"response_format.json_schema": "response_format.json_schema.schema",
+                     "structured_outputs.json_schema": "structured_outputs.json",
+                     "guided_json.json_schema": "guided_json", "guided_regex.regex": "guided_regex",
+                     "guided_choice.choice": "guided_choice", "guided_grammar.grammar": "guided_grammar",
+                     "tool_choice.json_schema": "tools"}
+COMPLETION_NAMES = {"prompt_token_ids": "prompt", "beam_width": "n", **_STRUCTURED_NAMES}
+CHAT_NAMES = {"prompt": "messages", "prompt_token_ids": "messages", "beam_width": "n", "logprobs": "top_logprobs",
+              **_STRUCTURED_NAMES}
 
 
 class OpenAIFront:
     """The endpoint handlers over an engine (Starlette request -> response)."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, chat_template: ChatTemplate | None,
-                 limits: ServerLimits, http_limits: HttpLimits, metrics: Metrics | None = None) -> None:
+                 limits: ServerLimits, http_limits: HttpLimits, metrics: Metrics | None = None,
+                 tool_options: ToolCallOptions = NO_AUTO_TOOLS, logprobs_mode: str = LOGPROBS_MODES[0]) -> None:
         self.engine, self.tokenizer, self.chat_template = engine, tokenizer, chat_template
         self.limits, self.http_limits, self.metrics = limits, http_limits, metrics
+        self.tool_options, self.logprobs_mode = tool_options, logprobs_mode
+        self.special_tokens = frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
         self.texts = TokenTexts(tokenizer)
         self.shutting_down = False
         self.created = int(time.time())
@@ -104,27 +123,36 @@ class OpenAIFront:
         fields = completion_fields(req, self.http_limits)
         greqs, echo = await validate_off_loop(_tokenizer_work(fields, req.echo), self._completion_requests,
                                               fields, info, req.echo)
-        _stamp(greqs, arrival)
+        _stamp(greqs, arrival, req.skip_special_tokens)
         render = CompletionRender(f"cmpl-{greqs[0].request_id}", info.model_name, _choices(greqs[0]), len(greqs),
-                                  self.texts, return_token_ids=req.return_token_ids,
-                                  include_usage=_include_usage(req), echo=echo)
+                                  self.texts, return_token_ids=req.return_token_ids, echo=echo,
+                                  prompt_ids=[g.prompt_token_ids for g in greqs] if echo else None,
+                                  **_usage_options(req, greqs))
         return await self._respond(request, greqs, render, req.stream)
 
     async def chat(self, request: Request) -> Response:
         arrival, body, req, info = await self._admit(request, ChatRequest)
         messages = chat_messages(req, self.http_limits)
         fields = chat_fields(req)
+        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_options, self.special_tokens)
+        if tools.structured is not None:
+            if fields.structured is not None:
+                raise bad_field(fields.structured.field, "cannot be combined with tool_choice "
+                                                         f"{req.tool_choice!r}: one grammar per request")
+            fields.structured = tools.structured
         if self.chat_template is None:
             raise ApiError(400, f"model {info.model_name!r} has no chat template (chat_template.jinja or "
                                 "tokenizer_config.json's chat_template); use /v1/completions",
                            param="messages", code="no_chat_template")
         names = dict(CHAT_NAMES, max_tokens="max_completion_tokens" if req.max_completion_tokens is not None
                      else "max_tokens")
-        greqs = await validate_off_loop(len(body), self._chat_request, fields, messages,
-                                        req.add_generation_prompt, info, names)
-        _stamp(greqs, arrival)
+        work = len(body) + validation_work(RequestFields(structured=fields.structured))
+        greqs = await validate_off_loop(work, self._chat_request, fields, messages, req.add_generation_prompt,
+                                        tools, info, names)
+        _stamp(greqs, arrival, req.skip_special_tokens and tools.skip_special_tokens)
         render = ChatRender(f"chatcmpl-{greqs[0].request_id}", info.model_name, _choices(greqs[0]), 1,
-                            self.texts, return_token_ids=req.return_token_ids, include_usage=_include_usage(req))
+                            self.texts, return_token_ids=req.return_token_ids, tools=tools,
+                            **_usage_options(req, greqs))
         return await self._respond(request, greqs, render, req.stream)
 
     # ------------------------------------------------------------------ admission
@@ -157,10 +185,10 @@ class OpenAIFront:
         return greqs, [self._prompt_text(f) for f in fields] if echo else None
 
     def _chat_request(self, fields: RequestFields, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                      info: ModelInfo, names: dict[str, str]) -> list[GenerationRequest]:
+                      tools: ToolPlan, info: ModelInfo, names: dict[str, str]) -> list[GenerationRequest]:
         assert self.chat_template is not None  # checked by chat()
         try:
-            fields.prompt = self.chat_template.render(messages, add_generation_prompt)
+            fields.prompt = self.chat_template.render(messages, add_generation_prompt, tools.tools)
         except ChatTemplateError as e:
             raise bad_field("messages", f"the model's chat template refused them: {e}") from e
         return self._validate([fields], info, names, True)
@@ -176,7 +204,8 @@ class OpenAIFront:
         for i, fields in enumerate(batch):
             fields.request_id = f"{out[0].request_id}-{i}" if out else ""
             try:
-                out.append(validate_request(fields, info, self.limits, tokenize, default_max_tokens))
+                out.append(validate_request(fields, info, self.limits, tokenize, default_max_tokens,
+                                            self.logprobs_mode))
             except ValidationError as e:
                 indexed = {"prompt": f"prompt[{i}]", "prompt_token_ids": f"prompt[{i}]"} if len(batch) > 1 else {}
                 raise from_validation(e, {**names, **indexed}) from None
@@ -251,25 +280,29 @@ def _unknown_model(name: str) -> ApiError:
 
 def _tokenizer_work(fields: list[RequestFields], echo: bool) -> int:
     """How much a completions request makes the tokenizer do, in characters or ids: the text
-    prompts to encode, and the token-id prompts an echo decodes. Token ids alone are checked
-    inline as on the gRPC front, so a large batch of them never queues for the worker slots
-    that long text prompts hold."""
-    return sum(len(f.prompt) if f.prompt is not None else len(f.prompt_token_ids) if echo else 0
-               for f in fields)
+    prompts to encode, and the token-id prompts an echo decodes; past the threshold when a grammar
+    must be checked (validation_work). Token ids alone are checked inline as on the gRPC front, so
+    a large batch of them never queues for the worker slots that long text prompts hold."""
+    return sum(validation_work(f) + (len(f.prompt_token_ids) if echo and f.prompt is None else 0) for f in fields)
 
 
-def _stamp(greqs: list[GenerationRequest], arrival: float) -> None:
+def _stamp(greqs: list[GenerationRequest], arrival: float, skip_special_tokens: bool) -> None:
     """Each request's queue time starts when its HTTP request arrived, before the body was read."""
     for g in greqs:
         g.arrival_time = arrival
+        g.params.skip_special_tokens = skip_special_tokens
 
 
 def _choices(g: GenerationRequest) -> int:
     return max(g.params.n, g.params.beam_width)  # beam search returns beam_width choices
 
 
-def _include_usage(req: CompletionRequest | ChatRequest) -> bool:
-    return req.stream_options is not None and req.stream_options.include_usage
+def _usage_options(req: CompletionRequest | ChatRequest, greqs: list[GenerationRequest]) -> dict[str, Any]:
+    """stream_options (include_usage, continuous_usage_stats) and what the usage so far starts from."""
+    so = req.stream_options
+    return {"include_usage": so is not None and so.include_usage,
+            "continuous_usage": so is not None and so.continuous_usage_stats,
+            "prompt_tokens": [len(g.prompt_token_ids) for g in greqs]}
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -329,6 +362,7 @@ def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = (), budget:
         Route("/v1/models/{model:path}", front.models, methods=["GET"]),
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat, methods=["POST"]),
+        *extras.routes(front),
     ]
     return Starlette(routes=routes, middleware=list(middleware),
                      exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error})

@@ -112,10 +112,13 @@ class ChatTemplate:
             raise ValueError(f"chat template does not parse: {e.message} (line {e.lineno})") from e
         return cls(source, dict(special_tokens or {}), template)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt for ``messages`` (plain dicts: role, content, ...); ChatTemplateError if it fails."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt for ``messages`` (plain dicts: role, content, tool_calls, ...) and the request's
+        ``tools`` (OpenAI's form: the template decides how the model sees them); ChatTemplateError if
+        it fails."""
         try:
-            return self.template.render(messages=messages, tools=None, documents=None,
+            return self.template.render(messages=messages, tools=tools, documents=None,
                                         add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except jinja2.exceptions.TemplateError as e:  # raise_exception(), sandbox refusals, undefined values
             raise ChatTemplateError(str(e)) from e

@@ -128,19 +128,18 @@ class EventStreamResponse(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
-async def sse_events(first: Tagged, rest: AsyncIterator[Tagged], chunk: Callable[[int, RequestOutput], Any],
+async def sse_events(first: Tagged, rest: AsyncIterator[Tagged], chunk: Callable[[int, RequestOutput], list[Any]],
                      tail: Callable[[], Any | None], on_error: Callable[[BaseException], Any]
                      ) -> AsyncIterator[bytes]:
-    """The SSE bytes of a response: ``chunk(prompt, out)`` per output (None: skip),
-    ``tail()`` once at the end (e.g. the usage chunk), ``on_error(exc)`` as an error event."""
+    """The SSE bytes of a response: ``chunk(prompt, out)``'s events per output (one per choice
+    that moved; none when everything is held back), ``tail()`` once at the end (e.g. the usage
+    chunk), ``on_error(exc)`` as an error event."""
     async with contextlib.aclosing(rest):
         try:
-            body = chunk(*first)
-            if body is not None:
+            for body in chunk(*first):
                 yield sse_event(body)
             async for prompt, out in rest:
-                body = chunk(prompt, out)
-                if body is not None:
+                for body in chunk(prompt, out):
                     yield sse_event(body)
             body = tail()
             if body is not None:
