@@ -21,6 +21,7 @@ import torch
 from executor_svc import threads
 from executor_svc.backends import make_attention_backend
 from executor_svc.config import ExecutorConfig, parse_config
+from executor_svc.grammar import GrammarBackend
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model, load_model_config, model_fingerprint
 from executor_svc.model.config import ModelConfig
@@ -91,6 +92,8 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
         runner = TensorParallelRunner(model, kv, backend, group, Sampler(), max_model_len=max_len)
     else:
         runner = FollowerRunner(model, kv, backend, group, max_model_len=max_len)
+    if not isinstance(runner, FollowerRunner):  # the rank that samples constrains (structured outputs)
+        runner.grammar = GrammarBackend.for_model(cfg.model_dir, model_cfg.vocab_size)
     log.info("%s: %d layers, %d KV blocks of %d tokens (%d CPU swap blocks), max length %d, %s, "
              "attention backend %s%s", model_cfg.architecture, model_cfg.num_layers, kv.num_blocks,
              cfg.block_size, kv.num_cpu_blocks, max_len, str(dtype).removeprefix("torch."), backend.name,
