@@ -275,6 +275,26 @@ class MetricsServer:
 
 
 def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> MetricsServer:
-    """Serve ``registry`` at http://host:port/metrics (port 0: a free port, see ``.port``)."""
+    """Serve ``registry`` at http://host:port/metrics (port 0: a free port, see ``.port``). ``HEAD``
+    gets a GET's headers and no body (prometheus_client answers 405 with a body, which HTTP clients
+    that probe with HEAD, aiperf's among them, reject)."""
     httpd, thread = start_http_server(port, addr=host, registry=registry)
+    httpd.set_app(_head_as_get(httpd.get_app()))
     return MetricsServer(httpd, thread)
+
+
+def _head_as_get(app):
+    """A WSGI app answering HEAD as it answers GET, without the body."""
+
+    def head_or_get(environ, start_response):
+        if environ.get("REQUEST_METHOD") != "HEAD":
+            return app(environ, start_response)
+        answer = []
+        body = b"".join(app(dict(environ, REQUEST_METHOD="GET"), lambda status, headers, *exc: answer.append(
+            (status, headers))))
+        status, headers = answer[0]
+        headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
+        start_response(status, [*headers, ("Content-Length", str(len(body)))])
+        return [b""]
+
+    return head_or_get

@@ -118,3 +118,29 @@ def test_a_step_of_tokens_is_observed_at_once_in_the_histogram_format():
     assert value(m, "pagedserve:inter_token_latency_seconds_bucket", le="0.3") == 4
     assert value(m, "pagedserve:inter_token_latency_seconds_bucket", le="80.0") == 4
     assert value(m, "pagedserve:inter_token_latency_seconds_bucket", le="+Inf") == 5
+
+
+def test_head_on_the_metrics_port_has_a_gets_headers_and_no_body():
+    """aiperf probes /metrics with HEAD; prometheus_client's own answer (405 with a body) made it give up."""
+    import socket
+
+    metrics = Metrics()
+    server = start_metrics_server(0, metrics.registry, host="127.0.0.1")
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(b"HEAD /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+            head = b""
+            while chunk := sock.recv(65536):
+                head += chunk
+        status, _, rest = head.partition(b"\r\n")
+        headers, _, body = rest.partition(b"\r\n\r\n")
+        assert status.split()[1] == b"200" and body == b""
+        length = next(int(line.split(b":")[1]) for line in headers.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+            got = b""
+            while chunk := sock.recv(65536):
+                got += chunk
+        assert abs(len(got.partition(b"\r\n\r\n")[2]) - length) < 200  # (a scrape's timestamps may move)
+    finally:
+        server.close()
