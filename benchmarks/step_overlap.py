@@ -1,6 +1,6 @@
 """Does the executor ever wait for the scheduler? Busy fraction with the overlapped and the sequential loop.
 
-The real engine (scheduler, router, publisher, detokenization, metrics) runs in
+The real engine (scheduler, router, front streams, detokenization, metrics) runs in
 this process with one consumer per request iterating ``Engine.generate``, as
 the gRPC handlers do. Each executor is a real ``ExecutorWorker`` process
 (ZeroMQ, handshake, heartbeats) whose runner applies the plan deltas

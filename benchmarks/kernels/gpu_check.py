@@ -88,7 +88,7 @@ def run_bench() -> tuple[float, list]:
 def run_device_idle(prepare_ahead: bool) -> dict:
     """The executor's host work per decode step that leaves the GPU idle (benchmarks/device_idle.py),
     on the default tiny model, 64 sequences; one plan at a time, or each prepared while the step
-    before runs (issue 14, item 5)."""
+    before runs (``--prepare-ahead``)."""
     import tempfile
 
     from benchmarks.device_idle import measure
