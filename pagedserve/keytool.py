@@ -5,7 +5,8 @@
     pagedserve keys token [--out FILE]       # a new enrollment token
     pagedserve keys show FILE                # the public key in a key file
     pagedserve keys revoke --list FILE KEY   # add a key (or a key file's) to a revocation list
-    pagedserve keys kubernetes | kubectl create -f -   # the scheduler's Secret and ConfigMap, the token's Secret
+    pagedserve keys kubernetes | kubectl create -f -   # the Secrets and ConfigMaps k8s/ mounts (all keys, the token)
+    pagedserve keys kubernetes --fronts-only | ...      # only the fronts' (k8s/components/fronts)
 
 The key logic lives in ``pagedserve/wire/`` (``keys.py``, ``key_files.py``,
 ``enrollment.py``); this module only turns it into subcommands. Exit status 0,
@@ -25,6 +26,10 @@ NAMESPACE = "pagedserve"
 SCHEDULER_KEY_SECRET, SCHEDULER_KEY_FILE = "pagedserve-scheduler-key", "scheduler.key_secret"
 SCHEDULER_PUBLIC_CONFIGMAP, SCHEDULER_PUBLIC_FILE = "pagedserve-scheduler-public-key", "scheduler.key"
 TOKEN_SECRET, TOKEN_FILE = "pagedserve-enrollment-token", "enrollment-token"
+# The fronts of their own Deployment share one key pair: they hold no scheduling state, so one
+# identity for all of them loses nothing (executors, which serve requests, each have their own).
+FRONT_KEY_SECRET, FRONT_KEY_FILE = "pagedserve-front-key", "front.key_secret"
+TRUSTED_FRONTS_CONFIGMAP, FRONT_PUBLIC_FILE = "pagedserve-trusted-front-keys", "front.key"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,9 +57,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("key", help="the executor's public key (z85), or a key file holding it")
     p.add_argument("--name", default="", help="a name kept beside the key (e.g. the executor id)")
     p.set_defaults(keys_func=_cmd_revoke)
-    p = ksub.add_parser("kubernetes", help="print the Secrets and ConfigMap k8s/ mounts, with new keys and token, "
+    p = ksub.add_parser("kubernetes", help="print the Secrets and ConfigMaps k8s/ mounts, with new keys and token, "
                                            "for `kubectl create -f -`")
     p.add_argument("--namespace", default=NAMESPACE)
+    p.add_argument("--fronts-only", action="store_true",
+                   help="only the fronts' key pair (a Secret) and its public key (a ConfigMap the scheduler "
+                        "trusts), for a cluster whose executor-link keys exist (k8s/components/fronts)")
     p.set_defaults(keys_func=_cmd_kubernetes)
 
 
@@ -113,32 +121,42 @@ def _cmd_revoke(args: argparse.Namespace, out: TextIO) -> None:
     print(f"{key.decode()} {'added to' if added else 'was already in'} {args.list_file}", file=out)
 
 
-def kubernetes_objects(namespace: str) -> dict:
+def kubernetes_objects(namespace: str, fronts_only: bool = False) -> dict:
     """A ``List`` of the objects k8s/ expects: the scheduler's key pair (a Secret only the scheduler
-    mounts), its public key (a ConfigMap the executors mount) and an enrollment token (a Secret both
-    mount). Each executor pod makes its own key pair at start (k8s/base/executor.yaml)."""
+    mounts), its public key (a ConfigMap executors and fronts mount), an enrollment token (a Secret the
+    scheduler and executors mount), and the fronts' key pair (a Secret the front Deployment mounts)
+    with its public key (a ConfigMap the scheduler trusts). Each executor pod makes its own key pair at
+    start (k8s/base/executor.yaml). ``fronts_only``: the last two alone."""
     from pagedserve.wire.enrollment import new_token
-    from pagedserve.wire.key_files import certificate
-    from pagedserve.wire.keys import new_key_pair
-
-    pair = new_key_pair()
-    labels = {"app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/part-of": "pagedserve"}
 
     def obj(kind: str, name: str, data_field: str, data: dict[str, str]) -> dict:
+        labels = {"app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/part-of": "pagedserve"}
         body = {"apiVersion": "v1", "kind": kind, "metadata": {"name": name, "namespace": namespace, "labels": labels},
                 data_field: data}
         return {**body, "type": "Opaque"} if kind == "Secret" else body
 
-    return {"apiVersion": "v1", "kind": "List", "items": [
-        obj("Secret", SCHEDULER_KEY_SECRET, "stringData",
-            {SCHEDULER_KEY_FILE: certificate("scheduler", pair.public, pair.secret).decode()}),
-        obj("ConfigMap", SCHEDULER_PUBLIC_CONFIGMAP, "data",
-            {SCHEDULER_PUBLIC_FILE: certificate("scheduler", pair.public).decode()}),
-        obj("Secret", TOKEN_SECRET, "stringData", {TOKEN_FILE: new_token() + "\n"}),
-    ]}
+    items = []
+    if not fronts_only:
+        secret, public = _pair_files("scheduler")
+        items += [obj("Secret", SCHEDULER_KEY_SECRET, "stringData", {SCHEDULER_KEY_FILE: secret}),
+                  obj("ConfigMap", SCHEDULER_PUBLIC_CONFIGMAP, "data", {SCHEDULER_PUBLIC_FILE: public}),
+                  obj("Secret", TOKEN_SECRET, "stringData", {TOKEN_FILE: new_token() + "\n"})]
+    secret, public = _pair_files("front")
+    items += [obj("Secret", FRONT_KEY_SECRET, "stringData", {FRONT_KEY_FILE: secret}),
+              obj("ConfigMap", TRUSTED_FRONTS_CONFIGMAP, "data", {FRONT_PUBLIC_FILE: public})]
+    return {"apiVersion": "v1", "kind": "List", "items": items}
+
+
+def _pair_files(name: str) -> tuple[str, str]:
+    """A new key pair as the texts of its two certificate files (secret, public)."""
+    from pagedserve.wire.key_files import certificate
+    from pagedserve.wire.keys import new_key_pair
+
+    pair = new_key_pair()
+    return certificate(name, pair.public, pair.secret).decode(), certificate(name, pair.public).decode()
 
 
 def _cmd_kubernetes(args: argparse.Namespace, out: TextIO) -> None:
     # JSON is YAML: kubectl reads it. `kubectl create` (not apply: apply would copy the secrets into the
     # last-applied-configuration annotation) refuses to replace existing keys by accident.
-    print(json.dumps(kubernetes_objects(args.namespace), indent=2), file=out)
+    print(json.dumps(kubernetes_objects(args.namespace, args.fronts_only), indent=2), file=out)

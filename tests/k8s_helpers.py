@@ -3,7 +3,9 @@ environment, evaluate NetworkPolicies, and locate the offline checkers (`make to
 
 from __future__ import annotations
 
+import argparse
 import ast
+import importlib
 import os
 import re
 import shutil
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import tomllib
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stack import free_port
@@ -24,6 +27,11 @@ REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
 TOOLS_VENV = REPO / ".venv-tools"
 NAMESPACE = "pagedserve"
+SCHED, EXEC, FRONT = "pagedserve-scheduler", "pagedserve-executor", "pagedserve-front"
+SCHED_LABELS = {"app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/component": "scheduler"}
+EXEC_LABELS = {"app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/component": "executor"}
+FRONT_LABELS = {"app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/component": "front"}
+OTHER_LABELS = {"app": "something-else"}
 
 Doc = dict[str, Any]
 
@@ -125,7 +133,7 @@ def container_env(docs: list[Doc], c: Doc, pod_name: str = "pod-0", pod_labels: 
     e.g. LeaderWorkerSet's LWS_* variables), envFrom ConfigMaps, then env entries, whose
     `$(VAR)` references expand to variables defined before them, as Kubernetes does (unknown
     ones stay as written); a fieldRef to metadata.name resolves to `pod_name`, one to
-    metadata.labels['key'] to `pod_labels[key]`."""
+    metadata.namespace to the namespace, one to metadata.labels['key'] to `pod_labels[key]`."""
     env: dict[str, str] = dict(injected or {})
     for source in c.get("envFrom", []):
         if "configMapRef" not in source:
@@ -138,11 +146,50 @@ def container_env(docs: list[Doc], c: Doc, pod_name: str = "pod-0", pod_labels: 
             env[e["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), e["value"])
         elif field == "metadata.name":
             env[e["name"]] = pod_name
+        elif field == "metadata.namespace":
+            env[e["name"]] = NAMESPACE
         elif label:
             env[e["name"]] = (pod_labels or {}).get(label[1], "")  # a missing label reads as empty
         else:
             raise AssertionError(f"{c['name']}: unsupported env source {e}")
     return env
+
+
+def project_scripts() -> dict[str, str]:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def parser_for(script: str):
+    """Console script -> its service's build_arg_parser, via pyproject's [project.scripts]."""
+    package = project_scripts()[script].split(":")[0].split(".")[0]
+    return importlib.import_module(f"{package}.config").build_arg_parser
+
+
+def parse_container(docs: list[Doc], c: Doc) -> tuple[argparse.Namespace, dict[str, str]]:
+    """Parse the container's command + args + environment with its service's real parser."""
+    from pagedserve.envargs import parse_with_env
+
+    env = container_env(docs, c, pod_name=f"{c['name']}-7d9f8b6c5-x2x4z")
+    build = parser_for(c["command"][0])
+    return parse_with_env(build(), c["command"][1:] + c.get("args", []), env), env
+
+
+def flag_env_names(build) -> set[str]:
+    from pagedserve.envargs import env_name
+
+    return {env_name(o) for a in build()._actions for o in a.option_strings if o.startswith("--")}
+
+
+def service_target(docs: list[Doc], address: str) -> tuple[Doc, int]:
+    """``tcp://SERVICE:PORT`` -> (the workload whose pods the Service selects, the container port)."""
+    m = re.fullmatch(r"tcp://([\w-]+):(\d+)", address)
+    assert m, address
+    svc = find(docs, "Service", m.group(1))
+    (port,) = [p for p in svc["spec"]["ports"] if p["port"] == int(m.group(2))]
+    selected = [w for w in workloads(docs) if svc["spec"]["selector"].items() <= pod_template(w)["metadata"]["labels"].items()]
+    assert len(selected) == 1, f"Service {m.group(1)} selects {[w['metadata']['name'] for w in selected]}"
+    named = {p["name"]: p["containerPort"] for c in pod_spec(selected[0])["containers"] for p in c.get("ports", [])}
+    return selected[0], named.get(port["targetPort"], port["targetPort"])
 
 
 def probe_seconds(command: list[str]) -> int:
@@ -166,34 +213,38 @@ def _port_ok(ports: list[Doc] | None, port: int, protocol: str) -> bool:
     return any(p.get("port") == port and p.get("protocol", "TCP") == protocol for p in ports)
 
 
-def _peer_ok(peers: list[Doc] | None, labels: dict[str, str]) -> bool:
-    """Peers in the same namespace only (the only case these manifests use)."""
+def _peer_ok(peers: list[Doc] | None, labels: dict[str, str], same_namespace: bool) -> bool:
+    """A podSelector peer selects pods of the policy's namespace; with `namespaceSelector: {}` beside it,
+    pods of any namespace (the only forms these manifests use)."""
     if not peers:
         return True
     for peer in peers:
-        if set(peer) != {"podSelector"}:
+        if set(peer) not in ({"podSelector"}, {"podSelector", "namespaceSelector"}) \
+                or peer.get("namespaceSelector", {}) != {}:
             raise AssertionError(f"peer form not modelled by this test: {peer}")
-        if _selects(peer["podSelector"], labels):
+        if (same_namespace or "namespaceSelector" in peer) and _selects(peer["podSelector"], labels):
             return True
     return False
 
 
 def policy_allows(policies: list[Doc], direction: str, pod: dict[str, str], peer: dict[str, str],
-                  port: int, protocol: str = "TCP") -> bool:
-    """Whether traffic to (Ingress) or from (Egress) a pod labelled `pod` with a peer pod
-    labelled `peer` on `port` is allowed, by the NetworkPolicy rules of Kubernetes."""
+                  port: int, protocol: str = "TCP", same_namespace: bool = True) -> bool:
+    """Whether traffic to (Ingress) or from (Egress) a pod of the namespace labelled `pod` with a
+    peer pod labelled `peer` (in the namespace, or another) on `port` is allowed, by the
+    NetworkPolicy rules of Kubernetes."""
     key = "ingress" if direction == "Ingress" else "egress"
     peers_key = "from" if direction == "Ingress" else "to"
     selecting = [p for p in policies if direction in p["spec"].get("policyTypes", ["Ingress"])
                  and _selects(p["spec"]["podSelector"], pod)]
     if not selecting:
         return True
-    return any(_port_ok(rule.get("ports"), port, protocol) and _peer_ok(rule.get(peers_key), peer)
+    return any(_port_ok(rule.get("ports"), port, protocol) and _peer_ok(rule.get(peers_key), peer, same_namespace)
                for p in selecting for rule in p["spec"].get(key) or [])
 
 
 def connection_allowed(policies: list[Doc], src: dict[str, str], dst: dict[str, str], port: int,
                        protocol: str = "TCP") -> bool:
+    """Between two pods of the namespace."""
     return (policy_allows(policies, "Egress", src, dst, port, protocol)
             and policy_allows(policies, "Ingress", dst, src, port, protocol))
 
@@ -334,10 +385,12 @@ class StandIn:
         home = self.root / pod.name / "home"
         home.mkdir(parents=True, exist_ok=True)
         tmp = pod.volumes.get("tmp", self.root / pod.name / "tmp")
-        # What the image adds (PATH, its ENV lines); one thread per process on a 2-core machine.
+        # What the image adds (PATH, its ENV lines); one thread per process on a 2-core machine;
+        # PYTHONPATH as given to the tests (to run them against another checkout).
+        given = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
         return {"PATH": f"{self.bin}:{os.environ.get('PATH', '/usr/bin:/bin')}", "HOME": str(home),
                 "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
-                "OMP_NUM_THREADS": "1", **env}
+                "OMP_NUM_THREADS": "1", **given, **env}
 
     def run_init(self, pod: LocalPod, timeout_s: float = 120, names: tuple[str, ...] | None = None) -> None:
         """Run the pod's init containers in order (only those in ``names``, when given)."""

@@ -1,20 +1,22 @@
 """k8s/ and docker/, checked offline: every overlay renders, validates against the Kubernetes
 schemas (strict), passes checkov, and its commands, ports, env names and probe service names
 match what the services really parse and serve; and a stand-in for the cluster runs the cpu
-overlay's pods as local processes on loopback.
+overlay's pods (with fronts of their own) as local processes on loopback. The fronts component
+and the inference-gateway overlay have their own test modules (test_k8s_fronts.py,
+test_k8s_gateway.py); checkov and the schema checks run here over everything.
 
 Needs kubectl (kustomize) and `make tools` (.venv-tools: checkov, kubernetes-validate)."""
 
 from __future__ import annotations
 
-import argparse
 import copy
-import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -26,8 +28,14 @@ import pytest
 import tomllib  # Python >= 3.11, as on the dev machines and CI
 import yaml
 from k8s_helpers import (
+    EXEC,
+    EXEC_LABELS,
+    FRONT,
     NAMESPACE,
+    OTHER_LABELS,
     REPO,
+    SCHED,
+    SCHED_LABELS,
     Doc,
     StandIn,
     all_containers,
@@ -36,11 +44,14 @@ from k8s_helpers import (
     container,
     container_env,
     find,
+    flag_env_names,
     mounted,
+    parse_container,
     pod_spec,
     pod_template,
     policy_allows,
     probe_seconds,
+    project_scripts,
     render,
     render_with_components,
     third_party_imports,
@@ -60,18 +71,24 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "cpu+keda": ("cpu", ["keda-autoscaling"]),
     "gpu-tp": ("gpu-tensor-parallel", []),  # executors of N GPUs in one pod (components/tensor-parallel)
     "gpu-multinode": ("gpu-multinode", []),  # executors of N one-GPU pods (LeaderWorkerSet)
+    "gpu+fronts": ("gpu", ["fronts"]),  # fronts as a Deployment of their own, with an HPA
+    "cpu+fronts": ("cpu", ["fronts"]),
 }
+# Several deployments (names suffixed -a, -b) behind the inference gateway: checked here by checkov,
+# the schemas and the hardening rules, the rest in test_k8s_gateway.py.
+GATEWAY = "inference-gateway"
+RENDERED = {**VARIANTS, GATEWAY: (GATEWAY, [])}
 # Custom resources: kubernetes-validate has schemas for built-in kinds only.
+CRD_CHECKED = "validated against the CRDs in k8s/crds by test_k8s_gateway.py"
 CUSTOM_RESOURCES = {
     ("keda.sh/v1alpha1", "ScaledObject"): "KEDA CRD; no schema ships with kubernetes-validate",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "Prometheus Operator CRD; no schema ships with kubernetes-validate",
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "LeaderWorkerSet CRD; its pod template is checked by "
                                                         "the tests here instead",
+    ("inference.networking.k8s.io/v1", "InferencePool"): CRD_CHECKED,
+    ("inference.networking.x-k8s.io/v1alpha2", "InferenceObjective"): CRD_CHECKED,
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): CRD_CHECKED,
 }
-SCHED, EXEC = "pagedserve-scheduler", "pagedserve-executor"
-SCHED_LABELS = {"app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/component": "scheduler"}
-EXEC_LABELS = {"app.kubernetes.io/name": "pagedserve", "app.kubernetes.io/component": "executor"}
-OTHER_LABELS = {"app": "something-else"}
 QUEUE_METRIC = "pagedserve:num_requests_waiting"
 
 
@@ -80,7 +97,7 @@ def rendered(tmp_path_factory) -> dict[str, list[Doc]]:
     tmp = tmp_path_factory.mktemp("kustomize")
     return {name: render(REPO / "k8s" / "overlays" / overlay) if not comps
             else render_with_components(tmp, overlay, comps)
-            for name, (overlay, comps) in VARIANTS.items()}
+            for name, (overlay, comps) in RENDERED.items()}
 
 
 @pytest.fixture(scope="module")
@@ -106,31 +123,6 @@ def checkov_reports(rendered_dir) -> dict[str, dict[str, Any]]:
         raise AssertionError(f"checkov gave no JSON (rc {out.returncode}):\n{out.stderr[-3000:]}") from None
     reports = reports if isinstance(reports, list) else [reports]
     return {r["check_type"]: r for r in reports}
-
-
-def project_scripts() -> dict[str, str]:
-    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-
-
-def parser_for(script: str):
-    """Console script -> its service's build_arg_parser, via pyproject's [project.scripts]."""
-    package = project_scripts()[script].split(":")[0].split(".")[0]
-    return importlib.import_module(f"{package}.config").build_arg_parser
-
-
-def parse_container(docs: list[Doc], c: Doc) -> tuple[argparse.Namespace, dict[str, str]]:
-    """Parse the container's command + args + environment with its service's real parser."""
-    from pagedserve.envargs import parse_with_env
-
-    env = container_env(docs, c, pod_name=f"{c['name']}-7d9f8b6c5-x2x4z")
-    build = parser_for(c["command"][0])
-    return parse_with_env(build(), c["command"][1:] + c.get("args", []), env), env
-
-
-def flag_env_names(build) -> set[str]:
-    from pagedserve.envargs import env_name
-
-    return {env_name(o) for a in build()._actions for o in a.option_strings if o.startswith("--")}
 
 
 # ------------------------------------------------------------------ rendering and schemas
@@ -160,15 +152,15 @@ def test_variant_renders_the_whole_deployment_in_its_namespace(rendered, variant
 
 
 def test_kubernetes_validate_strict_accepts_every_builtin_object(rendered, tmp_path):
-    files = []
-    for name, docs in rendered.items():
+    unique: dict[str, Doc] = {}  # (the variants share most objects: each is validated once)
+    for docs in rendered.values():
         builtin = [d for d in docs if (d["apiVersion"], d["kind"]) not in CUSTOM_RESOURCES]
         custom = {(d["apiVersion"], d["kind"]) for d in docs} - {(d["apiVersion"], d["kind"]) for d in builtin}
         assert custom <= CUSTOM_RESOURCES.keys()
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump_all(builtin))
-        files.append(str(path))
-    out = subprocess.run([tool("kubernetes-validate"), "--strict", "--quiet", *files],
+        unique.update((json.dumps(d, sort_keys=True), d) for d in builtin)
+    path = tmp_path / "builtin.yaml"
+    path.write_text(yaml.safe_dump_all(list(unique.values())))
+    out = subprocess.run([tool("kubernetes-validate"), "--strict", "--quiet", str(path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and not out.stdout.strip(), out.stdout + out.stderr
 
@@ -213,7 +205,7 @@ def test_checkov_passes_every_variant_with_reasoned_skips_only(checkov_reports, 
     failed = [(c["check_id"], c["file_path"], c["resource"]) for c in results["failed_checks"]]
     assert not failed
     scanned = {c["file_path"].lstrip("/") for c in results["passed_checks"]}
-    assert scanned == {f"{v}.yaml" for v in VARIANTS}
+    assert scanned == {f"{v}.yaml" for v in RENDERED}
     for c in results["skipped_checks"]:
         variant = c["file_path"].lstrip("/").removesuffix(".yaml")
         kind, _ns, name = c["resource"].split(".", 2)
@@ -323,9 +315,14 @@ def test_executor_command_parses_and_matches_health_scheduler_and_drain(rendered
 
 def test_console_scripts_in_the_manifests_exist(rendered):
     scripts = project_scripts()
-    for docs in rendered.values():
-        for workload in (find(docs, "Deployment", SCHED), executor_workload(docs)):
+    for name, docs in rendered.items():
+        workloads_here = [executor_workload(docs)] if name != GATEWAY else []
+        workloads_here += [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].startswith(
+            (SCHED, FRONT))]
+        assert workloads_here
+        for workload in workloads_here:
             assert container(workload)["command"][0] in scripts
+    assert container(find(rendered["gpu+fronts"], "Deployment", FRONT))["command"] == ["pagedserve-front"]
 
 
 # ------------------------------------------------------------------ per-overlay specifics
@@ -415,11 +412,12 @@ def test_hpa_metric_is_what_the_adapter_serves_and_the_scheduler_exports(rendere
 
 # ------------------------------------------------------------------ security and policies
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", RENDERED)
 def test_every_container_is_hardened_with_resources(rendered, variant):
     for w in workloads(rendered[variant]):
         spec = pod_spec(w)
-        assert spec["automountServiceAccountToken"] is False
+        # No API token, but in a workload that talks to the Kubernetes API, saying so to checkov.
+        assert spec["automountServiceAccountToken"] is ("CKV_K8S_38" in _annotation_skips(w))
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         for c in all_containers(w):
@@ -435,6 +433,18 @@ def test_every_container_is_hardened_with_resources(rendered, variant):
                         if m["name"] in emptydirs and not m.get("readOnly")}
             home = container_env(rendered[variant], c)["HOME"]
             assert "/tmp" in writable and any(home == w or home.startswith(w + "/") for w in writable)
+
+
+@pytest.mark.parametrize("variant", RENDERED)
+def test_every_path_a_container_is_given_lies_in_a_volume_it_mounts(rendered, variant):
+    """A file flag names a file the container can read: fronts read the scheduler's own ConfigMaps, so
+    those must name no file only the scheduler mounts (its keys are in pagedserve-scheduler-keys)."""
+    docs = rendered[variant]
+    for w in workloads(docs):
+        for c in all_containers(w):
+            values = list(container_env(docs, c).values()) + [a.partition("=")[2] or a for a in c.get("args", [])]
+            for path in (v for v in values if v.startswith("/")):
+                mounted(w, c, path)  # raises, naming the container and the path
 
 
 def test_dockerfiles_run_as_the_uid_the_manifests_expect():
@@ -609,16 +619,18 @@ def _requirements(*extras: str) -> set[str]:
     return {re.split(r"[<>=!~\[ ;]", r)[0].lower().replace("_", "-") for r in reqs}
 
 
-@pytest.mark.parametrize("service,extras,optional", [
-    ("scheduler_svc", ("scheduler",), ()),
-    ("executor_svc", ("executor",), ("cupy",)),  # CuPy: the gpu extra, imported only on CUDA
+@pytest.mark.parametrize("entry,extras,optional", [
+    ("scheduler_svc.__main__", ("scheduler",), ()),
+    ("scheduler_svc.front_process", ("scheduler",), ()),  # pagedserve-front, from the scheduler's image
+    ("executor_svc.__main__", ("executor",), ("cupy",)),  # CuPy: the gpu extra, imported only on CUDA
 ])
-def test_each_service_extra_covers_every_import_of_the_service(service, extras, optional):
+def test_each_service_extra_covers_every_import_of_the_service(entry, extras, optional):
     from importlib.metadata import packages_distributions
 
     listed = _requirements(*extras)
     dists = packages_distributions()
-    imports = third_party_imports(f"{service}.__main__", ("scheduler_svc", "pagedserve", "executor_svc", "cupy_kernels"))
+    service = entry.split(".")[0]
+    imports = third_party_imports(entry, ("scheduler_svc", "pagedserve", "executor_svc", "cupy_kernels"))
     for module in sorted(imports - set(optional)):
         provided = {d.lower().replace("_", "-") for d in dists.get(module, [module])}
         assert provided & listed, f"{service} imports {module} ({provided}); pyproject's {extras} lack it"
@@ -661,92 +673,158 @@ def _generate(channel, prompt: str, max_tokens: int) -> tuple[int, int]:
     return tokens, finish
 
 
+def _complete(port: int, prompt: str, max_tokens: int) -> int:
+    """One greedy OpenAI-compatible completion: its completion tokens."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return json.loads(reply.read())["usage"]["completion_tokens"]
+
+
+POOL_METRICS = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_cpu_overlay_serves_on_loopback_and_survives_an_executor_sigterm(rendered, tmp_path):
-    """The cpu overlay's scheduler and two executors, started with exactly their rendered
-    commands and environment (see StandIn for the rewrites), serve requests; then one executor
-    is deleted as Kubernetes does it (preStop, SIGTERM, grace period) while requests run, and
-    every request still completes and the scheduler stays ready."""
+@pytest.mark.timeout(300)
+def test_cpu_overlay_serves_on_loopback_and_survives_a_front_and_an_executor_sigterm(rendered):
+    """The cpu overlay with fronts of their own: its scheduler, two executors and a front, started
+    with exactly their rendered commands and environment (see StandIn for the rewrites), serve
+    requests, the front through the scheduler's front link with the fronts' key; then the front and
+    one executor are deleted as Kubernetes does it (preStop, SIGTERM, grace period) while requests
+    run, and every request still completes and the scheduler stays ready."""
     import grpc
-    from grpc_health.v1 import health_pb2
 
     from pagedserve.v1 import generation_pb2 as pb
     from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
-    docs = rendered["cpu"]
+    docs = rendered["cpu+fronts"]
     # Each pod's init container builds the same seeded tiny model; build it once and share it.
     inits = {json.dumps([c for c in pod_spec(find(docs, "Deployment", d))["initContainers"]
-                         if c["name"] == "build-tiny-model"]) for d in (SCHED, EXEC)}
+                         if c["name"] == "build-tiny-model"]) for d in (SCHED, EXEC, FRONT)}
     assert len(inits) == 1
-    cluster = StandIn(docs, tmp_path)
+    # A short root: the scheduler's local links are ipc:// paths under the pod's /tmp (107 bytes at most).
+    root = Path(tempfile.mkdtemp(prefix="k8s-", dir="/tmp"))
+    cluster = StandIn(docs, root)
     try:
         # What the operator creates once (README): `pagedserve keys kubernetes | kubectl create -f -`,
         # mounted as the kubelet would, one directory per Secret or ConfigMap.
-        volumes = _operator_objects(tmp_path / "objects")
+        volumes = _operator_objects(root / "objects")
         sched = cluster.pod(SCHED, "pagedserve-scheduler-5d8f7c9b4-q7x2m", {
-            "scheduler-key": volumes[keytool.SCHEDULER_KEY_SECRET], "enrollment-token": volumes[keytool.TOKEN_SECRET]})
+            "scheduler-key": volumes[keytool.SCHEDULER_KEY_SECRET], "enrollment-token": volumes[keytool.TOKEN_SECRET],
+            "trusted-front-keys": volumes[keytool.TRUSTED_FRONTS_CONFIGMAP]})
         cluster.run_init(sched)
         shared = {"models": sched.volumes["models"], "enrollment-token": volumes[keytool.TOKEN_SECRET],
                   "scheduler-public-key": volumes[keytool.SCHEDULER_PUBLIC_CONFIGMAP]}
         executors = [cluster.pod(EXEC, f"pagedserve-executor-6c9d8f7b5-{s}", shared) for s in ("a1b2c", "d3e4f")]
         for ex in executors:  # each pod makes its own key pair (the model is already built and shared)
             cluster.run_init(ex, names=("make-key",))
-        # --executor-host is not in the rendered args; its wildcard default becomes loopback too.
-        cluster.start(sched, {"PAGEDSERVE_EXECUTOR_HOST": "127.0.0.1"})
+        front = cluster.pod(FRONT, "pagedserve-front-7f6d5c4b3-k9j8h", {
+            "models": sched.volumes["models"], "front-key": volumes[keytool.FRONT_KEY_SECRET],
+            "scheduler-public-key": volumes[keytool.SCHEDULER_PUBLIC_CONFIGMAP]})
+        # The link hosts are not in the rendered args; their wildcard defaults become loopback too.
+        cluster.start(sched, {"PAGEDSERVE_EXECUTOR_HOST": "127.0.0.1", "PAGEDSERVE_FRONT_LINK_HOST": "127.0.0.1"})
         cluster.wait_probe(sched, "startupProbe", 60)
-        for ex in executors:
-            cluster.start(ex)
+        for pod in (*executors, front):
+            cluster.start(pod)
         for ex in executors:
             cluster.wait_probe(ex, "startupProbe", 120)
             cluster.wait_probe(ex, "readinessProbe", 10)
         cluster.wait_probe(sched, "readinessProbe", 30)
+        cluster.wait_probe(front, "startupProbe", 60)
+        cluster.wait_probe(front, "readinessProbe", 30)
         channel = grpc.insecure_channel(f"127.0.0.1:{sched.ports[50051]}")
         stub = pb_grpc.GenerationStub(channel)
         assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).num_executors == 2
         assert _generate(channel, "The quick brown fox", 8)[0] == 8, cluster.logs()
         # The OpenAI-compatible API on its containerPort serves the same engine.
-        body = json.dumps({"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{sched.ports[8000]}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=30) as reply:
-            assert json.loads(reply.read())["usage"]["completion_tokens"] == 8
-
+        assert _complete(sched.ports[8000], "The quick brown fox", 8) == 8
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{sched.ports[9100]}/metrics", timeout=5).read()
         assert QUEUE_METRIC.encode() in metrics
 
-        # Steady traffic from three clients while one executor's pod is deleted: some requests
-        # are in flight on it when SIGTERM arrives, some start while it drains, some after.
-        stop = threading.Event()
-
-        def client(i: int) -> list[int]:
-            done = []
-            while not stop.is_set():
-                done.append(_generate(channel, f"Client {i} asks question {len(done)}", 24)[0])
-            return done
-
-        with ThreadPoolExecutor(max_workers=3) as pool:
-            clients = [pool.submit(client, i) for i in range(3)]
-            time.sleep(1.0)
-            code, killed = cluster.terminate(executors[0])
-            time.sleep(1.0)
-            stop.set()
-            errors = [c.exception() for c in clients]
-        assert errors == [None] * 3, f"{errors}\n{cluster.logs()}"
-        assert not killed and code == 0, cluster.logs()
-        served = [n for c in clients for n in c.result()]
-        assert len(served) >= 6 and set(served) == {24}, served
-        assert cluster.probe(sched, "readinessProbe") == health_pb2.HealthCheckResponse.SERVING
-        assert cluster.probe(executors[1], "readinessProbe") == health_pb2.HealthCheckResponse.SERVING
-        assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).num_executors == 1
+        _front_serves_through_the_front_link(cluster, front)
+        _delete_front_while_it_streams(cluster, sched, front, channel)
+        _delete_executor_under_traffic(cluster, sched, executors, channel)
         channel.close()
         _check_pod_keys(cluster, sched, executors, volumes)
+        log = sched.log.read_text(errors="replace")
+        assert f"front {front.name} joined" in log, log[-3000:]
+        for path in front.volumes.values():  # the fronts' pods hold nothing of the scheduler's secret
+            for f in path.rglob("*"):
+                assert not f.is_file() or keytool.SCHEDULER_KEY_FILE not in f.name
     finally:
         cluster.stop_all()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _front_serves_through_the_front_link(cluster: StandIn, front) -> None:
+    """The front's own ports serve both APIs, and /metrics on its HTTP port is the deployment's, with the
+    names the inference gateway's endpoint picker reads."""
+    import grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{front.ports[50051]}") as channel:
+        assert _generate(channel, "Once upon a time", 12)[0] == 12, cluster.logs()
+    assert _complete(front.ports[8000], "Once upon a time", 12) == 12
+    text = urllib.request.urlopen(f"http://127.0.0.1:{front.ports[8000]}/metrics", timeout=10).read().decode()
+    for name in POOL_METRICS:
+        assert re.search(rf'^{re.escape(name)}\{{model_name="[^"]+"\}} [0-9.e+-]+$', text, re.M), name
+    assert QUEUE_METRIC in text  # the engine core's own gauges too: one text for the whole deployment
+
+
+def _delete_front_while_it_streams(cluster: StandIn, sched, front, sched_channel) -> None:
+    """A front deleted as the kubelet does it finishes the stream it has, exits 0 within its grace
+    period, and the engine core, once it has dropped the front, is still ready and serving."""
+    import grpc
+    from grpc_health.v1 import health_pb2
+
+    with grpc.insecure_channel(f"127.0.0.1:{front.ports[50051]}") as channel, ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(_generate, channel, "A stream in flight when its front is deleted", 48)
+        time.sleep(0.3)
+        code, killed = cluster.terminate(front)
+        assert stream.result(timeout=60)[0] == 48, cluster.logs()
+    assert not killed and code == 0, cluster.logs()
+    deadline = time.monotonic() + 10
+    while f"front {front.name} dropped" not in sched.log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, cluster.logs()
+        time.sleep(0.2)
+    assert cluster.probe(sched, "readinessProbe") == health_pb2.HealthCheckResponse.SERVING
+    assert _generate(sched_channel, "After the front left", 8)[0] == 8
+
+
+def _delete_executor_under_traffic(cluster: StandIn, sched, executors, channel) -> None:
+    """Steady traffic from three clients while one executor's pod is deleted: some requests are in
+    flight on it when SIGTERM arrives, some start while it drains, some after. Every one completes."""
+    from grpc_health.v1 import health_pb2
+
+    from pagedserve.v1 import generation_pb2 as pb
+    from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+    stop = threading.Event()
+
+    def client(i: int) -> list[int]:
+        done = []
+        while not stop.is_set():
+            done.append(_generate(channel, f"Client {i} asks question {len(done)}", 24)[0])
+        return done
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        clients = [pool.submit(client, i) for i in range(3)]
+        time.sleep(1.0)
+        code, killed = cluster.terminate(executors[0])
+        time.sleep(1.0)
+        stop.set()
+        errors = [c.exception() for c in clients]
+    assert errors == [None] * 3, f"{errors}\n{cluster.logs()}"
+    assert not killed and code == 0, cluster.logs()
+    served = [n for c in clients for n in c.result()]
+    assert len(served) >= 6 and set(served) == {24}, served
+    assert cluster.probe(sched, "readinessProbe") == health_pb2.HealthCheckResponse.SERVING
+    assert cluster.probe(executors[1], "readinessProbe") == health_pb2.HealthCheckResponse.SERVING
+    assert pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=5).num_executors == 1
 
 
 def _operator_objects(root: Path) -> dict[str, Path]:
-    """`pagedserve keys kubernetes`'s Secrets and ConfigMap, each as the directory a volume of it is."""
+    """`pagedserve keys kubernetes`'s Secrets and ConfigMaps, each as the directory a volume of it is."""
     out = subprocess.run([str(Path(sys.executable).parent / "pagedserve"), "keys", "kubernetes"], capture_output=True,
                          text=True, timeout=60, check=True).stdout
     dirs = {}
