@@ -22,6 +22,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import uvloop
@@ -38,6 +39,7 @@ from scheduler_svc.tier.metrics import FamiliesCollector, families_of, merge_fam
 from scheduler_svc.tier.other_cores import OtherCores
 
 log = logging.getLogger("pagedserve.scheduler")
+EXPOSITION_TTL_S = 0.1  # within the gateway picker's staleness limit (200 ms)
 
 
 async def serve(cfg: ServiceConfig, argv: list[str]) -> None:
@@ -54,8 +56,15 @@ async def serve(cfg: ServiceConfig, argv: list[str]) -> None:
     deployment.register(FamiliesCollector(lambda: merge_families(
         [families_of(metrics.registry), *(link.front_families() for link in links), others.families()])))
 
+    rendered = ["", 0.0]  # (text, when): a front's /metrics asks for it; rendering costs the loop ~2 ms
+
     def exposition() -> str:
-        return generate_latest(deployment).decode()
+        """The deployment's /metrics text, rendered at most every EXPOSITION_TTL_S however many fronts
+        (and their scrapers: the inference gateway's picker polls each every 100 ms) ask."""
+        now = time.monotonic()
+        if now - rendered[1] > EXPOSITION_TTL_S:
+            rendered[:] = [generate_latest(deployment).decode(), now]
+        return rendered[0]
 
     links = core_links(core, cfg, 0, local[0], metrics, exposition)
     others = OtherCores(core, local[1:], core.hub.bound_port)

@@ -182,16 +182,17 @@ def cpu_limit() -> float:
     return min(cpus, int(quota) / int(period)) if quota.isdigit() and period.isdigit() else cpus
 
 
-def sized_for_machine(limits: ServerLimits, memory_bytes: int | None = None, cpus: float | None = None
-                      ) -> ServerLimits:
+def sized_for_machine(limits: ServerLimits, memory_bytes: int | None = None, cpus: float | None = None,
+                      share: int = 1) -> ServerLimits:
     """``limits`` with each cap given as 0 sized for the machine: calls, one per MiB of the memory
     the process may use and at most 1024 per CPU (256..16384); request bytes, an eighth of that
-    memory (64 MiB..1 GiB)."""
+    memory (64 MiB..1 GiB). ``share``: processes that split the machine's budget (the scheduler's
+    fronts: each gets its share)."""
     wanted = {name for name in ServerLimits.MACHINE_SIZED if not getattr(limits, name)}
     if not wanted:
         return limits
-    memory = memory_limit_bytes() if memory_bytes is None else memory_bytes
-    cpus = cpu_limit() if cpus is None else cpus
+    memory = (memory_limit_bytes() if memory_bytes is None else memory_bytes) // max(1, share)
+    cpus = (cpu_limit() if cpus is None else cpus) / max(1, share)
     calls = min(memory // MEMORY_PER_CALL, int(CALLS_PER_CPU * cpus))
     sized = {MAX_CONCURRENT_CALLS: _clamp(calls, CALLS_RANGE),
              MAX_IN_FLIGHT_BYTES: _clamp(memory // IN_FLIGHT_FRACTION, IN_FLIGHT_RANGE)}

@@ -319,6 +319,21 @@ def _executor_host(parser: argparse.ArgumentParser, a: argparse.Namespace, keys:
     return host
 
 
+def _check_port_ranges(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Engine core k listens on --executor-port + k and --front-link-port + k: the ranges must not
+    meet each other or the public ports."""
+    cores = range(a.engine_cores)
+    executor = {a.executor_port + k for k in cores}
+    front_link = {a.front_link_port + k for k in cores} if a.front_link_port else set()
+    if executor & front_link:
+        parser.error(f"--front-link-port: {a.front_link_port}..{a.front_link_port + a.engine_cores - 1} meets the "
+                     f"engine cores' executor ports {a.executor_port}..{a.executor_port + a.engine_cores - 1} "
+                     f"(--executor-port + k for --engine-cores {a.engine_cores}); move one of them")
+    for flag, port in (("--port", a.port), ("--http-port", a.http_port), ("--metrics-port", a.metrics_port)):
+        if port and port in executor | front_link:
+            parser.error(f"{flag}: {port} is one of the engine cores' executor or front-link ports")
+
+
 def _front_link_host(parser: argparse.ArgumentParser, a: argparse.Namespace, keys: LinkSecurity | None) -> str:
     """As the executor link: without keys, fronts of their own dial in on loopback only."""
     host = a.front_link_host or ("0.0.0.0" if keys is not None else "127.0.0.1")
@@ -357,6 +372,7 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
             parser.error(f"{flag}: must be <= --max-num-seqs and --max-num-batched-tokens ({room}), got {width}")
     keys = _executor_link(parser, a)
     host = _executor_host(parser, a, keys)
+    _check_port_ranges(parser, a)
     engine = EngineConfig(scheduler=scheduler, executor_endpoint=f"tcp://{host}:{a.executor_port}",
                           executor_link=keys,
                           **{k: v for k, v in _fields(EngineConfig, a).items() if k != "scheduler"})
@@ -384,7 +400,7 @@ def _tool_calls(parser: argparse.ArgumentParser, a: argparse.Namespace) -> ToolC
 def _sized_limits(parser: argparse.ArgumentParser, a: argparse.Namespace, http: HttpLimits) -> ServerLimits:
     """ServerLimits with the caps given as 0 sized for this machine; the bytes cap must hold the
     largest request either front accepts, or such a request could never run."""
-    limits = sized_for_machine(ServerLimits(**_fields(ServerLimits, a)))
+    limits = sized_for_machine(ServerLimits(**_fields(ServerLimits, a)), share=a.api_server_count)  # (per front)
     largest = max(http.max_body_bytes, MAX_REQUEST_BYTES)
     if limits.max_in_flight_bytes < largest:
         parser.error(f"--max-in-flight-bytes: must be >= the largest request a front accepts "

@@ -301,3 +301,22 @@ def test_the_caps_are_sized_for_the_machine_unless_given_and_must_hold_one_reque
     with pytest.raises(SystemExit):
         load_config([*base, "--max-in-flight-bytes", str(1 << 20)], {})
     assert "--max-in-flight-bytes: must be >= the largest request a front accepts" in capsys.readouterr().err
+
+
+def test_engine_cores_ports_must_not_meet(model_dir, capsys):
+    """Core k listens on --executor-port + k and --front-link-port + k."""
+    base = ["--model", str(model_dir), "--executor-port", "5556"]
+    assert load_config([*base, "--engine-cores", "2", "--front-link-port", "5600"], {}).engine_cores == 2
+    with pytest.raises(SystemExit):
+        load_config([*base, "--engine-cores", "2", "--front-link-port", "5557"], {})
+    assert "--front-link-port: 5557..5558 meets the engine cores' executor ports 5556..5557" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_config([*base, "--engine-cores", "3", "--port", "5558"], {})
+    assert "--port: 5558 is one of the engine cores' executor or front-link ports" in capsys.readouterr().err
+
+
+def test_the_fronts_share_the_machine_sized_caps(model_dir):
+    one = load_config(["--model", str(model_dir)], {}).limits
+    four = load_config(["--model", str(model_dir), "--api-server-count", "4"], {}).limits
+    assert four.max_concurrent_calls <= max(256, one.max_concurrent_calls // 4 + 1)
+    assert four.max_in_flight_bytes <= max(64 << 20, one.max_in_flight_bytes // 4 + 1)
