@@ -316,7 +316,13 @@ def test_engine_cores_ports_must_not_meet(model_dir, capsys):
 
 
 def test_the_fronts_share_the_machine_sized_caps(model_dir):
-    one = load_config(["--model", str(model_dir)], {}).limits
-    four = load_config(["--model", str(model_dir), "--api-server-count", "4"], {}).limits
-    assert four.max_concurrent_calls <= max(256, one.max_concurrent_calls // 4 + 1)
-    assert four.max_in_flight_bytes <= max(64 << 20, one.max_in_flight_bytes // 4 + 1)
+    """Each of N fronts sizes its caps for 1/N of the machine (they all run on it)."""
+    from scheduler_svc.admission import sized_for_machine
+    from scheduler_svc.validation import ServerLimits
+
+    auto = ServerLimits(max_concurrent_calls=0, max_in_flight_bytes=0)
+    quarter = sized_for_machine(auto, memory_bytes=16 << 30, cpus=8, share=4)
+    assert quarter == sized_for_machine(auto, memory_bytes=4 << 30, cpus=2)
+    assert quarter.max_in_flight_bytes == (4 << 30) // 8 and quarter.max_concurrent_calls == 2048
+    assert load_config(["--model", str(model_dir), "--api-server-count", "4"], {}).limits.max_concurrent_calls \
+        <= load_config(["--model", str(model_dir)], {}).limits.max_concurrent_calls
