@@ -47,7 +47,8 @@ async def serve(cfg: ServiceConfig, argv: list[str]) -> None:
     engine_cfg = dataclasses.replace(cfg.engine, model_fingerprint=served_model(cfg.model_dir))
     core = EngineCore(engine_cfg, eos_token_ids(cfg.model_dir), metrics)
     await core.start()
-    runtime = Path(tempfile.mkdtemp(prefix="pagedserve-"))  # 0700: only this user reaches the local links
+    # 0700: only this user reaches the local links. (An ipc:// path must fit a socket address, 107 bytes.)
+    runtime = Path(tempfile.mkdtemp(prefix="pagedserve-", dir=None if len(tempfile.gettempdir()) < 60 else "/tmp"))
     local = [f"ipc://{runtime}/core-{k}" for k in range(cfg.engine_cores)]  # each engine core's, for the fronts
 
     # What /metrics shows: this core's metrics, its fronts' and the other cores', summed (one family

@@ -97,7 +97,7 @@ async def serve_front(cfg: ServiceConfig, fc: FrontConfig) -> None:
     # Its metrics go to the first core, which sums every front's and every core's.
     cores = [RemoteCore(e, fc.front_id, fc.keys, front_families=(lambda: families_of(metrics.registry)) if i == 0
                         else None) for i, e in enumerate(fc.core_endpoints)]
-    core = CoreSet(cores, cfg.engine.max_migrations)
+    core = CoreSet(cores, cfg.engine.max_migrations, report_core_health=bool(os.environ.get(EXIT_WITH_PARENT)))
     streams = FrontStreams(core, tokenizer, cfg.engine.stream_interval, metrics, id_prefix=fc.front_id + ":")
     core.attach(streams)
     await core.start()

@@ -26,9 +26,10 @@ from scheduler_svc.tier.front_link import RemoteCore
 
 
 class CoreSet:
-    def __init__(self, cores: list[RemoteCore], max_migrations: int = 3) -> None:
+    def __init__(self, cores: list[RemoteCore], max_migrations: int = 3, report_core_health: bool = True) -> None:
         self.cores = cores
         self.max_migrations = max_migrations
+        self.report_core_health = report_core_health
         self.streams = None  # the FrontStreams the cores' updates go to (attach())
         self.where: dict[str, RemoteCore] = {}  # request (core id) -> the core running it
         self.moves: dict[str, int] = {}  # request -> times it moved to another core
@@ -73,6 +74,10 @@ class CoreSet:
         return sum_stats([await c.current_stats() if c.connected else c.stats() for c in self.cores])
 
     def health_problem(self) -> str | None:
+        """A core's broken loop, for the liveness of fronts the scheduler started (restarting its pod
+        is the cure); a front of its own reports none: restarting it would not mend the core."""
+        if not self.report_core_health:
+            return None
         return next((p for c in self.cores if (p := c.health_problem()) is not None), None)
 
     async def metrics_text(self, timeout_s: float = 5.0) -> str:
