@@ -13,7 +13,9 @@ reference cycles) keeps them out of the collector's generations.
 from __future__ import annotations
 
 import enum
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 
@@ -157,3 +159,15 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0
     num_migrations: int = 0
     executors: list[ExecutorStats] = field(default_factory=list)
+
+
+class EngineApi(Protocol):
+    """All the servicer and the HTTP front see of the engine (docs/ARCHITECTURE.md, "Engine <->
+    servicer"): a front's ``FrontStreams``, or the in-process ``Engine`` of tests and benchmarks."""
+
+    def model_info(self) -> ModelInfo | None: ...
+    def is_ready(self) -> bool: ...
+    def health_problem(self) -> str | None: ...
+    async def current_stats(self) -> EngineStats: ...  # (stats() may be a heartbeat old in a front)
+    def stats(self) -> EngineStats: ...
+    def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]: ...

@@ -26,7 +26,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -40,9 +39,9 @@ from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from pagedserve.wire import HEALTH_LIVENESS, HEALTH_SCHEDULER_READY
 from scheduler_svc.admission import CallBudget
 from scheduler_svc.api_types import (
+    EngineApi,
     EngineStats,
     GenerationRequest,
-    ModelInfo,
     RequestOutput,
 )
 from scheduler_svc.auth_throttle import AuthThrottle
@@ -72,15 +71,6 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-class Engine(Protocol):
-    def model_info(self) -> ModelInfo | None: ...
-    def is_ready(self) -> bool: ...
-    def health_problem(self) -> str | None: ...
-    async def current_stats(self) -> EngineStats: ...  # (stats() may be a heartbeat old in a front)
-    def stats(self) -> EngineStats: ...
-    def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
-
-
 class _Refused(Exception):
     """A request ends with a non-OK status (raised inside the servicer only)."""
 
@@ -92,7 +82,7 @@ class _Refused(Exception):
 class GenerationServicer(pb_grpc.GenerationServicer):
     """pagedserve.v1.Generation over an engine."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, limits: ServerLimits,
+    def __init__(self, engine: EngineApi, tokenizer: Tokenizer, limits: ServerLimits,
                  metrics: Metrics | None = None, logprobs_mode: str = LOGPROBS_MODES[0]) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
@@ -248,7 +238,7 @@ class ApiServer:
     server: grpc.aio.Server
     servicer: GenerationServicer
     health: health_aio.HealthServicer
-    engine: Engine
+    engine: EngineApi
     port: int
     _poller: asyncio.Task | None = field(default=None, repr=False)
     _reported: bool = field(default=False, repr=False)  # liveness already set NOT_SERVING
@@ -323,7 +313,7 @@ def _generation_handlers(servicer: GenerationServicer) -> grpc.GenericRpcHandler
 
 
 async def start_grpc_server(
-    engine: Engine,
+    engine: EngineApi,
     tokenizer: Tokenizer,
     host: str = "0.0.0.0",
     port: int = 50051,

@@ -29,7 +29,7 @@ from starlette.routing import Route
 from tokenizers import Tokenizer
 
 from scheduler_svc.admission import CallBudget
-from scheduler_svc.api_types import GenerationRequest, ModelInfo, RequestFailed
+from scheduler_svc.api_types import EngineApi, GenerationRequest, ModelInfo, RequestFailed
 from scheduler_svc.http import extras, streams
 from scheduler_svc.http.admission import AdmissionMiddleware
 from scheduler_svc.http.chat_messages import chat_messages
@@ -47,7 +47,6 @@ from scheduler_svc.http.responses import ChatRender, CompletionRender, TokenText
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.offload import validate_off_loop
 from scheduler_svc.refusals import refusal
-from scheduler_svc.server import Engine
 from scheduler_svc.tool_calls import ToolCallOptions, ToolPlan, plan_tools
 from scheduler_svc.validation import (
     LOGPROBS_MODES,
@@ -73,7 +72,7 @@ CHAT_NAMES = {"prompt": "messages", "prompt_token_ids": "messages", "beam_width"
 class OpenAIFront:
     """The endpoint handlers over an engine (Starlette request -> response)."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, chat_template: ChatTemplate | None,
+    def __init__(self, engine: EngineApi, tokenizer: Tokenizer, chat_template: ChatTemplate | None,
                  limits: ServerLimits, http_limits: HttpLimits, metrics: Metrics | None = None,
                  tool_options: ToolCallOptions = NO_AUTO_TOOLS, logprobs_mode: str = LOGPROBS_MODES[0]) -> None:
         self.engine, self.tokenizer, self.chat_template = engine, tokenizer, chat_template
