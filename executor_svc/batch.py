@@ -31,6 +31,10 @@ class SeqState:
     num_computed_tokens: int  # tokens whose K/V are in the cache
     sampling: SamplingParams
     grammar: SeqGrammar | None = None  # structured outputs: its matcher (executor_svc/grammar.py)
+    # Prompt log-probs (SamplingParams.prompt_logprobs): the next prompt token to score (token t by the
+    # logits of position t - 1), -1 when none is owed; what was scored so far, reported with the first sample.
+    prompt_lp_next: int = -1
+    prompt_lps: list | None = None
 
 
 @dataclass(slots=True)
@@ -45,6 +49,10 @@ class Batch:
     # Inputs that are tokens the step in flight samples (a plan prepared ahead): (row in
     # token_ids, sequence, index of the token in its token_ids once appended).
     in_flight_inputs: list[tuple[int, SeqState, int]] = field(default_factory=list)
+    # Prompt tokens scored by this step (prompt log-probs): (sequence, first token index, its row in
+    # token_ids, count); row r's logits score token first + (r - row).
+    prompt_rows: list[tuple[SeqState, int, int, int]] = field(default_factory=list)
+    prompt_scores: list = field(default_factory=list)  # their wire.PromptLogprobs, once the forward ran
 
     @property
     def sample_seq_ids(self) -> list[int]:
@@ -63,7 +71,13 @@ def build_batch(seqs: dict[int, SeqState], block_size: int, device: torch.device
     a few hundred microseconds here instead of milliseconds (numpy calls per sequence).
 
     ``in_flight``: sequences whose next token a step still running samples; where it is an
-    input, the row is left for ``launch`` to fill (``Batch.in_flight_inputs``)."""
+    input, the row is left for ``launch`` to fill (``Batch.in_flight_inputs``).
+
+    A sequence owed prompt log-probs (``SeqState.prompt_lp_next``) whose prompt positions before
+    its computed count were never run here (a prefix-cache hit, blocks swapped in) has those
+    positions run again in the chunk's first step, their K/V not written again (slot -1: the cache
+    has them): extra work the scheduler did not plan, for requests that ask only
+    (``Batch.prompt_rows``)."""
     bs = block_size
     ids: list[int] = []
     begins: list[int] = []
@@ -73,10 +87,22 @@ def build_batch(seqs: dict[int, SeqState], block_size: int, device: torch.device
     sample_at: list[int] = []  # batch index of each sampling sequence
     sample_seqs: list[SeqState] = []
     open_rows: list[tuple[int, SeqState, int]] = []  # inputs the step in flight samples
-    for sid, n in zip(seq_ids, num_new, strict=True):
+    prompt_rows: list[tuple[SeqState, int, int, int]] = []
+    unwritten: list[tuple[int, int]] = []  # (first row, count): positions recomputed, K/V not written
+    num_new = list(num_new)
+    for k, (sid, n) in enumerate(zip(seq_ids, num_new, strict=True)):
         s = seqs[sid]
         begin = s.num_computed_tokens
         end = begin + n
+        last = min(end + 1, s.num_prompt_tokens)  # position p scores prompt token p + 1: tokens < last
+        if 0 < s.prompt_lp_next < last:
+            redo = max(0, begin - (s.prompt_lp_next - 1))  # hit positions the scores need run here
+            if redo:
+                unwritten.append((len(ids), redo))
+                begin -= redo
+                num_new[k] = n = n + redo
+            prompt_rows.append((s, s.prompt_lp_next, len(ids) + (s.prompt_lp_next - 1 - begin),
+                                last - s.prompt_lp_next))
         tokens = s.token_ids
         known = len(tokens)
         length = known + 1 if in_flight and in_flight.get(sid) is s else known  # +1: being sampled
@@ -108,6 +134,8 @@ def build_batch(seqs: dict[int, SeqState], block_size: int, device: torch.device
     seq_of_block = np.repeat(np.arange(num_seqs), per_seq)
     block_tables[seq_of_block, np.arange(len(blocks)) - first_block[seq_of_block]] = blocks
     slots = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+    for row, count in unwritten:
+        slots[row:row + count] = -1
     starts_host = starts.tolist()
     dev = device
     meta = AttentionMetadata(
@@ -118,4 +146,4 @@ def build_batch(seqs: dict[int, SeqState], block_size: int, device: torch.device
         max_query_len=max(num_new), max_seq_len=max(lens),
         query_start_loc_host=starts_host, seq_lens_host=lens)
     return Batch(ids, torch.from_numpy(positions).to(dev), meta, (starts[1:][sample_at] - 1).tolist(),
-                 sample_seqs, open_rows)
+                 sample_seqs, open_rows, prompt_rows)

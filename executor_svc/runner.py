@@ -42,9 +42,10 @@ from executor_svc.kv_cache import KVCache
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.plan_check import PlanChecker, PlanError
 from executor_svc.sampler import SampleOutput, Sampler
-from pagedserve.wire import MAX_TEXT_CHARS, BatchPlan, SeqLogprobs, StepResult
+from pagedserve.wire import MAX_TEXT_CHARS, BatchPlan, PromptLogprobs, SeqLogprobs, StepResult
 
 log = logging.getLogger(__name__)
+PROMPT_SLICE = 256  # prompt rows scored at once (their logits are [rows, vocab] float32)
 __all__ = ["Batch", "LaunchedStep", "ModelRunner", "PreparedStep", "SeqState", "StepFatal"]
 
 
@@ -173,6 +174,8 @@ class ModelRunner:
         """Sample a launched step (waits for its forward) and report it."""
         result = StepResult(step_id=step.plan.step_id)
         batch = step.batch
+        if batch is not None:
+            result.prompt_logprobs = batch.prompt_scores
         if batch is not None and step.logits is not None:
             try:
                 self._sample(batch, step.logits, result, step.masks)
@@ -250,9 +253,11 @@ class ModelRunner:
         for sid in plan.free_seq_ids:
             self.seqs.pop(sid, None)
         for s in plan.new_seqs:
-            self.seqs[s.seq_id] = SeqState(s.seq_id, list(s.token_ids), s.num_prompt_tokens,
-                                           list(s.block_ids), s.num_computed_tokens, s.sampling,
-                                           self._grammar_of(s.sampling, s.token_ids[s.num_prompt_tokens:]))
+            state = self.seqs[s.seq_id] = SeqState(s.seq_id, list(s.token_ids), s.num_prompt_tokens,
+                                                   list(s.block_ids), s.num_computed_tokens, s.sampling,
+                                                   self._grammar_of(s.sampling, s.token_ids[s.num_prompt_tokens:]))
+            if s.sampling.prompt_logprobs >= 0 and len(s.token_ids) == s.num_prompt_tokens > 1:
+                state.prompt_lp_next = 1  # nothing sampled yet: its prompt is scored (again) from token 1
         for f in plan.forks:
             p = self.seqs[f.parent_seq_id]
             sampling = p.sampling if f.seed is None else p.sampling.with_seed(f.seed)
@@ -280,14 +285,38 @@ class ModelRunner:
             logits = self._logits(hidden, batch)
         for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True):
             self.seqs[sid].num_computed_tokens += n
+        for s, first, _, count in batch.prompt_rows:  # (every rank: the next step's batch depends on it)
+            s.prompt_lp_next = first + count
         return logits
 
     def _logits(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor | None:
-        """hidden [num_tokens, hidden] -> logits [num_sampling_rows, vocab] float32 (None if none)."""
+        """hidden [num_tokens, hidden] -> logits [num_sampling_rows, vocab] float32 (None if none);
+        the prompt tokens the batch scores, into ``batch.prompt_scores``."""
+        for s, first, row, count in batch.prompt_rows:
+            batch.prompt_scores.append(self._score_prompt(hidden, s, first, row, count))
         if not batch.logits_rows:
             return None
         rows = torch.tensor(batch.logits_rows, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, rows))
+
+    def _score_prompt(self, hidden: torch.Tensor, s: SeqState, first: int, row: int, count: int) -> PromptLogprobs:
+        """Prompt tokens ``first .. first + count - 1`` of ``s``, scored by the raw log-softmax of the
+        logits of the rows before them, with the top ``prompt_logprobs`` alternatives; in slices, so a
+        long prompt never holds [prompt, vocab] logits at once."""
+        k = min(s.sampling.prompt_logprobs, self.model.cfg.vocab_size)
+        lps: list[float] = []
+        top_ids: list[int] = []
+        top_vals: list[float] = []
+        targets = torch.tensor(s.token_ids[first:first + count], dtype=torch.int64, device=hidden.device)
+        for at in range(0, count, PROMPT_SLICE):
+            n = min(PROMPT_SLICE, count - at)
+            lp = torch.log_softmax(self.model.compute_logits(hidden[row + at:row + at + n]).float(), dim=-1)
+            lps += lp.gather(1, targets[at:at + n, None])[:, 0].tolist()
+            if k:
+                vals, ids = torch.topk(lp, k, dim=-1)
+                top_ids += ids.flatten().tolist()
+                top_vals += vals.flatten().tolist()
+        return PromptLogprobs(s.seq_id, first, lps, top_ids, top_vals)
 
     def _grammar_of(self, sampling, outputs: list[int]) -> SeqGrammar | None:
         """A structured sequence's grammar state; it starts compiling now, while the sequence prefills."""

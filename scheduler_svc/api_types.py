@@ -77,6 +77,14 @@ class TokenLogprob(msgspec.Struct, gc=False):
     top_logprobs: list[float] = msgspec.field(default_factory=list)
 
 
+class PromptScores(msgspec.Struct, array_like=True, gc=False):
+    """Prompt tokens ``start ..`` of a request scored by one step (its prompt log-probs, in pieces as
+    its prompt is prefilled); a piece starting at 1 begins the prompt again (it was registered again)."""
+
+    start: int
+    logprobs: list[TokenLogprob]
+
+
 class ChoiceDelta(msgspec.Struct, gc=False):
     """What advanced for one choice since the last message."""
 

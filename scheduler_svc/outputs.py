@@ -18,7 +18,9 @@ from scheduler_svc.api_types import (
     ChoiceDelta,
     FinishReason,
     GenerationRequest,
+    PromptScores,
     RequestOutput,
+    TokenLogprob,
     Usage,
 )
 from scheduler_svc.detokenize import NO_STANDALONE_TEXTS, IncrementalDetokenizer, StandaloneTexts
@@ -43,6 +45,10 @@ class RequestStream:
     # case: one choice, streaming, no stop strings; apply() keeps it current.
     fast: tuple[IncrementalDetokenizer, list[int]] | None = None
     standalone_texts: StandaloneTexts = NO_STANDALONE_TEXTS  # the tokenizer's standalone_token_texts(), shared
+    # Prompt log-probs (the request asked): the prompt's tokens 1.. scored so far, in order; handed over
+    # once, with the first output that has tokens.
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)
+    prompt_scores_sent: bool = False
 
     @property
     def done(self) -> bool:
@@ -65,6 +71,23 @@ class RequestStream:
         blocks are released there), unless the update already finished them.
         ``now``: the caller's time.monotonic() (one reading for a whole step's updates).
         """
+        if update.prompt_logprobs is not None:
+            self._take_scores(update.prompt_logprobs)
+        out, stopped = self._apply(update, now)
+        if out.choices and not self.prompt_scores_sent and self.req.params.sampling.prompt_logprobs >= 0:
+            out.prompt_logprobs = [None, *self.prompt_scores]
+            self.prompt_scores_sent, self.prompt_scores = True, []
+        return out, stopped
+
+    def _take_scores(self, piece: PromptScores) -> None:
+        if self.prompt_scores_sent:
+            return  # (a request that moved after its first token is not scored again)
+        if piece.start == 1:
+            self.prompt_scores = []  # a residency scores its prompt from token 1
+        if piece.start == len(self.prompt_scores) + 1:
+            self.prompt_scores.extend(piece.logprobs)
+
+    def _apply(self, update: RequestUpdate, now: float | None = None) -> tuple[RequestOutput, list[int]]:
         if update.num_cached_prompt_tokens:
             self.cached_prompt_tokens = update.num_cached_prompt_tokens
         seqs = update.seqs
@@ -98,7 +121,7 @@ class RequestStream:
         no finish, no stop strings (``fast`` set). None when ``update`` is anything else: then
         :meth:`apply`, which handles every case."""
         fast, seqs = self.fast, update.seqs
-        if fast is None or len(seqs) != 1:
+        if fast is None or len(seqs) != 1 or update.prompt_logprobs is not None:
             return None
         su = seqs[0]
         ids = su.new_token_ids

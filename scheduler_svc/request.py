@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pagedserve.wire import SamplingParams
-from scheduler_svc.api_types import FinishReason, GenerationRequest, TokenLogprob
+from scheduler_svc.api_types import FinishReason, GenerationRequest, PromptScores, TokenLogprob
 
 
 class RequestState(enum.IntEnum):
@@ -146,6 +146,7 @@ class RequestUpdate(msgspec.Struct, array_like=True, gc=False):  # built per tok
     num_cached_prompt_tokens: int = 0
     error: str | None = None  # set when it failed (a generic message: details are logged); it is freed
     error_kind: int = ERROR_FAILED  # with error: RequestFailed, NoExecutor or QueueFull
+    prompt_logprobs: PromptScores | None = None  # prompt tokens a step scored (the request asked)
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ more, and that token never reaches a client.
 from __future__ import annotations
 
 from pagedserve.wire import SeqLogprobs, StepResult
-from scheduler_svc.api_types import FinishReason, TokenLogprob
+from scheduler_svc.api_types import FinishReason, PromptScores, TokenLogprob
 from scheduler_svc.beam_search import BeamCandidate, BeamLimits, beam_step, final_hypotheses
 from scheduler_svc.lifecycle import InFlight, ProtocolError, RequestLifecycle
 from scheduler_svc.request import Request, RequestState, RequestUpdate, Sequence, SeqUpdate
@@ -55,7 +55,30 @@ class OutputProcessor:
             raise ProtocolError(f"result {rid} has beam candidates for other sequences than its plan")
         for seq, c in zip(beams, result.beam_candidates, strict=True):
             self._check_top(rid, c, seq.sampling.beam_candidates - 1, "beam candidates")
+        if result.prompt_logprobs:
+            self._check_prompt_scores(result, step)
         return due
+
+    def _check_prompt_scores(self, result: StepResult, step: InFlight) -> None:
+        """Prompt scores only for sequences the plan computed, that asked, within their prompt, with
+        as many alternatives per token as asked (the vocabulary permitting), ids in the vocabulary."""
+        rid, scheduled = result.step_id, set(step.seq_ids)
+        for x in result.prompt_logprobs:
+            if x.seq_id not in scheduled:
+                raise ProtocolError(f"result {rid} scores the prompt of seq {x.seq_id}, which its plan did not compute")
+            seq = self.s.seqs.get(x.seq_id)
+            if seq is None:
+                continue  # finished or aborted since the plan was sent: dropped when applied
+            k = seq.sampling.prompt_logprobs
+            if k < 0 or x.start + len(x.token_logprobs) > seq.num_prompt_tokens:
+                raise ProtocolError(f"result {rid} scores prompt tokens of seq {x.seq_id} it was not asked for")
+            per_token = k if self.vocab_size is None else min(k, self.vocab_size)
+            if len(x.top_token_ids) != per_token * len(x.token_logprobs):
+                raise ProtocolError(f"result {rid} reports {len(x.top_token_ids)} prompt alternatives for "
+                                    f"{len(x.token_logprobs)} tokens of seq {x.seq_id}; {per_token} each were asked for")
+            if self.vocab_size is not None and x.top_token_ids and max(x.top_token_ids) >= self.vocab_size:
+                raise ProtocolError(f"result {rid} reports token id {max(x.top_token_ids)} in prompt log-probs, "
+                                    f"outside the vocabulary of {self.vocab_size}")
 
     def _check_logprobs(self, result: StepResult, due: list[Sequence]) -> None:
         want = [s for s in due if s.sampling.want_logprobs]
@@ -75,7 +98,7 @@ class OutputProcessor:
     def process(self, result: StepResult, due: list[Sequence], beams: list[Sequence]) -> list[RequestUpdate]:
         """Apply a result that passed :meth:`check` (``due``, ``beams``: what it answers for)."""
         lps = {x.seq_id: x for x in result.logprobs} if result.logprobs else None
-        out: list[RequestUpdate] = []
+        out: list[RequestUpdate] = self._prompt_scores(result) if result.prompt_logprobs else []
         multi: dict[str, RequestUpdate] = {}  # n > 1: one update per request, several seqs
         for seq, tok in zip(due, result.sampled_token_ids, strict=True):
             try:
@@ -115,6 +138,22 @@ class OutputProcessor:
 
         if beams or result.beam_candidates:
             self._beams(result.beam_candidates, beams, out)
+        return out
+
+    def _prompt_scores(self, result: StepResult) -> list[RequestUpdate]:
+        """The prompt scores of a checked result, one update each (before the step's tokens: the step
+        that samples a sequence's first token scores the rest of its prompt)."""
+        out = []
+        for x in result.prompt_logprobs:
+            seq = self.s.seqs.get(x.seq_id)
+            if seq is None:
+                continue
+            r, k = seq.request, len(x.top_token_ids) // max(1, len(x.token_logprobs))
+            toks = seq.token_ids
+            scores = [TokenLogprob(toks[x.start + i], lp, x.top_token_ids[i * k:(i + 1) * k],
+                                   x.top_logprobs[i * k:(i + 1) * k]) for i, lp in enumerate(x.token_logprobs)]
+            out.append(RequestUpdate(r.request_id, [], False, seq.num_prompt_tokens, r.num_cached_prompt_tokens,
+                                     prompt_logprobs=PromptScores(x.start, scores)))
         return out
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> bool:

@@ -18,6 +18,7 @@ from pagedserve.wire.messages import (
     Heartbeat,
     Message,
     NewSeq,
+    PromptLogprobs,
     Reset,
     SamplingParams,
     SeqLogprobs,
@@ -30,6 +31,6 @@ from pagedserve.wire.protocol import MAX_FRAME_BYTES, WIRE_VERSION
 
 __all__ = [
     "KIND_OF", "MAX_FRAME_BYTES", "WIRE_VERSION", "BatchPlan", "BlockUpdate", "Drain", "Envelope", "Fork",
-    "Handshake", "HandshakeReply", "Heartbeat", "Message", "NewSeq", "Reset", "SamplingParams", "SeqLogprobs",
+    "Handshake", "HandshakeReply", "Heartbeat", "Message", "NewSeq", "PromptLogprobs", "Reset", "SamplingParams", "SeqLogprobs",
     "StepResult", "Structured", "WireError", "decode", "decode_body", "encode", "max_result_bytes", "read_envelope",
 ]

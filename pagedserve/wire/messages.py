@@ -196,6 +196,24 @@ class SeqLogprobs(_Message):
             raise ValueError("top_token_ids and top_logprobs differ in length")
 
 
+class PromptLogprobs(_Message):
+    """Prompt tokens a step scored for one sequence (``SamplingParams.prompt_logprobs``): tokens
+    ``start .. start + len(token_logprobs) - 1`` of its prompt, each token's log-prob given the
+    tokens before it, and each position's top alternatives, ``top_token_ids`` / ``top_logprobs``
+    holding the same number per token, back to back. A sequence registered again (preemption,
+    migration) is scored again from token 1."""
+
+    seq_id: Id
+    start: Annotated[int, Meta(ge=1, le=p.MAX_SEQ_TOKENS)]
+    token_logprobs: Annotated[list[float], Meta(max_length=p.MAX_SEQ_TOKENS)]
+    top_token_ids: Annotated[list[Id], Meta(max_length=p.MAX_PROMPT_LOGPROB_ENTRIES)]
+    top_logprobs: Annotated[list[float], Meta(max_length=p.MAX_PROMPT_LOGPROB_ENTRIES)]
+
+    def __post_init__(self) -> None:
+        if len(self.top_token_ids) != len(self.top_logprobs):
+            raise ValueError("top_token_ids and top_logprobs differ in length")
+
+
 class StepResult(_Message):
     """What the executor did with one plan: the one answer every plan gets, in plan order.
 
@@ -235,6 +253,10 @@ class StepResult(_Message):
     refused: bool = False
     error: Text | None = None
     model_seconds: NonNegative = 0.0
+    # The prompt tokens this step scored for the sequences that asked (a sequence's whole prompt, over
+    # the steps that prefill it; a step's computed tokens bound it).
+    prompt_logprobs: Annotated[list[PromptLogprobs], Meta(max_length=p.MAX_SEQS_PER_STEP)] = \
+        msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.sampled_seq_ids) != len(self.sampled_token_ids):
@@ -242,23 +264,28 @@ class StepResult(_Message):
 
 
 def max_result_bytes(num_scheduled: int, num_sampled: int, logprobs: int = 0, num_logprob_seqs: int = 0,
-                     beam_candidates: int = 0, num_beam_seqs: int = 0) -> int:
+                     beam_candidates: int = 0, num_beam_seqs: int = 0, prompt_tokens_scored: int = 0,
+                     prompt_logprob_entries: int = 0, num_prompt_logprob_seqs: int = 0) -> int:
     """The largest encoded StepResult frame (envelope included) a plan can be answered with.
 
     ``num_scheduled`` sequences computed, ``num_sampled`` of them sampling; of those,
     ``num_logprob_seqs`` report ``logprobs`` alternatives in all (summed over them) and
-    ``num_beam_seqs`` beam sequences report ``beam_candidates`` in all. A receiver refuses a
-    larger frame before parsing it. msgpack sizes are taken at their largest: 5 bytes for
-    an int or a container header, 9 for a float, 4 bytes per character of text.
+    ``num_beam_seqs`` beam sequences report ``beam_candidates`` in all; ``num_prompt_logprob_seqs``
+    report prompt log-probs for ``prompt_tokens_scored`` prompt tokens with
+    ``prompt_logprob_entries`` alternatives in all. A receiver refuses a larger frame before
+    parsing it. msgpack sizes are taken at their largest: 5 bytes for an int or a container
+    header, 9 for a float, 4 bytes per character of text.
     """
     head = 4 * 5 + 5  # envelope (header, version, kind, tag) and the body's array header
     scalars = 5 + 1 + 9 + 5 + 4 * p.MAX_TEXT_CHARS  # step_id, refused, model_seconds, error
     lists = 5 * 5  # the five list headers
     seq_logprobs = 1 + 5 + 9 + 5 + 5  # header, seq_id, own logprob, the two list headers
+    prompt_logprobs = 5 + (1 + 5 + 5 + 3 * 5) * num_prompt_logprob_seqs  # list; header, seq_id, start, lists
     return (head + scalars + lists + 5 * num_scheduled  # failed_seq_ids
             + 10 * num_sampled  # sampled ids and tokens
             + seq_logprobs * (num_logprob_seqs + num_beam_seqs)
-            + 14 * (logprobs + num_logprob_seqs + beam_candidates))  # an id and a float per entry
+            + 14 * (logprobs + num_logprob_seqs + beam_candidates)  # an id and a float per entry
+            + prompt_logprobs + 9 * prompt_tokens_scored + 14 * prompt_logprob_entries)
 
 
 class Handshake(_Message):

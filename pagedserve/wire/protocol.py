@@ -40,6 +40,7 @@ MAX_TENSOR_PARALLEL_SIZE = 1024  # ranks (GPUs) of one executor
 MAX_LOGIT_BIAS = 1 << 16  # (token id, bias) pairs of one sequence's logit bias
 MAX_END_TOKEN_IDS = 1 << 12  # ids that end one sequence (its EOS ids and stop token ids)
 MAX_STRUCTURED_CHARS = 1 << 20  # characters of one structured-output spec (a JSON schema, a grammar)
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 24  # prompt-log-prob alternatives one sequence reports in one result
 
 # ---- KV cache layout both sides must agree on ------------------------------------
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block (the paper's default)
