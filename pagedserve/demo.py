@@ -2,7 +2,8 @@
 
 Streams a few requests so a newcomer sees tokens arrive (the second request
 repeats the first one's prompt and reports the prefix-cache hit), makes one
-chat call through the OpenAI-compatible HTTP API, prints how to call the server
+chat call through the OpenAI-compatible HTTP API and one structured request (a
+JSON schema the output always follows), prints how to call the server
 from another terminal, and on Ctrl-C shuts both processes down through SIGTERM,
 the same path Kubernetes uses.
 
@@ -143,6 +144,37 @@ def _chat(http_port: int, model: str) -> None:
           f"{u['prompt_tokens']} tokens]", flush=True)
 
 
+CARD = {"type": "object", "additionalProperties": False, "required": ["name", "year", "tags"],
+        "properties": {"name": {"type": "string", "maxLength": 16}, "year": {"type": "integer", "minimum": 1900,
+                                                                              "maximum": 2100},
+                       "tags": {"type": "array", "items": {"enum": ["paged", "batched", "cached"]}, "maxItems": 3}}}
+
+
+def _structured(http_port: int, model: str) -> None:
+    """One structured request: the output follows a JSON schema, whatever the (random) model says."""
+    print(f"\n>>> POST /v1/completions with response_format json_schema {json.dumps(CARD)}\n", flush=True)
+    body = json.dumps({"model": model, "prompt": "A card:", "max_tokens": 120, "temperature": 0,
+                       "response_format": {"type": "json_schema", "json_schema": {"name": "card", "schema": CARD}}})
+    req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body.encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            choice = json.loads(resp.read())["choices"][0]
+    except urllib.error.HTTPError as e:
+        print(f"[structured request refused: HTTP {e.code}: {json.loads(e.read())['error']['message']}]", flush=True)
+        return
+    parsed = "parses as JSON" if choice["finish_reason"] == "stop" and _parses(choice["text"]) else "cut short"
+    print(f"{choice['text']}\n[finish_reason {choice['finish_reason']}; the text {parsed}]", flush=True)
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _demo(args: argparse.Namespace) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{args.port}") as ch:
         stub = pb_grpc.GenerationStub(ch)
@@ -154,6 +186,7 @@ def _demo(args: argparse.Namespace) -> None:
         _stream(stub, DEMO_PROMPT, 40)  # same prompt: its full blocks come from the prefix cache
         _stream(stub, "Continuous batching lets requests join and leave", 24)
         _chat(args.http_port, info.model_name)
+        _structured(args.http_port, info.model_name)
         st = stub.GetStats(pb.GetStatsRequest(), timeout=10)
         print(f"\nprefix cache: {st.prefix_cache_hit_tokens}/{st.prefix_cache_query_tokens} prompt tokens "
               f"hit; executors: " + ", ".join(

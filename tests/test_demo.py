@@ -78,6 +78,7 @@ def test_demo_serves_and_stops_in_order_on_ctrl_c(tiny_llama_dir, tmp_path):
     cached = [int(n) for n in re.findall(r"tokens, (\d+) of them from the prefix cache", out)]
     assert len(cached) == 3 and cached[0] == 0 and cached[1] > 0, out  # the repeated prompt hits
     assert re.search(r"\[chat: \d+ tokens, finish_reason (length|stop); the prompt", out), out  # over HTTP
+    assert "[finish_reason stop; the text parses as JSON]" in out, out  # the structured request
     assert "stopped." in out
     # Only the demo got the SIGINT: the executor drained on its one SIGTERM, nothing was killed.
     assert "drained; exiting" in out, out
