@@ -124,12 +124,21 @@ def run_closed_loop(url: str, concurrency: int, per_worker: int, prompt_len: int
     return result
 
 
+def _die_with_parent() -> None:
+    """In the client process: SIGTERM when the benchmark that started it dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def run_in_subprocess(url: str, concurrency: int, per_worker: int, prompt_len: int, max_tokens: int, vocab: int,
                       seed: int) -> LoadResult:
     """:func:`run_closed_loop` in a fresh client process (see the module doc)."""
     out = subprocess.run([sys.executable, "-m", "benchmarks.completions_client", url, str(concurrency),
                           str(per_worker), str(prompt_len), str(max_tokens), str(vocab), str(seed)],
-                         check=True, capture_output=True, text=True)
+                         check=True, capture_output=True, text=True, preexec_fn=_die_with_parent)
     raw = json.loads(out.stdout.strip().splitlines()[-1])
     return LoadResult(raw["concurrency"], raw["wall_s"], [RequestTiming(**r) for r in raw["requests"]])
 

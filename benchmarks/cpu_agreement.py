@@ -10,7 +10,8 @@ choices never feed back), all prompts as one decode batch, through the CPU fast 
 fused decode stack, the KV cache in the format's dtype). At every step it is scored on
 whether its top-1 token is the one transformers chose; the largest absolute logit difference
 is reported too. ``prompts x steps`` decode steps in all (default 2,000). Float32 is included
-as the reference point of the measurement itself.
+as the reference point of the measurement itself, and ``transformers-bf16`` (transformers'
+model in bfloat16, fed the same tokens) as the reference point of what bfloat16 costs.
 """
 
 from __future__ import annotations
@@ -105,6 +106,23 @@ def measure(model_dir: Path, fmt: str, prompts: list[list[int]], ref_tokens: tor
     return Agreement(fmt, ref_tokens.numel(), agree, float((logits - ref_logits).abs().max()))
 
 
+def measure_transformers_bf16(model_dir: Path, prompts: list[list[int]], ref_tokens: torch.Tensor,
+                              ref_logits: torch.Tensor) -> Agreement:
+    """The same score for transformers' own model in bfloat16 (weights and activations): the
+    reference point of what bfloat16 costs on these models."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    steps, agree, diff = ref_tokens.shape[1], 0, 0.0
+    with torch.inference_mode():
+        for p, toks, ref in zip(prompts, ref_tokens, ref_logits, strict=True):
+            seq = torch.tensor([p + toks.tolist()])
+            logits = hf(seq).logits[0, len(p) - 1:len(p) - 1 + steps].float()
+            agree += int((logits.argmax(-1) == toks).sum())
+            diff = max(diff, float((logits - ref).abs().max()))
+    return Agreement("transformers-bf16", ref_tokens.numel(), agree, diff)
+
+
 def run(model_dir: Path, formats: list[str], num_prompts: int, steps: int, seed: int,
         prompt_lens: tuple[int, int] = (8, 64)) -> list[Agreement]:
     from transformers import AutoModelForCausalLM
@@ -115,13 +133,14 @@ def run(model_dir: Path, formats: list[str], num_prompts: int, steps: int, seed:
     prompts = [torch.randint(1, vocab, (int(torch.randint(*prompt_lens, (1,), generator=g)),), generator=g).tolist()
                for _ in range(num_prompts)]
     ref_tokens, ref_logits = reference(hf, prompts, steps)
-    return [measure(model_dir, fmt, prompts, ref_tokens, ref_logits) for fmt in formats]
+    return [measure_transformers_bf16(model_dir, prompts, ref_tokens, ref_logits) if fmt == "transformers-bf16"
+            else measure(model_dir, fmt, prompts, ref_tokens, ref_logits) for fmt in formats]
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=None, help="HF checkpoint (default: the default tiny llama)")
-    ap.add_argument("--formats", default="float32,bfloat16,int8")
+    ap.add_argument("--formats", default="float32,bfloat16,int8,transformers-bf16")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--seed", type=int, default=1)
