@@ -287,3 +287,21 @@ def test_table_tokens_skip_the_decoder(monkeypatch):
     d = IncrementalDetokenizer(tok, [0], standalone=standalone_token_texts(tok))
     assert "".join(d.step(i) for i in ids) + d.finish() == "Hello world, hello again. The world is big."
     assert calls == ids[:1]  # only the first token: until then the text may end inside a character
+
+
+def test_include_stop_str_in_output_keeps_the_matched_stop():
+    tok = make_tokenizer()
+    ids = tok.encode("Hello world, the end.", add_special_tokens=False).ids
+    d = IncrementalDetokenizer(tok, tok.encode("Hi").ids, ["o w"], include_stop=True)
+    text = "".join(d.step(t) for t in ids if not d.finished) + d.finish()
+    assert text == "Hello w" and d.stop_matched == "o w"
+
+
+def test_min_tokens_looks_for_stop_strings_only_after_them():
+    tok = make_tokenizer()
+    text = "the end. the end. the end."
+    ids = tok.encode(text, add_special_tokens=False).ids
+    first = len(tok.encode("the end.", add_special_tokens=False).ids)
+    d = IncrementalDetokenizer(tok, tok.encode("Hi").ids, ["end"], min_tokens=first)
+    out = "".join(d.step(t) for t in ids if not d.finished) + d.finish()
+    assert out == "the end. the "  # the first "end" came within min_tokens: it could not stop the sequence

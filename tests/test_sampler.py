@@ -151,3 +151,63 @@ def test_penalties_change_the_greedy_choice():
     logits = torch.tensor([[3.0, 2.9, 0.0]])
     rows = [Row(SamplingParams(temperature=0.0, presence_penalty=1.0), token_ids=[5, 0], num_prompt_tokens=1)]
     assert Sampler().sample(logits, rows).token_ids == [1]
+
+
+# ---------------------------------------------------------------- logit bias, min_tokens, masks, logprobs modes
+
+class _Allow:
+    """Grammar masks (executor_svc/grammar.py's GrammarMasks, duck-typed): each row keeps only its ids."""
+
+    def __init__(self, allowed: dict[int, list[int]]) -> None:
+        self.allowed = allowed
+
+    def apply(self, logits: torch.Tensor) -> None:
+        for row, ids in self.allowed.items():
+            keep = torch.full((logits.shape[1],), float("-inf"))
+            keep[ids] = 0.0
+            logits[row] += keep
+
+
+def test_logit_bias_moves_the_choice_and_ignores_ids_past_the_vocabulary():
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    p = SamplingParams(temperature=0.0, logit_bias=[(2, 5.0), (99, 100.0)])
+    assert Sampler().sample(logits, [Row(p)]).token_ids == [2]
+
+
+def test_min_tokens_holds_back_end_tokens_until_enough_outputs():
+    logits = torch.tensor([[5.0, 1.0, 0.0, 4.0]])  # the best is 0, an end token
+    p = SamplingParams(temperature=0.0, min_tokens=2, end_token_ids=[0, 3])
+    early = Row(p, token_ids=[7, 7, 1], num_prompt_tokens=2)  # one output so far
+    late = Row(p, token_ids=[7, 7, 1, 1], num_prompt_tokens=2)  # two
+    assert Sampler().sample(logits.clone(), [early]).token_ids == [1]  # not 0 nor 3
+    assert Sampler().sample(logits.clone(), [late]).token_ids == [0]
+
+
+def test_the_grammar_mask_wins_over_min_tokens():
+    logits = torch.tensor([[0.0, 5.0, 4.0], [0.0, 5.0, 4.0]])
+    p = SamplingParams(temperature=0.0, min_tokens=5, end_token_ids=[0])
+    rows = [Row(p), Row(p)]
+    out = Sampler().sample(logits, rows, _Allow({0: [0], 1: [0, 2]}))
+    assert out.token_ids == [0, 2]  # row 0's grammar allows only the end token: it is sampled anyway
+
+
+def test_masks_hold_for_sampled_rows_too():
+    logits = torch.zeros(64, VOCAB)
+    rows = [Row(SamplingParams(temperature=1.0, seed=s)) for s in range(64)]
+    out = Sampler().sample(logits, rows, _Allow({i: [3, 17] for i in range(64)}))
+    assert set(out.token_ids) == {3, 17}
+
+
+def test_raw_logprobs_are_the_models_own_and_processed_ones_what_was_drawn_from():
+    logits = _logits(1, seed=9)
+    common = dict(temperature=0.5, top_k=3, seed=2, want_logprobs=True, logprobs=4, repetition_penalty=1.5,
+                  logit_bias=[(0, 2.0)])
+    raw = Sampler().sample(logits.clone(), [Row(SamplingParams(**common))])
+    processed = Sampler().sample(logits.clone(), [Row(SamplingParams(**common, processed_logprobs=True))])
+    assert raw.token_ids == processed.token_ids
+    model = torch.log_softmax(logits[0], -1)
+    tok = raw.token_ids[0]
+    assert raw.logprobs[0].token_logprob == pytest.approx(float(model[tok]), abs=1e-6)
+    assert raw.logprobs[0].top_token_ids == torch.topk(model, 4).indices.tolist()  # truncation hides nothing
+    assert len(processed.logprobs[0].top_token_ids) == 3  # top-k left three
+    assert processed.logprobs[0].token_logprob > raw.logprobs[0].token_logprob

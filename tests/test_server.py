@@ -341,3 +341,16 @@ def test_health_follows_readiness_and_shutdown():
             assert err.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.details()
     finally:
         srv.stop()
+
+
+def test_structured_outputs_and_prompt_logprobs_over_grpc(stub, engine):
+    so = pb.StructuredOutputs(json_schema='{"type": "object"}')
+    responses = generate(stub, prompt="Hello world", sampling=dict(
+        max_tokens=4, structured_outputs=so, prompt_logprobs=1, logit_bias={5: -2.0}, min_tokens=1))
+    sp = engine.requests[-1].params.sampling
+    assert sp.structured.spec == '{"type":"object"}' and sp.prompt_logprobs == 1 and sp.logit_bias == [(5, -2.0)]
+    first = responses[0].prompt_logprobs
+    ids = engine.requests[-1].prompt_token_ids
+    assert [p.token_id for p in first[1:]] == ids[1:] and not first[0].HasField("logprob")
+    assert first[1].logprob == pytest.approx(-1.0) and len(first[1].top_logprobs) == 1
+    assert all(not r.prompt_logprobs for r in responses[1:])  # on the first message only
