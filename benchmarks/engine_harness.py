@@ -22,14 +22,25 @@ from scheduler_svc.sched_config import EngineConfig
 
 SIM_BLOCKS = 8192  # per executor: room for 256 sequences of 2k tokens, so no preemption
 
+# What a SleepingRunner counts in its shared ``stats`` array (the benchmark reads it, and zeroes it
+# to start a window). The first four are step_overlap's; a longer array also gets the plan delays:
+# a plan's delay is the time from the end of the step before it (its result is sent then) to this
+# step's start. With asynchronous scheduling the next plan is normally queued by then: a delay is
+# what the scheduler's loop (or a machine short of CPU) added. The window's first step has none.
+BUSY_S, FIRST_START, LAST_END, STEPS = 0, 1, 2, 3
+MAX_DELAY_S, DELAY_SUM_S, DELAYS_OVER_1MS, DELAYS_OVER_5MS, TOKENS, LAST_SAMPLED = 4, 5, 6, 7, 8, 9
+STATS_LEN = 10
+
 
 class SleepingRunner:
     """The worker's runner interface over SimExecutor, taking the step's time for real: the cost
-    model's, or ``step_s``. ``stats`` (shared with the benchmark process), when given:
-    [busy seconds, first step's start, last step's end, steps]."""
+    model's, or ``step_s``, or the current value of ``step_time`` (a shared ``mp.Value``: the
+    benchmark changes it between phases). ``stats`` (shared with the benchmark process), when
+    given: the counters above."""
 
-    def __init__(self, vocab: int, eos: int | None, step_s: float | None = None, stats=None) -> None:
-        self.vocab, self.eos, self.step_s, self.stats = vocab, eos, step_s, stats
+    def __init__(self, vocab: int, eos: int | None, step_s: float | None = None, stats=None,
+                 step_time=None) -> None:
+        self.vocab, self.eos, self.step_s, self.stats, self.step_time = vocab, eos, step_s, stats, step_time
         self.reset()
 
     def reset(self) -> None:
@@ -38,28 +49,41 @@ class SleepingRunner:
     def execute(self, plan: wire.BatchPlan) -> wire.StepResult:
         start = time.perf_counter()
         result = self.sim.execute(plan)
-        step_s = result.model_seconds if self.step_s is None else self.step_s
+        step_s = self.step_s if self.step_time is None else self.step_time.value
+        step_s = result.model_seconds if step_s is None else step_s
         time.sleep(max(0.0, step_s - (time.perf_counter() - start)))
         if (st := self.stats) is not None:
             end = time.perf_counter()
             with st.get_lock():
-                st[0] += end - start
-                st[1] = start if st[3] == 0 else st[1]
-                st[2] = end
-                st[3] += 1
+                if len(st) >= STATS_LEN:
+                    st[TOKENS] += len(result.sampled_token_ids)
+                    st[LAST_SAMPLED] = len(result.sampled_token_ids)
+                    if st[STEPS]:
+                        _count_delay(st, start - st[LAST_END])
+                st[BUSY_S] += end - start
+                st[FIRST_START] = start if st[STEPS] == 0 else st[FIRST_START]
+                st[LAST_END] = end
+                st[STEPS] += 1
         return result
 
 
+def _count_delay(st, delay: float) -> None:
+    st[MAX_DELAY_S] = max(st[MAX_DELAY_S], delay)
+    st[DELAY_SUM_S] += delay
+    st[DELAYS_OVER_1MS] += delay > 1e-3
+    st[DELAYS_OVER_5MS] += delay > 5e-3
+
+
 def executor_process(endpoint: str, name: str, vocab: int, eos: int | None, step_s: float | None = None,
-                     stats=None) -> None:
+                     stats=None, step_time=None, max_model_len: int = 4096, num_blocks: int = SIM_BLOCKS) -> None:
     """A real ExecutorWorker (ZeroMQ, handshake, heartbeats) around a SleepingRunner: a process target."""
     from executor_svc.worker import ExecutorWorker
 
     hs = wire.Handshake(executor_id=name, wire_version=wire.WIRE_VERSION, model_fingerprint="sim",
                         model_name="sim", architecture="SimExecutor", vocab_size=vocab, block_size=16,
-                        num_device_blocks=SIM_BLOCKS, num_cpu_blocks=0, max_model_len=4096, dtype="float16",
-                        device="sim")
-    ExecutorWorker(endpoint, SleepingRunner(vocab, eos, step_s, stats), hs, drain_timeout=1.0).run()
+                        num_device_blocks=num_blocks, num_cpu_blocks=0, max_model_len=max_model_len,
+                        dtype="float16", device="sim")
+    ExecutorWorker(endpoint, SleepingRunner(vocab, eos, step_s, stats, step_time), hs, drain_timeout=1.0).run()
 
 
 def small_tokenizer():

@@ -101,6 +101,7 @@ class _SeqState:
     num_tokens: int
     num_computed: int
     beam_candidates: int
+    logprobs: int = -1  # top alternatives its request asked for with each token (-1: no log-probs)
 
 
 @dataclass(slots=True)
@@ -157,12 +158,13 @@ class SimExecutor:
         for seq_id in plan.free_seq_ids:
             self.seqs.pop(seq_id, None)
         for ns in plan.new_seqs:
-            self.seqs[ns.seq_id] = _SeqState(len(ns.token_ids), ns.num_computed_tokens,
-                                             ns.sampling.beam_candidates)
+            sp = ns.sampling
+            self.seqs[ns.seq_id] = _SeqState(len(ns.token_ids), ns.num_computed_tokens, sp.beam_candidates,
+                                             sp.logprobs if sp.want_logprobs else -1)
         for fk in plan.forks:
             parent = self.seqs[fk.parent_seq_id]
             self.seqs[fk.child_seq_id] = _SeqState(parent.num_tokens, parent.num_computed,
-                                                   parent.beam_candidates)
+                                                   parent.beam_candidates, parent.logprobs)
         for seq_id, _token in plan.append_tokens:
             self.seqs[seq_id].num_tokens += 1
 
@@ -177,9 +179,13 @@ class SimExecutor:
             result.beam_candidates.append(SeqLogprobs(seq_id, 0.0, [self._token() for _ in range(k)],
                                                       [float(x) for x in logprobs]))
             return
+        tok = self._token()
         result.sampled_seq_ids.append(seq_id)
-        result.sampled_token_ids.append(self._token())
+        result.sampled_token_ids.append(tok)
         st.num_tokens += 1
+        if st.logprobs >= 0:  # (fixed values: what a step reports, not what a model would say)
+            top = [(tok + i) % self.vocab_size for i in range(st.logprobs)]
+            result.logprobs.append(SeqLogprobs(seq_id, -0.5, top, [-0.5 - i for i in range(st.logprobs)]))
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,218 @@
+"""Serving tier capacity: what a front and an engine core cost, each measured as its own process.
+
+Every part runs as a process of its own, and each process's CPU comes from the operating system
+(``/proc/<pid>/stat``, ``benchmarks/proc_stat.py``):
+
+- ``python -m scheduler_svc``, the engine core, which starts its ``--api-server-count`` fronts
+  itself. The real service rather than the pieces started by hand, so that what is measured is
+  what deploys: the fronts' own command line, ports shared with SO_REUSEPORT, the ipc:// tier
+  link, uvloop and the collector settings of both;
+- one executor: a real ``ExecutorWorker`` (ZeroMQ, handshake, heartbeats) over the simulated
+  executor (``benchmarks/engine_harness.py``): it applies the plan deltas and sleeps a constant
+  step time (changed between phases), and counts its busy time and each plan's delay (from the
+  step before it ending, its result sent, to this plan starting);
+- load generators (``benchmarks/tier_load.py``, pagedserve-bench's own senders): 64-token
+  prompts, greedy, EOS ignored, every request streaming exactly its tokens; their CPU is
+  reported, not counted.
+
+Phases, on one deployment, each ``--repeats`` times (a round runs them one after another):
+
+1. **Cost**: 256 streams of ``--tokens`` through the fronts, gRPC and HTTP alternating, at
+   ``--cost-step-ms`` (30: a 70B model's step; at shorter steps this 2-vCPU machine runs short of
+   CPU for the clients and the fronts together, and a front that falls behind merges tokens into
+   fewer messages, which is no longer the interval-1 cost; tokens per message is reported).
+   The fronts' CPU per token = their CPU / the tokens the clients received, the whole run
+   (admission and connections included); the core's CPU per step = its CPU / the executor's steps
+   in the steady state (every step samples all 256 streams: no admission, no prefill, no ends).
+2. **Busy**: 256 gRPC streams of ``--busy-tokens`` at 5 ms steps: the executor's busy fraction
+   (its time in steps / the time from its first step's start to its last step's end) with real
+   fronts and clients, and each process's share of the machine's CPUs (what limits it).
+3. **Plan delay**: ``--delay-streams`` background gRPC streams at ``--delay-step-ms``; the largest
+   plan delay in a window of ``--baseline-s`` without other requests, then in the window in which
+   ``tier_load max-size`` sends one request at each size limit after another.
+
+``scheduler_overhead``'s ``ms_per_step_256`` is measured in the same run (before and after, the
+median): the targets hold at 0.35 ms and scale by reference / 0.35 on a slower machine.
+
+    .venv/bin/python -m benchmarks.tier_capacity [--quick] [--repeats 3] [--phases cost,busy,delay]
+
+Prints a table (a row per window: CPU per token and per step, busy fraction, plan delays, and the
+CPUs each process used, with the rest of the machine's as "others"), each target against its
+value, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.scheduler_overhead import measure as schedule_cost
+from benchmarks.tier_processes import NUM_BLOCKS, SEQS, Deployment, deployment, plan_delays, run_streams
+
+REFERENCE_MS = 0.35  # scheduler_overhead's ms_per_step_256 on the machine the targets were set on
+TARGETS = {"front_cpu_us_per_token_grpc": 20.0, "front_cpu_us_per_token_http": 12.0,
+           "core_cpu_ms_per_step_256": 0.8, "max_plan_delay_ms_max_request": 5.0}
+
+
+def reference_ms(repeats: int) -> list[float]:
+    """scheduler_overhead's ms_per_step_256, ``repeats`` times."""
+    return [schedule_cost(SEQS, 64)[0] for _ in range(repeats)]
+
+
+def machine() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "?")
+    flags = Path("/proc/cpuinfo").read_text()
+    return f"{model}, {os.cpu_count()} vCPUs, {'AVX-512' if 'avx512f' in flags else 'no AVX-512'}"
+
+
+def _median(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if key in r and math.isfinite(r[key])]
+    return statistics.median(values) if values else float("nan")
+
+
+COLUMNS = (  # (key, heading, format)
+    ("label", "run", "{:<28}"), ("seqs_per_step", "seq/step", "{:>8.0f}"),
+    ("tokens_per_message", "tok/msg", "{:>7.2f}"), ("front_us_per_token", "front us/tok", "{:>12.1f}"),
+    ("core_ms_per_step", "core ms/step", "{:>12.3f}"), ("busy", "busy", "{:>6.3f}"),
+    ("max_delay_ms", "max delay ms", "{:>12.2f}"), ("delays_over_5ms", ">5ms", "{:>5d}"),
+    ("client_us_per_token", "client us/tok", "{:>13.1f}"), ("cpus_core", "CPUs: core", "{:>10.2f}"),
+    ("cpus_fronts", "fronts", "{:>6.2f}"), ("cpus_executor", "exec", "{:>5.2f}"), ("cpus_client", "client", "{:>6.2f}"),
+    ("cpus_others", "others", "{:>6.2f}"), ("cpus_stolen", "stolen", "{:>6.2f}"))
+
+
+def print_table(rows: list[dict]) -> None:
+    def width(fmt: str) -> int:
+        return int(fmt[3:].split(".")[0].rstrip("d}"))
+
+    print(" ".join(f"{head:<{width(fmt)}}" if key == "label" else f"{head:>{width(fmt)}}"
+                   for key, head, fmt in COLUMNS))
+    for r in rows:
+        print(" ".join(fmt.format(r.get(key, float("nan"))) for key, _, fmt in COLUMNS), flush=True)
+
+
+PHASES = ("cost", "busy", "delay")
+
+
+@dataclass
+class Results:
+    cost: dict[str, list[dict]] = field(default_factory=lambda: {"grpc": [], "http": []})
+    busy: list[dict] = field(default_factory=list)
+    delays: list[tuple[dict, dict]] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)
+
+
+def run_phases(dep: Deployment, a: argparse.Namespace, phases: set[str]) -> Results:
+    """Each phase ``a.repeats`` times, the phases of a round one after another (the APIs alternate)."""
+    r, seed = Results(), 0
+    for rep in range(a.repeats):
+        if "cost" in phases:
+            for api in (("grpc", "http") if rep % 2 == 0 else ("http", "grpc")):
+                seed += 1
+                r.cost[api].append(run_streams(dep, api, SEQS, a.tokens, a.cost_step_ms / 1e3,
+                                               f"{api} {a.cost_step_ms:g} ms", seed))
+                r.rows.append(r.cost[api][-1])
+        if "busy" in phases:
+            seed += 1
+            r.busy.append(run_streams(dep, "grpc", SEQS, a.busy_tokens, 0.005, "grpc 5 ms", seed))
+            r.rows.append(r.busy[-1])
+        if "delay" in phases:
+            seed += 1
+            base, big = plan_delays(dep, a.delay_streams, a.delay_step_ms / 1e3, a.baseline_s, 1, seed)
+            base["label"], big["label"] = f"delay: {a.delay_streams} streams", "delay: + max-size requests"
+            r.rows += [base, big]
+            r.delays.append((base, big))
+    return r
+
+
+def summarize(r: Results, ref: float) -> dict:
+    """The JSON keys (the issue's first, then what explains them); a phase not run gives none."""
+    out: dict = {}
+    if r.cost["grpc"]:
+        out["front_cpu_us_per_token_grpc"] = _median(r.cost["grpc"], "front_us_per_token")
+        out["front_cpu_us_per_token_http"] = _median(r.cost["http"], "front_us_per_token")
+        out["core_cpu_ms_per_step_256"] = _median(r.cost["grpc"] + r.cost["http"], "core_ms_per_step")
+    if r.delays:
+        out["max_plan_delay_ms_max_request"] = statistics.median(b["max_delay_ms"] for _, b in r.delays)
+    if r.cost["grpc"]:
+        out["capacity_tok_s_per_front"] = 1e6 / out["front_cpu_us_per_token_grpc"]
+        out["capacity_tok_s_per_front_http"] = 1e6 / out["front_cpu_us_per_token_http"]
+        out["capacity_tok_s_per_engine_core"] = SEQS * 1e3 / out["core_cpu_ms_per_step_256"]
+    if r.busy:
+        out["busy_5ms_256_through_fronts"] = _median(r.busy, "busy")
+    out["reference_schedule_ms_256"] = ref
+    if r.cost["grpc"]:
+        out["tokens_per_message_grpc"] = _median(r.cost["grpc"], "tokens_per_message")
+        out["tokens_per_message_http"] = _median(r.cost["http"], "tokens_per_message")
+    if r.busy:
+        out["busy_5ms_256_steady"] = _median(r.busy, "busy_steady")
+        out["core_cpu_ms_per_step_256_at_5ms"] = _median(r.busy, "core_ms_per_step")
+        out["front_cpu_us_per_token_grpc_at_5ms"] = _median(r.busy, "front_us_per_token")
+        out["tokens_per_message_grpc_at_5ms"] = _median(r.busy, "tokens_per_message")
+        out["machine_cpus_busy_at_5ms"] = _median(r.busy, "cpus_machine")
+    if r.delays:
+        out["max_plan_delay_ms_baseline"] = statistics.median(b["max_delay_ms"] for b, _ in r.delays)
+        out["max_request_outcomes"] = sorted({f"{s['name']}: {s['outcome'][:40]}" for _, b in r.delays
+                                              for s in b["sent"]})
+    return out
+
+
+def report_targets(summary: dict, refs: list[float]) -> float:
+    """Print each target against its value, scaled to this machine; return the scale."""
+    ref = statistics.median(refs)
+    scale = max(1.0, ref / REFERENCE_MS)
+    print(f"\nreference (scheduler_overhead ms_per_step_256): median {ref:.3f} ms of {len(refs)} "
+          f"({min(refs):.3f}-{max(refs):.3f}); targets scale by {scale:.2f}")
+    for key, target in TARGETS.items():
+        if key in summary:
+            value, bound = summary[key], target * scale
+            print(f"  {key:<32} {value:>9.3f}  target <= {bound:.3f}  {'met' if value <= bound else 'MISSED'}")
+    return scale
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one round, fewer tokens, a shorter baseline")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of the phases (medians are reported)")
+    ap.add_argument("--phases", default=",".join(PHASES), help="which of cost,busy,delay to run")
+    ap.add_argument("--fronts", type=int, default=1, help="--api-server-count")
+    ap.add_argument("--tokens", type=int, default=256, help="tokens per stream in the cost phase")
+    ap.add_argument("--busy-tokens", type=int, default=1024, help="tokens per stream in the busy phase")
+    ap.add_argument("--cost-step-ms", type=float, default=30.0)
+    ap.add_argument("--delay-step-ms", type=float, default=5.0)
+    ap.add_argument("--delay-streams", type=int, default=64)
+    ap.add_argument("--baseline-s", type=float, default=5.0, help="the plan-delay phase's window without them")
+    ap.add_argument("--max-model-len", type=int, default=131072, help="the simulated executor's context")
+    a = ap.parse_args(argv)
+    phases = set(a.phases.split(","))
+    if not phases <= set(PHASES):
+        ap.error(f"--phases: choose among {','.join(PHASES)}, got {a.phases!r}")
+    if a.quick:
+        a.repeats, a.tokens, a.busy_tokens, a.baseline_s = 1, 128, 256, 2.0
+    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    refs = reference_ms(10 if a.quick else 15)
+    with tempfile.TemporaryDirectory(prefix="tier-capacity-") as tmp, \
+            deployment(Path(tmp), a.fronts, a.max_model_len, NUM_BLOCKS) as dep:
+        for api in ("grpc", "http"):  # warm both fronts' paths (first requests import and compile)
+            run_streams(dep, api, 16, 16, 0.005, "warm-up", seed=99)
+        results = run_phases(dep, a, phases)
+    print_table(results.rows)
+    refs += reference_ms(10 if a.quick else 15)
+    summary = summarize(results, statistics.median(refs))
+    summary["target_scale"] = report_targets(summary, refs)
+    summary |= {"fronts": a.fronts, "streams": SEQS, "tokens_per_stream": a.tokens, "cost_step_ms": a.cost_step_ms,
+                "busy_tokens_per_stream": a.busy_tokens, "delay_step_ms": a.delay_step_ms,
+                "delay_streams": a.delay_streams, "repeats": a.repeats, "machine": machine(),
+                "load_average": os.getloadavg()[0]}
+    print(json.dumps({k: (round(v, 4) if math.isfinite(v) else None) if isinstance(v, float) else v
+                      for k, v in summary.items()}))
+
+
+if __name__ == "__main__":
+    main()
