@@ -209,39 +209,60 @@ def run(args) -> dict:
     print(f"read bandwidth {bw / 1e9:.1f} GB/s ({args.threads} threads); model {model}", flush=True)
     runs: dict[tuple[str, str, int], list[LoadResult]] = {}
     cold: dict[str, list[float]] = {f: [] for f in fmts}
-    slots = max(levels)
+    retries: list[str] = []
     for rep in range(args.reps):
         for fmt in fmts:
-            stack = PagedServe(model, fmt, args.threads, args.kv_cache_memory)
-            try:
-                stack.wait_ready()
-                url = stack.url
-                first = run_in_subprocess(url, 1, 1, args.prompt_len, args.max_tokens, vocab, 7 + rep).requests[0]
-                for c, r in _loads(url, levels, args, vocab, 100 * rep).items():
-                    runs.setdefault(("pagedserve", fmt, c), []).append(r)
-                if 1 in levels:
-                    steady = statistics.median(x.seconds for x in runs[("pagedserve", fmt, 1)][-1].requests)
-                    cold[fmt].append(first.seconds / steady)
-            except Exception:
-                stack.stop()
-                print(f"pagedserve failed; logs in {stack.logdir}:", flush=True)
-                for name in ("scheduler", "executor"):
-                    print((stack.logdir / f"{name}.log").read_text()[-3000:])
-                raise
-            finally:
-                stack.stop()
-            server = LlamaServer(binary, ggufs[fmt], args.threads, slots, args.prompt_len + args.max_tokens + 64,
-                                 FORMATS[fmt][2])
-            try:
-                server.wait_ready()
-                for c, r in _loads(server.url, levels, args, vocab, 100 * rep).items():
-                    runs.setdefault(("llama.cpp", fmt, c), []).append(r)
-            finally:
-                server.stop()
+            for attempt in (1, 2):  # a failed run is reported, then run once more
+                try:
+                    loads, first = _pagedserve_rep(model, fmt, args, levels, vocab, rep)
+                    break
+                except (RuntimeError, subprocess.CalledProcessError) as exc:
+                    if attempt == 2:
+                        raise
+                    retries.append(f"rep {rep + 1} {fmt}: {exc}")
+            for c, r in loads.items():
+                runs.setdefault(("pagedserve", fmt, c), []).append(r)
+            if 1 in levels:
+                cold[fmt].append(first / statistics.median(x.seconds for x in loads[1].requests))
+            for c, r in _llama_rep(binary, ggufs[fmt], fmt, args, levels, vocab, rep).items():
+                runs.setdefault(("llama.cpp", fmt, c), []).append(r)
             print(f"rep {rep + 1}/{args.reps} {fmt}: " + ", ".join(
                 f"c{c} {runs[('pagedserve', fmt, c)][-1].tokens_per_s:.0f} vs "
                 f"{runs[('llama.cpp', fmt, c)][-1].tokens_per_s:.0f} tok/s" for c in levels), flush=True)
-    return report(args, model, fmts, levels, runs, cold, bw)
+    if retries:
+        print(f"{len(retries)} pagedserve run(s) failed and ran again:\n  " + "\n  ".join(retries))
+    result = report(args, model, fmts, levels, runs, cold, bw)
+    result["pagedserve_runs_retried"] = len(retries)
+    return result
+
+
+def _pagedserve_rep(model: Path, fmt: str, args, levels: list[int], vocab: int, rep: int
+                    ) -> tuple[dict[int, LoadResult], float]:
+    """One fresh pagedserve: the first request after it is ready (its seconds), then the loads."""
+    stack = PagedServe(model, fmt, args.threads, args.kv_cache_memory)
+    try:
+        stack.wait_ready()
+        first = run_in_subprocess(stack.url, 1, 1, args.prompt_len, args.max_tokens, vocab, 7 + rep).requests[0]
+        return _loads(stack.url, levels, args, vocab, 100 * rep), first.seconds
+    except Exception:
+        stack.stop()
+        print(f"pagedserve failed; logs in {stack.logdir}:", flush=True)
+        for name in ("scheduler", "executor"):
+            print((stack.logdir / f"{name}.log").read_text()[-3000:], flush=True)
+        raise
+    finally:
+        stack.stop()
+
+
+def _llama_rep(binary: Path, gguf: Path, fmt: str, args, levels: list[int], vocab: int, rep: int
+               ) -> dict[int, LoadResult]:
+    server = LlamaServer(binary, gguf, args.threads, max(levels), args.prompt_len + args.max_tokens + 64,
+                         FORMATS[fmt][2])
+    try:
+        server.wait_ready()
+        return _loads(server.url, levels, args, vocab, 100 * rep)
+    finally:
+        server.stop()
 
 
 def _median_run(rs: list[LoadResult]) -> LoadResult:
