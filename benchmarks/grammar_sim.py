@@ -5,8 +5,9 @@ executor's grammar code (``executor_svc/grammar.py``): a sequence registered wit
 spec gets a :class:`~executor_svc.grammar.SeqGrammar` (compiled on the backend's worker threads,
 cached by spec), each step's constrained rows get their token masks in one batch
 (``GrammarBackend.masks``, as the runner fills them after launching a forward), each draws an
-allowed id (a random set bit of a random non-empty word of its mask row: not the model's
-distribution, only its support) and its matcher accepts it. ``grammar_seconds`` is the time all
+allowed id (the lowest set bit of a random non-empty word of its mask row: not the model's
+distribution, only its support) and the matchers take them in one batch (``GrammarBackend.accept``,
+as the runner's do). ``grammar_seconds`` is the time all
 that took: the executor's grammar cost per step, which a real executor spends while the device
 computes (the mask is filled after the forward is launched).
 
@@ -15,7 +16,6 @@ computes (the mask is filled after the forward is launched).
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -38,7 +38,6 @@ class GrammarSimExecutor(SimExecutor):
     grammars: dict = field(default_factory=dict)  # seq id -> SeqGrammar
     grammar_seconds: float = 0.0
     _owed: list = field(default_factory=list)  # (seq id, index in sampled_token_ids) drawn under a mask
-    _pick: random.Random = field(default_factory=lambda: random.Random(0))
 
     def _apply_deltas(self, plan: wire.BatchPlan) -> None:
         super()._apply_deltas(plan)
@@ -69,30 +68,31 @@ class GrammarSimExecutor(SimExecutor):
             start = time.perf_counter()
             rows = [_Row(sid, self.grammars[sid]) for sid, _ in self._owed]
             masks = self.backend.masks(rows)
-            words = masks.bitmask.numpy()
-            for r, (sid, at) in enumerate(self._owed):
-                tok = self._allowed_id(words[r])
+            tokens = self._allowed_ids(masks.bitmask.numpy())
+            for (_, at), tok in zip(self._owed, tokens, strict=True):
                 result.sampled_token_ids[at] = tok
-                self.grammars[sid].accept(tok)
+            self.backend.accept([r.grammar for r in rows], tokens)
             self.grammar_seconds += time.perf_counter() - start
         return result
 
-    def _allowed_id(self, row: np.ndarray) -> int:
-        """A set bit of ``row`` (int32 words): of a random word, tried a few times (inside a string most
-        are non-empty), else of a random non-empty one; a random bit of the word."""
-        pick = self._pick
-        for _ in range(4):
-            w = pick.randrange(row.shape[0])
-            word = int(row[w]) & 0xFFFFFFFF
-            if word:
-                break
-        else:
-            nonzero = np.flatnonzero(row)
-            w = int(nonzero[pick.randrange(len(nonzero))])
-            word = int(row[w]) & 0xFFFFFFFF
-        r = pick.randrange(32)
-        rotated = ((word >> r) | (word << (32 - r))) & 0xFFFFFFFF
-        return 32 * w + ((rotated & -rotated).bit_length() - 1 + r) % 32
+    def _allowed_ids(self, words: np.ndarray) -> list[int]:
+        """An allowed id per row of ``words`` (int32 bit words): the lowest set bit of a random
+        non-empty word of the row: one of 8 random words where one is non-empty (inside a string most
+        are), else one of all the row's non-empty words (found for those rows at once)."""
+        n, width = words.shape
+        everyone = np.arange(n)
+        cand = self._rng.integers(0, width, size=(n, 8))
+        hit = words[everyone[:, None], cand] != 0
+        index = cand[everyone, hit.argmax(axis=1)]
+        missed = np.flatnonzero(~hit.any(axis=1))
+        if len(missed):
+            flat = np.flatnonzero(words[missed] != 0)  # (flat on booleans: numpy's fast path)
+            rows, cols = flat // width, flat % width
+            counts = np.bincount(rows, minlength=len(missed))
+            starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+            index[missed] = cols[starts + (self._rng.random(len(missed)) * counts).astype(np.int64)]
+        word = words[everyone, index].astype(np.int64) & 0xFFFFFFFF
+        return (32 * index + np.log2(word & -word).astype(np.int64)).tolist()
 
 
 class GrammarSleepingRunner(SleepingRunner):

@@ -81,6 +81,9 @@ class GrammarBackend:
         self._lock = threading.Lock()
         self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
         self._batch_threads = max(1, min(8, os.cpu_count() or 1))
+        # One step's bitmask at a time (a step's masks are applied before the next step's are filled):
+        # reused, since allocating 4 MB a step (256 rows at a 128K vocabulary) cost as much as filling it.
+        self._bitmask = torch.empty(0, (vocab_size + 31) // 32, dtype=torch.int32)
 
     @classmethod
     def for_model(cls, model_dir: Path, vocab_size: int) -> GrammarBackend | None:
@@ -122,14 +125,34 @@ class GrammarBackend:
             return compiler.compile_grammar(spec)
         raise GrammarError(f"unknown structured output kind {kind}")
 
+    def accept(self, grammars: Sequence[SeqGrammar], tokens: Sequence[int]) -> None:
+        """Each of ``grammars`` takes its sequence's new token: the built, live matchers in one call
+        into xgrammar (a step's worth of calls from Python cost as much as the matching itself)."""
+        live: list[SeqGrammar] = []
+        live_tokens: list[int] = []
+        for g, tok in zip(grammars, tokens, strict=True):
+            if g._matcher is None or g.terminated or g._error is not None:
+                g.accept(tok)  # (not built yet: replayed when it is; terminated: takes nothing)
+            else:
+                live.append(g)
+                live_tokens.append(tok)
+                g.terminated = tok in g.end_token_ids  # (an end token the grammar allowed ends it)
+        if live:
+            ok = _xgrammar().BatchGrammarMatcher.batch_accept_token([g._matcher for g in live], live_tokens)
+            if not all(ok):
+                for g, tok, accepted in zip(live, live_tokens, ok, strict=True):
+                    if not accepted and g._error is None:
+                        g._error = f"token {tok} does not match its grammar"
+
     def masks(self, seqs: Sequence[Any]) -> GrammarMasks | None:
         """The token mask of one step's sampling rows (``seqs``: objects with a ``grammar``
         attribute, None for unconstrained rows), or None when no row is constrained."""
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
             return None
-        xgr = _xgrammar()
-        bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
+        if self._bitmask.shape[0] < len(seqs):
+            self._bitmask = torch.empty(len(seqs), self._bitmask.shape[1], dtype=torch.int32)
+        bitmask = self._bitmask[:len(seqs)]
         masks = GrammarMasks(bitmask, rows, self.vocab_size)
         live, live_rows = [], []
         for i in rows:
@@ -139,14 +162,14 @@ class GrammarBackend:
             except Exception as exc:  # noqa: BLE001  the sampler raises it: this row cannot be served
                 masks.errors.append(f"seq {seqs[i].seq_id}: {exc}")
                 continue
-            if matcher.is_terminated():  # a step computed past its end token: only end tokens again
+            if g.terminated:  # a step computed past its end token: only end tokens again
                 _allow_only(bitmask[i], g.end_token_ids)
             else:
                 live.append(matcher)
                 live_rows.append(i)
         if live:
             if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher(max_threads=self._batch_threads)
+                self._batch = _xgrammar().BatchGrammarMatcher(max_threads=self._batch_threads)
             self._batch.batch_fill_next_token_bitmask(live, bitmask, live_rows)
         return masks
 
@@ -192,14 +215,15 @@ def choice_grammar(choices: Sequence[str]) -> str:
 class SeqGrammar:
     """One sequence's grammar: its compile (a future) and, once used, its matcher."""
 
-    __slots__ = ("_future", "_matcher", "_pending", "_error", "end_token_ids")
+    __slots__ = ("_future", "_matcher", "_pending", "_error", "end_token_ids", "terminated")
 
     def __init__(self, future: Future, end_token_ids: list[int], outputs: list[int]) -> None:
         self._future = future
         self._matcher: Any = None
         self._pending = outputs  # tokens to replay when the matcher is built
         self._error: str | None = None  # a token did not match: the next mask reports it
-        self.end_token_ids = end_token_ids
+        self.end_token_ids = frozenset(end_token_ids)
+        self.terminated = False  # it took an end token: it may only take end tokens again
 
     def matcher(self):
         """The matcher, built on first use (waits for the compile; GrammarError if it failed)."""
@@ -212,11 +236,11 @@ class SeqGrammar:
                 raise GrammarError(f"its grammar did not compile within {COMPILE_TIMEOUT_S:g}s") from None
             except Exception as exc:  # noqa: BLE001  a spec the API edge let through but this engine refuses
                 raise GrammarError(f"its grammar does not compile here: {exc}") from exc
-            m = _xgrammar().GrammarMatcher(compiled, override_stop_tokens=self.end_token_ids or None)
+            m = _xgrammar().GrammarMatcher(compiled, override_stop_tokens=sorted(self.end_token_ids) or None)
             for tok in self._pending:
                 if not m.is_terminated() and not m.accept_token(tok):
                     raise GrammarError(f"its tokens so far do not match its grammar (token {tok})")
-            self._matcher, self._pending = m, []
+            self._matcher, self._pending, self.terminated = m, [], m.is_terminated()
         return self._matcher
 
     def accept(self, token_id: int) -> None:
@@ -225,14 +249,16 @@ class SeqGrammar:
         m = self._matcher
         if m is None:
             self._pending.append(token_id)
-        elif not m.is_terminated() and not m.accept_token(token_id) and self._error is None:
-            self._error = f"token {token_id} does not match its grammar"
+        elif not self.terminated:
+            if not m.accept_token(token_id) and self._error is None:
+                self._error = f"token {token_id} does not match its grammar"
+            self.terminated = m.is_terminated()
 
     def fork(self) -> SeqGrammar:
         """A copy for a child sequence (n > 1): the same state, advanced separately from now on."""
-        child = SeqGrammar(self._future, self.end_token_ids, list(self._pending))
+        child = SeqGrammar(self._future, list(self.end_token_ids), list(self._pending))
         if self._matcher is not None:
-            child._matcher = self._matcher.fork()
+            child._matcher, child.terminated = self._matcher.fork(), self.terminated
         return child
 
 

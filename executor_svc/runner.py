@@ -344,6 +344,14 @@ class ModelRunner:
         for i, s in enumerate(seqs):  # every row checked before any is appended: all or nothing
             if out.beam[i] is None and out.token_ids[i] is None:
                 raise RuntimeError(f"sampler returned no token for seq {s.seq_id}")
+        constrained = [(s.grammar, out.token_ids[i]) for i, s in enumerate(seqs) if s.grammar is not None
+                       and out.beam[i] is None]
+        if constrained:  # (masked by their grammars: accepted; a terminated matcher takes no more)
+            if self.grammar is not None:
+                self.grammar.accept([g for g, _ in constrained], [t for _, t in constrained])
+            else:
+                for g, tok in constrained:
+                    g.accept(tok)
         for i, s in enumerate(seqs):
             beam = out.beam[i]
             if beam is not None:
@@ -354,8 +362,6 @@ class ModelRunner:
             if lp is not None:
                 result.logprobs.append(SeqLogprobs(s.seq_id, lp.token_logprob, lp.top_token_ids, lp.top_logprobs))
             s.token_ids.append(tok)
-            if s.grammar is not None:
-                s.grammar.accept(tok)  # (masked by it: accepted; a terminated matcher takes no more)
             result.sampled_seq_ids.append(s.seq_id)
             result.sampled_token_ids.append(tok)
 
