@@ -7,9 +7,10 @@ cached by spec), each step's constrained rows get their token masks in one batch
 (``GrammarBackend.masks``, as the runner fills them after launching a forward), each draws an
 allowed id (the lowest set bit of a random non-empty word of its mask row: not the model's
 distribution, only its support) and the matchers take them in one batch (``GrammarBackend.accept``,
-as the runner's do). ``grammar_seconds`` is the time all
-that took: the executor's grammar cost per step, which a real executor spends while the device
-computes (the mask is filled after the forward is launched).
+as the runner's do). ``grammar_seconds`` is the time the masks and the matchers took (the draw,
+``draw_seconds``, stands in for the device's sampling): the executor's grammar cost per step,
+which a real executor spends while the device computes (the mask is filled after the forward is
+launched).
 
 ``structured_executor_process`` is ``engine_harness.executor_process`` for it (a process target).
 """
@@ -36,7 +37,8 @@ class _Row:
 class GrammarSimExecutor(SimExecutor):
     backend: object = None  # executor_svc.grammar.GrammarBackend
     grammars: dict = field(default_factory=dict)  # seq id -> SeqGrammar
-    grammar_seconds: float = 0.0
+    grammar_seconds: float = 0.0  # filling masks and advancing matchers
+    draw_seconds: float = 0.0  # drawing allowed ids from the masks (a stand-in for the device's sampling)
     _owed: list = field(default_factory=list)  # (seq id, index in sampled_token_ids) drawn under a mask
 
     def _apply_deltas(self, plan: wire.BatchPlan) -> None:
@@ -68,11 +70,14 @@ class GrammarSimExecutor(SimExecutor):
             start = time.perf_counter()
             rows = [_Row(sid, self.grammars[sid]) for sid, _ in self._owed]
             masks = self.backend.masks(rows)
-            tokens = self._allowed_ids(masks.bitmask.numpy())
+            drawn = time.perf_counter()
+            tokens = self._allowed_ids(masks.bitmask.numpy())  # (the device's sampling, in a real executor)
             for (_, at), tok in zip(self._owed, tokens, strict=True):
                 result.sampled_token_ids[at] = tok
+            accepting = time.perf_counter()
             self.backend.accept([r.grammar for r in rows], tokens)
-            self.grammar_seconds += time.perf_counter() - start
+            self.grammar_seconds += drawn - start + time.perf_counter() - accepting
+            self.draw_seconds += accepting - drawn
         return result
 
     def _allowed_ids(self, words: np.ndarray) -> list[int]:

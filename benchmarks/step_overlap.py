@@ -28,7 +28,8 @@ vocabulary (benchmarks/large_vocab.py). Unconstrained runs and runs with every o
 sequences under a JSON schema (``STRUCTURED_SCHEMA``) alternate, on fresh engines; the simulated
 executor samples only ids each sequence's grammar allows (benchmarks/grammar_sim.py, the
 executor's own grammar code). The JSON line has ``busy_5ms_256`` and ``structured_busy_5ms_256``
-(same run), the executor's grammar time per step, the plan bytes per sequence per step with and
+(same run), the executor's grammar time per step (in the run, and alone: the simulated executor
+and the scheduler in one process, nothing else running), the plan bytes per sequence per step with and
 without the schema, and what the API edge's check of the schema costs once (cold) and again
 (cached).
 """
@@ -152,6 +153,29 @@ def plan_bytes_per_seq_step(constrained: bool, output_len: int, vocab: int, eos:
     return total / seq_steps
 
 
+def grammar_alone_ms(output_len: int, vocab: int, eos: int, tokenizer_json: str) -> float:
+    """The executor's grammar time per 256-sequence step with nothing else running: the real scheduler
+    and the grammar-masked simulated executor in this process, no engine, no sleeping."""
+    from benchmarks.grammar_sim import GrammarSimExecutor
+    from executor_svc.grammar import GrammarBackend
+    from scheduler_svc.scheduler import Scheduler
+
+    backend = GrammarBackend(tokenizer_json, vocab, [eos])
+    backend.compile(SPEC).result()
+    sim = GrammarSimExecutor(eos_token_id=eos, vocab_size=vocab, backend=backend)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=SEQS, max_num_batched_tokens=8192, max_model_len=4096),
+                      8192, 0, eos_token_ids=(eos,))
+    for r in distinct_requests(SEQS, vocab, PROMPT, output_len):
+        sched.add_request(_structured(r, eos))
+    steps = 0
+    while sched.has_work():
+        plan = sched.schedule()
+        if plan is not None:
+            sched.update(sim.execute(plan))
+            steps += 1
+    return 1e3 * sim.grammar_seconds / steps
+
+
 def edge_check_ms() -> tuple[float, float]:
     """The API edge's check of STRUCTURED_SCHEMA: the first time (llguidance), then cached."""
     from scheduler_svc.structured import CHECKER, StructuredFields, structured_spec
@@ -186,11 +210,13 @@ def main_structured(repeats: int, output_len: int) -> None:
                   f"{r['tokens']:>8}", flush=True)
     med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
     cold, warm = edge_check_ms()
+    alone = statistics.median(grammar_alone_ms(output_len, tok.get_vocab_size(), eos, f.name) for _ in range(3))
     summary = {
         "busy_5ms_256": round(med["plain"]["busy"], 4), "structured_busy_5ms_256": round(med["json"]["busy"], 4),
         "sched_cpu_ms_per_step_256": round(med["plain"]["cpu_ms_per_step"], 3),
         "structured_sched_cpu_ms_per_step_256": round(med["json"]["cpu_ms_per_step"], 3),
         "executor_grammar_ms_per_step_256": round(med["json"]["grammar_ms_per_step"], 3),
+        "executor_grammar_ms_per_step_256_alone": round(alone, 3),
         "plan_bytes_per_seq_step": round(plan_bytes_per_seq_step(False, output_len, tok.get_vocab_size(), eos), 1),
         "structured_plan_bytes_per_seq_step": round(plan_bytes_per_seq_step(True, output_len, tok.get_vocab_size(),
                                                                             eos), 1),
