@@ -33,6 +33,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int, apart: int = 8) -> list[int]:
+    """``n`` free ports at least ``apart`` from each other: one chosen at a time may repeat, and an
+    engine core k listens on --executor-port + k, so a neighbour of another port is taken too."""
+    while True:
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for s in socks:
+                s.bind(("127.0.0.1", 0))
+            ports = sorted(s.getsockname()[1] for s in socks)
+        finally:
+            for s in socks:
+                s.close()
+        if all(b - a >= apart for a, b in zip(ports, ports[1:])):
+            return ports
+
+
 class Stack:
     """One scheduler plus any number of executors, started and stopped by a test."""
 
@@ -40,7 +56,7 @@ class Stack:
                  secure: bool = True, api_key: str | None = None, tls_ca: Path | None = None,
                  tls_client: tuple[Path, Path] | None = None, enrollment: bool = False) -> None:
         self.model, self.logdir = model, logdir
-        self.port, self.executor_port, self.http_port = free_port(), free_port(), free_port()
+        self.port, self.executor_port, self.http_port = free_ports(3)
         self.scheduler_args = scheduler_args or []
         # The executor link runs CurveZMQ as deployed: the scheduler's own key pair, one key pair per
         # executor, listed in the trusted directory or (enrollment=True) enrolled with a token; the
