@@ -26,7 +26,9 @@ Phases, on one deployment, each ``--repeats`` times (a round runs them one after
    in the steady state (every step samples all 256 streams: no admission, no prefill, no ends).
 2. **Busy**: 256 gRPC streams of ``--busy-tokens`` at 5 ms steps: the executor's busy fraction
    (its time in steps / the time from its first step's start to its last step's end) with real
-   fronts and clients, and each process's share of the machine's CPUs (what limits it).
+   fronts and clients, and each process's share of the machine's CPUs (what limits it); then the
+   same with the fronts and the client at ``--busy-nice`` (the core and the executor get the CPU
+   first, as where the fronts and clients run on CPUs of their own).
 3. **Plan delay**: ``--delay-streams`` background gRPC streams at ``--delay-step-ms``; the largest
    plan delay in a window of ``--baseline-s`` without other requests, then in the window in which
    ``tier_load max-size`` sends one request at each size limit after another.
@@ -104,6 +106,7 @@ PHASES = ("cost", "busy", "delay")
 class Results:
     cost: dict[str, list[dict]] = field(default_factory=lambda: {"grpc": [], "http": []})
     busy: list[dict] = field(default_factory=list)
+    busy_nice: list[dict] = field(default_factory=list)
     delays: list[tuple[dict, dict]] = field(default_factory=list)
     rows: list[dict] = field(default_factory=list)
 
@@ -122,6 +125,11 @@ def run_phases(dep: Deployment, a: argparse.Namespace, phases: set[str]) -> Resu
             seed += 1
             r.busy.append(run_streams(dep, "grpc", SEQS, a.busy_tokens, 0.005, "grpc 5 ms", seed))
             r.rows.append(r.busy[-1])
+            if a.busy_nice:
+                seed += 1
+                r.busy_nice.append(run_streams(dep, "grpc", SEQS, a.busy_tokens, 0.005,
+                                               f"grpc 5 ms, fronts nice {a.busy_nice}", seed, nice=a.busy_nice))
+                r.rows.append(r.busy_nice[-1])
         if "delay" in phases:
             seed += 1
             base, big = plan_delays(dep, a.delay_streams, a.delay_step_ms / 1e3, a.baseline_s, 1, seed)
@@ -156,6 +164,8 @@ def summarize(r: Results, ref: float) -> dict:
         out["front_cpu_us_per_token_grpc_at_5ms"] = _median(r.busy, "front_us_per_token")
         out["tokens_per_message_grpc_at_5ms"] = _median(r.busy, "tokens_per_message")
         out["machine_cpus_busy_at_5ms"] = _median(r.busy, "cpus_machine")
+    if r.busy_nice:
+        out["busy_5ms_256_fronts_niced"] = _median(r.busy_nice, "busy")
     if r.delays:
         out["max_plan_delay_ms_baseline"] = statistics.median(b["max_delay_ms"] for b, _ in r.delays)
         out["max_request_outcomes"] = sorted({f"{s['name']}: {s['outcome'][:40]}" for _, b in r.delays
@@ -182,8 +192,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the phases (medians are reported)")
     ap.add_argument("--phases", default=",".join(PHASES), help="which of cost,busy,delay to run")
     ap.add_argument("--fronts", type=int, default=1, help="--api-server-count")
+    ap.add_argument("--stream-interval", type=int, default=1, help="the scheduler's --stream-interval")
     ap.add_argument("--tokens", type=int, default=256, help="tokens per stream in the cost phase")
     ap.add_argument("--busy-tokens", type=int, default=1024, help="tokens per stream in the busy phase")
+    ap.add_argument("--busy-nice", type=int, default=10,
+                    help="the busy phase again with the fronts and the client at this niceness (0: not)")
     ap.add_argument("--cost-step-ms", type=float, default=30.0)
     ap.add_argument("--delay-step-ms", type=float, default=5.0)
     ap.add_argument("--delay-streams", type=int, default=64)
@@ -198,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}", flush=True)
     refs = reference_ms(10 if a.quick else 15)
     with tempfile.TemporaryDirectory(prefix="tier-capacity-") as tmp, \
-            deployment(Path(tmp), a.fronts, a.max_model_len, NUM_BLOCKS) as dep:
+            deployment(Path(tmp), a.fronts, a.max_model_len, NUM_BLOCKS, a.stream_interval) as dep:
         for api in ("grpc", "http"):  # warm both fronts' paths (first requests import and compile)
             run_streams(dep, api, 16, 16, 0.005, "warm-up", seed=99)
         results = run_phases(dep, a, phases)
@@ -206,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     refs += reference_ms(10 if a.quick else 15)
     summary = summarize(results, statistics.median(refs))
     summary["target_scale"] = report_targets(summary, refs)
-    summary |= {"fronts": a.fronts, "streams": SEQS, "tokens_per_stream": a.tokens, "cost_step_ms": a.cost_step_ms,
+    summary |= {"fronts": a.fronts, "stream_interval": a.stream_interval, "streams": SEQS, "tokens_per_stream": a.tokens, "cost_step_ms": a.cost_step_ms,
                 "busy_tokens_per_stream": a.busy_tokens, "delay_step_ms": a.delay_step_ms,
                 "delay_streams": a.delay_streams, "repeats": a.repeats, "machine": machine(),
                 "load_average": os.getloadavg()[0]}
