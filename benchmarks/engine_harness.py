@@ -39,12 +39,13 @@ class SleepingRunner:
     given: the counters above."""
 
     def __init__(self, vocab: int, eos: int | None, step_s: float | None = None, stats=None,
-                 step_time=None) -> None:
+                 step_time=None, text_ids: list[int] | None = None) -> None:
         self.vocab, self.eos, self.step_s, self.stats, self.step_time = vocab, eos, step_s, stats, step_time
+        self.text_ids = text_ids  # what the sequences "generate" (SimExecutor.text_ids); None: random ids
         self.reset()
 
     def reset(self) -> None:
-        self.sim = SimExecutor(CostModel(), eos_token_id=self.eos, vocab_size=self.vocab)
+        self.sim = SimExecutor(CostModel(), eos_token_id=self.eos, vocab_size=self.vocab, text_ids=self.text_ids)
 
     def execute(self, plan: wire.BatchPlan) -> wire.StepResult:
         start = time.perf_counter()
@@ -75,7 +76,8 @@ def _count_delay(st, delay: float) -> None:
 
 
 def executor_process(endpoint: str, name: str, vocab: int, eos: int | None, step_s: float | None = None,
-                     stats=None, step_time=None, max_model_len: int = 4096, num_blocks: int = SIM_BLOCKS) -> None:
+                     stats=None, step_time=None, max_model_len: int = 4096, num_blocks: int = SIM_BLOCKS,
+                     text_ids: list[int] | None = None) -> None:
     """A real ExecutorWorker (ZeroMQ, handshake, heartbeats) around a SleepingRunner: a process target."""
     from executor_svc.worker import ExecutorWorker
 
@@ -83,7 +85,8 @@ def executor_process(endpoint: str, name: str, vocab: int, eos: int | None, step
                         model_name="sim", architecture="SimExecutor", vocab_size=vocab, block_size=16,
                         num_device_blocks=num_blocks, num_cpu_blocks=0, max_model_len=max_model_len,
                         dtype="float16", device="sim")
-    ExecutorWorker(endpoint, SleepingRunner(vocab, eos, step_s, stats, step_time), hs, drain_timeout=1.0).run()
+    runner = SleepingRunner(vocab, eos, step_s, stats, step_time, text_ids)
+    ExecutorWorker(endpoint, runner, hs, drain_timeout=1.0).run()
 
 
 def small_tokenizer():

@@ -118,14 +118,17 @@ class StepShape:
 class SimExecutor:
     """Applies plan deltas like a real executor and returns simulated step times.
 
-    Sampled tokens are random ids that are never ``eos_token_id``; beam sequences
-    get ``beam_candidates`` random (token, log-prob) pairs, best first.
+    Sampled tokens are random ids that are never ``eos_token_id`` or, with ``text_ids``, that
+    text's tokens in order (each sequence from its own offset), so that what is streamed
+    detokenizes as text does; beam sequences get ``beam_candidates`` random (token, log-prob)
+    pairs, best first.
     """
 
     cost: CostModel = field(default_factory=CostModel)
     eos_token_id: int | None = 2
     vocab_size: int = 50272
     seed: int = 0
+    text_ids: list[int] | None = None
     seqs: dict[int, _SeqState] = field(default_factory=dict)
     last: StepShape = field(default_factory=StepShape)
 
@@ -172,6 +175,11 @@ class SimExecutor:
         tok = int(self._rng.integers(4, self.vocab_size))
         return tok + 1 if tok == self.eos_token_id else tok
 
+    def _text_token(self, seq_id: int, position: int) -> int:
+        ids = self.text_ids
+        tok = ids[(seq_id * 7919 + position) % len(ids)]  # (a prime stride: sequences read apart)
+        return tok + 1 if tok == self.eos_token_id else tok
+
     def _sample(self, seq_id: int, st: _SeqState, result: StepResult) -> None:
         if st.beam_candidates > 0:
             k = st.beam_candidates
@@ -179,7 +187,7 @@ class SimExecutor:
             result.beam_candidates.append(SeqLogprobs(seq_id, 0.0, [self._token() for _ in range(k)],
                                                       [float(x) for x in logprobs]))
             return
-        tok = self._token()
+        tok = self._token() if self.text_ids is None else self._text_token(seq_id, st.num_tokens)
         result.sampled_seq_ids.append(seq_id)
         result.sampled_token_ids.append(tok)
         st.num_tokens += 1

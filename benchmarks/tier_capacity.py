@@ -173,6 +173,28 @@ def summarize(r: Results, ref: float) -> dict:
     return out
 
 
+MODEL_STEPS_MS = (5, 15, 30)
+HEADROOM = 0.7  # plan a process at 70% of its CPU: one at 100% falls behind (a front merges, a core's plans wait)
+
+
+def print_capacity_model(summary: dict) -> None:
+    """Fronts and engine cores per executor (256 sequences decoding each step), from the measured costs."""
+    if "core_cpu_ms_per_step_256" not in summary:
+        return
+    front = {api: summary[f"front_cpu_us_per_token_{api}"] for api in ("grpc", "http")}
+    core = summary["core_cpu_ms_per_step_256"]
+    print(f"\ncapacity model (one executor, {SEQS} sequences per step; each process planned at {HEADROOM:.0%} "
+          f"of a CPU):")
+    print(f"{'step ms':>7} {'tokens/s':>9} {'gRPC: front CPUs':>16} {'fronts':>6} {'HTTP: front CPUs':>16} {'fronts':>6} "
+          f"{'core CPUs':>9} {'executors per core':>18}")
+    for step in MODEL_STEPS_MS:
+        tok_s = SEQS * 1e3 / step
+        cpus = {api: tok_s * us / 1e6 for api, us in front.items()}
+        print(f"{step:>7} {tok_s:>9.0f} {cpus['grpc']:>16.2f} {cpus['grpc'] / HEADROOM:>6.2f} "
+              f"{cpus['http']:>16.2f} {cpus['http'] / HEADROOM:>6.2f} {core / step:>9.3f} "
+              f"{HEADROOM * step / core:>18.1f}")
+
+
 def report_targets(summary: dict, refs: list[float]) -> float:
     """Print each target against its value, scaled to this machine; return the scale."""
     ref = statistics.median(refs)
@@ -218,8 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     print_table(results.rows)
     refs += reference_ms(10 if a.quick else 15)
     summary = summarize(results, statistics.median(refs))
+    print_capacity_model(summary)
     summary["target_scale"] = report_targets(summary, refs)
-    summary |= {"fronts": a.fronts, "stream_interval": a.stream_interval, "streams": SEQS, "tokens_per_stream": a.tokens, "cost_step_ms": a.cost_step_ms,
+    summary |= {"fronts": a.fronts, "stream_interval": a.stream_interval, "streams": SEQS,
+                "tokens_per_stream": a.tokens, "cost_step_ms": a.cost_step_ms,
                 "busy_tokens_per_stream": a.busy_tokens, "delay_step_ms": a.delay_step_ms,
                 "delay_streams": a.delay_streams, "repeats": a.repeats, "machine": machine(),
                 "load_average": os.getloadavg()[0]}

@@ -75,6 +75,14 @@ class Deployment:
             return list(self.stats)
 
 
+def corpus_ids(tok) -> list[int]:
+    """The tiny model's English-like corpus as tokens: what the simulated sequences generate, so
+    that the fronts detokenize text (most tokens from the token-text table), not random ids."""
+    from executor_svc.tiny_model import CORPUS
+
+    return tok.encode(CORPUS.read_text(), add_special_tokens=False).ids
+
+
 @contextlib.contextmanager
 def deployment(workdir: Path, fronts: int, max_model_len: int, num_blocks: int,
                stream_interval: int = 1) -> Iterator[Deployment]:
@@ -97,7 +105,7 @@ def deployment(workdir: Path, fronts: int, max_model_len: int, num_blocks: int,
     executor = ctx.Process(target=h.executor_process, daemon=True,
                            args=(f"tcp://127.0.0.1:{executor_port}", "sim0", tok.get_vocab_size(), eos),
                            kwargs={"stats": stats, "step_time": step_time, "max_model_len": max_model_len,
-                                   "num_blocks": num_blocks})
+                                   "num_blocks": num_blocks, "text_ids": corpus_ids(tok)})
     executor.start()
     dep = Deployment(scheduler, executor, stats, step_time, f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}",
                      model, tok.get_vocab_size())
