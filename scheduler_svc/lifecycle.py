@@ -19,7 +19,7 @@ import msgspec
 
 from pagedserve.wire import SamplingParams, max_result_bytes
 from scheduler_svc.api_types import FinishReason, GenerationRequest
-from scheduler_svc.kv_cache_manager import KVCacheManager, KVCacheManagerBase, PrefixHit
+from scheduler_svc.kv_cache_manager import NO_HIT, KVCacheManager, KVCacheManagerBase, PrefixHit
 from scheduler_svc.request import BeamState, MigratedRequest, Request, RequestState, RequestUpdate, Sequence
 from scheduler_svc.sched_config import SchedulerConfig
 
@@ -41,9 +41,13 @@ class InFlight:
     beams: list[Sequence]  # beam sequences it reports candidates for (each holds a placeholder)
     to_commit: list[tuple[Sequence, int, int]]  # (seq, residency, computed count) filling a block
     forks: list = dataclasses.field(default_factory=list)  # the plan's Fork entries
+    # Sequences whose prompt tokens it may score (SamplingParams.prompt_logprobs): (seq, the most it
+    # can score: every prompt token before the end of this step's chunk, token 0 never).
+    scoring: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
 
     def max_result_bytes(self) -> int:
-        """The largest result frame this plan can be answered with (its sequences, their log-probs)."""
+        """The largest result frame this plan can be answered with (its sequences, their log-probs,
+        the prompt scores of the chunks it computes)."""
         lp = num_lp = 0
         for s in self.sampling:
             sp = s.sampling
@@ -53,7 +57,12 @@ class InFlight:
         beams = 0
         for s in self.beams:
             beams += s.sampling.beam_candidates
-        return max_result_bytes(len(self.seq_ids), len(self.sampling), lp, num_lp, beams, len(self.beams))
+        scored = entries = 0
+        for s, most in self.scoring:
+            scored += most
+            entries += most * s.sampling.prompt_logprobs
+        return max_result_bytes(len(self.seq_ids), len(self.sampling), lp, num_lp, beams, len(self.beams),
+                                scored, entries, len(self.scoring))
 
     def forget(self, dropped: set[int]) -> None:
         """The executor dropped these sequences after an earlier step failed: this plan serves none of
@@ -68,6 +77,12 @@ class InFlight:
                         s.num_placeholders -= 1
                 due[:] = [s for s in due if s.seq_id not in dropped]
         self.to_commit[:] = [x for x in self.to_commit if x[0].seq_id not in dropped]
+
+
+def takes_prefix_hits(req: GenerationRequest) -> bool:
+    """A request whose prompt is scored computes all of it, as in vLLM: the executor would run a
+    hit's positions again to score them, work no step's token budget counts."""
+    return req.params.sampling.prompt_logprobs < 0
 
 
 class RequestLifecycle:
@@ -283,8 +298,9 @@ class RequestLifecycle:
         them, cannot fit."""
         hits = []
         known = r.req.prompt_block_hashes or ()  # every seq of r starts with the prompt
+        lookup = self.kv.lookup_prefix if takes_prefix_hits(r.req) else lambda seq, known: NO_HIT
         for seq in r.live:
-            hit = self.kv.lookup_prefix(seq, known)
+            hit = lookup(seq, known)
             if hit.blocks and len(r.live) == 1 and not self._first_chunk_fits(r, seq, hit, max_tokens):
                 self._unadmit(r)
                 return None

@@ -114,6 +114,8 @@ class Scheduler(RequestLifecycle):
                         ids.append(seq.seq_id)
                         nums.append(n)
                         seq.num_computed_tokens = c + n  # counted at schedule time, as in vLLM v1
+                        if c < seq.num_prompt_tokens:  # (a prompt chunk: its scores may be owed)
+                            self._note_scoring(seq, c, n)
                         if c + n == total:  # it samples: a placeholder until the result comes
                             seq.num_placeholders += 1
                             sampling.append(seq)
@@ -243,6 +245,8 @@ class Scheduler(RequestLifecycle):
             nums.append(n)
             c = seq.num_computed_tokens
             seq.num_computed_tokens = c + n
+            if c < seq.num_prompt_tokens:
+                self._note_scoring(seq, c, n)
             if c + n == seq.num_tokens:  # it samples (or reports beam candidates)
                 seq.num_placeholders += 1
                 (step.sampling if seq.request.beam is None else step.beams).append(seq)
@@ -251,6 +255,13 @@ class Scheduler(RequestLifecycle):
             total += n
         budget.tokens -= total
         budget.seqs -= len(work)
+
+    def _note_scoring(self, seq: Sequence, c: int, n: int) -> None:
+        """A chunk of ``seq``'s prompt from ``c``: if its prompt is scored, the step's result may carry
+        the scores of every prompt token before the chunk's end (the executor may run a hit's
+        positions again), and its bound must allow them."""
+        if seq.sampling.prompt_logprobs >= 0 and not seq.num_output_tokens:
+            self._step.scoring.append((seq, min(c + n, seq.num_prompt_tokens - 1)))
 
     @staticmethod
     def _emit_change(seq: Sequence, ch: SlotChange, plan: BatchPlan) -> None:

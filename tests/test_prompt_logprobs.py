@@ -1,6 +1,7 @@
 """Prompt log-probs: the executor scores a prompt while prefilling it, only for requests that ask;
 the scores equal transformers' log-softmax of the prompt's logits, through chunked prefill, a
-prefix-cache hit (those positions are run again, their K/V not written), n > 1, and a request
+prefix-cache hit (the scheduler takes none for such a prompt; an executor given one runs those
+positions again, their K/V not written), n > 1, and a request
 registered again after preemption (scored again from token 1, delivered once)."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from executor_svc.model import load_model
 from pagedserve.wire import SamplingParams
+from pagedserve.wire.codec import encode
+from scheduler_svc import lifecycle
 from scheduler_svc.api_types import GenerationRequest, RequestParams
 from scheduler_svc.outputs import RequestStream
 from scheduler_svc.sched_config import SchedulerConfig
@@ -44,6 +47,7 @@ def _serve(runner, reqs: list[GenerationRequest], **cfg) -> tuple[dict[str, list
             continue
         result = runner.execute(plan)
         assert result.error is None, result.error
+        assert len(encode(result)) <= sched.in_flight[0].max_result_bytes()  # the scores fit the plan's bound
         for u in sched.update(result):
             if u.prompt_logprobs is not None:
                 pieces[u.request_id].append(u.prompt_logprobs)
@@ -76,7 +80,41 @@ def test_prompt_scores_equal_transformers_in_one_step_or_in_chunks(tiny_llama_di
     assert len(pieces["a"]) == (1 if budget == 2048 else 3) and pieces["plain"] == []  # only those that ask
 
 
-def test_a_prefix_hit_runs_the_cached_positions_again_without_rewriting_them(tiny_llama_dir, model, reference):
+def _warm_then_scored(runner) -> tuple[Scheduler, list, int]:
+    """A plain request caches PROMPT's blocks; then a request scoring the same prompt runs."""
+    sched = Scheduler(SchedulerConfig(block_size=16, max_model_len=256), runner.kv.num_blocks,
+                      runner.kv.num_cpu_blocks, eos_token_ids=())
+    sched.add_request(GenerationRequest("warm", list(PROMPT), RequestParams(
+        max_tokens=4, sampling=SamplingParams(temperature=0.0), ignore_eos=True)))
+    while sched.has_work():
+        if (plan := sched.schedule()) is not None:
+            sched.update(runner.execute(plan))
+    hits_before = sched.prefix_cache_hit_tokens
+    sched.add_request(_request("scored"))
+    pieces = []
+    while sched.has_work():
+        if (plan := sched.schedule()) is not None:
+            for u in sched.update(runner.execute(plan)):
+                if u.prompt_logprobs is not None:
+                    pieces.append(u.prompt_logprobs)
+        sched.check_integrity()
+    return sched, pieces, sched.prefix_cache_hit_tokens - hits_before
+
+
+def test_a_scored_prompt_takes_no_prefix_hit(tiny_llama_dir, model, reference):
+    """The scheduler computes a scored prompt whole (the executor would otherwise run the hit's
+    positions again, beyond the step's token budget and its result bound)."""
+    runner = make_runner(tiny_llama_dir, model=model)
+    _, pieces, hit_tokens = _warm_then_scored(runner)
+    assert hit_tokens == 0
+    _check(pieces, reference)
+
+
+def test_a_prefix_hit_runs_the_cached_positions_again_without_rewriting_them(tiny_llama_dir, model, reference,
+                                                                            monkeypatch):
+    """The executor's side of the contract: a scored sequence registered with computed tokens (a
+    scheduler that takes the hit) has those positions run again, their K/V not written."""
+    monkeypatch.setattr(lifecycle, "takes_prefix_hits", lambda req: True)
     runner = make_runner(tiny_llama_dir, model=model)
     sched = Scheduler(SchedulerConfig(block_size=16, max_model_len=256), runner.kv.num_blocks,
                       runner.kv.num_cpu_blocks, eos_token_ids=())
@@ -142,3 +180,15 @@ def test_a_prompt_scored_again_from_token_1_replaces_the_first_pass(tiny_llama_d
     assert stream.prompt_scores == lp
     out, _ = stream.apply(RequestUpdate("x", [SeqUpdate(0, [40])], False, len(PROMPT)))
     assert out.prompt_logprobs == [None, *lp] and stream.prompt_scores_sent
+
+
+@pytest.mark.parametrize("budget", [2048, 128])  # one step; chunks (the running path)
+def test_the_plan_bound_counts_the_scores_its_chunks_may_carry(tiny_llama_dir, model, budget):
+    """200 prompt tokens at 20 alternatives each: about 58 KB of scores, far past what a plan without
+    them may be answered with. ``_serve`` checks every result against its plan's bound."""
+    runner = make_runner(tiny_llama_dir, model=model)
+    prompt = [(11 * j + 5) % 480 + 5 for j in range(200)]
+    sp = SamplingParams(temperature=0.0, prompt_logprobs=20)
+    req = GenerationRequest("long", prompt, RequestParams(max_tokens=2, sampling=sp, ignore_eos=True))
+    pieces, _, _ = _serve(runner, [req], max_num_batched_tokens=budget)
+    assert sum(len(p.logprobs) for p in pieces["long"]) == len(prompt) - 1
