@@ -17,9 +17,10 @@
   (C = 1: 4 requests; else 2 per worker): 128 random prompt token ids, 64 output tokens,
   greedy, EOS ignored. Output tokens/s = tokens streamed / wall time. Servers are restarted
   for every repetition, systems interleaved; each cell is the median of ``--reps``.
-* Before any server starts it measures the machine's read bandwidth (STREAM-style, array 4x
-  the last-level cache, same threads) and reports each system's batch-1 decode as weight and
-  KV bytes read per token over the median time per output token.
+* Before each repetition's servers start it measures the machine's read bandwidth (STREAM-style,
+  array 4x the last-level cache, same threads; the median of the repetitions is the reference)
+  and reports each system's batch-1 decode as weight and KV bytes read per token over the
+  median time per output token.
 * Cold start: the first request after the executor registered, against the median of the
   batch-1 requests after it (pagedserve; target within 10%).
 
@@ -205,12 +206,14 @@ def run(args) -> dict:
     ggufs = {f: ensure_gguf(model, FORMATS[f][1], args.llamacpp_cache) for f in fmts}
     from executor_svc.cpu_ops import native_ops
 
-    bw = native_ops().read_bandwidth(max(4 * llc_bytes(), 256 << 20), args.threads)
-    print(f"read bandwidth {bw / 1e9:.1f} GB/s ({args.threads} threads); model {model}", flush=True)
+    ops, bws = native_ops(), []
+    print(f"model {model}; load average {os.getloadavg()[0]:.1f}", flush=True)
     runs: dict[tuple[str, str, int], list[LoadResult]] = {}
     cold: dict[str, list[float]] = {f: [] for f in fmts}
     retries: list[str] = []
     for rep in range(args.reps):
+        bws.append(ops.read_bandwidth(max(4 * llc_bytes(), 256 << 20), args.threads))  # each rep: the VM drifts
+        print(f"rep {rep + 1}: read bandwidth {bws[-1] / 1e9:.1f} GB/s ({args.threads} threads)", flush=True)
         for fmt in fmts:
             for attempt in (1, 2):  # a failed run is reported, then run once more
                 try:
@@ -231,7 +234,9 @@ def run(args) -> dict:
                 f"{runs[('llama.cpp', fmt, c)][-1].tokens_per_s:.0f} tok/s" for c in levels), flush=True)
     if retries:
         print(f"{len(retries)} pagedserve run(s) failed and ran again:\n  " + "\n  ".join(retries))
-    result = report(args, model, fmts, levels, runs, cold, bw)
+    result = report(args, model, fmts, levels, runs, cold, statistics.median(bws))
+    result["bandwidth_gbs_runs"] = [round(b / 1e9, 2) for b in bws]
+    result["load_average_end"] = round(os.getloadavg()[0], 2)
     result["pagedserve_runs_retried"] = len(retries)
     return result
 
