@@ -48,7 +48,7 @@ from scheduler_svc.auth_throttle import AuthThrottle
 from scheduler_svc.call_gate import CallGate
 from scheduler_svc.grpc_limits import GrpcLimits, server_options
 from scheduler_svc.metrics import Metrics
-from scheduler_svc.offload import validate_off_loop
+from scheduler_svc.offload import token_ids, validate_off_loop
 from scheduler_svc.refusals import refusal
 from scheduler_svc.security import ApiKeys, TlsFiles
 from scheduler_svc.validation import (
@@ -184,7 +184,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     await aclose()
 
     def _tokenize(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+        return token_ids(self._tokenizer, text, True)
 
     async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         if self._metrics is not None:

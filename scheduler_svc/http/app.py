@@ -45,7 +45,7 @@ from scheduler_svc.http.openai_types import (
 )
 from scheduler_svc.http.responses import ChatRender, CompletionRender, TokenTexts, _Render
 from scheduler_svc.metrics import Metrics
-from scheduler_svc.offload import validate_off_loop
+from scheduler_svc.offload import token_ids, validate_off_loop
 from scheduler_svc.refusals import refusal
 from scheduler_svc.tool_calls import ToolCallOptions, ToolPlan, plan_tools
 from scheduler_svc.validation import (
@@ -211,10 +211,10 @@ class OpenAIFront:
         return out
 
     def _tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+        return token_ids(self.tokenizer, text, True)
 
     def _tokenize_plain(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return token_ids(self.tokenizer, text, False)
 
     def _prompt_text(self, f: RequestFields) -> str:
         return f.prompt if f.prompt is not None else self.tokenizer.decode(list(f.prompt_token_ids))

@@ -28,7 +28,7 @@ from scheduler_svc.http.chat_messages import chat_messages
 from scheduler_svc.http.chat_template import ChatTemplateError
 from scheduler_svc.http.errors import ApiError, bad_field
 from scheduler_svc.http.openai_types import ChatMessage, ChatRequest
-from scheduler_svc.offload import validate_off_loop
+from scheduler_svc.offload import token_ids, validate_off_loop
 
 
 class OpenAIFront(Protocol):
@@ -77,7 +77,7 @@ async def tokenize(front: OpenAIFront, request: Request) -> Response:
         text, special = req.prompt, req.add_special_tokens is not False
     else:
         text, special = _render(front, req), req.add_special_tokens is True
-    ids = await validate_off_loop(len(text), lambda: front.tokenizer.encode(text, add_special_tokens=special).ids)
+    ids = await validate_off_loop(len(text), lambda: token_ids(front.tokenizer, text, special))
     return _json({"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids})
 
 
