@@ -151,6 +151,63 @@ class BlockPool:
             else:
                 self._push_front(b)  # nothing worth keeping: reuse first
 
+    def touch_many(self, blocks: Iterable[Block], k: int) -> None:
+        """``k`` more references to each of ``blocks`` (a sequence forked into ``k`` children):
+        :meth:`touch` ``k`` times over, in one pass (15 choices of an 8K-block prompt add 123K
+        references; one pass touches each block once)."""
+        if k <= 0:
+            if k < 0:
+                raise ValueError(f"touch_many: k must be >= 0, got {k}")
+            return
+        shared = free = cached = 0
+        for b in blocks:
+            r = b.ref_cnt
+            if r == 0:
+                b.prev.next = b.next  # type: ignore[union-attr]  (off the free list, as _unlink)
+                b.next.prev = b.prev  # type: ignore[union-attr]
+                b.prev = b.next = None
+                free += 1
+                if b.block_hash is not None:
+                    cached += 1
+            if r < 2 <= r + k:
+                shared += 1
+            b.ref_cnt = r + k
+        self._num_free -= free
+        self._num_cached_free -= cached
+        self._num_shared += shared
+
+    def free_many(self, blocks: Iterable[Block]) -> None:
+        """:meth:`free` each of ``blocks`` in turn (give a table reversed: its tail is evicted
+        first), in one tight pass: most blocks of a forked request only lose a reference."""
+        head, tail = self._head, self._tail
+        unshared = free = cached = 0
+        try:
+            for b in blocks:
+                r = b.ref_cnt - 1
+                if r > 1:
+                    b.ref_cnt = r
+                    continue
+                if r < 0:
+                    raise RuntimeError(f"double free of block {b.block_id}")
+                b.ref_cnt = r
+                if r:
+                    unshared += 1
+                    continue
+                free += 1
+                if b.block_hash is not None:  # keep it findable; evicted LRU first (as _append)
+                    cached += 1
+                    last = tail.prev
+                    b.prev, b.next = last, tail
+                    last.next = tail.prev = b  # type: ignore[union-attr]
+                else:  # nothing worth keeping: reuse first (as _push_front)
+                    first = head.next
+                    b.prev, b.next = head, first
+                    first.prev = head.next = b  # type: ignore[union-attr]
+        finally:  # (the counters stay exact for the blocks freed before a double free)
+            self._num_shared -= unshared
+            self._num_free += free
+            self._num_cached_free += cached
+
     # ---------------------------------------------------------------- prefix cache
     def lookup(self, block_hash: bytes) -> Block | None:
         return self._by_hash.get(block_hash)

@@ -127,6 +127,11 @@ class KVCacheManagerBase(abc.ABC):
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Child shares every block of parent."""
 
+    def fork_many(self, parent: Sequence, children: Seq[Sequence]) -> None:
+        """Each child shares every block of parent (:meth:`fork` for each, in order)."""
+        for child in children:
+            self.fork(parent, child)
+
     @abc.abstractmethod
     def free(self, seq: Sequence) -> None:
         """Release every block the sequence holds (device or CPU). Idempotent."""
@@ -286,29 +291,39 @@ class KVCacheManager(KVCacheManagerBase):
         return SlotChange(start, [b.block_id for b in table[start:]], copy)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        if child.seq_id in self._tables or child.seq_id in self._cpu_tables:
-            raise RuntimeError(f"fork into seq {child.seq_id} that already holds blocks")
+        self.fork_many(parent, (child,))
+
+    def fork_many(self, parent: Sequence, children: Seq[Sequence]) -> None:
+        """One pass over the parent's blocks adds every child's reference (n = 16 on a 131K-token
+        prompt: 15 references to each of 8K blocks)."""
         if parent.seq_id in self._cpu_tables:
             raise RuntimeError(f"fork from seq {parent.seq_id} whose blocks are swapped out")
+        ids = {c.seq_id for c in children}
+        if len(ids) != len(children) or parent.seq_id in ids:
+            raise RuntimeError(f"fork of seq {parent.seq_id} into seqs {[c.seq_id for c in children]}: "
+                               f"children must be distinct and not the parent")
+        for child in children:
+            if child.seq_id in self._tables or child.seq_id in self._cpu_tables:
+                raise RuntimeError(f"fork into seq {child.seq_id} that already holds blocks")
         src = self._tables.get(parent.seq_id, [])  # may be empty: a 1-token prompt forks at once
-        for b in src:
-            self.pool.touch(b)
-        self._tables[child.seq_id] = list(src)
-        # Only the computed prefix is known to be common; the child may diverge after it.
-        shared = child.num_computed_tokens // self.block_size
-        self._hashes[child.seq_id] = self._hashes.get(parent.seq_id, [])[:shared]
-        self._registered[child.seq_id] = min(self._registered.get(parent.seq_id, 0), shared)
+        self.pool.touch_many(src, len(children))
+        parent_hashes = self._hashes.get(parent.seq_id, [])
+        parent_registered = self._registered.get(parent.seq_id, 0)
+        for child in children:
+            self._tables[child.seq_id] = list(src)
+            # Only the computed prefix is known to be common; the child may diverge after it.
+            shared = child.num_computed_tokens // self.block_size
+            self._hashes[child.seq_id] = parent_hashes[:shared]
+            self._registered[child.seq_id] = min(parent_registered, shared)
 
     def free(self, seq: Sequence) -> None:
         sid = seq.seq_id
         table = self._tables.pop(sid, None)
         if table is not None:
-            for b in reversed(table):  # tail first onto the LRU end: evicted before the head
-                self.pool.free(b)
+            self.pool.free_many(reversed(table))  # tail first onto the LRU end: evicted before the head
         cpu_table = self._cpu_tables.pop(sid, None)
         if cpu_table is not None:
-            for b in reversed(cpu_table):
-                self.cpu_pool.free(b)  # type: ignore[union-attr]
+            self.cpu_pool.free_many(reversed(cpu_table))  # type: ignore[union-attr]
         self._hashes.pop(sid, None)
         self._registered.pop(sid, None)
 
@@ -320,8 +335,7 @@ class KVCacheManager(KVCacheManagerBase):
             return None
         for s, table in zip(seqs, tables, strict=True):
             del self._tables[s.seq_id]
-            for b in reversed(table):
-                self.pool.free(b)
+            self.pool.free_many(reversed(table))
             self._registered[s.seq_id] = 0
         return pairs
 
@@ -335,8 +349,7 @@ class KVCacheManager(KVCacheManagerBase):
             raise RuntimeError("swap_in: device pool shrank between check and commit")
         for s, table in zip(seqs, tables, strict=True):
             del self._cpu_tables[s.seq_id]
-            for b in reversed(table):
-                self.cpu_pool.free(b)  # type: ignore[union-attr]
+            self.cpu_pool.free_many(reversed(table))  # type: ignore[union-attr]
         return pairs
 
     def is_swapped(self, seq: Sequence) -> bool:
