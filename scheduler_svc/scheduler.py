@@ -190,12 +190,14 @@ class Scheduler(RequestLifecycle):
         """n > 1: the prompt (minus its last token) is computed once; share it n ways."""
         seq0 = r.live[0]
         sp = r.req.params.sampling
+        children = []
         for i in range(1, r.req.params.n):
             child = self.new_seq(r, i, list(seq0.token_ids), seeded(sp, i))
             child.num_computed_tokens = seq0.num_computed_tokens
-            self.kv.fork(seq0, child)
             child.fork_parent = seq0.seq_id
             child.fork_seed = child.sampling.seed
+            children.append(child)
+        self.kv.fork_many(seq0, children)  # (one pass over the prompt's blocks for all of them)
         r.forked = True
 
     def _intros(self, r: Request) -> list:
