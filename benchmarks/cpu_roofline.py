@@ -73,7 +73,7 @@ def step_cost(model, fmt: str, batch: int, ctx: float) -> tuple[float, float]:
     """(bytes, FLOPs) of one decode step of ``batch`` sequences at mean context ``ctx``."""
     cfg = model.cfg
     weights = sum(m.out_features * m.in_features for m in model.modules() if isinstance(m, PackedLinear)
-                  and m is not getattr(model.embed_tokens, "table", None))
+                  and m is not model.embed_tokens)
     if cfg.tie_word_embeddings:
         weights += cfg.vocab_size * cfg.hidden_size  # the LM head is the (shared) table
     kv_elem = torch.empty((), dtype=KV[fmt]).element_size()

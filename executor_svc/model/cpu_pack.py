@@ -18,7 +18,7 @@ from torch import nn
 from executor_svc.cpu_ops import W_BF16, W_F32, W_Q8, CpuOps
 from executor_svc.model.cpu_decode import DecodeStack
 from executor_svc.model.llama import LlamaForCausalLM
-from executor_svc.model.weights import FORMATS, PackedEmbedding, PackedLinear, pack_linear
+from executor_svc.model.weights import FORMATS, PackedEmbedding, pack_linear
 
 log = logging.getLogger(__name__)
 _WTYPES = {"float32": W_F32, "bfloat16": W_BF16, "int8": W_Q8}
@@ -57,8 +57,7 @@ def pack_for_cpu(model: LlamaForCausalLM, fmt: str, ops: CpuOps | None) -> Llama
     # A tied table is also the LM head: packed for the kernels. An untied one is only looked up:
     # kept row-major, where a lookup is one plain gather.
     tied = model.lm_head is None and model.with_lm_head
-    table = PackedLinear.from_float(model.embed_tokens.weight.data, None, fmt, ops if tied else None)
-    model.embed_tokens = PackedEmbedding(table)
+    model.embed_tokens = PackedEmbedding.from_float(model.embed_tokens.weight.data, None, fmt, ops if tied else None)
     if model.lm_head is not None:
         model.lm_head = pack_linear(model.lm_head, fmt, ops)
     _float32_norms(model)

@@ -22,7 +22,7 @@ from torch import nn
 from executor_svc.attention import AttentionBackend, AttentionMetadata, KVCaches
 from executor_svc.model.config import ModelConfig
 from executor_svc.model.rope import RotaryEmbedding, apply_rotary
-from executor_svc.model.weights import PackedEmbedding, PackedLinear
+from executor_svc.model.weights import PackedLinear
 
 
 class RMSNorm(nn.Module):
@@ -154,8 +154,6 @@ class LlamaForCausalLM(nn.Module):
     def logits_head(self) -> PackedLinear | None:
         """The LM head of a CPU-packed model (a tied one is the embedding's table); else None."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        if isinstance(head, PackedEmbedding):
-            head = head.table
         return head if isinstance(head, PackedLinear) and self.with_lm_head else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -166,6 +164,6 @@ class LlamaForCausalLM(nn.Module):
             return done  # computed by the fused decode step itself
         head = self.logits_head()
         if head is not None:
-            return head(hidden)
+            return head.project(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).to(torch.float32)

@@ -118,6 +118,10 @@ class PackedLinear(nn.Module):
         return d
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in] -> x W^T (+ b) [..., out]`` float32."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32 or x2.stride(-1) != 1:
@@ -152,19 +156,12 @@ class PackedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, format={self.fmt}, bias={self.bias is not None}"
 
 
-class PackedEmbedding(nn.Module):
-    """Token embedding looked up in a :class:`PackedLinear` table (shared with a tied LM head)."""
-
-    def __init__(self, table: PackedLinear) -> None:
-        super().__init__()
-        self.table = table
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.table.weight
+class PackedEmbedding(PackedLinear):
+    """A token embedding table in a weight format: ``forward(ids)`` looks rows up; a tied LM
+    head uses the same table through :meth:`PackedLinear.project`."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.table.rows(ids)
+        return self.rows(ids)
 
 
 def pack_linear(layer: nn.Linear, fmt: str, ops: CpuOps | None) -> PackedLinear:
