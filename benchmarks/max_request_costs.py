@@ -4,10 +4,12 @@ Each piece is a stretch of the engine core's event loop that a single request ma
 longest of them bounds the plan delay ``tier_capacity --phases delay`` measures end to end):
 
 - ``decode_submit``: the core decoding a front's ``Submit`` carrying 131,071 prompt token ids (ids
-  drawn below a 128K vocabulary, as a Llama-3-sized model has; small ints are cached objects);
+  drawn below a 128K vocabulary, as a Llama-3-sized model has; small ints are cached objects), packed;
+- ``unpack_slice`` / ``unpack_total``: turning them into ints, the longest of the front link's slices
+  (``core_link.UNPACK_SLICE`` ids each, the loop free between) and all of them;
 - ``admit_plan``: ``add_request`` and the first plan carrying the prompt (``schedule()`` and
   ``wire.encode``);
-- ``chunk_max``: the longest of the steps prefilling it (wall only);
+- ``chunk_max``: the longest of the steps prefilling it;
 - ``finish``: releasing that request's 8K blocks (before its last chunk) (``abort_request``; a finish frees the same way);
 - ``fork_n16``: with n = 16 on a 62K-token prompt, the plan that forks the 15 other choices from the
   computed prompt (``schedule()`` and ``wire.encode``);
@@ -40,6 +42,7 @@ from scheduler_svc.kv_cache_manager import hash_blocks
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.tier import messages as m
+from scheduler_svc.tier.core_link import UNPACK_SLICE
 
 EOS = 2
 VOCAB = 128_256
@@ -108,14 +111,25 @@ def _step(sched: Scheduler, tokens: dict[int, int], computed: dict[int, int], cl
     sched.update(_respond(plan, tokens, computed))  # type: ignore[arg-type]
 
 
-def decode_submit(rng: random.Random) -> tuple[float, float]:
+def decode_submit(rng: random.Random) -> dict[str, tuple[float, float]]:
+    """The frame's decode and the unpacking of its ids (the core's front link does it ``UNPACK_SLICE``
+    ids per turn of its loop: ``unpack_slice`` is the longest turn, ``unpack_total`` all of them)."""
     prompt = [rng.randrange(VOCAB) for _ in range(MAX_MODEL_LEN - 1)]
-    frame = m.TIER.encode(m.Submit(_request("front-0:big", prompt, 1), 0.0))
+    req = _request("front-0:big", [], 1)
+    frame = m.TIER.encode(m.Submit(req, m.pack_ids(prompt), 0.0))
     clock = _Clock()
     msg = clock(m.TIER.decode, frame, m.FROM_FRONT, m.MAX_FRAME_BYTES)
-    if len(msg.request.prompt_token_ids) != len(prompt):
+    ids = clock(m.unpacked, msg.prompt_ids)
+    total, longest, out = _Clock(), (0.0, 0.0), []
+    for i in range(0, len(ids), UNPACK_SLICE):
+        piece = _Clock()
+        out += piece(ids[i:i + UNPACK_SLICE].tolist)
+        longest = max(longest, (piece.wall, piece.cpu))
+        total.wall, total.cpu = total.wall + piece.wall, total.cpu + piece.cpu
+    if out != prompt:
         raise RuntimeError("benchmark invariant: the prompt survives the round trip")
-    return clock.wall, clock.cpu
+    return {"decode_submit": (clock.wall, clock.cpu), "unpack_slice": longest,
+            "unpack_total": (total.wall, total.cpu)}
 
 
 def long_prompt(rng: random.Random) -> dict[str, tuple[float, float]]:
@@ -125,16 +139,16 @@ def long_prompt(rng: random.Random) -> dict[str, tuple[float, float]]:
     admit = _Clock()
     admit(sched.add_request, req)
     _step(sched, tokens, computed, admit)
-    seq, chunk = sched.requests["big"].live[0], 0.0
+    seq, chunk = sched.requests["big"].live[0], (0.0, 0.0)
     while seq.num_computed_tokens + 2048 < seq.num_prompt_tokens:  # its prefill but the last chunk
         clock = _Clock()
         _step(sched, tokens, computed, clock)
-        chunk = max(chunk, clock.wall)
+        chunk = max(chunk, (clock.wall, clock.cpu))
     gc.collect()
     finish = _Clock()
     finish(sched.abort_request, "big")
     sched.kv.check_integrity()
-    return {"admit_plan": (admit.wall, admit.cpu), "chunk_max": (chunk, chunk), "finish": (finish.wall, finish.cpu)}
+    return {"admit_plan": (admit.wall, admit.cpu), "chunk_max": chunk, "finish": (finish.wall, finish.cpu)}
 
 
 def parallel_sampling(rng: random.Random) -> dict[str, tuple[float, float]]:
@@ -168,8 +182,7 @@ def main() -> None:
     runs: dict[str, list[tuple[float, float]]] = {}
     for i in range(a.repeats):
         rng = random.Random(i)
-        runs.setdefault("decode_submit", []).append(decode_submit(rng))
-        for k, v in (long_prompt(rng) | parallel_sampling(rng)).items():
+        for k, v in (decode_submit(rng) | long_prompt(rng) | parallel_sampling(rng)).items():
             runs.setdefault(k, []).append(v)
     out = {}
     for k, v in runs.items():

@@ -11,6 +11,11 @@ enter) or CURVE-authenticated (fronts of their own Deployment, with keys the cor
 executors). What a front sends is decoded with the bounded codec; a front's malformed frame, or
 one naming a request it did not submit, drops that front. A front silent for
 ``DEAD_AFTER_INTERVALS`` heartbeats is dead: its requests are aborted and their blocks freed.
+
+A ``Submit``'s prompt comes packed (``messages.PackedIds``): one longer than the longest context is
+refused before any of it is unpacked, and a long one is turned into ints ``UNPACK_SLICE`` ids at a
+time, the loop free between slices, so no plan waits for it. The link reads on only when a Submit is
+admitted, so what a front sends is handled in the order it was sent.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import traceback
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +50,7 @@ from scheduler_svc.tier.metrics import merge_families
 
 log = logging.getLogger(__name__)
 front_warning = RateLimitedLog(log)
+UNPACK_SLICE = 16_384  # prompt ids turned into ints per turn of the event loop (~0.2-0.6 ms)
 
 
 @dataclass(slots=True, eq=False)
@@ -137,11 +145,11 @@ class FrontLink:
         while True:
             frames = await self._sock.recv_multipart()
             try:
-                self._receive(frames)
-            except Exception:  # noqa: BLE001  a bug here must not end the link
-                front_warning("error while handling a front's frame", exc_info=True)
+                await self._receive(frames)
+            except Exception as exc:  # noqa: BLE001  a bug here must not end the link
+                front_warning("error while handling a front's frame: %s", "".join(traceback.format_exception(exc)))
 
-    def _receive(self, frames: list[bytes]) -> None:
+    async def _receive(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
             front_warning("dropping a message of %d frames from a front", len(frames))
             return
@@ -158,7 +166,10 @@ class FrontLink:
         try:
             msg = m.TIER.decode(payload, accept=m.FROM_FRONT, max_bytes=m.MAX_FRAME_BYTES)
             front.last_seen = time.monotonic()
-            self._dispatch(front, msg)
+            if isinstance(msg, m.Submit):
+                await self._submit(front, msg)
+            else:
+                self._dispatch(front, msg)
         except (WireError, _Foreign) as exc:
             self._drop(front, f"broke the front protocol: {exc}")
 
@@ -181,9 +192,7 @@ class FrontLink:
         self.send(front, self._status())
 
     def _dispatch(self, front: RemoteFront, msg: m.Message) -> None:
-        if isinstance(msg, m.Submit):
-            self._submit(front, msg)
-        elif isinstance(msg, m.Abort):
+        if isinstance(msg, m.Abort):
             self.core.abort(_owned(front, msg.request_id))
         elif isinstance(msg, m.FinishChoice):
             self.core.finish_choice(_owned(front, msg.request_id), msg.index)
@@ -199,12 +208,23 @@ class FrontLink:
         elif isinstance(msg, m.FrontHello):
             raise _Foreign("a second FrontHello on a live connection")
 
-    def _submit(self, front: RemoteFront, msg: m.Submit) -> None:
+    async def _submit(self, front: RemoteFront, msg: m.Submit) -> None:
         req = msg.request
         _owned(front, req.request_id)
-        now = time.monotonic()
-        req.arrival_time = now - msg.queued_s  # (the front's times are relative: clocks differ)
-        req.deadline = None if msg.deadline_in_s is None else now + msg.deadline_in_s
+        received = time.monotonic()
+        if req.prompt_token_ids:
+            raise _Foreign("a Submit whose request carries prompt_token_ids (they travel packed)")
+        n, info = m.num_packed(msg.prompt_ids), self.core.model_info()
+        if info is not None and n >= info.max_model_len:  # (refused before a single int is built)
+            front.deliver([RequestUpdate(req.request_id, [], True, n, error_kind=ERROR_FAILED,
+                                         error=f"prompt of {n} tokens must be shorter than max_model_len "
+                                               f"{info.max_model_len}")])
+            return
+        req.prompt_token_ids = await _ints(m.unpacked(msg.prompt_ids))
+        if not front.alive:  # it went away while its prompt was unpacked
+            return
+        req.arrival_time = received - msg.queued_s  # (the front's times are relative: clocks differ)
+        req.deadline = None if msg.deadline_in_s is None else received + msg.deadline_in_s
         req.first_scheduled_at = None
         req.max_total_tokens = None  # fixed here, at its first placement
         resume = None
@@ -255,6 +275,17 @@ class FrontLink:
 
 class _Foreign(ValueError):
     """A front named a request it did not submit, or broke the protocol otherwise."""
+
+
+async def _ints(ids: array) -> list[int]:
+    """``ids`` as a list of ints, built ``UNPACK_SLICE`` at a time with the loop free between."""
+    if len(ids) <= UNPACK_SLICE:
+        return ids.tolist()
+    out: list[int] = []
+    for i in range(0, len(ids), UNPACK_SLICE):
+        out += ids[i:i + UNPACK_SLICE].tolist()
+        await asyncio.sleep(0)
+    return out
 
 
 def _owned(front: RemoteFront, request_id: str) -> str:

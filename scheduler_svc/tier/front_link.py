@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import traceback
 from collections.abc import Callable
 
 import zmq
@@ -102,8 +103,9 @@ class RemoteCore:
         queued = max(0.0, now - req.arrival_time) if req.arrival_time else 0.0
         deadline_in = None if req.deadline is None else max(0.0, req.deadline - now)
         outputs, finished = resume if resume is not None else (None, [])
-        self._send(m.Submit(dataclasses.replace(req, arrival_time=0.0, deadline=None), queued, deadline_in,
-                            outputs, finished))
+        packed = m.pack_ids(req.prompt_token_ids)  # (validated ids: in the vocabulary)
+        self._send(m.Submit(dataclasses.replace(req, prompt_token_ids=[], arrival_time=0.0, deadline=None), packed,
+                            queued, deadline_in, outputs, finished))
 
     def abort(self, request_id: str) -> None:
         self._send(m.Abort(request_id))
@@ -160,8 +162,9 @@ class RemoteCore:
             self._last_heard = time.monotonic()
             try:
                 self._dispatch(msg)
-            except Exception:  # noqa: BLE001  a bug here must not end the link
-                core_warning("error while handling the engine core's %s", type(msg).__name__, exc_info=True)
+            except Exception as exc:  # noqa: BLE001  a bug here must not end the link
+                core_warning("error while handling the engine core's %s: %s", type(msg).__name__,
+                             "".join(traceback.format_exception(exc)))
 
     def _dispatch(self, msg: m.Message) -> None:
         if isinstance(msg, m.Updates):

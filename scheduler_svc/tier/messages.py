@@ -5,7 +5,7 @@ ZeroMQ DEALER; the core's ROUTER serves every front. Frames are ``[TIER_VERSION,
 decoded with the executor link's bounded codec (``pagedserve.wire.codec.Codec``).
 
 front -> core: ``FrontHello`` first (answered by ``CoreHello``), then ``Submit`` (a request, its
-prompt hashed), ``Abort`` (its client went away, or stop strings ended it), ``FinishChoice`` (a
+prompt hashed; its prompt token ids packed, see :func:`pack_ids`), ``Abort`` (its client went away, or stop strings ended it), ``FinishChoice`` (a
 stop string ended one choice), ``FrontMetrics`` (its counters, for the deployment's /metrics),
 ``Query`` (fresh stats, or the deployment's metrics) and ``Heartbeat``.
 
@@ -20,16 +20,20 @@ are aborted and their blocks freed, a dead core's requests fail (or move to anot
 
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
 from msgspec import Meta
 
-from pagedserve.wire.codec import Codec
+from pagedserve.wire.codec import Codec, WireError
+from pagedserve.wire.protocol import MAX_SEQ_TOKENS
 from scheduler_svc.api_types import EngineStats, GenerationRequest, ModelInfo
 from scheduler_svc.request import RequestUpdate
 
-TIER_VERSION = 1
+TIER_VERSION = 2
 HEARTBEAT_INTERVAL_S = 0.5  # both ways; a peer silent for 5 intervals (2.5 s) is dead
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a step's updates with log-probs; a request at the largest context
 MAX_ID_CHARS = 512  # request ids (the front's prefix and the client's id) and front ids
@@ -38,6 +42,41 @@ MAX_TEXT_CHARS = 4096
 Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
 Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
 Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
+# Token ids as little-endian uint32s, 4 bytes each: decoding them is a copy, and the core builds the
+# ints at C speed, in slices between its plans. At most a sequence's tokens on the executor link.
+PackedIds = Annotated[bytes, Meta(max_length=4 * MAX_SEQ_TOKENS)]
+_U32 = next(t for t in "IL" if array(t).itemsize == 4)  # (the typecode of 4-byte unsigned ints here)
+_SWAP = sys.byteorder != "little"
+
+
+def pack_ids(ids: Sequence[int]) -> bytes:
+    """Token ids (each in [0, 2**32)) as :data:`PackedIds`; ValueError naming one that is not."""
+    try:
+        a = array(_U32, ids)
+    except (OverflowError, TypeError):
+        i, x = next(((i, x) for i, x in enumerate(ids) if not isinstance(x, int) or not 0 <= x < 1 << 32),
+                    (None, None))
+        raise ValueError(f"prompt_token_ids[{i}]: must be a token id in [0, 2**32) (got {x!r})") from None
+    if _SWAP:
+        a.byteswap()
+    return a.tobytes()
+
+
+def num_packed(data: bytes) -> int:
+    """How many ids :data:`PackedIds` hold; WireError unless a whole number of them."""
+    if len(data) % 4:
+        raise WireError(f"packed token ids of {len(data)} bytes: not a multiple of 4")
+    return len(data) // 4
+
+
+def unpacked(data: bytes) -> array:
+    """:data:`PackedIds` as an array of ints (a copy, no int objects yet); WireError as :func:`num_packed`."""
+    num_packed(data)
+    a = array(_U32)
+    a.frombytes(data)
+    if _SWAP:
+        a.byteswap()
+    return a
 
 
 class _Message(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
@@ -57,9 +96,11 @@ class CoreHello(_Message):
 
 class Submit(_Message):
     """A request, validated and tokenized, its prompt hashed, under the id the front gives it.
-    Times are relative: the front's clock is not the core's."""
+    Times are relative: the front's clock is not the core's. The prompt's token ids travel packed in
+    ``prompt_ids``; the request's own ``prompt_token_ids`` is empty on the link."""
 
     request: GenerationRequest
+    prompt_ids: PackedIds
     queued_s: Seconds  # since it arrived at the front
     deadline_in_s: Seconds | None = None  # None: no deadline
     # It ran on an engine core that was lost: each choice's tokens streamed so far, and how each that
