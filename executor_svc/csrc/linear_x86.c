@@ -38,30 +38,36 @@ TGT_512 INLINE __m256 half512(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
 }
 
+/* Accumulators are named variables, one per (token, row or panel), never arrays: GCC keeps an
+ * array of vectors in memory and stores every element back each iteration (measured: 16 stores
+ * per 16 FMAs, half the float32 rate). T is a compile-time constant in every expansion, so the
+ * `if (T > t)` blocks of absent tokens vanish. */
+#define F32_ROWS(P, t, xv) \
+    do { a##t##0 = P##fmadd_ps(xv, w0, a##t##0); a##t##1 = P##fmadd_ps(xv, w1, a##t##1); \
+         a##t##2 = P##fmadd_ps(xv, w2, a##t##2); a##t##3 = P##fmadd_ps(xv, w3, a##t##3); } while (0)
+
 TGT_AVX2 INLINE void f32_tile_avx2_t(const int T, const float *x, int64_t ldx, const float *const *w, int64_t ahead,
                                      int k, float *res) {
-    __m256 acc[4][4];
-    for (int t = 0; t < T; t++)
-        for (int r = 0; r < 4; r++) acc[t][r] = _mm256_setzero_ps();
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00,
+           a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
     int j = 0;
     for (; j + 8 <= k; j += 8) {
         if (!(j & 15))
             for (int r = 0; r < 4; r++) PREFETCH(w[r] + j + ahead);
         const __m256 w0 = _mm256_loadu_ps(w[0] + j), w1 = _mm256_loadu_ps(w[1] + j),
                      w2 = _mm256_loadu_ps(w[2] + j), w3 = _mm256_loadu_ps(w[3] + j);
-        for (int t = 0; t < T; t++) {
-            const __m256 xv = _mm256_loadu_ps(x + t * ldx + j);
-            acc[t][0] = _mm256_fmadd_ps(xv, w0, acc[t][0]);
-            acc[t][1] = _mm256_fmadd_ps(xv, w1, acc[t][1]);
-            acc[t][2] = _mm256_fmadd_ps(xv, w2, acc[t][2]);
-            acc[t][3] = _mm256_fmadd_ps(xv, w3, acc[t][3]);
-        }
+        F32_ROWS(_mm256_, 0, _mm256_loadu_ps(x + j));
+        if (T > 1) F32_ROWS(_mm256_, 1, _mm256_loadu_ps(x + ldx + j));
+        if (T > 2) F32_ROWS(_mm256_, 2, _mm256_loadu_ps(x + 2 * ldx + j));
+        if (T > 3) F32_ROWS(_mm256_, 3, _mm256_loadu_ps(x + 3 * ldx + j));
     }
-    for (int t = 0; t < T; t++) {
-        _mm_storeu_ps(res + t * 4, reduce4_256(acc[t][0], acc[t][1], acc[t][2], acc[t][3]));
+    _mm_storeu_ps(res, reduce4_256(a00, a01, a02, a03));
+    if (T > 1) _mm_storeu_ps(res + 4, reduce4_256(a10, a11, a12, a13));
+    if (T > 2) _mm_storeu_ps(res + 8, reduce4_256(a20, a21, a22, a23));
+    if (T > 3) _mm_storeu_ps(res + 12, reduce4_256(a30, a31, a32, a33));
+    for (int t = 0; t < T; t++)
         for (int jj = j; jj < k; jj++)
             for (int r = 0; r < 4; r++) res[t * 4 + r] += x[t * ldx + jj] * w[r][jj];
-    }
 }
 
 TGT_AVX2 void ps_f32_tile_avx2(int T, const float *x, int64_t ldx, const float *const *w, int64_t ahead, int k,
@@ -76,25 +82,34 @@ TGT_AVX2 void ps_f32_tile_avx2(int T, const float *x, int64_t ldx, const float *
 
 TGT_512 INLINE void f32_tile_512_t(const int T, const float *x, int64_t ldx, const float *const *w, int64_t ahead,
                                    int k, float *res) {
-    __m512 acc[4][4];
-    for (int t = 0; t < T; t++)
-        for (int r = 0; r < 4; r++) acc[t][r] = _mm512_setzero_ps();
-    for (int j = 0; j < k; j += 16) {
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00,
+           a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+    int j = 0;
+    for (; j + 16 <= k; j += 16) {
         for (int r = 0; r < 4; r++) PREFETCH(w[r] + j + ahead);
-        const __mmask16 m = k - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - j)) - 1);
+        const __m512 w0 = _mm512_loadu_ps(w[0] + j), w1 = _mm512_loadu_ps(w[1] + j),
+                     w2 = _mm512_loadu_ps(w[2] + j), w3 = _mm512_loadu_ps(w[3] + j);
+        F32_ROWS(_mm512_, 0, _mm512_loadu_ps(x + j));
+        if (T > 1) F32_ROWS(_mm512_, 1, _mm512_loadu_ps(x + ldx + j));
+        if (T > 2) F32_ROWS(_mm512_, 2, _mm512_loadu_ps(x + 2 * ldx + j));
+        if (T > 3) F32_ROWS(_mm512_, 3, _mm512_loadu_ps(x + 3 * ldx + j));
+    }
+    if (j < k) { /* the tail, masked: lanes past k load zeros */
+        const __mmask16 m = (__mmask16)((1u << (k - j)) - 1);
         const __m512 w0 = _mm512_maskz_loadu_ps(m, w[0] + j), w1 = _mm512_maskz_loadu_ps(m, w[1] + j),
                      w2 = _mm512_maskz_loadu_ps(m, w[2] + j), w3 = _mm512_maskz_loadu_ps(m, w[3] + j);
-        for (int t = 0; t < T; t++) {
-            const __m512 xv = _mm512_maskz_loadu_ps(m, x + t * ldx + j);
-            acc[t][0] = _mm512_fmadd_ps(xv, w0, acc[t][0]);
-            acc[t][1] = _mm512_fmadd_ps(xv, w1, acc[t][1]);
-            acc[t][2] = _mm512_fmadd_ps(xv, w2, acc[t][2]);
-            acc[t][3] = _mm512_fmadd_ps(xv, w3, acc[t][3]);
-        }
+        F32_ROWS(_mm512_, 0, _mm512_maskz_loadu_ps(m, x + j));
+        if (T > 1) F32_ROWS(_mm512_, 1, _mm512_maskz_loadu_ps(m, x + ldx + j));
+        if (T > 2) F32_ROWS(_mm512_, 2, _mm512_maskz_loadu_ps(m, x + 2 * ldx + j));
+        if (T > 3) F32_ROWS(_mm512_, 3, _mm512_maskz_loadu_ps(m, x + 3 * ldx + j));
     }
-    for (int t = 0; t < T; t++)
-        _mm_storeu_ps(res + t * 4, reduce4_256(half512(acc[t][0]), half512(acc[t][1]), half512(acc[t][2]),
-                                              half512(acc[t][3])));
+#define F32_OUT(t) _mm_storeu_ps(res + 4 * t, reduce4_256(half512(a##t##0), half512(a##t##1), half512(a##t##2), \
+                                                          half512(a##t##3)))
+    F32_OUT(0);
+    if (T > 1) F32_OUT(1);
+    if (T > 2) F32_OUT(2);
+    if (T > 3) F32_OUT(3);
+#undef F32_OUT
 }
 
 TGT_512 void ps_f32_tile_512(int T, const float *x, int64_t ldx, const float *const *w, int64_t ahead, int k,
@@ -150,27 +165,36 @@ TGT_AVX2 INLINE __m256 dequant8(__m256i acc, const ps_out_t *o, int t, int first
 /* ------------------------------------------------------------------ bfloat16 panels */
 
 /* x: bf16 activations, rows ldx elements; read as pairs (one 32-bit broadcast per 2 inputs). */
+#define PANELS(OP, t, xb) \
+    do { a##t##0 = OP(a##t##0, xb, w0); a##t##1 = OP(a##t##1, xb, w1); \
+         a##t##2 = OP(a##t##2, xb, w2); a##t##3 = OP(a##t##3, xb, w3); } while (0)
+
 TGT_512BF INLINE void bf16_unit_512_t(const int T, const void *xv, int64_t ldx, const void *wv, int64_t pstride,
                                       int kp, const ps_out_t *out) {
     const uint32_t *x = xv;
     const uint16_t *w = wv;
-    __m512 acc[PS_UNIT_T_512][4];
-    for (int t = 0; t < T; t++)
-        for (int p = 0; p < 4; p++) acc[t][p] = _mm512_setzero_ps();
+    const int64_t lx = ldx / 2; /* pairs per activation row */
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00,
+           a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
     for (int j = 0; j < kp / 2; j++) {
         const uint16_t *wj = w + (int64_t)j * 32;
-        __m512bh wp[4];
-        for (int p = 0; p < 4; p++) {
-            PREFETCH(wj + p * pstride + PS_PF_BYTES / 2);
-            wp[p] = (__m512bh)_mm512_loadu_si512((const void *)(wj + p * pstride));
-        }
-        for (int t = 0; t < T; t++) {
-            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[t * (ldx / 2) + j]);
-            for (int p = 0; p < 4; p++) acc[t][p] = _mm512_dpbf16_ps(acc[t][p], xb, wp[p]);
-        }
+        for (int p = 0; p < 4; p++) PREFETCH(wj + p * pstride + PS_PF_BYTES / 2);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)wj),
+                       w1 = (__m512bh)_mm512_loadu_si512((const void *)(wj + pstride)),
+                       w2 = (__m512bh)_mm512_loadu_si512((const void *)(wj + 2 * pstride)),
+                       w3 = (__m512bh)_mm512_loadu_si512((const void *)(wj + 3 * pstride));
+        PANELS(_mm512_dpbf16_ps, 0, (__m512bh)_mm512_set1_epi32((int)x[j]));
+        if (T > 1) PANELS(_mm512_dpbf16_ps, 1, (__m512bh)_mm512_set1_epi32((int)x[lx + j]));
+        if (T > 2) PANELS(_mm512_dpbf16_ps, 2, (__m512bh)_mm512_set1_epi32((int)x[2 * lx + j]));
+        if (T > 3) PANELS(_mm512_dpbf16_ps, 3, (__m512bh)_mm512_set1_epi32((int)x[3 * lx + j]));
     }
-    for (int t = 0; t < T; t++)
-        for (int p = 0; p < 4; p++) store16(acc[t][p], out, t, p);
+#define BF16_OUT(t) do { store16(a##t##0, out, t, 0); store16(a##t##1, out, t, 1); \
+                         store16(a##t##2, out, t, 2); store16(a##t##3, out, t, 3); } while (0)
+    BF16_OUT(0);
+    if (T > 1) BF16_OUT(1);
+    if (T > 2) BF16_OUT(2);
+    if (T > 3) BF16_OUT(3);
+#undef BF16_OUT
 }
 
 TGT_512BF void ps_bf16_unit_512(int T, const void *x, int64_t ldx, const void *w, int64_t pstride, int kp,
@@ -183,31 +207,40 @@ TGT_512BF void ps_bf16_unit_512(int T, const void *x, int64_t ldx, const void *w
     }
 }
 
-/* x: float32 activations already rounded to bf16 values. One panel (16 outputs) at a time. */
+/* x: float32 activations already rounded to bf16 values. One panel (16 outputs) at a time
+ * (16 ymm registers: 8 accumulators, the widened weights, the broadcasts). */
 TGT_AVX2 INLINE void bf16_unit_avx2_t(const int T, const void *xv, int64_t ldx, const void *wv, int64_t pstride,
                                       int kp, const ps_out_t *out) {
     const float *x = xv;
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
     for (int p = 0; p < 4; p++) {
         const uint16_t *w = (const uint16_t *)wv + p * pstride;
-        __m256 acc[PS_UNIT_T_AVX2][2];
-        for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
         for (int j = 0; j < kp / 2; j++) {
             const uint16_t *wj = w + (int64_t)j * 32;
             PREFETCH(wj + PS_PF_BYTES / 2);
             const __m256i r0 = _mm256_loadu_si256((const __m256i *)wj), r1 = _mm256_loadu_si256((const __m256i *)(wj + 16));
             const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(r0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(r0, hi));
             const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(r1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(r1, hi));
-            for (int t = 0; t < T; t++) {
-                const __m256 xe = _mm256_broadcast_ss(x + t * ldx + 2 * j), xo = _mm256_broadcast_ss(x + t * ldx + 2 * j + 1);
-                acc[t][0] = _mm256_fmadd_ps(xo, o0, _mm256_fmadd_ps(xe, e0, acc[t][0]));
-                acc[t][1] = _mm256_fmadd_ps(xo, o1, _mm256_fmadd_ps(xe, e1, acc[t][1]));
-            }
+#define BF16_TOKEN(t)                                                                                    \
+    do {                                                                                                 \
+        const __m256 xe = _mm256_broadcast_ss(x + t * ldx + 2 * j), xo = _mm256_broadcast_ss(x + t * ldx + 2 * j + 1); \
+        a##t##0 = _mm256_fmadd_ps(xo, o0, _mm256_fmadd_ps(xe, e0, a##t##0));                             \
+        a##t##1 = _mm256_fmadd_ps(xo, o1, _mm256_fmadd_ps(xe, e1, a##t##1));                             \
+    } while (0)
+            BF16_TOKEN(0);
+            if (T > 1) BF16_TOKEN(1);
+            if (T > 2) BF16_TOKEN(2);
+            if (T > 3) BF16_TOKEN(3);
+#undef BF16_TOKEN
         }
-        for (int t = 0; t < T; t++) {
-            store8(acc[t][0], out, t, out->o0 + p * 16);
-            store8(acc[t][1], out, t, out->o0 + p * 16 + 8);
-        }
+        const int first = out->o0 + p * 16;
+#define BF16_STORE(t) do { store8(a##t##0, out, t, first); store8(a##t##1, out, t, first + 8); } while (0)
+        BF16_STORE(0);
+        if (T > 1) BF16_STORE(1);
+        if (T > 2) BF16_STORE(2);
+        if (T > 3) BF16_STORE(3);
+#undef BF16_STORE
     }
 }
 
@@ -228,24 +261,28 @@ TGT_512VNNI INLINE void q8_unit_512_t(const int T, const void *xv, int64_t ldx, 
                                       int kp, const ps_out_t *out) {
     const uint32_t *x = xv;
     const int8_t *w = wv;
-    __m512i acc[PS_UNIT_T_512][4];
-    for (int t = 0; t < T; t++)
-        for (int p = 0; p < 4; p++) acc[t][p] = _mm512_setzero_si512();
+    const int64_t lx = ldx / 4; /* 4-input groups per activation row */
+    __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
+            a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
     for (int j = 0; j < kp / 4; j++) {
         const int8_t *wj = w + (int64_t)j * 64;
-        __m512i wp[4];
-        for (int p = 0; p < 4; p++) {
-            PREFETCH(wj + p * pstride + PS_PF_BYTES);
-            wp[p] = _mm512_loadu_si512((const void *)(wj + p * pstride));
-        }
-        for (int t = 0; t < T; t++) {
-            const __m512i xb = _mm512_set1_epi32((int)x[t * (ldx / 4) + j]);
-            for (int p = 0; p < 4; p++) acc[t][p] = _mm512_dpbusd_epi32(acc[t][p], xb, wp[p]);
-        }
+        for (int p = 0; p < 4; p++) PREFETCH(wj + p * pstride + PS_PF_BYTES);
+        const __m512i w0 = _mm512_loadu_si512((const void *)wj), w1 = _mm512_loadu_si512((const void *)(wj + pstride)),
+                      w2 = _mm512_loadu_si512((const void *)(wj + 2 * pstride)),
+                      w3 = _mm512_loadu_si512((const void *)(wj + 3 * pstride));
+        PANELS(_mm512_dpbusd_epi32, 0, _mm512_set1_epi32((int)x[j]));
+        if (T > 1) PANELS(_mm512_dpbusd_epi32, 1, _mm512_set1_epi32((int)x[lx + j]));
+        if (T > 2) PANELS(_mm512_dpbusd_epi32, 2, _mm512_set1_epi32((int)x[2 * lx + j]));
+        if (T > 3) PANELS(_mm512_dpbusd_epi32, 3, _mm512_set1_epi32((int)x[3 * lx + j]));
     }
-    for (int t = 0; t < T; t++)
-        for (int p = 0; p < 4; p++)
-            if (out->o0 + p * 16 < out->m) store16(dequant16(acc[t][p], out, t, p), out, t, p);
+#define Q8_ONE(t, p) do { if (out->o0 + p * 16 < out->m) store16(dequant16(a##t##p, out, t, p), out, t, p); } while (0)
+#define Q8_OUT(t) do { Q8_ONE(t, 0); Q8_ONE(t, 1); Q8_ONE(t, 2); Q8_ONE(t, 3); } while (0)
+    Q8_OUT(0);
+    if (T > 1) Q8_OUT(1);
+    if (T > 2) Q8_OUT(2);
+    if (T > 3) Q8_OUT(3);
+#undef Q8_OUT
+#undef Q8_ONE
 }
 
 TGT_512VNNI void ps_q8_unit_512(int T, const void *x, int64_t ldx, const void *w, int64_t pstride, int kp,
@@ -263,29 +300,36 @@ TGT_AVX2 INLINE void q8_unit_avx2_t(const int T, const void *xv, int64_t ldx, co
                                     int kp, const ps_out_t *out) {
     const int32_t *x = xv;
     const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t lx = ldx / 4;
     for (int p = 0; p < 4; p++) {
         const int8_t *w = (const int8_t *)wv + p * pstride;
-        __m256i acc[PS_UNIT_T_AVX2][2];
-        for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
+        __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+                a31 = a00;
         for (int j = 0; j < kp / 4; j++) {
             const int8_t *wj = w + (int64_t)j * 64;
             PREFETCH(wj + PS_PF_BYTES);
             const __m256i r0 = _mm256_loadu_si256((const __m256i *)wj), r1 = _mm256_loadu_si256((const __m256i *)(wj + 32));
-            for (int t = 0; t < T; t++) {
-                const __m256i xb = _mm256_set1_epi32(x[t * (ldx / 4) + j]);
-                const __m256i ax = _mm256_sign_epi8(xb, xb);
-                const __m256i p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(r0, xb));
-                const __m256i p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(r1, xb));
-                acc[t][0] = _mm256_add_epi32(acc[t][0], _mm256_madd_epi16(p0, ones));
-                acc[t][1] = _mm256_add_epi32(acc[t][1], _mm256_madd_epi16(p1, ones));
-            }
+#define Q8_TOKEN(t)                                                                                       \
+    do {                                                                                                  \
+        const __m256i xb = _mm256_set1_epi32(x[t * lx + j]), ax = _mm256_sign_epi8(xb, xb);             \
+        a##t##0 = _mm256_add_epi32(a##t##0, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(r0, xb)), ones)); \
+        a##t##1 = _mm256_add_epi32(a##t##1, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(r1, xb)), ones)); \
+    } while (0)
+            Q8_TOKEN(0);
+            if (T > 1) Q8_TOKEN(1);
+            if (T > 2) Q8_TOKEN(2);
+            if (T > 3) Q8_TOKEN(3);
+#undef Q8_TOKEN
         }
         const int first = out->o0 + p * 16;
         if (first >= out->m) continue;
-        for (int t = 0; t < T; t++) {
-            store8(dequant8(acc[t][0], out, t, first), out, t, first);
-            store8(dequant8(acc[t][1], out, t, first + 8), out, t, first + 8);
-        }
+#define Q8_STORE(t) do { store8(dequant8(a##t##0, out, t, first), out, t, first); \
+                         store8(dequant8(a##t##1, out, t, first + 8), out, t, first + 8); } while (0)
+        Q8_STORE(0);
+        if (T > 1) Q8_STORE(1);
+        if (T > 2) Q8_STORE(2);
+        if (T > 3) Q8_STORE(3);
+#undef Q8_STORE
     }
 }
 
