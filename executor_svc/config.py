@@ -99,7 +99,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "weights' and the KV cache's dtype; activations stay float32")
     p.add_argument("--cpu-attention", choices=CPU_ATTENTION, default="auto",
                    help="CPU decode attention: fused = the C kernel (executor_svc/csrc), torch = gather + "
-                        "SDPA; auto = fused when it compiles, else torch with a warning")
+                        "SDPA and the linear layers on torch too (no C library); auto = fused when it compiles, "
+                        "else torch with a warning")
     p.add_argument("--executor-id", default=None, help="name in the scheduler's registry (default HOST-PID)")
     p.add_argument("--health-port", type=number(int, "--health-port", 0, low_inclusive=True, high=65535),
                    default=8090, help="grpc.health.v1 port (0 disables)")
