@@ -230,7 +230,8 @@ def test_fronts_times_engine_cores_change_no_output_through_preemption_and_losse
     stop strings and preemption give exactly the 1 x 1 x 1 outputs, while one executor is killed
     (its requests move to another executor) and engine core 1 is killed (its requests move to
     core 0, its executor to the directory, and the core is started again)."""
-    from test_async_scheduling import SMALL_POOL, _run as run_all, _workload
+    from test_async_scheduling import SMALL_POOL, _workload
+    from test_async_scheduling import _run as run_all
 
     reqs = _workload()
     (tmp_path / "one").mkdir()
@@ -254,13 +255,16 @@ def test_fronts_times_engine_cores_change_no_output_through_preemption_and_losse
         done: dict = {}
         runner = threading.Thread(target=lambda: done.update(run_all(s, reqs)))
         runner.start()
-        on_core1 = next(e.id for e in s.stats().executors if e.id != "ex0" and _runs_on(s, e.id, core1))
         deadline = time.monotonic() + 60
-        while not any(e.id in (on_core1, "ex0") and e.num_running for e in s.stats().executors):
+        while not (on_core1 := [e.id for e in s.stats().executors if _runs_on(s, e.id, core1)]):
+            assert time.monotonic() < deadline, "the directory sent engine core 1 no executor"
+            time.sleep(0.05)
+        on_core0 = next(name for name in s.executors if name not in on_core1)
+        while not any(e.id in (*on_core1, on_core0) and e.num_running for e in s.stats().executors):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         subprocess.run(["kill", "-9", str(core1)], check=True)  # mid-run: its requests move to core 0
-        s.executors["ex0"].kill()
+        s.executors[on_core0].kill()
         runner.join()
         assert done == reference
         log = (s.logdir / "scheduler.log").read_text()

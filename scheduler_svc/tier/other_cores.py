@@ -5,8 +5,11 @@ front links, as a front that submits nothing (:class:`OtherCores` is the sink of
 From their Status it knows how many executors each schedules, which is what the directory on the
 executor port uses (:meth:`director`: an executor goes to the core with the fewest, counting
 those just sent there); every second it asks each for its own metrics, and the deployment's
-/metrics sums them with core 0's and the fronts'. A core that is lost has its count taken as
-unknown (it gets no executor) until it answers again.
+/metrics sums them with core 0's and the fronts'. A core that has not answered yet in its first
+``STARTING_GRACE_S`` counts as starting: it may be sent executors (their handshakes wait in ZeroMQ
+until it listens, and an executor that hears nothing goes back to the directory), so executors
+that were up before the cores are spread over all of them, not all given to core 0. A core that
+is lost has its count taken as unknown (it gets no executor) until it answers again.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from pagedserve import wire
 from scheduler_svc.api_types import EngineStats
@@ -24,6 +28,7 @@ from scheduler_svc.tier.metrics import merge_families
 
 log = logging.getLogger(__name__)
 METRICS_EVERY_S = 1.0
+STARTING_GRACE_S = 30.0  # a core not heard from this long after the start is lost, not starting
 
 
 class OtherCores:
@@ -34,6 +39,7 @@ class OtherCores:
         self.sent = [0] * (len(endpoints) + 1)  # executors sent to each core since its last Status
         self._families: list[list] = [[] for _ in endpoints]
         self._task: asyncio.Task | None = None
+        self._started = time.monotonic()
         for peer in self.peers:
             peer.attach(self)
 
@@ -52,10 +58,15 @@ class OtherCores:
 
     def director(self, hs: wire.Handshake) -> int | None:
         """The port of the core that is to schedule a new executor (None: this one, core 0)."""
+        starting = time.monotonic() - self._started < STARTING_GRACE_S
         counts = [sum(1 for s in self.core.slots.values() if s.conn.state != "dead") + self.sent[0]]
         for k, peer in enumerate(self.peers, 1):
-            counts.append(len(peer.stats().executors) + self.sent[k] if peer.is_ready() or peer.connected
-                          else float("inf"))
+            if peer.connected:
+                counts.append(len(peer.stats().executors) + self.sent[k])
+            elif peer.status is None and starting:  # (not up yet: the executor's handshake waits for it)
+                counts.append(self.sent[k])
+            else:
+                counts.append(float("inf"))
         k = min(range(len(counts)), key=lambda i: (counts[i], i))
         if k == 0:
             return None
