@@ -45,7 +45,7 @@ def free_ports(n: int, apart: int = 8) -> list[int]:
         finally:
             for s in socks:
                 s.close()
-        if all(b - a >= apart for a, b in zip(ports, ports[1:])):
+        if all(b - a >= apart for a, b in zip(ports, ports[1:], strict=False)):
             return ports
 
 

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.plan_driver import GREEDY
-from executor_svc.model import load_model
 from executor_svc.batch import SeqState, build_batch
+from executor_svc.model import load_model
 from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, SamplingParams
 
 
