@@ -180,6 +180,18 @@ class Stack:
     def stats(self) -> pb.Stats:
         return self.stub.GetStats(pb.GetStatsRequest(), timeout=5)
 
+    def wait_blocks_free(self, timeout_s: float = 20.0) -> float:
+        """Seconds until no executor holds a block and nothing runs or waits (AssertionError after
+        timeout_s). A stream can end at its client before the engine has freed the request (a stop
+        string found by the front is aborted at the core after the client has its last token)."""
+        t0 = time.monotonic()
+        while True:
+            st = self.stats()
+            if all(e.kv_blocks_used == 0 for e in st.executors) and st.num_running == 0 and st.num_waiting == 0:
+                return time.monotonic() - t0
+            assert time.monotonic() - t0 < timeout_s, f"blocks still held: {st}"
+            time.sleep(0.05)
+
     def _check_alive(self) -> None:
         if self.scheduler is not None and self.scheduler.poll() is not None:
             raise RuntimeError(f"scheduler exited with {self.scheduler.returncode}\n{self.logs()}")

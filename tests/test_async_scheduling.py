@@ -84,7 +84,7 @@ def outputs(tiny_llama_dir, tmp_path_factory) -> dict[tuple, tuple[dict, int]]:
             s.start_executor("ex", "--kv-cache-memory", SMALL_POOL, *executor_args)
             s.wait_health()
             results[(mode, loop, *executor_args)] = (_run(s, reqs), s.stats())
-            assert s.stats().executors[0].kv_blocks_used == 0
+            s.wait_blocks_free()
             ahead = "prepared while the step before it runs" in (s.logdir / "ex.log").read_text()
             assert ahead == bool(executor_args)  # the CPU executor prepares ahead only when asked
         finally:

@@ -49,16 +49,6 @@ def _collect(stub, req, timeout=60):
     return tokens, text, finish, usage
 
 
-def _wait_blocks_free(stack: Stack, timeout_s: float = 20.0) -> pb.Stats:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        st = stack.stats()
-        if all(e.kv_blocks_used == 0 for e in st.executors) and st.num_running == 0 and st.num_waiting == 0:
-            return st
-        if time.monotonic() > deadline:
-            raise AssertionError(f"blocks still held: {st}")
-        time.sleep(0.1)
-
 
 def test_greedy_stream_matches_transformers(stack, tiny_llama_dir):
     import torch
@@ -104,7 +94,7 @@ def test_64_concurrent_streams_complete(stack):
     for i, (tokens, _, finish, usage) in enumerate(results):
         assert len(tokens[0]) == 6 + i % 10 and finish[0] == pb.FINISH_REASON_LENGTH
         assert usage.completion_tokens == 6 + i % 10
-    _wait_blocks_free(stack)
+    stack.wait_blocks_free()
 
 
 def test_cancel_half_of_64_streams_frees_every_block(stack):
@@ -132,7 +122,7 @@ def test_cancel_half_of_64_streams_frees_every_block(stack):
         t.join()
     assert all(done[i] is True for i in range(1, 64, 2))
     assert sum(d == "cancelled" for d in done) >= 16
-    _wait_blocks_free(stack)
+    stack.wait_blocks_free()
 
 
 def test_deadline_aborts_and_frees(stack):
@@ -140,7 +130,7 @@ def test_deadline_aborts_and_frees(stack):
     with pytest.raises(grpc.RpcError) as err:
         _collect(stack.stub, req, timeout=0.5)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_blocks_free(stack)
+    stack.wait_blocks_free()
 
 
 @pytest.mark.parametrize("sampling,field", [
@@ -253,7 +243,7 @@ def test_mixed_sharing_requests_cancelled_or_finished_hold_no_blocks(stack):
     watcher.join()
     assert all(r in ("done", grpc.StatusCode.CANCELLED) for r in results), results
     assert max(shared_seen) > 0  # GetStats shows the prompt blocks the choices share
-    _wait_blocks_free(stack)
+    stack.wait_blocks_free()
 
 
 def test_sigterm_stops_admitting_aborts_leftovers_after_the_grace_and_exits(tiny_llama_dir, tmp_path):

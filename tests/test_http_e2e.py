@@ -64,16 +64,6 @@ def _greedy(max_tokens: int, **kw) -> pb.SamplingParams:
     return pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
-def _wait_blocks_free(stack: Stack, timeout_s: float = 10.0) -> float:
-    """Seconds until no executor holds a block and nothing runs or waits (fails after timeout_s)."""
-    t0 = time.monotonic()
-    while True:
-        st = stack.stats()
-        if all(e.kv_blocks_used == 0 for e in st.executors) and st.num_running == 0 and st.num_waiting == 0:
-            return time.monotonic() - t0
-        assert time.monotonic() - t0 < timeout_s, f"blocks still held: {st}"
-        time.sleep(0.05)
-
 
 def test_models_and_health_describe_the_served_model(stack, client, model):
     info = stack.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
@@ -204,14 +194,14 @@ def test_a_cancelled_stream_frees_its_blocks_at_once(stack, client, model, endpo
             break
     assert sum(e.kv_blocks_used for e in stack.stats().executors) > 0  # it holds blocks while it runs
     stream.close()
-    assert _wait_blocks_free(stack, timeout_s=5) < 2.0  # 3000 tokens would take far longer
+    assert stack.wait_blocks_free(timeout_s=5) < 2.0  # 3000 tokens would take far longer
 
 
 def test_a_client_timeout_on_a_whole_response_frees_its_blocks(stack, client, model):
     with pytest.raises(openai.APITimeoutError):
         client.with_options(timeout=1.0).completions.create(model=model, prompt="x", max_tokens=3000,
                                                             extra_body={"ignore_eos": True})
-    assert _wait_blocks_free(stack, timeout_s=5) < 2.0
+    assert stack.wait_blocks_free(timeout_s=5) < 2.0
 
 
 @pytest.mark.parametrize("kw,status,param", [
@@ -265,7 +255,7 @@ def test_queue_full_is_429(stack, client, model):
             s.close()
         for t in waiting:
             t.join(60)
-    _wait_blocks_free(stack)
+    stack.wait_blocks_free()
 
 
 def test_curl_sees_server_sent_events_ending_with_done(stack, model):
