@@ -31,7 +31,10 @@ Phases, on one deployment, each ``--repeats`` times (a round runs them one after
    first, as where the fronts and clients run on CPUs of their own).
 3. **Plan delay**: ``--delay-streams`` background gRPC streams at ``--delay-step-ms``; the largest
    plan delay in a window of ``--baseline-s`` without other requests, then in the window in which
-   ``tier_load max-size`` sends one request at each size limit after another.
+   ``tier_load max-size`` sends one request at each size limit after another; then both again
+   with the fronts and the clients at ``--delay-nice``, so that what is left of a delay is the
+   core's own loop rather than this machine's 2 vCPUs shared with them; with
+   ``--each-max-request`` also a window per request (which one delays the plans).
 
 ``scheduler_overhead``'s ``ms_per_step_256`` is measured in the same run (before and after, the
 median): the targets hold at 0.35 ms and scale by reference / 0.35 on a slower machine.
@@ -100,6 +103,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 PHASES = ("cost", "busy", "delay")
+# The maximum-size requests of tier_load that reach the core (the two at a transport bound are refused by the front).
+MAX_REQUESTS = ("grpc token ids", "http token ids", "http text", "grpc every limit")
 
 
 @dataclass
@@ -108,6 +113,7 @@ class Results:
     busy: list[dict] = field(default_factory=list)
     busy_nice: list[dict] = field(default_factory=list)
     delays: list[tuple[dict, dict]] = field(default_factory=list)
+    delays_nice: list[tuple[dict, dict]] = field(default_factory=list)
     rows: list[dict] = field(default_factory=list)
 
 
@@ -132,10 +138,21 @@ def run_phases(dep: Deployment, a: argparse.Namespace, phases: set[str]) -> Resu
                 r.rows.append(r.busy_nice[-1])
         if "delay" in phases:
             seed += 1
-            base, big = plan_delays(dep, a.delay_streams, a.delay_step_ms / 1e3, a.baseline_s, 1, seed)
+            base, big, alone = plan_delays(dep, a.delay_streams, a.delay_step_ms / 1e3, a.baseline_s, 1, seed,
+                                           MAX_REQUESTS if a.each_max_request else ())
             base["label"], big["label"] = f"delay: {a.delay_streams} streams", "delay: + max-size requests"
-            r.rows += [base, big]
+            for w in alone:
+                w["label"] = f"delay: + {w['label']}"
+            r.rows += [base, big, *alone]
             r.delays.append((base, big))
+            if a.delay_nice:
+                seed += 1
+                base, big, _ = plan_delays(dep, a.delay_streams, a.delay_step_ms / 1e3, a.baseline_s, 1, seed,
+                                           nice=a.delay_nice)
+                base["label"] = f"delay: {a.delay_streams} streams, nice {a.delay_nice}"
+                big["label"] = f"delay: + max-size, nice {a.delay_nice}"
+                r.rows += [base, big]
+                r.delays_nice.append((base, big))
     return r
 
 
@@ -168,6 +185,10 @@ def summarize(r: Results, ref: float) -> dict:
         out["busy_5ms_256_fronts_niced"] = _median(r.busy_nice, "busy")
     if r.delays:
         out["max_plan_delay_ms_baseline"] = statistics.median(b["max_delay_ms"] for b, _ in r.delays)
+    if r.delays_nice:
+        out["max_plan_delay_ms_max_request_niced"] = statistics.median(b["max_delay_ms"] for _, b in r.delays_nice)
+        out["max_plan_delay_ms_baseline_niced"] = statistics.median(b["max_delay_ms"] for b, _ in r.delays_nice)
+    if r.delays:
         out["max_request_outcomes"] = sorted({f"{s['name']}: {s['outcome'][:40]}" for _, b in r.delays
                                               for s in b["sent"]})
     return out
@@ -223,6 +244,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--delay-step-ms", type=float, default=5.0)
     ap.add_argument("--delay-streams", type=int, default=64)
     ap.add_argument("--baseline-s", type=float, default=5.0, help="the plan-delay phase's window without them")
+    ap.add_argument("--delay-nice", type=int, default=10,
+                    help="the delay phase again with the fronts and clients at this niceness (0: not run)")
+    ap.add_argument("--each-max-request", action="store_true",
+                    help="the delay phase also sends each maximum-size request alone, a window each (which one "
+                         "delays the plans)")
     ap.add_argument("--max-model-len", type=int, default=131072, help="the simulated executor's context")
     a = ap.parse_args(argv)
     phases = set(a.phases.split(","))

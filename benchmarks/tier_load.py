@@ -159,12 +159,16 @@ async def _http_complete(target: str, body: dict) -> str:
 
 
 async def max_size(grpc_target: str, http_target: str, tokenizer: str, http_max_body: int, kv_blocks: int,
-                   repeats: int) -> dict:
-    """Build the requests, say ``ready``, wait for a line on stdin (the benchmark starts its window),
-    then send them."""
+                   repeats: int, only: str | None = None) -> dict:
+    """Build the requests (``only``: the one of that name), say ``ready``, wait for a line on stdin
+    (the benchmark starts its window), then send them."""
     info = await model_info(grpc_target)
     reqs = max_size_requests(info, Tokenizer.from_file(tokenizer), grpc_target, http_target, http_max_body,
                              kv_blocks)
+    if only is not None:
+        reqs = [r for r in reqs if r.name == only]
+        if not reqs:
+            raise SystemExit(f"--only: no request named {only!r}")
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     cpu, sent = time.process_time(), []
@@ -194,11 +198,13 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--http-max-body-bytes", type=int, required=True)
     m.add_argument("--kv-blocks", type=int, required=True, help="the executor's KV blocks")
     m.add_argument("--repeats", type=int, default=1)
+    m.add_argument("--only", help="send only the request of this name (e.g. 'grpc token ids')")
     a = ap.parse_args(argv)
     if a.mode == "stream":
         out = asyncio.run(stream(a.api, a.target, a.streams, a.tokens, a.vocab, a.seed))
     else:
-        out = asyncio.run(max_size(a.grpc, a.http, a.tokenizer, a.http_max_body_bytes, a.kv_blocks, a.repeats))
+        out = asyncio.run(max_size(a.grpc, a.http, a.tokenizer, a.http_max_body_bytes, a.kv_blocks, a.repeats,
+                                   a.only))
     print(json.dumps(out), flush=True)
     sys.exit(0)
 

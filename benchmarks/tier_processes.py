@@ -289,30 +289,42 @@ def _wait_idle(dep: Deployment, quiet_s: float = 0.3, timeout_s: float = 30.0) -
     raise RuntimeError("the executor kept stepping: requests of an earlier run are still running")
 
 
-def _max_size_window(dep: Deployment, repeats: int) -> Window:
-    """The window in which ``tier_load max-size`` sends its requests (built before it opens)."""
+def _max_size_window(dep: Deployment, repeats: int, only: str | None = None, nice: int = 0) -> Window:
+    """The window in which ``tier_load max-size`` sends its requests (built before it opens;
+    ``only``: just the request of that name; ``nice``: the client's niceness)."""
     proc = subprocess.Popen(_client(["max-size", "--grpc", dep.grpc_target, "--http", dep.http_target,
                                      "--tokenizer", str(dep.model_dir / "tokenizer.json"),
                                      "--http-max-body-bytes", str(HTTP_MAX_BODY), "--kv-blocks", str(NUM_BLOCKS),
-                                     "--repeats", str(repeats)]),
-                            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     "--repeats", str(repeats), *(["--only", only] if only else [])]),
+                            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
     if proc.stdout.readline().strip() != "ready":
         raise RuntimeError(f"tier_load max-size did not start: {proc.communicate()}")
     dep.zero_stats()
     before = dep.snapshot()
     out, err = proc.communicate("go\n", timeout=1800)
-    return Window(before, dep.snapshot(), dep.read_stats(), _result(out, err), "maximum-size requests")
+    return Window(before, dep.snapshot(), dep.read_stats(), _result(out, err), only or "maximum-size requests")
 
 
 def plan_delays(dep: Deployment, streams: int, step_s: float, baseline_s: float, repeats: int,
-                seed: int) -> tuple[dict, dict]:
-    """(baseline window, window of the maximum-size requests), under ``streams`` background streams."""
+                seed: int, each: tuple[str, ...] = (), nice: int = 0) -> tuple[dict, dict, list[dict]]:
+    """(baseline window, window of the maximum-size requests, a window of each request named in
+    ``each`` alone), under ``streams`` background streams. ``nice``: the fronts and both clients
+    run at this niceness, so that the core and the executor have the CPU first (as on machines
+    where they do not share it): what is left of a delay is the core's own."""
     dep.step_time.value = step_s
     _wait_idle(dep)
     dep.zero_stats()
     tokens = 8_000  # more than the phase lasts: the background is stopped at its end
-    bg = subprocess.Popen(_client(_stream_args(dep, "grpc", streams, tokens, seed)), cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with _niceness(dep.fronts, nice):
+        bg = subprocess.Popen(_client(_stream_args(dep, "grpc", streams, tokens, seed)), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        return _delay_windows(dep, bg, streams, baseline_s, repeats, each, nice)
+
+
+def _delay_windows(dep: Deployment, bg: subprocess.Popen, streams: int, baseline_s: float, repeats: int,
+                   each: tuple[str, ...], nice: int) -> tuple[dict, dict, list[dict]]:
     try:
         while dep.read_stats()[h.TOKENS] < 50 * streams:  # all admitted and decoding
             if bg.poll() is not None:
@@ -322,8 +334,10 @@ def plan_delays(dep: Deployment, streams: int, step_s: float, baseline_s: float,
         before = dep.snapshot()
         time.sleep(baseline_s)
         base = Window(before, dep.snapshot(), dep.read_stats(), label="no other requests")
-        big = _max_size_window(dep, repeats)
+        big = _max_size_window(dep, repeats, nice=nice)
+        alone = [_max_size_window(dep, repeats, name, nice) for name in each]
     finally:
         bg.kill()
         bg.wait()
-    return base.summary() | {"seqs": streams}, big.summary() | {"seqs": streams, "sent": big.client["requests"]}
+    return (base.summary() | {"seqs": streams}, big.summary() | {"seqs": streams, "sent": big.client["requests"]},
+            [w.summary() | {"seqs": streams, "sent": w.client["requests"]} for w in alone])
