@@ -32,7 +32,7 @@ from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
-from pagedserve.wire import BatchPlan, NewSeq, SamplingParams
+from pagedserve.wire import BatchPlan, NewSeq, SamplingParams, pack_ids
 
 GEMM_OPS = ("aten::mm", "aten::addmm")
 BLOCK = 16
@@ -56,7 +56,7 @@ def prefill(runner: ModelRunner, batch: int, prompt_len: int, max_len: int,
     per_seq = -(-max_len // BLOCK)
     vocab = runner.model.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
-    news = [NewSeq(i, torch.randint(1, vocab, (prompt_len,), generator=g).tolist(), prompt_len,
+    news = [NewSeq(i, pack_ids(torch.randint(1, vocab, (prompt_len,), generator=g).tolist()), prompt_len,
                    list(range(i * per_seq, (i + 1) * per_seq)), 0, sampling) for i in range(batch)]
     per_step = max(1, 2048 // prompt_len)  # a token budget like the scheduler's
     for s in range(0, batch, per_step):

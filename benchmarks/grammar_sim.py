@@ -49,7 +49,7 @@ class GrammarSimExecutor(SimExecutor):
             spec = ns.sampling.structured
             if spec is not None:
                 self.grammars[ns.seq_id] = self.backend.track(spec, ns.sampling.end_token_ids,
-                                                              ns.token_ids[ns.num_prompt_tokens:])
+                                                              ns.tokens()[ns.num_prompt_tokens:])
         for fk in plan.forks:
             if fk.parent_seq_id in self.grammars:
                 self.grammars[fk.child_seq_id] = self.grammars[fk.parent_seq_id].fork()

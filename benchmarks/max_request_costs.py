@@ -54,7 +54,7 @@ BACKGROUND = 64
 def _respond(plan: BatchPlan, tokens: dict[int, int], computed: dict[int, int]) -> StepResult:
     """A trivial executor: tracks counts (forks copy their parent's) and samples token 7 where due."""
     for ns in plan.new_seqs:
-        tokens[ns.seq_id] = len(ns.token_ids)
+        tokens[ns.seq_id] = ns.num_tokens
         computed[ns.seq_id] = ns.num_computed_tokens
     for f in plan.forks:
         tokens[f.child_seq_id] = tokens[f.parent_seq_id]

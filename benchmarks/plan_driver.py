@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.wire import BatchPlan, BlockUpdate, NewSeq, SamplingParams, StepResult
+from pagedserve.wire import BatchPlan, BlockUpdate, NewSeq, SamplingParams, StepResult, pack_ids
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -44,7 +44,7 @@ class PlanDriver:
         table += self.alloc(max(0, need - len(table)))
         num_prompt = len(tokens) if num_prompt is None else num_prompt
         self.seqs[sid] = DriverSeq(list(tokens), num_prompt, table, computed)
-        self.pending.append(NewSeq(sid, list(tokens), num_prompt, list(table), computed, sampling))
+        self.pending.append(NewSeq(sid, pack_ids(tokens), num_prompt, list(table), computed, sampling))
 
     def step(self, schedule: dict[int, int], **extra) -> StepResult:
         """schedule: seq_id -> new tokens (clipped to what remains). extra: other BatchPlan fields."""

@@ -38,7 +38,7 @@ EOS = 2
 def _respond(plan: BatchPlan, tokens: dict[int, int], computed: dict[int, int]) -> StepResult:
     """A trivial executor: tracks counts and samples token 7 (never EOS) where due."""
     for ns in plan.new_seqs:
-        tokens[ns.seq_id] = len(ns.token_ids)
+        tokens[ns.seq_id] = ns.num_tokens
         computed[ns.seq_id] = ns.num_computed_tokens
     ids = []
     for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True):

@@ -162,7 +162,7 @@ class SimExecutor:
             self.seqs.pop(seq_id, None)
         for ns in plan.new_seqs:
             sp = ns.sampling
-            self.seqs[ns.seq_id] = _SeqState(len(ns.token_ids), ns.num_computed_tokens, sp.beam_candidates,
+            self.seqs[ns.seq_id] = _SeqState(ns.num_tokens, ns.num_computed_tokens, sp.beam_candidates,
                                              sp.logprobs if sp.want_logprobs else -1)
         for fk in plan.forks:
             parent = self.seqs[fk.parent_seq_id]

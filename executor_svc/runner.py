@@ -253,10 +253,11 @@ class ModelRunner:
         for sid in plan.free_seq_ids:
             self.seqs.pop(sid, None)
         for s in plan.new_seqs:
-            state = self.seqs[s.seq_id] = SeqState(s.seq_id, list(s.token_ids), s.num_prompt_tokens,
+            tokens = s.tokens()
+            state = self.seqs[s.seq_id] = SeqState(s.seq_id, tokens, s.num_prompt_tokens,
                                                    list(s.block_ids), s.num_computed_tokens, s.sampling,
-                                                   self._grammar_of(s.sampling, s.token_ids[s.num_prompt_tokens:]))
-            if s.sampling.prompt_logprobs >= 0 and len(s.token_ids) == s.num_prompt_tokens > 1:
+                                                   self._grammar_of(s.sampling, tokens[s.num_prompt_tokens:]))
+            if s.sampling.prompt_logprobs >= 0 and len(tokens) == s.num_prompt_tokens > 1:
                 state.prompt_lp_next = 1  # nothing sampled yet: its prompt is scored (again) from token 1
         for f in plan.forks:
             p = self.seqs[f.parent_seq_id]

@@ -16,7 +16,7 @@ import logging
 import time
 
 from executor_svc.runner import ModelRunner
-from pagedserve.wire import BatchPlan, NewSeq, SamplingParams
+from pagedserve.wire import BatchPlan, NewSeq, SamplingParams, pack_ids
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def warm_up(runner: ModelRunner) -> float:
     for i in range(seqs):  # one prefill per step, as a token budget would split them
         sampling = SamplingParams(temperature=0.0) if i else SamplingParams(temperature=0.8, top_p=0.95, seed=0)
         tokens = [(7 * i + 13 * j) % (vocab - 1) + 1 for j in range(prompt)]
-        new = NewSeq(seq_id=i, token_ids=tokens, num_prompt_tokens=prompt,
+        new = NewSeq(seq_id=i, token_ids=pack_ids(tokens), num_prompt_tokens=prompt,
                      block_ids=list(range(i * per_seq, (i + 1) * per_seq)), num_computed_tokens=0, sampling=sampling)
         _check(runner.execute(BatchPlan(step_id=step, scheduled_seq_ids=[i], num_new_tokens=[prompt], new_seqs=[new])),
                "prefill")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from pagedserve.wire import SamplingParams
+from pagedserve.wire import SamplingParams, pack_ids
 from scheduler_svc.api_types import FinishReason, GenerationRequest, PromptScores, TokenLogprob
 
 
@@ -109,10 +109,19 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
     stop_token_ids: frozenset[int] = frozenset()
     stop_len: int = 0  # a sequence of this many tokens is done: min(prompt + max_tokens, max_model_len)
+    packed_prompt_ids: bytes | None = None  # (packed_tokens(): built at its first NewSeq, kept for re-sends)
 
     @property
     def request_id(self) -> str:
         return self.req.request_id
+
+    def packed_tokens(self, seq: Sequence) -> bytes:
+        """``seq``'s tokens as a NewSeq carries them (packed uint32s): the prompt is packed once per
+        request, since every sequence of it and every re-send after preemption or migration has it."""
+        if self.packed_prompt_ids is None:
+            self.packed_prompt_ids = pack_ids(self.req.prompt_token_ids)
+        outputs = seq.token_ids[self.num_prompt_tokens:]
+        return self.packed_prompt_ids + pack_ids(outputs) if outputs else self.packed_prompt_ids
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -210,7 +210,7 @@ class Scheduler(RequestLifecycle):
                 if s.fork_parent is not None:
                     out.append(Fork(s.fork_parent, s.seq_id, s.fork_seed))
                 else:
-                    out.append(NewSeq(s.seq_id, list(s.token_ids), s.num_prompt_tokens,
+                    out.append(NewSeq(s.seq_id, r.packed_tokens(s), s.num_prompt_tokens,
                                       self.kv.block_ids(s), s.num_computed_tokens, s.sampling))
         return out
 

@@ -113,7 +113,7 @@ class FakeExecutor:
                 raise PlanError(f"NewSeq {ns.seq_id} is already registered")
             for b in ns.block_ids:
                 self._dblk(b)
-            self.seqs[ns.seq_id] = _Seq(list(ns.token_ids), ns.num_prompt_tokens, list(ns.block_ids),
+            self.seqs[ns.seq_id] = _Seq(ns.tokens(), ns.num_prompt_tokens, list(ns.block_ids),
                                         ns.num_computed_tokens, ns.sampling)
         for f in plan.forks:
             p = self._seq(f.parent_seq_id)

@@ -135,10 +135,10 @@ def test_executor_process_lifecycle(tiny_llama_dir, sched):
 
         sched.send_raw(b"\x93\x01\x04garbage")  # malformed: logged and dropped
         sched.send_raw(b"\xc1")
-        sched.send_raw(b"\x94\x03\x04\x01" + b"\x91" * 5000 + b"\xc0")  # nested 5,000 deep: dropped too
+        sched.send_raw(bytes([0x94, wire.WIRE_VERSION, 4, 1]) + b"\x91" * 5000 + b"\xc0")  # nested 5,000 deep: dropped too
         greedy = wire.SamplingParams(temperature=0.0)
         prompt = list(range(20, 40))
-        sched.send(_plan(1, [wire.NewSeq(7, prompt, len(prompt), [0, 1], 0, greedy)], [7], [20]))
+        sched.send(_plan(1, [wire.NewSeq(7, wire.pack_ids(prompt), len(prompt), [0, 1], 0, greedy)], [7], [20]))
         res = sched.recv(wire.StepResult)
         assert res.step_id == 1 and res.error is None and res.sampled_seq_ids == [7]
         first_token = res.sampled_token_ids
@@ -155,7 +155,7 @@ def test_executor_process_lifecycle(tiny_llama_dir, sched):
         sched.send(_plan(3, sched=[7], n=[1]))
         res = sched.recv(wire.StepResult)
         assert res.step_id == 3 and res.refused and res.failed_seq_ids == [7] and "unknown seq 7" in res.error
-        sched.send(_plan(4, [wire.NewSeq(8, prompt, len(prompt), [0, 1], 0, greedy)], [8], [20]))
+        sched.send(_plan(4, [wire.NewSeq(8, wire.pack_ids(prompt), len(prompt), [0, 1], 0, greedy)], [8], [20]))
         res = sched.recv(wire.StepResult)  # behind a refused plan: refused too, nothing applied
         assert res.step_id == 4 and res.refused and res.error.startswith("discarded")
         sched.send(wire.Reset("plan 3 was refused"))
@@ -165,7 +165,7 @@ def test_executor_process_lifecycle(tiny_llama_dir, sched):
         drain = sched.recv(wire.Drain, timeout=10)
         assert drain.grace_seconds == 20.0
         _wait_health(health_port, "executor", health_pb2.HealthCheckResponse.NOT_SERVING)
-        sched.send(_plan(5, [wire.NewSeq(8, prompt, len(prompt), [0, 1], 0, greedy)], [8], [20]))
+        sched.send(_plan(5, [wire.NewSeq(8, wire.pack_ids(prompt), len(prompt), [0, 1], 0, greedy)], [8], [20]))
         res = sched.recv(wire.StepResult)  # after the reset: same prompt, greedy, fresh state: same first token
         assert res.step_id == 5 and res.sampled_seq_ids == [8] and res.sampled_token_ids == first_token
         assert proc.wait(timeout=15) == 0

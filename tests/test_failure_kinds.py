@@ -85,7 +85,7 @@ def ends_once(metrics: Metrics) -> None:
 def seqs_of_victim(plan: wire.BatchPlan, runner) -> set[int]:
     """The victim's sequence ids, as they become known to this executor."""
     victims = runner.__dict__.setdefault("victims", set())
-    victims.update(s.seq_id for s in plan.new_seqs if POISON in s.token_ids)
+    victims.update(s.seq_id for s in plan.new_seqs if POISON in s.tokens())
     return victims
 
 

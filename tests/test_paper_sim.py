@@ -8,7 +8,7 @@ from benchmarks.paper_sim import sustained_rate
 from benchmarks.sim_executor import PAPER_NUM_BLOCKS, PAPER_NUM_SLOTS, CostModel, SimExecutor
 from benchmarks.sim_runs import MEM_KINDS, run_trace
 from pagedserve.bench.workloads import synthetic_trace
-from pagedserve.wire import BatchPlan, NewSeq, SamplingParams
+from pagedserve.wire import BatchPlan, NewSeq, SamplingParams, pack_ids
 
 
 def test_paper_kv_budget():
@@ -30,7 +30,7 @@ def test_cost_model_regimes():
 
 
 def _new(seq_id, n_tokens, computed=0, beam=0):
-    return NewSeq(seq_id, list(range(4, 4 + n_tokens)), n_tokens, [0], computed,
+    return NewSeq(seq_id, pack_ids(range(4, 4 + n_tokens)), n_tokens, [0], computed,
                   SamplingParams(beam_candidates=beam))
 
 

@@ -22,6 +22,7 @@ from pagedserve.wire import (
     SeqLogprobs,
     StepResult,
     WireError,
+    pack_ids,
 )
 
 ids = st.integers(min_value=0, max_value=2**31 - 1)
@@ -34,7 +35,7 @@ positive = st.floats(min_value=1e-6, max_value=1e6)
 sampling = st.builds(SamplingParams, positive, st.floats(min_value=1e-6, max_value=1.0), ids, unit,
                      st.none() | ids, positive, floats, floats, st.booleans(), st.integers(0, 1024),
                      st.integers(0, 1024))
-new_seqs = st.builds(NewSeq, ids, small, ids, small, ids, sampling)
+new_seqs = st.builds(NewSeq, ids, small.map(pack_ids), ids, small, ids, sampling)
 scheduled = st.lists(st.tuples(ids, ids), max_size=8)
 plans = st.builds(
     lambda step, sched, *rest: BatchPlan(step, [s for s, _ in sched], [n for _, n in sched], *rest),
@@ -84,7 +85,7 @@ def _frame(body, kind=wire.KIND_PLAN, version=wire.WIRE_VERSION, tag=None) -> by
 
 
 GOOD_PLAN = msgpack.unpackb(wire.encode(BatchPlan(1, [1], [1])))[3]
-GOOD_SEQ = [1, [2], 1, [4], 0, [1.0, 1.0, 0, 0.0, None, 1.0, 0.0, 0.0, False, 0, 0]]
+GOOD_SEQ = [1, b"\x02\x00\x00\x00", 1, [4], 0, [1.0, 1.0, 0, 0.0, None, 1.0, 0.0, 0.0, False, 0, 0]]
 
 
 @pytest.mark.parametrize("frame,needle", [
@@ -98,8 +99,8 @@ GOOD_SEQ = [1, [2], 1, [4], 0, [1.0, 1.0, 0, 0.0, None, 1.0, 0.0, 0.0, False, 0,
     (_frame(GOOD_PLAN, version=99), "wire version 99"),
     (_frame(GOOD_PLAN, tag=2), "a BatchPlan of step 1 in a frame tagged 2"),
     (_frame([1.5], kind=wire.KIND_HEARTBEAT, tag=3), "a Heartbeat frame with tag 3"),
-    (b"\x94\x03\x04\x01" + b"\x91" * 5000 + b"\xc0", "RecursionError"),  # nested 5,000 deep in the body
-    (b"\x94\x03\x04\x01\x9b\x01\x90\x90" + b"\x91" * 5000 + b"\xc0", "RecursionError"),
+    (bytes([0x94, wire.WIRE_VERSION, 4, 1]) + b"\x91" * 5000 + b"\xc0", "RecursionError"),  # nested 5,000 deep in the body
+    (bytes([0x94, wire.WIRE_VERSION, 4, 1]) + b"\x9b\x01\x90\x90" + b"\x91" * 5000 + b"\xc0", "RecursionError"),
     (b"\x93\x02\x01" + b"\x91" * 1000, "not a frame"),  # the review's 1,003-byte frame
     (_frame(GOOD_PLAN, kind=42), "unknown message kind 42"),
     (_frame(GOOD_PLAN + [[]]), "at most length 11"),
@@ -108,7 +109,8 @@ GOOD_SEQ = [1, [2], 1, [4], 0, [1.0, 1.0, 0, 0.0, None, 1.0, 0.0, 0.0, False, 0,
     (_frame(GOOD_PLAN[:6] + [[[1, 2, 3]]] + GOOD_PLAN[7:]), r"plan\.append_tokens\[0\]"),
     (_frame([1.5] + GOOD_PLAN[1:]), r"plan\.step_id"),
     (_frame([1, [], [], [GOOD_SEQ[:5] + [["hot"]]]] + GOOD_PLAN[4:]), r"plan\.new_seqs\[0\]\.sampling\.temperature"),
-    (_frame([1, [], [], [[1, [2, -1]] + GOOD_SEQ[2:]]] + GOOD_PLAN[4:]), r"plan\.new_seqs\[0\]\.token_ids\[1\]"),
+    (_frame([1, [], [], [[1, [2, 3]] + GOOD_SEQ[2:]]] + GOOD_PLAN[4:]),
+     r"Expected `bytes`, got `array` \(at plan\.new_seqs\[0\]\.token_ids\)"),  # (packed since wire version 4)
     (_frame([1, [], [], [GOOD_SEQ[:5] + [[float("nan")] + GOOD_SEQ[5][1:]]]] + GOOD_PLAN[4:]),
      r"new_seqs\[0\]\.sampling\.temperature"),
     (_frame([1, [], [], [], [], [], [], [], [], [], [[1, 2**40]]]), r"plan\.copies\[0\]\[1\]"),
@@ -122,7 +124,7 @@ def test_malformed_frames_are_wire_errors_naming_what_is_wrong(frame, needle):
 def test_the_good_building_blocks_of_those_frames_decode():
     assert wire.decode(_frame(GOOD_PLAN)) == BatchPlan(1, [1], [1])
     plan = wire.decode(_frame([1, [], [], [GOOD_SEQ]] + GOOD_PLAN[4:]))
-    assert plan.new_seqs == [NewSeq(1, [2], 1, [4], 0, SamplingParams())]
+    assert plan.new_seqs == [NewSeq(1, pack_ids([2]), 1, [4], 0, SamplingParams())]
 
 
 def test_oversized_frame_is_refused_before_parsing():
@@ -137,7 +139,7 @@ def test_a_kind_not_accepted_is_refused_before_its_body_is_parsed():
 
 
 def test_bounds_are_checked_while_decoding_not_on_construction():
-    huge = BatchPlan(1, new_seqs=[NewSeq(1, [7] * (wire.MAX_SEQ_TOKENS + 1), 1, [0], 0, SamplingParams())])
+    huge = BatchPlan(1, new_seqs=[NewSeq(1, pack_ids([7] * (wire.MAX_SEQ_TOKENS + 1)), 1, [0], 0, SamplingParams())])
     with pytest.raises(WireError, match=r"new_seqs\[0\]\.token_ids"):
         wire.decode(wire.encode(huge))
 
@@ -179,7 +181,7 @@ def test_a_plain_decode_step_result_is_bounded_tightly():
 # ---------------------------------------------------------------- fuzzing the codec
 
 VALID_FRAMES = [wire.encode(m) for m in (
-    BatchPlan(3, [1, 2], [4, 1], new_seqs=[NewSeq(1, [5, 6, 7, 8], 4, [0], 0, SamplingParams(seed=3))],
+    BatchPlan(3, [1, 2], [4, 1], new_seqs=[NewSeq(1, pack_ids([5, 6, 7, 8]), 4, [0], 0, SamplingParams(seed=3))],
               forks=[Fork(1, 9, 4)], block_updates=[BlockUpdate(2, 1, [7])], copies=[(1, 2)]),
     StepResult(3, [1], [9], [SeqLogprobs(1, -0.5, [9, 4], [-0.5, -2.0])], failed_seq_ids=[2], error="x"),
     Handshake("ex-1", wire.WIRE_VERSION, "f" * 64, "tiny", "LlamaForCausalLM", 512, 16, 100, 20, 4096,

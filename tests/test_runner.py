@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from benchmarks.plan_driver import GREEDY
 from executor_svc.batch import SeqState, build_batch
 from executor_svc.model import load_model
-from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, SamplingParams
+from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, SamplingParams, pack_ids
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def runner(tiny_llama_dir, model):
 
 
 def _new(sid: int, n: int = 5, blocks=(0,), computed: int = 0, sampling=GREEDY) -> NewSeq:
-    return NewSeq(sid, list(range(10, 10 + n)), n, list(blocks), computed, sampling)
+    return NewSeq(sid, pack_ids(range(10, 10 + n)), n, list(blocks), computed, sampling)
 
 
 def _state(runner):
@@ -44,6 +44,9 @@ def _state(runner):
     (BatchPlan(1, [], [], copies=[(0, -1)]), None),
     (BatchPlan(1, [], [], append_tokens=[(1, 10**6)]), 1),  # token outside the vocabulary
     (BatchPlan(1, [2], [20], new_seqs=[_new(2, n=20, blocks=[1])]), 2),  # 20 tokens do not fit one block of 16
+    (BatchPlan(1, [], [], new_seqs=[NewSeq(2, pack_ids([5, 10**6, 6]), 3, [1], 0, GREEDY)]), 2),  # outside the vocab
+    (BatchPlan(1, [], [], new_seqs=[NewSeq(2, pack_ids([5, 6])[:-1], 2, [1], 0, GREEDY)]), 2),  # not whole uint32s
+    (BatchPlan(1, [], [], new_seqs=[NewSeq(2, b"", 0, [1], 0, GREEDY)]), 2),  # no tokens
 ])
 def test_an_invalid_plan_is_refused_whole_and_so_is_every_plan_after_it_until_a_reset(runner, bad, at_fault):
     first = runner.execute(BatchPlan(0, [1], [3], new_seqs=[_new(1)]))

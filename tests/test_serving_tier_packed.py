@@ -35,7 +35,7 @@ def test_packed_ids_are_little_endian_uint32s_and_survive_the_codec(ids):
 @pytest.mark.parametrize("bad, where", [([1, -1], "[1]"), ([2**32], "[0]"), ([1, 2, "x"], "[2]")])
 def test_ids_that_are_not_uint32_are_refused_when_packed_naming_the_first(bad, where):
     with pytest.raises(ValueError, match=rf"prompt_token_ids\{where}: must be a token id in \[0, 2\*\*32\)"):
-        m.pack_ids(bad)
+        m.pack_ids(bad, "prompt_token_ids")
 
 
 def test_the_codec_bounds_the_packed_ids_and_needs_whole_ids():

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from executor_svc.model import load_model
 from executor_svc.pipeline import StepPipeline
-from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, SamplingParams
+from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, SamplingParams, pack_ids
 from scheduler_svc.api_types import GenerationRequest, RequestParams
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
@@ -103,7 +103,7 @@ def test_sampled_choices_beams_and_penalties_equal_the_sequential_runner(tiny_ll
 
 def _decode_plans(runner, n: int = 3) -> None:
     """Two sequences prefilled, their first tokens sampled (the runner holds their state)."""
-    plan = BatchPlan(0, [1, 2], [n, n], new_seqs=[NewSeq(sid, list(range(10 + sid, 10 + sid + n)), n, [sid], 0, GREEDY)
+    plan = BatchPlan(0, [1, 2], [n, n], new_seqs=[NewSeq(sid, pack_ids(range(10 + sid, 10 + sid + n)), n, [sid], 0, GREEDY)
                                                    for sid in (1, 2)])
     assert runner.execute(plan).error is None
 
@@ -124,7 +124,7 @@ def test_a_failed_step_leaves_only_its_sequences_out_of_the_step_prepared_on_it(
 
         monkeypatch.setattr(runner.sampler, "sample", fails_once)
         plans = [BatchPlan(1, [1, 2], [1, 1]),
-                 BatchPlan(2, [1, 2, 3], [1, 1, 4], new_seqs=[NewSeq(3, [5, 6, 7, 8], 4, [3], 0, GREEDY)]),
+                 BatchPlan(2, [1, 2, 3], [1, 1, 4], new_seqs=[NewSeq(3, pack_ids([5, 6, 7, 8]), 4, [3], 0, GREEDY)]),
                  BatchPlan(3, [3], [1], free_seq_ids=[1, 2])]
         if pipelined:
             pipe = StepPipeline(runner)

@@ -153,7 +153,7 @@ def test_ranks_agree_or_every_rank_refuses_naming_the_difference():
 
 def test_plans_reach_the_followers_as_wire_bytes_and_tokens_come_after():
     leader, follower = (PlanChannel(g) for g in connect_threads(2))
-    plan = wire.BatchPlan(7, [3], [2], new_seqs=[wire.NewSeq(3, [1, 2, 3], 3, [0], 1, wire.SamplingParams())])
+    plan = wire.BatchPlan(7, [3], [2], new_seqs=[wire.NewSeq(3, wire.pack_ids([1, 2, 3]), 3, [0], 1, wire.SamplingParams())])
     got: list = []
 
     def follow():

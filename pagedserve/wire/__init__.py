@@ -26,11 +26,13 @@ from pagedserve.wire.messages import (
     Structured,
     max_result_bytes,
 )
+from pagedserve.wire.packed import num_packed, pack_ids, unpacked
 from pagedserve.wire.protocol import *  # noqa: F403  (the constants, each defined once there)
 from pagedserve.wire.protocol import MAX_FRAME_BYTES, WIRE_VERSION
 
 __all__ = [
     "KIND_OF", "MAX_FRAME_BYTES", "WIRE_VERSION", "BatchPlan", "BlockUpdate", "Drain", "Envelope", "Fork",
     "Handshake", "HandshakeReply", "Heartbeat", "Message", "NewSeq", "PromptLogprobs", "Reset", "SamplingParams", "SeqLogprobs",
-    "StepResult", "Structured", "WireError", "decode", "decode_body", "encode", "max_result_bytes", "read_envelope",
+    "StepResult", "Structured", "WireError", "decode", "decode_body", "encode", "max_result_bytes", "num_packed", "pack_ids",
+    "read_envelope", "unpacked",
 ]

@@ -25,14 +25,11 @@ from typing import NamedTuple
 import msgspec
 
 from pagedserve.wire import protocol as p
+from pagedserve.wire.errors import WireError
 from pagedserve.wire.messages import KIND_OF, BatchPlan, Message, StepResult
 
 _ENCODER = msgspec.msgpack.Encoder()
 _ANY_ENVELOPE = msgspec.msgpack.Decoder(list[msgspec.Raw])  # (only to name another version)
-
-
-class WireError(ValueError):
-    """A frame that is not a valid message of this wire version."""
 
 
 class Envelope(NamedTuple):

@@ -34,6 +34,7 @@ import msgspec
 from msgspec import Meta
 
 from pagedserve.wire import protocol as p
+from pagedserve.wire.packed import num_packed, unpacked
 
 # Bounded scalar and container types (checked when decoding).
 Id = Annotated[int, Meta(ge=0, le=p.MAX_INT32)]
@@ -41,7 +42,9 @@ Count = Annotated[int, Meta(ge=0, le=p.MAX_INT32)]
 Seed = Annotated[int, Meta(ge=0, le=p.MAX_SEED)]
 Ids = Annotated[list[Id], Meta(max_length=p.MAX_SEQS_PER_STEP)]
 Counts = Annotated[list[Count], Meta(max_length=p.MAX_SEQS_PER_STEP)]
-TokenIds = Annotated[list[Id], Meta(max_length=p.MAX_SEQ_TOKENS)]
+# A sequence's tokens as little-endian uint32s (pagedserve/wire/packed.py): a prompt of 131K ids
+# decodes as one copy instead of 131K int objects built while the receiver holds the GIL.
+PackedTokenIds = Annotated[bytes, Meta(max_length=4 * p.MAX_SEQ_TOKENS)]
 BlockIds = Annotated[list[Id], Meta(max_length=p.MAX_SEQ_TOKENS)]
 Pairs = Annotated[list[tuple[Id, Id]], Meta(max_length=p.MAX_BLOCK_PAIRS)]
 TopIds = Annotated[list[Id], Meta(max_length=p.MAX_TOP_LOGPROBS)]
@@ -120,17 +123,28 @@ class NewSeq(_Message):
     """A sequence's full state, sent once when it becomes resident.
 
     ``token_ids`` holds every known token (prompt, then outputs generated so far;
-    after preemption or migration these are replayed). ``num_computed_tokens``
+    after preemption or migration these are replayed), packed (:func:`pack_ids`;
+    :meth:`tokens` unpacks them, and a length that is not a multiple of 4 is the
+    receiver's to refuse). ``num_computed_tokens``
     tokens already have K/V in the cache (prefix-cache hit or swapped-in
     blocks); ``block_ids`` is the whole block table.
     """
 
     seq_id: Id
-    token_ids: TokenIds
+    token_ids: PackedTokenIds
     num_prompt_tokens: Count
     block_ids: BlockIds
     num_computed_tokens: Count
     sampling: SamplingParams
+
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens ``token_ids`` holds; WireError unless a whole number of them."""
+        return num_packed(self.token_ids)
+
+    def tokens(self) -> list[int]:
+        """``token_ids`` as ints; WireError as :attr:`num_tokens`."""
+        return unpacked(self.token_ids).tolist()
 
 
 class Fork(_Message):

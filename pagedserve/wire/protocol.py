@@ -13,7 +13,7 @@ from __future__ import annotations
 # before its body is read, naming both versions. TAG is the step id of a plan or a
 # result (0 for every other kind): a receiver checks it against what it sent before
 # it parses the body.
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 
 # Message kinds (the second element of every frame).
 KIND_HANDSHAKE = 1

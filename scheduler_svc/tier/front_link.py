@@ -103,7 +103,7 @@ class RemoteCore:
         queued = max(0.0, now - req.arrival_time) if req.arrival_time else 0.0
         deadline_in = None if req.deadline is None else max(0.0, req.deadline - now)
         outputs, finished = resume if resume is not None else (None, [])
-        packed = m.pack_ids(req.prompt_token_ids)  # (validated ids: in the vocabulary)
+        packed = m.pack_ids(req.prompt_token_ids, "prompt_token_ids")  # (validated ids: in the vocabulary)
         self._send(m.Submit(dataclasses.replace(req, prompt_token_ids=[], arrival_time=0.0, deadline=None), packed,
                             queued, deadline_in, outputs, finished))
 

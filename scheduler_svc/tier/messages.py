@@ -20,15 +20,13 @@ are aborted and their blocks freed, a dead core's requests fail (or move to anot
 
 from __future__ import annotations
 
-import sys
-from array import array
-from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
 from msgspec import Meta
 
-from pagedserve.wire.codec import Codec, WireError
+from pagedserve.wire.codec import Codec
+from pagedserve.wire.packed import num_packed, pack_ids, unpacked  # noqa: F401  (the front link's helpers)
 from pagedserve.wire.protocol import MAX_SEQ_TOKENS
 from scheduler_svc.api_types import EngineStats, GenerationRequest, ModelInfo
 from scheduler_svc.request import RequestUpdate
@@ -45,38 +43,6 @@ Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
 # Token ids as little-endian uint32s, 4 bytes each: decoding them is a copy, and the core builds the
 # ints at C speed, in slices between its plans. At most a sequence's tokens on the executor link.
 PackedIds = Annotated[bytes, Meta(max_length=4 * MAX_SEQ_TOKENS)]
-_U32 = next(t for t in "IL" if array(t).itemsize == 4)  # (the typecode of 4-byte unsigned ints here)
-_SWAP = sys.byteorder != "little"
-
-
-def pack_ids(ids: Sequence[int]) -> bytes:
-    """Token ids (each in [0, 2**32)) as :data:`PackedIds`; ValueError naming one that is not."""
-    try:
-        a = array(_U32, ids)
-    except (OverflowError, TypeError):
-        i, x = next(((i, x) for i, x in enumerate(ids) if not isinstance(x, int) or not 0 <= x < 1 << 32),
-                    (None, None))
-        raise ValueError(f"prompt_token_ids[{i}]: must be a token id in [0, 2**32) (got {x!r})") from None
-    if _SWAP:
-        a.byteswap()
-    return a.tobytes()
-
-
-def num_packed(data: bytes) -> int:
-    """How many ids :data:`PackedIds` hold; WireError unless a whole number of them."""
-    if len(data) % 4:
-        raise WireError(f"packed token ids of {len(data)} bytes: not a multiple of 4")
-    return len(data) // 4
-
-
-def unpacked(data: bytes) -> array:
-    """:data:`PackedIds` as an array of ints (a copy, no int objects yet); WireError as :func:`num_packed`."""
-    num_packed(data)
-    a = array(_U32)
-    a.frombytes(data)
-    if _SWAP:
-        a.byteswap()
-    return a
 
 
 class _Message(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
