@@ -35,8 +35,9 @@ import statistics
 import time
 from collections.abc import Callable
 
+from benchmarks.scheduler_overhead import respond
 from pagedserve import wire
-from pagedserve.wire import BatchPlan, SamplingParams, StepResult
+from pagedserve.wire import SamplingParams
 from scheduler_svc.api_types import GenerationRequest, RequestParams
 from scheduler_svc.kv_cache_manager import hash_blocks
 from scheduler_svc.sched_config import SchedulerConfig
@@ -49,23 +50,6 @@ VOCAB = 128_256
 MAX_MODEL_LEN = 131_072
 NUM_BLOCKS = 1 << 16
 BACKGROUND = 64
-
-
-def _respond(plan: BatchPlan, tokens: dict[int, int], computed: dict[int, int]) -> StepResult:
-    """A trivial executor: tracks counts (forks copy their parent's) and samples token 7 where due."""
-    for ns in plan.new_seqs:
-        tokens[ns.seq_id] = ns.num_tokens
-        computed[ns.seq_id] = ns.num_computed_tokens
-    for f in plan.forks:
-        tokens[f.child_seq_id] = tokens[f.parent_seq_id]
-        computed[f.child_seq_id] = computed[f.parent_seq_id]
-    ids = []
-    for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True):
-        computed[sid] += n
-        if computed[sid] == tokens[sid]:
-            tokens[sid] += 1
-            ids.append(sid)
-    return StepResult(plan.step_id, ids, [7] * len(ids))
 
 
 class _Clock:
@@ -97,7 +81,7 @@ def _scheduler(rng: random.Random) -> tuple[Scheduler, dict[int, int], dict[int,
     tokens: dict[int, int] = {}
     computed: dict[int, int] = {}
     for _ in range(4):
-        sched.update(_respond(sched.schedule(), tokens, computed))  # type: ignore[arg-type]
+        sched.update(respond(sched.schedule(), tokens, computed))  # type: ignore[arg-type]
     return sched, tokens, computed
 
 
@@ -108,7 +92,7 @@ def _step(sched: Scheduler, tokens: dict[int, int], computed: dict[int, int], cl
         return plan
 
     plan = clock(plan_and_encode) if clock else plan_and_encode()
-    sched.update(_respond(plan, tokens, computed))  # type: ignore[arg-type]
+    sched.update(respond(plan, tokens, computed))  # type: ignore[arg-type]
 
 
 def decode_submit(rng: random.Random) -> dict[str, tuple[float, float]]:

@@ -35,11 +35,15 @@ from scheduler_svc.scheduler import Scheduler
 EOS = 2
 
 
-def _respond(plan: BatchPlan, tokens: dict[int, int], computed: dict[int, int]) -> StepResult:
-    """A trivial executor: tracks counts and samples token 7 (never EOS) where due."""
+def respond(plan: BatchPlan, tokens: dict[int, int], computed: dict[int, int]) -> StepResult:
+    """A trivial executor: tracks counts (forks copy their parent's) and samples token 7 (never
+    EOS) where due."""
     for ns in plan.new_seqs:
         tokens[ns.seq_id] = ns.num_tokens
         computed[ns.seq_id] = ns.num_computed_tokens
+    for f in plan.forks:
+        tokens[f.child_seq_id] = tokens[f.parent_seq_id]
+        computed[f.child_seq_id] = computed[f.parent_seq_id]
     ids = []
     for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True):
         computed[sid] += n
@@ -62,7 +66,7 @@ def _setup(num_seqs: int) -> tuple[Scheduler, dict[int, int], dict[int, int]]:
     computed: dict[int, int] = {}
     while sched.num_waiting or any(computed.get(s, 0) < tokens.get(s, 1) - 1 for s in sched.seqs):
         plan = sched.schedule()
-        sched.update(_respond(plan, tokens, computed))  # type: ignore[arg-type]
+        sched.update(respond(plan, tokens, computed))  # type: ignore[arg-type]
     return sched, tokens, computed
 
 
@@ -82,7 +86,7 @@ def measure(num_seqs: int, steps: int) -> tuple[float, float, float]:
         sched.in_flight[-1].max_result_bytes()  # what the engine sends with the plan (the result's bound)
         frame = wire.encode(plan)  # type: ignore[arg-type]
         c1, t1 = time.thread_time(), time.perf_counter()
-        result_frame = wire.encode(_respond(wire.decode(frame), tokens, computed))  # type: ignore[arg-type]
+        result_frame = wire.encode(respond(wire.decode(frame), tokens, computed))  # type: ignore[arg-type]
         c2, t2 = time.thread_time(), time.perf_counter()
         sched.update(wire.decode(result_frame))  # type: ignore[arg-type]
         c3, t3 = time.thread_time(), time.perf_counter()
@@ -114,14 +118,14 @@ def measure_blocked_head(steps: int) -> float:
     tokens: dict[int, int] = {}
     computed: dict[int, int] = {}
     for _ in range(8):  # the running requests' prefill
-        sched.update(_respond(sched.schedule(), tokens, computed))  # type: ignore[arg-type]
+        sched.update(respond(sched.schedule(), tokens, computed))  # type: ignore[arg-type]
     gc.collect()
     cpu = 0.0
     for _ in range(steps):
         c0 = time.thread_time()
         plan = sched.schedule()
         cpu += time.thread_time() - c0
-        sched.update(_respond(plan, tokens, computed))  # type: ignore[arg-type]
+        sched.update(respond(plan, tokens, computed))  # type: ignore[arg-type]
     if sched.num_waiting != 1:
         raise RuntimeError("benchmark invariant: the 32K-token request waits throughout")
     return cpu / steps * 1e3
