@@ -34,9 +34,14 @@ def reference(tiny_llama_dir):
     return torch.log_softmax(hf_logits(hf, PROMPT), dim=-1)  # [P, vocab]
 
 
-def _serve(runner, reqs: list[GenerationRequest], **cfg) -> tuple[dict[str, list], Scheduler, dict[str, list]]:
-    sched = Scheduler(SchedulerConfig(**{"block_size": 16, "max_model_len": 256, **cfg}), runner.kv.num_blocks,
-                      runner.kv.num_cpu_blocks, eos_token_ids=())
+def _scheduler(runner, **cfg) -> Scheduler:
+    return Scheduler(SchedulerConfig(**{"block_size": 16, "max_model_len": 256, **cfg}), runner.kv.num_blocks,
+                     runner.kv.num_cpu_blocks, eos_token_ids=())
+
+
+def _drive(sched: Scheduler, runner, reqs: list[GenerationRequest]) -> tuple[dict[str, list], dict[str, list]]:
+    """Run ``reqs`` to the end: (prompt-score pieces, updates) per request; every result fits the
+    bound its plan was sent with, and the scheduler's invariants hold after every step."""
     pieces: dict[str, list] = {r.request_id: [] for r in reqs}
     outputs: dict[str, list] = {r.request_id: [] for r in reqs}
     for r in reqs:
@@ -53,7 +58,19 @@ def _serve(runner, reqs: list[GenerationRequest], **cfg) -> tuple[dict[str, list
                 pieces[u.request_id].append(u.prompt_logprobs)
             outputs[u.request_id].append(u)
         sched.check_integrity()
+    return pieces, outputs
+
+
+def _serve(runner, reqs: list[GenerationRequest], **cfg) -> tuple[dict[str, list], Scheduler, dict[str, list]]:
+    sched = _scheduler(runner, **cfg)
+    pieces, outputs = _drive(sched, runner, reqs)
     return pieces, sched, outputs
+
+
+def _warm(sched: Scheduler, runner) -> None:
+    """A plain request caches PROMPT's blocks."""
+    _drive(sched, runner, [GenerationRequest("warm", list(PROMPT), RequestParams(
+        max_tokens=4, sampling=SamplingParams(temperature=0.0), ignore_eos=True))])
 
 
 def _request(rid: str, k: int | None = 3, n: int = 1) -> GenerationRequest:
@@ -82,23 +99,11 @@ def test_prompt_scores_equal_transformers_in_one_step_or_in_chunks(tiny_llama_di
 
 def _warm_then_scored(runner) -> tuple[Scheduler, list, int]:
     """A plain request caches PROMPT's blocks; then a request scoring the same prompt runs."""
-    sched = Scheduler(SchedulerConfig(block_size=16, max_model_len=256), runner.kv.num_blocks,
-                      runner.kv.num_cpu_blocks, eos_token_ids=())
-    sched.add_request(GenerationRequest("warm", list(PROMPT), RequestParams(
-        max_tokens=4, sampling=SamplingParams(temperature=0.0), ignore_eos=True)))
-    while sched.has_work():
-        if (plan := sched.schedule()) is not None:
-            sched.update(runner.execute(plan))
+    sched = _scheduler(runner)
+    _warm(sched, runner)
     hits_before = sched.prefix_cache_hit_tokens
-    sched.add_request(_request("scored"))
-    pieces = []
-    while sched.has_work():
-        if (plan := sched.schedule()) is not None:
-            for u in sched.update(runner.execute(plan)):
-                if u.prompt_logprobs is not None:
-                    pieces.append(u.prompt_logprobs)
-        sched.check_integrity()
-    return sched, pieces, sched.prefix_cache_hit_tokens - hits_before
+    pieces, _ = _drive(sched, runner, [_request("scored")])
+    return sched, pieces["scored"], sched.prefix_cache_hit_tokens - hits_before
 
 
 def test_a_scored_prompt_takes_no_prefix_hit(tiny_llama_dir, model, reference):
@@ -116,23 +121,10 @@ def test_a_prefix_hit_runs_the_cached_positions_again_without_rewriting_them(tin
     scheduler that takes the hit) has those positions run again, their K/V not written."""
     monkeypatch.setattr(lifecycle, "takes_prefix_hits", lambda req: True)
     runner = make_runner(tiny_llama_dir, model=model)
-    sched = Scheduler(SchedulerConfig(block_size=16, max_model_len=256), runner.kv.num_blocks,
-                      runner.kv.num_cpu_blocks, eos_token_ids=())
-    first = GenerationRequest("warm", list(PROMPT), RequestParams(max_tokens=4, sampling=SamplingParams(temperature=0.0),
-                                                                  ignore_eos=True))
-    for r in (first,):
-        sched.add_request(r)
-    while sched.has_work():
-        if (plan := sched.schedule()) is not None:
-            sched.update(runner.execute(plan))
+    sched = _scheduler(runner)
+    _warm(sched, runner)
     before = [layer[0].clone() for layer in runner.kv.layers]
-    sched.add_request(_request("hit"))
-    pieces = []
-    while sched.has_work():
-        if (plan := sched.schedule()) is not None:
-            for u in sched.update(runner.execute(plan)):
-                if u.prompt_logprobs is not None:
-                    pieces.append(u.prompt_logprobs)
+    pieces = _drive(sched, runner, [_request("hit")])[0]["hit"]
     assert sched.prefix_cache_hit_tokens >= 32
     _check(pieces, reference)
     for old, layer in zip(before, runner.kv.layers, strict=True):  # the hit blocks' K/V were not written again
