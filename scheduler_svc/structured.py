@@ -107,6 +107,8 @@ def _schema_text(schema: Any, limit: int) -> str:
             schema = json.loads(schema)
         except ValueError as e:
             raise StructuredError("json_schema", f"is not valid JSON ({e})") from None
+        except RecursionError:  # [[[[...]]]]: the client's error, never a crash
+            raise StructuredError("json_schema", "is nested more than 64 levels deep") from None
     if not isinstance(schema, (dict, bool)):
         raise StructuredError("json_schema", f"must be a JSON object (got {type(schema).__name__})")
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)

@@ -232,6 +232,7 @@ def test_each_structured_output_becomes_one_spec_that_ends_with_eos(so, kind, sp
 @pytest.mark.parametrize("so,field,words", [
     ({"json_schema": "{not json"}, "sampling.structured_outputs.json_schema", "not valid JSON"),
     ({"json_schema": '"a string"'}, "sampling.structured_outputs.json_schema", "JSON object"),
+    ({"json_schema": "[" * 20000}, "sampling.structured_outputs.json_schema", "nested more than 64 levels"),
     ({"json_schema": '{"type": "wizard"}'}, "sampling.structured_outputs.json_schema", "wizard"),
     ({"json_schema": '{"$ref": "#/$defs/nowhere"}'}, "sampling.structured_outputs.json_schema", "nowhere"),
     ({"json_schema": '{"type": "string", "minLength": 3, "maxLength": 2}'}, "sampling.structured_outputs.json_schema",
