@@ -203,7 +203,10 @@ class RemoteCore:
         if was:
             log.warning("lost the engine core (%s); moving its requests to another core (or failing them) and "
                         "dialling again", why)
-            if self.streams is not None:
-                self.streams.core_lost(self, NoExecutor(f"the engine core was lost ({why})"))
-            self.on_status_change()
+            try:
+                if self.streams is not None:
+                    self.streams.core_lost(self, NoExecutor(f"the engine core was lost ({why})"))
+                self.on_status_change()
+            except Exception:  # noqa: BLE001  a bug here must not stop the redial (nor this heartbeat loop)
+                log.exception("moving the requests of a lost engine core failed")
         self._connect()
