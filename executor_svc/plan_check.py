@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from pagedserve.wire import BatchPlan
+from pagedserve.wire import BatchPlan, WireError
 
 
 class PlanError(ValueError):
@@ -92,10 +92,10 @@ class PlanChecker:
     def _new_seq(self, s, shadow) -> None:
         if s.seq_id in shadow:
             raise PlanError(f"new_seqs: seq {s.seq_id} already exists", s.seq_id)
-        if len(s.token_ids) % 4:
-            raise PlanError(f"new_seqs seq {s.seq_id}: token_ids of {len(s.token_ids)} bytes, not packed "
-                            f"uint32s", s.seq_id)
-        n = s.num_tokens
+        try:
+            n = s.num_tokens  # (the packing's own rule: whole uint32s)
+        except WireError as exc:
+            raise PlanError(f"new_seqs seq {s.seq_id}: {exc}", s.seq_id) from None
         if n == 0 or n > self.max_model_len:
             raise PlanError(f"new_seqs seq {s.seq_id}: {n} tokens, expected 1..{self.max_model_len}", s.seq_id)
         if not 0 <= s.num_prompt_tokens <= n:
