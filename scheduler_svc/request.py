@@ -120,7 +120,7 @@ class Request:
         request, since every sequence of it and every re-send after preemption or migration has it."""
         if self.packed_prompt_ids is None:
             self.packed_prompt_ids = pack_ids(self.req.prompt_token_ids)
-        outputs = seq.token_ids[self.num_prompt_tokens:]
+        outputs = seq.output_token_ids
         return self.packed_prompt_ids + pack_ids(outputs) if outputs else self.packed_prompt_ids
 
     @property
