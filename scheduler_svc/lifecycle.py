@@ -298,9 +298,9 @@ class RequestLifecycle:
         them, cannot fit."""
         hits = []
         known = r.req.prompt_block_hashes or ()  # every seq of r starts with the prompt
-        lookup = self.kv.lookup_prefix if takes_prefix_hits(r.req) else lambda seq, known: NO_HIT
+        takes_hits = takes_prefix_hits(r.req)
         for seq in r.live:
-            hit = lookup(seq, known)
+            hit = self.kv.lookup_prefix(seq, known) if takes_hits else NO_HIT
             if hit.blocks and len(r.live) == 1 and not self._first_chunk_fits(r, seq, hit, max_tokens):
                 self._unadmit(r)
                 return None
