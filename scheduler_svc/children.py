@@ -73,15 +73,27 @@ class Children:
                     continue
                 why = f"exited with status {c.proc.returncode}"
                 log.warning("%s %s; starting it again", c.name, why)
-                self.on_exit(c.name, why)
                 c.quick_exits = 0 if time.monotonic() - c.started_at > 60 else c.quick_exits + 1
                 c.proc = None
-                delay = RESTART_BACKOFF_S[min(c.quick_exits, len(RESTART_BACKOFF_S)) - 1] if c.quick_exits else 0.0
-                asyncio.get_running_loop().call_later(delay, self._respawn, c)
+                try:
+                    self.on_exit(c.name, why)
+                except Exception:  # noqa: BLE001  a bug there must not stop this watch (nor the restart)
+                    log.exception("handling the exit of %s failed", c.name)
+                self._respawn_later(c)
+
+    def _respawn_later(self, c: Child) -> None:
+        delay = RESTART_BACKOFF_S[min(c.quick_exits, len(RESTART_BACKOFF_S)) - 1] if c.quick_exits else 0.0
+        asyncio.get_running_loop().call_later(delay, self._respawn, c)
 
     def _respawn(self, c: Child) -> None:
-        if not self.stopping and c.proc is None:
+        if self.stopping or c.proc is not None:
+            return
+        try:
             self._spawn(c)
+        except OSError as exc:  # (out of processes or memory for a moment): try again, not never
+            c.quick_exits += 1
+            log.error("could not start %s again (%s); trying again", c.name, exc)
+            self._respawn_later(c)
 
     def signal_all(self, sig: int) -> None:
         for c in self.children:
