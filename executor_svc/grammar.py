@@ -31,6 +31,7 @@ whitespace between tokens of an object may never close it; a real model loses no
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -49,9 +50,6 @@ from pagedserve.wire import (
     STRUCTURED_REGEX,
     Structured,
 )
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +75,7 @@ class GrammarBackend:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
         self._compiler: Future = self._pool.submit(_compiler, tokenizer_json, vocab_size, list(eos_token_ids),
                                                    threads)
+        self._compiler.add_done_callback(functools.partial(_log_compiler_failure, tokenizer_json))
         self._cache: collections.OrderedDict[tuple[int, str], Future] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
@@ -183,6 +182,15 @@ def _compiler(tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int], t
     # the vocabulary's defaults, which xgrammar requires.
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids or [0])
     return xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)  # (cached above, by spec)
+
+
+def _log_compiler_failure(tokenizer_json: Path, fut: Future) -> None:
+    """The vocabulary could not be read (each structured sequence's step then fails saying why):
+    said once, at start-up, instead of only in each failed step."""
+    exc = fut.exception()
+    if exc is not None:
+        log.error("cannot build the grammar compiler from %s: structured outputs will fail on this executor",
+                  tokenizer_json, exc_info=exc)
 
 
 def _config_eos_ids(model_dir: Path) -> list[int]:
