@@ -194,3 +194,22 @@ def test_a_submit_carrying_its_ids_unpacked_drops_the_front(tmp_path):
         assert core.calls == []
 
     asyncio.run(main())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ipc:// endpoints")
+@pytest.mark.parametrize("finished", [[99], [None, None]], ids=["not-a-finish-reason", "more-than-outputs"])
+def test_a_resumed_submit_with_broken_finish_reasons_drops_the_front(tmp_path, finished, caplog):
+    async def main():
+        core, link, sock = await _linked(tmp_path)
+        try:
+            msg = _submit("f:x", [1, 2])
+            msg.resume_outputs, msg.resume_finished = [[3]], finished
+            await sock.send(m.TIER.encode(msg))
+            await _until(lambda: not link.fronts)
+        finally:
+            sock.close()
+            await link.close()
+        assert core.calls == []
+
+    asyncio.run(main())
+    assert "front f dropped (broke the front protocol: resume_finished" in caplog.text

@@ -214,6 +214,9 @@ class FrontLink:
         received = time.monotonic()
         if req.prompt_token_ids:
             raise _Foreign("a Submit whose request carries prompt_token_ids (they travel packed)")
+        resume = None
+        if msg.resume_outputs is not None:  # it ran on an engine core that was lost
+            resume = MigratedRequest(req, msg.resume_outputs, _finish_reasons(msg))
         n, info = m.num_packed(msg.prompt_ids), self.core.model_info()
         if info is not None and n >= info.max_model_len:  # (refused before a single int is built)
             front.deliver([RequestUpdate(req.request_id, [], True, n, error_kind=ERROR_FAILED,
@@ -227,10 +230,6 @@ class FrontLink:
         req.deadline = None if msg.deadline_in_s is None else received + msg.deadline_in_s
         req.first_scheduled_at = None
         req.max_total_tokens = None  # fixed here, at its first placement
-        resume = None
-        if msg.resume_outputs is not None:  # it ran on an engine core that was lost
-            reasons = [None if r is None else FinishReason(r) for r in msg.resume_finished]
-            resume = MigratedRequest(req, msg.resume_outputs, reasons + [None] * (len(msg.resume_outputs) - len(reasons)))
         try:
             self.core.submit(req, front, resume)
         except (QueueFull, NoExecutor, ValueError) as exc:
@@ -275,6 +274,18 @@ class FrontLink:
 
 class _Foreign(ValueError):
     """A front named a request it did not submit, or broke the protocol otherwise."""
+
+
+def _finish_reasons(msg: m.Submit) -> list[FinishReason | None]:
+    """How each choice of a resumed Submit ended (None: running), one per output."""
+    outputs, finished = msg.resume_outputs or [], msg.resume_finished
+    if len(finished) > len(outputs):
+        raise _Foreign(f"resume_finished has {len(finished)} entries for {len(outputs)} resume_outputs")
+    try:
+        reasons = [None if r is None else FinishReason(r) for r in finished]
+    except ValueError as exc:
+        raise _Foreign(f"resume_finished: {exc}") from None
+    return reasons + [None] * (len(outputs) - len(reasons))
 
 
 async def _ints(ids: array) -> list[int]:
