@@ -96,15 +96,20 @@ def _before_marker(text: str, marker: str, final: bool) -> tuple[str, int]:
 
 def _array_calls(text: str, i: int, args_keys: tuple[str, ...]) -> list[PartialCall]:
     """The calls of a JSON array of call objects whose ``[`` is at ``text[i]``."""
+    return _call_list(text, skip_ws(text, i + 1), ",", args_keys)
+
+
+def _call_list(text: str, i: int, sep: str, args_keys: tuple[str, ...] = ("arguments", "parameters")
+               ) -> list[PartialCall]:
+    """The call objects from ``text[i]`` on, separated by ``sep``, as far as the text goes."""
     calls = []
-    i = skip_ws(text, i + 1)
     while i < len(text) and text[i] == "{":
         call, end = call_at(text, i, args_keys)
         calls.append(call)
         if end is None:
             break
         i = skip_ws(text, end)
-        if i < len(text) and text[i] == ",":
+        if i < len(text) and text[i] == sep:
             i = skip_ws(text, i + 1)
     return calls
 
@@ -136,16 +141,7 @@ class Llama3JsonParser(ToolParser):
             return Parsed(text if final else "")  # nothing yet says whether it is a call
         if text[i] != "{":
             return Parsed(text)
-        out = Parsed("")
-        while i < len(text) and text[i] == "{":
-            call, end = call_at(text, i)
-            out.calls.append(call)
-            if end is None:
-                break
-            i = skip_ws(text, end)
-            if i < len(text) and text[i] == ";":
-                i = skip_ws(text, i + 1)
-        return out
+        return Parsed("", _call_list(text, i, ";"))
 
 
 class MistralParser(ToolParser):
