@@ -74,10 +74,11 @@ async def tokenize(front: OpenAIFront, request: Request) -> Response:
         bound = (info.max_model_len - 1) * max(info.max_token_chars, 1)
         if info.max_token_chars and len(req.prompt) > bound:
             raise bad_field("prompt", f"has {len(req.prompt)} characters; no prompt longer than {bound} can fit")
-        text, special = req.prompt, req.add_special_tokens is not False
-    else:
-        text, special = _render(front, req), req.add_special_tokens is True
-    ids = await validate_off_loop(len(text), lambda: token_ids(front.tokenizer, text, special))
+        ids = await validate_off_loop(len(req.prompt), token_ids, front.tokenizer, req.prompt,
+                                      req.add_special_tokens is not False)
+    else:  # the template renders off the loop too, by the body's size, as a chat request's does (app.py)
+        special = req.add_special_tokens is True
+        ids = await validate_off_loop(len(body), lambda: token_ids(front.tokenizer, _render(front, req), special))
     return _json({"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids})
 
 
