@@ -12,8 +12,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -179,6 +180,34 @@ class Stack:
 
     def stats(self) -> pb.Stats:
         return self.stub.GetStats(pb.GetStatsRequest(), timeout=5)
+
+    def stream_all(self, requests: list[pb.GenerateRequest], on_progress: Callable[[list[int]], None] | None = None,
+                   timeout_s: float = 180.0) -> list[list[int] | grpc.RpcError]:
+        """Each request streamed on a thread of its own: its token ids (every choice's, as they
+        came) or the RpcError it ended with. ``on_progress`` runs while they stream, given each
+        stream's token count so far (a list the threads keep updating)."""
+        results: list = [None] * len(requests)
+        progress = [0] * len(requests)
+
+        def run(i: int) -> None:
+            toks: list[int] = []
+            try:
+                for resp in self.stub.Generate(requests[i], timeout=timeout_s):
+                    for c in resp.choices:
+                        toks.extend(c.token_ids)
+                    progress[i] = len(toks)
+                results[i] = toks
+            except grpc.RpcError as exc:
+                results[i] = exc
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        if on_progress is not None:
+            on_progress(progress)
+        for t in threads:
+            t.join()
+        return results
 
     def wait_blocks_free(self, timeout_s: float = 20.0) -> float:
         """Seconds until no executor holds a block and nothing runs or waits (AssertionError after

@@ -22,30 +22,8 @@ def _prompt(i: int) -> list[int]:
 
 def _run_streams(stack: Stack, prompts: list[list[int]], out_tokens: int = OUT_TOKENS,
                  on_progress=None) -> list[list[int] | grpc.RpcError]:
-    results: list = [None] * len(prompts)
-    progress = [0] * len(prompts)
-
-    def run(i: int) -> None:
-        req = pb.GenerateRequest(prompt_token_ids=prompts[i], sampling=pb.SamplingParams(
-            max_tokens=out_tokens, temperature=0.0, ignore_eos=True))
-        toks: list[int] = []
-        try:
-            for resp in stack.stub.Generate(req, timeout=180):
-                for c in resp.choices:
-                    toks.extend(c.token_ids)
-                progress[i] = len(toks)
-            results[i] = toks
-        except grpc.RpcError as e:
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    if on_progress is not None:
-        on_progress(progress)
-    for t in threads:
-        t.join()
-    return results
+    return stack.stream_all([pb.GenerateRequest(prompt_token_ids=p, sampling=pb.SamplingParams(
+        max_tokens=out_tokens, temperature=0.0, ignore_eos=True)) for p in prompts], on_progress)
 
 
 def _wait_for(cond, timeout_s: float, what: str) -> None:

@@ -7,7 +7,6 @@ import json
 import re
 import signal
 import socket
-import threading
 import time
 
 import grpc
@@ -32,26 +31,8 @@ def _request(i: int) -> pb.GenerateRequest:
                               sampling=pb.SamplingParams(max_tokens=150, temperature=0.0, structured_outputs=so))
 
 
-def _run(stack: Stack, n: int, on_progress=None) -> list[list[int]]:
-    out: list = [None] * n
-    progress = [0] * n
-
-    def run(i: int) -> None:
-        toks: list[int] = []
-        for resp in stack.stub.Generate(_request(i), timeout=180):
-            for c in resp.choices:
-                toks.extend(c.token_ids)
-            progress[i] = len(toks)
-        out[i] = toks
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    if on_progress is not None:
-        on_progress(progress)
-    for t in threads:
-        t.join()
-    return out
+def _run(stack: Stack, n: int, on_progress=None) -> list[list[int] | grpc.RpcError]:
+    return stack.stream_all([_request(i) for i in range(n)], on_progress)
 
 
 def _kill_a_busy_executor(stack: Stack, killed: list[str]):
