@@ -103,32 +103,51 @@ def apply_penalties(logits: torch.Tensor, seqs: Sequence[SampleInput]) -> None:
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: Sequence[SampleInput], rows: Sequence[int]) -> None:
-    """In place: each row's ``logit_bias`` added to its ids (ids past the logits' width are ignored)."""
+    """In place: each row's ``logit_bias`` added to its ids (ids past the logits' width are ignored);
+    the whole step's entries in one indexed add (a call per row cost more than the adding)."""
     vocab = logits.shape[1]
+    at_rows: list[int] = []
+    at_ids: list[int] = []
+    values: list[float] = []
     for i in rows:
-        bias = seqs[i].sampling.logit_bias
-        if bias:
-            pairs = [(t, b) for t, b in bias if t < vocab]
-            if pairs:
-                ids = torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=logits.device)
-                logits[i].index_add_(0, ids, torch.tensor([b for _, b in pairs], dtype=logits.dtype,
-                                                          device=logits.device))
+        for t, b in seqs[i].sampling.logit_bias:
+            if t < vocab:
+                at_rows.append(i)
+                at_ids.append(t)
+                values.append(b)
+    if at_rows:
+        dev = logits.device
+        logits.index_put_((torch.tensor(at_rows, device=dev), torch.tensor(at_ids, device=dev)),
+                          torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, seqs: Sequence[SampleInput], rows: Sequence[int]) -> None:
     """In place: a row with fewer outputs than ``min_tokens`` cannot sample its end tokens, unless
-    they are all that is left to it (a grammar that has reached its end)."""
+    they are all that is left to it (a grammar that has reached its end). All such rows at once:
+    no host sync per row."""
     vocab = logits.shape[1]
+    held: list[int] = []  # rows whose end tokens are held back
+    at_rows: list[int] = []
+    at_ids: list[int] = []
     for i in rows:
         s = seqs[i]
         p = s.sampling
         if p.min_tokens <= len(s.token_ids) - s.num_prompt_tokens or not p.end_token_ids:
             continue
-        ids = torch.tensor([t for t in p.end_token_ids if t < vocab], dtype=torch.int64, device=logits.device)
-        kept = logits[i, ids].clone()
-        logits[i, ids] = float("-inf")
-        if not bool(torch.isfinite(logits[i]).any()):
-            logits[i, ids] = kept
+        ends = [t for t in p.end_token_ids if t < vocab]
+        if ends:
+            held.append(i)
+            at_rows += [i] * len(ends)
+            at_ids += ends
+    if not held:
+        return
+    dev = logits.device
+    where = (torch.tensor(at_rows, device=dev), torch.tensor(at_ids, device=dev))
+    kept = logits[where]  # (advanced indexing: a copy)
+    logits[where] = float("-inf")
+    left = torch.zeros(logits.shape[0], dtype=torch.bool, device=dev)  # rows with another token left
+    left[held] = torch.isfinite(logits[held]).any(dim=1)
+    logits[where] = torch.where(left[where[0]], logits[where], kept)
 
 
 def truncate_sorted(sorted_logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
