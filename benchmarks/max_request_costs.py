@@ -5,7 +5,8 @@ longest of them bounds the plan delay ``tier_capacity --phases delay`` measures 
 
 - ``decode_submit``: the core decoding a front's ``Submit`` carrying 131,071 prompt token ids (ids
   drawn below a 128K vocabulary, as a Llama-3-sized model has; small ints are cached objects), packed;
-- ``unpack_slice`` / ``unpack_total``: turning them into ints, the longest of the front link's slices
+- ``unpack_slice`` / ``unpack_total``: turning them into ints checked against the vocabulary, the
+  longest of the front link's slices
   (``core_link.UNPACK_SLICE`` ids each, the loop free between) and all of them;
 - ``admit_plan``: ``add_request`` and the first plan carrying the prompt (``schedule()`` and
   ``wire.encode``);
@@ -43,7 +44,7 @@ from scheduler_svc.kv_cache_manager import hash_blocks
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.tier import messages as m
-from scheduler_svc.tier.core_link import UNPACK_SLICE
+from scheduler_svc.tier.core_link import UNPACK_SLICE, _in_vocab
 
 EOS = 2
 VOCAB = 128_256
@@ -107,7 +108,7 @@ def decode_submit(rng: random.Random) -> dict[str, tuple[float, float]]:
     total, longest, out = _Clock(), (0.0, 0.0), []
     for i in range(0, len(ids), UNPACK_SLICE):
         piece = _Clock()
-        out += piece(ids[i:i + UNPACK_SLICE].tolist)
+        out += piece(lambda: _in_vocab(ids[i:i + UNPACK_SLICE].tolist(), VOCAB, "prompt_token_ids", i))  # noqa: B023
         longest = max(longest, (piece.wall, piece.cpu))
         total.wall, total.cpu = total.wall + piece.wall, total.cpu + piece.cpu
     if out != prompt:

@@ -135,7 +135,7 @@ def test_a_long_prompt_is_unpacked_in_slices_and_what_follows_it_waits(tmp_path,
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ipc:// endpoints")
 def test_a_prompt_longer_than_the_context_is_refused_unread_and_broken_ids_drop_the_front(tmp_path, monkeypatch):
     unpacked = []
-    monkeypatch.setattr(core_link, "_ints", lambda ids: unpacked.append(ids))  # (must not be reached)
+    monkeypatch.setattr(core_link, "_ints", lambda ids, vocab_size: unpacked.append(ids))  # (must not be reached)
 
     async def main():
         core, link, sock = await _linked(tmp_path)
@@ -213,3 +213,36 @@ def test_a_resumed_submit_with_broken_finish_reasons_drops_the_front(tmp_path, f
 
     asyncio.run(main())
     assert "front f dropped (broke the front protocol: resume_finished" in caplog.text
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ipc:// endpoints")
+@pytest.mark.parametrize("prompt, resume, error", [
+    ([5] * 40_000 + [1 << 17], None, "prompt_token_ids[40000]: must be a token id in [0, vocab_size=131072) "
+                                     "(got 131072)"),
+    ([5, 6], [[7], [8, 2**31]], "resume_outputs[1][1]: must be a token id in [0, vocab_size=131072) "
+                                "(got 2147483648)"),
+], ids=["prompt", "resumed-outputs"])
+def test_an_id_outside_the_vocabulary_fails_its_request_alone(tmp_path, monkeypatch, prompt, resume, error):
+    """Such an id would have the executor refuse the whole plan carrying it, moving every request in it."""
+    monkeypatch.setattr(core_link, "UNPACK_SLICE", 16_384)
+
+    async def main():
+        core, link, sock = await _linked(tmp_path)
+        try:
+            bad = _submit("f:bad", prompt)
+            if resume is not None:
+                bad.resume_outputs = resume
+            for msg in (bad, _submit("f:good", [5, 6])):
+                await sock.send(m.TIER.encode(msg))
+            reply = m.TIER.decode(await asyncio.wait_for(sock.recv(), 10))
+            while not isinstance(reply, m.Updates):
+                reply = m.TIER.decode(await asyncio.wait_for(sock.recv(), 10))
+            (u,) = reply.updates
+            assert (u.request_id, u.finished, u.error_kind, u.error) == ("f:bad", True, ERROR_FAILED, error)
+            await _until(lambda: core.calls == [("submit", "f:good", [5, 6])])
+            assert link.fronts  # the front stays
+        finally:
+            sock.close()
+            await link.close()
+
+    asyncio.run(main())

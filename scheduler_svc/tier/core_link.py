@@ -223,7 +223,14 @@ class FrontLink:
                                          error=f"prompt of {n} tokens must be shorter than max_model_len "
                                                f"{info.max_model_len}")])
             return
-        req.prompt_token_ids = await _ints(m.unpacked(msg.prompt_ids))
+        vocab_size = info.vocab_size if info is not None else 1 << 32
+        try:
+            req.prompt_token_ids = await _ints(m.unpacked(msg.prompt_ids), vocab_size)
+            for k, outputs in enumerate(msg.resume_outputs or ()):
+                _in_vocab(outputs, vocab_size, f"resume_outputs[{k}]")
+        except ValueError as exc:  # (this request fails; nothing of it reaches an executor)
+            front.deliver([RequestUpdate(req.request_id, [], True, n, error=str(exc), error_kind=ERROR_FAILED)])
+            return
         if not front.alive:  # it went away while its prompt was unpacked
             return
         req.arrival_time = received - msg.queued_s  # (the front's times are relative: clocks differ)
@@ -288,15 +295,23 @@ def _finish_reasons(msg: m.Submit) -> list[FinishReason | None]:
     return reasons + [None] * (len(outputs) - len(reasons))
 
 
-async def _ints(ids: array) -> list[int]:
-    """``ids`` as a list of ints, built ``UNPACK_SLICE`` at a time with the loop free between."""
-    if len(ids) <= UNPACK_SLICE:
-        return ids.tolist()
+async def _ints(ids: array, vocab_size: int) -> list[int]:
+    """``ids`` as a list of ints, built ``UNPACK_SLICE`` at a time with the loop free between;
+    ValueError naming the first id outside the vocabulary (a front checks them, but the executor
+    would refuse the whole plan carrying one, and every request in it would move)."""
     out: list[int] = []
-    for i in range(0, len(ids), UNPACK_SLICE):
-        out += ids[i:i + UNPACK_SLICE].tolist()
-        await asyncio.sleep(0)
+    for start in range(0, len(ids), UNPACK_SLICE):
+        if start:
+            await asyncio.sleep(0)
+        out += _in_vocab(ids[start:start + UNPACK_SLICE].tolist(), vocab_size, "prompt_token_ids", start)
     return out
+
+
+def _in_vocab(ids: list[int], vocab_size: int, field: str, offset: int = 0) -> list[int]:
+    if ids and max(ids) >= vocab_size:  # (max at C speed; the loop only finds which one)
+        i, tok = next((i, t) for i, t in enumerate(ids) if t >= vocab_size)
+        raise ValueError(f"{field}[{offset + i}]: must be a token id in [0, vocab_size={vocab_size}) (got {tok})")
+    return ids
 
 
 def _owned(front: RemoteFront, request_id: str) -> str:
