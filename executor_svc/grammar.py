@@ -14,7 +14,8 @@ step, where shipping a bitmask per sequence per step would cost 16 KB each at a 
   output tokens so far (after preemption by recompute, a swap or a migration the executor is sent
   the tokens, and the grammar state follows them); a fork (n > 1) copies its parent's matcher.
   A sequence whose first sample comes before its grammar has compiled waits for the compile
-  (``COMPILE_TIMEOUT_S`` at most; past it the step's sampling fails, as any sampler error does).
+  (``COMPILE_TIMEOUT_S`` at most; past it that sequence fails, as one whose grammar does not
+  compile here does: the other rows of the step are sampled as usual).
 - :class:`GrammarMasks`: one step's token bitmask, a bit per vocabulary id and row, filled for
   the constrained rows (in parallel, by xgrammar's batch matcher) right after the step's forward
   was launched, so on a GPU the mask is computed while the device runs; the sampler applies it.
@@ -152,15 +153,16 @@ class GrammarBackend:
         if self._bitmask.shape[0] < len(seqs):
             self._bitmask = torch.empty(len(seqs), self._bitmask.shape[1], dtype=torch.int32)
         bitmask = self._bitmask[:len(seqs)]
-        masks = GrammarMasks(bitmask, rows, self.vocab_size)
+        masks = GrammarMasks(bitmask, [], self.vocab_size)
         live, live_rows = [], []
         for i in rows:
             g: SeqGrammar = seqs[i].grammar
             try:
                 matcher = g.matcher()
-            except Exception as exc:  # noqa: BLE001  the sampler raises it: this row cannot be served
-                masks.errors.append(f"seq {seqs[i].seq_id}: {exc}")
+            except Exception as exc:  # noqa: BLE001  this row cannot be served: its sequence fails alone
+                masks.failed[i] = str(exc)
                 continue
+            masks.rows.append(i)
             if g.terminated:  # a step computed past its end token: only end tokens again
                 _allow_only(bitmask[i], g.end_token_ids)
             else:
@@ -290,26 +292,28 @@ def _bit(j: int) -> int:
 
 class GrammarMasks:
     """One step's bitmask ``[num_rows, ceil(vocab / 32)] int32`` (bit ``t % 32`` of word ``t // 32``
-    set: token ``t`` allowed) and the rows it constrains."""
+    set: token ``t`` allowed), the rows it constrains, and the constrained rows it cannot serve
+    (``failed``: row -> why). A failed row is left unmasked: the runner drops its sequence and
+    reports it failed instead of appending what it sampled; the step's other rows are served."""
 
-    __slots__ = ("bitmask", "rows", "vocab_size", "errors")
+    __slots__ = ("bitmask", "rows", "vocab_size", "failed")
 
     def __init__(self, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
         self.bitmask, self.rows, self.vocab_size = bitmask, rows, vocab_size
-        self.errors: list[str] = []  # rows whose grammar cannot be served (the sampler raises)
+        self.failed: dict[int, str] = {}
 
     @classmethod
     def unserved(cls, seqs: Sequence[Any]) -> GrammarMasks:
         """The masks of a step whose constrained rows this executor cannot serve (no backend)."""
         masks = cls(torch.empty(0, 0, dtype=torch.int32), [], 0)
-        masks.errors = [f"seq {s.seq_id}: this executor cannot serve structured outputs (no tokenizer.json)"
-                        for s in seqs if s.grammar is not None]
+        masks.failed = {i: "this executor cannot serve structured outputs (no tokenizer.json)"
+                        for i, s in enumerate(seqs) if s.grammar is not None}
         return masks
 
     def apply(self, logits: torch.Tensor) -> None:
         """Disallowed tokens' logits of the constrained rows to -inf, in place (logits ``[num_rows, V]``)."""
-        if self.errors:
-            raise GrammarError("; ".join(self.errors))
+        if not self.rows:
+            return
         vocab = min(logits.shape[1], self.vocab_size)
         if logits.device.type == "cpu" and logits.dtype == torch.float32:
             _xgrammar().apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=vocab, indices=self.rows,

@@ -17,9 +17,9 @@ Every plan gets exactly one answer (``StepResult``, whose docstring is the contr
 
 * a plan that does not fit the sequence state is **refused** whole, nothing of it applied, and
   so is every later plan until the scheduler resets the runner (``reset``);
-* a step that cannot serve some sequences (the forward or the sampler raised) **fails those**:
-  they are dropped (``executor_svc/dropped.py``) and reported, the rest are served, and the
-  runner serves on. If applying the plan itself raised, the state of what it named is unknown:
+* a step that cannot serve some sequences (the forward or the sampler raised, or a sequence's
+  grammar cannot be served) **fails those**: they are dropped (``executor_svc/dropped.py``) and
+  reported, the rest are served, and the runner serves on. If applying the plan itself raised, the state of what it named is unknown:
   those fail, and later plans are refused until a reset.
 """
 
@@ -130,11 +130,11 @@ class ModelRunner:
         if self.refusing is not None:
             return StepResult(step_id=plan.step_id, refused=True,
                               error=_text(f"discarded: a plan before it was refused ({self.refusing})"))
-        plan = self.dropped.skip(plan)
+        sent, plan = plan, self.dropped.skip(plan)
         in_flight = after.sampling_seqs() if after is not None else {}
         if (refused := self._check(plan, in_flight)) is not None:
             return refused
-        self._publish(plan)
+        self._publish(sent)  # as sent: the other ranks skip what they dropped too (the frees of it included)
         try:
             with self._guard(f"applying plan {plan.step_id}"):
                 self._apply(plan)
@@ -223,11 +223,15 @@ class ModelRunner:
         """A phase raised: these sequences are dropped and reported failed; the runner serves on."""
         failed = list(dict.fromkeys(seq_ids))
         log.error("step %d failed for %d sequences", plan.step_id, len(failed), exc_info=exc)
-        for sid in failed:
-            self.seqs.pop(sid, None)
-        self.dropped.add(failed)
+        self._drop(failed)
         return StepResult(step_id=plan.step_id, failed_seq_ids=failed,
                           error=_text(f"executor error: {type(exc).__name__}: {exc}"))
+
+    def _drop(self, seq_ids: list[int]) -> None:
+        """Forget these sequences; plans already sent may still name them (``executor_svc/dropped.py``)."""
+        for sid in seq_ids:
+            self.seqs.pop(sid, None)
+        self.dropped.add(seq_ids)
 
     def _refit(self, step: PreparedStep) -> None:
         """A step before ``step`` failed after ``step`` was prepared: leave the sequences it dropped
@@ -320,8 +324,10 @@ class ModelRunner:
         return PromptLogprobs(s.seq_id, first, lps, top_ids, top_vals)
 
     def _grammar_of(self, sampling, outputs: list[int]) -> SeqGrammar | None:
-        """A structured sequence's grammar state; it starts compiling now, while the sequence prefills."""
-        if sampling.structured is None:
+        """A structured sequence's grammar state; it starts compiling now, while the sequence prefills.
+        Beam rows have none: the fronts refuse the combination, and beams are chosen among unmasked
+        candidates (so a grammar could fail only sampling rows, the ones the TP followers hear of)."""
+        if sampling.structured is None or sampling.beam_candidates > 0:
             return None
         if self.grammar is None:
             return unserved("this executor has no tokenizer.json, so it cannot serve structured outputs")
@@ -339,14 +345,18 @@ class ModelRunner:
         if self.keep_logits:
             self.last_logits = logits.clone()
         seqs = batch.sample_seqs
-        self._report(seqs, self.sampler.sample(logits, seqs, masks), result)
+        failed = masks.failed if masks is not None else {}
+        self._report(seqs, self.sampler.sample(logits, seqs, masks), result, failed)
 
-    def _report(self, seqs: list[SeqState], out: SampleOutput, result: StepResult) -> None:
+    def _report(self, seqs: list[SeqState], out: SampleOutput, result: StepResult,
+                failed: dict[int, str]) -> None:
+        """Append the sampled tokens and report them; the rows in ``failed`` (row -> why: their
+        grammar cannot be served; sampled unmasked) are dropped and reported failed instead."""
         for i, s in enumerate(seqs):  # every row checked before any is appended: all or nothing
-            if out.beam[i] is None and out.token_ids[i] is None:
+            if out.beam[i] is None and out.token_ids[i] is None and i not in failed:
                 raise RuntimeError(f"sampler returned no token for seq {s.seq_id}")
         constrained = [(s.grammar, out.token_ids[i]) for i, s in enumerate(seqs) if s.grammar is not None
-                       and out.beam[i] is None]
+                       and out.beam[i] is None and i not in failed]
         if constrained:  # (masked by their grammars: accepted; a terminated matcher takes no more)
             if self.grammar is not None:
                 self.grammar.accept([g for g, _ in constrained], [t for _, t in constrained])
@@ -354,6 +364,8 @@ class ModelRunner:
                 for g, tok in constrained:
                     g.accept(tok)
         for i, s in enumerate(seqs):
+            if i in failed:
+                continue
             beam = out.beam[i]
             if beam is not None:
                 result.beam_candidates.append(SeqLogprobs(s.seq_id, 0.0, beam.top_token_ids, beam.top_logprobs))
@@ -365,6 +377,13 @@ class ModelRunner:
             s.token_ids.append(tok)
             result.sampled_seq_ids.append(s.seq_id)
             result.sampled_token_ids.append(tok)
+        if failed:
+            reasons = [f"seq {seqs[i].seq_id}: {why}" for i, why in failed.items()]
+            log.warning("step %d: %d sequences fail, their grammar cannot be served: %s", result.step_id,
+                        len(failed), "; ".join(reasons))
+            self._drop([seqs[i].seq_id for i in failed])
+            result.failed_seq_ids.extend(seqs[i].seq_id for i in failed)
+            result.error = _text("structured outputs: " + "; ".join(reasons))
 
 
 def _named(plan: BatchPlan) -> list[int]:

@@ -271,14 +271,65 @@ def test_a_terminated_matcher_allows_only_end_tokens(backend, tokenizer):
     assert masks.allowed(0).tolist() == [EOS, 7]
 
 
-def test_a_grammar_this_engine_cannot_compile_fails_the_sample_naming_it(tiny_llama_dir, model, backend):
-    runner = make_runner(tiny_llama_dir, model=model)
-    runner.grammar = backend
-    bad = Structured(STRUCTURED_JSON, json.dumps({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}))
-    sched = Scheduler(SchedulerConfig(block_size=16, max_model_len=512), 64, 16, eos_token_ids=(EOS,))
-    sched.add_request(GenerationRequest("bad", PROMPTS[1], RequestParams(8, _sampling(bad))))
-    result = runner.execute(sched.schedule())
-    assert result.failed_seq_ids and "does not compile here" in result.error
+BAD_SPEC = Structured(STRUCTURED_JSON, json.dumps({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}))
+
+
+def _serve_failing(runner, reqs: dict[str, GenerationRequest]) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Serve until done, tolerating failed sequences: (request -> choice 0's tokens, failed
+    request -> its error), every step's result checked by the real scheduler, no block left."""
+    sched = Scheduler(SchedulerConfig(block_size=16, max_model_len=512), runner.kv.num_blocks, runner.kv.num_cpu_blocks,
+                      eos_token_ids=(EOS,))
+    out: dict[str, list[int]] = {rid: [] for rid in reqs}
+    errors: dict[str, str] = {}
+    for req in reqs.values():
+        sched.add_request(req)
+    for _ in range(1000):
+        plan = sched.schedule()
+        if plan is None:
+            if not sched.has_work():
+                break
+            continue
+        result = runner.execute(plan)
+        if result.failed_seq_ids:
+            assert result.sampled_seq_ids, "the step's other rows were sampled"
+            assert "does not compile here" in result.error
+        for upd in sched.update(result):
+            if upd.error is not None:
+                errors[upd.request_id] = upd.error
+            for seq in upd.seqs:
+                out[upd.request_id].extend(seq.new_token_ids)
+        sched.check_integrity()
+    assert not sched.has_work() and sched.num_used_blocks == 0
+    return out, errors
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_grammar_this_engine_cannot_compile_fails_its_sequence_alone(tiny_llama_dir, tiny_checkpoint, model,
+                                                                      backend, ranks):
+    """Its first sample fails it, naming why; the constrained and plain rows sampled in the same
+    steps are served exactly as without it, and with tensor parallelism every rank drops it."""
+    reqs = {"good": GenerationRequest("good", PROMPTS[0], RequestParams(12, _sampling(SPECS["choice"]))),
+            "plain": GenerationRequest("plain", PROMPTS[2], RequestParams(12, SamplingParams(temperature=0.0)))}
+    with_bad = {"bad": GenerationRequest("bad", PROMPTS[1], RequestParams(8, _sampling(BAD_SPEC))), **reqs}
+    if ranks == 1:
+        runner = make_runner(tiny_llama_dir, model=model)
+        runner.grammar = backend
+        out, errors = _serve_failing(runner, with_bad)
+        single = make_runner(tiny_llama_dir, model=model)
+        single.grammar = backend
+        alone, _ = _serve_failing(single, reqs)
+        assert not runner.seqs and not runner.dropped.ids
+    else:
+        path = tiny_checkpoint("llama", "tp")
+        with tp_runner(path) as leader:
+            leader.grammar = GrammarBackend.for_model(path, leader.model.cfg.vocab_size)
+            out, errors = _serve_failing(leader, with_bad)
+            leader.settle()
+            assert not leader.seqs and not any(f.seqs for f in leader.followers)
+            assert not leader.dropped.ids and not any(f.dropped.ids for f in leader.followers)  # freed everywhere
+            alone, _ = _serve_failing(leader, reqs)
+    assert list(errors) == ["bad"] and out["bad"] == []
+    assert {rid: out[rid] for rid in reqs} == alone and all(alone.values())
 
 
 def test_forked_and_replayed_grammars_continue_from_their_tokens(backend, tokenizer):

@@ -13,9 +13,10 @@ leader used on the scheduler's frame. Each message starts with an int64 header
 
 After a plan whose forward produced logits, the leader sends the step's sampled tokens as
 int64 ``[TOKENS, status, token...]``: one per sampling row that is not a beam row, in batch
-order, a length both sides know. Followers append them as the leader did; ``status`` is
-``FAILED`` when sampling raised on the leader (the step is then reported as failed and nothing
-is appended anywhere).
+order, a length both sides know. Followers append them as the leader did; a row sent as
+:data:`DROPPED` (-1, never a token id) failed alone on the leader (its grammar cannot be served):
+its sequence is dropped on every rank. ``status`` is ``FAILED`` when sampling raised on the leader
+(the step is then reported as failed and nothing is appended anywhere).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pagedserve import wire
 
 PLAN, RESET, TICK, STOP, TOKENS = 1, 2, 3, 4, 5
 OK, FAILED = 0, 1
+DROPPED = -1  # a row's token when the leader dropped its sequence instead
 TICK_S = 1.0
 MAX_PLAN_BYTES = wire.MAX_FRAME_BYTES  # the plan came in one such frame: a header announcing more is corrupt
 
@@ -44,7 +46,7 @@ class PlanChannel:
                 self.group.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
 
     def send_tokens(self, status: int, tokens: list[int], count: int) -> None:
-        """``count`` token ids (padded with 0 when the step failed)."""
+        """``count`` token ids, or DROPPED (padded with 0 when the step failed)."""
         body = tokens if status == OK else [0] * count
         with self.group.fatal_on_error("sending sampled tokens"):
             if len(body) != count:  # the followers expect exactly count: a bug, and fatal
@@ -65,9 +67,12 @@ class PlanChannel:
             return kind, self.group.broadcast(torch.empty(length, dtype=torch.uint8)).numpy().tobytes()
 
     def recv_tokens(self, count: int) -> list[int] | None:
-        """The step's sampled tokens, or None when sampling failed on the leader."""
+        """The step's sampled tokens (DROPPED for a row whose sequence the leader dropped), or None
+        when sampling failed on the leader."""
         with self.group.fatal_on_error("waiting for sampled tokens"):
             msg = self.group.broadcast(torch.zeros(2 + count, dtype=torch.int64)).tolist()
             if msg[0] != TOKENS or msg[1] not in (OK, FAILED):
                 raise RuntimeError(f"expected sampled tokens, got header {msg[:2]}")
+            if msg[1] == OK and count and min(msg[2:]) < DROPPED:
+                raise RuntimeError(f"corrupt sampled token {min(msg[2:])}")
         return msg[2:] if msg[1] == OK else None

@@ -30,7 +30,7 @@ import torch
 from executor_svc.attention import AttentionBackend
 from executor_svc.kv_cache import KVCache
 from executor_svc.model.llama import LlamaForCausalLM
-from executor_svc.parallel.channel import FAILED, OK, PLAN, RESET, STOP, TICK, TICK_S, PlanChannel
+from executor_svc.parallel.channel import DROPPED, FAILED, OK, PLAN, RESET, STOP, TICK, TICK_S, PlanChannel
 from executor_svc.parallel.group import TPGroup
 from executor_svc.runner import Batch, ModelRunner
 from executor_svc.sampler import Sampler
@@ -68,7 +68,13 @@ class TensorParallelRunner(ModelRunner):
         return self.group.fatal_on_error(what)
 
     def _sampled(self, batch: Batch, result: StepResult) -> None:
-        self.channel.send_tokens(OK, result.sampled_token_ids, len(batch.token_seqs()))
+        rows = batch.token_seqs()
+        if len(result.sampled_token_ids) == len(rows):
+            tokens = result.sampled_token_ids
+        else:  # some rows failed alone (result.failed_seq_ids): DROPPED in their place
+            sampled = dict(zip(result.sampled_seq_ids, result.sampled_token_ids, strict=True))
+            tokens = [sampled.get(s.seq_id, DROPPED) for s in rows]
+        self.channel.send_tokens(OK, tokens, len(rows))
 
     def _sampling_failed(self, batch: Batch) -> None:
         self.channel.send_tokens(FAILED, [], len(batch.token_seqs()))  # the followers drop the same rows
@@ -125,8 +131,12 @@ class FollowerRunner(ModelRunner):
             if tokens is None:  # rank 0's sampler failed: it dropped these sequences, so do we
                 self._failure(plan, [s.seq_id for s in batch.sample_seqs], RuntimeError("rank 0's sampler failed"))
                 return
+            dropped = [s.seq_id for s, tok in zip(rows, tokens, strict=True) if tok == DROPPED]
             for s, tok in zip(rows, tokens, strict=True):
-                s.token_ids.append(tok)
+                if tok != DROPPED:
+                    s.token_ids.append(tok)
+            if dropped:  # they failed alone on rank 0
+                self._drop(dropped)
 
     def serve(self) -> None:
         """Follow the leader's messages until STOP (plans were checked on rank 0 against the
