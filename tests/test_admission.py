@@ -23,6 +23,7 @@ from http_fakes import HttpThread
 from prometheus_client import CollectorRegistry
 from starlette.middleware import Middleware
 from tcp_relay import Relay
+from waits import wait_for
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
@@ -176,7 +177,7 @@ def test_grpc_request_bytes_over_the_cap_are_refused_before_they_are_read(slow_e
             assert f"--max-in-flight-bytes ({MAX_REQUEST_BYTES + 1000})" in err.details()
             assert sum(len(c.token_ids) for m in running for c in m.choices) == 15  # the call in progress ends
             assert len(list(stub.Generate(_greq(), timeout=30))) == 16  # and its bytes came back
-        assert (budget.calls, budget.bytes) == (0, 0)
+        wait_for(lambda: (budget.calls, budget.bytes) == (0, 0), 10, "the calls to give their budget back")
         assert _shed(metrics, "max_in_flight_bytes") == 1
         assert len(slow_engine.requests) == 2  # the refused one never reached validation or the engine
     finally:
@@ -216,7 +217,8 @@ def test_a_burst_of_small_grpc_calls_waits_for_room_instead_of_being_refused(slo
         with mock.patch.object(Ticket, "reserve", counting):
             counts = asyncio.run(burst())
         assert counts == [2] * 30 and any(waited)  # some found the room reserved, and waited
-        assert (budget.calls, budget.bytes, budget.reserved) == (0, 0, 0)
+        wait_for(lambda: (budget.calls, budget.bytes, budget.reserved) == (0, 0, 0), 10,
+                 "the calls to give their budget back")
     finally:
         srv.stop()
 
@@ -349,7 +351,7 @@ def test_http_request_bytes_over_the_cap_get_429_before_the_body_is_read(slow_en
         assert status == 429 and body["error"]["code"] == "max_in_flight_bytes"
         assert _post(srv.server.port, _completion())[0] == 200  # a request that fits runs
         assert len(list(chunks)) == 15
-        assert (budget.calls, budget.bytes) == (0, 0)
+        wait_for(lambda: (budget.calls, budget.bytes) == (0, 0), 10, "the stream's call to give its budget back")
         assert _shed(metrics, "max_in_flight_bytes") == 2
         assert len(slow_engine.requests) == 2  # the refused ones never reached the engine
     finally:

@@ -17,6 +17,7 @@ import msgpack
 import pytest
 import zmq
 from stack import Stack
+from waits import wait_for
 
 from executor_svc.worker import ExecutorWorker
 from pagedserve import wire
@@ -78,19 +79,12 @@ def _log(stack: Stack) -> str:
     return (stack.logdir / "scheduler.log").read_text(errors="replace")
 
 
-def _wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
-
 def _trusted_keys(stack: Stack, name: str) -> ClientKeys:
     """A key pair of its own for a peer named ``name``, listed as trusted, once the scheduler has
     re-read its trusted keys (it polls them every second)."""
     stack.executor_key_args(name)
     keys = ClientKeys(load_key_pair(stack.keys / "executors" / f"{name}.key_secret", name), _server_public(stack))
-    _wait_for(lambda: f"executor key {keys.own.public.decode()} ({name}) is trusted" in _log(stack), 10,
+    wait_for(lambda: f"executor key {keys.own.public.decode()} ({name}) is trusted" in _log(stack), 10,
               f"the scheduler trusting {name}")
     return keys
 
@@ -257,7 +251,7 @@ def test_revoking_a_key_drops_its_live_executor_and_keeps_it_out(secure, tiny_ll
         threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
         for t in threads:
             t.start()
-        _wait_for(lambda: any(e.id == "revokee" and e.num_running for e in secure.stats().executors), 20,
+        wait_for(lambda: any(e.id == "revokee" and e.num_running for e in secure.stats().executors), 20,
                   "requests on the executor to revoke")
         with open(secure.revoked, "ab") as f:
             f.write(keys.own.public + b" revokee\n")
@@ -268,7 +262,7 @@ def test_revoking_a_key_drops_its_live_executor_and_keeps_it_out(secure, tiny_ll
         assert f"executor revokee declared dead: its key {keys.own.public.decode()} is revoked" in log, log[-3000:]
         assert "did not come back within" not in log.split("(revokee) is revoked")[-1]  # not a step timeout
         # It keeps dialling (its scheduler went silent) and is refused at the transport each time.
-        _wait_for(lambda: "refused a connection with revoked executor key" in _log(secure), 15, "a refused redial")
+        wait_for(lambda: "refused a connection with revoked executor key" in _log(secure), 15, "a refused redial")
         assert [e.id for e in secure.stats().executors if e.state != "dead"] == ["ex0"]
 
 
@@ -352,7 +346,7 @@ def test_a_key_enrolls_with_a_proof_made_for_it_and_the_token_claims_no_live_id(
     # A revoked key gets no connection, proof or not.
     with open(enrolling.revoked, "ab") as f:
         f.write(thief.own.public + b" thief\n")
-    _wait_for(lambda: "(thief) is revoked" in _log(enrolling), 10, "the revocation read")
+    wait_for(lambda: "(thief) is revoked" in _log(enrolling), 10, "the revocation read")
     assert claim(thief, b"t3", enrollment.proof(token, server, thief.own.public, "pod-b"), "pod-b") is None
 
 
@@ -362,7 +356,7 @@ def test_a_rotated_token_enrolls_and_the_old_one_no_longer_does(enrolling, tiny_
     server, fingerprint = _server_public(enrolling), model_fingerprint(tiny_llama_dir)
     old, new = enrollment.read_tokens(enrolling.token_file)[0], enrollment.new_token().encode()
     enrolling.token_file.write_bytes(new + b"\n")
-    _wait_for(lambda: "enrollment tokens changed" in _log(enrolling), 10, "the token file read again")
+    wait_for(lambda: "enrollment tokens changed" in _log(enrolling), 10, "the token file read again")
     for token, accepted in ((old, False), (new, True)):
         keys = ClientKeys(new_key_pair(), server)
         sock = _dealer(enrolling, b"rotated-" + token[:4], keys)

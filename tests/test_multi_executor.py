@@ -9,6 +9,7 @@ import time
 import grpc
 import pytest
 from stack import Stack
+from waits import wait_for
 
 from pagedserve.v1 import generation_pb2 as pb
 
@@ -26,14 +27,6 @@ def _run_streams(stack: Stack, prompts: list[list[int]], out_tokens: int = OUT_T
         max_tokens=out_tokens, temperature=0.0, ignore_eos=True)) for p in prompts], on_progress)
 
 
-def _wait_for(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _executor_with_work(stack: Stack) -> str:
     holder: list[str] = []
 
@@ -44,7 +37,7 @@ def _executor_with_work(stack: Stack) -> str:
                 return True
         return False
 
-    _wait_for(busy, 30, "an executor with running requests")
+    wait_for(busy, 30, "an executor with running requests")
     return holder[0]
 
 
@@ -52,7 +45,7 @@ def _signal_a_busy_executor(stack: Stack, sig: int, victims: list[str]):
     """An on_progress hook: once 8 streams are under way, signal an executor that holds work."""
 
     def hook(progress: list[int]) -> None:
-        _wait_for(lambda: sum(p > 3 for p in progress) >= 8, 60, "streams under way")
+        wait_for(lambda: sum(p > 3 for p in progress) >= 8, 60, "streams under way")
         victim = _executor_with_work(stack)
         stack.executors[victim].send_signal(sig)
         victims.append(victim)
@@ -106,7 +99,7 @@ def test_executor_started_mid_load_receives_work(tiny_llama_dir, tmp_path):
         seen_late_work = threading.Event()
 
         def add_executor(progress: list[int]) -> None:
-            _wait_for(lambda: sum(p > 0 for p in progress) >= 4, 60, "streams under way")
+            wait_for(lambda: sum(p > 0 for p in progress) >= 4, 60, "streams under way")
             s.start_executor("late")
             s.wait_executors(2)
 
@@ -159,7 +152,7 @@ def test_migration_limit_fails_with_unavailable(tiny_llama_dir, tmp_path):
         s.wait_health()
 
         def kill(progress: list[int]) -> None:
-            _wait_for(lambda: all(p > 2 for p in progress), 60, "streams under way")
+            wait_for(lambda: all(p > 2 for p in progress), 60, "streams under way")
             s.executors["only"].send_signal(signal.SIGKILL)
 
         outs = _run_streams(s, [_prompt(i) for i in range(4)], 400, on_progress=kill)
