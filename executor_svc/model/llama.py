@@ -115,7 +115,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, reduce: AllReduce | None = None, with_lm_head: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+        # Given its (meta) weight, Embedding skips its random init: normal_ on a meta tensor goes through
+        # torch's Python references, whose first use imports torch._dynamo (~1.6 s of every start).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta"))
         self.embed_tokens.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, reduce) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
