@@ -139,8 +139,8 @@ def parse_front_args(argv: list[str] | None) -> tuple[ServiceConfig, FrontConfig
     scheduler gets the scheduler's own command line)."""
     p = argparse.ArgumentParser(prog="pagedserve-front", add_help=False)
     p.add_argument("--core", dest="core_endpoints", action="append", default=None,
-                   help="an engine core's front link: tcp://HOST:5557 (the scheduler's --front-link-port; with "
-                        "--engine-cores M, give each core's: ports 5557, 5558, ...); the first sums the metrics")
+                   help="an engine core's front link: tcp://HOST:5600 (the scheduler's --front-link-port; with "
+                        "--engine-cores M, give each core's: ports 5600, 5601, ...); the first sums the metrics")
     p.add_argument("--front-id", default=None, help="unique among the core's fronts (default: host name and pid)")
     p.add_argument("--reuse-port", action="store_true",
                    help="share the public ports with other fronts of this host (SO_REUSEPORT)")
@@ -157,7 +157,7 @@ def parse_front_args(argv: list[str] | None) -> tuple[ServiceConfig, FrontConfig
     if own.core_endpoints is None:  # PAGEDSERVE_CORE: one endpoint, or several separated by commas
         own.core_endpoints = [e for e in (os.environ.get("PAGEDSERVE_CORE") or "").split(",") if e]
     if not own.core_endpoints:
-        p.error("--core: give the engine core's front link (tcp://HOST:5557)")
+        p.error("--core: give the engine core's front link (tcp://HOST:5600)")
     cfg = load_config(rest)
     keys = None
     if (own.curve_key_file is None) != (own.scheduler_public_key_file is None):

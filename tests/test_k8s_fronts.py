@@ -220,12 +220,12 @@ def test_network_policies_let_only_fronts_reach_the_front_link(rendered):
     def allowed(src, dst, port, proto="TCP"):
         return connection_allowed(policies, src, dst, port, proto)
 
-    assert allowed(FRONT_LABELS, SCHED_LABELS, 5557)
+    assert allowed(FRONT_LABELS, SCHED_LABELS, 5600)
     for src in (OTHER_LABELS, EXEC_LABELS):
-        assert not allowed(src, SCHED_LABELS, 5557)
+        assert not allowed(src, SCHED_LABELS, 5600)
     for port in (50051, 8000):  # the public APIs (and /metrics on 8000), from anywhere in the cluster
         assert allowed(OTHER_LABELS, FRONT_LABELS, port)
-    assert not allowed(OTHER_LABELS, FRONT_LABELS, 5557)
+    assert not allowed(OTHER_LABELS, FRONT_LABELS, 5600)
     # A front reaches the front link only (and DNS): not the executor link, no executor, nothing else.
     assert not allowed(FRONT_LABELS, SCHED_LABELS, 5556) and not allowed(FRONT_LABELS, SCHED_LABELS, 9100)
     assert not allowed(FRONT_LABELS, EXEC_LABELS, 8090) and not allowed(FRONT_LABELS, OTHER_LABELS, 443)

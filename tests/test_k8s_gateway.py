@@ -184,14 +184,14 @@ def test_network_policies_keep_deployments_apart_and_admit_the_gateway(docs):
         return {**base, "pagedserve.io/deployment": x}
 
     for x, y in (("a", "b"), ("b", "a")):
-        assert connection_allowed(policies, labels(FRONT_LABELS, x), labels(SCHED_LABELS, x), 5557)
-        assert not connection_allowed(policies, labels(FRONT_LABELS, x), labels(SCHED_LABELS, y), 5557)
+        assert connection_allowed(policies, labels(FRONT_LABELS, x), labels(SCHED_LABELS, x), 5600)
+        assert not connection_allowed(policies, labels(FRONT_LABELS, x), labels(SCHED_LABELS, y), 5600)
         assert connection_allowed(policies, labels(EXEC_LABELS, x), labels(SCHED_LABELS, x), 5556)
         assert not connection_allowed(policies, labels(EXEC_LABELS, x), labels(SCHED_LABELS, y), 5556)
         # The picker scrapes each front's /metrics; the gateway's proxies reach the fronts.
         assert connection_allowed(policies, EPP_LABELS, labels(FRONT_LABELS, x), 8000)
         assert connection_allowed(policies, GATEWAY_POD, labels(FRONT_LABELS, x), 8000)
-        assert not connection_allowed(policies, EPP_LABELS, labels(SCHED_LABELS, x), 5557)
+        assert not connection_allowed(policies, EPP_LABELS, labels(SCHED_LABELS, x), 5600)
     # Only the gateway's proxies (in any namespace) ask the picker.
     assert policy_allows(policies, "Ingress", EPP_LABELS, GATEWAY_POD, 9002, same_namespace=False)
     assert not policy_allows(policies, "Ingress", EPP_LABELS, OTHER_LABELS, 9002, same_namespace=False)

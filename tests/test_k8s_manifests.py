@@ -73,6 +73,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "gpu-multinode": ("gpu-multinode", []),  # executors of N one-GPU pods (LeaderWorkerSet)
     "gpu+fronts": ("gpu", ["fronts"]),  # fronts as a Deployment of their own, with an HPA
     "cpu+fronts": ("cpu", ["fronts"]),
+    "cpu+cores": ("cpu", ["engine-cores"]),  # two engine cores in the scheduler pod (test_k8s_engine_cores.py)
+    "gpu+fronts+cores": ("gpu", ["fronts", "engine-cores"]),
 }
 # Several deployments (names suffixed -a, -b) behind the inference gateway: checked here by checkov,
 # the schemas and the hardening rules, the rest in test_k8s_gateway.py.
