@@ -53,6 +53,7 @@ class LoadResult:
     concurrency: int
     wall_s: float
     requests: list[RequestTiming] = field(default_factory=list)
+    cpu_s: float = 0.0  # the client process's own CPU over the run (set by run_in_subprocess)
 
     @property
     def output_tokens(self) -> int:
@@ -140,7 +141,8 @@ def run_in_subprocess(url: str, concurrency: int, per_worker: int, prompt_len: i
                           str(per_worker), str(prompt_len), str(max_tokens), str(vocab), str(seed)],
                          check=True, capture_output=True, text=True, preexec_fn=_die_with_parent)
     raw = json.loads(out.stdout.strip().splitlines()[-1])
-    return LoadResult(raw["concurrency"], raw["wall_s"], [RequestTiming(**r) for r in raw["requests"]])
+    return LoadResult(raw["concurrency"], raw["wall_s"], [RequestTiming(**r) for r in raw["requests"]],
+                      raw["cpu_s"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,9 +151,10 @@ def main(argv: list[str] | None = None) -> None:
         ap.add_argument(name, type=str if name == "url" else int)
     args = ap.parse_args(argv)
     gc.disable()  # (a short run: nothing cyclic worth collecting, and its pauses would be the client's noise)
+    cpu = time.process_time()
     r = run_closed_loop(args.url, args.concurrency, args.per_worker, args.prompt_len, args.max_tokens, args.vocab,
                         args.seed)
-    print(json.dumps({"concurrency": r.concurrency, "wall_s": r.wall_s,
+    print(json.dumps({"concurrency": r.concurrency, "wall_s": r.wall_s, "cpu_s": time.process_time() - cpu,
                       "requests": [dataclasses.asdict(x) for x in r.requests]}))
 
 

@@ -21,6 +21,20 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * TICK_S  # utime, stime (fields 14 and 15)
 
 
+def thread_cpu_seconds(pid: int) -> dict[tuple[int, str], float]:
+    """(thread id, thread name) -> user + system CPU seconds so far, for each live thread of ``pid``."""
+    out: dict[tuple[int, str], float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            text = (task / "stat").read_text()
+        except FileNotFoundError:  # (a thread that ended meanwhile)
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        out[(int(task.name), name)] = (int(fields[11]) + int(fields[12])) * TICK_S
+    return out
+
+
 def children(pid: int, module: str | None = None) -> list[int]:
     """The live child processes of ``pid`` (those running ``python -m module``, when given)."""
     out: list[int] = []
