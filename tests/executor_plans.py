@@ -5,6 +5,8 @@ scheduler without a transport, transformers' references, and scenarios shared by
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from benchmarks.plan_driver import DriverSeq, PlanDriver
@@ -13,7 +15,7 @@ from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
-from pagedserve.wire import BlockUpdate, Fork, SamplingParams
+from pagedserve.wire import BatchPlan, BlockUpdate, Fork, SamplingParams, StepResult
 
 
 def make_runner(model_dir, num_blocks: int = 64, num_cpu_blocks: int = 16, block_size: int = 16,
@@ -24,22 +26,33 @@ def make_runner(model_dir, num_blocks: int = 64, num_cpu_blocks: int = 16, block
     return ModelRunner(model, kv, make_attention_backend("cpu", cpu_attention), Sampler(seed=0))
 
 
-def serve_requests(runner, sched, reqs: dict, swaps: list[int] | None = None) -> dict[str, list[list[int]]]:
-    """The real Scheduler driving ``runner`` with no transport until every request finished:
-    request id -> choices' output tokens. ``swaps`` collects each plan's swap pair count."""
-    out: dict[str, list[list[int]]] = {rid: [] for rid in reqs}
-    for req in reqs.values():
-        sched.add_request(req)
-    for _ in range(1000):
+def drive(runner, sched, on_result: Callable[[BatchPlan, StepResult], None], max_steps: int = 1000) -> None:
+    """The real Scheduler's plans run by ``runner`` with no transport until it has no work left;
+    ``on_result(plan, result)`` takes each result into ``sched`` (and whatever the test keeps)."""
+    for _ in range(max_steps):
         plan = sched.schedule()
         if plan is None:
             if not sched.has_work():
-                return out
+                return
             continue
+        on_result(plan, runner.execute(plan))
+    raise AssertionError("scheduler did not finish")
+
+
+def serve_requests(runner, sched, reqs: dict, swaps: list[int] | None = None) -> dict[str, list[list[int]]]:
+    """``reqs`` served to the end: request id -> choices' output tokens. ``swaps`` collects each
+    plan's swap pair count."""
+    out: dict[str, list[list[int]]] = {rid: [] for rid in reqs}
+    for req in reqs.values():
+        sched.add_request(req)
+
+    def take(plan: BatchPlan, result: StepResult) -> None:
         if swaps is not None:
             swaps.append(len(plan.swap_out) + len(plan.swap_in))
-        apply_result(sched, runner.execute(plan), out)
-    raise AssertionError("scheduler did not finish")
+        apply_result(sched, result, out)
+
+    drive(runner, sched, take)
+    return out
 
 
 def apply_result(sched, result, out: dict[str, list[list[int]]]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from executor_plans import hf_greedy, make_runner
+from executor_plans import drive, hf_greedy, make_runner
 from transformers import AutoModelForCausalLM
 
 from executor_svc.model import load_model
@@ -52,20 +52,18 @@ def _our_beams(tiny_llama_dir, model, prompt, width, eos, length_penalty, num_bl
     sched.add_request(GenerationRequest("beam", list(prompt), params))
     choices: dict[int, list[int]] = {}
     max_shared = 0
-    for _ in range(500):
-        plan = sched.schedule()
-        if plan is None:
-            if not sched.has_work():
-                break
-            continue
-        result = runner.execute(plan)
+
+    def take(plan, result) -> None:
+        nonlocal max_shared
         assert result.error is None, result.error
         max_shared = max(max_shared, sched.num_shared_blocks)
         for upd in sched.update(result):
             for s in upd.seqs:
                 choices.setdefault(s.index, []).extend(s.new_token_ids)
         sched.check_integrity()
-    assert not sched.has_work() and sched.num_used_blocks == 0
+
+    drive(runner, sched, take, max_steps=500)
+    assert sched.num_used_blocks == 0
     return [choices[i] for i in range(width)], max_shared
 
 

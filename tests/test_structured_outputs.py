@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import torch
 import xgrammar as xgr
-from executor_plans import make_runner, serve_requests
+from executor_plans import drive, make_runner, serve_requests
 from json_schemas import random_schema
 from test_step_pipeline import serve_pipelined
 from tokenizers import Tokenizer
@@ -283,13 +283,8 @@ def _serve_failing(runner, reqs: dict[str, GenerationRequest]) -> tuple[dict[str
     errors: dict[str, str] = {}
     for req in reqs.values():
         sched.add_request(req)
-    for _ in range(1000):
-        plan = sched.schedule()
-        if plan is None:
-            if not sched.has_work():
-                break
-            continue
-        result = runner.execute(plan)
+
+    def take(plan, result) -> None:
         if result.failed_seq_ids:
             assert result.sampled_seq_ids, "the step's other rows were sampled"
             assert "does not compile here" in result.error
@@ -299,7 +294,9 @@ def _serve_failing(runner, reqs: dict[str, GenerationRequest]) -> tuple[dict[str
             for seq in upd.seqs:
                 out[upd.request_id].extend(seq.new_token_ids)
         sched.check_integrity()
-    assert not sched.has_work() and sched.num_used_blocks == 0
+
+    drive(runner, sched, take)
+    assert sched.num_used_blocks == 0
     return out, errors
 
 
