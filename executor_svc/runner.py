@@ -349,9 +349,10 @@ class ModelRunner:
         self._report(seqs, self.sampler.sample(logits, seqs, masks), result, failed)
 
     def _report(self, seqs: list[SeqState], out: SampleOutput, result: StepResult,
-                failed: dict[int, str]) -> None:
+                failed: dict[int, str] | None = None) -> None:
         """Append the sampled tokens and report them; the rows in ``failed`` (row -> why: their
         grammar cannot be served; sampled unmasked) are dropped and reported failed instead."""
+        failed = failed or {}
         for i, s in enumerate(seqs):  # every row checked before any is appended: all or nothing
             if out.beam[i] is None and out.token_ids[i] is None and i not in failed:
                 raise RuntimeError(f"sampler returned no token for seq {s.seq_id}")
