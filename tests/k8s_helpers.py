@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import json
 import os
 import re
 import shutil
@@ -324,7 +325,7 @@ class LocalPod:
 class StandIn:
     """Runs rendered pods the way the kubelet would, on loopback: exactly the rendered
     command, args and environment, with these rewrites only: wildcard hosts -> 127.0.0.1,
-    containerPorts -> free ports, `tcp://SERVICE:PORT` -> the local port of the pod behind
+    containerPorts -> free ports (consecutive ones kept consecutive), `tcp://SERVICE:PORT` -> the local port of the pod behind
     that Service, paths under a volumeMount -> that volume's local directory, and the image's
     console scripts and `python` -> this venv's."""
 
@@ -335,7 +336,10 @@ class StandIn:
 
     def pod(self, deployment: str, name: str, shared: dict[str, Path] | None = None) -> LocalPod:
         workload = find(self.docs, "Deployment", deployment)
-        ports = {p["containerPort"]: free_port() for p in container(workload).get("ports", [])}
+        ports: dict[int, int] = {}
+        for p in sorted(c["containerPort"] for c in container(workload).get("ports", [])):
+            # Consecutive ports stay consecutive: engine core k listens on the executor port + k.
+            ports[p] = ports[p - 1] + 1 if p - 1 in ports else free_port()
         volumes = {}
         for v in pod_spec(workload)["volumes"]:
             volumes[v["name"]] = (shared or {}).get(v["name"]) or self.root / name / v["name"]
@@ -456,3 +460,30 @@ class StandIn:
             if pod.proc is not None and pod.proc.poll() is None:
                 pod.proc.kill()
                 pod.proc.wait()
+
+
+def operator_objects(root: Path) -> dict[str, Path]:
+    """`pagedserve keys kubernetes`'s Secrets and ConfigMaps, each as the directory a volume of it is."""
+    out = subprocess.run([str(Path(sys.executable).parent / "pagedserve"), "keys", "kubernetes"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    dirs = {}
+    for obj in json.loads(out)["items"]:
+        d = dirs[obj["metadata"]["name"]] = root / obj["metadata"]["name"]
+        d.mkdir(parents=True)
+        for key, value in obj.get("stringData", obj.get("data", {})).items():
+            (d / key).write_text(value)
+    return dirs
+
+
+def generate(channel, prompt: str, max_tokens: int) -> tuple[int, int]:
+    """One greedy request, streamed to its end: (completion tokens, finish reason)."""
+    from pagedserve.v1 import generation_pb2 as pb
+    from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+    request = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    tokens, finish = 0, 0
+    for reply in pb_grpc.GenerationStub(channel).Generate(request, timeout=120):
+        for choice in reply.choices:
+            tokens += len(choice.token_ids)
+            finish = choice.finish_reason or finish
+    return tokens, finish

@@ -1,14 +1,18 @@
 """k8s/components/engine-cores, checked offline: the scheduler pod runs two engine cores, and every
 port a core listens on (its executor port, and with fronts of their own its front link) is a port
 of the scheduler container, reachable through the Service its peers dial, from those peers only;
-every front dials every core. (checkov, the schemas and the hardening rules run over these variants
-in test_k8s_manifests.py.)
+every front dials every core; and the cpu variant's pods, run with their rendered commands, spread
+their executors over both cores and serve. (checkov, the schemas and the hardening rules run over
+these variants in test_k8s_manifests.py.)
 
 Needs kubectl (kustomize)."""
 
 from __future__ import annotations
 
 import argparse
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 from k8s_helpers import (
@@ -20,14 +24,20 @@ from k8s_helpers import (
     SCHED,
     SCHED_LABELS,
     Doc,
+    StandIn,
     connection_allowed,
     container,
     container_env,
     find,
+    generate,
+    operator_objects,
     parse_container,
+    pod_spec,
     render_with_components,
     service_target,
 )
+
+from pagedserve import keytool
 
 VARIANTS = {"cpu+cores": ("cpu", ["engine-cores"]), "gpu+fronts+cores": ("gpu", ["fronts", "engine-cores"])}
 
@@ -86,3 +96,46 @@ def test_without_fronts_of_their_own_no_front_link_is_opened(rendered):
     docs = rendered["cpu+cores"]
     assert not _scheduler_args(docs).front_link_port
     assert not [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "pagedserve-scheduler-fronts"]
+
+
+def test_cpu_overlay_with_engine_cores_spreads_its_executors_and_serves_on_loopback(rendered):
+    """The scheduler pod and two executor pods, started with exactly their rendered commands and
+    environment (test_k8s_manifests.py's stand-in): the directory sends one executor to core 1, on
+    the container port the manifests give it, and requests are served."""
+    import grpc
+
+    from pagedserve.v1 import generation_pb2 as pb
+    from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+    docs = rendered["cpu+cores"]
+    assert {c["name"] for c in pod_spec(find(docs, "Deployment", EXEC))["initContainers"]} >= {"build-tiny-model"}
+    root = Path(tempfile.mkdtemp(prefix="k8s-", dir="/tmp"))  # short: the cores' ipc:// paths live under it
+    cluster = StandIn(docs, root)
+    try:
+        volumes = operator_objects(root / "objects")
+        sched = cluster.pod(SCHED, "pagedserve-scheduler-5d8f7c9b4-c0r3s", {
+            "scheduler-key": volumes[keytool.SCHEDULER_KEY_SECRET], "enrollment-token": volumes[keytool.TOKEN_SECRET]})
+        cluster.run_init(sched)
+        shared = {"models": sched.volumes["models"], "enrollment-token": volumes[keytool.TOKEN_SECRET],
+                  "scheduler-public-key": volumes[keytool.SCHEDULER_PUBLIC_CONFIGMAP]}
+        executors = [cluster.pod(EXEC, f"pagedserve-executor-6c9d8f7b5-{s}", shared) for s in ("c0r30", "c0r31")]
+        for ex in executors:
+            cluster.run_init(ex, names=("make-key",))
+        cluster.start(sched, {"PAGEDSERVE_EXECUTOR_HOST": "127.0.0.1"})
+        cluster.wait_probe(sched, "startupProbe", 60)
+        for ex in executors:
+            cluster.start(ex)
+        for ex in executors:
+            cluster.wait_probe(ex, "startupProbe", 120)
+            cluster.wait_probe(ex, "readinessProbe", 30)
+        cluster.wait_probe(sched, "readinessProbe", 30)
+        core_1 = f"scheduled by tcp://127.0.0.1:{sched.ports[5557]}"  # the port the manifests give core 1
+        assert sum(core_1 in ex.log.read_text(errors="replace") for ex in executors) == 1, cluster.logs()
+        with grpc.insecure_channel(f"127.0.0.1:{sched.ports[50051]}") as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).num_executors == 2
+            for i in range(4):
+                assert generate(channel, f"Question {i}: the quick brown fox", 8)[0] == 8, cluster.logs()
+    finally:
+        cluster.stop_all()
+        shutil.rmtree(root, ignore_errors=True)

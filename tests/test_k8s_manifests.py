@@ -45,7 +45,9 @@ from k8s_helpers import (
     container_env,
     find,
     flag_env_names,
+    generate,
     mounted,
+    operator_objects,
     parse_container,
     pod_spec,
     pod_template,
@@ -661,20 +663,6 @@ def test_configmaps_split_shared_and_per_service_settings(rendered):
 
 # ------------------------------------------------------------------ a stand-in for the cluster
 
-def _generate(channel, prompt: str, max_tokens: int) -> tuple[int, int]:
-    """One greedy request, streamed to its end: (completion tokens, finish reason)."""
-    from pagedserve.v1 import generation_pb2 as pb
-    from pagedserve.v1 import generation_pb2_grpc as pb_grpc
-
-    request = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    tokens, finish = 0, 0
-    for reply in pb_grpc.GenerationStub(channel).Generate(request, timeout=120):
-        for choice in reply.choices:
-            tokens += len(choice.token_ids)
-            finish = choice.finish_reason or finish
-    return tokens, finish
-
-
 def _complete(port: int, prompt: str, max_tokens: int) -> int:
     """One greedy OpenAI-compatible completion: its completion tokens."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
@@ -711,7 +699,7 @@ def test_cpu_overlay_serves_on_loopback_and_survives_a_front_and_an_executor_sig
     try:
         # What the operator creates once (README): `pagedserve keys kubernetes | kubectl create -f -`,
         # mounted as the kubelet would, one directory per Secret or ConfigMap.
-        volumes = _operator_objects(root / "objects")
+        volumes = operator_objects(root / "objects")
         sched = cluster.pod(SCHED, "pagedserve-scheduler-5d8f7c9b4-q7x2m", {
             "scheduler-key": volumes[keytool.SCHEDULER_KEY_SECRET], "enrollment-token": volumes[keytool.TOKEN_SECRET],
             "trusted-front-keys": volumes[keytool.TRUSTED_FRONTS_CONFIGMAP]})
@@ -738,7 +726,7 @@ def test_cpu_overlay_serves_on_loopback_and_survives_a_front_and_an_executor_sig
         channel = grpc.insecure_channel(f"127.0.0.1:{sched.ports[50051]}")
         stub = pb_grpc.GenerationStub(channel)
         assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).num_executors == 2
-        assert _generate(channel, "The quick brown fox", 8)[0] == 8, cluster.logs()
+        assert generate(channel, "The quick brown fox", 8)[0] == 8, cluster.logs()
         # The OpenAI-compatible API on its containerPort serves the same engine.
         assert _complete(sched.ports[8000], "The quick brown fox", 8) == 8
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{sched.ports[9100]}/metrics", timeout=5).read()
@@ -765,7 +753,7 @@ def _front_serves_through_the_front_link(cluster: StandIn, front) -> None:
     import grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{front.ports[50051]}") as channel:
-        assert _generate(channel, "Once upon a time", 12)[0] == 12, cluster.logs()
+        assert generate(channel, "Once upon a time", 12)[0] == 12, cluster.logs()
     assert _complete(front.ports[8000], "Once upon a time", 12) == 12
     text = urllib.request.urlopen(f"http://127.0.0.1:{front.ports[8000]}/metrics", timeout=10).read().decode()
     for name in POOL_METRICS:
@@ -780,7 +768,7 @@ def _delete_front_while_it_streams(cluster: StandIn, sched, front, sched_channel
     from grpc_health.v1 import health_pb2
 
     with grpc.insecure_channel(f"127.0.0.1:{front.ports[50051]}") as channel, ThreadPoolExecutor(1) as pool:
-        stream = pool.submit(_generate, channel, "A stream in flight when its front is deleted", 48)
+        stream = pool.submit(generate, channel, "A stream in flight when its front is deleted", 48)
         time.sleep(0.3)
         code, killed = cluster.terminate(front)
         assert stream.result(timeout=60)[0] == 48, cluster.logs()
@@ -790,7 +778,7 @@ def _delete_front_while_it_streams(cluster: StandIn, sched, front, sched_channel
         assert time.monotonic() < deadline, cluster.logs()
         time.sleep(0.2)
     assert cluster.probe(sched, "readinessProbe") == health_pb2.HealthCheckResponse.SERVING
-    assert _generate(sched_channel, "After the front left", 8)[0] == 8
+    assert generate(sched_channel, "After the front left", 8)[0] == 8
 
 
 def _delete_executor_under_traffic(cluster: StandIn, sched, executors, channel) -> None:
@@ -806,7 +794,7 @@ def _delete_executor_under_traffic(cluster: StandIn, sched, executors, channel) 
     def client(i: int) -> list[int]:
         done = []
         while not stop.is_set():
-            done.append(_generate(channel, f"Client {i} asks question {len(done)}", 24)[0])
+            done.append(generate(channel, f"Client {i} asks question {len(done)}", 24)[0])
         return done
 
     with ThreadPoolExecutor(max_workers=3) as pool:
@@ -823,19 +811,6 @@ def _delete_executor_under_traffic(cluster: StandIn, sched, executors, channel) 
     assert cluster.probe(sched, "readinessProbe") == health_pb2.HealthCheckResponse.SERVING
     assert cluster.probe(executors[1], "readinessProbe") == health_pb2.HealthCheckResponse.SERVING
     assert pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=5).num_executors == 1
-
-
-def _operator_objects(root: Path) -> dict[str, Path]:
-    """`pagedserve keys kubernetes`'s Secrets and ConfigMaps, each as the directory a volume of it is."""
-    out = subprocess.run([str(Path(sys.executable).parent / "pagedserve"), "keys", "kubernetes"], capture_output=True,
-                         text=True, timeout=60, check=True).stdout
-    dirs = {}
-    for obj in json.loads(out)["items"]:
-        d = dirs[obj["metadata"]["name"]] = root / obj["metadata"]["name"]
-        d.mkdir(parents=True)
-        for key, value in obj.get("stringData", obj.get("data", {})).items():
-            (d / key).write_text(value)
-    return dirs
 
 
 def _check_pod_keys(cluster: StandIn, sched, executors, volumes: dict[str, Path]) -> None:
