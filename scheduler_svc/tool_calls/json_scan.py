@@ -5,6 +5,11 @@ A streamed tool call is parsed again each time its text grows, from text that ma
 ``{`` and reports what is known so far: each key, and where its value starts and, once it is
 complete, ends. A value's span only grows as the text grows, so the raw text of a call's
 arguments can be streamed as it is generated and its pieces add up to the final text.
+
+A stream's text only grows, so a scan can resume where the last one stopped: given a
+:data:`ScanMemo` (one per growing text), :func:`value_end` keeps each value's scan state, and a
+value already complete costs nothing the next time. Without one, each parse of a streamed choice
+re-read its whole text: 0.64 ms per delta at 16K characters, quadratic in the output's length.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from dataclasses import dataclass, field
 
 _WS = " \t\r\n"
 _LITERAL_END = _WS + ",}]"
+
+# value start -> its end (complete), or where its scan stopped: (next index, depth, inside a string)
+ScanMemo = dict[int, "int | tuple[int, int, bool]"]
 
 
 @dataclass(slots=True)
@@ -33,8 +41,9 @@ class ScannedObject:
         return next((m for m in self.members if m.key == key), None)
 
 
-def scan_object(text: str, start: int) -> ScannedObject:
-    """The object whose ``{`` is at ``text[start]``, as far as ``text`` goes."""
+def scan_object(text: str, start: int, memo: ScanMemo | None = None) -> ScannedObject:
+    """The object whose ``{`` is at ``text[start]``, as far as ``text`` goes (``memo``: the same
+    text's, shorter, was scanned with it before)."""
     out = ScannedObject()
     i = skip_ws(text, start + 1)
     if i < len(text) and text[i] == "}":
@@ -44,7 +53,7 @@ def scan_object(text: str, start: int) -> ScannedObject:
         if text[i] != '"':
             out.error = True
             return out
-        key_end = value_end(text, i)
+        key_end = value_end(text, i, memo)
         if key_end is None:
             return out
         key = json.loads(text[i:key_end])
@@ -57,7 +66,7 @@ def scan_object(text: str, start: int) -> ScannedObject:
         i = skip_ws(text, i + 1)
         if i >= len(text):
             return out
-        member = Member(key, i, value_end(text, i))
+        member = Member(key, i, value_end(text, i, memo))
         out.members.append(member)
         if member.end is None:
             return out
@@ -74,12 +83,23 @@ def scan_object(text: str, start: int) -> ScannedObject:
     return out
 
 
-def value_end(text: str, start: int) -> int | None:
+def value_end(text: str, start: int, memo: ScanMemo | None = None) -> int | None:
     """One past the end of the JSON value at ``text[start]``; None while it is incomplete (or,
-    for malformed text, never complete)."""
+    for malformed text, never complete). ``memo``: resume the scan where the last one on a
+    prefix of ``text`` stopped."""
+    known = memo.get(start) if memo is not None else None
+    if isinstance(known, int):
+        return known
+    end = _scan(text, start, known, memo)
+    if end is not None and memo is not None:
+        memo[start] = end
+    return end
+
+
+def _scan(text: str, start: int, resume: tuple[int, int, bool] | None, memo: ScanMemo | None) -> int | None:
     c = text[start]
     if c == '"':
-        i = start + 1
+        i = start + 1 if resume is None else resume[0]
         while i < len(text):
             ch = text[i]
             if ch == "\\":
@@ -88,9 +108,11 @@ def value_end(text: str, start: int) -> int | None:
             if ch == '"':
                 return i + 1
             i += 1
+        if memo is not None:
+            memo[start] = (i, 0, True)
         return None
     if c in "{[":
-        depth, i, in_string = 0, start, False
+        i, depth, in_string = (start, 0, False) if resume is None else resume
         while i < len(text):
             ch = text[i]
             if in_string:
@@ -107,6 +129,8 @@ def value_end(text: str, start: int) -> int | None:
                 if depth == 0:
                     return i + 1
             i += 1
+        if memo is not None:
+            memo[start] = (i, depth, in_string)
         return None
     i = start
     while i < len(text) and text[i] not in _LITERAL_END:  # a number, true, false, null

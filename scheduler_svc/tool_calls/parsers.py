@@ -18,7 +18,8 @@ parser          what the model writes                                          m
 :meth:`ToolParser.parse` reads text that may still be growing (a stream): it reports only what
 can no longer change, so each field only grows between calls (content stops before a marker's
 possible beginning; a call's arguments are the raw JSON text of its value, as far as it goes).
-Streamed deltas are its differences (``stream.py``); a whole response is one parse of the whole text.
+Streamed deltas are its differences (``stream.py``), each parse resuming the JSON scans of the
+last (a ``ScanMemo`` per choice); a whole response is one parse of the whole text.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import string
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from scheduler_svc.tool_calls.json_scan import scan_object, skip_ws, value_end
+from scheduler_svc.tool_calls.json_scan import ScanMemo, scan_object, skip_ws, value_end
 
 _ALNUM = string.ascii_letters + string.digits
 
@@ -50,8 +51,9 @@ class Parsed:
 class ToolParser:
     name: ClassVar[str] = ""
 
-    def parse(self, text: str, final: bool) -> Parsed:
-        """The content and calls in ``text``; ``final``: the text is whole (nothing held back)."""
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> Parsed:
+        """The content and calls in ``text``; ``final``: the text is whole (nothing held back);
+        ``memo``: this text's, parsed shorter with it before (a stream's)."""
         raise NotImplementedError
 
     @staticmethod
@@ -59,10 +61,11 @@ class ToolParser:
         return "call_" + secrets.token_hex(12)
 
 
-def call_at(text: str, brace: int, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> tuple[PartialCall, int | None]:
+def call_at(text: str, brace: int, args_keys: tuple[str, ...] = ("arguments", "parameters"),
+            memo: ScanMemo | None = None) -> tuple[PartialCall, int | None]:
     """The call whose JSON object starts at ``text[brace]`` (``{``), and one past its end (None while
     incomplete). Arguments given as a JSON string (some models quote them) count once whole."""
-    obj = scan_object(text, brace)
+    obj = scan_object(text, brace, memo)
     name_m = obj.get("name")
     name = None
     if name_m is not None and name_m.end is not None and text[name_m.start] == '"':
@@ -94,17 +97,17 @@ def _before_marker(text: str, marker: str, final: bool) -> tuple[str, int]:
     return (text if final else text[:_held_back(text, marker)]), -1
 
 
-def _array_calls(text: str, i: int, args_keys: tuple[str, ...]) -> list[PartialCall]:
+def _array_calls(text: str, i: int, args_keys: tuple[str, ...], memo: ScanMemo | None) -> list[PartialCall]:
     """The calls of a JSON array of call objects whose ``[`` is at ``text[i]``."""
-    return _call_list(text, skip_ws(text, i + 1), ",", args_keys)
+    return _call_list(text, skip_ws(text, i + 1), ",", args_keys, memo)
 
 
-def _call_list(text: str, i: int, sep: str, args_keys: tuple[str, ...] = ("arguments", "parameters")
-               ) -> list[PartialCall]:
+def _call_list(text: str, i: int, sep: str, args_keys: tuple[str, ...] = ("arguments", "parameters"),
+               memo: ScanMemo | None = None) -> list[PartialCall]:
     """The call objects from ``text[i]`` on, separated by ``sep``, as far as the text goes."""
     calls = []
     while i < len(text) and text[i] == "{":
-        call, end = call_at(text, i, args_keys)
+        call, end = call_at(text, i, args_keys, memo)
         calls.append(call)
         if end is None:
             break
@@ -118,13 +121,13 @@ class HermesParser(ToolParser):
     name = "hermes"
     START = "<tool_call>"
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> Parsed:
         content, at = _before_marker(text, self.START, final)
         out = Parsed(content)
         while at >= 0:
             brace = skip_ws(text, at + len(self.START))
             if brace < len(text) and text[brace] == "{":
-                out.calls.append(call_at(text, brace)[0])
+                out.calls.append(call_at(text, brace, memo=memo)[0])
             at = text.find(self.START, at + len(self.START))
         return out
 
@@ -133,7 +136,7 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     PYTHON_TAG = "<|python_tag|>"
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> Parsed:
         i = skip_ws(text, 0)
         if text.startswith(self.PYTHON_TAG, i):
             i = skip_ws(text, i + len(self.PYTHON_TAG))
@@ -141,22 +144,22 @@ class Llama3JsonParser(ToolParser):
             return Parsed(text if final else "")  # nothing yet says whether it is a call
         if text[i] != "{":
             return Parsed(text)
-        return Parsed("", _call_list(text, i, ";"))
+        return Parsed("", _call_list(text, i, ";", memo=memo))
 
 
 class MistralParser(ToolParser):
     name = "mistral"
     BOT = "[TOOL_CALLS]"
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> Parsed:
         content, at = _before_marker(text, self.BOT, final)
         out = Parsed(content)
         if at >= 0:
             i = skip_ws(text, at + len(self.BOT))
             if i < len(text) and text[i] == "[":
-                out.calls = _array_calls(text, i, ("arguments", "parameters"))
+                out.calls = _array_calls(text, i, ("arguments", "parameters"), memo)
             elif i < len(text) and text[i] == "{":
-                out.calls = [call_at(text, i)[0]]
+                out.calls = [call_at(text, i, memo=memo)[0]]
         return out
 
     @staticmethod
@@ -170,10 +173,10 @@ class RequiredParser(ToolParser):
 
     name = "required"
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> Parsed:
         i = skip_ws(text, 0)
         if i < len(text) and text[i] == "[":
-            return Parsed("", _array_calls(text, i, ("parameters",)))
+            return Parsed("", _array_calls(text, i, ("parameters",), memo))
         return Parsed(text if final else "")
 
 
@@ -185,11 +188,11 @@ class NamedParser(ToolParser):
     def __init__(self, function: str) -> None:
         self.function = function
 
-    def parse(self, text: str, final: bool) -> Parsed:
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> Parsed:
         i = skip_ws(text, 0)
         if i >= len(text):
             return Parsed("", [PartialCall(self.function, "", False)])
-        end = value_end(text, i) if text[i] == "{" else None
+        end = value_end(text, i, memo) if text[i] == "{" else None
         return Parsed("", [PartialCall(self.function, text[i:end if end is not None else len(text)], end is not None)])
 
 

@@ -1,7 +1,8 @@
 """One chat choice's tool calls, as OpenAI sends them: streamed ``tool_calls`` deltas, or a whole message.
 
-Streaming: each time the choice's text grows, the parser reads all of it again
-(``ToolParser.parse``, whose fields only grow), and what grew since the last chunk is sent: new
+Streaming: each time the choice's text grows, the parser reads it again (``ToolParser.parse``,
+whose fields only grow; its JSON scans resume where the last parse stopped: the choice's
+``ScanMemo``), and what grew since the last chunk is sent: new
 content, then, for each call whose name is known, a first delta with its ``index``, ``id``,
 ``type`` and ``function.name`` (and the arguments so far), and after that only the new text of
 its ``function.arguments``. Concatenating a call's argument deltas gives its arguments' text.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from scheduler_svc.tool_calls.json_scan import ScanMemo
 from scheduler_svc.tool_calls.parsers import ToolParser
 
 
@@ -26,6 +28,7 @@ class ChoiceToolCalls:
         self.content_sent = 0
         self.ids: list[str] = []  # of the calls whose first delta went out
         self.args_sent: list[int] = []
+        self.memo: ScanMemo = {}  # the JSON scans of self.text so far
 
     @property
     def called(self) -> bool:
@@ -34,7 +37,7 @@ class ChoiceToolCalls:
     def delta(self, new_text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         """(new content, tool_calls deltas) after ``new_text``; ``final``: the choice ended."""
         self.text += new_text
-        parsed = self.parser.parse(self.text, final)
+        parsed = self.parser.parse(self.text, final, self.memo)
         content = parsed.content[self.content_sent:]
         self.content_sent = max(self.content_sent, len(parsed.content))
         deltas: list[dict[str, Any]] = []
