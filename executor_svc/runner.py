@@ -19,8 +19,8 @@ Every plan gets exactly one answer (``StepResult``, whose docstring is the contr
   so is every later plan until the scheduler resets the runner (``reset``);
 * a step that cannot serve some sequences (the forward or the sampler raised, or a sequence's
   grammar cannot be served) **fails those**: they are dropped (``executor_svc/dropped.py``) and
-  reported, the rest are served, and the runner serves on. If applying the plan itself raised, the state of what it named is unknown:
-  those fail, and later plans are refused until a reset.
+  reported, the rest are served, and the runner serves on. If applying the plan itself raised,
+  the state of what it named is unknown: those fail, and later plans are refused until a reset.
 """
 
 from __future__ import annotations
