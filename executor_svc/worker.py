@@ -46,6 +46,8 @@ EXIT_OK, EXIT_REFUSED, EXIT_BROKEN = 0, 2, 3  # 3: the compute thread died (a bu
 _RESET = "reset"
 _STOP = "stop"
 _POLL_MS = 50
+# Plain ints: pyzmq's constants are enum.Flag members, whose arithmetic costs more than the check.
+_NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class ComputeThread(threading.Thread):
@@ -194,26 +196,31 @@ class ExecutorWorker:
             self._pair.close(linger=0)
 
     def _loop(self) -> int:
-        poller = zmq.Poller()
+        # A turn per message at batch 1 (a plan in, a result out), on CPUs the compute threads
+        # fill: the poller is kept while the socket is, and the compute thread is looked at only
+        # on a quiet turn (a step's result shows it alive).
+        poller, polled = zmq.Poller(), None
+        poller.register(self._pair, zmq.POLLIN)
         while True:
             if self._signals >= 2:
                 log.warning("second termination signal: exiting now")
                 return EXIT_OK
             if self._signals and not self.draining and (code := self._start_drain()) is not None:
                 return code
-            if not self.compute.is_alive():
-                log.critical("the compute thread is gone; exiting")
-                return EXIT_BROKEN
             now = time.monotonic()
             if self.draining and (now >= self.drain_deadline or (
                     self.inflight == 0 and now - self.last_plan >= max(2 * self.interval, 0.5))):
                 log.info("drained; exiting")
                 return EXIT_OK
-            poller.register(self.sock, zmq.POLLIN)
-            poller.register(self._pair, zmq.POLLIN)
+            if polled is not self.sock:  # (a new connection: the old socket is closed by now)
+                if polled is not None:
+                    poller.unregister(polled)
+                poller.register(self.sock, zmq.POLLIN)
+                polled = self.sock
             events = dict(poller.poll(_POLL_MS))
-            poller.unregister(self.sock)
-            poller.unregister(self._pair)
+            if not events and not self.compute.is_alive():
+                log.critical("the compute thread is gone; exiting")
+                return EXIT_BROKEN
             if self._pair in events:
                 self._forward_results()
             if self.sock in events and (code := self._receive()) is not None:
@@ -235,21 +242,16 @@ class ExecutorWorker:
         return None
 
     def _forward_results(self) -> None:
-        while True:
-            try:
-                gen, payload = self._pair.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        while self._pair.getsockopt(_EVENTS) & _POLLIN:  # (cheaper than a receive raising zmq.Again)
+            gen, payload = self._pair.recv_multipart(_NOBLOCK)
             if int(gen) == self.gen:
                 self.inflight -= 1
                 self._send_raw(payload, "StepResult")
 
     def _receive(self) -> int | None:
-        while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return None
+        sock = self.sock  # (a redirect below replaces self.sock: its messages are for the old one)
+        while not sock.closed and sock.getsockopt(_EVENTS) & _POLLIN:
+            frames = sock.recv_multipart(_NOBLOCK)
             for frame in frames:
                 if not frame:
                     continue  # tolerate an empty delimiter frame
