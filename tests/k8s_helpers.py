@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -322,6 +323,22 @@ class LocalPod:
     log: Path | None = None
 
 
+def _free_run(length: int) -> int:
+    """A free port whose next ``length - 1`` ports are free too."""
+    while True:
+        base, socks = free_port(), []
+        try:
+            for port in range(base + 1, base + length):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+
+
 class StandIn:
     """Runs rendered pods the way the kubelet would, on loopback: exactly the rendered
     command, args and environment, with these rewrites only: wildcard hosts -> 127.0.0.1,
@@ -336,10 +353,15 @@ class StandIn:
 
     def pod(self, deployment: str, name: str, shared: dict[str, Path] | None = None) -> LocalPod:
         workload = find(self.docs, "Deployment", deployment)
+        wanted = {c["containerPort"] for c in container(workload).get("ports", [])}
         ports: dict[int, int] = {}
-        for p in sorted(c["containerPort"] for c in container(workload).get("ports", [])):
+        for p in sorted(wanted):
             # Consecutive ports stay consecutive: engine core k listens on the executor port + k.
-            ports[p] = ports[p - 1] + 1 if p - 1 in ports else free_port()
+            if p - 1 in ports:
+                ports[p] = ports[p - 1] + 1
+            else:
+                run = next(k for k in range(1, len(wanted) + 2) if p + k not in wanted)
+                ports[p] = _free_run(run)
         volumes = {}
         for v in pod_spec(workload)["volumes"]:
             volumes[v["name"]] = (shared or {}).get(v["name"]) or self.root / name / v["name"]
