@@ -50,6 +50,22 @@ def free_ports(n: int, apart: int = 8) -> list[int]:
             return ports
 
 
+def stream_tokens(stub, request: pb.GenerateRequest, timeout_s: float, progress: list[int] | None = None,
+                  i: int = 0) -> list[int] | grpc.RpcError:
+    """One Generate streamed to its end: its token ids (every choice's, as they came) or the
+    RpcError it ended with; ``progress[i]``, when given, holds the count so far."""
+    toks: list[int] = []
+    try:
+        for resp in stub.Generate(request, timeout=timeout_s):
+            for c in resp.choices:
+                toks.extend(c.token_ids)
+            if progress is not None:
+                progress[i] = len(toks)
+    except grpc.RpcError as exc:
+        return exc
+    return toks
+
+
 class Stack:
     """One scheduler plus any number of executors, started and stopped by a test."""
 
@@ -190,15 +206,7 @@ class Stack:
         progress = [0] * len(requests)
 
         def run(i: int) -> None:
-            toks: list[int] = []
-            try:
-                for resp in self.stub.Generate(requests[i], timeout=timeout_s):
-                    for c in resp.choices:
-                        toks.extend(c.token_ids)
-                    progress[i] = len(toks)
-                results[i] = toks
-            except grpc.RpcError as exc:
-                results[i] = exc
+            results[i] = stream_tokens(self.stub, requests[i], timeout_s, progress, i)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
         for t in threads:

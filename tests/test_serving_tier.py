@@ -17,7 +17,7 @@ import time
 import grpc
 import pytest
 import zmq
-from stack import Stack, free_port
+from stack import Stack, free_port, stream_tokens
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.wire.key_files import write_key_pair
@@ -38,19 +38,9 @@ def _run(stack: Stack, prompts, tokens: int = 24, channels: int = 8, progress=No
              for _ in range(channels)]
 
     def one(i: int) -> None:
-        stub = pb_stub(chans[i % channels])
         req = pb.GenerateRequest(prompt_token_ids=prompts[i], sampling=pb.SamplingParams(
             max_tokens=tokens, temperature=0.0, ignore_eos=True))
-        got: list[int] = []
-        try:
-            for resp in stub.Generate(req, timeout=120):
-                for c in resp.choices:
-                    got.extend(c.token_ids)
-                if progress is not None:
-                    progress[i] = len(got)
-            out[i] = got
-        except grpc.RpcError as exc:
-            out[i] = exc
+        out[i] = stream_tokens(pb_stub(chans[i % channels]), req, 120, progress, i)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:

@@ -180,12 +180,11 @@ def test_a_bug_while_handling_a_submit_is_logged_and_the_link_goes_on(tmp_path, 
     assert "error while handling a front's frame: Traceback" in caplog.text and "ZeroDivisionError" in caplog.text
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ipc:// endpoints")
-def test_a_submit_carrying_its_ids_unpacked_drops_the_front(tmp_path):
+def _drops_the_front(tmp_path, msg: m.Submit) -> None:
+    """The front that sends ``msg`` is dropped, and nothing of it reaches the core."""
     async def main():
         core, link, sock = await _linked(tmp_path)
         try:
-            msg = m.Submit(GenerationRequest("f:x", [1, 2], RequestParams(max_tokens=4)), b"", 0.0)
             await sock.send(m.TIER.encode(msg))
             await _until(lambda: not link.fronts)
         finally:
@@ -194,24 +193,19 @@ def test_a_submit_carrying_its_ids_unpacked_drops_the_front(tmp_path):
         assert core.calls == []
 
     asyncio.run(main())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ipc:// endpoints")
+def test_a_submit_carrying_its_ids_unpacked_drops_the_front(tmp_path):
+    _drops_the_front(tmp_path, m.Submit(GenerationRequest("f:x", [1, 2], RequestParams(max_tokens=4)), b"", 0.0))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ipc:// endpoints")
 @pytest.mark.parametrize("finished", [[99], [None, None]], ids=["not-a-finish-reason", "more-than-outputs"])
 def test_a_resumed_submit_with_broken_finish_reasons_drops_the_front(tmp_path, finished, caplog):
-    async def main():
-        core, link, sock = await _linked(tmp_path)
-        try:
-            msg = _submit("f:x", [1, 2])
-            msg.resume_outputs, msg.resume_finished = [[3]], finished
-            await sock.send(m.TIER.encode(msg))
-            await _until(lambda: not link.fronts)
-        finally:
-            sock.close()
-            await link.close()
-        assert core.calls == []
-
-    asyncio.run(main())
+    msg = _submit("f:x", [1, 2])
+    msg.resume_outputs, msg.resume_finished = [[3]], finished
+    _drops_the_front(tmp_path, msg)
     assert "front f dropped (broke the front protocol: resume_finished" in caplog.text
 
 
