@@ -44,7 +44,7 @@ from scheduler_svc.kv_cache_manager import hash_blocks
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.tier import messages as m
-from scheduler_svc.tier.core_link import UNPACK_SLICE, _in_vocab
+from scheduler_svc.tier.core_link import UNPACK_SLICE, in_vocab
 
 EOS = 2
 VOCAB = 128_256
@@ -108,7 +108,7 @@ def decode_submit(rng: random.Random) -> dict[str, tuple[float, float]]:
     total, longest, out = _Clock(), (0.0, 0.0), []
     for i in range(0, len(ids), UNPACK_SLICE):
         piece = _Clock()
-        out += piece(lambda: _in_vocab(ids[i:i + UNPACK_SLICE].tolist(), VOCAB, "prompt_token_ids", i))  # noqa: B023
+        out += piece(lambda: in_vocab(ids[i:i + UNPACK_SLICE].tolist(), VOCAB, "prompt_token_ids", i))  # noqa: B023
         longest = max(longest, (piece.wall, piece.cpu))
         total.wall, total.cpu = total.wall + piece.wall, total.cpu + piece.cpu
     if out != prompt:

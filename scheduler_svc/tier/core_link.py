@@ -227,7 +227,7 @@ class FrontLink:
         try:
             req.prompt_token_ids = await _ints(m.unpacked(msg.prompt_ids), vocab_size)
             for k, outputs in enumerate(msg.resume_outputs or ()):
-                _in_vocab(outputs, vocab_size, f"resume_outputs[{k}]")
+                in_vocab(outputs, vocab_size, f"resume_outputs[{k}]")
         except ValueError as exc:  # (this request fails; nothing of it reaches an executor)
             front.deliver([RequestUpdate(req.request_id, [], True, n, error=str(exc), error_kind=ERROR_FAILED)])
             return
@@ -303,11 +303,13 @@ async def _ints(ids: array, vocab_size: int) -> list[int]:
     for start in range(0, len(ids), UNPACK_SLICE):
         if start:
             await asyncio.sleep(0)
-        out += _in_vocab(ids[start:start + UNPACK_SLICE].tolist(), vocab_size, "prompt_token_ids", start)
+        out += in_vocab(ids[start:start + UNPACK_SLICE].tolist(), vocab_size, "prompt_token_ids", start)
     return out
 
 
-def _in_vocab(ids: list[int], vocab_size: int, field: str, offset: int = 0) -> list[int]:
+def in_vocab(ids: list[int], vocab_size: int, field: str, offset: int = 0) -> list[int]:
+    """``ids`` when every one is below ``vocab_size``; else ValueError naming ``field[offset + i]``
+    of the first that is not (benchmarks/max_request_costs.py times it as the core runs it)."""
     if ids and max(ids) >= vocab_size:  # (max at C speed; the loop only finds which one)
         i, tok = next((i, t) for i, t in enumerate(ids) if t >= vocab_size)
         raise ValueError(f"{field}[{offset + i}]: must be a token id in [0, vocab_size={vocab_size}) (got {tok})")
