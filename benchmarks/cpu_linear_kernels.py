@@ -1,7 +1,7 @@
 """Candidate CPU kernels for the executor's linear layers, side by side, against memory bandwidth.
 
     .venv/bin/python -m benchmarks.cpu_linear_kernels [--threads 2] [--rows 1,16,48] [--repeats 7]
-        [--size default|500mb] [--isa avx512|avx2|scalar]
+        [--size default|500mb] [--isa avx512|avx2|scalar] [--variant NAME=FLAGS ...]
 
 One "step" is every linear layer of a Llama-shaped model (default: the default tiny model's
 8 layers of fused q/k/v, o, gate/up and down projections plus the LM head, 32M weights; with
@@ -14,6 +14,10 @@ the candidates are timed in the same process, interleaved, median of ``--repeats
 * int8: torch ``_weight_int8pack_mm`` (weight-only, per channel), torch's dynamic quantized
   linear (fbgemm), ours (VNNI / AVX2)
 
+``--variant t0=-DPS_PF_HINT=_MM_HINT_T0`` adds our kernels built again with those compiler flags
+(a build-time choice such as the prefetch hint in ``csrc/linear_x86.c``) as one more candidate
+per format, timed interleaved with the others.
+
 Before them it measures the machine's read bandwidth (``ps_read_sum``: a STREAM-style read of
 an array 4x the last-level cache, same threads) and reports each candidate's weight bytes per
 second against it. A table, then one JSON line.
@@ -22,15 +26,19 @@ second against it. A table, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import shlex
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from executor_svc.cpu_ops import native_ops
+from executor_svc.cpu_kernels import build_with_flags
+from executor_svc.cpu_ops import CpuOps, native_ops
 from executor_svc.model.weights import PackedLinear, quantize_int8
 
 SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab
@@ -60,7 +68,17 @@ def shapes(size: str) -> list[tuple[int, int]]:
     return per_layer * layers + [(vocab, h)]
 
 
-def candidates(ws: list[torch.Tensor], ops) -> dict[str, list]:
+def variant_builds(specs: list[str]) -> dict[str, CpuOps]:
+    """``NAME=FLAGS`` specs -> our kernels built with each (in a temporary directory)."""
+    into = Path(tempfile.mkdtemp(prefix="ps-variants-")) if specs else Path()
+    out = {}
+    for name, _, flags in (v.partition("=") for v in specs):
+        build = build_with_flags(shlex.split(flags), into / f"variant-{name}.so")
+        out[name] = CpuOps(ctypes.CDLL(str(build.path)), str(build.path))
+    return out
+
+
+def candidates(ws: list[torch.Tensor], ops, variants: dict[str, CpuOps] | None = None) -> dict[str, list]:
     """Per format, (name, [callables per layer]) of each candidate."""
     out: dict[str, list] = {"float32": [], "bfloat16": [], "int8": []}
     out["float32"].append(("torch F.linear", [lambda x, w=w: F.linear(x, w) for w in ws]))
@@ -84,6 +102,9 @@ def candidates(ws: list[torch.Tensor], ops) -> dict[str, list]:
     except Exception as exc:  # noqa: BLE001  (an optional candidate)
         print(f"(fbgemm dynamic quantized linear unavailable: {exc})")
     out["int8"].append(("ours", [PackedLinear.from_float(w, None, "int8", ops) for w in ws]))
+    for fmt in out:
+        for vname, vops in (variants or {}).items():
+            out[fmt].append((f"ours ({vname})", [PackedLinear.from_float(w, None, fmt, vops) for w in ws]))
     return out
 
 
@@ -102,11 +123,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--size", choices=tuple(SIZES), default="default")
     ap.add_argument("--isa", choices=("avx512", "avx2", "scalar"), default=None, help="cap our kernels' ISA")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="also time our kernels compiled with these extra flags (repeatable)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     ops = native_ops()
-    if args.isa:
-        ops.limit_isa(args.isa)
+    variants = variant_builds(args.variant)
+    for o in (ops, *variants.values()):
+        if args.isa:
+            o.limit_isa(args.isa)
     llc = llc_bytes()
     bw = ops.read_bandwidth(max(4 * llc, 256 * 1024**2), args.threads)
     print(f"read bandwidth: {bw / 1e9:.1f} GB/s ({args.threads} threads, array {max(4 * llc, 256 * 1024**2) >> 20} MiB, "
@@ -116,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     ws = [torch.randn(m, k, generator=g) / k**0.5 for m, k in shp]
     k_of = [k for _, k in shp]
     n_weights = sum(m * k for m, k in shp)
-    cands = candidates(ws, ops)
+    cands = candidates(ws, ops, variants)
     result = {"bandwidth_gbs": round(bw / 1e9, 2), "threads": args.threads, "weights": n_weights, "rows": {}}
     print(f"{'format':9} {'rows':>4} {'candidate':34} {'ms/step':>8} {'GB/s':>6} {'of bw':>6} {'GFLOP/s':>8}")
     for rows in map(int, args.rows.split(",")):

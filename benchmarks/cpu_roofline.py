@@ -3,6 +3,7 @@ measurably does, per weight format, at batch 1, 16 and 48.
 
     .venv/bin/python -m benchmarks.cpu_roofline [--model DIR] [--threads 2] [--batch-sizes 1,16,48]
         [--formats float32,bfloat16,int8] [--prompt-len 128] [--steps 32] [--repeats 3]
+        [--variant NAME=FLAGS ...]
 
 For each format and batch size it drives ``ModelRunner`` with plans (no transport: the
 executor's own step, sampling included), prefills ``--prompt-len`` tokens per sequence, then
@@ -18,6 +19,10 @@ times ``--steps`` greedy decode steps (median of ``--repeats`` runs, formats int
 * bound: whichever of bytes / bandwidth and FLOPs / rate takes longer; "of bound" is that time
   over the measured step time.
 
+``--variant t0=-DPS_PF_HINT=_MM_HINT_T0`` also times every format with our kernels compiled
+again with those flags (rows "format (t0)"), interleaved with the others: a build-time choice
+measured on whole decode steps.
+
 Prints a markdown table, then one JSON line.
 """
 
@@ -29,10 +34,11 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
-from benchmarks.cpu_linear_kernels import llc_bytes
+from benchmarks.cpu_linear_kernels import llc_bytes, variant_builds
 from benchmarks.executor_cpu import BLOCK, SAMPLING, decode, prefill
 from executor_svc.backends import make_attention_backend
 from executor_svc.cpu_ops import native_ops
@@ -102,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="also time every format with our kernels compiled with these extra flags (repeatable)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     ops = native_ops()
@@ -115,27 +123,32 @@ def main(argv: list[str] | None = None) -> None:
 
             model_dir = build_tiny_model(Path(tmp) / "tiny", "llama", "default")
         models = {f: load_model(model_dir, **LOAD[f]) for f in fmts}
+        for name, vops in variant_builds(args.variant).items():
+            with mock.patch("executor_svc.model.loader.load_cpu_ops", return_value=vops):  # pack with the variant
+                models.update({f"{f} ({name})": load_model(model_dir, **LOAD[f]) for f in fmts})
     batches = [int(b) for b in args.batch_sizes.split(",")]
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.repeats):
         for b in batches:
-            for f in fmts:
-                times.setdefault((f, b), []).append(time_steps(models[f], f, b, args.prompt_len, args.steps))
+            for label, model in models.items():
+                f = label.split(" ")[0]
+                times.setdefault((label, b), []).append(time_steps(model, f, b, args.prompt_len, args.steps))
     ctx = args.prompt_len + args.steps / 2
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; kernel rates " + ", ".join(f"{f} {r / 1e9:.0f} GFLOP/s"
                                                                         for f, r in rates.items()))
     print("\n| format | batch | MB / step | GFLOP / step | step ms | GB/s | GFLOP/s | bound | bound ms | of bound |")
     print("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     result = {"bandwidth_gbs": round(bw / 1e9, 2), "kernel_gflops": {f: round(r / 1e9, 1) for f, r in rates.items()}}
-    for f in fmts:
+    for label, model in models.items():
+        f = label.split(" ")[0]
         for b in batches:
-            t = statistics.median(times[(f, b)])
-            nbytes, flops = step_cost(models[f], f, b, ctx)
+            t = statistics.median(times[(label, b)])
+            nbytes, flops = step_cost(model, f, b, ctx)
             t_mem, t_cpu = nbytes / bw, flops / rates[f]
             bound, t_bound = ("memory", t_mem) if t_mem >= t_cpu else ("compute", t_cpu)
-            print(f"| {f} | {b} | {nbytes / 1e6:.1f} | {flops / 1e9:.2f} | {t * 1e3:.2f} | {nbytes / t / 1e9:.1f} | "
+            print(f"| {label} | {b} | {nbytes / 1e6:.1f} | {flops / 1e9:.2f} | {t * 1e3:.2f} | {nbytes / t / 1e9:.1f} | "
                   f"{flops / t / 1e9:.0f} | {bound} | {t_bound * 1e3:.2f} | {t_bound / t:.0%} |")
-            result[f"{f}_b{b}"] = {"ms": round(t * 1e3, 3), "mb": round(nbytes / 1e6, 1),
+            result[f"{label}_b{b}"] = {"ms": round(t * 1e3, 3), "mb": round(nbytes / 1e6, 1),
                                    "gflop": round(flops / 1e9, 3), "bound": bound, "of_bound": round(t_bound / t, 3)}
     print(json.dumps(result))
 

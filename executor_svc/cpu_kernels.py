@@ -204,6 +204,19 @@ def build_library(variant: str = "native", cache_dir: Path | None = None,
     raise RuntimeError(f"compiling {SOURCE_DIR}/*.c failed:\n" + "\n".join(errors))
 
 
+def build_with_flags(extra_flags: list[str], dest: Path) -> Build:
+    """The native OpenMP build with ``extra_flags`` added (a build-time choice such as
+    ``-DPS_PF_HINT=...``), compiled to ``dest`` uncached: benchmarks time it against the default."""
+    compiler = find_compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set $CC, or install cc/gcc)")
+    flags = (*BASE_FLAGS, *VARIANTS["native"], *OPENMP_FLAGS[0], *extra_flags)
+    err = _compile(compiler, flags, dest)
+    if err is not None:
+        raise RuntimeError(f"{compiler} {' '.join(flags)}: {err}")
+    return Build(dest, "native", flags, compiled=True)
+
+
 def _prune_stale(cache: Path, variant: str, keep: str) -> None:
     """Remove this variant's builds of older sources (one per upgrade would pile up otherwise).
     A process still running one keeps its mapping: unlinking a loaded library is safe."""

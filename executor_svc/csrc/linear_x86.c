@@ -24,7 +24,15 @@
 #define TGT_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 #define TGT_512BF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,avx512bf16")))
 #define TGT_512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,avx512vnni")))
-#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+/* Weight streams are prefetched into L2 (T1), not L1 (T0): each weight line is used once, and
+ * T0 prefetches far enough ahead to cover DRAM latency fill the small L1 and evict the lines
+ * that are reused (activations, outputs). Whole decode steps of the default model were 11-16%
+ * faster at batch 1 with T1 in every format, and 0-11% at 16 and 48 rows (`python -m
+ * benchmarks.cpu_roofline --variant t0=-DPS_PF_HINT=_MM_HINT_T0`, docs/PERF.md). */
+#ifndef PS_PF_HINT
+#define PS_PF_HINT _MM_HINT_T1
+#endif
+#define PREFETCH(p) _mm_prefetch((const char *)(p), PS_PF_HINT)
 
 /* ------------------------------------------------------------------ float32, dot form */
 
