@@ -28,11 +28,15 @@
  * T0 prefetches far enough ahead to cover DRAM latency fill the small L1 and evict the lines
  * that are reused (activations, outputs). Whole decode steps of the default model were 11-16%
  * faster at batch 1 with T1 in every format, and 0-11% at 16 and 48 rows (`python -m
- * benchmarks.cpu_roofline --variant t0=-DPS_PF_HINT=_MM_HINT_T0`, docs/PERF.md). */
+ * benchmarks.cpu_roofline --variant t0=-DPS_PF_HINT=_MM_HINT_T0`, docs/PERF.md). The AVX2
+ * bfloat16 and int8 kernels, which spend more instructions per weight byte (widening, sign
+ * tricks), keep T0: the same at 1 row, 6-15% faster at 16 (`benchmarks.cpu_linear_kernels --isa
+ * avx2`, with a second T1 build as the gauge of the harness's own spread). */
 #ifndef PS_PF_HINT
 #define PS_PF_HINT _MM_HINT_T1
 #endif
 #define PREFETCH(p) _mm_prefetch((const char *)(p), PS_PF_HINT)
+#define PREFETCH_L1(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 
 /* ------------------------------------------------------------------ float32, dot form */
 
@@ -226,7 +230,7 @@ TGT_AVX2 INLINE void bf16_unit_avx2_t(const int T, const void *xv, int64_t ldx, 
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
         for (int j = 0; j < kp / 2; j++) {
             const uint16_t *wj = w + (int64_t)j * 32;
-            PREFETCH(wj + PS_PF_BYTES / 2);
+            PREFETCH_L1(wj + PS_PF_BYTES / 2);
             const __m256i r0 = _mm256_loadu_si256((const __m256i *)wj), r1 = _mm256_loadu_si256((const __m256i *)(wj + 16));
             const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(r0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(r0, hi));
             const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(r1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(r1, hi));
@@ -315,7 +319,7 @@ TGT_AVX2 INLINE void q8_unit_avx2_t(const int T, const void *xv, int64_t ldx, co
                 a31 = a00;
         for (int j = 0; j < kp / 4; j++) {
             const int8_t *wj = w + (int64_t)j * 64;
-            PREFETCH(wj + PS_PF_BYTES);
+            PREFETCH_L1(wj + PS_PF_BYTES);
             const __m256i r0 = _mm256_loadu_si256((const __m256i *)wj), r1 = _mm256_loadu_si256((const __m256i *)(wj + 32));
 #define Q8_TOKEN(t)                                                                                       \
     do {                                                                                                  \
