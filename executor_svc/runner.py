@@ -299,9 +299,12 @@ class ModelRunner:
         the prompt tokens the batch scores, into ``batch.prompt_scores``."""
         for s, first, row, count in batch.prompt_rows:
             batch.prompt_scores.append(self._score_prompt(hidden, s, first, row, count))
-        if not batch.logits_rows:
+        rows_list = batch.logits_rows
+        if not rows_list:
             return None
-        rows = torch.tensor(batch.logits_rows, dtype=torch.int64, device=hidden.device)
+        if len(rows_list) == hidden.shape[0] and rows_list[-1] == len(rows_list) - 1:
+            return self.model.compute_logits(hidden)  # every row samples (rows ascend): no gather
+        rows = torch.tensor(rows_list, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, rows))
 
     def _score_prompt(self, hidden: torch.Tensor, s: SeqState, first: int, row: int, count: int) -> PromptLogprobs:

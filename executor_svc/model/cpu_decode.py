@@ -34,7 +34,8 @@ class DecodeStack:
         """The last step's logits if ``hidden`` is exactly its hidden states (the runner selects
         every row of a pure decode step); else None. Used once."""
         last, self._logits = self._logits, None
-        if last is None or hidden.shape != last[0].shape or not torch.equal(hidden, last[0]):
+        if last is None or (hidden is not last[0] and (hidden.shape != last[0].shape
+                                                       or not torch.equal(hidden, last[0]))):
             return None
         return last[1]
 
