@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from benchmarks.engine_harness import consume, distinct_requests, engine_with_executors, small_tokenizer
+from pagedserve.gc_tuning import tune_gc
 from scheduler_svc.engine import EngineConfig
-from scheduler_svc.gc_tuning import tune_gc
 from scheduler_svc.sched_config import SchedulerConfig
 
 

@@ -32,6 +32,7 @@ import time
 import uvloop
 
 from benchmarks.engine_harness import small_tokenizer
+from pagedserve.gc_tuning import tune_gc
 from scheduler_svc.api_types import (
     ChoiceDelta,
     FinishReason,
@@ -40,7 +41,6 @@ from scheduler_svc.api_types import (
     RequestOutput,
     Usage,
 )
-from scheduler_svc.gc_tuning import tune_gc
 from scheduler_svc.http.app import OpenAIFront, build_app
 from scheduler_svc.http.limits import HttpLimits
 from scheduler_svc.http.serve import start_http_server

@@ -49,9 +49,9 @@ import uvloop
 
 from benchmarks.engine_harness import consume, distinct_requests, engine_with_executors, small_tokenizer
 from pagedserve import wire
+from pagedserve.gc_tuning import tune_gc
 from scheduler_svc.api_types import GenerationRequest
 from scheduler_svc.engine import Engine
-from scheduler_svc.gc_tuning import tune_gc
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.sched_config import EngineConfig, SchedulerConfig
 

@@ -34,6 +34,7 @@ from executor_svc.sampler import Sampler
 from executor_svc.warmup import warm_up
 from executor_svc.worker import ExecutorWorker
 from pagedserve import wire
+from pagedserve.gc_tuning import tune_gc
 
 log = logging.getLogger("executor_svc")
 
@@ -125,9 +126,11 @@ def run(cfg: ExecutorConfig, argv: list[str] | None = None) -> int:
             group = start_group(cfg, sys.argv[1:] if argv is None else argv)
         runner, hs = build_runner(cfg, group)
         if isinstance(runner, FollowerRunner):
+            tune_gc()
             return serve_follower(runner, health)
         if cfg.warmup and cfg.device == "cpu" and group is None:
             warm_up(runner)  # before dialling in: the first request must not pay for it
+        tune_gc()  # what start-up allocated (torch, the model) is never walked again by the collector
         worker = ExecutorWorker(cfg.scheduler, runner, hs, drain_timeout=cfg.drain_timeout, health=health,
                                 keys=cfg.link_keys, enrollment_token_file=cfg.enrollment_token_file)
         if group is not None:

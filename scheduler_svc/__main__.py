@@ -28,11 +28,11 @@ from pathlib import Path
 import uvloop
 from prometheus_client import CollectorRegistry, generate_latest
 
+from pagedserve.gc_tuning import tune_gc
 from scheduler_svc.children import Children, fixed_port
 from scheduler_svc.config import ServiceConfig, load_config
 from scheduler_svc.core_process import core_links
 from scheduler_svc.engine_core import EngineCore
-from scheduler_svc.gc_tuning import tune_gc
 from scheduler_svc.metrics import Metrics, start_metrics_server
 from scheduler_svc.model_dir import eos_token_ids, served_model
 from scheduler_svc.tier.metrics import FamiliesCollector, families_of, merge_families

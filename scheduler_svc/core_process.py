@@ -24,10 +24,10 @@ import time
 
 import uvloop
 
+from pagedserve.gc_tuning import tune_gc
 from scheduler_svc.config import ServiceConfig, load_config
 from scheduler_svc.engine_core import EngineCore
 from scheduler_svc.front_process import EXIT_WITH_PARENT, exit_with_parent
-from scheduler_svc.gc_tuning import tune_gc
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.model_dir import eos_token_ids, served_model
 from scheduler_svc.tier.core_link import FrontLink

@@ -29,13 +29,13 @@ from starlette.middleware import Middleware
 from tokenizers import Tokenizer
 
 from pagedserve.envargs import parse_with_env
+from pagedserve.gc_tuning import tune_gc
 from pagedserve.wire.key_files import load_key_pair, load_public_key
 from pagedserve.wire.keys import ClientKeys
 from scheduler_svc.admission import CallBudget
 from scheduler_svc.auth_throttle import AuthThrottle
 from scheduler_svc.config import ServiceConfig, load_config
 from scheduler_svc.front_streams import FrontStreams
-from scheduler_svc.gc_tuning import tune_gc
 from scheduler_svc.http.app import OpenAIFront, build_app
 from scheduler_svc.http.auth import ApiKeyMiddleware
 from scheduler_svc.http.chat_template import load_chat_template
