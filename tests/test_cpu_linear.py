@@ -3,10 +3,13 @@ path this machine has, with shapes that hit every tail (rows, inputs, tokens).""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
-from executor_svc.cpu_ops import ISA_NAMES, native_ops
+from executor_svc.cpu_kernels import build_with_flags
+from executor_svc.cpu_ops import ISA_NAMES, CpuOps, native_ops
 from executor_svc.model.weights import PackedLinear, pack_panels, quantize_int8, unpack_rows
 
 # (tokens, inputs, outputs): tails of the 4-token tiles, 64-output units, 16/32/64-wide vectors
@@ -119,3 +122,22 @@ def test_bad_descriptors_are_refused_not_run(ops):
     desc.k = 0
     with pytest.raises(ValueError, match="shape or type"):
         ops.linear(desc, torch.randn(1, 16), torch.empty(1, 8), threads=1)
+
+
+def test_a_build_with_other_flags_computes_the_same(ops, tmp_path):
+    """benchmarks' --variant builds (cpu_kernels.build_with_flags): the prefetch hint is a build-time
+    choice of speed only, so the other hint's library gives the same bits on every path."""
+    build = build_with_flags(["-DPS_PF_HINT=_MM_HINT_T0"], tmp_path / "t0.so")
+    assert build.compiled and "-DPS_PF_HINT=_MM_HINT_T0" in build.flags
+    other = CpuOps(ctypes.CDLL(str(build.path)), str(build.path))
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(5, 1408, generator=g), torch.randn(300, 1408, generator=g)
+    for fmt in ("float32", "bfloat16", "int8"):
+        ours, theirs = PackedLinear.from_float(w, None, fmt, ops), PackedLinear.from_float(w, None, fmt, other)
+        for isa in _isas(ops):
+            ops.limit_isa(isa)
+            other.limit_isa(isa)
+            assert torch.equal(ours(x), theirs(x)), f"{fmt} {isa}"
+    ops.limit_isa("avx512")
+    with pytest.raises(RuntimeError, match="PS_NO_SUCH_HINT"):
+        build_with_flags(["-DPS_PF_HINT=PS_NO_SUCH_HINT"], tmp_path / "bad.so")
