@@ -75,6 +75,8 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
     device = group.device if group is not None else cfg.device
     model = load_model(cfg.model_dir, device, dtype, shard, group.all_reduce if group is not None else None,
                        quantization=cfg.quantization, cpu_kernels=cfg.cpu_attention != "torch")
+    if model.decode_stack is not None:
+        model.decode_stack.threads.enabled = cfg.cpu_decode_threads == "adaptive"
     backend = make_attention_backend(cfg.device, cfg.cpu_attention)
     if backend.name == "cpu-fused" and model.dtype != torch.float32:  # (activations: float32 when packed)
         log.warning("the fused CPU decode kernel computes in float32: %s attention uses the torch path", dtype)

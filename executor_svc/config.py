@@ -67,6 +67,7 @@ class ExecutorConfig:
     prepare_ahead: bool | None = None  # prepare each plan while the step before runs (None: on with CUDA)
     rank_env: RankEnv | None = None  # None with N > 1: this process leads and starts the others
     cpu_threads: int | None = None  # CPU compute threads (None: OMP_NUM_THREADS, else usable CPUs; threads.py)
+    cpu_decode_threads: str = "adaptive"  # fused decode steps: "all" threads, or "adaptive" (step_threads.py)
     quantization: str | None = None  # CPU weight quantization (None: weights in --dtype)
     warmup: bool = True  # run warm-up steps before registering (executor_svc/warmup.py)
     enrollment_token_file: Path | None = None  # proves this executor may enroll its key (read at each connection)
@@ -124,6 +125,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    type=number(int, "--cpu-threads", 1, low_inclusive=True, high=MAX_CPU_THREADS),
                    help="CPU compute threads; wins over OMP_NUM_THREADS (default: the CPUs this process may use, "
                         "cgroup quota included, one left free from 8 up)")
+    p.add_argument("--cpu-decode-threads", choices=("adaptive", "all"), default="adaptive",
+                   help="fused decode steps of up to 64 sequences: 'adaptive' times all compute threads against "
+                        "one fewer now and then and keeps the faster (one fewer wins when the serving tier shares "
+                        "these CPUs); 'all' always uses --cpu-threads. Outputs are the same either way")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="CPU: store linear weights as int8, one scale per output channel (activations "
                         "quantised per token on the fly); a quarter of float32's bytes per step")
@@ -223,4 +228,5 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         health_port=args.health_port, health_host=args.health_host, drain_timeout=args.drain_timeout,
         link_keys=keys, enrollment_token_file=args.enrollment_token_file, log_level=args.log_level,
         tensor_parallel_size=args.tensor_parallel_size, rank_env=ranks, prepare_ahead=args.prepare_ahead,
-        cpu_threads=args.cpu_threads, quantization=args.quantization, warmup=args.warmup)
+        cpu_threads=args.cpu_threads, cpu_decode_threads=args.cpu_decode_threads, quantization=args.quantization,
+        warmup=args.warmup)

@@ -14,12 +14,14 @@ the same kernels.
 from __future__ import annotations
 
 import ctypes
+import time
 
 import torch
 
 from executor_svc.attention import AttentionMetadata, KVCaches
 from executor_svc.cpu_kernels import KV_TYPES
 from executor_svc.cpu_ops import CpuOps, LayerDesc, ModelDesc, check_status
+from executor_svc.step_threads import StepThreads
 
 
 class DecodeStack:
@@ -29,6 +31,8 @@ class DecodeStack:
         self._work = torch.empty(0, dtype=torch.uint8)
         # The step's logits, computed in the same call: (its hidden states, their logits).
         self._logits: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.threads = StepThreads()  # all compute threads or one fewer, whichever is faster here
+        self._last: tuple[int, int, int, float, float] | None = None  # (rows, most, threads, start, call s)
 
     def logits_for(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The last step's logits if ``hidden`` is exactly its hidden states (the runner selects
@@ -73,6 +77,14 @@ class DecodeStack:
         self._bound = (key, caches, model, layers)  # caches kept: its id cannot be reused while bound
         return model
 
+    def _time_last_step(self, now: float) -> None:
+        """The step before this one took from its start to now; a period longer than thrice its
+        call had something else in it (a prefill, no work) and times nothing."""
+        if self._last is not None:
+            n, most, used, start, call = self._last
+            period = now - start
+            self.threads.record(n, most, used, period if period <= 3 * call else None)
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, caches: KVCaches,
                  meta: AttentionMetadata) -> torch.Tensor:
         """x [n, hidden] float32 embeddings (overwritten) -> final-normed hidden states [n, hidden]."""
@@ -85,15 +97,19 @@ class DecodeStack:
                 and lens.is_contiguous() and bt.shape[0] == lens.shape[0] == n):
             raise ValueError(f"decode stack: expected {n} decode rows with int64 positions/slots, int32 block "
                              f"tables/seq_lens (one row each) and contiguous float32 embeddings")
-        threads = torch.get_num_threads()
+        most, start = torch.get_num_threads(), time.perf_counter()
+        self._time_last_step(start)
+        threads = self.threads.pick(n, most)
         lib = self.ops.lib
         nbytes = lib.ps_stack_work_bytes(ctypes.byref(desc), n, threads)
         if self._work.numel() < nbytes:
             self._work = torch.empty(max(nbytes, 2 * self._work.numel()), dtype=torch.uint8)
         logits = torch.empty(n, desc.lm_head.m, dtype=torch.float32) if desc.lm_head.w else None
+        call = time.perf_counter()
         check_status("decode stack", lib.ps_decode_stack(
             ctypes.byref(desc), x.data_ptr(), n, positions.data_ptr(), slots.data_ptr(), bt.data_ptr(), bt.stride(0),
             bt.shape[1], lens.data_ptr(), None if logits is None else logits.data_ptr(), self._work.data_ptr(),
             self._work.numel(), threads))
+        self._last = (n, most, threads, start, time.perf_counter() - call)
         self._logits = None if logits is None else (x, logits)
         return x
