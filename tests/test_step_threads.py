@@ -93,3 +93,15 @@ def test_every_thread_count_computes_the_same_logits(tiny_checkpoint, fmt, kwarg
     finally:
         torch.set_num_threads(before)
     assert torch.equal(results[3], results[1]) and torch.equal(results[2], results[1])
+
+
+def test_only_the_executor_turns_the_choice_on_by_its_flag(tiny_llama_dir):
+    from executor_svc.__main__ import build_runner
+    from executor_svc.config import parse_config
+
+    assert not load_model(tiny_llama_dir).decode_stack.threads.enabled  # benchmarks and tests: all threads
+    for flag, enabled in (([], True), (["--cpu-decode-threads", "all"], False)):
+        cfg = parse_config(["--model", str(tiny_llama_dir), "--scheduler", "tcp://127.0.0.1:5556", "--device", "cpu",
+                            "--kv-cache-memory", "16MiB", "--swap-space", "0", *flag])
+        runner, _ = build_runner(cfg)
+        assert runner.model.decode_stack.threads.enabled is enabled

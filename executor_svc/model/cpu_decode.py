@@ -31,7 +31,9 @@ class DecodeStack:
         self._work = torch.empty(0, dtype=torch.uint8)
         # The step's logits, computed in the same call: (its hidden states, their logits).
         self._logits: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.threads = StepThreads()  # all compute threads or one fewer, whichever is faster here
+        # All compute threads, or one fewer when timed faster: off until the executor turns it on
+        # (--cpu-decode-threads adaptive), so in-process benchmarks and tests time a fixed count.
+        self.threads = StepThreads(enabled=False)
         self._last: tuple[int, int, int, float, float] | None = None  # (rows, most, threads, start, call s)
 
     def logits_for(self, hidden: torch.Tensor) -> torch.Tensor | None:
