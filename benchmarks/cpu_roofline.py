@@ -122,16 +122,15 @@ def main(argv: list[str] | None = None) -> None:
             from executor_svc.tiny_model import build_tiny_model
 
             model_dir = build_tiny_model(Path(tmp) / "tiny", "llama", "default")
-        models = {f: load_model(model_dir, **LOAD[f]) for f in fmts}
+        models = {f: (f, load_model(model_dir, **LOAD[f])) for f in fmts}  # row label -> (format, model)
         for name, vops in variant_builds(args.variant).items():
             with mock.patch("executor_svc.model.loader.load_cpu_ops", return_value=vops):  # pack with the variant
-                models.update({f"{f} ({name})": load_model(model_dir, **LOAD[f]) for f in fmts})
+                models.update({f"{f} ({name})": (f, load_model(model_dir, **LOAD[f])) for f in fmts})
     batches = [int(b) for b in args.batch_sizes.split(",")]
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.repeats):
         for b in batches:
-            for label, model in models.items():
-                f = label.split(" ")[0]
+            for label, (f, model) in models.items():
                 times.setdefault((label, b), []).append(time_steps(model, f, b, args.prompt_len, args.steps))
     ctx = args.prompt_len + args.steps / 2
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; kernel rates " + ", ".join(f"{f} {r / 1e9:.0f} GFLOP/s"
@@ -139,8 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n| format | batch | MB / step | GFLOP / step | step ms | GB/s | GFLOP/s | bound | bound ms | of bound |")
     print("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     result = {"bandwidth_gbs": round(bw / 1e9, 2), "kernel_gflops": {f: round(r / 1e9, 1) for f, r in rates.items()}}
-    for label, model in models.items():
-        f = label.split(" ")[0]
+    for label, (f, model) in models.items():
         for b in batches:
             t = statistics.median(times[(label, b)])
             nbytes, flops = step_cost(model, f, b, ctx)

@@ -145,11 +145,15 @@ class Build:
     compiled: bool  # False: found in a cache or prebuilt dir
 
 
+def _flags(variant: str, omp: tuple[str, ...]) -> tuple[str, ...]:
+    return (*BASE_FLAGS, *VARIANTS[variant], *omp)
+
+
 def _candidates(variant: str) -> list[tuple[tuple[str, ...], str]]:
     source = _source_text()
     out = []
     for omp in OPENMP_FLAGS:
-        flags = (*BASE_FLAGS, *VARIANTS[variant], *omp)
+        flags = _flags(variant, omp)
         out.append((flags, f"{LIB_PREFIX}-{variant}-{library_key(source, flags, variant)}.so"))
     return out
 
@@ -210,7 +214,7 @@ def build_with_flags(extra_flags: list[str], dest: Path) -> Build:
     compiler = find_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set $CC, or install cc/gcc)")
-    flags = (*BASE_FLAGS, *VARIANTS["native"], *OPENMP_FLAGS[0], *extra_flags)
+    flags = (*_flags("native", OPENMP_FLAGS[0]), *extra_flags)
     err = _compile(compiler, flags, dest)
     if err is not None:
         raise RuntimeError(f"{compiler} {' '.join(flags)}: {err}")
