@@ -89,6 +89,7 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
     max_len = min(model_cfg.max_position_embeddings, kv.num_blocks * cfg.block_size)
     if group is None:
         runner = ModelRunner(model, kv, backend, Sampler(), max_model_len=max_len)
+        runner.max_decode_steps = cfg.decode_steps
         if cfg.prepare_ahead is not None:
             runner.prepare_ahead = cfg.prepare_ahead
     elif group.is_leader:
@@ -109,7 +110,8 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
         model_fingerprint=model_fingerprint(cfg.model_dir), model_name=cfg.model_dir.resolve().name,
         architecture=model_cfg.architecture, vocab_size=model_cfg.vocab_size, block_size=cfg.block_size,
         num_device_blocks=kv.num_blocks, num_cpu_blocks=kv.num_cpu_blocks, max_model_len=max_len,
-        dtype=str(dtype).removeprefix("torch."), device=cfg.device, tensor_parallel_size=cfg.tensor_parallel_size)
+        dtype=str(dtype).removeprefix("torch."), device=cfg.device, tensor_parallel_size=cfg.tensor_parallel_size,
+        max_decode_steps=runner.decode_steps_served())
     return runner, hs
 
 

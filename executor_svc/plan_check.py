@@ -56,8 +56,11 @@ class PlanChecker:
         if bad.size:
             raise PlanError(f"{what}: token id {int(ids[bad[0]])} out of range [0, {self.vocab_size})", seq_id)
 
-    def check(self, plan: BatchPlan, state: dict[int, tuple[int, int, int]]) -> None:
-        """state: seq_id -> (num_tokens, table_len, num_computed); raises PlanError."""
+    def check(self, plan: BatchPlan, state: dict[int, tuple[int, int, int]], max_decode_steps: int = 1) -> None:
+        """state: seq_id -> (num_tokens, table_len, num_computed); raises PlanError. ``max_decode_steps``:
+        the most ``plan.decode_steps`` this executor serves."""
+        if plan.decode_steps > 1:
+            self._multi_step(plan, max_decode_steps)
         shadow = dict(state)
         self._pairs(plan.swap_out, self.num_blocks, self.num_cpu_blocks, "swap_out")
         for sid in plan.free_seq_ids:
@@ -112,13 +115,29 @@ class PlanChecker:
             raise PlanError(f"new_seqs seq {s.seq_id}: negative beam_candidates, logprobs or top_k", s.seq_id)
         shadow[s.seq_id] = (n, len(s.block_ids), s.num_computed_tokens)
 
+    def _multi_step(self, plan: BatchPlan, max_decode_steps: int) -> None:
+        """A plan of several decode steps only decodes: no sequence arrives, forks, swaps or copies."""
+        if plan.decode_steps > max_decode_steps:
+            raise PlanError(f"decode_steps {plan.decode_steps}: this executor serves at most {max_decode_steps}")
+        if plan.new_seqs or plan.forks or plan.append_tokens or plan.swap_out or plan.swap_in or plan.copies:
+            raise PlanError(f"decode_steps {plan.decode_steps}: a plan of several decode steps has only "
+                            "scheduled decodes, frees and block updates")
+
     def _scheduled(self, plan: BatchPlan, shadow) -> None:
         if len(set(plan.scheduled_seq_ids)) != len(plan.scheduled_seq_ids):
             raise PlanError("scheduled_seq_ids: a sequence is scheduled twice")
+        steps = plan.decode_steps
         for sid, k in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True):
             n, t, c = self._known(shadow, sid, "scheduled_seq_ids")
             if k < 1 or c + k > n:
                 raise PlanError(f"scheduled seq {sid}: {k} new tokens with {c} computed of {n}", sid)
-            if c + k > t * self.block_size:
-                raise PlanError(f"scheduled seq {sid}: {c + k} tokens do not fit in {t} blocks "
+            if steps > 1 and (k != 1 or c + 1 != n):
+                raise PlanError(f"scheduled seq {sid}: {k} new tokens with {c} computed of {n} is not a decode "
+                                f"step, and the plan has {steps}", sid)
+            end = c + k + steps - 1  # (the positions the later decode steps write)
+            if end > t * self.block_size:
+                raise PlanError(f"scheduled seq {sid}: {end} tokens do not fit in {t} blocks "
                                 f"of {self.block_size}", sid)
+            if steps > 1 and end > self.max_model_len:
+                raise PlanError(f"scheduled seq {sid}: {steps} decode steps reach {end} tokens, more than "
+                                f"{self.max_model_len}", sid)

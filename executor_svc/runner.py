@@ -96,6 +96,11 @@ class ModelRunner:
         # The compute thread prepares each plan while the device runs the step before
         # (executor_svc/pipeline.py): on a GPU only, where that overlaps; tests set it on CPU.
         self.prepare_ahead = self.model.device.type == "cuda"
+        # Decode steps one plan may ask for (BatchPlan.decode_steps), run back to back in execute():
+        # in-order runners only (a plan prepared ahead needs its step's one token), announced in the
+        # handshake. Where a step is short (small models on CPU) the per-plan cost is then paid once
+        # for several tokens: the scheduler's, the link's, the executor's own.
+        self.max_decode_steps = 1
         self.keep_logits = False  # tests: keep the last step's sampled logits rows in last_logits
         self.last_logits: torch.Tensor | None = None  # [num_sampled, vocab] float32
 
@@ -105,14 +110,38 @@ class ModelRunner:
         self.dropped.clear()
         self.refusing = None
 
+    def decode_steps_served(self) -> int:
+        """The most ``BatchPlan.decode_steps`` this runner serves: 1 when it prepares plans ahead."""
+        return 1 if self.prepare_ahead else self.max_decode_steps
+
     def execute(self, plan: BatchPlan) -> StepResult:
-        """One plan, start to end: the three phases back to back."""
+        """One plan, start to end: the three phases back to back (and its further decode steps)."""
         prepared = self.prepare(plan)
         if isinstance(prepared, StepResult):
             return prepared
         launched = self.launch(prepared)
         result = launched if isinstance(launched, StepResult) else self.complete(launched)
+        if plan.decode_steps > 1 and not result.refused and not result.failed_seq_ids:
+            result = self._decode_more(prepared.plan, result)
         result.model_seconds = time.perf_counter() - prepared.start
+        return result
+
+    def _decode_more(self, plan: BatchPlan, result: StepResult) -> StepResult:
+        """Steps 2..k of a plan of ``decode_steps`` k: the sequences that sampled decode the token they
+        sampled, and sample again, k - 1 times; their tokens follow the first step's in ``result``. The
+        sequences are plain samplers (the check refused anything else), so each step is what a plan of
+        its own would be."""
+        seq_ids = list(result.sampled_seq_ids)
+        if not seq_ids:
+            return result
+        step = BatchPlan(plan.step_id, seq_ids, [1] * len(seq_ids))
+        try:
+            for _ in range(plan.decode_steps - 1):
+                batch = build_batch(self.seqs, self.kv.block_size, self.model.device, seq_ids, step.num_new_tokens)
+                logits = self._forward_batch(step, batch)
+                self._sample(batch, logits, result)
+        except Exception as exc:  # noqa: BLE001  its sequences fail, their earlier tokens with them
+            return self._failure(plan, seq_ids, exc)
         return result
 
     def can_prepare_ahead(self, plan: BatchPlan) -> bool:
@@ -211,13 +240,25 @@ class ModelRunner:
         sequence of ``in_flight`` holds one token more: the one its step in flight samples."""
         try:
             self.checker.check(plan, {sid: (len(s.token_ids) + (in_flight.get(sid) is s), len(s.block_ids),
-                                            s.num_computed_tokens) for sid, s in self.seqs.items()})
+                                            s.num_computed_tokens) for sid, s in self.seqs.items()},
+                               self.decode_steps_served())
+            if plan.decode_steps > 1:
+                self._check_decoders(plan)
         except PlanError as exc:
             log.warning("refusing plan %d, and the plans after it until a reset: %s", plan.step_id, exc)
             self.refusing = f"plan {plan.step_id}: {exc}"
             return StepResult(step_id=plan.step_id, refused=True, error=_text(f"invalid plan: {exc}"),
                               failed_seq_ids=[] if exc.seq_id is None else [exc.seq_id])
         return None
+
+    def _check_decoders(self, plan: BatchPlan) -> None:
+        """PlanError unless every sequence of a plan of several decode steps samples plainly: no beam
+        candidates, log-probs, grammar or prompt scores, whose results have one step's layout."""
+        for sid in plan.scheduled_seq_ids:
+            sp = self.seqs[sid].sampling
+            if sp.beam_candidates or sp.want_logprobs or sp.structured is not None or sp.prompt_logprobs >= 0:
+                raise PlanError(f"scheduled seq {sid}: beam search, log-probs, structured outputs and prompt "
+                                f"scores take one decode step per plan, the plan has {plan.decode_steps}", sid)
 
     def _failure(self, plan: BatchPlan, seq_ids: Iterable[int], exc: Exception) -> StepResult:
         """A phase raised: these sequences are dropped and reported failed; the runner serves on."""

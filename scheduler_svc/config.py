@@ -76,7 +76,7 @@ def default(cls: type, name: str) -> Any:
 
 
 # Flag -> the dataclass field it sets. Fields without a flag are learned at run time
-# (SchedulerConfig.max_model_len comes from each executor's handshake) or built from
+# (SchedulerConfig.max_model_len and decode_steps come from each executor's handshake) or built from
 # several flags (EngineConfig.executor_endpoint from --executor-host and --executor-port).
 FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "--block-size": (SchedulerConfig, "block_size"),
@@ -97,7 +97,7 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     **{"--http-" + f.name.replace("_", "-"): (HttpLimits, f.name) for f in dataclasses.fields(HttpLimits)},
     **{"--grpc-" + f.name.replace("_", "-"): (GrpcLimits, f.name) for f in dataclasses.fields(GrpcLimits)},
 }
-RUNTIME_FIELDS = {(SchedulerConfig, "max_model_len"), (EngineConfig, "scheduler"),
+RUNTIME_FIELDS = {(SchedulerConfig, "max_model_len"), (SchedulerConfig, "decode_steps"), (EngineConfig, "scheduler"),
                   (EngineConfig, "executor_endpoint"), (EngineConfig, "model_fingerprint"),
                   (EngineConfig, "executor_link")}
 

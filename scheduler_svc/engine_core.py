@@ -140,7 +140,8 @@ class EngineCore(CoreRequests):
         info = conn.info
         if self.metrics:
             self.metrics.watch_deployment(info.model_name, lambda: self.deployment_stats())
-        cfg = dataclasses.replace(self.cfg.scheduler, max_model_len=info.max_model_len)
+        cfg = dataclasses.replace(self.cfg.scheduler, max_model_len=info.max_model_len,
+                                  decode_steps=info.max_decode_steps)
         slot = ExecutorSlot(conn, Scheduler(cfg, info.num_device_blocks, info.num_cpu_blocks,
                                             self.eos_token_ids, vocab_size=info.vocab_size))
         self.slots[conn.id] = slot

@@ -44,6 +44,7 @@ class InFlight:
     # Sequences whose prompt tokens it may score (SamplingParams.prompt_logprobs): (seq, the most it
     # can score: every prompt token before the end of this step's chunk, token 0 never).
     scoring: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    decode_steps: int = 1  # the plan's: each sequence of ``sampling`` gets this many tokens
 
     def max_result_bytes(self) -> int:
         """The largest result frame this plan can be answered with (its sequences, their log-probs,
@@ -62,7 +63,7 @@ class InFlight:
             scored += most
             entries += most * s.sampling.prompt_logprobs
         return max_result_bytes(len(self.seq_ids), len(self.sampling), lp, num_lp, beams, len(self.beams),
-                                scored, entries, len(self.scoring))
+                                scored, entries, len(self.scoring), self.decode_steps)
 
     def forget(self, dropped: set[int]) -> None:
         """The executor dropped these sequences after an earlier step failed: this plan serves none of
@@ -405,7 +406,7 @@ class RequestLifecycle:
         for step in self.in_flight:
             for s in step.sampling + step.beams:
                 if s.finish_reason is None:
-                    owed[s.seq_id] = owed.get(s.seq_id, 0) + 1
+                    owed[s.seq_id] = owed.get(s.seq_id, 0) + step.decode_steps
         for s in self.seqs.values():
             if s.num_placeholders != owed.get(s.seq_id, 0):
                 raise RuntimeError(f"seq {s.seq_id} holds {s.num_placeholders} placeholders; the plans in flight "

@@ -35,12 +35,18 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     watermark: float = 0.01
     enable_prefix_caching: bool = True
+    # Decode steps one plan may carry (BatchPlan.decode_steps): what the executor serves, from its
+    # handshake. Taken only when every running sequence decodes plainly and nothing waits.
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_model_len", self.max_model_len)
+        _positive("decode_steps", self.decode_steps)
+        if self.decode_steps > wire.MAX_DECODE_STEPS:
+            raise ValueError(f"decode_steps must be at most {wire.MAX_DECODE_STEPS}, got {self.decode_steps}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")

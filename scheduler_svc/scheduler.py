@@ -66,6 +66,7 @@ class Scheduler(RequestLifecycle):
                  vocab_size: int | None = None) -> None:
         super().__init__(config, num_device_blocks, num_cpu_blocks, eos_token_ids, kv_manager)
         self._out = OutputProcessor(self, vocab_size)
+        self._steps = 1  # decode steps of the plan being built
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> BatchPlan | None:
@@ -74,7 +75,10 @@ class Scheduler(RequestLifecycle):
         plan = BatchPlan(self._step_id)
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         step = self._step = InFlight(self._step_id, plan.scheduled_seq_ids, [], [], [], plan.forks)
+        self._steps = self._decode_steps() if self.config.decode_steps > 1 else 1
         preempted = self._schedule_running(plan, budget)
+        if self._steps > 1 and step.sampling:
+            plan.decode_steps = step.decode_steps = self._steps
         if not preempted:
             self._schedule_swapped(plan, budget)
             if not self.swapped:
@@ -89,7 +93,7 @@ class Scheduler(RequestLifecycle):
     def _schedule_running(self, plan: BatchPlan, budget: _Budget) -> bool:
         """Running requests oldest first; returns whether anyone was preempted."""
         self._preempted = False
-        running, allocate, bs = self.running, self.kv.allocate, self.config.block_size
+        running, allocate, bs, steps = self.running, self.kv.allocate, self.config.block_size, self._steps
         ids, nums = plan.scheduled_seq_ids, plan.num_new_tokens
         sampling, to_commit = self._step.sampling, self._step.to_commit
         i = 0
@@ -107,20 +111,23 @@ class Scheduler(RequestLifecycle):
                         i += 1  # its last token is in flight: it ends by length when that result comes
                         continue
                     n = total - c if total - c <= budget.tokens else budget.tokens
-                    ch = allocate(seq, n)
+                    # k decode steps (k > 1: _decode_steps found every sequence decoding, with room)
+                    # write k positions and sample k placeholders.
+                    k = steps if steps > 1 else n
+                    ch = allocate(seq, k)
                     if ch is not None:
                         if ch is not NO_CHANGE:
                             self._emit_change(seq, ch, plan)
                         ids.append(seq.seq_id)
                         nums.append(n)
-                        seq.num_computed_tokens = c + n  # counted at schedule time, as in vLLM v1
+                        seq.num_computed_tokens = c + k  # counted at schedule time, as in vLLM v1
                         if c < seq.num_prompt_tokens:  # (a prompt chunk: its scores may be owed)
                             self._note_scoring(seq, c, n)
-                        if c + n == total:  # it samples: a placeholder until the result comes
-                            seq.num_placeholders += 1
+                        if c + n == total:  # it samples: placeholders until the result comes
+                            seq.num_placeholders += steps
                             sampling.append(seq)
-                        if (c + n) // bs != c // bs:  # cache its newly full block once the step returns
-                            to_commit.append((seq, seq.residency, c + n))
+                        if (c + k) // bs != c // bs:  # cache its newly full block once the step returns
+                            to_commit.append((seq, seq.residency, c + k))
                         budget.tokens -= n
                         budget.seqs -= 1
                         i += 1
@@ -131,6 +138,32 @@ class Scheduler(RequestLifecycle):
             except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
                 self._isolate(r, plan, exc)  # r left `running`: the next request is at index i now
         return self._preempted
+
+    def _decode_steps(self) -> int:
+        """How many decode steps the next plan takes: up to ``config.decode_steps`` when every running
+        request is one resident sequence decoding plainly (no beams, log-probs, structured output or
+        prompt scores), nothing waits or is swapped out (admission would wait for the whole plan),
+        every sequence has that many tokens left, and the free blocks hold what they write; else 1."""
+        if self.waiting or self.swapped or not self.running:
+            return 1
+        k, kv, need = self.config.decode_steps, self.kv, 0
+        for r in self.running:
+            live = r.live
+            if len(live) != 1 or r.beam is not None or not r.forked:
+                return 1
+            seq = live[0]
+            sp = seq.sampling
+            if not seq.resident or sp.want_logprobs or sp.structured is not None or sp.prompt_logprobs >= 0:
+                return 1
+            total = len(seq.token_ids) + seq.num_placeholders
+            if total - seq.num_computed_tokens != 1:
+                return 1  # a prompt still to compute
+            if r.stop_len - total < k:
+                k = r.stop_len - total
+                if k < 2:
+                    return 1
+            need += kv.blocks_needed(seq, k)
+        return k if need <= kv.num_free_blocks else 1
 
     def _schedule_with_preemption(self, r: Request, plan: BatchPlan, budget: _Budget) -> bool:
         """Schedule ``r``, preempting the latest arrivals while blocks are short.
@@ -400,6 +433,9 @@ class Scheduler(RequestLifecycle):
         failed = set(result.failed_seq_ids)
         due = self._out.check(result, step, failed)  # before anything changes: a bad result changes nothing
         self.in_flight.popleft()
+        if step.decode_steps > 1:  # (its later steps' inputs are its samples: committed with them)
+            updates = self._out.process_steps(result, due, step, failed)
+            return updates + self._fail_dropped(failed) if failed else updates
         commit = self.kv.commit_computed
         for seq, residency, computed in step.to_commit:  # computed now: safe to share via the cache
             if seq.finish_reason is None and seq.residency == residency and seq.seq_id not in failed:

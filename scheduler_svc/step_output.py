@@ -38,12 +38,16 @@ class OutputProcessor:
         if failed and not failed <= set(step.seq_ids):
             raise ProtocolError(f"result {rid} fails sequences its plan did not schedule")
         due = step.sampling if not failed else [s for s in step.sampling if s.seq_id not in failed]
-        sampled = result.sampled_seq_ids
-        if len(sampled) != len(due):
-            raise ProtocolError(f"result {rid} samples {len(sampled)} sequences, its plan {len(due)}")
-        for seq, sid in zip(due, sampled, strict=True):
-            if seq.seq_id != sid:
-                raise ProtocolError(f"result {rid} samples seq {sid} where its plan has {seq.seq_id}")
+        sampled, k = result.sampled_seq_ids, step.decode_steps
+        if len(sampled) != len(due) * k:
+            raise ProtocolError(f"result {rid} samples {len(sampled)} sequences, its plan {len(due)} x {k} steps")
+        if k > 1:  # (each step's samples in plan order, one step after another)
+            if sampled != [s.seq_id for s in due] * k:
+                raise ProtocolError(f"result {rid} does not sample its plan's sequences in plan order, step by step")
+        else:
+            for seq, sid in zip(due, sampled, strict=True):
+                if seq.seq_id != sid:
+                    raise ProtocolError(f"result {rid} samples seq {sid} where its plan has {seq.seq_id}")
         vocab = self.vocab_size
         if vocab is not None and result.sampled_token_ids and max(result.sampled_token_ids) >= vocab:
             raise ProtocolError(f"result {rid} samples token id {max(result.sampled_token_ids)}, outside the "
@@ -138,6 +142,52 @@ class OutputProcessor:
 
         if beams or result.beam_candidates:
             self._beams(result.beam_candidates, beams, out)
+        return out
+
+    def process_steps(self, result: StepResult, due: list[Sequence], step: InFlight,
+                      failed: set[int]) -> list[RequestUpdate]:
+        """Apply a result of ``step.decode_steps`` k > 1 that passed :meth:`check`: each sequence's k
+        tokens, up to the one that ends it (the rest were computed past its end and are dropped); the
+        blocks its tokens filled go to the prefix cache before an end frees them. Its sequences are
+        plain samplers, one per request (``Scheduler._decode_steps``)."""
+        k, m, tokens = step.decode_steps, len(due), result.sampled_token_ids
+        commit, to_commit = self.s.kv.commit_computed, {}
+        for seq, residency, computed in step.to_commit:
+            if seq.residency == residency and seq.seq_id not in failed:
+                to_commit[seq.seq_id] = computed
+        for s in step.sampling:
+            if s.seq_id in failed:
+                s.num_placeholders -= k  # its samples never come
+        out: list[RequestUpdate] = []
+        for i, seq in enumerate(due):
+            try:
+                if seq.finish_reason is not None:
+                    continue  # finished or aborted after the plan was sent: the tokens are dropped
+                seq.num_placeholders -= k
+                toks, r = seq.token_ids, seq.request
+                new, reason = tokens[i::m], None
+                for j, tok in enumerate(new):
+                    toks.append(tok)
+                    if tok in r.eos_token_ids:
+                        reason = FinishReason.EOS
+                    elif tok in r.stop_token_ids:
+                        reason = FinishReason.STOP
+                    elif len(toks) >= r.stop_len:
+                        reason = FinishReason.LENGTH
+                    else:
+                        continue
+                    del new[j + 1:]
+                    break
+                if (computed := to_commit.get(seq.seq_id)) is not None:
+                    commit(seq, min(computed, len(toks)))  # (positions past an end hold dropped tokens)
+                ru = RequestUpdate(r.req.request_id, [SeqUpdate(seq.index, new, None, reason)], False,
+                                   seq.num_prompt_tokens, r.num_cached_prompt_tokens)
+                out.append(ru)
+                if reason is not None:
+                    ru.finished = self._finish(seq, reason)
+            except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
+                if seq.request.request_id in self.s.requests:
+                    out.append(self.s.fail_request(seq.request, exc))
         return out
 
     def _prompt_scores(self, result: StepResult) -> list[RequestUpdate]:

@@ -76,6 +76,7 @@ def outputs(tiny_llama_dir, tmp_path_factory) -> dict[tuple, tuple[dict, int]]:
     configs = [(mode, loop, ()) for mode in ("recompute", "swap") for loop in ("--no-async-scheduling",
                                                                                "--async-scheduling")]
     configs.append(("recompute", "--async-scheduling", ("--prepare-ahead",)))  # on CPU only when asked
+    configs.append(("recompute", "--async-scheduling", ("--decode-steps", "1")))  # (the default: 4)
     for mode, loop, executor_args in configs:
         s = Stack(tiny_llama_dir, tmp_path_factory.mktemp(f"{mode}{loop}{''.join(executor_args)}"),
                   scheduler_args=["--preemption-mode", mode, loop])
@@ -86,7 +87,7 @@ def outputs(tiny_llama_dir, tmp_path_factory) -> dict[tuple, tuple[dict, int]]:
             results[(mode, loop, *executor_args)] = (_run(s, reqs), s.stats())
             s.wait_blocks_free()
             ahead = "prepared while the step before it runs" in (s.logdir / "ex.log").read_text()
-            assert ahead == bool(executor_args)  # the CPU executor prepares ahead only when asked
+            assert ahead == ("--prepare-ahead" in executor_args)  # the CPU executor prepares ahead only when asked
         finally:
             s.stop()
     return results
@@ -108,6 +109,14 @@ def test_an_executor_preparing_each_plan_ahead_gives_identical_outputs(outputs):
     ahead, stats = outputs[("recompute", "--async-scheduling", "--prepare-ahead")]
     assert stats.num_preemptions > 0
     assert ahead == outputs[("recompute", "--no-async-scheduling")][0]
+
+
+def test_one_decode_step_per_plan_gives_identical_outputs(outputs):
+    """The executor's --decode-steps (several decode steps per plan once every running request decodes
+    plainly and none waits: the tail of this workload) against one step per plan."""
+    one, stats = outputs[("recompute", "--async-scheduling", "--decode-steps", "1")]
+    assert stats.num_preemptions > 0
+    assert one == outputs[("recompute", "--async-scheduling")][0]
 
 
 def test_preemption_mode_does_not_change_outputs_either(outputs):

@@ -250,7 +250,7 @@ def test_sigterm_stops_admitting_aborts_leftovers_after_the_grace_and_exits(tiny
     s = Stack(tiny_llama_dir, tmp_path, scheduler_args=["--shutdown-grace-seconds", "1"])
     try:
         s.start_scheduler()
-        s.start_executor("ex0")
+        s.start_executor("ex0", "--decode-steps", "1")  # (slower: the request outlives the grace period)
         s.wait_health()
         finish: list = []
         got = threading.Event()

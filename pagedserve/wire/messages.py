@@ -23,7 +23,9 @@ Order in which an executor applies a :class:`BatchPlan` (both sides rely on it):
 7. ``swap_in``    CPU block -> device block copies
 8. ``copies``     device block -> device block copies (copy-on-write)
 9. forward ``scheduled`` sequences, in order; sample where a sequence's
-   computed count reaches its token count, append the sample, report it.
+   computed count reaches its token count, append the sample, report it;
+   with ``decode_steps`` k > 1, run k such decode steps back to back, each
+   computing the token the step before it sampled.
 """
 
 from __future__ import annotations
@@ -177,6 +179,15 @@ class BatchPlan(_Message):
     ``scheduled_seq_ids[i]`` computes ``num_new_tokens[i]`` tokens starting
     at its current computed count. A sequence in ``new_seqs`` that is not in
     ``scheduled_seq_ids`` is registered but idle this step.
+
+    ``decode_steps`` k > 1 (at most the executor's ``Handshake.max_decode_steps``):
+    every scheduled sequence decodes (one new token, and it samples) k times
+    in a row, each step's input the token the step before sampled, so one plan
+    and one result carry k tokens per sequence. Only for plain sampling
+    sequences (no beam candidates, log-probs or structured output), whose block
+    tables already hold the k slots; nothing else in the plan but frees and
+    block updates. The result reports the k steps one after another, each in
+    plan order.
     """
 
     step_id: Count
@@ -191,6 +202,7 @@ class BatchPlan(_Message):
     swap_out: Pairs = msgspec.field(default_factory=list)  # (device_block, cpu_block)
     swap_in: Pairs = msgspec.field(default_factory=list)  # (cpu_block, device_block)
     copies: Pairs = msgspec.field(default_factory=list)  # (src_block, dst_block)
+    decode_steps: Annotated[int, Meta(ge=1, le=p.MAX_DECODE_STEPS)] = 1
 
     def __post_init__(self) -> None:
         if len(self.scheduled_seq_ids) != len(self.num_new_tokens):
@@ -236,7 +248,8 @@ class StepResult(_Message):
 
     * **served**: ``sampled_seq_ids[i]`` got token ``sampled_token_ids[i]`` (only
       sequences whose computed count reached their token count sample, in plan
-      order). Beam sequences instead appear in ``beam_candidates`` as (seq_id,
+      order; a plan of ``decode_steps`` k lists its sequences k times, a step
+      after another). Beam sequences instead appear in ``beam_candidates`` as (seq_id,
       token ids, log-probs), best first, and do not append anything themselves.
     * **some sequences failed** (``failed_seq_ids`` not empty, ``refused`` false): the
       plan was applied, but the step could not serve these sequences (a forward or
@@ -279,14 +292,15 @@ class StepResult(_Message):
 
 def max_result_bytes(num_scheduled: int, num_sampled: int, logprobs: int = 0, num_logprob_seqs: int = 0,
                      beam_candidates: int = 0, num_beam_seqs: int = 0, prompt_tokens_scored: int = 0,
-                     prompt_logprob_entries: int = 0, num_prompt_logprob_seqs: int = 0) -> int:
+                     prompt_logprob_entries: int = 0, num_prompt_logprob_seqs: int = 0,
+                     decode_steps: int = 1) -> int:
     """The largest encoded StepResult frame (envelope included) a plan can be answered with.
 
     ``num_scheduled`` sequences computed, ``num_sampled`` of them sampling; of those,
     ``num_logprob_seqs`` report ``logprobs`` alternatives in all (summed over them) and
     ``num_beam_seqs`` beam sequences report ``beam_candidates`` in all; ``num_prompt_logprob_seqs``
     report prompt log-probs for ``prompt_tokens_scored`` prompt tokens with
-    ``prompt_logprob_entries`` alternatives in all. A receiver refuses a larger frame before
+    ``prompt_logprob_entries`` alternatives in all; ``decode_steps``: the plan's. A receiver refuses a larger frame before
     parsing it. msgpack sizes are taken at their largest: 5 bytes for an int or a container
     header, 9 for a float, 4 bytes per character of text.
     """
@@ -296,7 +310,7 @@ def max_result_bytes(num_scheduled: int, num_sampled: int, logprobs: int = 0, nu
     seq_logprobs = 1 + 5 + 9 + 5 + 5  # header, seq_id, own logprob, the two list headers
     prompt_logprobs = 5 + (1 + 5 + 5 + 3 * 5) * num_prompt_logprob_seqs  # list; header, seq_id, start, lists
     return (head + scalars + lists + 5 * num_scheduled  # failed_seq_ids
-            + 10 * num_sampled  # sampled ids and tokens
+            + 10 * num_sampled * decode_steps  # sampled ids and tokens
             + seq_logprobs * (num_logprob_seqs + num_beam_seqs)
             + 14 * (logprobs + num_logprob_seqs + beam_candidates)  # an id and a float per entry
             + prompt_logprobs + 9 * prompt_tokens_scored + 14 * prompt_logprob_entries)
@@ -322,6 +336,8 @@ class Handshake(_Message):
     # An enrollment token's HMAC over the link's keys and executor_id (pagedserve/wire/enrollment.py),
     # for an executor whose key the scheduler does not list; empty otherwise.
     enrollment_proof: Annotated[bytes, Meta(max_length=64)] = b""
+    # The most BatchPlan.decode_steps it serves (1: one step per plan).
+    max_decode_steps: Annotated[int, Meta(ge=1, le=p.MAX_DECODE_STEPS)] = 1
 
 
 class HandshakeReply(_Message):

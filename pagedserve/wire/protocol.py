@@ -13,7 +13,7 @@ from __future__ import annotations
 # before its body is read, naming both versions. TAG is the step id of a plan or a
 # result (0 for every other kind): a receiver checks it against what it sent before
 # it parses the body.
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 
 # Message kinds (the second element of every frame).
 KIND_HANDSHAKE = 1
@@ -41,6 +41,7 @@ MAX_LOGIT_BIAS = 1 << 16  # (token id, bias) pairs of one sequence's logit bias
 MAX_END_TOKEN_IDS = 1 << 12  # ids that end one sequence (its EOS ids and stop token ids)
 MAX_STRUCTURED_CHARS = 1 << 20  # characters of one structured-output spec (a JSON schema, a grammar)
 MAX_PROMPT_LOGPROB_ENTRIES = 1 << 24  # prompt-log-prob alternatives one sequence reports in one result
+MAX_DECODE_STEPS = 64  # decode steps one plan may ask for (BatchPlan.decode_steps)
 
 # ---- KV cache layout both sides must agree on ------------------------------------
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block (the paper's default)
