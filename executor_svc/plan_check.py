@@ -123,6 +123,16 @@ class PlanChecker:
             raise PlanError(f"decode_steps {plan.decode_steps}: a plan of several decode steps has only "
                             "scheduled decodes, frees and block updates")
 
+    def check_decoders(self, plan: BatchPlan, seqs: dict) -> None:
+        """After :meth:`check` passed a plan of several decode steps: PlanError unless every sequence it
+        schedules (``seqs``: seq_id -> the runner's SeqState) samples plainly: no beam candidates,
+        log-probs, grammar or prompt scores, whose results have one step's layout."""
+        for sid in plan.scheduled_seq_ids:
+            sp = seqs[sid].sampling
+            if sp.beam_candidates or sp.want_logprobs or sp.structured is not None or sp.prompt_logprobs >= 0:
+                raise PlanError(f"scheduled seq {sid}: beam search, log-probs, structured outputs and prompt "
+                                f"scores take one decode step per plan, the plan has {plan.decode_steps}", sid)
+
     def _scheduled(self, plan: BatchPlan, shadow) -> None:
         if len(set(plan.scheduled_seq_ids)) != len(plan.scheduled_seq_ids):
             raise PlanError("scheduled_seq_ids: a sequence is scheduled twice")

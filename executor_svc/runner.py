@@ -243,22 +243,13 @@ class ModelRunner:
                                             s.num_computed_tokens) for sid, s in self.seqs.items()},
                                self.decode_steps_served())
             if plan.decode_steps > 1:
-                self._check_decoders(plan)
+                self.checker.check_decoders(plan, self.seqs)
         except PlanError as exc:
             log.warning("refusing plan %d, and the plans after it until a reset: %s", plan.step_id, exc)
             self.refusing = f"plan {plan.step_id}: {exc}"
             return StepResult(step_id=plan.step_id, refused=True, error=_text(f"invalid plan: {exc}"),
                               failed_seq_ids=[] if exc.seq_id is None else [exc.seq_id])
         return None
-
-    def _check_decoders(self, plan: BatchPlan) -> None:
-        """PlanError unless every sequence of a plan of several decode steps samples plainly: no beam
-        candidates, log-probs, grammar or prompt scores, whose results have one step's layout."""
-        for sid in plan.scheduled_seq_ids:
-            sp = self.seqs[sid].sampling
-            if sp.beam_candidates or sp.want_logprobs or sp.structured is not None or sp.prompt_logprobs >= 0:
-                raise PlanError(f"scheduled seq {sid}: beam search, log-probs, structured outputs and prompt "
-                                f"scores take one decode step per plan, the plan has {plan.decode_steps}", sid)
 
     def _failure(self, plan: BatchPlan, seq_ids: Iterable[int], exc: Exception) -> StepResult:
         """A phase raised: these sequences are dropped and reported failed; the runner serves on."""
