@@ -45,6 +45,7 @@ class InFlight:
     # can score: every prompt token before the end of this step's chunk, token 0 never).
     scoring: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
     decode_steps: int = 1  # the plan's: each sequence of ``sampling`` gets this many tokens
+    decode_only: bool = False  # every sequence it computes decodes one token per step (its time says a step's)
 
     def max_result_bytes(self) -> int:
         """The largest result frame this plan can be answered with (its sequences, their log-probs,

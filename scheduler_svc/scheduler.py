@@ -47,6 +47,13 @@ from scheduler_svc.request import Request, RequestState, RequestUpdate, Sequence
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.step_output import OutputProcessor
 
+# A plan of several decode steps lasts at most about this long: enough steps that the per-plan cost
+# (about a millisecond of CPU over the scheduler, the link, the fronts and the clients) is paid once
+# for many tokens where steps are short, and one step per plan where a step takes this long anyway,
+# so that a slow model's tokens never stream in bursts (nor does an arrival wait for them).
+DECODE_PLAN_S = 0.025
+_STEP_TIME_WEIGHT = 0.2  # of the newest decode step's time in the running estimate
+
 
 @dataclasses.dataclass(slots=True)
 class _Budget:
@@ -67,6 +74,7 @@ class Scheduler(RequestLifecycle):
         super().__init__(config, num_device_blocks, num_cpu_blocks, eos_token_ids, kv_manager)
         self._out = OutputProcessor(self, vocab_size)
         self._steps = 1  # decode steps of the plan being built
+        self.decode_step_s: float | None = None  # the executor's decode step, as its results report it
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> BatchPlan | None:
@@ -85,6 +93,9 @@ class Scheduler(RequestLifecycle):
                 self._schedule_waiting(plan, budget)
         plan.free_seq_ids = self._owed_frees
         self._owed_frees = []
+        # (each sequence computed one token: nothing but decodes, and its time is a decode step's)
+        step.decode_only = (self.config.max_num_batched_tokens - budget.tokens == len(step.seq_ids)
+                            == len(step.sampling)) and bool(step.sampling)
         if not (step.seq_ids or plan.free_seq_ids or plan.swap_out or plan.swap_in or plan.new_seqs):
             return None
         self.in_flight.append(step)
@@ -140,13 +151,17 @@ class Scheduler(RequestLifecycle):
         return self._preempted
 
     def _decode_steps(self) -> int:
-        """How many decode steps the next plan takes: up to ``config.decode_steps`` when every running
+        """How many decode steps the next plan takes: up to ``config.decode_steps``, and as many as last
+        ``DECODE_PLAN_S`` at the decode step time the executor's results report, when every running
         request is one resident sequence decoding plainly (no beams, log-probs, structured output or
         prompt scores), nothing waits or is swapped out (admission would wait for the whole plan),
         every sequence has that many tokens left, and the free blocks hold what they write; else 1."""
-        if self.waiting or self.swapped or not self.running:
+        if self.waiting or self.swapped or not self.running or self.decode_step_s is None:
             return 1
-        k, kv, need = self.config.decode_steps, self.kv, 0
+        k = min(self.config.decode_steps, int(DECODE_PLAN_S / max(self.decode_step_s, 1e-6)))
+        if k < 2:
+            return 1
+        kv, need = self.kv, 0
         for r in self.running:
             live = r.live
             if len(live) != 1 or r.beam is not None or not r.forked:
@@ -433,6 +448,9 @@ class Scheduler(RequestLifecycle):
         failed = set(result.failed_seq_ids)
         due = self._out.check(result, step, failed)  # before anything changes: a bad result changes nothing
         self.in_flight.popleft()
+        if step.decode_only and result.model_seconds > 0 and not failed:
+            t, old = result.model_seconds / step.decode_steps, self.decode_step_s
+            self.decode_step_s = t if old is None else old + _STEP_TIME_WEIGHT * (t - old)
         if step.decode_steps > 1:  # (its later steps' inputs are its samples: committed with them)
             updates = self._out.process_steps(result, due, step, failed)
             return updates + self._fail_dropped(failed) if failed else updates

@@ -16,6 +16,7 @@ import pytest
 from executor_plans import make_runner
 
 from pagedserve.wire import BatchPlan, SamplingParams, StepResult
+from scheduler_svc import scheduler as scheduler_module
 from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
 from scheduler_svc.lifecycle import ProtocolError
 from scheduler_svc.sched_config import SchedulerConfig
@@ -23,6 +24,13 @@ from scheduler_svc.scheduler import Scheduler
 
 NUM_BLOCKS = 64
 EOS = 2
+
+
+@pytest.fixture(autouse=True)
+def plans_of_any_length(monkeypatch):
+    """The step count a plan takes here depends on its sequences alone, not on this machine's speed
+    (test_a_plan_takes_as_many_steps_as_fit_its_time sets the time a plan may last)."""
+    monkeypatch.setattr(scheduler_module, "DECODE_PLAN_S", 1e9)
 
 
 def _prompt(i: int, n: int) -> list[int]:
@@ -164,7 +172,8 @@ def test_several_steps_only_when_every_running_request_decodes_plainly_and_none_
     # The steps stop at the length: no plan computes past max_tokens.
     _, plans, _ = _serve(tiny_llama_dir, model, [GenerationRequest("a", _prompt(1, 10), RequestParams(
         max_tokens=7, ignore_eos=True, sampling=SamplingParams(temperature=0.0)))], 4, 1)
-    assert [p.decode_steps for p in plans if p.scheduled_seq_ids] == [1, 4, 2]  # 7 tokens: the prefill samples 1
+    # 7 tokens: the prefill samples 1, a decode step measures the step time, then 4 and the 1 left.
+    assert [p.decode_steps for p in plans if p.scheduled_seq_ids] == [1, 1, 4, 1]
 
 
 def test_a_result_that_does_not_answer_every_step_breaks_the_contract(tiny_llama_dir, model):
@@ -174,6 +183,7 @@ def test_a_result_that_does_not_answer_every_step_breaks_the_contract(tiny_llama
     sched.add_request(GenerationRequest("a", _prompt(1, 10), RequestParams(
         max_tokens=20, ignore_eos=True, sampling=SamplingParams(temperature=0.0))))
     sched.update(runner.execute(sched.schedule()))  # the prefill
+    sched.update(runner.execute(sched.schedule()))  # a decode step, whose time the scheduler learns
     plan = sched.schedule()
     assert plan.decode_steps == 4
     good = runner.execute(plan)
@@ -221,3 +231,25 @@ def test_the_executor_refuses_several_steps_past_the_block_table_or_for_log_prob
     runner = _decoding_runner(tiny_llama_dir, model, max_steps=1)
     res = runner.execute(BatchPlan(2, [1], [1], decode_steps=2))
     assert res.refused and "serves at most 1" in res.error
+
+
+@pytest.mark.parametrize("step_s, steps", [(0.004, 4), (0.010, 2), (0.030, 1)])
+def test_a_plan_takes_as_many_steps_as_fit_its_time(tiny_llama_dir, model, monkeypatch, step_s, steps):
+    """Up to DECODE_PLAN_S of decode steps at the step time the results report (here, as if each step
+    took ``step_s``): a slow model's tokens do not stream in bursts."""
+    monkeypatch.setattr(scheduler_module, "DECODE_PLAN_S", 0.025)
+    runner = make_runner(tiny_llama_dir, num_blocks=NUM_BLOCKS, model=model)
+    runner.max_decode_steps = 4
+    sched = Scheduler(SchedulerConfig(block_size=16, max_model_len=256, decode_steps=4), NUM_BLOCKS, 16, ())
+    sched.add_request(GenerationRequest("a", _prompt(1, 10), RequestParams(
+        max_tokens=30, ignore_eos=True, sampling=SamplingParams(temperature=0.0))))
+    taken = []
+    while (plan := sched.schedule()) is not None:
+        result = runner.execute(plan)
+        result.model_seconds = step_s * plan.decode_steps
+        sched.update(result)
+        sched.check_integrity()
+        taken.append(plan.decode_steps)
+    assert taken[:2] == [1, 1]  # the prefill, then a decode step that measures the step time
+    assert taken[2] == steps and max(taken) == steps
+    assert sched.decode_step_s == pytest.approx(step_s)
