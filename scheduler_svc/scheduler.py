@@ -41,18 +41,12 @@ import time
 from collections.abc import Collection
 
 from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, StepResult
+from scheduler_svc.decode_steps import DecodeStepPolicy
 from scheduler_svc.kv_cache_manager import NO_CHANGE, KVCacheManagerBase, SlotChange
 from scheduler_svc.lifecycle import InFlight, ProtocolError, RequestLifecycle, Work, seeded
 from scheduler_svc.request import Request, RequestState, RequestUpdate, Sequence
 from scheduler_svc.sched_config import SchedulerConfig
 from scheduler_svc.step_output import OutputProcessor
-
-# A plan of several decode steps lasts at most about this long: enough steps that the per-plan cost
-# (about a millisecond of CPU over the scheduler, the link, the fronts and the clients) is paid once
-# for many tokens where steps are short, and one step per plan where a step takes this long anyway,
-# so that a slow model's tokens never stream in bursts (nor does an arrival wait for them).
-DECODE_PLAN_S = 0.025
-_STEP_TIME_WEIGHT = 0.2  # of the newest decode step's time in the running estimate
 
 
 @dataclasses.dataclass(slots=True)
@@ -74,7 +68,7 @@ class Scheduler(RequestLifecycle):
         super().__init__(config, num_device_blocks, num_cpu_blocks, eos_token_ids, kv_manager)
         self._out = OutputProcessor(self, vocab_size)
         self._steps = 1  # decode steps of the plan being built
-        self.decode_step_s: float | None = None  # the executor's decode step, as its results report it
+        self.decode_policy = DecodeStepPolicy(config.decode_steps)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> BatchPlan | None:
@@ -83,7 +77,7 @@ class Scheduler(RequestLifecycle):
         plan = BatchPlan(self._step_id)
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         step = self._step = InFlight(self._step_id, plan.scheduled_seq_ids, [], [], [], plan.forks)
-        self._steps = self._decode_steps() if self.config.decode_steps > 1 else 1
+        self._steps = self.decode_policy.choose(self)
         preempted = self._schedule_running(plan, budget)
         if self._steps > 1 and step.sampling:
             plan.decode_steps = step.decode_steps = self._steps
@@ -122,7 +116,7 @@ class Scheduler(RequestLifecycle):
                         i += 1  # its last token is in flight: it ends by length when that result comes
                         continue
                     n = total - c if total - c <= budget.tokens else budget.tokens
-                    # k decode steps (k > 1: _decode_steps found every sequence decoding, with room)
+                    # k decode steps (k > 1: the decode policy found every sequence decoding, with room)
                     # write k positions and sample k placeholders.
                     k = steps if steps > 1 else n
                     ch = allocate(seq, k)
@@ -149,36 +143,6 @@ class Scheduler(RequestLifecycle):
             except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
                 self._isolate(r, plan, exc)  # r left `running`: the next request is at index i now
         return self._preempted
-
-    def _decode_steps(self) -> int:
-        """How many decode steps the next plan takes: up to ``config.decode_steps``, and as many as last
-        ``DECODE_PLAN_S`` at the decode step time the executor's results report, when every running
-        request is one resident sequence decoding plainly (no beams, log-probs, structured output or
-        prompt scores), nothing waits or is swapped out (admission would wait for the whole plan),
-        every sequence has that many tokens left, and the free blocks hold what they write; else 1."""
-        if self.waiting or self.swapped or not self.running or self.decode_step_s is None:
-            return 1
-        k = min(self.config.decode_steps, int(DECODE_PLAN_S / max(self.decode_step_s, 1e-6)))
-        if k < 2:
-            return 1
-        kv, need = self.kv, 0
-        for r in self.running:
-            live = r.live
-            if len(live) != 1 or r.beam is not None or not r.forked:
-                return 1
-            seq = live[0]
-            sp = seq.sampling
-            if not seq.resident or sp.want_logprobs or sp.structured is not None or sp.prompt_logprobs >= 0:
-                return 1
-            total = len(seq.token_ids) + seq.num_placeholders
-            if total - seq.num_computed_tokens != 1:
-                return 1  # a prompt still to compute
-            if r.stop_len - total < k:
-                k = r.stop_len - total
-                if k < 2:
-                    return 1
-            need += kv.blocks_needed(seq, k)
-        return k if need <= kv.num_free_blocks else 1
 
     def _schedule_with_preemption(self, r: Request, plan: BatchPlan, budget: _Budget) -> bool:
         """Schedule ``r``, preempting the latest arrivals while blocks are short.
@@ -448,9 +412,8 @@ class Scheduler(RequestLifecycle):
         failed = set(result.failed_seq_ids)
         due = self._out.check(result, step, failed)  # before anything changes: a bad result changes nothing
         self.in_flight.popleft()
-        if step.decode_only and result.model_seconds > 0 and not failed:
-            t, old = result.model_seconds / step.decode_steps, self.decode_step_s
-            self.decode_step_s = t if old is None else old + _STEP_TIME_WEIGHT * (t - old)
+        if not failed:
+            self.decode_policy.observe(step, result)
         if step.decode_steps > 1:  # (its later steps' inputs are its samples: committed with them)
             updates = self._out.process_steps(result, due, step, failed)
             return updates + self._fail_dropped(failed) if failed else updates

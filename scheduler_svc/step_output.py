@@ -149,7 +149,7 @@ class OutputProcessor:
         """Apply a result of ``step.decode_steps`` k > 1 that passed :meth:`check`: each sequence's k
         tokens, up to the one that ends it (the rest were computed past its end and are dropped); the
         blocks its tokens filled go to the prefix cache before an end frees them. Its sequences are
-        plain samplers, one per request (``Scheduler._decode_steps``)."""
+        plain samplers, one per request (``DecodeStepPolicy.choose``)."""
         k, m, tokens = step.decode_steps, len(due), result.sampled_token_ids
         commit, to_commit = self.s.kv.commit_computed, {}
         for seq, residency, computed in step.to_commit:

@@ -16,7 +16,7 @@ import pytest
 from executor_plans import make_runner
 
 from pagedserve.wire import BatchPlan, SamplingParams, StepResult
-from scheduler_svc import scheduler as scheduler_module
+from scheduler_svc import decode_steps as decode_steps_module
 from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
 from scheduler_svc.lifecycle import ProtocolError
 from scheduler_svc.sched_config import SchedulerConfig
@@ -30,7 +30,7 @@ EOS = 2
 def plans_of_any_length(monkeypatch):
     """The step count a plan takes here depends on its sequences alone, not on this machine's speed
     (test_a_plan_takes_as_many_steps_as_fit_its_time sets the time a plan may last)."""
-    monkeypatch.setattr(scheduler_module, "DECODE_PLAN_S", 1e9)
+    monkeypatch.setattr(decode_steps_module, "DECODE_PLAN_S", 1e9)
 
 
 def _prompt(i: int, n: int) -> list[int]:
@@ -237,7 +237,7 @@ def test_the_executor_refuses_several_steps_past_the_block_table_or_for_log_prob
 def test_a_plan_takes_as_many_steps_as_fit_its_time(tiny_llama_dir, model, monkeypatch, step_s, steps):
     """Up to DECODE_PLAN_S of decode steps at the step time the results report (here, as if each step
     took ``step_s``): a slow model's tokens do not stream in bursts."""
-    monkeypatch.setattr(scheduler_module, "DECODE_PLAN_S", 0.025)
+    monkeypatch.setattr(decode_steps_module, "DECODE_PLAN_S", 0.025)
     runner = make_runner(tiny_llama_dir, num_blocks=NUM_BLOCKS, model=model)
     runner.max_decode_steps = 4
     sched = Scheduler(SchedulerConfig(block_size=16, max_model_len=256, decode_steps=4), NUM_BLOCKS, 16, ())
@@ -252,4 +252,4 @@ def test_a_plan_takes_as_many_steps_as_fit_its_time(tiny_llama_dir, model, monke
         taken.append(plan.decode_steps)
     assert taken[:2] == [1, 1]  # the prefill, then a decode step that measures the step time
     assert taken[2] == steps and max(taken) == steps
-    assert sched.decode_step_s == pytest.approx(step_s)
+    assert sched.decode_policy.step_s == pytest.approx(step_s)
