@@ -68,7 +68,7 @@ class ExecutorConfig:
     rank_env: RankEnv | None = None  # None with N > 1: this process leads and starts the others
     cpu_threads: int | None = None  # CPU compute threads (None: OMP_NUM_THREADS, else usable CPUs; threads.py)
     cpu_decode_threads: str = "adaptive"  # fused decode steps: "all" threads, or "adaptive" (step_threads.py)
-    decode_steps: int = 4  # the most decode steps one plan may carry (1 with --prepare-ahead or N ranks)
+    decode_steps: int = 8  # the most decode steps one plan may carry (1 with --prepare-ahead or N ranks)
     quantization: str | None = None  # CPU weight quantization (None: weights in --dtype)
     warmup: bool = True  # run warm-up steps before registering (executor_svc/warmup.py)
     enrollment_token_file: Path | None = None  # proves this executor may enroll its key (read at each connection)
@@ -130,7 +130,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="fused decode steps of up to 64 sequences: 'adaptive' times all compute threads against "
                         "one fewer now and then and keeps the faster (one fewer wins when the serving tier shares "
                         "these CPUs); 'all' always uses --cpu-threads. Outputs are the same either way")
-    p.add_argument("--decode-steps", default=4,
+    p.add_argument("--decode-steps", default=8,
                    type=number(int, "--decode-steps", 1, low_inclusive=True, high=wire.MAX_DECODE_STEPS),
                    help="decode steps one plan may carry, run back to back (the scheduler asks for them when "
                         "every running request decodes plainly and none waits): the plan's, the link's and this "

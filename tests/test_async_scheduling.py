@@ -76,7 +76,7 @@ def outputs(tiny_llama_dir, tmp_path_factory) -> dict[tuple, tuple[dict, int]]:
     configs = [(mode, loop, ()) for mode in ("recompute", "swap") for loop in ("--no-async-scheduling",
                                                                                "--async-scheduling")]
     configs.append(("recompute", "--async-scheduling", ("--prepare-ahead",)))  # on CPU only when asked
-    configs.append(("recompute", "--async-scheduling", ("--decode-steps", "1")))  # (the default: 4)
+    configs.append(("recompute", "--async-scheduling", ("--decode-steps", "1")))  # (the default: 8)
     for mode, loop, executor_args in configs:
         s = Stack(tiny_llama_dir, tmp_path_factory.mktemp(f"{mode}{loop}{''.join(executor_args)}"),
                   scheduler_args=["--preemption-mode", mode, loop])
