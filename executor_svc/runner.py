@@ -97,7 +97,8 @@ class ModelRunner:
         # (executor_svc/pipeline.py): on a GPU only, where that overlaps; tests set it on CPU.
         self.prepare_ahead = self.model.device.type == "cuda"
         # Decode steps one plan may ask for (BatchPlan.decode_steps), run back to back in execute():
-        # in-order runners only (a plan prepared ahead needs its step's one token), announced in the
+        # in-order runners only (a plan prepared ahead needs its step's one token; tensor-parallel
+        # followers take one step's tokens per plan, so their runners keep 1), announced in the
         # handshake. Where a step is short (small models on CPU) the per-plan cost is then paid once
         # for several tokens: the scheduler's, the link's, the executor's own.
         self.max_decode_steps = 1

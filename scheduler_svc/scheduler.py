@@ -67,7 +67,6 @@ class Scheduler(RequestLifecycle):
                  vocab_size: int | None = None) -> None:
         super().__init__(config, num_device_blocks, num_cpu_blocks, eos_token_ids, kv_manager)
         self._out = OutputProcessor(self, vocab_size)
-        self._steps = 1  # decode steps of the plan being built
         self.decode_policy = DecodeStepPolicy(config.decode_steps)
 
     # ------------------------------------------------------------------ schedule
@@ -77,10 +76,10 @@ class Scheduler(RequestLifecycle):
         plan = BatchPlan(self._step_id)
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         step = self._step = InFlight(self._step_id, plan.scheduled_seq_ids, [], [], [], plan.forks)
-        self._steps = self.decode_policy.choose(self)
-        preempted = self._schedule_running(plan, budget)
-        if self._steps > 1 and step.sampling:
-            plan.decode_steps = step.decode_steps = self._steps
+        steps = self.decode_policy.choose(self)
+        preempted = self._schedule_running(plan, budget, steps)
+        if steps > 1 and step.sampling:
+            plan.decode_steps = step.decode_steps = steps
         if not preempted:
             self._schedule_swapped(plan, budget)
             if not self.swapped:
@@ -95,10 +94,11 @@ class Scheduler(RequestLifecycle):
         self.in_flight.append(step)
         return plan
 
-    def _schedule_running(self, plan: BatchPlan, budget: _Budget) -> bool:
-        """Running requests oldest first; returns whether anyone was preempted."""
+    def _schedule_running(self, plan: BatchPlan, budget: _Budget, steps: int = 1) -> bool:
+        """Running requests oldest first (each decoding ``steps`` tokens when more than 1: the decode
+        policy found every one decoding, with room); returns whether anyone was preempted."""
         self._preempted = False
-        running, allocate, bs, steps = self.running, self.kv.allocate, self.config.block_size, self._steps
+        running, allocate, bs = self.running, self.kv.allocate, self.config.block_size
         ids, nums = plan.scheduled_seq_ids, plan.num_new_tokens
         sampling, to_commit = self._step.sampling, self._step.to_commit
         i = 0
@@ -116,8 +116,7 @@ class Scheduler(RequestLifecycle):
                         i += 1  # its last token is in flight: it ends by length when that result comes
                         continue
                     n = total - c if total - c <= budget.tokens else budget.tokens
-                    # k decode steps (k > 1: the decode policy found every sequence decoding, with room)
-                    # write k positions and sample k placeholders.
+                    # k decode steps write k positions and sample k placeholders.
                     k = steps if steps > 1 else n
                     ch = allocate(seq, k)
                     if ch is not None:

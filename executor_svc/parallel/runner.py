@@ -45,7 +45,6 @@ class TensorParallelRunner(ModelRunner):
                  sampler: Sampler | None = None, max_model_len: int | None = None) -> None:
         super().__init__(model, kv_cache, backend, sampler, max_model_len)
         self.prepare_ahead = False  # each step is one message sequence to the followers: in order
-        self.max_decode_steps = 1  # (the followers take one step's tokens per plan)
         self.group, self.channel = group, PlanChannel(group)
         self._lock = threading.Lock()  # one message sequence (a whole step) on the channel at a time
         self._last_send = time.monotonic()
@@ -114,7 +113,6 @@ class FollowerRunner(ModelRunner):
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: AttentionBackend, group: TPGroup,
                  max_model_len: int | None = None) -> None:
         super().__init__(model, kv_cache, backend, Sampler(), max_model_len)
-        self.max_decode_steps = 1
         self.group, self.channel = group, PlanChannel(group)
 
     def _logits(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor | None:
