@@ -32,7 +32,7 @@ from executor_svc.parallel.shard import NO_SHARD
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
 from executor_svc.warmup import warm_up
-from executor_svc.worker import ExecutorWorker
+from executor_svc.worker import ComputeThread, ExecutorWorker
 from pagedserve import wire
 from pagedserve.gc_tuning import tune_gc
 
@@ -128,15 +128,18 @@ def run(cfg: ExecutorConfig, argv: list[str] | None = None) -> int:
             threads.configure(cfg.cpu_threads)
         if cfg.tensor_parallel_size > 1:
             group = start_group(cfg, sys.argv[1:] if argv is None else argv)
-        runner, hs = build_runner(cfg, group)
-        if isinstance(runner, FollowerRunner):
+        if group is not None and not group.is_leader:  # a follower runs torch on this thread alone
+            runner, _ = build_runner(cfg, group)
             tune_gc()
             return serve_follower(runner, health)
+        compute = ComputeThread()  # every torch call from here on, loading included (worker.py says why)
+        runner, hs = compute.call(build_runner, cfg, group)
         if cfg.warmup and cfg.device == "cpu" and group is None:
-            warm_up(runner)  # before dialling in: the first request must not pay for it
+            compute.call(warm_up, runner)  # before dialling in: the first request must not pay for it
         tune_gc()  # what start-up allocated (torch, the model) is never walked again by the collector
         worker = ExecutorWorker(cfg.scheduler, runner, hs, drain_timeout=cfg.drain_timeout, health=health,
-                                keys=cfg.link_keys, enrollment_token_file=cfg.enrollment_token_file)
+                                keys=cfg.link_keys, enrollment_token_file=cfg.enrollment_token_file,
+                                compute=compute)
         if group is not None:
             group.watchdog.on_drain = worker.request_drain
         signal.signal(signal.SIGTERM, lambda *_: worker.request_drain())
