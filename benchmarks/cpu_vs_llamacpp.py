@@ -15,8 +15,10 @@
   The KV cache holds what ``--dtype`` says; llama.cpp is given the same (``-ctk/-ctv``).
 * Workload: for each concurrency C, C workers stream ``/v1/completions`` requests back to back
   (C = 1: 4 requests; else 2 per worker): 128 random prompt token ids, 64 output tokens,
-  greedy, EOS ignored. Output tokens/s = tokens streamed / wall time. Servers are restarted
-  for every repetition, systems interleaved; each cell is the median of ``--reps``.
+  greedy, EOS ignored. Output tokens/s = tokens streamed / wall time. Both servers are started
+  afresh for every repetition and format and run side by side, each idle while the other
+  serves: at each concurrency one system's load follows the other's at once (which goes
+  first alternates by repetition); each cell is the median of ``--reps``.
 * Before each repetition's servers start it measures the machine's read bandwidth (STREAM-style,
   array 4x the last-level cache, same threads; the median of the repetitions is the reference)
   and reports each system's batch-1 decode as weight and KV bytes read per token over the
@@ -217,18 +219,16 @@ def run(args) -> dict:
         for fmt in fmts:
             for attempt in (1, 2):  # a failed run is reported, then run once more
                 try:
-                    loads, first = _pagedserve_rep(model, fmt, args, levels, vocab, rep)
+                    loads, first = _side_by_side_rep(binary, ggufs[fmt], model, fmt, args, levels, vocab, rep)
                     break
                 except (RuntimeError, subprocess.CalledProcessError) as exc:
                     if attempt == 2:
                         raise
                     retries.append(f"rep {rep + 1} {fmt}: {exc}")
-            for c, r in loads.items():
-                runs.setdefault(("pagedserve", fmt, c), []).append(r)
+            for (system, c), r in loads.items():
+                runs.setdefault((system, fmt, c), []).append(r)
             if 1 in levels:
-                cold[fmt].append(first / statistics.median(x.seconds for x in loads[1].requests))
-            for c, r in _llama_rep(binary, ggufs[fmt], fmt, args, levels, vocab, rep).items():
-                runs.setdefault(("llama.cpp", fmt, c), []).append(r)
+                cold[fmt].append(first / statistics.median(x.seconds for x in loads[("pagedserve", 1)].requests))
             print(f"rep {rep + 1}/{args.reps} {fmt}: " + ", ".join(
                 f"c{c} {runs[('pagedserve', fmt, c)][-1].tokens_per_s:.0f} vs "
                 f"{runs[('llama.cpp', fmt, c)][-1].tokens_per_s:.0f} tok/s" for c in levels), flush=True)
@@ -241,32 +241,34 @@ def run(args) -> dict:
     return result
 
 
-def _pagedserve_rep(model: Path, fmt: str, args, levels: list[int], vocab: int, rep: int
-                    ) -> tuple[dict[int, LoadResult], float]:
-    """One fresh pagedserve: the first request after it is ready (its seconds), then the loads."""
+def _side_by_side_rep(binary: Path, gguf: Path, model: Path, fmt: str, args, levels: list[int], vocab: int,
+                      rep: int) -> tuple[dict[tuple[str, int], LoadResult], float]:
+    """One repetition of a format: a fresh pagedserve and llama-server, both up, idle while the
+    other serves. pagedserve's first request after it is ready (its seconds), then each
+    concurrency's load on both, one right after the other (which goes first alternates by
+    repetition), so the two runs of a pair see the same machine: its speed drifts by tens of
+    percent over a minute here."""
     stack = PagedServe(model, fmt, args.threads, args.kv_cache_memory)
+    server = LlamaServer(binary, gguf, args.threads, max(levels), args.prompt_len + args.max_tokens + 64,
+                         FORMATS[fmt][2])
     try:
         stack.wait_ready()
+        server.wait_ready()
         first = run_in_subprocess(stack.url, 1, 1, args.prompt_len, args.max_tokens, vocab, 7 + rep).requests[0]
-        return _loads(stack.url, levels, args, vocab, 100 * rep), first.seconds
+        order = [("pagedserve", stack.url), ("llama.cpp", server.url)]
+        loads = {}
+        for c in levels:
+            for system, url in order if rep % 2 == 0 else order[::-1]:
+                loads[(system, c)] = _loads(url, [c], args, vocab, 100 * rep)[c]
+        return loads, first.seconds
     except Exception:
+        print(f"a run failed; pagedserve's logs in {stack.logdir}, llama-server's {server.log}:", flush=True)
         stack.stop()
-        print(f"pagedserve failed; logs in {stack.logdir}:", flush=True)
         for name in ("scheduler", "executor"):
             print((stack.logdir / f"{name}.log").read_text()[-3000:], flush=True)
         raise
     finally:
         stack.stop()
-
-
-def _llama_rep(binary: Path, gguf: Path, fmt: str, args, levels: list[int], vocab: int, rep: int
-               ) -> dict[int, LoadResult]:
-    server = LlamaServer(binary, gguf, args.threads, max(levels), args.prompt_len + args.max_tokens + 64,
-                         FORMATS[fmt][2])
-    try:
-        server.wait_ready()
-        return _loads(server.url, levels, args, vocab, 100 * rep)
-    finally:
         server.stop()
 
 
@@ -290,14 +292,17 @@ def report(args, model: Path, fmts, levels, runs, cold, bw: float) -> dict:
         for fmt in fmts:
             for system in ("pagedserve", "llama.cpp"):
                 tpot = statistics.median(r.median_tpot_s for r in runs[(system, fmt, 1)])
+                ttft = statistics.median(statistics.median(t.first_token - t.sent for t in r.requests)
+                                         for r in runs[(system, fmt, 1)])
                 wfmt = fmt if system == "pagedserve" else FORMATS[fmt][1]
                 weights, kv = step_bytes(model, wfmt, FORMATS[fmt][2], args.prompt_len + args.max_tokens / 2)
                 gbs = (weights + kv) / tpot / 1e9
                 key = "ours" if system == "pagedserve" else "llamacpp"
                 result[f"c1_gbs_{fmt}_{key}"] = round(gbs, 2)
                 result[f"c1_tpot_ms_{fmt}_{key}"] = round(tpot * 1e3, 3)
+                result[f"c1_ttft_ms_{fmt}_{key}"] = round(ttft * 1e3, 2)
                 print(f"  {fmt:5} {system:10} {tpot * 1e3:6.2f} ms/token  {(weights + kv) / 1e6:7.1f} MB/token  "
-                      f"{gbs:6.1f} GB/s = {gbs * 1e9 / bw:5.0%} of measured")
+                      f"{gbs:6.1f} GB/s = {gbs * 1e9 / bw:5.0%} of measured; first token {ttft * 1e3:6.1f} ms")
         for fmt in fmts:
             if cold[fmt]:
                 result[f"first_request_{fmt}"] = round(statistics.median(cold[fmt]), 3)
