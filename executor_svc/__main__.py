@@ -23,6 +23,7 @@ from executor_svc.backends import make_attention_backend
 from executor_svc.config import ExecutorConfig, parse_config
 from executor_svc.grammar import GrammarBackend
 from executor_svc.kv_cache import KVCache
+from executor_svc.malloc_tuning import retain_freed_memory
 from executor_svc.model import load_model, load_model_config, model_fingerprint
 from executor_svc.model.config import ModelConfig
 from executor_svc.parallel.group import TPGroup
@@ -126,6 +127,7 @@ def run(cfg: ExecutorConfig, argv: list[str] | None = None) -> int:
     try:
         if cfg.device == "cpu":
             threads.configure(cfg.cpu_threads)
+            retain_freed_memory()  # before the weights: every step's activations reuse the same pages
         if cfg.tensor_parallel_size > 1:
             group = start_group(cfg, sys.argv[1:] if argv is None else argv)
         if group is not None and not group.is_leader:  # a follower runs torch on this thread alone
