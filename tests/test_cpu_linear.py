@@ -10,6 +10,7 @@ import torch
 
 from executor_svc.cpu_kernels import build_with_flags
 from executor_svc.cpu_ops import ISA_NAMES, CpuOps, native_ops
+from executor_svc.model import weights
 from executor_svc.model.weights import PackedLinear, pack_panels, quantize_int8, unpack_rows
 
 # (tokens, inputs, outputs): tails of the 4-token tiles, 64-output units, 16/32/64-wide vectors
@@ -55,6 +56,18 @@ def test_every_path_matches_the_reference(ops, fmt, shape):
         assert y.shape == (n, m)
         torch.testing.assert_close(y, ref, rtol=2e-5, atol=2e-5 * float(ref.abs().max()), msg=f"{fmt} {isa}")
     ops.limit_isa("avx512")
+
+
+def test_float32_past_the_kernel_rows_runs_on_onednn_as_exactly(ops, monkeypatch):
+    """A prefill's float32 GEMM (more rows than the C kernel takes) goes to oneDNN, not MKL's sgemm."""
+    n, k, m = weights.F32_KERNEL_MAX_ROWS + 13, 96, 70
+    g = torch.Generator().manual_seed(5)
+    x, w, b = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(m, generator=g)
+    ref = _reference("float32", x, w, b)
+    layer = PackedLinear.from_float(w, b, "float32", ops)
+    if weights._ONEDNN_LINEAR is not None:  # (torch built with oneDNN, as the pinned CPU wheel is)
+        monkeypatch.setattr(weights.F, "linear", lambda *a: pytest.fail("F.linear (MKL) was used"))
+    torch.testing.assert_close(layer(x), ref, rtol=2e-5, atol=2e-5 * float(ref.abs().max()))
 
 
 def test_int8_sums_are_the_same_on_every_path(ops):

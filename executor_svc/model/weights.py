@@ -12,8 +12,9 @@ format and run through the kernels of ``executor_svc/csrc/linear_cpu.c``:
   Q8_0 does), so no calibration data is needed.
 
 Activations, norms, the residual stream and logits stay float32 in every format; RMSNorm
-weights are kept in float32. Where the C library is unavailable the same formats run on torch
-(``F.linear``, ``torch.ops.aten._weight_int8pack_mm``): slower, same weights.
+weights are kept in float32. float32 GEMMs of more than ``F32_KERNEL_MAX_ROWS`` rows (prefills,
+large batches) run on oneDNN. Where the C library is unavailable the same formats run on torch
+(oneDNN or ``F.linear``, ``torch.ops.aten._weight_int8pack_mm``): slower, same weights.
 """
 
 from __future__ import annotations
@@ -26,9 +27,26 @@ from executor_svc.cpu_ops import W_BF16, W_F32, W_Q8, CpuOps, LinearDesc
 
 FORMATS = ("float32", "bfloat16", "int8")
 _WTYPE = {"float32": W_F32, "bfloat16": W_BF16, "int8": W_Q8}
-# float32 above this many rows goes to torch (MKL's GEMM); the C kernel below it (decode
-# batches), where it reads the weights at memory bandwidth (docs/PERF.md, "CPU weight formats").
-F32_KERNEL_MAX_ROWS = 64
+# float32 above this many rows goes to oneDNN's GEMM (torch's mkldnn linear, on the weights as
+# they are); the C kernel takes up to it (decode batches), where it reads the weights at memory
+# bandwidth. On the default tiny model's shapes (2 threads, Zen 4) the C kernel is faster up to
+# 16 rows and even at 32, oneDNN from 48 (0.44 vs 0.62 ms at 48 x 1408 -> 512), and at 128 rows
+# 30-40% faster than MKL's sgemm, torch's own float32 choice (docs/PERF.md, "CPU weight formats").
+F32_KERNEL_MAX_ROWS = 32
+
+
+def _onednn_linear():
+    """torch's oneDNN linear (``mkldnn::_linear_pointwise``, inductor's), None where this torch
+    has no oneDNN: F.linear (MKL or OpenBLAS) then."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_ONEDNN_LINEAR = _onednn_linear()
 
 
 PANEL, UNIT = 16, 64  # outputs per panel and per unit of work (csrc/ps_cpu.h)
@@ -137,6 +155,8 @@ class PackedLinear(nn.Module):
         w, m = self.unpacked(), self.out_features
         bias = None if self.bias is None else self.bias[:m]
         if self.fmt == "float32":
+            if _ONEDNN_LINEAR is not None and x.device.type == "cpu":
+                return _ONEDNN_LINEAR(x, w, bias, "none", [], "")
             return F.linear(x, w, bias)
         if self.fmt == "bfloat16":
             y = F.linear(x.to(torch.bfloat16), w).to(torch.float32)
