@@ -567,3 +567,15 @@ def test_connections_send_without_nagle_delay(fake):
     sockets = [c.transport.get_extra_info("socket") for c in conns]
     assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
     stream.close()
+
+
+def test_the_front_imports_what_its_first_streamed_response_needs():
+    """starlette streams in an anyio task group; anyio imports its asyncio backend when the first
+    one starts (20-30 ms of the first response after start), unless the front did already."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, scheduler_svc.http.app; "
+             "print('anyio._backends._asyncio' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
