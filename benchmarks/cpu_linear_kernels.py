@@ -9,7 +9,9 @@ One "step" is every linear layer of a Llama-shaped model (default: the default t
 so a step reads every weight once from memory, as a decode step does. For each weight format
 the candidates are timed in the same process, interleaved, median of ``--repeats``:
 
-* float32: torch ``F.linear`` (MKL / oneDNN), ours (``csrc/linear_cpu.c``)
+* float32: torch ``F.linear`` (MKL), oneDNN's linear (``mkldnn::_linear_pointwise``), our C kernel
+  (``csrc/linear_cpu.c``) at every row count, and ours as served (the C kernel up to
+  ``F32_KERNEL_MAX_ROWS`` rows, oneDNN above)
 * bfloat16: torch ``F.linear`` on bfloat16 inputs (oneDNN), ours (AVX-512 BF16 / AVX2)
 * int8: torch ``_weight_int8pack_mm`` (weight-only, per channel), torch's dynamic quantized
   linear (fbgemm), ours (VNNI / AVX2)
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 
 from executor_svc.cpu_kernels import build_with_flags
 from executor_svc.cpu_ops import CpuOps, native_ops
+from executor_svc.model import weights
 from executor_svc.model.weights import PackedLinear, quantize_int8
 
 SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab
@@ -81,8 +84,13 @@ def variant_builds(specs: list[str]) -> dict[str, CpuOps]:
 def candidates(ws: list[torch.Tensor], ops, variants: dict[str, CpuOps] | None = None) -> dict[str, list]:
     """Per format, (name, [callables per layer]) of each candidate."""
     out: dict[str, list] = {"float32": [], "bfloat16": [], "int8": []}
-    out["float32"].append(("torch F.linear", [lambda x, w=w: F.linear(x, w) for w in ws]))
-    out["float32"].append(("ours", [PackedLinear.from_float(w, None, "float32", ops) for w in ws]))
+    out["float32"].append(("torch F.linear (MKL)", [lambda x, w=w: F.linear(x, w) for w in ws]))
+    if weights._ONEDNN_LINEAR is not None:
+        out["float32"].append(("oneDNN (mkldnn linear)", [lambda x, w=w: weights._ONEDNN_LINEAR(x, w, None, "none", [], "")
+                                                          for w in ws]))
+    f32 = [PackedLinear.from_float(w, None, "float32", ops) for w in ws]
+    out["float32"].append(("C kernel", [lambda x, p=p: _c_kernel(p, x) for p in f32]))
+    out["float32"].append((f"ours (C kernel to {weights.F32_KERNEL_MAX_ROWS} rows, then oneDNN)", f32))
     wb = [w.bfloat16() for w in ws]
     out["bfloat16"].append(("torch F.linear bf16", [lambda x, w=w: F.linear(x.bfloat16(), w).float() for w in wb]))
     out["bfloat16"].append(("ours", [PackedLinear.from_float(w, None, "bfloat16", ops) for w in ws]))
@@ -106,6 +114,13 @@ def candidates(ws: list[torch.Tensor], ops, variants: dict[str, CpuOps] | None =
         for vname, vops in (variants or {}).items():
             out[fmt].append((f"ours ({vname})", [PackedLinear.from_float(w, None, fmt, vops) for w in ws]))
     return out
+
+
+def _c_kernel(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    """``layer`` on our C kernel whatever the rows (PackedLinear hands large float32 batches to oneDNN)."""
+    y = torch.empty(x.shape[0], layer.out_features, dtype=torch.float32)
+    layer.ops.linear(layer.desc(), x, y, torch.get_num_threads())
+    return y
 
 
 def step_time(layers, xs: dict[int, torch.Tensor], k_of: list[int]) -> float:
