@@ -244,7 +244,8 @@ def run(args) -> dict:
 def _side_by_side_rep(binary: Path, gguf: Path, model: Path, fmt: str, args, levels: list[int], vocab: int,
                       rep: int) -> tuple[dict[tuple[str, int], LoadResult], float]:
     """One repetition of a format: a fresh pagedserve and llama-server, both up, idle while the
-    other serves. pagedserve's first request after it is ready (its seconds), then each
+    other serves. Each server's first request, outside the loads (pagedserve's is the cold-start
+    figure: its seconds are returned), then each
     concurrency's load on both, one right after the other (which goes first alternates by
     repetition), so the two runs of a pair see the same machine: its speed drifts by tens of
     percent over a minute here."""
@@ -255,6 +256,7 @@ def _side_by_side_rep(binary: Path, gguf: Path, model: Path, fmt: str, args, lev
         stack.wait_ready()
         server.wait_ready()
         first = run_in_subprocess(stack.url, 1, 1, args.prompt_len, args.max_tokens, vocab, 7 + rep).requests[0]
+        run_in_subprocess(server.url, 1, 1, args.prompt_len, args.max_tokens, vocab, 7 + rep)  # its first, as ours
         order = [("pagedserve", stack.url), ("llama.cpp", server.url)]
         loads = {}
         for c in levels:

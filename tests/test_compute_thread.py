@@ -14,7 +14,7 @@ import pytest
 from fake_engine import BLOCKS, FakeRunner, collect, req, run, settle
 from grpc_fakes import make_tokenizer
 
-from executor_svc.worker import ComputeThread, ExecutorWorker
+from executor_svc.worker import _STOP, ComputeThread, ExecutorWorker
 from pagedserve import wire
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.sched_config import SchedulerConfig
@@ -43,7 +43,7 @@ def test_call_runs_on_the_compute_thread_and_raises_what_the_work_raised():
     with pytest.raises(FileNotFoundError, match="no config.json"):
         compute.call(fails)
     assert compute.call(lambda a, b: a + b, 2, 3) == 5  # the thread outlives a failed call
-    compute.inbox.put((-1, "stop"))
+    compute.inbox.put((-1, _STOP))
     compute.join(5)
     assert not compute.is_alive()
 
