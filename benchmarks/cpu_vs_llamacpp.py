@@ -14,7 +14,7 @@
   bf16 ``--dtype bfloat16``, int8 ``--dtype bfloat16 --quantization int8`` against Q8_0.
   The KV cache holds what ``--dtype`` says; llama.cpp is given the same (``-ctk/-ctv``).
 * Workload: for each concurrency C, C workers stream ``/v1/completions`` requests back to back
-  (C = 1: 4 requests; else 2 per worker): 128 random prompt token ids, 64 output tokens,
+  (C = 1: 8 requests; else 2 per worker): 128 random prompt token ids, 64 output tokens,
   greedy, EOS ignored. Output tokens/s = tokens streamed / wall time. Both servers are started
   afresh for every repetition and format and run side by side, each idle while the other
   serves: at each concurrency one system's load follows the other's at once (which goes
@@ -182,7 +182,7 @@ class PagedServe(ServeProcesses):
 def _loads(url: str, levels: list[int], args, vocab: int, seed: int) -> dict[int, LoadResult]:
     out = {}
     for c in levels:
-        per_worker = 4 if c == 1 else 2
+        per_worker = 8 if c == 1 else 2
         out[c] = run_in_subprocess(url, c, per_worker, args.prompt_len, args.max_tokens, vocab, seed + 1000 * c)
     return out
 
