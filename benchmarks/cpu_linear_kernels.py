@@ -85,11 +85,11 @@ def candidates(ws: list[torch.Tensor], ops, variants: dict[str, CpuOps] | None =
     """Per format, (name, [callables per layer]) of each candidate."""
     out: dict[str, list] = {"float32": [], "bfloat16": [], "int8": []}
     out["float32"].append(("torch F.linear (MKL)", [lambda x, w=w: F.linear(x, w) for w in ws]))
-    if weights._ONEDNN_LINEAR is not None:
-        out["float32"].append(("oneDNN (mkldnn linear)", [lambda x, w=w: weights._ONEDNN_LINEAR(x, w, None, "none", [], "")
+    if weights.ONEDNN_LINEAR is not None:
+        out["float32"].append(("oneDNN (mkldnn linear)", [lambda x, w=w: weights.ONEDNN_LINEAR(x, w, None, "none", [], "")
                                                           for w in ws]))
     f32 = [PackedLinear.from_float(w, None, "float32", ops) for w in ws]
-    out["float32"].append(("C kernel", [lambda x, p=p: _c_kernel(p, x) for p in f32]))
+    out["float32"].append(("C kernel", [p.on_kernel for p in f32]))
     out["float32"].append((f"ours (C kernel to {weights.F32_KERNEL_MAX_ROWS} rows, then oneDNN)", f32))
     wb = [w.bfloat16() for w in ws]
     out["bfloat16"].append(("torch F.linear bf16", [lambda x, w=w: F.linear(x.bfloat16(), w).float() for w in wb]))
@@ -114,13 +114,6 @@ def candidates(ws: list[torch.Tensor], ops, variants: dict[str, CpuOps] | None =
         for vname, vops in (variants or {}).items():
             out[fmt].append((f"ours ({vname})", [PackedLinear.from_float(w, None, fmt, vops) for w in ws]))
     return out
-
-
-def _c_kernel(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
-    """``layer`` on our C kernel whatever the rows (PackedLinear hands large float32 batches to oneDNN)."""
-    y = torch.empty(x.shape[0], layer.out_features, dtype=torch.float32)
-    layer.ops.linear(layer.desc(), x, y, torch.get_num_threads())
-    return y
 
 
 def step_time(layers, xs: dict[int, torch.Tensor], k_of: list[int]) -> float:

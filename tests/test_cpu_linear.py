@@ -65,7 +65,7 @@ def test_float32_past_the_kernel_rows_runs_on_onednn_as_exactly(ops, monkeypatch
     x, w, b = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(m, generator=g)
     ref = _reference("float32", x, w, b)
     layer = PackedLinear.from_float(w, b, "float32", ops)
-    if weights._ONEDNN_LINEAR is not None:  # (torch built with oneDNN, as the pinned CPU wheel is)
+    if weights.ONEDNN_LINEAR is not None:  # (torch built with oneDNN, as the pinned CPU wheel is)
         monkeypatch.setattr(weights.F, "linear", lambda *a: pytest.fail("F.linear (MKL) was used"))
     torch.testing.assert_close(layer(x), ref, rtol=2e-5, atol=2e-5 * float(ref.abs().max()))
 

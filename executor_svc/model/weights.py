@@ -46,7 +46,7 @@ def _onednn_linear():
         return None
 
 
-_ONEDNN_LINEAR = _onednn_linear()
+ONEDNN_LINEAR = _onednn_linear()
 
 
 PANEL, UNIT = 16, 64  # outputs per panel and per unit of work (csrc/ps_cpu.h)
@@ -147,16 +147,20 @@ class PackedLinear(nn.Module):
         n = x2.shape[0]
         if self.ops is None or x2.device.type != "cpu" or (self.fmt == "float32" and n > F32_KERNEL_MAX_ROWS):
             return self._torch(x2).view(*lead, self.out_features)
-        y = torch.empty(n, self.out_features, dtype=torch.float32)
+        return self.on_kernel(x2).view(*lead, self.out_features)
+
+    def on_kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 [n, in]`` float32, contiguous -> ``[n, out]`` on the C kernel, whatever ``n``."""
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         self.ops.linear(self.desc(), x2, y, torch.get_num_threads())
-        return y.view(*lead, self.out_features)
+        return y
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         w, m = self.unpacked(), self.out_features
         bias = None if self.bias is None else self.bias[:m]
         if self.fmt == "float32":
-            if _ONEDNN_LINEAR is not None and x.device.type == "cpu":
-                return _ONEDNN_LINEAR(x, w, bias, "none", [], "")
+            if ONEDNN_LINEAR is not None and x.device.type == "cpu":
+                return ONEDNN_LINEAR(x, w, bias, "none", [], "")
             return F.linear(x, w, bias)
         if self.fmt == "bfloat16":
             y = F.linear(x.to(torch.bfloat16), w).to(torch.float32)
