@@ -95,9 +95,12 @@ class ComputeThread(threading.Thread):
         self.runner: ModelRunner | None = None  # set when the worker hands it over (_Serve)
         self.inbox: queue.Queue[tuple[int, wire.BatchPlan | _Call | _Serve | str]] = queue.Queue()
         self.current_gen = 0  # written by the main thread only
+        self._serving = False  # serve() was called: calls would wait behind plans that never answer them
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` run on this thread (loading, warm-up); its result, or its exception raised here."""
+        if self._serving:
+            raise RuntimeError("the compute thread serves plans now: start-up work comes before serve()")
         if self.ident is None:
             self.start()
         outcome: concurrent.futures.Future = concurrent.futures.Future()
@@ -106,6 +109,7 @@ class ComputeThread(threading.Thread):
 
     def serve(self, runner: ModelRunner, ctx: zmq.Context, endpoint: str) -> None:
         """Run plans with ``runner`` from now on, results to the PAIR socket bound at ``endpoint``."""
+        self._serving = True
         self.inbox.put((-1, _Serve(runner, ctx, endpoint)))
 
     def run(self) -> None:

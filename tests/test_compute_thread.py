@@ -77,5 +77,7 @@ def test_the_worker_runs_plans_on_the_thread_that_built_the_runner():
         assert runner.built_on == compute.ident
         assert runner.ran_on == {compute.ident}
         assert worker.compute is compute
+        with pytest.raises(RuntimeError, match="serves plans"):  # not left waiting behind the plans
+            compute.call(threading.get_ident)
 
     run(main())
