@@ -12,6 +12,7 @@ follow its plans until it stops them.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 import sys
@@ -155,6 +156,7 @@ def run(cfg: ExecutorConfig, argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    faulthandler.enable()  # a fatal signal (SIGSEGV, SIGABRT) prints every thread's traceback
     cfg = parse_config(argv)
     rank = f" rank{cfg.rank_env.rank}" if cfg.rank_env is not None else " rank0" if cfg.tensor_parallel_size > 1 else ""
     logging.basicConfig(level=cfg.log_level, format=f"%(asctime)s %(levelname)s{rank} %(name)s: %(message)s")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import faulthandler
 import logging
 import shutil
 import signal
@@ -121,6 +122,7 @@ async def serve(cfg: ServiceConfig, argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    faulthandler.enable()  # a fatal signal (SIGSEGV, SIGABRT) prints every thread's traceback
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = load_config(argv)
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import faulthandler
 import logging
 import os
 import signal
@@ -87,6 +88,7 @@ async def serve_core(cfg: ServiceConfig, index: int, local: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     exit_with_parent()
+    faulthandler.enable()  # a fatal signal (SIGSEGV, SIGABRT) prints every thread's traceback
     p = argparse.ArgumentParser(prog="python -m scheduler_svc.core_process", add_help=False)
     p.add_argument("--core-index", type=int, required=True)
     p.add_argument("--core-link", required=True)

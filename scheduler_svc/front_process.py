@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -184,6 +185,7 @@ def exit_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     exit_with_parent()
+    faulthandler.enable()  # a fatal signal (SIGSEGV, SIGABRT) prints every thread's traceback
     cfg, fc = parse_front_args(argv)
     return_large_allocations_to_the_os()  # request messages of megabytes must not stay in RSS
     logging.basicConfig(level=cfg.log_level, format=f"%(asctime)s %(levelname)s front {fc.front_id} %(name)s: "

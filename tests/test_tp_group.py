@@ -4,11 +4,13 @@ counts, start-up agreement, the plan channel, the watchdog."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 import threading
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,3 +310,26 @@ def test_rank_0_keeps_its_store_up_until_the_followers_stopped_watching_it():
     started = time.monotonic()
     groups[0].wait_followers_left(timeout_s=10)  # every key is there: no wait
     assert time.monotonic() - started < 1 and not fatal
+
+
+def _gloo_threads() -> int:
+    names = (Path(f"/proc/self/task/{t}/comm").read_text() for t in os.listdir("/proc/self/task"))
+    return sum(n.startswith(("pt_gloo", "gloo_")) for n in names)
+
+
+def test_an_orderly_stop_ends_the_process_groups_threads_before_exit():
+    """Left to interpreter finalization, a gloo thread holding a finished operation's tensor
+    aborts the process (SIGABRT) after a clean stop: shutdown() ends them while Python is whole."""
+    before = _gloo_threads()  # earlier tests' groups may still hold theirs
+    groups = connect_threads(2)
+    ops = [threading.Thread(target=g.broadcast, args=(torch.zeros(2, dtype=torch.int64),)) for g in groups]
+    for t in ops:
+        t.start()
+    for t in ops:
+        t.join(10)
+    assert _gloo_threads() > before
+    for g in groups:
+        g.shutdown()
+        g.shutdown()  # twice (a follower's stop, then its exit path) is harmless
+    assert _gloo_threads() <= before
+    assert all(g.model_pg is None and g.ctl_pg is None for g in groups)

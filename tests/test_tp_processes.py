@@ -184,6 +184,12 @@ def test_kill_9_of_any_rank_takes_the_group_out_and_its_requests_move(tp_model, 
         s.stop()
 
 
+def _log_tails(where: Path, *names: str, lines: int = 40) -> str:
+    """What a failed assertion shows of the ranks' own logs (a traceback, a fatal signal's dump)."""
+    return "\n".join(f"--- {n}:\n" + "\n".join((where / n).read_text(errors="replace").splitlines()[-lines:])
+                     for n in names)
+
+
 def _rank(model: Path, rank: int, port: int, scheduler_port: int, log: Path, *extra: str) -> subprocess.Popen:
     """One rank started by hand, as on a node of a multi-node group."""
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -214,7 +220,8 @@ def test_sigterm_to_a_follower_drains_the_whole_group(tp_model, hf, tmp_path):
 
         outs = _streams(s, prompts, term)
         assert outs == [_hf_greedy(hf, p, OUT_TOKENS) for p in prompts]  # nothing failed, nothing lost
-        assert [r.wait(timeout=60) for r in ranks] == [0, 0]  # both ranks drained and exited cleanly
+        codes = [r.wait(timeout=60) for r in ranks]
+        assert codes == [0, 0], _log_tails(tmp_path, "rank0.log", "rank1.log")  # both drained and exited cleanly
         assert "asked for a drain" in (tmp_path / "rank0.log").read_text()
     finally:
         s.stop()

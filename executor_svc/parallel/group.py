@@ -214,6 +214,19 @@ class TPGroup:
         except Exception:  # noqa: BLE001 (rank 0 is gone already: there is no one to tell)
             pass
 
+    def shutdown(self) -> None:
+        """An orderly stop, once no collective can be in flight: end the process groups' threads
+        while the interpreter is whole. Left to finalization, a backend thread still holding a
+        finished operation's tensor must take the GIL of an interpreter being torn down, and the
+        process aborts (SIGABRT) after a clean stop (pytorch/pytorch#179291)."""
+        for pg in (self.model_pg, self.ctl_pg):
+            if pg is not None:
+                try:
+                    pg.shutdown()
+                except Exception as exc:  # noqa: BLE001 (a peer already gone: nothing left to end)
+                    log.debug("tensor-parallel rank %d: process group shutdown: %s", self.rank, exc)
+        self.model_pg = self.ctl_pg = None
+
     def wait_followers_left(self, timeout_s: float = LEAVE_TIMEOUT_S) -> None:
         """Rank 0, after sending STOP: keep the store up until every follower has stopped watching
         it. A follower on another node is not this process's child, and a watchdog that found the

@@ -93,6 +93,7 @@ def serve_follower(runner: FollowerRunner, health=None) -> int:
     log.info("rank %d following the leader", runner.group.rank)
     runner.serve()
     runner.group.watchdog.stop()
+    runner.group.shutdown()
     runner.group.mark_left()  # only now may rank 0 take its store down
     log.info("rank %d: the leader stopped the group; exiting", runner.group.rank)
     return 0
@@ -107,7 +108,8 @@ def close_group(group: TPGroup, runner: object | None) -> None:
     if isinstance(runner, TensorParallelRunner) and runner.close():
         group.wait_followers_left()
         _reap(group)
-    else:
+        group.shutdown()  # STOP was the last collective
+    else:  # a step may still hold a collective: the process exits without ending it
         _reap(group, patience_s=0.0)
 
 
