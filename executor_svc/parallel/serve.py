@@ -101,15 +101,16 @@ def serve_follower(runner: FollowerRunner, health=None) -> int:
 
 def close_group(group: TPGroup, runner: object | None) -> None:
     """Any rank's exit: stop watching; rank 0 also tells the followers to stop, keeps its store up
-    until they have left, and waits for the ones it started (killed at once if it never finished
-    starting, or a step still held them)."""
+    until they have left, waits for the ones it started (killed at once if it never finished
+    starting, or a step still held them) and ends its process groups. (A follower ended its own
+    when STOP came, in :func:`serve_follower`.)"""
     if group.watchdog is not None:
         group.watchdog.stop()
     if isinstance(runner, TensorParallelRunner) and runner.close():
         group.wait_followers_left()
         _reap(group)
         group.shutdown()  # STOP was the last collective
-    else:  # a step may still hold a collective: the process exits without ending it
+    else:  # a follower, or a rank 0 whose step may still hold a collective: nothing to end here
         _reap(group, patience_s=0.0)
 
 
