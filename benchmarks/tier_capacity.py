@@ -24,6 +24,10 @@ Phases, on one deployment, each ``--repeats`` times (a round runs them one after
    The fronts' CPU per token = their CPU / the tokens the clients received, the whole run
    (admission and connections included); the core's CPU per step = its CPU / the executor's steps
    in the steady state (every step samples all 256 streams: no admission, no prefill, no ends).
+   Each run is followed by the same clients against ``benchmarks/front_floor.py``: grpc.aio and
+   uvicorn serving the same calls with none of pagedserve's code, one message per token at the
+   same step. Its CPU per token is the frameworks' own cost on this machine, the floor under a
+   front's; the front's cost over it is what pagedserve's code adds.
 2. **Busy**: 256 gRPC streams of ``--busy-tokens`` at 5 ms steps: the executor's busy fraction
    (its time in steps / the time from its first step's start to its last step's end) with real
    fronts and clients, and each process's share of the machine's CPUs (what limits it); then the
@@ -49,6 +53,7 @@ value, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -58,7 +63,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.scheduler_overhead import measure as schedule_cost
-from benchmarks.tier_processes import NUM_BLOCKS, SEQS, Deployment, deployment, plan_delays, run_streams
+from benchmarks.tier_processes import (
+    NUM_BLOCKS,
+    SEQS,
+    Deployment,
+    Floor,
+    deployment,
+    floor_server,
+    plan_delays,
+    run_floor,
+    run_streams,
+)
 
 REFERENCE_MS = 0.35  # scheduler_overhead's ms_per_step_256 on the machine the targets were set on
 TARGETS = {"front_cpu_us_per_token_grpc": 20.0, "front_cpu_us_per_token_http": 12.0,
@@ -99,7 +114,7 @@ def print_table(rows: list[dict]) -> None:
     print(" ".join(f"{head:<{width(fmt)}}" if key == "label" else f"{head:>{width(fmt)}}"
                    for key, head, fmt in COLUMNS))
     for r in rows:
-        print(" ".join(fmt.format(r.get(key, float("nan"))) for key, _, fmt in COLUMNS), flush=True)
+        print(" ".join(fmt.format(r[key]) if key in r else " " * width(fmt) for key, _, fmt in COLUMNS), flush=True)
 
 
 PHASES = ("cost", "busy", "delay")
@@ -110,6 +125,7 @@ MAX_REQUESTS = ("grpc token ids", "http token ids", "http text", "grpc every lim
 @dataclass
 class Results:
     cost: dict[str, list[dict]] = field(default_factory=lambda: {"grpc": [], "http": []})
+    floor: dict[str, list[dict]] = field(default_factory=lambda: {"grpc": [], "http": []})
     busy: list[dict] = field(default_factory=list)
     busy_nice: list[dict] = field(default_factory=list)
     delays: list[tuple[dict, dict]] = field(default_factory=list)
@@ -117,8 +133,9 @@ class Results:
     rows: list[dict] = field(default_factory=list)
 
 
-def run_phases(dep: Deployment, a: argparse.Namespace, phases: set[str]) -> Results:
-    """Each phase ``a.repeats`` times, the phases of a round one after another (the APIs alternate)."""
+def run_phases(dep: Deployment, floor: Floor | None, a: argparse.Namespace, phases: set[str]) -> Results:
+    """Each phase ``a.repeats`` times, the phases of a round one after another (the APIs alternate);
+    ``floor``: the frameworks alone, run after each API's cost run."""
     r, seed = Results(), 0
     for rep in range(a.repeats):
         if "cost" in phases:
@@ -127,6 +144,10 @@ def run_phases(dep: Deployment, a: argparse.Namespace, phases: set[str]) -> Resu
                 r.cost[api].append(run_streams(dep, api, SEQS, a.tokens, a.cost_step_ms / 1e3,
                                                f"{api} {a.cost_step_ms:g} ms", seed))
                 r.rows.append(r.cost[api][-1])
+                if floor is not None:
+                    r.floor[api].append(run_floor(floor, api, SEQS, a.tokens, dep.vocab,
+                                                  f"{api} floor {a.cost_step_ms:g} ms", seed))
+                    r.rows.append(r.floor[api][-1])
         if "busy" in phases:
             seed += 1
             r.busy.append(run_streams(dep, "grpc", SEQS, a.busy_tokens, 0.005, "grpc 5 ms", seed))
@@ -163,6 +184,11 @@ def summarize(r: Results, ref: float) -> dict:
         out["front_cpu_us_per_token_grpc"] = _median(r.cost["grpc"], "front_us_per_token")
         out["front_cpu_us_per_token_http"] = _median(r.cost["http"], "front_us_per_token")
         out["core_cpu_ms_per_step_256"] = _median(r.cost["grpc"] + r.cost["http"], "core_ms_per_step")
+    for api in ("grpc", "http"):
+        if r.floor[api]:
+            out[f"front_floor_us_per_token_{api}"] = _median(r.floor[api], "front_us_per_token")
+            out[f"front_over_floor_us_per_token_{api}"] = statistics.median(  # each run against its own floor
+                c["front_us_per_token"] - f["front_us_per_token"] for c, f in zip(r.cost[api], r.floor[api], strict=True))
     if r.delays:
         out["max_plan_delay_ms_max_request"] = statistics.median(b["max_delay_ms"] for _, b in r.delays)
     if r.cost["grpc"]:
@@ -226,6 +252,10 @@ def report_targets(summary: dict, refs: list[float]) -> float:
         if key in summary:
             value, bound = summary[key], target * scale
             print(f"  {key:<32} {value:>9.3f}  target <= {bound:.3f}  {'met' if value <= bound else 'MISSED'}")
+    for api in ("grpc", "http"):
+        if f"front_floor_us_per_token_{api}" in summary:
+            print(f"  {api} front: the frameworks alone cost {summary[f'front_floor_us_per_token_{api}']:.1f} µs per "
+                  f"token here; pagedserve adds {summary[f'front_over_floor_us_per_token_{api}']:.1f}")
     return scale
 
 
@@ -241,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--busy-nice", type=int, default=10,
                     help="the busy phase again with the fronts and the client at this niceness (0: not)")
     ap.add_argument("--cost-step-ms", type=float, default=30.0)
+    ap.add_argument("--no-floor", dest="floor", action="store_false",
+                    help="leave out the frameworks-alone runs (benchmarks/front_floor.py) of the cost phase")
     ap.add_argument("--delay-step-ms", type=float, default=5.0)
     ap.add_argument("--delay-streams", type=int, default=64)
     ap.add_argument("--baseline-s", type=float, default=5.0, help="the plan-delay phase's window without them")
@@ -259,10 +291,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}", flush=True)
     refs = reference_ms(10 if a.quick else 15)
     with tempfile.TemporaryDirectory(prefix="tier-capacity-") as tmp, \
-            deployment(Path(tmp), a.fronts, a.max_model_len, NUM_BLOCKS, a.stream_interval) as dep:
+            deployment(Path(tmp), a.fronts, a.max_model_len, NUM_BLOCKS, a.stream_interval) as dep, \
+            (floor_server(a.cost_step_ms / 1e3) if "cost" in phases and a.floor else contextlib.nullcontext()) as floor:
         for api in ("grpc", "http"):  # warm both fronts' paths (first requests import and compile)
             run_streams(dep, api, 16, 16, 0.005, "warm-up", seed=99)
-        results = run_phases(dep, a, phases)
+        results = run_phases(dep, floor, a, phases)
     print_table(results.rows)
     refs += reference_ms(10 if a.quick else 15)
     summary = summarize(results, statistics.median(refs))

@@ -2,7 +2,8 @@
 
 :func:`deployment` starts ``python -m scheduler_svc`` (the engine core, which starts its own
 fronts) and one simulated executor process; :func:`run_streams` runs one load generator
-(``benchmarks/tier_load.py``) from start to end, :func:`plan_delays` the plan-delay windows. Each
+(``benchmarks/tier_load.py``) from start to end, :func:`plan_delays` the plan-delay windows,
+:func:`run_floor` the same load generator against :func:`floor_server` (the frameworks alone). Each
 process's CPU comes from ``/proc`` (``benchmarks/proc_stat.py``), the executor's busy time and
 plan delays from its shared counters (``benchmarks/engine_harness.py``).
 """
@@ -241,6 +242,48 @@ def run_streams(dep: Deployment, api: str, streams: int, tokens: int, step_s: fl
     else:
         row["core_ms_per_step"] = float("nan")
     return row
+
+
+@dataclass
+class Floor:
+    """``benchmarks/front_floor.py``: the frameworks alone, serving the same calls as the fronts."""
+
+    proc: subprocess.Popen
+    grpc_target: str
+    http_target: str
+
+
+@contextlib.contextmanager
+def floor_server(step_s: float) -> Iterator[Floor]:
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.front_floor", "--step-ms", str(step_s * 1e3)],
+                            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        ports = json.loads(proc.stdout.readline() or "null")
+        if not ports:
+            raise RuntimeError(f"benchmarks.front_floor did not start (exit status {proc.wait(10)})")
+        yield Floor(proc, f"127.0.0.1:{ports['grpc']}", f"127.0.0.1:{ports['http']}")
+    finally:
+        proc.stdin.close()  # its signal to stop
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def run_floor(floor: Floor, api: str, streams: int, tokens: int, vocab: int, label: str, seed: int = 0) -> dict:
+    """The same load generator as :func:`run_streams`, against the floor: its CPU per token."""
+    cpu0, t0 = cpu_seconds(floor.proc.pid), time.perf_counter()
+    target = floor.grpc_target if api == "grpc" else floor.http_target
+    out = subprocess.run(_client(["stream", "--api", api, "--target", target, "--vocab", str(vocab), "--streams",
+                                  str(streams), "--tokens", str(tokens), "--seed", str(seed)]),
+                         cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    client = _result(out.stdout, out.stderr)
+    if client["failed"] or client["tokens"] != streams * tokens:
+        raise RuntimeError(f"{label}: {client}")
+    wall = time.perf_counter() - t0
+    return {"label": label, "wall_s": wall, "front_us_per_token": 1e6 * (cpu_seconds(floor.proc.pid) - cpu0) / client["tokens"],
+            "tokens_per_message": client["tokens"] / max(1, client["messages"]),
+            "client_us_per_token": 1e6 * client["cpu_s"] / client["tokens"]}
 
 
 @contextlib.contextmanager

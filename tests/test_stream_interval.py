@@ -182,3 +182,17 @@ def test_the_front_cost_benchmark_streams_every_token(capsys):
     # 6 tokens: one message each, or 1 + 3 + 2 (the first at once, then held until 3 or the end)
     assert summary["tokens_per_message_interval_1"] == 1.0
     assert summary["tokens_per_message_interval_3"] == 2.0
+
+
+@pytest.mark.parametrize("api", ["grpc", "http"])
+def test_the_frameworks_floor_streams_every_token_to_the_fronts_clients(api):
+    """tier_capacity's floor (benchmarks/front_floor.py) serves the calls the load generator makes,
+    one message per token, so its CPU per token is comparable with a front's."""
+    from benchmarks.tier_processes import floor_server, run_floor
+
+    with floor_server(0.002) as floor:
+        row = run_floor(floor, api, streams=3, tokens=5, vocab=100, label=f"{api} floor")
+        assert floor.proc.poll() is None
+    assert row["tokens_per_message"] == 1.0
+    assert row["front_us_per_token"] >= 0.0
+    assert floor.proc.returncode == 0  # it stops when its stdin closes
