@@ -26,6 +26,7 @@ from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
 from scheduler_svc.admission import CallBudget
@@ -363,5 +364,14 @@ def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = (), budget:
         Route("/v1/chat/completions", front.chat, methods=["POST"]),
         *extras.routes(front),
     ]
-    return Starlette(routes=routes, middleware=list(middleware),
-                     exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error})
+    return _App(routes=routes, middleware=list(middleware),
+                exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error})
+
+
+class _App(Starlette):
+    """Starlette, with the server's own ``send`` in each request's scope: a streamed response's
+    events go to it directly (streams.EventStreamResponse)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[streams.SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
