@@ -10,7 +10,7 @@ median, because the machine is shared and noisy. ``ms_per_step_N`` is the
 thread's CPU time (what the scheduler costs); ``wall_ms_per_step_N`` is
 wall-clock time, which on a loaded machine also counts other processes.
 
-    .venv/bin/python -m benchmarks.scheduler_overhead [--repeats 5] [--steps 64]
+    .venv/bin/python -m benchmarks.scheduler_overhead [--repeats 5] [--steps 64] [--gap-ms 30]
 
 The last line printed is JSON with ``ms_per_step_{N}`` and
 ``bytes_per_seq_step_{N}`` for each N.
@@ -70,17 +70,21 @@ def _setup(num_seqs: int) -> tuple[Scheduler, dict[int, int], dict[int, int]]:
     return sched, tokens, computed
 
 
-def measure(num_seqs: int, steps: int) -> tuple[float, float, float]:
+def measure(num_seqs: int, steps: int, gap_s: float = 0.0) -> tuple[float, float, float]:
     """(CPU ms per step, wall ms per step, plan bytes per sequence per step) over ``steps`` steps.
 
     CPU time (``time.thread_time``) is the scheduler's own cost; wall time also
-    counts whatever else the shared machine ran meanwhile.
+    counts whatever else the shared machine ran meanwhile. ``gap_s``: the thread sleeps this long
+    before each step, as a service waits for its executor's step; the step then starts on cold
+    caches (and, on a VM, a vCPU the host may have descheduled), which costs CPU too.
     """
     sched, tokens, computed = _setup(num_seqs)
     gc.collect()
     cpu = wall = 0.0
     nbytes = 0
     for _ in range(steps):
+        if gap_s:
+            time.sleep(gap_s)
         c0, t0 = time.thread_time(), time.perf_counter()
         plan = sched.schedule()
         sched.in_flight[-1].max_result_bytes()  # what the engine sends with the plan (the result's bound)
@@ -136,10 +140,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--gap-ms", type=float, default=0.0,
+                    help="sleep this long before each step (an idle wait for the executor, as in a service)")
     args = ap.parse_args()
     out: dict[str, float] = {}
     for n in args.sizes:
-        runs = [measure(n, args.steps) for _ in range(args.repeats)]
+        runs = [measure(n, args.steps, args.gap_ms / 1e3) for _ in range(args.repeats)]
         cpu = statistics.median(r[0] for r in runs)
         wall = statistics.median(r[1] for r in runs)
         nb = statistics.median(r[2] for r in runs)

@@ -41,7 +41,11 @@ Phases, on one deployment, each ``--repeats`` times (a round runs them one after
    ``--each-max-request`` also a window per request (which one delays the plans).
 
 ``scheduler_overhead``'s ``ms_per_step_256`` is measured in the same run (before and after, the
-median): the targets hold at 0.35 ms and scale by reference / 0.35 on a slower machine.
+median): the targets hold at 0.35 ms and scale by reference / 0.35 on a slower machine. That
+reference runs its steps back to back; the engine core's come one per ``--cost-step-ms``, after an
+idle wait, and a step on cold caches costs more CPU (2-3.5x on the development VM). So the same
+step is also measured after such a gap (``reference_schedule_ms_256_after_gap``): the core's CPU
+per step over it is what the engine core adds to the scheduler's own work under equal conditions.
 
     .venv/bin/python -m benchmarks.tier_capacity [--quick] [--repeats 3] [--phases cost,busy,delay]
 
@@ -80,9 +84,10 @@ TARGETS = {"front_cpu_us_per_token_grpc": 20.0, "front_cpu_us_per_token_http": 1
            "core_cpu_ms_per_step_256": 0.8, "max_plan_delay_ms_max_request": 5.0}
 
 
-def reference_ms(repeats: int) -> list[float]:
-    """scheduler_overhead's ms_per_step_256, ``repeats`` times."""
-    return [schedule_cost(SEQS, 64)[0] for _ in range(repeats)]
+def reference_ms(repeats: int, gap_s: float = 0.0, steps: int = 64) -> list[float]:
+    """scheduler_overhead's ms_per_step_256, ``repeats`` times (``gap_s``: each step after an idle
+    gap that long, as the engine core's steps come)."""
+    return [schedule_cost(SEQS, steps, gap_s)[0] for _ in range(repeats)]
 
 
 def machine() -> str:
@@ -252,6 +257,10 @@ def report_targets(summary: dict, refs: list[float]) -> float:
         if key in summary:
             value, bound = summary[key], target * scale
             print(f"  {key:<32} {value:>9.3f}  target <= {bound:.3f}  {'met' if value <= bound else 'MISSED'}")
+    if "reference_schedule_ms_256_after_gap" in summary:
+        print(f"  engine core: the scheduler's own step after the same idle gap costs "
+              f"{summary['reference_schedule_ms_256_after_gap']:.3f} ms here (back to back: {ref:.3f}); the core's "
+              f"CPU per step is {summary['core_over_reference_after_gap']:.2f}x that")
     for api in ("grpc", "http"):
         if f"front_floor_us_per_token_{api}" in summary:
             print(f"  {api} front: the frameworks alone cost {summary[f'front_floor_us_per_token_{api}']:.1f} µs per "
@@ -290,6 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         a.repeats, a.tokens, a.busy_tokens, a.baseline_s = 1, 128, 256, 2.0
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}", flush=True)
     refs = reference_ms(10 if a.quick else 15)
+    gap_refs = reference_ms(2 if a.quick else 4, a.cost_step_ms / 1e3, 32) if "cost" in phases else []
     with tempfile.TemporaryDirectory(prefix="tier-capacity-") as tmp, \
             deployment(Path(tmp), a.fronts, a.max_model_len, NUM_BLOCKS, a.stream_interval) as dep, \
             (floor_server(a.cost_step_ms / 1e3) if "cost" in phases and a.floor else contextlib.nullcontext()) as floor:
@@ -298,7 +308,12 @@ def main(argv: list[str] | None = None) -> None:
         results = run_phases(dep, floor, a, phases)
     print_table(results.rows)
     refs += reference_ms(10 if a.quick else 15)
+    if gap_refs:
+        gap_refs += reference_ms(len(gap_refs), a.cost_step_ms / 1e3, 32)
     summary = summarize(results, statistics.median(refs))
+    if gap_refs and "core_cpu_ms_per_step_256" in summary:
+        summary["reference_schedule_ms_256_after_gap"] = statistics.median(gap_refs)
+        summary["core_over_reference_after_gap"] = summary["core_cpu_ms_per_step_256"] / statistics.median(gap_refs)
     print_capacity_model(summary)
     summary["target_scale"] = report_targets(summary, refs)
     summary |= {"fronts": a.fronts, "stream_interval": a.stream_interval, "streams": SEQS,
