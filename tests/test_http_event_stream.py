@@ -97,3 +97,17 @@ def test_another_error_while_sending_is_the_responses():
     with pytest.raises(RuntimeError, match="a bug"):
         asyncio.run(streams.EventStreamResponse(src.gen())(SCOPE, _never_disconnects(), send))
     assert src.closed
+
+
+def test_a_failing_receive_ends_the_stream_as_a_disconnect_does(caplog):
+    src = Source(1, then_wait=True)
+
+    async def send(message):
+        pass
+
+    async def receive():
+        raise OSError("the connection broke")
+
+    asyncio.run(streams.EventStreamResponse(src.gen())(SCOPE, receive, send))
+    assert src.closed
+    assert "never retrieved" not in caplog.text
