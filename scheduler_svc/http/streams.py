@@ -136,8 +136,6 @@ class EventStreamResponse(StreamingResponse):
             try:
                 await asyncio.wait((body, watch), return_when=asyncio.FIRST_COMPLETED)
             finally:
-                if watch.done() and not watch.cancelled():
-                    watch.exception()  # (a receive that failed: the client is as good as gone; retrieved, not logged)
                 watch.cancel()
                 if not body.done():  # the client left, or the server is stopping: end the stream
                     body.cancel()
