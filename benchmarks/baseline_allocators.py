@@ -28,8 +28,8 @@ from __future__ import annotations
 import bisect
 import enum
 
-from scheduler_svc.kv_cache_manager import NO_CHANGE, NO_HIT, KVCacheManagerBase, PrefixHit, SlotChange
-from scheduler_svc.request import Sequence
+from scheduler_svc.sched.kv_cache_manager import NO_CHANGE, NO_HIT, KVCacheManagerBase, PrefixHit, SlotChange
+from scheduler_svc.sched.request import Sequence
 
 
 class ReservationPolicy(enum.Enum):

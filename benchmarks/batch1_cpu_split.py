@@ -40,9 +40,9 @@ def _processes(stack: PagedServe) -> dict[int, str]:
     """pid -> role: the scheduler (engine core 0), its front processes and other cores, the executor."""
     sched, executor = (p.pid for p in stack.procs)
     roles = {sched: "engine core 0", executor: "executor"}
-    for pid in children(sched, "scheduler_svc.front_process"):
+    for pid in children(sched, "scheduler_svc.entrypoints.front"):
         roles[pid] = "front"
-    for pid in children(sched, "scheduler_svc.core_process"):
+    for pid in children(sched, "scheduler_svc.entrypoints.core"):
         roles[pid] = "engine core"
     return roles
 

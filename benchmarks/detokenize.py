@@ -23,7 +23,11 @@ import time
 from pathlib import Path
 
 from benchmarks.engine_harness import small_tokenizer
-from scheduler_svc.detokenize import NO_STANDALONE_TEXTS, IncrementalDetokenizer, standalone_token_texts
+from scheduler_svc.front.output.detokenize import (
+    NO_STANDALONE_TEXTS,
+    IncrementalDetokenizer,
+    standalone_token_texts,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,10 +29,10 @@ from executor_svc.model import load_model
 from executor_svc.pipeline import StepPipeline
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
+from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
-from scheduler_svc.api_types import GenerationRequest, RequestParams
-from scheduler_svc.sched_config import SchedulerConfig
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.sched.scheduler import Scheduler
 
 
 def _busy_union_us(events) -> float:

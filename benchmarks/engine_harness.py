@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 
 from benchmarks.sim_executor import CostModel, SimExecutor
 from pagedserve import wire
+from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
-from scheduler_svc.api_types import GenerationRequest, RequestParams
-from scheduler_svc.engine import Engine
-from scheduler_svc.sched_config import EngineConfig
+from scheduler_svc.engine.config import EngineConfig
+from testing.in_process_engine import Engine
 
 SIM_BLOCKS = 8192  # per executor: room for 256 sequences of 2k tokens, so no preemption
 

@@ -32,8 +32,7 @@ import time
 import uvloop
 
 from benchmarks.engine_harness import small_tokenizer
-from pagedserve.gc_tuning import tune_gc
-from scheduler_svc.api_types import (
+from pagedserve.engine_api import (
     ChoiceDelta,
     FinishReason,
     GenerationRequest,
@@ -41,14 +40,15 @@ from scheduler_svc.api_types import (
     RequestOutput,
     Usage,
 )
-from scheduler_svc.http.app import OpenAIFront, build_app
-from scheduler_svc.http.limits import HttpLimits
-from scheduler_svc.http.serve import start_http_server
-from scheduler_svc.mailbox import Tracked
-from scheduler_svc.output_stream import OutputStream
-from scheduler_svc.outputs import RequestStream
-from scheduler_svc.server import start_grpc_server
-from scheduler_svc.validation import ServerLimits
+from pagedserve.gc_tuning import tune_gc
+from scheduler_svc.front.grpc.server import start_grpc_server
+from scheduler_svc.front.http.app import OpenAIFront, build_app
+from scheduler_svc.front.http.limits import HttpLimits
+from scheduler_svc.front.http.serve import start_http_server
+from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.front.output.deltas import RequestStream
+from scheduler_svc.front.output.mailbox import Tracked
+from scheduler_svc.front.output.stream import OutputStream
 
 STEP_S = 0.005
 CLIENT = r"""

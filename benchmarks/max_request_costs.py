@@ -38,13 +38,13 @@ from collections.abc import Callable
 
 from benchmarks.scheduler_overhead import respond
 from pagedserve import wire
+from pagedserve.engine_api import GenerationRequest, RequestParams
+from pagedserve.kv_blocks import hash_blocks
 from pagedserve.wire import SamplingParams
-from scheduler_svc.api_types import GenerationRequest, RequestParams
-from scheduler_svc.kv_cache_manager import hash_blocks
-from scheduler_svc.sched_config import SchedulerConfig
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.tier import messages as m
-from scheduler_svc.tier.core_link import UNPACK_SLICE, in_vocab
+from pagedserve.wire import front_messages as m
+from scheduler_svc.engine.front_link import UNPACK_SLICE, in_vocab
+from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.sched.scheduler import Scheduler
 
 EOS = 2
 VOCAB = 128_256

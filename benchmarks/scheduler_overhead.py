@@ -26,11 +26,11 @@ import statistics
 import time
 
 from pagedserve import wire
+from pagedserve.engine_api import GenerationRequest, RequestParams
+from pagedserve.kv_blocks import hash_blocks
 from pagedserve.wire import BatchPlan, SamplingParams, StepResult
-from scheduler_svc.api_types import GenerationRequest, RequestParams
-from scheduler_svc.kv_cache_manager import hash_blocks
-from scheduler_svc.sched_config import SchedulerConfig
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.sched.scheduler import Scheduler
 
 EOS = 2
 

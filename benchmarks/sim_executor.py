@@ -1,6 +1,6 @@
 """A simulated executor in virtual time, with a cost model of OPT-13B on one A100-40GB.
 
-The real :class:`~scheduler_svc.scheduler.Scheduler` plans every step; this
+The real :class:`~scheduler_svc.sched.scheduler.Scheduler` plans every step; this
 executor applies the plan deltas exactly as a real one would (it keeps each
 sequence's token count and computed count, see the order in ``pagedserve/wire/messages.py``), draws
 a token for every sequence that finished its pending tokens, and instead of

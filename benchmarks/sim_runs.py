@@ -1,6 +1,6 @@
 """One simulated serving run: the real Scheduler, one allocator, one trace.
 
-``run_trace`` builds a :class:`~scheduler_svc.scheduler.Scheduler` whose only
+``run_trace`` builds a :class:`~scheduler_svc.sched.scheduler.Scheduler` whose only
 difference between allocators is its KV manager (paged, or a contiguous Orca
 baseline), drives it with :class:`SimExecutor` in virtual time, and returns
 the statistics the paper's figures need (:class:`RunStats`).
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from benchmarks.baseline_allocators import ContiguousKVCacheManager
 from benchmarks.sim_executor import BLOCK_SIZE, PAPER_NUM_BLOCKS, SimExecutor, simulate
 from pagedserve.bench.workloads import TraceRequest
+from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import BatchPlan, SamplingParams
-from scheduler_svc.api_types import GenerationRequest, RequestParams
-from scheduler_svc.sched_config import SchedulerConfig
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.sched.scheduler import Scheduler
 
 ALLOCATORS = ("paged", "orca-oracle", "orca-pow2", "orca-max")
 MEM_KINDS = ("token_states", "reservation", "internal_frag", "external_frag", "free")

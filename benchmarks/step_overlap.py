@@ -49,11 +49,12 @@ import uvloop
 
 from benchmarks.engine_harness import consume, distinct_requests, engine_with_executors, small_tokenizer
 from pagedserve import wire
+from pagedserve.engine_api import GenerationRequest
 from pagedserve.gc_tuning import tune_gc
-from scheduler_svc.api_types import GenerationRequest
-from scheduler_svc.engine import Engine
-from scheduler_svc.metrics import Metrics
-from scheduler_svc.sched_config import EngineConfig, SchedulerConfig
+from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.telemetry.metrics import Metrics
+from testing.in_process_engine import Engine
 
 SEQS, PROMPT = 256, 64
 CONFIGS = (("5ms_256", 1, 0.005), ("10ms_4x256", 4, 0.010), ("20ms_8x256", 8, 0.020))
@@ -135,7 +136,7 @@ def plan_bytes_per_seq_step(constrained: bool, output_len: int, vocab: int, eos:
     """The encoded plans of a whole run (256 sequences, ``output_len`` tokens each) per sequence per
     step: the spec travels once per residency (NewSeq), nothing per step."""
     from benchmarks.sim_executor import SimExecutor
-    from scheduler_svc.scheduler import Scheduler
+    from scheduler_svc.sched.scheduler import Scheduler
 
     sched = Scheduler(SchedulerConfig(max_num_seqs=SEQS, max_num_batched_tokens=8192, max_model_len=4096),
                       8192, 0, eos_token_ids=(eos,))
@@ -158,7 +159,7 @@ def grammar_alone_ms(output_len: int, vocab: int, eos: int, tokenizer_json: str)
     and the grammar-masked simulated executor in this process, no engine, no sleeping."""
     from benchmarks.grammar_sim import GrammarSimExecutor
     from executor_svc.grammar import GrammarBackend
-    from scheduler_svc.scheduler import Scheduler
+    from scheduler_svc.sched.scheduler import Scheduler
 
     backend = GrammarBackend(tokenizer_json, vocab, [eos])
     backend.compile(SPEC).result()
@@ -178,7 +179,7 @@ def grammar_alone_ms(output_len: int, vocab: int, eos: int, tokenizer_json: str)
 
 def edge_check_ms() -> tuple[float, float]:
     """The API edge's check of STRUCTURED_SCHEMA: the first time (llguidance), then cached."""
-    from scheduler_svc.structured import CHECKER, StructuredFields, structured_spec
+    from scheduler_svc.front.input.structured import CHECKER, StructuredFields, structured_spec
 
     CHECKER._verdicts.clear()
     times = []

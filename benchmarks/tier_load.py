@@ -40,7 +40,7 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
 PROMPT_TOKENS = 64
-GRPC_MESSAGE_LIMIT = 4 * 1024 * 1024  # the server's gRPC request bound (scheduler_svc/server.py)
+GRPC_MESSAGE_LIMIT = 4 * 1024 * 1024  # the server's gRPC request bound (scheduler_svc/front/grpc/server.py)
 _GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 

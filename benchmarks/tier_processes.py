@@ -59,7 +59,7 @@ class Deployment:
 
     @property
     def fronts(self) -> list[int]:
-        return children(self.scheduler.pid, "scheduler_svc.front_process")
+        return children(self.scheduler.pid, "scheduler_svc.entrypoints.front")
 
     def snapshot(self) -> dict:
         # (the scheduler process is the first engine core; this benchmark runs one)

@@ -30,14 +30,14 @@ import uvloop
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pagedserve.gc_tuning import tune_gc
-from scheduler_svc.children import Children, fixed_port
-from scheduler_svc.config import ServiceConfig, load_config
-from scheduler_svc.core_process import core_links
-from scheduler_svc.engine_core import EngineCore
-from scheduler_svc.metrics import Metrics, start_metrics_server
-from scheduler_svc.model_dir import eos_token_ids, served_model
-from scheduler_svc.tier.metrics import FamiliesCollector, families_of, merge_families
-from scheduler_svc.tier.other_cores import OtherCores
+from pagedserve.model_dir import eos_token_ids, served_model
+from scheduler_svc.engine.core import EngineCore
+from scheduler_svc.entrypoints.children import Children, fixed_port
+from scheduler_svc.entrypoints.config import ServiceConfig, load_config
+from scheduler_svc.entrypoints.core import core_links
+from scheduler_svc.entrypoints.other_cores import OtherCores
+from scheduler_svc.telemetry.families import FamiliesCollector, families_of, merge_families
+from scheduler_svc.telemetry.metrics import Metrics, start_metrics_server
 
 log = logging.getLogger("pagedserve.scheduler")
 EXPOSITION_TTL_S = 0.1  # within the gateway picker's staleness limit (200 ms)
@@ -78,7 +78,7 @@ async def serve(cfg: ServiceConfig, argv: list[str]) -> None:
     core.on_readiness_change = lambda: [link.broadcast_status() for link in links]
     metrics_server = (start_metrics_server(cfg.metrics_port, deployment, host=cfg.metrics_host)
                       if cfg.metrics_port else None)
-    cores = Children("scheduler_svc.core_process", cfg.engine_cores - 1, name=lambda c: f"engine core {c.index + 1}",
+    cores = Children("scheduler_svc.entrypoints.core", cfg.engine_cores - 1, name=lambda c: f"engine core {c.index + 1}",
                      args=lambda c: [*argv, "--core-index", str(c.index + 1), "--core-link", local[c.index + 1]],
                      on_exit=lambda name, why: None)  # (its executors and fronts see it go silent)
     cores.start()
@@ -88,7 +88,7 @@ async def serve(cfg: ServiceConfig, argv: list[str]) -> None:
     if cfg.http_port:
         ports += ["--http-port", str(fixed_port(cfg.http_host, cfg.http_port))]
     to_cores = [arg for endpoint in local for arg in ("--core", endpoint)]
-    fronts = Children("scheduler_svc.front_process", cfg.api_server_count, name=lambda c: f"local-{c.index}.{c.generation}",
+    fronts = Children("scheduler_svc.entrypoints.front", cfg.api_server_count, name=lambda c: f"local-{c.index}.{c.generation}",
                       args=lambda c: [*argv, *ports, *to_cores, "--front-id", c.name],
                       on_exit=lambda front_id, why: links[0].drop_front(front_id, why))
     fronts.start()

@@ -20,10 +20,11 @@ from tokenizers import Tokenizer
 from executor_svc.dropped import DroppedSeqs
 from executor_svc.worker import ExecutorWorker
 from pagedserve import wire
+from pagedserve.engine_api import FinishReason, GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
-from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
-from scheduler_svc.engine import Engine, EngineConfig
-from scheduler_svc.sched_config import SchedulerConfig
+from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.sched.config import SchedulerConfig
+from testing.in_process_engine import Engine
 
 BLOCKS = 64
 

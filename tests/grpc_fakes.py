@@ -13,7 +13,7 @@ import threading
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from scheduler_svc.api_types import (
+from pagedserve.engine_api import (
     ChoiceDelta,
     EngineStats,
     ExecutorStats,
@@ -27,9 +27,9 @@ from scheduler_svc.api_types import (
     TokenLogprob,
     Usage,
 )
-from scheduler_svc.detokenize import IncrementalDetokenizer
-from scheduler_svc.server import ApiServer, start_grpc_server
-from scheduler_svc.validation import ServerLimits
+from scheduler_svc.front.grpc.server import ApiServer, start_grpc_server
+from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.front.output.detokenize import IncrementalDetokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. Hello world, hello again!",

@@ -13,11 +13,11 @@ from typing import Any
 
 from grpc_fakes import FakeEngine
 
-from scheduler_svc.http.app import OpenAIFront, build_app
-from scheduler_svc.http.chat_template import ChatTemplate
-from scheduler_svc.http.limits import HttpLimits
-from scheduler_svc.http.serve import HttpServer, start_http_server
-from scheduler_svc.validation import ServerLimits
+from scheduler_svc.front.http.app import OpenAIFront, build_app
+from scheduler_svc.front.http.chat_template import ChatTemplate
+from scheduler_svc.front.http.limits import HttpLimits
+from scheduler_svc.front.http.serve import HttpServer, start_http_server
+from scheduler_svc.front.input.validation import ServerLimits
 
 
 class HttpThread:

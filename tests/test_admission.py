@@ -27,14 +27,13 @@ from waits import wait_for
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.admission import CallBudget, Shed, Ticket, sized_for_machine
-from scheduler_svc.auth_throttle import AuthThrottle, peer_of_grpc, peer_of_host
-from scheduler_svc.grpc_limits import GrpcLimits
-from scheduler_svc.http.auth import ApiKeyMiddleware
-from scheduler_svc.metrics import Metrics
-from scheduler_svc.security import ApiKeys
-from scheduler_svc.server import MAX_REQUEST_BYTES
-from scheduler_svc.validation import ServerLimits
+from scheduler_svc.front.grpc.limits import MAX_REQUEST_BYTES, GrpcLimits
+from scheduler_svc.front.guards.admission import CallBudget, Shed, Ticket, sized_for_machine
+from scheduler_svc.front.guards.auth_throttle import AuthThrottle, peer_of_grpc, peer_of_host
+from scheduler_svc.front.guards.security import ApiKeys
+from scheduler_svc.front.http.auth import ApiKeyMiddleware
+from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.telemetry.metrics import Metrics
 
 MiB, GiB = 1 << 20, 1 << 30
 KEY = "key-for-the-tests-0123456789"

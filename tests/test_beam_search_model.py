@@ -14,10 +14,10 @@ from executor_plans import drive, hf_greedy, make_runner
 from transformers import AutoModelForCausalLM
 
 from executor_svc.model import load_model
+from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
-from scheduler_svc.api_types import GenerationRequest, RequestParams
-from scheduler_svc.sched_config import SchedulerConfig
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.sched.scheduler import Scheduler
 
 PROMPTS = [[5, 17, 99, 3, 250, 31, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57]]
 MAX_NEW = 12

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.block_pool import BlockPool
+from scheduler_svc.sched.block_pool import BlockPool
 
 
 def test_allocate_free_and_counters():

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
-from scheduler_svc.api_types import GenerationRequest, RequestParams
-from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.kv_cache_manager import KVCacheManager
-from scheduler_svc.request import Request, Sequence
+from scheduler_svc.sched.block_pool import BlockPool
+from scheduler_svc.sched.kv_cache_manager import KVCacheManager
+from scheduler_svc.sched.request import Request, Sequence
 
 
 def _state(pool: BlockPool) -> tuple:

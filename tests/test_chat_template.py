@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from scheduler_svc.http.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from scheduler_svc.front.http.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 
 # Meta-Llama-3-8B-Instruct's template.
 LLAMA3 = (
@@ -152,9 +152,9 @@ def test_tools_tool_calls_and_tool_results_render_as_transformers_renders_them(f
     from transformers import PreTrainedTokenizerFast
 
     from executor_svc.tiny_model import train_tokenizer
-    from scheduler_svc.http.chat_messages import chat_messages
-    from scheduler_svc.http.limits import HttpLimits
-    from scheduler_svc.http.openai_types import ChatRequest
+    from scheduler_svc.front.http.chat_messages import chat_messages
+    from scheduler_svc.front.http.limits import HttpLimits
+    from scheduler_svc.front.http.openai_types import ChatRequest
 
     source = TOOL_TEMPLATES[family]
     req = msgspec.json.decode(json.dumps({"messages": history("abcDEF123")}), type=ChatRequest)

@@ -16,8 +16,9 @@ from grpc_fakes import make_tokenizer
 
 from executor_svc.worker import _STOP, ComputeThread, ExecutorWorker
 from pagedserve import wire
-from scheduler_svc.engine import Engine, EngineConfig
-from scheduler_svc.sched_config import SchedulerConfig
+from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.sched.config import SchedulerConfig
+from testing.in_process_engine import Engine
 
 
 class _ThreadRecordingRunner(FakeRunner):

@@ -15,12 +15,12 @@ from collections import deque
 import pytest
 from executor_plans import make_runner
 
+from pagedserve.engine_api import FinishReason, GenerationRequest, RequestParams
 from pagedserve.wire import BatchPlan, SamplingParams, StepResult
-from scheduler_svc import decode_steps as decode_steps_module
-from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
-from scheduler_svc.lifecycle import ProtocolError
-from scheduler_svc.sched_config import SchedulerConfig
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sched import decode_steps as decode_steps_module
+from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.sched.lifecycle import ProtocolError
+from scheduler_svc.sched.scheduler import Scheduler
 
 NUM_BLOCKS = 64
 EOS = 2

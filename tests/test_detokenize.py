@@ -11,8 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from scheduler_svc import detokenize
-from scheduler_svc.detokenize import IncrementalDetokenizer, StopStringBuffer, standalone_token_texts
+from scheduler_svc.front.output import detokenize
+from scheduler_svc.front.output.detokenize import (
+    IncrementalDetokenizer,
+    StopStringBuffer,
+    standalone_token_texts,
+)
 
 EOS_ID = 1
 

@@ -19,8 +19,7 @@ from fake_engine import settle as _settle
 from grpc_fakes import make_tokenizer
 from tokenizers import Tokenizer
 
-from pagedserve.wire import SamplingParams
-from scheduler_svc.api_types import (
+from pagedserve.engine_api import (
     FinishReason,
     GenerationRequest,
     NoExecutor,
@@ -28,8 +27,10 @@ from scheduler_svc.api_types import (
     RequestFailed,
     RequestParams,
 )
-from scheduler_svc.engine import Engine, EngineConfig
-from scheduler_svc.sched_config import SchedulerConfig
+from pagedserve.wire import SamplingParams
+from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.sched.config import SchedulerConfig
+from testing.in_process_engine import Engine
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def test_closing_the_stream_aborts_and_frees(tokenizer):
 def test_a_cancelled_consumer_aborts_its_request_and_frees_its_blocks(tokenizer):
     """A client disconnect as a consumer without aclose() sees it: its task is cancelled while it
     waits for a token and the stream is dropped. The request must not run on to max_tokens."""
-    from scheduler_svc.metrics import Metrics
+    from scheduler_svc.telemetry.metrics import Metrics
 
     async def main():
         metrics = Metrics()
@@ -216,7 +217,7 @@ def test_queue_limit_and_no_executor(tokenizer):
 
 
 def test_metrics_gauges_return_to_idle_after_the_work(tokenizer):
-    from scheduler_svc.metrics import Metrics
+    from scheduler_svc.telemetry.metrics import Metrics
 
     async def main():
         metrics = Metrics()
@@ -261,7 +262,7 @@ def test_a_consumer_that_falls_behind_gets_several_steps_at_once_without_a_token
     """Slow consumers (a client holding its writes back) and a front that streams two updates
     between yields: messages carry several steps' tokens, with the same tokens, text, logprobs
     and usage as one by one."""
-    import scheduler_svc.front_streams as front_streams
+    import scheduler_svc.front.streams as front_streams
 
     reqs = [_req(f"g{i}", list(range(3, 20 + i)), 12) for i in range(5)]
     reqs += [GenerationRequest(f"n{i}", list(range(5, 25)), RequestParams(
@@ -302,7 +303,8 @@ def test_a_consumer_that_falls_behind_gets_several_steps_at_once_without_a_token
 def test_a_prompt_is_hashed_once_by_its_front(tokenizer, monkeypatch):
     """The prompt's block hashes (sha256 per block) are computed once, by the front: its chain is
     what the core's router, the scheduler's prefix lookup and cache registration use."""
-    from scheduler_svc import front_streams, kv_cache_manager
+    from scheduler_svc.front import kv_cache_manager
+    from scheduler_svc.front import streams as front_streams
 
     hashed = []
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from scheduler_svc.api_types import EngineStats, ExecutorStats
-from scheduler_svc.tier import messages as m
-from scheduler_svc.tier import other_cores
-from scheduler_svc.tier.other_cores import OtherCores
+from pagedserve.engine_api import EngineStats, ExecutorStats
+from pagedserve.wire import front_messages as m
+from scheduler_svc.entrypoints import other_cores
+from scheduler_svc.entrypoints.other_cores import OtherCores
 
 PORT = 7000
 

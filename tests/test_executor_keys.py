@@ -24,7 +24,7 @@ from pagedserve.wire.key_files import (
     write_key_pair,
 )
 from pagedserve.wire.keys import KeyPair, new_key_pair
-from scheduler_svc.executor_auth import ExecutorAuth, LinkSecurity, read_trust
+from scheduler_svc.engine.executor_auth import ExecutorAuth, LinkSecurity, read_trust
 
 
 def _handshake(executor_id: str = "ex0", proof: bytes = b"") -> wire.Handshake:
@@ -199,7 +199,7 @@ def test_the_router_socket_tells_which_curve_key_sent_the_last_message():
     from zmq.auth.thread import ThreadAuthenticator
 
     from pagedserve.wire.keys import ZAP_DOMAIN, ClientKeys, make_client, make_server
-    from scheduler_svc.router_socket import RouterSocket
+    from pagedserve.wire.router_socket import RouterSocket
 
     ctx = zmq.Context()
     auth = ThreadAuthenticator(ctx)

@@ -8,10 +8,10 @@ from executor_plans import hf_greedy, make_runner, serve_requests
 from transformers import AutoModelForCausalLM
 
 from executor_svc.model import load_model
+from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
-from scheduler_svc.api_types import GenerationRequest, RequestParams
-from scheduler_svc.sched_config import SchedulerConfig
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.sched.scheduler import Scheduler
 
 
 def _prompts() -> dict[str, list[int]]:

@@ -25,8 +25,8 @@ from fake_engine import collect, engine_executor, req, run, running, settle
 from grpc_fakes import make_tokenizer
 
 from pagedserve import wire
-from scheduler_svc.api_types import NoExecutor, RequestFailed
-from scheduler_svc.metrics import Metrics
+from pagedserve.engine_api import NoExecutor, RequestFailed
+from scheduler_svc.telemetry.metrics import Metrics
 
 POISON = 61  # a prompt holding this token is the one the fault touches
 ARRIVAL_S = 0.004  # one request every 4 ms: steady arrivals, a few per step

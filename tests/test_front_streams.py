@@ -11,13 +11,12 @@ from __future__ import annotations
 import pytest
 from grpc_fakes import make_tokenizer
 
+from pagedserve.engine_api import FinishReason, GenerationRequest, RequestParams, RequestUpdate, SeqUpdate
 from pagedserve.wire import SamplingParams
-from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
-from scheduler_svc.front_streams import FrontStreams
-from scheduler_svc.mailbox import Tracked
-from scheduler_svc.metrics import Metrics
-from scheduler_svc.outputs import RequestStream
-from scheduler_svc.request import RequestUpdate, SeqUpdate
+from scheduler_svc.front.output.deltas import RequestStream
+from scheduler_svc.front.output.mailbox import Tracked
+from scheduler_svc.front.streams import FrontStreams
+from scheduler_svc.telemetry.metrics import Metrics
 
 TEXT = "Grüße aus München 🙂🚀 and 日本語 too; plain words as well."
 

@@ -1,6 +1,6 @@
 """How long a gRPC peer may hold the server without using it: a real grpc.aio server on loopback,
 driven by grpc's own client and by a raw HTTP/2 peer (h2_raw.py) doing what grpc's client never
-would. Each bound is one grpc core argument or the call gate (scheduler_svc/grpc_limits.py);
+would. Each bound is one grpc core argument or the call gate (scheduler_svc/front/grpc/limits.py);
 grpc core ignores arguments it does not know, so each is checked here, against the wire."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from tls_certs import make_pki
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.grpc_limits import GrpcLimits
-from scheduler_svc.security import TlsFiles
+from scheduler_svc.front.grpc.limits import GrpcLimits
+from scheduler_svc.front.guards.security import TlsFiles
 
 GENERATE = "/pagedserve.v1.Generation/Generate"
 # Small bounds, each a different number of seconds, so a closure is told apart by when it happens.

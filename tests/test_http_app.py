@@ -15,11 +15,11 @@ import pytest
 from grpc_fakes import FakeEngine, make_tokenizer
 from http_fakes import HttpThread
 
-from scheduler_svc import offload
-from scheduler_svc.http.chat_template import ChatTemplate
-from scheduler_svc.http.limits import HttpLimits
-from scheduler_svc.metrics import Metrics
-from scheduler_svc.validation import ServerLimits
+from scheduler_svc.front.http.chat_template import ChatTemplate
+from scheduler_svc.front.http.limits import HttpLimits
+from scheduler_svc.front.input import offload
+from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.telemetry.metrics import Metrics
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -325,7 +325,7 @@ def test_chunked_body_is_cut_off_at_the_limit(fake):
 def test_an_endless_request_head_is_cut_off_and_the_server_keeps_serving(fake):
     """httptools (llhttp) does not bound a head: a header value sent forever would be buffered
     forever. The connection gets 400 and is closed once the head passes 16 KiB, as with h11."""
-    from scheduler_svc.http.serve import MAX_REQUEST_HEAD_BYTES, BoundedHttpToolsProtocol
+    from scheduler_svc.front.http.serve import MAX_REQUEST_HEAD_BYTES, BoundedHttpToolsProtocol
 
     assert fake.server.server.config.http_protocol_class.func is BoundedHttpToolsProtocol
     with socket.create_connection(("127.0.0.1", fake.server.port), timeout=5) as s:
@@ -579,7 +579,7 @@ def test_a_streamed_response_imports_nothing_on_its_way():
 
     probe = """
 import asyncio, sys
-from scheduler_svc.http import app, streams
+from scheduler_svc.front.http import app, streams
 async def events():
     yield b"data: 1\\n\\n"
 async def main():

@@ -1,5 +1,5 @@
 """How long an HTTP peer may hold the server without using it: the real uvicorn server of the
-HTTP front (scheduler_svc/http/serve.py) on loopback, over the fake engine, driven by raw sockets
+HTTP front (scheduler_svc/front/http/serve.py) on loopback, over the fake engine, driven by raw sockets
 doing what a hostile client would: trickling bytes that never make a request, stalling a TLS
 handshake, while a stream producing tokens beside them is never cut."""
 
@@ -15,7 +15,7 @@ from grpc_fakes import FakeEngine, make_tokenizer
 from http_fakes import HttpThread, seconds_until_closed
 from tls_certs import make_pki
 
-from scheduler_svc.http.limits import HttpLimits
+from scheduler_svc.front.http.limits import HttpLimits
 
 LIMITS = HttpLimits(keep_alive_timeout_s=1, head_timeout_s=3, tls_handshake_timeout_s=1)
 NEVER = 8.0  # seconds a connection is watched before it counts as never closed

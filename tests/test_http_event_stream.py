@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from scheduler_svc.http import streams
+from scheduler_svc.front.http import streams
 
 SCOPE = {"type": "http", "asgi": {"spec_version": "2.3"}}
 

@@ -13,10 +13,10 @@ from http_fakes import HttpThread
 from tool_templates import TOOLS
 
 from pagedserve.wire import STRUCTURED_CHOICE, STRUCTURED_GRAMMAR, STRUCTURED_JSON, STRUCTURED_REGEX
-from scheduler_svc.http.chat_template import ChatTemplate
-from scheduler_svc.metrics import Metrics
-from scheduler_svc.tool_calls import ToolCallOptions
-from scheduler_svc.validation import ServerLimits
+from scheduler_svc.front.http.chat_template import ChatTemplate
+from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.front.tool_calls import ToolCallOptions
+from scheduler_svc.telemetry.metrics import Metrics
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -192,8 +192,8 @@ def test_tool_choice_none_renders_the_tools_and_parses_nothing(fake):
 
 
 def test_mistral_calls_are_read_with_special_tokens_kept_when_bot_is_special():
-    from scheduler_svc.tool_calls import plan_tools
-    from scheduler_svc.tool_calls.requests import ToolCallOptions as Options
+    from scheduler_svc.front.tool_calls import plan_tools
+    from scheduler_svc.front.tool_calls.requests import ToolCallOptions as Options
 
     class T:
         def __init__(self, name):

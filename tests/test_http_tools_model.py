@@ -24,14 +24,15 @@ from tool_templates import TEMPLATES, TOOLS, history
 from executor_svc.grammar import GrammarBackend
 from executor_svc.worker import ExecutorWorker
 from pagedserve import wire
-from scheduler_svc.engine import Engine
-from scheduler_svc.http.app import OpenAIFront, build_app
-from scheduler_svc.http.chat_template import ChatTemplate
-from scheduler_svc.http.limits import HttpLimits
-from scheduler_svc.http.serve import start_http_server
-from scheduler_svc.sched_config import EngineConfig, SchedulerConfig
-from scheduler_svc.tool_calls import ToolCallOptions
-from scheduler_svc.validation import ServerLimits
+from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.front.http.app import OpenAIFront, build_app
+from scheduler_svc.front.http.chat_template import ChatTemplate
+from scheduler_svc.front.http.limits import HttpLimits
+from scheduler_svc.front.http.serve import start_http_server
+from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.front.tool_calls import ToolCallOptions
+from scheduler_svc.sched.config import SchedulerConfig
+from testing.in_process_engine import Engine
 
 pytestmark = pytest.mark.slow
 EOS = 0

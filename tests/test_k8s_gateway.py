@@ -134,7 +134,7 @@ def test_pool_endpoints_are_every_deployments_fronts_on_their_http_port(docs):
 def test_endpoint_picker_reads_metrics_pagedserve_serves(docs):
     """Its metrics extractor reads the names the fronts serve on /metrics (test_k8s_manifests.py's
     stand-in fetches them from a front), and only those: no LoRA or cache-config metric."""
-    from scheduler_svc.metrics import Metrics
+    from scheduler_svc.telemetry.metrics import Metrics
 
     epp = find(docs, "Deployment", "pagedserve-epp")
     c = container(epp)

@@ -231,7 +231,7 @@ def test_checkov_passes_the_dockerfiles_with_reasoned_skips_only(checkov_reports
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_scheduler_command_parses_and_matches_ports_and_probes(rendered, overlay):
     from pagedserve import wire
-    from scheduler_svc import config as sc
+    from scheduler_svc.entrypoints import config as sc
 
     docs = rendered[overlay]
     deploy = find(docs, "Deployment", SCHED)
@@ -398,7 +398,7 @@ def test_autoscaled_executors_leave_replicas_to_the_autoscaler(rendered, variant
 
 
 def test_hpa_metric_is_what_the_adapter_serves_and_the_scheduler_exports(rendered):
-    from scheduler_svc.metrics import Metrics
+    from scheduler_svc.telemetry.metrics import Metrics
 
     exported = {family.name for family in Metrics().registry.collect()}
     assert QUEUE_METRIC in exported
@@ -625,7 +625,7 @@ def _requirements(*extras: str) -> set[str]:
 
 @pytest.mark.parametrize("entry,extras,optional", [
     ("scheduler_svc.__main__", ("scheduler",), ()),
-    ("scheduler_svc.front_process", ("scheduler",), ()),  # pagedserve-front, from the scheduler's image
+    ("scheduler_svc.entrypoints.front", ("scheduler",), ()),  # pagedserve-front, from the scheduler's image
     ("executor_svc.__main__", ("executor",), ("cupy",)),  # CuPy: the gpu extra, imported only on CUDA
 ])
 def test_each_service_extra_covers_every_import_of_the_service(entry, extras, optional):
@@ -651,7 +651,7 @@ def test_the_scheduler_installs_no_torch_and_its_image_uses_its_extra():
 
 def test_configmaps_split_shared_and_per_service_settings(rendered):
     from executor_svc import config as ec
-    from scheduler_svc import config as sc
+    from scheduler_svc.entrypoints import config as sc
 
     both = flag_env_names(sc.build_arg_parser) & flag_env_names(ec.build_arg_parser)
     for docs in rendered.values():

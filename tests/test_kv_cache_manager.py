@@ -9,10 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
+from pagedserve.engine_api import GenerationRequest, RequestParams
+from pagedserve.kv_blocks import hash_block, hash_blocks
 from pagedserve.wire import SamplingParams
-from scheduler_svc.api_types import GenerationRequest, RequestParams
-from scheduler_svc.kv_cache_manager import NO_CHANGE, KVCacheManager, hash_block, hash_blocks
-from scheduler_svc.request import Request, Sequence
+from scheduler_svc.sched.kv_cache_manager import NO_CHANGE, KVCacheManager
+from scheduler_svc.sched.request import Request, Sequence
 
 _REQ = Request(GenerationRequest("r", [1], RequestParams(max_tokens=1)), 0)
 
@@ -330,7 +331,7 @@ def test_known_prompt_hashes_give_the_same_hits_without_hashing_again(prompt_len
     """The engine hashes a prompt once (for routing) and hands the chain to the scheduler: the
     lookup must find exactly what it would have found, never the prompt's last token, and
     hash nothing it was given."""
-    from scheduler_svc import kv_cache_manager
+    from scheduler_svc.sched import kv_cache_manager
 
     prompt = list(range(100, 100 + prompt_len))
     warm = KVCacheManager(4, 32, 0)

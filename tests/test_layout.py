@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,3 +89,79 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if node not in state and (found := visit(node)):
             return found
     return None
+
+
+# The scheduler service's rooms, bottom to top. A room imports only from itself and the rooms it
+# lists (and the neutral pagedserve package): the fronts never reach the engine or the scheduling
+# state, the engine never reaches the fronts, and no room imports from a room above it.
+ROOMS = {
+    "scheduler_svc.sched": (),  # pure scheduling state, no I/O
+    "scheduler_svc.telemetry": (),  # Prometheus metrics, shared by fronts and engine cores
+    "scheduler_svc.engine": ("scheduler_svc.sched", "scheduler_svc.telemetry"),
+    "scheduler_svc.front": ("scheduler_svc.telemetry",),
+    # how each process starts: may wire every room below it
+    "scheduler_svc.entrypoints": ("scheduler_svc.front", "scheduler_svc.engine", "scheduler_svc.sched",
+                                  "scheduler_svc.telemetry"),
+}
+
+
+def _room(module: str) -> str | None:
+    return next((r for r in ROOMS if module == r or module.startswith(r + ".")), None)
+
+
+def test_each_room_of_the_scheduler_imports_only_the_rooms_below_it():
+    mods = _modules("scheduler_svc")
+    offenders = []
+    for module, path in mods.items():
+        room = _room(module)
+        if room is None:
+            continue
+        allowed = (room, *ROOMS[room])
+        for name in sorted(_imports(path, module)):
+            if not name.startswith("scheduler_svc"):
+                continue
+            other = _room(name)
+            if other is None and name in ("scheduler_svc", "scheduler_svc.__main__"):
+                other = "scheduler_svc (the top)"
+            if other is not None and other not in allowed:
+                offenders.append(f"{module} ({room}) imports {name} ({other})")
+    assert not offenders, "imports across the rooms of scheduler_svc:\n" + "\n".join(offenders)
+
+
+def test_every_scheduler_module_lives_in_a_room():
+    loose = [m for m in _modules("scheduler_svc") if _room(m) is None
+             and m not in ("scheduler_svc", "scheduler_svc.__main__")]
+    assert not loose, f"modules outside the rooms of scheduler_svc: {loose}"
+
+
+def test_no_service_imports_the_test_support_or_the_benchmarks():
+    offenders = []
+    for package in (*SERVICES, "pagedserve", "cupy_kernels"):
+        for module, path in _modules(package).items():
+            bad = sorted(n for n in _imports(path, module) if n.split(".")[0] in ("testing", "tests", "benchmarks"))
+            if bad:
+                offenders.append(f"{module} imports {bad}")
+    assert not offenders, offenders
+
+
+def _loaded_after_import(module: str) -> set[str]:
+    code = f"import sys, {module}; print(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    return set(out.stdout.split())
+
+
+def test_an_engine_core_starts_without_the_web_stack():
+    """An engine core serves no HTTP and no gRPC: it must not pay their imports (or their memory)."""
+    loaded = _loaded_after_import("scheduler_svc.entrypoints.core")
+    heavy = sorted(m for m in loaded if m.split(".")[0] in ("uvicorn", "starlette", "jinja2", "grpc", "grpc_reflection"))
+    assert not heavy, f"an engine core imports {heavy}"
+    servers = ("scheduler_svc.front.http.app", "scheduler_svc.front.http.serve", "scheduler_svc.front.grpc.server",
+               "scheduler_svc.front.streams")
+    assert not loaded & set(servers), f"an engine core imports a front's servers: {sorted(loaded & set(servers))}"
+
+
+def test_the_scheduling_state_loads_without_grpc_or_a_web_framework():
+    loaded = _loaded_after_import("scheduler_svc.sched.scheduler")
+    heavy = sorted(m for m in loaded
+                   if m.split(".")[0] in ("uvicorn", "starlette", "jinja2", "grpc", "grpc_reflection", "torch"))
+    assert not heavy, f"the scheduling state imports {heavy}"

@@ -9,8 +9,8 @@ from grpc_fakes import example_stats
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler_svc.api_types import EngineStats, ExecutorStats, FinishReason
-from scheduler_svc.metrics import Metrics, start_metrics_server
+from pagedserve.engine_api import EngineStats, ExecutorStats, FinishReason
+from scheduler_svc.telemetry.metrics import Metrics, start_metrics_server
 
 REQUIRED = [
     "pagedserve:num_requests_running", "pagedserve:num_requests_waiting", "pagedserve:num_requests_swapped",

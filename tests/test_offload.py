@@ -8,7 +8,7 @@ import time
 import pytest
 from tokenizers import Tokenizer
 
-from scheduler_svc.offload import token_ids
+from scheduler_svc.front.input.offload import token_ids
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import gc
 import pytest
 from grpc_fakes import make_tokenizer
 
-from scheduler_svc.api_types import (
+from pagedserve.engine_api import (
     ChoiceDelta,
     GenerationRequest,
     QueueFull,
@@ -21,9 +21,9 @@ from scheduler_svc.api_types import (
     RequestOutput,
     RequestParams,
 )
-from scheduler_svc.mailbox import Tracked
-from scheduler_svc.output_stream import OutputStream
-from scheduler_svc.outputs import RequestStream
+from scheduler_svc.front.output.deltas import RequestStream
+from scheduler_svc.front.output.mailbox import Tracked
+from scheduler_svc.front.output.stream import OutputStream
 
 
 class Admission:

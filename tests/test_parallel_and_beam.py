@@ -16,9 +16,9 @@ import torch
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
+from pagedserve.engine_api import FinishReason, GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
-from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
-from scheduler_svc.request import MigratedRequest
+from scheduler_svc.sched.request import MigratedRequest
 from tests import fake_executor
 from tests.fake_executor import drive, model_logprobs
 from tests.test_scheduler import BS, EOS, VOCAB, assert_all_released, make, oracle

@@ -12,13 +12,13 @@ from executor_plans import hf_logits, make_runner
 from transformers import AutoModelForCausalLM
 
 from executor_svc.model import load_model
+from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
 from pagedserve.wire.codec import encode
-from scheduler_svc import lifecycle
-from scheduler_svc.api_types import GenerationRequest, RequestParams
-from scheduler_svc.outputs import RequestStream
-from scheduler_svc.sched_config import SchedulerConfig
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.front.output.deltas import RequestStream
+from scheduler_svc.sched import lifecycle
+from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.sched.scheduler import Scheduler
 
 PROMPT = [(7 * j + 3) % 480 + 5 for j in range(45)]
 
@@ -162,8 +162,7 @@ def test_preempted_requests_hand_their_prompt_scores_to_the_client_once(tiny_lla
 def test_a_prompt_scored_again_from_token_1_replaces_the_first_pass(tiny_llama_dir):
     from tokenizers import Tokenizer
 
-    from scheduler_svc.api_types import PromptScores, TokenLogprob
-    from scheduler_svc.request import RequestUpdate, SeqUpdate
+    from pagedserve.engine_api import PromptScores, RequestUpdate, SeqUpdate, TokenLogprob
 
     stream = RequestStream(_request("x"), Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json")), 1)
     lp = [TokenLogprob(t, -1.0 * t) for t in PROMPT[1:]]

@@ -7,9 +7,9 @@ import logging
 import grpc
 import pytest
 
-from scheduler_svc.api_types import NoExecutor, QueueFull, RequestFailed
-from scheduler_svc.http.errors import GRPC_CODE_OF_STATUS
-from scheduler_svc.refusals import refusal
+from pagedserve.engine_api import NoExecutor, QueueFull, RequestFailed
+from scheduler_svc.front.api_errors import GRPC_CODE_OF_STATUS
+from scheduler_svc.front.output.status_codes import refusal
 
 
 @pytest.mark.parametrize("error,grpc_code,status,code", [
@@ -32,7 +32,7 @@ def test_messages_say_what_happened_but_a_bug_shows_only_its_type():
 
 
 def test_a_failed_request_is_a_warning_and_a_bug_is_logged_with_its_traceback(caplog):
-    caplog.set_level(logging.WARNING, logger="scheduler_svc.refusals")
+    caplog.set_level(logging.WARNING, logger="scheduler_svc.front.output.status_codes")
     refusal(RequestFailed("executor e1 failed the step"), "req-7")
     try:
         raise ZeroDivisionError("a bug")

@@ -11,7 +11,7 @@ import time
 
 import zmq
 
-from scheduler_svc.router_socket import RouterSocket
+from pagedserve.wire.router_socket import RouterSocket
 
 
 def _pair(ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:

@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedserve import wire
+from pagedserve.engine_api import FinishReason, GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams, StepResult
-from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
-from scheduler_svc.kv_cache_manager import KVCacheManager
-from scheduler_svc.sched_config import SchedulerConfig
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.step_output import OutputProcessor
+from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.sched.kv_cache_manager import KVCacheManager
+from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.step_output import OutputProcessor
 from tests import fake_executor
 from tests.fake_executor import FakeExecutor, drive, sample_token
 
@@ -598,7 +598,7 @@ def test_a_request_that_cannot_fit_yet_does_not_take_its_prefix_hits_every_step(
     prefix blocks and handing them back each time cost two refcount changes per hit block per
     step (milliseconds for a preempted long request); it is now refused before touching them,
     and admitted with the same hits once it fits."""
-    from scheduler_svc.block_pool import BlockPool
+    from scheduler_svc.sched.block_pool import BlockPool
 
     sched, ex = make(40, tokens=32, seqs=4)
     shared = [10 + i % 50 for i in range(60)]

@@ -13,11 +13,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from pagedserve.engine_api import FinishReason
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.api_types import FinishReason
-from scheduler_svc.metrics import Metrics
-from scheduler_svc.validation import ServerLimits
+from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.telemetry.metrics import Metrics
 
 LIMITS = ServerLimits(max_n=4, max_beam_width=4, max_stop_strings=3, max_stop_string_len=8,
                       max_stop_token_ids=4, max_logprobs=5)

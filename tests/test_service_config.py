@@ -9,11 +9,18 @@ import os
 import pytest
 
 from pagedserve.envargs import env_name, parse_bytes
-from scheduler_svc.config import FLAG_FIELDS, RUNTIME_FIELDS, build_arg_parser, default, load_config
-from scheduler_svc.grpc_limits import GrpcLimits
-from scheduler_svc.http.limits import HttpLimits
-from scheduler_svc.sched_config import EngineConfig, SchedulerConfig
-from scheduler_svc.validation import ServerLimits
+from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.entrypoints.config import (
+    FLAG_FIELDS,
+    RUNTIME_FIELDS,
+    build_arg_parser,
+    default,
+    load_config,
+)
+from scheduler_svc.front.grpc.limits import GrpcLimits
+from scheduler_svc.front.http.limits import HttpLimits
+from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.sched.config import SchedulerConfig
 
 
 @pytest.fixture()
@@ -165,7 +172,7 @@ def test_the_cluster_secret_is_read_once_at_start_up(model_dir, tmp_path):
     so a file that changes (or goes) between parsing and start-up cannot change or break them."""
     from benchmarks.engine_harness import small_tokenizer
     from pagedserve.wire.keys import derive_keys
-    from scheduler_svc.engine import Engine
+    from testing.in_process_engine import Engine
 
     secret = tmp_path / "secret"
     secret.write_bytes(b"s" * 32 + b"\n")
@@ -289,7 +296,7 @@ def test_the_executor_reads_its_own_key_pair_and_the_schedulers_public_key(key_f
 
 
 def test_the_caps_are_sized_for_the_machine_unless_given_and_must_hold_one_request(model_dir, capsys):
-    from scheduler_svc.admission import sized_for_machine
+    from scheduler_svc.front.guards.admission import sized_for_machine
 
     base = ["--model", str(model_dir)]
     cfg = load_config(base, {})
@@ -317,8 +324,8 @@ def test_engine_cores_ports_must_not_meet(model_dir, capsys):
 
 def test_the_fronts_share_the_machine_sized_caps(model_dir):
     """Each of N fronts sizes its caps for 1/N of the machine (they all run on it)."""
-    from scheduler_svc.admission import sized_for_machine
-    from scheduler_svc.validation import ServerLimits
+    from scheduler_svc.front.guards.admission import sized_for_machine
+    from scheduler_svc.front.input.validation import ServerLimits
 
     auto = ServerLimits(max_concurrent_calls=0, max_in_flight_bytes=0)
     quarter = sized_for_machine(auto, memory_bytes=16 << 30, cpus=8, share=4)

@@ -20,8 +20,8 @@ import zmq
 from stack import Stack, free_port, stream_tokens
 
 from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.wire import front_messages as m
 from pagedserve.wire.key_files import write_key_pair
-from scheduler_svc.tier import messages as m
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +137,7 @@ def test_a_front_of_its_own_serves_over_the_curve_front_link(tiny_llama_dir, tmp
         s.wait_health()
         reference = _collect(s.stub, list(range(30, 50)))
         front = s._spawn("front", [
-            "-m", "scheduler_svc.front_process", "--model", str(tiny_llama_dir), "--core",
+            "-m", "scheduler_svc.entrypoints.front", "--model", str(tiny_llama_dir), "--core",
             f"tcp://127.0.0.1:{link_port}", "--curve-key-file", str(front_keys / "front-a.key_secret"),
             "--scheduler-public-key-file", str(s.keys / "scheduler.key"), "--host", "127.0.0.1",
             "--port", str(front_port), "--http-port", "0", "--front-id", "remote-a"])
@@ -212,7 +212,7 @@ def _child(stack: Stack, module: str) -> int:
 
 def _runs_on(stack: Stack, executor: str, core_pid: int) -> bool:
     """Whether ``executor`` was sent to the engine core of ``core_pid`` (its log says which it joined)."""
-    return f"core 1 scheduler_svc.executors: executor {executor} joined" in (stack.logdir / "scheduler.log").read_text()
+    return f"core 1 scheduler_svc.engine.executor_link: executor {executor} joined" in (stack.logdir / "scheduler.log").read_text()
 
 
 def test_fronts_times_engine_cores_change_no_output_through_preemption_and_losses(tiny_llama_dir, tmp_path):
@@ -241,7 +241,7 @@ def test_fronts_times_engine_cores_change_no_output_through_preemption_and_losse
             s.start_executor(name, "--kv-cache-memory", SMALL_POOL)
         s.wait_health()
         s.wait_executors(3)
-        core1 = _child(s, "scheduler_svc.core_process")
+        core1 = _child(s, "scheduler_svc.entrypoints.core")
         done: dict = {}
         runner = threading.Thread(target=lambda: done.update(run_all(s, reqs)))
         runner.start()

@@ -11,11 +11,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from pagedserve.engine_api import ERROR_FAILED, EngineStats, GenerationRequest, ModelInfo, RequestParams
 from pagedserve.wire import MAX_SEQ_TOKENS, WireError
-from scheduler_svc.api_types import EngineStats, GenerationRequest, ModelInfo, RequestParams
-from scheduler_svc.request import ERROR_FAILED
-from scheduler_svc.tier import core_link
-from scheduler_svc.tier import messages as m
+from pagedserve.wire import front_messages as m
+from scheduler_svc.engine import front_link as core_link
 
 MAX_MODEL_LEN = 200_000
 

@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM
 
 from executor_svc.model import load_model
 from executor_svc.pipeline import StepPipeline
+from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, SamplingParams, pack_ids
-from scheduler_svc.api_types import GenerationRequest, RequestParams
-from scheduler_svc.sched_config import SchedulerConfig
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.sched.scheduler import Scheduler
 
 GREEDY = SamplingParams(temperature=0.0)
 

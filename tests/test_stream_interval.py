@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_engine import _req, running
 
-from scheduler_svc.api_types import (
+from pagedserve.engine_api import (
     ChoiceDelta,
     FinishReason,
     GenerationRequest,
@@ -27,9 +27,9 @@ from scheduler_svc.api_types import (
     TokenLogprob,
     Usage,
 )
-from scheduler_svc.mailbox import Tracked
-from scheduler_svc.output_stream import OutputStream
-from scheduler_svc.outputs import RequestStream, merge_outputs
+from scheduler_svc.front.output.deltas import RequestStream, merge_outputs
+from scheduler_svc.front.output.mailbox import Tracked
+from scheduler_svc.front.output.stream import OutputStream
 
 TOKENIZER = make_tokenizer()
 

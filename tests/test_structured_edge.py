@@ -19,7 +19,13 @@ from pagedserve.wire import (
     STRUCTURED_REGEX,
     Structured,
 )
-from scheduler_svc.structured import CHECKER, StructuredError, StructuredFields, needs_check, structured_spec
+from scheduler_svc.front.input.structured import (
+    CHECKER,
+    StructuredError,
+    StructuredFields,
+    needs_check,
+    structured_spec,
+)
 
 VALID = [
     StructuredFields(json_schema={"type": "object", "properties": {"a": {"type": "string", "format": "email"}}}),

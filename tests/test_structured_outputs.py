@@ -26,6 +26,7 @@ from executor_svc.grammar import (
     json_schema_grammar,
 )
 from executor_svc.model import load_model
+from pagedserve.engine_api import FinishReason, GenerationRequest, RequestParams
 from pagedserve.wire import (
     STRUCTURED_CHOICE,
     STRUCTURED_GRAMMAR,
@@ -34,9 +35,8 @@ from pagedserve.wire import (
     SamplingParams,
     Structured,
 )
-from scheduler_svc.api_types import FinishReason, GenerationRequest, RequestParams
-from scheduler_svc.sched_config import SchedulerConfig
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.sched.scheduler import Scheduler
 
 EOS = 0  # the tiny models' <|endoftext|>
 SCHEMA = {  # $ref, enum, anyOf, numbers with bounds, arrays with minItems, an optional property

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from scheduler_svc import children as children_mod
-from scheduler_svc.children import Children
-from scheduler_svc.tier.front_link import RemoteCore
+from scheduler_svc.entrypoints import children as children_mod
+from scheduler_svc.entrypoints.children import Children
+from scheduler_svc.front.core_link import RemoteCore
 
 
 class _BrokenSink:

@@ -10,8 +10,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.tool_calls.parsers import AUTO_PARSERS, NamedParser, RequiredParser, ToolParser
-from scheduler_svc.tool_calls.stream import ChoiceToolCalls
+from scheduler_svc.front.tool_calls.parsers import AUTO_PARSERS, NamedParser, RequiredParser, ToolParser
+from scheduler_svc.front.tool_calls.stream import ChoiceToolCalls
 
 _TEXT = st.text(alphabet=st.sampled_from(list('ab {}[]"\\:,\n\u00e9\U0001f600')), max_size=12)
 _JSON = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | _TEXT,

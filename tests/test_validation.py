@@ -9,7 +9,7 @@ import pytest
 from grpc_fakes import make_tokenizer, model_info
 
 from pagedserve.v1 import generation_pb2 as pb
-from scheduler_svc.validation import (
+from scheduler_svc.front.input.validation import (
     GREEDY_TEMPERATURE_EPS,
     MAX_SEED,
     OPTIONAL_SAMPLING,

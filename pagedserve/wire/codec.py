@@ -44,7 +44,7 @@ class Envelope(NamedTuple):
 class Codec:
     """Frames ``[version, KIND, TAG, body]`` of one protocol: its version, its message kinds, and
     the kinds whose tag is their ``step_id``. The executor link is one (this module's functions);
-    the link between the scheduler's fronts and engine cores another (scheduler_svc/tier/)."""
+    the link between the scheduler's fronts and engine cores another (scheduler_svc/front/core_link.py, scheduler_svc/engine/front_link.py)."""
 
     def __init__(self, version: int, kind_of: dict[type, int], tagged: tuple[type, ...] = ()) -> None:
         self.version, self.kind_of, self.tagged = version, kind_of, tagged

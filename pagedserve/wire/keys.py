@@ -6,7 +6,7 @@ knowing the server's public key. Two ways to key the link:
 * **Identities** (any deployment): the scheduler has its own key pair, and its
   secret key never leaves it; each executor has its own key pair and the
   scheduler's public key. The scheduler's ZAP handler admits the executor keys
-  it trusts (``scheduler_svc/executor_auth.py``), so one executor can be revoked
+  it trusts (``scheduler_svc/engine/executor_auth.py``), so one executor can be revoked
   without touching the others. ``pagedserve keys`` makes the key files
   (``pagedserve/wire/key_files.py``).
 * **A cluster secret** (one machine, or development): both services derive the

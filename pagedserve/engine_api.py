@@ -1,0 +1,211 @@
+"""Types at the edge between the gRPC layer and the engine.
+
+The servicer validates a client's request into a :class:`GenerationRequest`
+(every field checked, limits applied) and the engine streams
+:class:`RequestOutput` deltas back. Nothing here knows about protobuf or blocks.
+
+The per-token messages (:class:`ChoiceDelta`, :class:`RequestOutput`, :class:`TokenLogprob`,
+:class:`Usage`) are msgspec Structs: several are built per running request per step, a Struct
+is built in C at a fifth of a dataclass ``__init__``'s cost, and ``gc=False`` (they never form
+reference cycles) keeps them out of the collector's generations.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+
+from pagedserve.wire import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    # Values match pagedserve.v1.FinishReason so the servicer maps them 1:1.
+    UNSPECIFIED = 0
+    LENGTH = 1
+    STOP = 2
+    EOS = 3
+    ABORTED = 4
+
+
+@dataclass(slots=True)
+class RequestParams:
+    """A request's generation settings, already validated.
+
+    ``sampling`` is the per-sequence template sent to executors; with n > 1,
+    choice i samples with seed ``sampling.seed + i`` (when a seed is given).
+    """
+
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    n: int = 1
+    beam_width: int = 1  # > 1: beam search (deterministic, sampling ignored)
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # a matched stop string stays in the text (vLLM's extension)
+    skip_special_tokens: bool = True  # special tokens are left out of the text (False: Mistral's tool calls)
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: RequestParams
+    arrival_time: float = 0.0  # time.monotonic() at the API edge (the engine stamps it if unset)
+    deadline: float | None = None  # time.monotonic() after which the engine aborts it
+    first_scheduled_at: float | None = None  # set once, by the first scheduler that admits it
+    # The prompt's full-block hash chain (kv_cache_manager.hash_blocks, unsalted): computed once,
+    # by the engine for routing, and reused by every scheduler that admits the request.
+    prompt_block_hashes: list[bytes] | None = None
+    # The most tokens (prompt and outputs) it may reach: min(prompt + max_tokens, the longest context
+    # of an executor that could take it), fixed by the engine when it is first placed. Every executor
+    # it runs on, after a migration too, must hold that many, so where it runs never changes where it
+    # ends. None: the scheduler's own max_model_len bounds it (tests driving one scheduler).
+    max_total_tokens: int | None = None
+
+
+class TokenLogprob(msgspec.Struct, gc=False):
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
+
+
+class PromptScores(msgspec.Struct, array_like=True, gc=False):
+    """Prompt tokens ``start ..`` of a request scored by one step (its prompt log-probs, in pieces as
+    its prompt is prefilled); a piece starting at 1 begins the prompt again (it was registered again)."""
+
+    start: int
+    logprobs: list[TokenLogprob]
+
+
+class ChoiceDelta(msgspec.Struct, gc=False):
+    """What advanced for one choice since the last message."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
+    finish_reason: FinishReason = FinishReason.UNSPECIFIED
+
+
+class Usage(msgspec.Struct, gc=False):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+class RequestOutput(msgspec.Struct, gc=False):
+    request_id: str
+    choices: list[ChoiceDelta]
+    usage: Usage | None = None  # set on the last message only
+    finished: bool = False
+    # When the request asked for them (SamplingParams.prompt_logprobs): one entry per prompt token,
+    # None for the first (nothing precedes it); on the first message only.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+class EngineError(Exception):
+    """Base of the errors the servicer maps to gRPC status codes."""
+
+
+class QueueFull(EngineError):
+    """More requests queued than the configured limit (RESOURCE_EXHAUSTED)."""
+
+
+class NoExecutor(EngineError):
+    """No executor is registered, or the request ran out of migrations (UNAVAILABLE)."""
+
+
+class RequestFailed(EngineError):
+    """An internal failure of this request only (INTERNAL)."""
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the servicer needs to validate requests and answer GetModelInfo."""
+
+    model_name: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_executors: int
+    eos_token_ids: tuple[int, ...] = ()  # every end-of-sequence id, first = config.json's first
+    max_request_blocks: int = 0  # KV blocks one request may hold on the roomiest executor (0: unchecked)
+    max_token_chars: int = 0  # characters the longest vocabulary entry spans (0: unchecked)
+
+
+@dataclass(slots=True)
+class ExecutorStats:
+    id: str
+    state: str  # "ready" | "draining" | "dead"
+    kv_blocks_total: int
+    kv_blocks_used: int  # held by live sequences
+    kv_blocks_cached: int  # free but still holding prefix-cache content
+    kv_blocks_shared: int  # held with refcount > 1 (parallel sampling / beam search)
+    cpu_blocks_total: int
+    cpu_blocks_used: int
+    num_running: int = 0
+    num_waiting: int = 0
+    tensor_parallel_size: int = 1  # ranks behind this one executor (from its handshake)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    num_preemptions: int = 0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_migrations: int = 0
+    executors: list[ExecutorStats] = field(default_factory=list)
+
+
+class EngineApi(Protocol):
+    """All the servicer and the HTTP front see of the engine (docs/ARCHITECTURE.md, "Engine <->
+    servicer"): a front's ``FrontStreams``, or the in-process ``Engine`` of tests and benchmarks."""
+
+    def model_info(self) -> ModelInfo | None: ...
+    def is_ready(self) -> bool: ...
+    def health_problem(self) -> str | None: ...
+    async def current_stats(self) -> EngineStats: ...  # (stats() may be a heartbeat old in a front)
+    def stats(self) -> EngineStats: ...
+    def generate(self, req: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
+
+
+class SeqUpdate(msgspec.Struct, array_like=True, gc=False):  # built per token; positional on the tier link
+    """New tokens of one choice since the last update.
+
+    Beam search reports nothing while it runs; its final update holds
+    ``beam_width`` choices, best first (``index`` = rank), each with its whole
+    output (``new_token_ids``). Token ids include a final EOS/stop token.
+    """
+
+    index: int
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+
+
+# What an error update means for the client (RequestUpdate.error_kind): the engine's exceptions of
+# api_types, which scheduler_svc/front/output/status_codes.py maps to gRPC and HTTP statuses.
+ERROR_FAILED, ERROR_NO_EXECUTOR, ERROR_QUEUE_FULL = 0, 1, 2
+
+
+class RequestUpdate(msgspec.Struct, array_like=True, gc=False):  # built per token; a front gets them positional
+    request_id: str
+    seqs: list[SeqUpdate]
+    finished: bool = False
+    prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    error: str | None = None  # set when it failed (a generic message: details are logged); it is freed
+    error_kind: int = ERROR_FAILED  # with error: RequestFailed, NoExecutor or QueueFull
+    prompt_logprobs: PromptScores | None = None  # prompt tokens a step scored (the request asked)

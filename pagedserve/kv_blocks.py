@@ -1,0 +1,51 @@
+"""Block arithmetic that the fronts and the scheduler both do: prefix-cache keys and block counts.
+
+A front hashes a prompt's full blocks before it submits it (so the engine core's loop never
+spends a request's size on hashing), and refuses a request that could never fit; the scheduler
+keys its prefix cache by the same hashes and holds the same counts. One definition each, here,
+so that the two sides cannot disagree about what a block is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence as Seq
+
+_ROOT_HASH = b"\x00" * 32
+
+
+def hash_block(parent: bytes | None, token_ids: Seq[int], extra: bytes = b"") -> bytes:
+    """Chained content hash of one full block: sha256(parent ‖ int64 tokens ‖ extra).
+
+    The parent hash makes a block's identity depend on every token before it;
+    ``extra`` carries whatever else changes the K/V (model fingerprint, salt).
+    sha256 so that collisions (which would silently mix two prompts' caches)
+    are not a practical concern.
+    """
+    h = hashlib.sha256(parent or _ROOT_HASH)
+    h.update(array("q", token_ids).tobytes())
+    h.update(extra)
+    return h.digest()
+
+
+def hash_blocks(parent: bytes | None, token_ids: Seq[int], block_size: int, extra: bytes = b"") -> list[bytes]:
+    """:func:`hash_block` over each full block of ``token_ids`` in turn, chained from ``parent``.
+
+    One pass: one conversion of all the tokens, one sha256 call per block (a 32K-token prompt
+    in 1.9 ms instead of 2.4 with :func:`hash_block` per block; it runs on the event loop).
+    """
+    n = len(token_ids) // block_size
+    data = array("q", token_ids[:n * block_size]).tobytes()
+    step, sha, h = 8 * block_size, hashlib.sha256, parent or _ROOT_HASH
+    out = []
+    for i in range(0, n * step, step):
+        h = sha(h + data[i:i + step] + extra).digest()
+        out.append(h)
+    return out
+
+
+def request_blocks(prompt_len: int, max_tokens: int, width: int, max_model_len: int, block_size: int) -> int:
+    """KV blocks a request may hold at once at its longest: ``width`` choices or beams at full length."""
+    longest = min(prompt_len + max_tokens, max_model_len)
+    return width * -(-longest // block_size)

@@ -1,0 +1,137 @@
+"""The messages between the scheduler's front processes and its engine cores, each declared once.
+
+A front (``pagedserve-front``, or one the scheduler starts) dials a core's front link with a
+ZeroMQ DEALER; the core's ROUTER serves every front. Frames are ``[TIER_VERSION, KIND, 0, body]``,
+decoded with the executor link's bounded codec (``pagedserve.wire.codec.Codec``).
+
+front -> core: ``FrontHello`` first (answered by ``CoreHello``), then ``Submit`` (a request, its
+prompt hashed; its prompt token ids packed, see :func:`pack_ids`), ``Abort`` (its client went away, or stop strings ended it), ``FinishChoice`` (a
+stop string ended one choice), ``FrontMetrics`` (its counters, for the deployment's /metrics),
+``Query`` (fresh stats, or the deployment's metrics) and ``Heartbeat``.
+
+core -> front: ``Updates`` (one step's token updates of that front's requests, or an admission
+refused: an error update), ``Status`` (readiness, model info, stats, health; also the core's
+heartbeat) and ``Answer``.
+
+A front may only name the requests it submitted (the core checks their ids carry the front's
+prefix); a peer silent for ``DEAD_AFTER_INTERVALS`` heartbeats is dead: a dead front's requests
+are aborted and their blocks freed, a dead core's requests fail (or move to another core).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from pagedserve.engine_api import EngineStats, GenerationRequest, ModelInfo, RequestUpdate
+from pagedserve.wire.codec import Codec
+from pagedserve.wire.packed import num_packed, pack_ids, unpacked  # noqa: F401  (the front link's helpers)
+from pagedserve.wire.protocol import MAX_SEQ_TOKENS
+
+TIER_VERSION = 2
+HEARTBEAT_INTERVAL_S = 0.5  # both ways; a peer silent for 5 intervals (2.5 s) is dead
+MAX_FRAME_BYTES = 64 * 1024 * 1024  # a step's updates with log-probs; a request at the largest context
+MAX_ID_CHARS = 512  # request ids (the front's prefix and the client's id) and front ids
+MAX_TEXT_CHARS = 4096
+
+Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
+Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
+# Token ids as little-endian uint32s, 4 bytes each: decoding them is a copy, and the core builds the
+# ints at C speed, in slices between its plans. At most a sequence's tokens on the executor link.
+PackedIds = Annotated[bytes, Meta(max_length=4 * MAX_SEQ_TOKENS)]
+
+
+class _Message(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    """Base of every tier message: positional, no extra elements, not GC-tracked."""
+
+
+class FrontHello(_Message):
+    front_id: Id  # unique among the core's fronts; its requests' ids start with it
+    tier_version: int
+
+
+class CoreHello(_Message):
+    accepted: bool
+    reason: Text = ""
+    heartbeat_interval_s: Seconds = HEARTBEAT_INTERVAL_S
+
+
+class Submit(_Message):
+    """A request, validated and tokenized, its prompt hashed, under the id the front gives it.
+    Times are relative: the front's clock is not the core's. The prompt's token ids travel packed in
+    ``prompt_ids``; the request's own ``prompt_token_ids`` is empty on the link."""
+
+    request: GenerationRequest
+    prompt_ids: PackedIds
+    queued_s: Seconds  # since it arrived at the front
+    deadline_in_s: Seconds | None = None  # None: no deadline
+    # It ran on an engine core that was lost: each choice's tokens streamed so far, and how each that
+    # ended ended (FinishReason values; None: still running). It goes on from there.
+    resume_outputs: list[list[int]] | None = None
+    resume_finished: list[int | None] = msgspec.field(default_factory=list)
+
+
+class Abort(_Message):
+    request_id: Id
+
+
+class FinishChoice(_Message):
+    request_id: Id
+    index: Annotated[int, Meta(ge=0, le=1 << 16)]
+
+
+class Heartbeat(_Message):
+    pass
+
+
+class Updates(_Message):
+    updates: list[RequestUpdate]
+
+
+class Status(_Message):
+    """The core's state as its fronts show it (sent every heartbeat and when readiness changes)."""
+
+    ready: bool
+    model_info: ModelInfo | None
+    stats: EngineStats
+    health_problem: Text | None = None
+
+
+Sample = tuple[str, list[tuple[str, str]], float]  # (sample name, labels, value)
+Family = tuple[str, str, str, list[Sample]]  # (name, type, documentation, samples), as prometheus_client has them
+
+
+class FrontMetrics(_Message):
+    """A front's own metrics (counters and histograms cumulative); the core sums its fronts'."""
+
+    families: Annotated[list[Family], Meta(max_length=10_000)]
+
+
+QUERY_STATS, QUERY_METRICS, QUERY_FAMILIES = 1, 2, 3
+
+
+class Query(_Message):
+    """Ask the core for something fresher than its last Status: its stats, the deployment's metrics,
+    or its own metrics (the first engine core asks the others, and exposes the sum)."""
+
+    query_id: Annotated[int, Meta(ge=0)]
+    what: Annotated[int, Meta(ge=QUERY_STATS, le=QUERY_FAMILIES)]
+
+
+class Answer(_Message):
+    query_id: int
+    stats: EngineStats | None = None
+    text: str | None = None  # the Prometheus exposition of the whole deployment
+    families: list[Family] | None = None  # this core's own metrics (another engine core sums them)
+
+
+Message = (FrontHello | CoreHello | Submit | Abort | FinishChoice | Heartbeat | Updates | Status | FrontMetrics
+           | Query | Answer)
+KIND_OF: dict[type, int] = {FrontHello: 1, CoreHello: 2, Submit: 3, Abort: 4, FinishChoice: 5, Heartbeat: 6,
+                            Updates: 7, Status: 8, FrontMetrics: 9, Query: 10, Answer: 11}
+FROM_FRONT = (FrontHello, Submit, Abort, FinishChoice, Heartbeat, FrontMetrics, Query)
+FROM_CORE = (CoreHello, Updates, Status, Heartbeat, Answer)
+TIER = Codec(TIER_VERSION, KIND_OF)

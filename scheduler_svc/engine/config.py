@@ -1,0 +1,35 @@
+"""The engine core's knobs, frozen and validated once (the scheduler's own are in sched/config.py).
+
+Built by the service's ``entrypoints/config.py`` from the command line; values learned at run
+time arrive through the executors' handshakes, never by mutating these objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve import wire
+from scheduler_svc.engine.executor_auth import LinkSecurity
+from scheduler_svc.sched.config import SchedulerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """The engine's own knobs; ``scheduler`` is the template each executor's Scheduler gets."""
+
+    scheduler: SchedulerConfig
+    executor_endpoint: str  # ZeroMQ ROUTER endpoint executors dial in to, e.g. tcp://0.0.0.0:5556
+    heartbeat_interval_s: float = wire.DEFAULT_HEARTBEAT_INTERVAL_S
+    max_queued_requests: int = 1024
+    max_migrations: int = 3
+    async_scheduling: bool = True  # plan step k+1 while the executor runs step k
+    stream_interval: int = 1  # after a request's first output, tokens a choice gathers before its consumer wakes
+    executor_link: LinkSecurity | None = None  # CURVE keys of the executor link and who is admitted (None: none)
+    step_timeout_s: float = 30.0  # least time a step may take before its executor counts as failed
+    max_failed_steps: int = 3  # consecutive steps an executor fails as a whole before it is dropped
+    orphan_timeout_s: float = 60.0  # how long a request whose executors all died waits for another
+    model_fingerprint: str | None = None  # the served model (from --model's weights), None: the first executor's
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise ValueError(f"EngineConfig.stream_interval must be an integer >= 1 (got {self.stream_interval!r})")

@@ -1,0 +1,408 @@
+"""The scheduler service's configuration: flags, environment, validation.
+
+Built once in ``__main__`` and frozen. Each knob is declared once, in the
+dataclass that uses it (:class:`SchedulerConfig`, :class:`EngineConfig`,
+:class:`ServerLimits`); its flag takes the default from there and
+:func:`load_config` builds those objects straight from the parsed flags, so
+nothing is copied field by field. Values learned at run time (how many blocks
+an executor has, the model's max length) arrive through the executor
+handshake, never by mutating this object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedserve import wire
+from pagedserve.envargs import number, parse_with_env
+from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.engine.executor_auth import LinkSecurity
+from scheduler_svc.engine.link_flags import add_link_flags, link_security
+from scheduler_svc.front.grpc.limits import MAX_REQUEST_BYTES, GrpcLimits
+from scheduler_svc.front.guards.admission import sized_for_machine
+from scheduler_svc.front.guards.security import ApiKeys, TlsFiles
+from scheduler_svc.front.http.limits import HttpLimits
+from scheduler_svc.front.input.validation import LOGPROBS_MODES, ServerLimits
+from scheduler_svc.front.tool_calls import AUTO_PARSERS, ToolCallOptions
+from scheduler_svc.sched.config import PREEMPTION_MODES, SchedulerConfig
+
+DEFAULT_GRPC_PORT = 50051
+DEFAULT_EXECUTOR_PORT = 5556
+DEFAULT_METRICS_PORT = 9100
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible API (vLLM's port too)
+PORT = number(int, "port", 0, low_inclusive=True, high=65535)  # 0: pick a free port / disable
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    model_dir: Path
+    host: str
+    port: int
+    metrics_host: str
+    metrics_port: int  # 0 = no metrics endpoint
+    http_host: str
+    http_port: int  # 0 = no HTTP API
+    http_limits: HttpLimits  # bounds on HTTP bodies, before the shared validator
+    engine: EngineConfig  # its .scheduler: the per-executor scheduling knobs
+    limits: ServerLimits  # per-request limits at the API edge
+    shutdown_grace_seconds: float
+    log_level: str
+    api_keys: ApiKeys | None = None  # the public fronts require one of these (None: open)
+    tls: TlsFiles | None = None  # the public fronts serve TLS (None: plaintext)
+    grpc_limits: GrpcLimits = GrpcLimits()  # how long gRPC connections and request messages may take
+    api_server_count: int = 1  # front processes the scheduler starts (they share the public ports)
+    engine_cores: int = 1  # scheduling processes (each schedules its own executors)
+    front_link_host: str = "127.0.0.1"  # where fronts of their own Deployment dial the core
+    front_link_port: int = 0  # 0: only the scheduler's own fronts (over a local ipc:// link)
+    trusted_front_keys: Path | None = None  # the keys of fronts of their own (a CURVE front link)
+    logprobs_mode: str = LOGPROBS_MODES[0]  # what reported log-probs describe (every executor follows it)
+    tool_calls: ToolCallOptions = ToolCallOptions()  # --enable-auto-tool-choice, --tool-call-parser
+
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        return self.engine.scheduler
+
+
+def default(cls: type, name: str) -> Any:
+    """The declared default of dataclass field ``cls.name`` (flags take theirs from here)."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+# Flag -> the dataclass field it sets. Fields without a flag are learned at run time
+# (SchedulerConfig.max_model_len and decode_steps come from each executor's handshake) or built from
+# several flags (EngineConfig.executor_endpoint from --executor-host and --executor-port).
+FLAG_FIELDS: dict[str, tuple[type, str]] = {
+    "--block-size": (SchedulerConfig, "block_size"),
+    "--max-num-seqs": (SchedulerConfig, "max_num_seqs"),
+    "--max-num-batched-tokens": (SchedulerConfig, "max_num_batched_tokens"),
+    "--preemption-mode": (SchedulerConfig, "preemption_mode"),
+    "--watermark": (SchedulerConfig, "watermark"),
+    "--disable-prefix-caching": (SchedulerConfig, "enable_prefix_caching"),
+    "--heartbeat-interval": (EngineConfig, "heartbeat_interval_s"),
+    "--max-queued-requests": (EngineConfig, "max_queued_requests"),
+    "--max-migrations": (EngineConfig, "max_migrations"),
+    "--async-scheduling": (EngineConfig, "async_scheduling"),
+    "--stream-interval": (EngineConfig, "stream_interval"),
+    "--step-timeout": (EngineConfig, "step_timeout_s"),
+    "--max-failed-steps": (EngineConfig, "max_failed_steps"),
+    "--orphan-timeout": (EngineConfig, "orphan_timeout_s"),
+    **{"--" + f.name.replace("_", "-"): (ServerLimits, f.name) for f in dataclasses.fields(ServerLimits)},
+    **{"--http-" + f.name.replace("_", "-"): (HttpLimits, f.name) for f in dataclasses.fields(HttpLimits)},
+    **{"--grpc-" + f.name.replace("_", "-"): (GrpcLimits, f.name) for f in dataclasses.fields(GrpcLimits)},
+}
+RUNTIME_FIELDS = {(SchedulerConfig, "max_model_len"), (SchedulerConfig, "decode_steps"), (EngineConfig, "scheduler"),
+                  (EngineConfig, "executor_endpoint"), (EngineConfig, "model_fingerprint"),
+                  (EngineConfig, "executor_link")}
+
+_LIMIT_HELP = {
+    "max_n": "largest n (parallel samples) a request may ask for",
+    "max_beam_width": "largest beam_width a request may ask for",
+    "max_stop_strings": "most stop strings per request (0: none allowed)",
+    "max_stop_string_len": "longest stop string, in characters",
+    "max_stop_token_ids": "most stop token ids per request (0: none allowed)",
+    "max_logprobs": "largest number of top logprobs a request may ask for",
+    "default_max_tokens": "max_tokens of a request that leaves it unset (capped by the context left)",
+    "max_logit_bias": "most logit_bias entries per request (0: logit_bias is not accepted)",
+    "max_structured_chars": "longest structured-output spec (JSON schema, regex, grammar, choices as JSON), in "
+                            "characters (0: structured outputs are not accepted)",
+    "max_request_id_len": "longest request_id, in characters",
+    "max_body_bytes": "HTTP: largest request body; bigger ones get 413 before they are read",
+    "max_messages": "HTTP: most messages in one chat request",
+    "max_prompts": "HTTP: most prompts in one completions request (a batch)",
+    "body_timeout_s": "HTTP: seconds a client may take to send a request body (408 after)",
+    "head_timeout_s": "HTTP: seconds a client may take to send a request line and headers, counted from "
+                      "their first byte or, for a new connection, from connecting (408 and closed after)",
+    "keep_alive_timeout_s": "HTTP: seconds a connection may wait for its next request after a response; "
+                            "bytes that do not begin a request do not extend it (closed after)",
+    "tls_handshake_timeout_s": "HTTP: seconds a new connection may take to finish its TLS handshake",
+    "max_concurrent_calls": "calls in progress on both fronts together (health checks excepted); more get "
+                            "429 / RESOURCE_EXHAUSTED before their request is read. 0: one per MiB of the memory "
+                            "the process may use and at most 1024 per CPU (cgroup limits, else the machine's), "
+                            "256..16384",
+    "max_in_flight_bytes": "request bytes (HTTP bodies, gRPC messages) of the calls in progress, both fronts "
+                           "together; a call that does not fit gets 429 / RESOURCE_EXHAUSTED before its body is "
+                           "read. 0: an eighth of the memory the process may use, 64 MiB..1 GiB",
+    "auth_failure_burst": "failed API-key attempts a peer (IP address, IPv6 /64) may make at once; beyond, its "
+                          "calls get 429 / RESOURCE_EXHAUSTED without their key being checked",
+    "auth_failure_refill_s": "seconds in which a peer regains one failed API-key attempt",
+}
+_GRPC_HELP = {
+    "handshake_timeout_s": "gRPC: seconds a new connection may take for its TLS handshake and HTTP/2 preface",
+    "idle_timeout_s": "gRPC: seconds a connection without calls is kept (GOAWAY and closed after; pings and "
+                      "other frames do not extend it)",
+    "message_timeout_s": "gRPC: seconds a call's request message may take to arrive, from the call's start "
+                         "(DEADLINE_EXCEEDED after)",
+    "keepalive_s": "gRPC: seconds after which the server pings a connection; one unanswered for a third of "
+                   "that is closed (its calls fail)",
+    "max_connection_age_s": "gRPC: seconds after which a connection gets GOAWAY, so clients reconnect and "
+                            "spread over replicas; its calls in progress run to their end",
+}
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pagedserve-scheduler",
+        description="pagedserve scheduler: the gRPC API and the OpenAI-compatible HTTP API, request "
+                    "queues, KV block tables and preemption; executors dial in over ZeroMQ. Every flag also reads "
+                    "PAGEDSERVE_<FLAG> from the environment.")
+    p.add_argument("--model", required=True, type=Path,
+                   help="model directory (config.json and tokenizer.json are read; no weights)")
+    p.add_argument("--host", default="0.0.0.0", help="gRPC listen address")
+    p.add_argument("--port", type=PORT, default=DEFAULT_GRPC_PORT, help="gRPC port")
+    p.add_argument("--executor-host", default=None,
+                   help="address executors dial in to (default 0.0.0.0 when the link has keys, "
+                        "--curve-secret-key-file or --cluster-secret-file, else 127.0.0.1: an unencrypted "
+                        "executor link is never exposed by default)")
+    p.add_argument("--executor-port", type=PORT, default=DEFAULT_EXECUTOR_PORT,
+                   help="ZeroMQ ROUTER port executors dial in to")
+    add_link_flags(p)
+    p.add_argument("--allow-insecure-executors", action="store_true",
+                   help="let executors dial in over a non-loopback address without keys: anyone "
+                        "who reaches the port then receives prompts and can forge outputs")
+    p.add_argument("--step-timeout", type=number(float, "--step-timeout", 0), default=default(EngineConfig,
+                   "step_timeout_s"), dest="step_timeout_s",
+                   help="seconds a step may take at least before its executor counts as failed and its requests "
+                        "move (the bound grows with the executor's observed step times)")
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="file with one API key per line: calls must send 'authorization: Bearer <key>' "
+                        "(gRPC health stays open for probes)")
+    p.add_argument("--tls-cert-file", type=Path, default=None, help="PEM certificate (chain) the API serves")
+    p.add_argument("--tls-key-file", type=Path, default=None, help="PEM private key of --tls-cert-file")
+    p.add_argument("--tls-client-ca-file", type=Path, default=None,
+                   help="PEM CA bundle: clients must present a certificate it signed (mutual TLS)")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="Prometheus /metrics listen address")
+    p.add_argument("--metrics-port", type=PORT, default=DEFAULT_METRICS_PORT,
+                   help="Prometheus /metrics HTTP port (0 disables)")
+    p.add_argument("--http-host", default="0.0.0.0", help="OpenAI-compatible HTTP API listen address")
+    p.add_argument("--http-port", type=PORT, default=DEFAULT_HTTP_PORT,
+                   help="OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions; 0 disables)")
+    s, e = SchedulerConfig, EngineConfig
+    p.add_argument("--block-size", type=int, choices=wire.BLOCK_SIZES, default=default(s, "block_size"),
+                   help="tokens per KV block (executors must agree)")
+    p.add_argument("--max-num-seqs", type=number(int, "--max-num-seqs", 0), default=default(s, "max_num_seqs"),
+                   help="sequences per iteration per executor")
+    p.add_argument("--max-num-batched-tokens", type=number(int, "--max-num-batched-tokens", 0),
+                   default=default(s, "max_num_batched_tokens"),
+                   help="tokens per iteration per executor (chunked prefill budget)")
+    p.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default=default(s, "preemption_mode"),
+                   help="what to do with a preempted request's KV blocks")
+    p.add_argument("--watermark", type=number(float, "--watermark", 0.0, low_inclusive=True, high=0.5),
+                   default=default(s, "watermark"),
+                   help="fraction of an executor's blocks kept free when admitting requests (avoids thrashing)")
+    p.add_argument("--disable-prefix-caching", action="store_false", dest="enable_prefix_caching",
+                   help="do not reuse KV blocks across requests with a common prefix")
+    p.add_argument("--max-queued-requests", type=number(int, "--max-queued-requests", 0),
+                   default=default(e, "max_queued_requests"),
+                   help="waiting requests beyond which new ones get RESOURCE_EXHAUSTED")
+    p.add_argument("--api-server-count", type=number(int, "--api-server-count", 1, True), default=1,
+                   help="front processes to start: each serves the gRPC and HTTP ports (shared, SO_REUSEPORT) "
+                        "and does the per-request and per-token work (validation, tokenization, detokenization, "
+                        "streaming), so that the scheduling loop does none of it")
+    p.add_argument("--engine-cores", type=number(int, "--engine-cores", 1, True), default=1,
+                   help="scheduling processes: when one process's CPU is the limit (many executors, short steps), "
+                        "run several; each schedules the executors the directory (--executor-port) sends it, on "
+                        "--executor-port + k, and the fronts spread requests over them")
+    p.add_argument("--front-link-host", default=None,
+                   help="address fronts of their own (pagedserve-front) dial in to (default 0.0.0.0 when the "
+                        "link has keys, else 127.0.0.1)")
+    p.add_argument("--front-link-port", type=PORT, default=0,
+                   help="port for fronts of their own (pagedserve-front --core tcp://HOST:PORT); 0: off, only the "
+                        "scheduler's own fronts serve (with --curve-secret-key-file the link is CURVE, and a front's "
+                        "key must be in --trusted-front-keys)")
+    p.add_argument("--trusted-front-keys", type=Path, default=None,
+                   help="public keys of the fronts of their own that may dial the front link: a directory of "
+                        "NAME.key files (`pagedserve keys front` makes a key pair) or a file of "
+                        "lines 'KEY [name]'; re-read when it changes")
+    p.add_argument("--shutdown-grace-seconds", type=number(float, "--shutdown-grace-seconds", 0, True),
+                   default=30.0,
+                   help="on SIGTERM, time in-flight requests get to finish before they are aborted")
+    p.add_argument("--heartbeat-interval", type=number(float, "--heartbeat-interval", 0),
+                   default=default(e, "heartbeat_interval_s"), dest="heartbeat_interval_s",
+                   help="seconds between heartbeats; a peer silent for 5 intervals is dead")
+    p.add_argument("--max-migrations", type=number(int, "--max-migrations", 0, True),
+                   default=default(e, "max_migrations"),
+                   help="times a request may move to another executor after a failure")
+    p.add_argument("--max-failed-steps", type=number(int, "--max-failed-steps", 1, True),
+                   default=default(e, "max_failed_steps"),
+                   help="consecutive steps an executor fails as a whole (every sequence of the step) before "
+                        "it is dropped and its requests move elsewhere")
+    p.add_argument("--orphan-timeout", type=number(float, "--orphan-timeout", 0), dest="orphan_timeout_s",
+                   default=default(e, "orphan_timeout_s"),
+                   help="seconds a request whose executors all died waits for another to register before it "
+                        "fails with UNAVAILABLE")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=default(e, "async_scheduling"),
+                   help="plan each executor's next step while it runs the current one, so it never waits "
+                        "for the scheduler (--no-async-scheduling: plan, wait, update, stream, repeat)")
+    for f in dataclasses.fields(ServerLimits):
+        flag = "--" + f.name.replace("_", "-")
+        zero = f.name in ServerLimits.ZERO_ALLOWED or f.name in ServerLimits.MACHINE_SIZED
+        p.add_argument(flag, type=number(int, flag, 0, low_inclusive=zero), default=f.default, help=_LIMIT_HELP[f.name])
+    for f in dataclasses.fields(HttpLimits):
+        flag = "--http-" + f.name.replace("_", "-")
+        p.add_argument(flag, type=number(int, flag, 0), default=f.default, dest=f"http_{f.name}",
+                       help=_LIMIT_HELP[f.name])
+    for f in dataclasses.fields(GrpcLimits):
+        flag = "--grpc-" + f.name.replace("_", "-")
+        p.add_argument(flag, type=number(int, flag, 0), default=f.default, dest=f"grpc_{f.name}",
+                       help=_GRPC_HELP[f.name])
+    p.add_argument("--stream-interval", type=number(int, "--stream-interval", 1, True),
+                   default=default(e, "stream_interval"),
+                   help="after a request's first streamed message, hold its tokens until one choice has this "
+                        "many (or it finishes), then hand them to its stream as one message, on both fronts: "
+                        "fewer wake-ups and writes (a gRPC message costs the scheduler ~20 us of CPU) for "
+                        "coarser streaming; 1 = every step's tokens at once")
+    p.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=LOGPROBS_MODES[0],
+                   help="what reported log-probs describe: the model's raw log-softmax, or the distribution a token "
+                        "is drawn from (after penalties, logit bias, a grammar, temperature and truncation); set "
+                        "here, for every executor, so a request's log-probs mean the same wherever it runs")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice \"auto\" (the default when a chat request has tools): the model's "
+                        "text is parsed for tool calls with --tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=tuple(AUTO_PARSERS), default=None,
+                   help="how the model writes tool calls: hermes (Hermes, Qwen2.5), llama3_json (Llama 3.1-3.3), "
+                        "mistral (Mistral v0.3, Nemo)")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def _api_keys(parser: argparse.ArgumentParser, a: argparse.Namespace) -> ApiKeys | None:
+    if a.api_key_file is None:
+        return None
+    try:
+        return ApiKeys.from_file(a.api_key_file)  # (unreadable files are a ValueError too)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def _tls(parser: argparse.ArgumentParser, a: argparse.Namespace) -> TlsFiles | None:
+    if a.tls_cert_file is None and a.tls_key_file is None:
+        if a.tls_client_ca_file is not None:
+            parser.error("--tls-client-ca-file: needs --tls-cert-file and --tls-key-file")
+        return None
+    if a.tls_cert_file is None or a.tls_key_file is None:
+        parser.error("--tls-cert-file and --tls-key-file: give both or neither")
+    for flag, path in (("--tls-cert-file", a.tls_cert_file), ("--tls-key-file", a.tls_key_file),
+                       ("--tls-client-ca-file", a.tls_client_ca_file)):
+        if path is not None and not path.is_file():
+            parser.error(f"{flag}: {path} is not a readable file")
+    return TlsFiles(a.tls_cert_file, a.tls_key_file, a.tls_client_ca_file)
+
+
+def _executor_link(parser: argparse.ArgumentParser, a: argparse.Namespace) -> LinkSecurity | None:
+    """The executor link's keys (scheduler_svc/engine/link_flags.py): its own key pair is read once, here."""
+    try:
+        return link_security(a)
+    except (ValueError, RuntimeError) as exc:
+        parser.error(str(exc))
+
+
+def _executor_host(parser: argparse.ArgumentParser, a: argparse.Namespace, keys: LinkSecurity | None) -> str:
+    """Secure by default: without keys the executor port binds loopback only."""
+    if keys is not None:
+        return a.executor_host or "0.0.0.0"
+    host = a.executor_host or "127.0.0.1"
+    if not _is_loopback(host):
+        if not a.allow_insecure_executors:
+            parser.error(f"--executor-host {host}: executors would dial in unauthenticated and unencrypted; "
+                         "give --curve-secret-key-file (or --cluster-secret-file on one machine; or, knowingly, "
+                         "--allow-insecure-executors)")
+        log.warning("executor link on %s WITHOUT authentication or encryption (--allow-insecure-executors): "
+                    "anyone who reaches it receives prompts and can forge outputs", host)
+    return host
+
+
+def _check_port_ranges(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Engine core k listens on --executor-port + k and --front-link-port + k: the ranges must not
+    meet each other or the public ports."""
+    cores = range(a.engine_cores)
+    executor = {a.executor_port + k for k in cores}
+    front_link = {a.front_link_port + k for k in cores} if a.front_link_port else set()
+    if executor & front_link:
+        parser.error(f"--front-link-port: {a.front_link_port}..{a.front_link_port + a.engine_cores - 1} meets the "
+                     f"engine cores' executor ports {a.executor_port}..{a.executor_port + a.engine_cores - 1} "
+                     f"(--executor-port + k for --engine-cores {a.engine_cores}); move one of them")
+    for flag, port in (("--port", a.port), ("--http-port", a.http_port), ("--metrics-port", a.metrics_port)):
+        if port and port in executor | front_link:
+            parser.error(f"{flag}: {port} is one of the engine cores' executor or front-link ports")
+
+
+def _front_link_host(parser: argparse.ArgumentParser, a: argparse.Namespace, keys: LinkSecurity | None) -> str:
+    """As the executor link: without keys, fronts of their own dial in on loopback only."""
+    host = a.front_link_host or ("0.0.0.0" if keys is not None else "127.0.0.1")
+    if a.front_link_port and keys is not None and a.trusted_front_keys is None:
+        parser.error("--front-link-port: with keys, give --trusted-front-keys (the fronts' public keys)")
+    if a.trusted_front_keys is not None and not a.trusted_front_keys.exists():
+        parser.error(f"--trusted-front-keys: {a.trusted_front_keys} does not exist")
+    if a.front_link_port and keys is None and not _is_loopback(host) and not a.allow_insecure_executors:
+        parser.error(f"--front-link-host: {host} is not loopback and the link has no keys; give "
+                     "--curve-secret-key-file (or, knowingly, --allow-insecure-executors)")
+    return host
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _fields(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+
+
+def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> ServiceConfig:
+    parser = build_arg_parser()
+    a = parse_with_env(parser, argv, environ)
+    if not (a.model / "config.json").is_file():
+        parser.error(f"--model: {a.model} has no config.json")
+    scheduler = SchedulerConfig(**_fields(SchedulerConfig, a))
+    for flag, width in (("--max-n", a.max_n), ("--max-beam-width", a.max_beam_width)):
+        room = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+        if width > room:  # such a request could never be scheduled: refuse the configuration, not it
+            parser.error(f"{flag}: must be <= --max-num-seqs and --max-num-batched-tokens ({room}), got {width}")
+    keys = _executor_link(parser, a)
+    host = _executor_host(parser, a, keys)
+    _check_port_ranges(parser, a)
+    engine = EngineConfig(scheduler=scheduler, executor_endpoint=f"tcp://{host}:{a.executor_port}",
+                          executor_link=keys,
+                          **{k: v for k, v in _fields(EngineConfig, a).items() if k != "scheduler"})
+    http_limits = HttpLimits(**{f.name: getattr(a, f"http_{f.name}") for f in dataclasses.fields(HttpLimits)})
+    grpc_limits = GrpcLimits(**{f.name: getattr(a, f"grpc_{f.name}") for f in dataclasses.fields(GrpcLimits)})
+    limits = _sized_limits(parser, a, http_limits)
+    return ServiceConfig(
+        model_dir=a.model, host=a.host, port=a.port, metrics_host=a.metrics_host, metrics_port=a.metrics_port,
+        http_host=a.http_host, http_port=a.http_port, http_limits=http_limits, engine=engine,
+        limits=limits, shutdown_grace_seconds=a.shutdown_grace_seconds,
+        log_level=a.log_level, api_keys=_api_keys(parser, a), tls=_tls(parser, a), grpc_limits=grpc_limits,
+        api_server_count=a.api_server_count, engine_cores=a.engine_cores,
+        front_link_host=_front_link_host(parser, a, keys),
+        front_link_port=a.front_link_port, trusted_front_keys=a.trusted_front_keys,
+        logprobs_mode=a.logprobs_mode, tool_calls=_tool_calls(parser, a))
+
+
+def _tool_calls(parser: argparse.ArgumentParser, a: argparse.Namespace) -> ToolCallOptions:
+    try:
+        return ToolCallOptions(a.enable_auto_tool_choice, a.tool_call_parser)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def _sized_limits(parser: argparse.ArgumentParser, a: argparse.Namespace, http: HttpLimits) -> ServerLimits:
+    """ServerLimits with the caps given as 0 sized for this machine; the bytes cap must hold the
+    largest request either front accepts, or such a request could never run."""
+    limits = sized_for_machine(ServerLimits(**_fields(ServerLimits, a)), share=a.api_server_count)  # (per front)
+    largest = max(http.max_body_bytes, MAX_REQUEST_BYTES)
+    if limits.max_in_flight_bytes < largest:
+        parser.error(f"--max-in-flight-bytes: must be >= the largest request a front accepts "
+                     f"(--http-max-body-bytes, gRPC's {MAX_REQUEST_BYTES}): {largest}, got {limits.max_in_flight_bytes}")
+    return limits

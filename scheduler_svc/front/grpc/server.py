@@ -1,0 +1,366 @@
+"""The public gRPC API: the pagedserve.v1.Generation servicer, health and reflection.
+
+Status codes: the engine's errors as scheduler_svc/front/output/status_codes.py says (the table both fronts
+share: QueueFull -> RESOURCE_EXHAUSTED, NoExecutor -> UNAVAILABLE, RequestFailed and anything
+unexpected -> INTERNAL, this request only); before the engine, here:
+
+    ValidationError -> INVALID_ARGUMENT    no model info, shutting down -> UNAVAILABLE
+    a request_id already in flight -> ALREADY_EXISTS
+
+and before the servicer, in the call gate (call_gate.py): no accepted API key ->
+UNAUTHENTICATED; a peer past its failed keys, no free slot or no room for the request's
+bytes -> RESOURCE_EXHAUSTED; the request message not in within --grpc-message-timeout-s ->
+DEADLINE_EXCEEDED. How long connections may idle is grpc core's job (grpc_limits.py).
+
+The servicer talks to the engine only through the interface in
+docs/ARCHITECTURE.md ("Engine <-> servicer"). When the client cancels or its
+deadline passes, the handler is cancelled and the engine's stream is closed
+right away (``aclose``), which is the engine's signal to abort the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from tokenizers import Tokenizer
+
+from pagedserve.engine_api import (
+    EngineApi,
+    EngineStats,
+    GenerationRequest,
+    RequestOutput,
+)
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+from pagedserve.wire import HEALTH_LIVENESS, HEALTH_SCHEDULER_READY
+from scheduler_svc.front.grpc.call_gate import CallGate
+from scheduler_svc.front.grpc.limits import MAX_REQUEST_BYTES, GrpcLimits, server_options
+from scheduler_svc.front.guards.admission import CallBudget
+from scheduler_svc.front.guards.auth_throttle import AuthThrottle
+from scheduler_svc.front.guards.security import ApiKeys, TlsFiles
+from scheduler_svc.front.input.offload import token_ids, validate_off_loop
+from scheduler_svc.front.input.validation import (
+    LOGPROBS_MODES,
+    ServerLimits,
+    ValidationError,
+    fields_from_proto,
+    validate_request,
+    validation_work,
+)
+from scheduler_svc.front.output.status_codes import refusal
+from scheduler_svc.telemetry.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+assert SERVICE_NAME == HEALTH_SCHEDULER_READY, "readiness is reported under the service's own name"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class _Refused(Exception):
+    """A request ends with a non-OK status (raised inside the servicer only)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    """pagedserve.v1.Generation over an engine."""
+
+    def __init__(self, engine: EngineApi, tokenizer: Tokenizer, limits: ServerLimits,
+                 metrics: Metrics | None = None, logprobs_mode: str = LOGPROBS_MODES[0]) -> None:
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._limits = limits
+        self._metrics = metrics
+        self._logprobs_mode = logprobs_mode  # --logprobs-mode: what every request's log-probs describe
+        self._in_flight: set[str] = set()
+        self.shutting_down = False
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        # A coroutine writing with context.write (not an async generator): a cancel or deadline
+        # raises CancelledError here, inside aclosing, so the engine's stream is closed at once.
+        # Aborts happen outside the except blocks: context.abort raises, and an exception raised
+        # while handling _Refused would chain it, its traceback and the request's frames (a
+        # multi-megabyte prompt) into a cycle that only a full garbage collection frees.
+        refusal = None
+        try:
+            greq = await self._admit(request, context)
+        except _Refused as e:
+            refusal = (e.code, str(e))
+        if refusal is not None:
+            del request  # (grpc keeps the aborting frames in a cycle until a full collection)
+            await self._abort(context, *refusal)
+            return
+        self._in_flight.add(greq.request_id)
+        try:
+            async with contextlib.aclosing(self._run(greq)) as responses:
+                async for msg in responses:
+                    await context.write(msg)
+        except _Refused as e:
+            refusal = (e.code, str(e))
+        finally:
+            self._in_flight.discard(greq.request_id)
+        if refusal is not None:
+            await self._abort(context, *refusal)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+                           ) -> pb.ModelInfo:
+        info = self._engine.model_info()
+        if info is None:
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "no executor has registered yet")
+        msg = pb.ModelInfo(
+            model_name=info.model_name, architecture=info.architecture, max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size, block_size=info.block_size, num_executors=info.num_executors,
+            limits=self._limits.to_proto(),
+        )
+        if info.eos_token_ids:
+            msg.eos_token_id = info.eos_token_ids[0]
+            msg.eos_token_ids.extend(info.eos_token_ids)
+        return msg
+
+    async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.Stats:
+        try:
+            return _stats(await self._engine.current_stats())
+        except Exception:
+            log.exception("engine.stats() failed")
+            await self._abort(context, grpc.StatusCode.INTERNAL, "could not collect stats")
+
+    async def _admit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationRequest:
+        """Validate, tokenize and stamp arrival time and deadline; raise _Refused."""
+        if self.shutting_down:
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        info = self._engine.model_info()
+        if info is None:
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, "no executor has registered yet; retry later")
+        arrival = time.monotonic()
+        try:
+            fields = fields_from_proto(request)  # (a long prompt, or a grammar to check: in a worker thread)
+            greq = await validate_off_loop(validation_work(fields), validate_request, fields, info, self._limits,
+                                           self._tokenize, None, self._logprobs_mode)
+        except ValidationError as e:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None  # (no frames kept: see Generate)
+        except Exception as e:  # e.g. the tokenizer failed: a server bug, not the client's
+            log.exception("validating a request failed")
+            raise _Refused(grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__})") from e
+        if greq.request_id in self._in_flight:
+            raise _Refused(grpc.StatusCode.ALREADY_EXISTS, f"request_id {greq.request_id!r} is already running")
+        greq.arrival_time = arrival
+        remaining = context.time_remaining()  # None: the client set no deadline
+        if remaining is not None:
+            greq.deadline = time.monotonic() + remaining
+        return greq
+
+    async def _run(self, greq: GenerationRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """The engine's stream as protobuf, errors mapped to _Refused; always closes the engine's stream."""
+        stream = None
+        try:
+            stream = self._engine.generate(greq)
+            async for out in stream:
+                yield _response(out)  # inside the try: a malformed output is INTERNAL too
+        except Exception as e:  # the engine's errors, and a malformed output (a bug): refusals.py
+            r = refusal(e, greq.request_id)
+            raise _Refused(grpc.StatusCode[r.grpc_code], r.message) from e
+        finally:
+            # Cancellation or deadline: closing the stream tells the engine to abort and free blocks.
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    def _tokenize(self, text: str) -> list[int]:
+        return token_ids(self._tokenizer, text, True)
+
+    async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        if self._metrics is not None:
+            self._metrics.on_rejected(code.name)
+        await context.abort(code, message)
+
+
+def _response(out: RequestOutput) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=out.request_id)
+    if out.prompt_logprobs is not None:
+        for lp in out.prompt_logprobs:
+            entry = msg.prompt_logprobs.add()
+            if lp is not None:
+                entry.token_id, entry.logprob = lp.token_id, lp.logprob
+                for tid, tlp in zip(lp.top_token_ids, lp.top_logprobs, strict=True):
+                    entry.top_logprobs.add(token_id=tid, logprob=tlp)
+    for c in out.choices:
+        choice = msg.choices.add(index=c.index, text=c.text, token_ids=c.token_ids,
+                                 finish_reason=int(c.finish_reason))
+        for lp in c.logprobs:
+            entry = choice.logprobs.add(token_id=lp.token_id, logprob=lp.logprob)
+            for tid, tlp in zip(lp.top_token_ids, lp.top_logprobs, strict=True):
+                entry.top_logprobs.add(token_id=tid, logprob=tlp)
+    if out.usage is not None:
+        msg.usage.prompt_tokens = out.usage.prompt_tokens
+        msg.usage.completion_tokens = out.usage.completion_tokens
+        msg.usage.cached_prompt_tokens = out.usage.cached_prompt_tokens
+    return msg
+
+
+def _stats(s: EngineStats) -> pb.Stats:
+    msg = pb.Stats(
+        num_running=s.num_running, num_waiting=s.num_waiting, num_swapped=s.num_swapped,
+        num_preemptions=s.num_preemptions, prefix_cache_query_tokens=s.prefix_cache_query_tokens,
+        prefix_cache_hit_tokens=s.prefix_cache_hit_tokens, num_migrations=s.num_migrations,
+    )
+    for e in s.executors:
+        msg.executors.add(
+            id=e.id, state=e.state, kv_blocks_total=e.kv_blocks_total, kv_blocks_used=e.kv_blocks_used,
+            kv_blocks_cached=e.kv_blocks_cached, kv_blocks_shared=e.kv_blocks_shared,
+            cpu_blocks_total=e.cpu_blocks_total, cpu_blocks_used=e.cpu_blocks_used,
+            num_running=e.num_running, num_waiting=e.num_waiting, tensor_parallel_size=e.tensor_parallel_size,
+        )
+    return msg
+
+
+@dataclass
+class ApiServer:
+    """A running gRPC server: Generation + health + reflection on one port."""
+
+    server: grpc.aio.Server
+    servicer: GenerationServicer
+    health: health_aio.HealthServicer
+    engine: EngineApi
+    port: int
+    _poller: asyncio.Task | None = field(default=None, repr=False)
+    _reported: bool = field(default=False, repr=False)  # liveness already set NOT_SERVING
+
+    async def update_health(self) -> None:
+        """Recompute readiness, and liveness: NOT_SERVING once a loop of the engine died (then the
+        process cannot serve again, and the orchestrator restarts it). The engine calls this on
+        executor join/leave; a poll also does."""
+        problem = self.engine.health_problem()
+        ready = problem is None and self.engine.is_ready() and not self.servicer.shutting_down
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, SERVING if ready else NOT_SERVING)
+        if problem is not None and not self._reported:
+            self._reported = True
+            log.critical("liveness is NOT_SERVING: %s", problem)
+            await self.health.set(HEALTH_LIVENESS, NOT_SERVING)
+
+    async def begin_shutdown(self) -> None:
+        """Readiness off and new Generate calls refused (UNAVAILABLE); running requests continue."""
+        self.servicer.shutting_down = True
+        await self.update_health()
+
+    async def stop(self, grace: float) -> None:
+        """Stop the server: running RPCs get ``grace`` seconds, then are cancelled (engine aborts them)."""
+        if self._poller is not None:
+            self._poller.cancel()
+        await self.server.stop(grace)
+
+    async def shutdown(self, grace: float) -> None:
+        """begin_shutdown() then stop(grace)."""
+        await self.begin_shutdown()
+        await self.stop(grace)
+
+    async def _poll_health(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.update_health()
+            except Exception:  # a probe must never kill the server
+                log.exception("health update failed")
+
+
+def _parsing(cls, method):
+    """A servicer method taking the raw request bytes: a malformed message is INVALID_ARGUMENT
+    (gRPC's own deserializer would make it UNKNOWN)."""
+
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext):
+        try:
+            request = [cls.FromString(raw)]
+        except DecodeError as e:
+            request, problem = None, str(e)
+        raw = None  # this frame outlives the call in grpc's abort cycles: keep no prompt in it
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request is not a valid {cls.DESCRIPTOR.full_name} message ({problem})")
+        return await method(request.pop(), context)
+
+    return handler
+
+
+def _generation_handlers(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            _parsing(pb.GenerateRequest, servicer.Generate),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            _parsing(pb.GetModelInfoRequest, servicer.GetModelInfo),
+            response_serializer=pb.ModelInfo.SerializeToString),
+        "GetStats": grpc.unary_unary_rpc_method_handler(
+            _parsing(pb.GetStatsRequest, servicer.GetStats), response_serializer=pb.Stats.SerializeToString),
+    })
+
+
+async def start_grpc_server(
+    engine: EngineApi,
+    tokenizer: Tokenizer,
+    host: str = "0.0.0.0",
+    port: int = 50051,
+    limits: ServerLimits | None = None,
+    metrics: Metrics | None = None,
+    health_poll_interval: float | None = 1.0,
+    api_keys: ApiKeys | None = None,
+    tls: TlsFiles | None = None,
+    grpc_limits: GrpcLimits | None = None,
+    budget: CallBudget | None = None,
+    throttle: AuthThrottle | None = None,
+    reuse_port: bool = False,
+    logprobs_mode: str = LOGPROBS_MODES[0],
+) -> ApiServer:
+    """Bind and start the server (port 0: a free port, see ``.port``); must run in the engine's loop.
+
+    ``health_poll_interval`` re-reads ``engine.is_ready()`` periodically as a
+    safety net; the engine should still call ``update_health()`` on changes.
+    ``api_keys``: calls need one (health excepted); ``tls``: the port serves TLS only.
+    ``grpc_limits``: how long connections and request messages may take (grpc_limits.py).
+    ``budget`` and ``throttle``: the ones the process's fronts share (admission.py,
+    auth_throttle.py); by default this server's own, from ``limits``. ``reuse_port``: other
+    processes of this host (the scheduler's fronts) serve the same port (SO_REUSEPORT).
+    ``logprobs_mode``: the deployment's --logprobs-mode.
+    """
+    limits = limits or ServerLimits()
+    grpc_limits = grpc_limits or GrpcLimits()
+    if api_keys is not None and throttle is None:
+        throttle = AuthThrottle(limits.auth_failure_burst, limits.auth_failure_refill_s)
+    gate = CallGate(grpc_limits.message_timeout_s, MAX_REQUEST_BYTES, budget or CallBudget.from_limits(limits),
+                    api_keys, throttle, metrics)
+    servicer = GenerationServicer(engine, tokenizer, limits, metrics, logprobs_mode)
+    health = health_aio.HealthServicer()
+    server = grpc.aio.server(interceptors=[gate], options=[
+        ("grpc.so_reuseport", int(reuse_port)), ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+        *server_options(grpc_limits)])
+    server.add_generic_rpc_handlers((_generation_handlers(servicer),))
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.grpc_credentials()) if tls else server.add_insecure_port(address)
+    api = ApiServer(server, servicer, health, engine, bound)
+    await health.set(HEALTH_LIVENESS, SERVING)
+    await api.update_health()
+    await server.start()
+    if health_poll_interval is not None:
+        api._poller = asyncio.get_running_loop().create_task(api._poll_health(health_poll_interval))
+    log.info("gRPC API listening on %s:%d (%s%s)", host, bound, "TLS" if tls else "plaintext",
+             ", API keys required" if api_keys else "")
+    return api

@@ -1,0 +1,378 @@
+"""The OpenAI-compatible HTTP front: /v1/models, /v1/completions, /v1/chat/completions, /health,
+/metrics (the deployment's), and vLLM's /tokenize, /detokenize and /version (extras.py).
+
+It serves the same engine as the gRPC servicer, in the same process and on the same asyncio
+loop (serve.py runs uvicorn there), through the same interface (docs/ARCHITECTURE.md,
+"Engine <-> servicer") and the same validator: a body is decoded (openai_types.py), turned
+into the validator's RequestFields, validated into GenerationRequests (one per prompt), and
+the engine's streams are rendered as OpenAI JSON or server-sent events (responses.py,
+streams.py). Errors get their status in errors.py.
+
+:func:`build_app` is the one place the ASGI app is assembled; its ``middleware`` is where
+authentication (API keys) plugs in, and inside it the process's call budget (admission.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+from tokenizers import Tokenizer
+
+from pagedserve.engine_api import EngineApi, GenerationRequest, ModelInfo, RequestFailed
+from scheduler_svc.front.api_errors import ApiError, bad_field
+from scheduler_svc.front.guards.admission import CallBudget
+from scheduler_svc.front.http import extras, streams
+from scheduler_svc.front.http.admission import AdmissionMiddleware
+from scheduler_svc.front.http.chat_messages import chat_messages
+from scheduler_svc.front.http.chat_template import ChatTemplate, ChatTemplateError
+from scheduler_svc.front.http.errors import from_validation
+from scheduler_svc.front.http.limits import HttpLimits
+from scheduler_svc.front.http.openai_types import (
+    ChatRequest,
+    CompletionRequest,
+    chat_fields,
+    completion_fields,
+    decode,
+)
+from scheduler_svc.front.http.responses import ChatRender, CompletionRender, TokenTexts, _Render
+from scheduler_svc.front.input.offload import token_ids, validate_off_loop
+from scheduler_svc.front.input.validation import (
+    LOGPROBS_MODES,
+    RequestFields,
+    ServerLimits,
+    ValidationError,
+    validate_request,
+    validation_work,
+)
+from scheduler_svc.front.output.status_codes import refusal
+from scheduler_svc.front.tool_calls import ToolCallOptions, ToolPlan, plan_tools
+from scheduler_svc.telemetry.metrics import Metrics
+
+NO_AUTO_TOOLS = ToolCallOptions()  # tool_choice auto refused; required and named functions served
+# The validator's field names -> the OpenAI fields a client sent (errors.from_validation).
+_STRUCTURED_NAMES = {"response_format.json_schema": "response_format.json_schema.schema",
+                     "structured_outputs.json_schema": "structured_outputs.json",
+                     "guided_json.json_schema": "guided_json", "guided_regex.regex": "guided_regex",
+                     "guided_choice.choice": "guided_choice", "guided_grammar.grammar": "guided_grammar",
+                     "tool_choice.json_schema": "tools"}
+COMPLETION_NAMES = {"prompt_token_ids": "prompt", "beam_width": "n", **_STRUCTURED_NAMES}
+CHAT_NAMES = {"prompt": "messages", "prompt_token_ids": "messages", "beam_width": "n", "logprobs": "top_logprobs",
+              **_STRUCTURED_NAMES}
+
+
+class OpenAIFront:
+    """The endpoint handlers over an engine (Starlette request -> response)."""
+
+    def __init__(self, engine: EngineApi, tokenizer: Tokenizer, chat_template: ChatTemplate | None,
+                 limits: ServerLimits, http_limits: HttpLimits, metrics: Metrics | None = None,
+                 tool_options: ToolCallOptions = NO_AUTO_TOOLS, logprobs_mode: str = LOGPROBS_MODES[0]) -> None:
+        self.engine, self.tokenizer, self.chat_template = engine, tokenizer, chat_template
+        self.limits, self.http_limits, self.metrics = limits, http_limits, metrics
+        self.tool_options, self.logprobs_mode = tool_options, logprobs_mode
+        self.special_tokens = frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
+        self.texts = TokenTexts(tokenizer)
+        self.shutting_down = False
+        self.created = int(time.time())
+        # The deployment's metrics (a front asks its engine core, which sums every front's): None in a
+        # process that has the whole engine, whose own registry is then served.
+        self.metrics_text = None
+
+    # ------------------------------------------------------------------ endpoints
+    async def health(self, request: Request) -> Response:
+        """200 once an executor is ready, 503 before and during shutdown (not counted as a rejection)."""
+        if self.shutting_down:
+            return _json(ApiError(503, "the server is shutting down", code="shutting_down").body(), 503)
+        if not self.engine.is_ready():
+            return _json(ApiError(503, "no executor is ready", code="no_executor").body(), 503)
+        return _json({"status": "ok"})
+
+    async def prometheus(self, request: Request) -> Response:
+        """/metrics on the API port: the deployment's metrics, whichever front answers (the
+        Gateway API Inference Extension's endpoint picker scrapes the port it routes to)."""
+        if self.metrics_text is not None:
+            try:
+                text = await self.metrics_text()
+            except (TimeoutError, asyncio.TimeoutError):
+                return _json(ApiError(503, "the engine core did not answer", code="no_executor").body(), 503)
+            body = text.encode()
+        else:
+            body = generate_latest(self.metrics.registry) if self.metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        info = self._info()
+        wanted = request.path_params.get("model")
+        if wanted is not None and wanted != info.model_name:
+            raise _unknown_model(wanted)
+        card = {"id": info.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve",
+                "max_model_len": info.max_model_len}
+        return _json(card if wanted is not None else {"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        arrival, body, req, info = await self._admit(request, CompletionRequest)
+        fields = completion_fields(req, self.http_limits)
+        greqs, echo = await validate_off_loop(_tokenizer_work(fields, req.echo), self._completion_requests,
+                                              fields, info, req.echo)
+        _stamp(greqs, arrival, req.skip_special_tokens)
+        render = CompletionRender(f"cmpl-{greqs[0].request_id}", info.model_name, _choices(greqs[0]), len(greqs),
+                                  self.texts, return_token_ids=req.return_token_ids, echo=echo,
+                                  prompt_ids=[g.prompt_token_ids for g in greqs] if echo else None,
+                                  **_usage_options(req, greqs))
+        return await self._respond(request, greqs, render, req.stream)
+
+    async def chat(self, request: Request) -> Response:
+        arrival, body, req, info = await self._admit(request, ChatRequest)
+        messages = chat_messages(req, self.http_limits)
+        fields = chat_fields(req)
+        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_options, self.special_tokens)
+        if tools.structured is not None:
+            if fields.structured is not None:
+                raise bad_field(fields.structured.field, "cannot be combined with tool_choice "
+                                                         f"{req.tool_choice!r}: one grammar per request")
+            fields.structured = tools.structured
+        if self.chat_template is None:
+            raise ApiError(400, f"model {info.model_name!r} has no chat template (chat_template.jinja or "
+                                "tokenizer_config.json's chat_template); use /v1/completions",
+                           param="messages", code="no_chat_template")
+        names = dict(CHAT_NAMES, max_tokens="max_completion_tokens" if req.max_completion_tokens is not None
+                     else "max_tokens")
+        work = len(body) + validation_work(RequestFields(structured=fields.structured))
+        greqs = await validate_off_loop(work, self._chat_request, fields, messages, req.add_generation_prompt,
+                                        tools, info, names)
+        _stamp(greqs, arrival, req.skip_special_tokens and tools.skip_special_tokens)
+        render = ChatRender(f"chatcmpl-{greqs[0].request_id}", info.model_name, _choices(greqs[0]), 1,
+                            self.texts, return_token_ids=req.return_token_ids, tools=tools,
+                            **_usage_options(req, greqs))
+        return await self._respond(request, greqs, render, req.stream)
+
+    # ------------------------------------------------------------------ admission
+    async def _admit(self, request: Request, kind: type) -> tuple[float, bytes, Any, ModelInfo]:
+        """(arrival time, body, decoded body, model): the bounded read, the JSON, the model named."""
+        arrival = time.monotonic()
+        body = await _read_body(request, self.http_limits.max_body_bytes, self.http_limits.body_timeout_s)
+        req = decode(body, kind)
+        return arrival, body, req, self._model(req.model)
+
+    def _info(self) -> ModelInfo:
+        if self.shutting_down:
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        info = self.engine.model_info()
+        if info is None:
+            raise ApiError(503, "no executor has registered yet; retry later", code="no_executor")
+        return info
+
+    def _model(self, name: str | None) -> ModelInfo:
+        info = self._info()
+        if name is not None and name != info.model_name:
+            raise _unknown_model(name)
+        return info
+
+    # Validating (tokenizing, rendering) a large body runs in a worker thread (validate_off_loop),
+    # as on the gRPC front; so does decoding the prompts an echo repeats.
+    def _completion_requests(self, fields: list[RequestFields], info: ModelInfo, echo: bool
+                             ) -> tuple[list[GenerationRequest], list[str] | None]:
+        greqs = self._validate(fields, info, COMPLETION_NAMES, False)
+        return greqs, [self._prompt_text(f) for f in fields] if echo else None
+
+    def _chat_request(self, fields: RequestFields, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                      tools: ToolPlan, info: ModelInfo, names: dict[str, str]) -> list[GenerationRequest]:
+        assert self.chat_template is not None  # checked by chat()
+        try:
+            fields.prompt = self.chat_template.render(messages, add_generation_prompt, tools.tools)
+        except ChatTemplateError as e:
+            raise bad_field("messages", f"the model's chat template refused them: {e}") from e
+        return self._validate([fields], info, names, True)
+
+    def _validate(self, batch: list[RequestFields], info: ModelInfo, names: dict[str, str],
+                  chat: bool) -> list[GenerationRequest]:
+        """Completions add the tokenizer's special tokens (BOS) as gRPC does and default to
+        ServerLimits.default_max_tokens; a chat prompt has its special tokens from the template
+        and may use the whole context left (OpenAI's chat default)."""
+        tokenize = self._tokenize_plain if chat else self._tokenize
+        default_max_tokens = info.max_model_len if chat else None
+        out = []
+        for i, fields in enumerate(batch):
+            fields.request_id = f"{out[0].request_id}-{i}" if out else ""
+            try:
+                out.append(validate_request(fields, info, self.limits, tokenize, default_max_tokens,
+                                            self.logprobs_mode))
+            except ValidationError as e:
+                indexed = {"prompt": f"prompt[{i}]", "prompt_token_ids": f"prompt[{i}]"} if len(batch) > 1 else {}
+                raise from_validation(e, {**names, **indexed}) from None
+        return out
+
+    def _tokenize(self, text: str) -> list[int]:
+        return token_ids(self.tokenizer, text, True)
+
+    def _tokenize_plain(self, text: str) -> list[int]:
+        return token_ids(self.tokenizer, text, False)
+
+    def _prompt_text(self, f: RequestFields) -> str:
+        return f.prompt if f.prompt is not None else self.tokenizer.decode(list(f.prompt_token_ids))
+
+    # ------------------------------------------------------------------ responses
+    async def _respond(self, request: Request, greqs: list[GenerationRequest], render: _Render,
+                       stream: bool) -> Response:
+        engine_streams = [self.engine.generate(g) for g in greqs]
+        outputs = streams.single(engine_streams[0]) if len(greqs) == 1 else streams.merge(engine_streams)
+        try:  # errors before the first output (queue full, no executor) still get their status
+            first = await streams.until_disconnect(request, _next(outputs))
+            if stream:
+                return streams.EventStreamResponse(streams.sse_events(
+                    first, outputs, render.chunk, lambda: render.usage_chunk() if render.include_usage else None,
+                    self._stream_error))
+            render.add(*first)
+            await streams.until_disconnect(request, _drain(outputs, render))
+            return _json(render.response())
+        except streams.ClientGone:
+            await outputs.aclose()
+            self._count("CANCELLED")
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        except BaseException as e:
+            await outputs.aclose()
+            if isinstance(e, Exception):
+                raise engine_error(e, greqs[0].request_id) from e
+            raise
+
+    def _stream_error(self, e: BaseException) -> dict[str, Any]:
+        err = engine_error(e, "stream")
+        self._count(err.grpc_code)
+        return err.body()
+
+    def _count(self, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.on_rejected(code)
+
+
+async def _next(outputs: AsyncIterator[streams.Tagged]) -> streams.Tagged:
+    try:
+        return await anext(outputs)
+    except StopAsyncIteration:
+        raise RequestFailed("the engine ended the request without output") from None
+
+
+async def _drain(outputs: AsyncIterator[streams.Tagged], render: _Render) -> None:
+    async for prompt, out in outputs:
+        render.add(prompt, out)
+
+
+def engine_error(e: Exception, request_id: str) -> ApiError:
+    """The engine's errors (and anything unexpected) as HTTP statuses (refusals.py)."""
+    if isinstance(e, ApiError):
+        return e
+    r = refusal(e, request_id)
+    return ApiError(r.http_status, r.message, code=r.api_code)
+
+
+def _unknown_model(name: str) -> ApiError:
+    return ApiError(404, f"The model {name[:200]!r} does not exist", param="model", code="model_not_found")
+
+
+def _tokenizer_work(fields: list[RequestFields], echo: bool) -> int:
+    """How much a completions request makes the tokenizer do, in characters or ids: the text
+    prompts to encode, and the token-id prompts an echo decodes; past the threshold when a grammar
+    must be checked (validation_work). Token ids alone are checked inline as on the gRPC front, so
+    a large batch of them never queues for the worker slots that long text prompts hold."""
+    return sum(validation_work(f) + (len(f.prompt_token_ids) if echo and f.prompt is None else 0) for f in fields)
+
+
+def _stamp(greqs: list[GenerationRequest], arrival: float, skip_special_tokens: bool) -> None:
+    """Each request's queue time starts when its HTTP request arrived, before the body was read."""
+    for g in greqs:
+        g.arrival_time = arrival
+        g.params.skip_special_tokens = skip_special_tokens
+
+
+def _choices(g: GenerationRequest) -> int:
+    return max(g.params.n, g.params.beam_width)  # beam search returns beam_width choices
+
+
+def _usage_options(req: CompletionRequest | ChatRequest, greqs: list[GenerationRequest]) -> dict[str, Any]:
+    """stream_options (include_usage, continuous_usage_stats) and what the usage so far starts from."""
+    so = req.stream_options
+    return {"include_usage": so is not None and so.include_usage,
+            "continuous_usage": so is not None and so.continuous_usage_stats,
+            "prompt_tokens": [len(g.prompt_token_ids) for g in greqs]}
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(streams.json_bytes(body), status_code=status, media_type="application/json")
+
+
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refused (413) from its Content-Length before reading, or as soon as it passes
+    ``limit``; 408 unless it has all arrived within ``timeout_s``."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise ApiError(413, f"request body: at most {limit} bytes (Content-Length: {length[:20]})",
+                       code="request_too_large")
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"request body: at most {limit} bytes", code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"request body: not received within {timeout_s:g}s (received {size} bytes)",
+                       code="request_timeout") from None
+    except ClientDisconnect:  # gone mid-upload: counted as cancelled, not an internal error
+        raise ApiError(499, "the client closed the connection while sending the request",
+                       code="client_closed_request") from None
+    return b"".join(chunks)
+
+
+def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = (), budget: CallBudget | None = None
+              ) -> Starlette:
+    """The ASGI app. ``middleware`` (outermost first) wraps every route: API keys go there.
+    ``budget``: the calls and request bytes the process's fronts share (admission.py), taken
+    inside ``middleware``, so a caller without a key never holds any."""
+    if budget is not None:
+        middleware = [*middleware, Middleware(AdmissionMiddleware, budget=budget,
+                                              max_body_bytes=front.http_limits.max_body_bytes, metrics=front.metrics)]
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        front._count(exc.grpc_code)
+        return _json(exc.body(), exc.status)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return _json(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                              code="not_found" if exc.status_code == 404 else None).body(), exc.status_code)
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        return _json(engine_error(exc, "-").body(), 500)
+
+    routes = [
+        Route("/health", front.health, methods=["GET"]),
+        Route("/metrics", front.prometheus, methods=["GET"]),
+        Route("/v1/models", front.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", front.models, methods=["GET"]),
+        Route("/v1/completions", front.completions, methods=["POST"]),
+        Route("/v1/chat/completions", front.chat, methods=["POST"]),
+        *extras.routes(front),
+    ]
+    return _App(routes=routes, middleware=list(middleware),
+                exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error})
+
+
+class _App(Starlette):
+    """Starlette, with the server's own ``send`` in each request's scope: a streamed response's
+    events go to it directly (streams.EventStreamResponse)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[streams.SERVER_SEND] = send
+        await super().__call__(scope, receive, send)

@@ -1,0 +1,47 @@
+"""HTTP errors in OpenAI's shape, and the one place engine and validation errors get HTTP statuses.
+
+    ValidationError, bad JSON, unsupported field -> 400 invalid_request_error (param: the field)
+    body over --http-max-body-bytes -> 413       unknown model -> 404 model_not_found
+    body not received within --http-body-timeout-s -> 408
+    no or unknown API key -> 401                 QueueFull -> 429
+    over --max-concurrent-calls or --max-in-flight-bytes, a peer's failed API keys -> 429 (before the body)
+    NoExecutor, no model yet, shutting down -> 503
+    RequestFailed, anything unexpected -> 500 (this request only; logged)
+    (the engine's errors: from the table both fronts share, scheduler_svc/front/output/status_codes.py)
+    client gone while sending or waiting -> 499 (nginx's "client closed request"; nobody reads it)
+
+The body is ``{"error": {"message", "type", "param", "code"}}``. Each status also has the gRPC
+code name the gRPC front would have used, so ``pagedserve:request_rejected_total{code}``
+counts both fronts in one vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+
+from starlette.types import Send
+
+from scheduler_svc.front.api_errors import ApiError, bad_field
+from scheduler_svc.front.input.validation import ValidationError
+
+
+def from_validation(e: ValidationError, names: Mapping[str, str]) -> ApiError:
+    """The shared validator's error in OpenAI terms.
+
+    The validator names gRPC fields (``sampling.stop[1]``, ``prompt_token_ids[3]``); ``names``
+    maps their base name (without ``sampling.`` and indices) to the OpenAI field the client
+    sent, and the index stays in the message: ``stop[1]: must not be empty (got '')``.
+    """
+    field = e.field.removeprefix("sampling.")
+    base, bracket, rest = field.partition("[")
+    name = names.get(base, base)
+    return bad_field(name + bracket + rest, e.detail)
+
+
+async def send_error(send: Send, err: ApiError, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """``err`` as a whole response, sent by an ASGI middleware (outside Starlette's exception handlers)."""
+    body = json.dumps(err.body()).encode()
+    await send({"type": "http.response.start", "status": err.status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})

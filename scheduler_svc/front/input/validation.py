@@ -1,0 +1,449 @@
+"""Validation at the API edge: a client's request becomes a GenerationRequest.
+
+Both public fronts share it ("one validator, two fronts"): the gRPC servicer reads a
+protobuf ``GenerateRequest`` into :class:`RequestFields` (:func:`fields_from_proto`), the
+OpenAI-compatible HTTP front reads its JSON body into the same type, and
+:func:`validate_request` checks every field and applies the limits. Every check raises
+:class:`ValidationError` (a ValueError) whose message names the field, the limit and
+the value given; field names are the gRPC API's (``sampling.temperature``), which the
+HTTP front renames to its own. Nothing here touches the engine, so it is pure and runs
+in a worker thread when a prompt is long enough for tokenization to matter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pagedserve.engine_api import GenerationRequest, ModelInfo, RequestParams
+from pagedserve.kv_blocks import request_blocks
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.wire import GREEDY_TEMPERATURE_EPS, MAX_SEED, SamplingParams
+from pagedserve.wire.protocol import MAX_END_TOKEN_IDS, MAX_INT32, MAX_LOGIT_BIAS
+from scheduler_svc.front.input.structured import (
+    StructuredError,
+    StructuredFields,
+    needs_check,
+    structured_spec,
+)
+
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI presence / frequency penalties
+# Beam scores divide by length ** length_penalty: within this bound that stays a finite float for
+# any length up to the wire's limit (2**22 ** 10 ~ 1e66), and it is far beyond any useful value.
+MAX_LENGTH_PENALTY = 10.0
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's --logprobs-mode values (raw: the default)
+
+
+class ValidationError(ValueError):
+    """A client error in one field of a request: ``field`` (the gRPC API's name) and ``detail``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.detail = message
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """Per-request limits the servicer enforces, and what the fronts of one process hold at once
+    (built once in __main__; the caps are enforced by admission.py and auth_throttle.py)."""
+
+    # Limits that may be 0: that feature is then off (max_logprobs=0 still allows the sampled token's).
+    ZERO_ALLOWED: ClassVar[frozenset[str]] = frozenset({"max_stop_strings", "max_stop_token_ids", "max_logprobs",
+                                                        "max_logit_bias", "max_structured_chars"})
+    # Caps that may be 0: sized for the machine when the server starts (admission.sized_for_machine).
+    MACHINE_SIZED: ClassVar[frozenset[str]] = frozenset({"max_concurrent_calls", "max_in_flight_bytes"})
+
+    max_n: int = 16
+    max_beam_width: int = 8
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256  # characters
+    max_stop_token_ids: int = 64
+    max_logprobs: int = 20
+    default_max_tokens: int = 16  # when max_tokens is 0/unset (capped by the context left)
+    max_request_id_len: int = 128
+    max_logit_bias: int = 1024  # entries of a request's logit_bias (0: not accepted)
+    max_structured_chars: int = 65536  # characters of a JSON schema, regex or grammar (0: not accepted)
+    # Per process, both fronts together (health checks excepted): calls in progress, and the
+    # request bytes (HTTP bodies, gRPC messages) of those calls; over either, 429 / RESOURCE_EXHAUSTED.
+    max_concurrent_calls: int = 0
+    max_in_flight_bytes: int = 0
+    # Failed API-key attempts per peer (IP address; an IPv6 /64): a burst, then one more every
+    # auth_failure_refill_s seconds; beyond, the peer's calls get 429 / RESOURCE_EXHAUSTED unread.
+    auth_failure_burst: int = 10
+    auth_failure_refill_s: int = 6
+
+    def __post_init__(self) -> None:
+        for name in (f.name for f in dataclasses.fields(self)):
+            value = getattr(self, name)
+            low = 0 if name in self.ZERO_ALLOWED or name in self.MACHINE_SIZED else 1
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"ServerLimits.{name} must be an integer >= {low} (got {value!r})")
+
+    def to_proto(self) -> pb.ServerLimits:
+        return pb.ServerLimits(**{name: getattr(self, name) for name in pb.ServerLimits.DESCRIPTOR.fields_by_name})
+
+
+# The sampling fields that are optional in the API: None (unset) takes the documented default.
+OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "length_penalty", "logprobs",
+                     "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+@dataclass(slots=True)
+class RequestFields:
+    """A request as a front read it, before any check; field meanings as in generation.proto.
+
+    None means unset; 0 for ``max_tokens``, ``n`` and ``beam_width`` means the default.
+    """
+
+    request_id: str = ""
+    prompt: str | None = None
+    prompt_token_ids: Sequence[int] = ()
+    max_tokens: int = 0
+    n: int = 0
+    beam_width: int = 0
+    early_stopping: bool = False
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    length_penalty: float | None = None
+    logprobs: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: Sequence[tuple[int, float]] = ()  # (token id, bias)
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    structured: StructuredFields | None = None
+
+
+def validation_work(f: RequestFields) -> int:
+    """How much validating ``f`` costs, in characters: its text prompt, or past the threshold of
+    ``offload.validate_off_loop`` when a grammar engine must check its structured spec."""
+    prompt = len(f.prompt) if f.prompt is not None else 0
+    return prompt + (1 << 30 if needs_check(f.structured) else 0)
+
+
+def fields_from_proto(req: pb.GenerateRequest) -> RequestFields:
+    """The gRPC front's reading: proto3 presence (HasField) becomes None for unset optionals."""
+    sp = req.sampling
+    return RequestFields(
+        request_id=req.request_id, prompt=req.prompt if req.HasField("prompt") else None,
+        prompt_token_ids=req.prompt_token_ids, max_tokens=sp.max_tokens, n=sp.n, beam_width=sp.beam_width,
+        early_stopping=sp.early_stopping, stop=sp.stop, stop_token_ids=sp.stop_token_ids,
+        ignore_eos=sp.ignore_eos, logit_bias=sorted(sp.logit_bias.items()), min_tokens=sp.min_tokens,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
+        prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
+        structured=_structured_from_proto(sp.structured_outputs) if sp.HasField("structured_outputs") else None,
+        **{name: getattr(sp, name) if sp.HasField(name) else None for name in OPTIONAL_SAMPLING})
+
+
+def _structured_from_proto(so: pb.StructuredOutputs) -> StructuredFields:
+    f = StructuredFields()
+    which = so.WhichOneof("kind")
+    if which == "json_schema":
+        f.json_schema = so.json_schema
+    elif which == "json_object":
+        f.json_object = so.json_object
+    elif which == "regex":
+        f.regex = so.regex
+    elif which == "choice":
+        f.choice = list(so.choice.values)
+    elif which == "grammar":
+        f.grammar = so.grammar
+    return f
+
+
+def validate_generate_request(
+    req: pb.GenerateRequest,
+    model: ModelInfo,
+    limits: ServerLimits,
+    tokenize: Callable[[str], list[int]],
+    logprobs_mode: str = LOGPROBS_MODES[0],
+) -> GenerationRequest:
+    """The gRPC front: :func:`validate_request` of the protobuf request's fields."""
+    return validate_request(fields_from_proto(req), model, limits, tokenize, logprobs_mode=logprobs_mode)
+
+
+def validate_request(
+    f: RequestFields,
+    model: ModelInfo,
+    limits: ServerLimits,
+    tokenize: Callable[[str], list[int]],
+    default_max_tokens: int | None = None,
+    logprobs_mode: str = LOGPROBS_MODES[0],
+) -> GenerationRequest:
+    """Check every field of ``f`` and build the engine's request.
+
+    ``tokenize`` turns a text prompt into token ids (special tokens included, or
+    not for a chat template's output, which has them already).
+    ``default_max_tokens`` replaces ``limits.default_max_tokens`` for a front whose
+    API has another default (chat: the whole context left). ``logprobs_mode``: the
+    deployment's ``--logprobs-mode``, which every executor then follows. ``arrival_time``
+    and ``deadline`` are left for the caller to fill. A structured spec is checked by a
+    grammar engine here: a front calls this in a worker thread when ``validation_work``
+    says so.
+    """
+    request_id = _request_id(f.request_id, limits)
+    prompt_ids = _prompt_token_ids(f, model, tokenize)
+    default = limits.default_max_tokens if default_max_tokens is None else default_max_tokens
+    n, beam_width = _n_and_beam_width(f, limits)
+    max_tokens = _max_tokens(f.max_tokens, len(prompt_ids), model, default, max(n, beam_width))
+    _check_blocks(len(prompt_ids), max_tokens, n, beam_width, model)
+    stop_token_ids = _stop_token_ids(f.stop_token_ids, model, limits)
+    sampling = _sampling(f, limits)
+    _extensions(sampling, f, model, limits, max_tokens, beam_width, stop_token_ids)
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES} (got {logprobs_mode!r})")
+    sampling.processed_logprobs = logprobs_mode == "processed_logprobs"
+    params = RequestParams(
+        max_tokens=max_tokens,
+        sampling=sampling,
+        n=n,
+        beam_width=beam_width,
+        length_penalty=_length_penalty(f.length_penalty),
+        early_stopping=f.early_stopping,
+        stop=_stop_strings(f.stop, limits),
+        stop_token_ids=stop_token_ids,
+        ignore_eos=f.ignore_eos,
+        include_stop_str_in_output=f.include_stop_str_in_output,
+    )
+    return GenerationRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params)
+
+
+def _request_id(request_id: str, limits: ServerLimits) -> str:
+    if not request_id:
+        return uuid.uuid4().hex
+    if len(request_id) > limits.max_request_id_len:
+        raise ValidationError(
+            "request_id", f"must be at most {limits.max_request_id_len} characters (got {len(request_id)})"
+        )
+    if not request_id.isprintable():
+        raise ValidationError("request_id", f"must be printable (got {request_id!r})")
+    return request_id
+
+
+def _prompt_token_ids(f: RequestFields, model: ModelInfo, tokenize: Callable[[str], list[int]]) -> list[int]:
+    has_text, has_ids = f.prompt is not None, len(f.prompt_token_ids) > 0
+    if has_text == has_ids:
+        got = "both" if has_text else "neither"
+        raise ValidationError("prompt", f"exactly one of prompt and prompt_token_ids must be set (got {got})")
+    if has_text:
+        if not f.prompt:
+            raise ValidationError("prompt", "must not be empty (got '')")
+        _check_prompt_chars(len(f.prompt), model)  # before tokenizing: a huge prompt costs nothing
+        ids = list(tokenize(f.prompt))
+        if not ids:
+            raise ValidationError("prompt", f"tokenizes to 0 tokens (got {f.prompt[:40]!r})")
+        field = "prompt"
+    else:
+        if len(f.prompt_token_ids) >= model.max_model_len:  # before copying or checking a long list
+            raise ValidationError("prompt_token_ids", f"has {len(f.prompt_token_ids)} tokens; max_model_len is "
+                                                      f"{model.max_model_len}")
+        ids = list(f.prompt_token_ids)
+        field = "prompt_token_ids"
+    _check_vocab(field, ids, model.vocab_size)
+    if len(ids) >= model.max_model_len:
+        raise ValidationError(
+            field,
+            f"has {len(ids)} tokens; max_model_len is {model.max_model_len}, "
+            "so it must have at most max_model_len - 1 tokens to leave room to generate",
+        )
+    return ids
+
+
+def _check_prompt_chars(chars: int, model: ModelInfo) -> None:
+    """A token spans at most ``model.max_token_chars`` characters, so a longer prompt than
+    ``max_model_len`` such tokens can never fit: refused from its length, never tokenized."""
+    if not model.max_token_chars:
+        return
+    bound = (model.max_model_len - 1) * model.max_token_chars
+    if chars > bound:
+        raise ValidationError("prompt", f"has {chars} characters; no prompt longer than {bound} characters can fit "
+                                        f"max_model_len {model.max_model_len} (the longest token has "
+                                        f"{model.max_token_chars} characters)")
+
+
+def _check_vocab(field: str, ids: Sequence[int], vocab_size: int) -> None:
+    for i, tok in enumerate(ids):
+        if not 0 <= tok < vocab_size:
+            raise ValidationError(f"{field}[{i}]", f"must be a token id in [0, vocab_size={vocab_size}) (got {tok})")
+
+
+def _max_tokens(max_tokens: int, prompt_len: int, model: ModelInfo, default: int, width: int) -> int:
+    room = model.max_model_len - prompt_len  # >= 1, checked with the prompt
+    if max_tokens == 0:  # the default never asks for more than the roomiest pool holds at once
+        if model.max_request_blocks:
+            room = min(room, model.max_request_blocks // width * model.block_size - prompt_len)
+        return max(1, min(default, room))  # (below 1 the prompt alone does not fit: refused next)
+    if max_tokens < 1:
+        raise ValidationError("sampling.max_tokens", f"must be >= 1, or 0 for the default (got {max_tokens})")
+    if max_tokens > room:
+        raise ValidationError(
+            "sampling.max_tokens",
+            f"prompt tokens ({prompt_len}) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
+            f"exceeds max_model_len ({model.max_model_len}); at most {room} allowed",
+        )
+    return max_tokens
+
+
+def _n_and_beam_width(f: RequestFields, limits: ServerLimits) -> tuple[int, int]:
+    n = _int_range("sampling.n", f.n, 0, limits.max_n) or 1
+    beam_width = _int_range("sampling.beam_width", f.beam_width, 0, limits.max_beam_width) or 1
+    if n > 1 and beam_width > 1:
+        raise ValidationError(
+            "sampling.n",
+            f"must be 0 or 1 with beam search (beam_width={beam_width} returns the best beam); got n={n}",
+        )
+    return n, beam_width
+
+
+def _check_blocks(prompt_len: int, max_tokens: int, n: int, beam_width: int, model: ModelInfo) -> None:
+    """Every choice (or beam) at full length must fit some executor's KV pool at once."""
+    if not model.max_request_blocks:
+        return
+    width = max(n, beam_width)
+    longest = min(prompt_len + max_tokens, model.max_model_len)
+    need = request_blocks(prompt_len, max_tokens, width, model.max_model_len, model.block_size)
+    if need > model.max_request_blocks:
+        field = "sampling.n" if n > 1 else "sampling.beam_width" if beam_width > 1 else "sampling.max_tokens"
+        raise ValidationError(
+            field, f"{width} sequence(s) of up to {longest} tokens need {need} KV blocks of {model.block_size} "
+                   f"tokens at once; the largest executor pool holds {model.max_request_blocks} "
+                   f"(lower max_tokens, n or beam_width)")
+
+
+def _length_penalty(value: float | None) -> float:
+    if value is None:
+        return 1.0
+    lp = _finite("sampling.length_penalty", value)
+    if not -MAX_LENGTH_PENALTY <= lp <= MAX_LENGTH_PENALTY:
+        raise ValidationError("sampling.length_penalty",
+                              f"must be in [{-MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}] (got {lp:g})")
+    return lp
+
+
+def _sampling(f: RequestFields, limits: ServerLimits) -> SamplingParams:
+    out = SamplingParams()
+    if f.temperature is not None:
+        t = _finite("sampling.temperature", f.temperature)
+        if t < 0:
+            raise ValidationError("sampling.temperature", f"must be >= 0 (got {t:g})")
+        out.temperature = 0.0 if t < GREEDY_TEMPERATURE_EPS else t
+    if f.top_p is not None:
+        if not 0.0 < f.top_p <= 1.0:  # also refuses NaN
+            raise ValidationError("sampling.top_p", f"must be in (0, 1] (got {f.top_p:g})")
+        out.top_p = float(f.top_p)
+    if f.top_k is not None:
+        out.top_k = _int_range("sampling.top_k", f.top_k, 0, MAX_INT32)  # the wire's bound; JSON has none
+    if f.min_p is not None:
+        if not 0.0 <= f.min_p <= 1.0:
+            raise ValidationError("sampling.min_p", f"must be in [0, 1] (got {f.min_p:g})")
+        out.min_p = float(f.min_p)
+    if f.seed is not None:
+        out.seed = _int_range("sampling.seed", f.seed, 0, MAX_SEED - limits.max_n)
+    if f.repetition_penalty is not None:
+        rp = _finite("sampling.repetition_penalty", f.repetition_penalty)
+        if rp <= 0:
+            raise ValidationError("sampling.repetition_penalty", f"must be > 0 (got {rp:g})")
+        out.repetition_penalty = rp
+    lo, hi = PENALTY_RANGE
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(f, name)
+        if value is not None:
+            if not lo <= value <= hi:
+                raise ValidationError(f"sampling.{name}", f"must be in [{lo:g}, {hi:g}] (got {value:g})")
+            setattr(out, name, float(value))
+    if f.logprobs is not None:
+        out.want_logprobs = True
+        out.logprobs = _int_range("sampling.logprobs", f.logprobs, 0, limits.max_logprobs)
+    return out
+
+
+def _extensions(out: SamplingParams, f: RequestFields, model: ModelInfo, limits: ServerLimits, max_tokens: int,
+                beam_width: int, stop_token_ids: list[int]) -> None:
+    """logit_bias, min_tokens, prompt_logprobs and structured outputs into ``out``; the ids that end
+    a sequence (EOS unless ignored, stop token ids) go along when min_tokens or a grammar needs them."""
+    out.logit_bias = _logit_bias(f.logit_bias, model, limits)
+    out.min_tokens = _int_range("sampling.min_tokens", f.min_tokens, 0, max_tokens)
+    if f.prompt_logprobs is not None:
+        out.prompt_logprobs = _int_range("sampling.prompt_logprobs", f.prompt_logprobs, 0, limits.max_logprobs)
+    if f.structured is not None:
+        field = f.structured.field
+        if beam_width > 1:
+            raise ValidationError(field, f"cannot be combined with beam search (beam_width={beam_width}): beams "
+                                         "are chosen among candidates no grammar has masked")
+        if f.ignore_eos:
+            raise ValidationError(field, "cannot be combined with ignore_eos: a structured output ends with EOS "
+                                         "once its grammar is complete")
+        if not model.eos_token_ids:
+            raise ValidationError(field, "needs an end-of-sequence token, and the model declares none")
+        try:
+            out.structured = structured_spec(f.structured, limits.max_structured_chars)
+        except StructuredError as e:
+            raise ValidationError(f"{field}.{e.field}" if e.field else field, e.detail) from None
+    if out.min_tokens or out.structured is not None:
+        ends = ([] if f.ignore_eos else list(model.eos_token_ids)) + stop_token_ids
+        out.end_token_ids = list(dict.fromkeys(ends))[:MAX_END_TOKEN_IDS]
+
+
+def _logit_bias(bias: Sequence[tuple[int, float]], model: ModelInfo, limits: ServerLimits) -> list[tuple[int, float]]:
+    cap = min(limits.max_logit_bias, MAX_LOGIT_BIAS)
+    if len(bias) > cap:
+        raise ValidationError("sampling.logit_bias", f"at most {cap} entries (got {len(bias)})")
+    lo, hi = LOGIT_BIAS_RANGE
+    out = []
+    for tok, value in bias:
+        if not 0 <= tok < model.vocab_size:
+            raise ValidationError(f"sampling.logit_bias[{tok}]",
+                                  f"must name a token id in [0, vocab_size={model.vocab_size}) (got {tok})")
+        if not lo <= value <= hi:  # (also refuses NaN)
+            raise ValidationError(f"sampling.logit_bias[{tok}]", f"must be in [{lo:g}, {hi:g}] (got {value:g})")
+        out.append((int(tok), float(value)))
+    return out
+
+
+def _stop_strings(stop: Sequence[str], limits: ServerLimits) -> list[str]:
+    if len(stop) > limits.max_stop_strings:
+        raise ValidationError("sampling.stop", f"at most {limits.max_stop_strings} stop strings (got {len(stop)})")
+    for i, s in enumerate(stop):
+        if not s:
+            raise ValidationError(f"sampling.stop[{i}]", "must not be empty (got '')")
+        if len(s) > limits.max_stop_string_len:
+            raise ValidationError(
+                f"sampling.stop[{i}]", f"must be at most {limits.max_stop_string_len} characters (got {len(s)})"
+            )
+    return list(dict.fromkeys(stop))  # duplicates change nothing
+
+
+def _stop_token_ids(ids: Sequence[int], model: ModelInfo, limits: ServerLimits) -> list[int]:
+    if len(ids) > limits.max_stop_token_ids:
+        raise ValidationError(
+            "sampling.stop_token_ids", f"at most {limits.max_stop_token_ids} ids (got {len(ids)})"
+        )
+    _check_vocab("sampling.stop_token_ids", ids, model.vocab_size)
+    return list(dict.fromkeys(ids))
+
+
+def _finite(field: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise ValidationError(field, f"must be finite (got {value:g})")
+    return float(value)
+
+
+def _int_range(field: str, value: int, lo: int, hi: int | None) -> int:
+    if value < lo or (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValidationError(field, f"must be {bound} (got {value})")
+    return int(value)

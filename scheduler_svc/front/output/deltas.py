@@ -1,0 +1,239 @@
+"""Turning the scheduler's per-step token updates into streamed client deltas.
+
+One :class:`RequestStream` per request: it detokenizes each choice
+incrementally, applies stop strings (which the scheduler cannot see: they live
+in text space), keeps usage counts and timings, and builds the
+:class:`RequestOutput` messages the servicer streams. It survives migration to
+another executor, so text already streamed is never repeated.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from pagedserve.engine_api import (
+    ChoiceDelta,
+    FinishReason,
+    GenerationRequest,
+    PromptScores,
+    RequestOutput,
+    RequestUpdate,
+    SeqUpdate,
+    TokenLogprob,
+    Usage,
+)
+from scheduler_svc.front.output.detokenize import NO_STANDALONE_TEXTS, IncrementalDetokenizer, StandaloneTexts
+
+_NOTHING: list[int] = []  # no choice ended by a stop string (shared: callers only read it)
+
+
+@dataclass(slots=True, eq=False)
+class RequestStream:
+    req: GenerationRequest
+    tokenizer: Tokenizer
+    num_choices: int
+    detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    finish: dict[int, FinishReason] = field(default_factory=dict)
+    outputs: dict[int, list[int]] = field(default_factory=dict)  # tokens streamed per choice
+    cached_prompt_tokens: int = 0
+    created: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    # (detokenizer, streamed tokens) of the one choice while next_token() may take the decode
+    # case: one choice, streaming, no stop strings; apply() keeps it current.
+    fast: tuple[IncrementalDetokenizer, list[int]] | None = None
+    standalone_texts: StandaloneTexts = NO_STANDALONE_TEXTS  # the tokenizer's standalone_token_texts(), shared
+    # Prompt log-probs (the request asked): the prompt's tokens 1.. scored so far, in order; handed over
+    # once, with the first output that has tokens.
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)
+    prompt_scores_sent: bool = False
+
+    @property
+    def done(self) -> bool:
+        return len(self.finish) >= self.num_choices
+
+    def _detok(self, index: int) -> IncrementalDetokenizer:
+        d = self.detoks.get(index)
+        if d is None:
+            p = self.req.params
+            d = IncrementalDetokenizer(self.tokenizer, self.req.prompt_token_ids, p.stop, p.skip_special_tokens,
+                                       self.standalone_texts, p.include_stop_str_in_output, p.sampling.min_tokens)
+            self.detoks[index] = d
+            self.outputs.setdefault(index, [])
+        return d
+
+    def apply(self, update: RequestUpdate, now: float | None = None) -> tuple[RequestOutput, list[int]]:
+        """Fold one scheduler update in; return the delta and the choices a stop string ended.
+
+        The caller must tell the scheduler to finish the returned choices (their
+        blocks are released there), unless the update already finished them.
+        ``now``: the caller's time.monotonic() (one reading for a whole step's updates).
+        """
+        if update.prompt_logprobs is not None:
+            self._take_scores(update.prompt_logprobs)
+        out, stopped = self._apply(update, now)
+        if out.choices and not self.prompt_scores_sent and self.req.params.sampling.prompt_logprobs >= 0:
+            out.prompt_logprobs = [None, *self.prompt_scores]
+            self.prompt_scores_sent, self.prompt_scores = True, []
+        return out, stopped
+
+    def _take_scores(self, piece: PromptScores) -> None:
+        if self.prompt_scores_sent:
+            return  # (a request that moved after its first token is not scored again)
+        if piece.start == 1:
+            self.prompt_scores = []  # a residency scores its prompt from token 1
+        if piece.start == len(self.prompt_scores) + 1:
+            self.prompt_scores.extend(piece.logprobs)
+
+    def _apply(self, update: RequestUpdate, now: float | None = None) -> tuple[RequestOutput, list[int]]:
+        if update.num_cached_prompt_tokens:
+            self.cached_prompt_tokens = update.num_cached_prompt_tokens
+        seqs = update.seqs
+        if len(seqs) == 1 and self.num_choices == 1 and not self.finish:
+            out = self._apply_one(seqs[0], now or time.monotonic())
+            detok = self.detoks.get(0)
+            self.fast = (detok, self.outputs[0]) if (detok is not None and not detok.has_stops and not self.finish
+                                                     and self.last_token_at is not None) else None
+            return out
+        choices: list[ChoiceDelta] = []
+        stopped: list[int] = []
+        for su in seqs:
+            if su.index in self.finish:
+                continue  # late tokens of a choice a stop string already ended
+            delta = self._advance(su)
+            if delta.finish_reason == FinishReason.STOP and su.finish_reason is None:
+                stopped.append(su.index)
+            if delta.finish_reason != FinishReason.UNSPECIFIED:
+                self.finish[su.index] = delta.finish_reason
+            if delta.token_ids or delta.text or delta.finish_reason != FinishReason.UNSPECIFIED:
+                choices.append(delta)
+        if choices:
+            now = now or time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+        return self._output(choices), stopped
+
+    def next_token(self, update: RequestUpdate, now: float) -> RequestOutput | None:
+        """The decode case alone, for the fan-out's hot path: one choice, one token, no logprobs,
+        no finish, no stop strings (``fast`` set). None when ``update`` is anything else: then
+        :meth:`apply`, which handles every case."""
+        fast, seqs = self.fast, update.seqs
+        if fast is None or len(seqs) != 1 or update.prompt_logprobs is not None:
+            return None
+        su = seqs[0]
+        ids = su.new_token_ids
+        if len(ids) != 1 or su.finish_reason is not None or su.logprobs:
+            return None
+        detok, streamed = fast
+        text = detok.step(ids[0])  # (no stop strings: text cannot end the choice)
+        streamed.append(ids[0])
+        if update.num_cached_prompt_tokens:
+            self.cached_prompt_tokens = update.num_cached_prompt_tokens
+        self.last_token_at = now
+        return RequestOutput(self.req.request_id, [ChoiceDelta(0, text, ids)])
+
+    def _apply_one(self, su: SeqUpdate, now: float) -> tuple[RequestOutput, list[int]]:
+        """The common case, kept lean (it runs for every running request every step): one choice."""
+        ids = su.new_token_ids
+        if len(ids) == 1 and su.finish_reason is None and not su.logprobs:
+            detok = self.detoks.get(su.index) or self._detok(su.index)
+            text = detok.step(ids[0])
+            if not detok.finished:  # (a stop string ends it: the general path below)
+                self.outputs[su.index].append(ids[0])
+                if self.first_token_at is None:
+                    self.first_token_at = now
+                self.last_token_at = now
+                return RequestOutput(self.req.request_id, [ChoiceDelta(su.index, text, ids)]), _NOTHING
+            delta = ChoiceDelta(su.index, text, ids, finish_reason=FinishReason.STOP)
+            self.outputs[su.index].append(ids[0])
+        else:
+            delta = self._advance(su)
+        stopped = [su.index] if delta.finish_reason == FinishReason.STOP and su.finish_reason is None else []
+        if delta.finish_reason != FinishReason.UNSPECIFIED:
+            self.finish[su.index] = delta.finish_reason
+        if delta.token_ids or delta.text or delta.finish_reason != FinishReason.UNSPECIFIED:
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+            return self._output([delta]), stopped
+        return self._output([]), stopped
+
+    def _advance(self, su) -> ChoiceDelta:
+        """One choice's new tokens -> its delta (text, ids, logprobs, finish reason)."""
+        detok = self.detoks.get(su.index) or self._detok(su.index)
+        out = self.outputs.setdefault(su.index, [])
+        ids = su.new_token_ids
+        if len(ids) == 1 and not su.logprobs:  # the decode fast path: one token, no logprobs
+            text = detok.step(ids[0])
+            out.append(ids[0])
+            delta = ChoiceDelta(su.index, text, ids)  # the update's list: not reused by the scheduler
+        elif not su.logprobs and not detok.has_stops:  # several steps merged: no stop can cut them
+            step = detok.step
+            text = "".join([step(tok) for tok in ids])
+            out.extend(ids)
+            delta = ChoiceDelta(su.index, text, list(ids))
+        else:
+            delta = ChoiceDelta(su.index)
+            logprobs = su.logprobs or []
+            for i, tok in enumerate(ids):
+                delta.text += detok.step(tok)
+                delta.token_ids.append(tok)
+                out.append(tok)
+                if i < len(logprobs):
+                    delta.logprobs.append(logprobs[i])
+                if detok.stop_matched is not None:
+                    break
+        if detok.stop_matched is not None:
+            delta.finish_reason = FinishReason.STOP
+        elif su.finish_reason is not None:
+            delta.finish_reason = su.finish_reason
+            delta.text += detok.finish()
+        return delta
+
+    def abort(self, reason: FinishReason = FinishReason.ABORTED) -> RequestOutput:
+        """Finish every open choice (abort, shutdown, failure) and release held text."""
+        self.fast = None
+        choices = []
+        for index in range(self.num_choices):
+            if index in self.finish:
+                continue
+            detok = self.detoks.get(index)
+            choices.append(ChoiceDelta(index=index, text=detok.finish() if detok else "",
+                                       finish_reason=reason))
+            self.finish[index] = reason
+        return self._output(choices)
+
+    def _output(self, choices: list[ChoiceDelta]) -> RequestOutput:
+        done = self.done
+        usage = None
+        if done:
+            usage = Usage(prompt_tokens=len(self.req.prompt_token_ids),
+                          completion_tokens=sum(len(v) for v in self.outputs.values()),
+                          cached_prompt_tokens=self.cached_prompt_tokens)
+        return RequestOutput(self.req.request_id, choices, usage, finished=done)
+
+
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: each choice's text, tokens and logprobs in
+    order, its last finish reason; the last output's usage and finished flag; the prompt's
+    log-probs (which only the first output may have)."""
+    if len(outs) == 1:
+        return outs[0]
+    merged: dict[int, ChoiceDelta] = {}
+    for out in outs:
+        for c in out.choices:
+            m = merged.get(c.index)
+            if m is None:
+                merged[c.index] = m = ChoiceDelta(c.index)
+            m.text += c.text
+            m.token_ids.extend(c.token_ids)
+            m.logprobs.extend(c.logprobs)
+            if c.finish_reason != FinishReason.UNSPECIFIED:
+                m.finish_reason = c.finish_reason
+    last = outs[-1]
+    prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+    return RequestOutput(last.request_id, list(merged.values()), last.usage, last.finished, prompt_logprobs)

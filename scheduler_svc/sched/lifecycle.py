@@ -1,0 +1,422 @@
+"""A scheduler's requests: intake, the one release path, migration, counters.
+
+:class:`RequestLifecycle` holds the queues and the request/sequence indexes
+and everything that adds or removes requests, including what the prefix cache
+gives a request being admitted and how a failed admission is undone; the step
+planning that uses them lives in :mod:`scheduler_svc.sched.scheduler` (``Scheduler``
+subclasses this).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+from collections import deque
+from collections.abc import Collection
+
+import msgspec
+
+from pagedserve.engine_api import FinishReason, GenerationRequest, RequestUpdate
+from pagedserve.wire import SamplingParams, max_result_bytes
+from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.sched.kv_cache_manager import NO_HIT, KVCacheManager, KVCacheManagerBase, PrefixHit
+from scheduler_svc.sched.request import BeamState, MigratedRequest, Request, RequestState, Sequence
+
+Work = list[tuple[Sequence, int]]  # (sequence, num_new_tokens) scheduled in one step
+log = logging.getLogger(__name__)
+
+
+class ProtocolError(ValueError):
+    """A result that does not answer its plan: the executor, not a request, is at fault."""
+
+
+@dataclasses.dataclass(slots=True)
+class InFlight:
+    """A plan sent and not yet answered: what its result must be checked and applied against."""
+
+    step_id: int
+    seq_ids: list[int]  # the sequences it computes (the plan's list)
+    sampling: list[Sequence]  # sequences it samples for, in plan order (each holds a placeholder)
+    beams: list[Sequence]  # beam sequences it reports candidates for (each holds a placeholder)
+    to_commit: list[tuple[Sequence, int, int]]  # (seq, residency, computed count) filling a block
+    forks: list = dataclasses.field(default_factory=list)  # the plan's Fork entries
+    # Sequences whose prompt tokens it may score (SamplingParams.prompt_logprobs): (seq, the most it
+    # can score: every prompt token before the end of this step's chunk, token 0 never).
+    scoring: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    decode_steps: int = 1  # the plan's: each sequence of ``sampling`` gets this many tokens
+    decode_only: bool = False  # every sequence it computes decodes one token per step (its time says a step's)
+
+    def max_result_bytes(self) -> int:
+        """The largest result frame this plan can be answered with (its sequences, their log-probs,
+        the prompt scores of the chunks it computes)."""
+        lp = num_lp = 0
+        for s in self.sampling:
+            sp = s.sampling
+            if sp.want_logprobs:
+                num_lp += 1
+                lp += sp.logprobs
+        beams = 0
+        for s in self.beams:
+            beams += s.sampling.beam_candidates
+        scored = entries = 0
+        for s, most in self.scoring:
+            scored += most
+            entries += most * s.sampling.prompt_logprobs
+        return max_result_bytes(len(self.seq_ids), len(self.sampling), lp, num_lp, beams, len(self.beams),
+                                scored, entries, len(self.scoring), self.decode_steps)
+
+    def forget(self, dropped: set[int]) -> None:
+        """The executor dropped these sequences after an earlier step failed: this plan serves none of
+        them, nor the children it forks from them (``dropped`` gains those)."""
+        for f in self.forks:
+            if f.parent_seq_id in dropped:
+                dropped.add(f.child_seq_id)
+        for due in (self.sampling, self.beams):
+            if any(s.seq_id in dropped for s in due):
+                for s in due:
+                    if s.seq_id in dropped:
+                        s.num_placeholders -= 1
+                due[:] = [s for s in due if s.seq_id not in dropped]
+        self.to_commit[:] = [x for x in self.to_commit if x[0].seq_id not in dropped]
+
+
+def takes_prefix_hits(req: GenerationRequest) -> bool:
+    """A request whose prompt is scored computes all of it, as in vLLM: the executor would run a
+    hit's positions again to score them, work no step's token budget counts."""
+    return req.params.sampling.prompt_logprobs < 0
+
+
+class RequestLifecycle:
+    """Queues and indexes of one scheduler, and every way a request enters or leaves."""
+
+    def __init__(self, config: SchedulerConfig, num_device_blocks: int, num_cpu_blocks: int,
+                 eos_token_ids: Collection[int], kv_manager: KVCacheManagerBase | None = None) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.kv: KVCacheManagerBase = kv_manager or KVCacheManager(
+            config.block_size, num_device_blocks, num_cpu_blocks, config.enable_prefix_caching)
+        self._watermark = config.watermark_blocks(num_device_blocks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival; the tail is the preemption victim
+        self.swapped: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self.seqs: dict[int, Sequence] = {}  # live sequences by seq_id
+        self._next_seq_id = 0
+        self._next_arrival = 0
+        self._step_id = 0
+        self._owed_frees: list[int] = []  # executor-resident seq ids to forget in the next plan
+        self.in_flight: deque[InFlight] = deque()  # plans sent, oldest first (results come in order)
+        self._stale_steps: set[int] = set()  # plans dropped by take_all_requests
+        self._preempted = False  # set during one schedule() when someone was preempted
+        self.num_preemptions = 0
+        self.first_scheduled: list[GenerationRequest] = []  # admitted for the first time; the engine drains it
+        self.failures: list[RequestUpdate] = []  # requests failed alone while scheduling; the engine drains it
+        self.prefix_cache_query_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+
+    # ------------------------------------------------------------------ requests in/out
+    def add_request(self, req: GenerationRequest, resume: MigratedRequest | None = None) -> None:
+        """Queue a request (``resume``: continue one taken from another scheduler)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already queued")
+        self._validate(req, resume)
+        p = req.params
+        r = Request(req, self._next_arrival, eos_token_ids=frozenset() if p.ignore_eos else self.eos_token_ids,
+                    stop_token_ids=frozenset(p.stop_token_ids), stop_len=self.max_total_tokens(req))
+        self._next_arrival += 1
+        if p.beam_width > 1:
+            r.beam = BeamState(p.beam_width)
+            sp = msgspec.structs.replace(p.sampling, beam_candidates=2 * p.beam_width, temperature=0.0)
+            self.new_seq(r, 0, list(req.prompt_token_ids), sp)
+        elif resume is not None and any(resume.outputs):
+            self._resume_seqs(r, resume)
+            if not r.live:
+                for seq in r.seqs:
+                    self.seqs.pop(seq.seq_id, None)
+                raise ValueError(f"resume of {req.request_id!r}: every choice already finished")
+        else:
+            self.new_seq(r, 0, list(req.prompt_token_ids), p.sampling)
+            r.forked = p.n == 1
+        self.requests[req.request_id] = r
+        self.waiting.append(r)
+
+    def _validate(self, req: GenerationRequest, resume: MigratedRequest | None) -> None:
+        reason = self.refusal(req, resume)
+        if reason is not None:
+            raise ValueError(reason)
+
+    def max_total_tokens(self, req: GenerationRequest) -> int:
+        """The most tokens one of ``req``'s sequences reaches here (prompt and outputs)."""
+        longest = len(req.prompt_token_ids) + req.params.max_tokens
+        return min(longest, req.max_total_tokens or self.config.max_model_len)
+
+    @property
+    def usable_blocks(self) -> int:
+        """The most KV blocks one request may ever hold here (the pool less the watermark)."""
+        return self.kv.num_device_blocks - self._watermark
+
+    def refusal(self, req: GenerationRequest, resume: MigratedRequest | None = None) -> str | None:
+        """Why this scheduler can never run ``req`` (its executor's length or pool), or None.
+
+        It counts the whole length the request may reach (``max_total_tokens``, fixed when it was
+        first placed) and, for a request taken from another executor (``resume``), the tokens it
+        generated there: a request is never sent where it cannot finish as it would have."""
+        cfg, n = self.config, len(req.prompt_token_ids)
+        if n == 0:
+            return "prompt_token_ids must not be empty"
+        if n >= cfg.max_model_len:
+            return f"prompt of {n} tokens must be shorter than max_model_len {cfg.max_model_len}"
+        if req.params.max_tokens <= 0:
+            return f"max_tokens must be positive, got {req.params.max_tokens}"
+        if req.max_total_tokens is not None and req.max_total_tokens > cfg.max_model_len:
+            return (f"the request may reach {req.max_total_tokens} tokens; this executor's max_model_len "
+                    f"is {cfg.max_model_len}")
+        if resume is not None:
+            have = n + max((len(o) for o in resume.outputs), default=0)
+            if have >= cfg.max_model_len:
+                return (f"the request holds {have} tokens already; this executor's max_model_len "
+                        f"is {cfg.max_model_len}")
+        width = max(req.params.n, req.params.beam_width)
+        if width > min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
+            return (f"n/beam_width {width} exceeds max_num_seqs {cfg.max_num_seqs} "
+                    f"or max_num_batched_tokens {cfg.max_num_batched_tokens}")
+        need = width * -(-self.max_total_tokens(req) // cfg.block_size)
+        if need > self.usable_blocks:
+            return f"request needs up to {need} KV blocks; this pool has {self.usable_blocks} usable"
+        return None
+
+    def new_seq(self, r: Request, index: int, tokens: list[int], sampling: SamplingParams) -> Sequence:
+        seq = Sequence(self._next_seq_id, index, tokens, r.num_prompt_tokens, sampling, r)
+        self._next_seq_id += 1
+        r.seqs.append(seq)
+        r.live.append(seq)
+        self.seqs[seq.seq_id] = seq
+        return seq
+
+    def _resume_seqs(self, r: Request, m: MigratedRequest) -> None:
+        p = r.req.params
+        for i, out in enumerate(m.outputs):
+            seq = self.new_seq(r, i, list(r.req.prompt_token_ids) + list(out), seeded(p.sampling, i))
+            reason = m.finish_reasons[i] if i < len(m.finish_reasons) else None
+            if reason is not None:
+                seq.finish_reason = reason
+                r.live.remove(seq)
+                del self.seqs[seq.seq_id]
+                r.emitted_seqs += 1
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request now (idempotent); the next plan tells the executor."""
+        r = self.requests.get(request_id)
+        if r is not None:
+            self.release_request(r, FinishReason.ABORTED)
+
+    def finish_sequence(self, request_id: str, seq_index: int, reason: FinishReason) -> bool:
+        """End one choice (a stop string matched). Returns True if the request is now done."""
+        r = self.requests.get(request_id)
+        if r is None:
+            return True
+        if r.beam is not None:
+            raise ValueError("finish_sequence: beam search choices end only inside the scheduler")
+        for seq in r.live:
+            if seq.index == seq_index:
+                self.finish_seq(seq, reason)
+                break
+        if not r.live and r.forked:
+            self.release_request(r, None)
+            return True
+        return False
+
+    def finish_seq(self, seq: Sequence, reason: FinishReason) -> None:
+        """The one release path of a sequence (also used by preemption-free finishes)."""
+        seq.finish_reason = reason
+        self._forget(seq)
+        seq.request.live.remove(seq)
+        self.seqs.pop(seq.seq_id, None)
+
+    def _forget(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.residency += 1
+        if seq.resident:
+            self._owed_frees.append(seq.seq_id)
+        seq.forget_executor_state()
+
+    def release_request(self, r: Request, reason: FinishReason | None) -> None:
+        """Release every block of ``r`` and drop it from all queues (idempotent)."""
+        if r.state is RequestState.FINISHED:
+            return
+        for seq in list(r.live):
+            self.finish_seq(seq, reason or FinishReason.ABORTED)
+        if r.state is RequestState.RUNNING:
+            self.running.remove(r)
+        elif r.state is RequestState.WAITING:
+            self.waiting.remove(r)
+        elif r.state is RequestState.SWAPPED:
+            self.swapped.remove(r)
+        r.state = RequestState.FINISHED
+        self.requests.pop(r.request_id, None)
+
+    def fail_request(self, r: Request, exc: BaseException) -> RequestUpdate:
+        """An exception while handling ``r`` fails ``r`` alone: it is released, the rest go on."""
+        log.error("request %s failed inside the scheduler; failing it alone", r.request_id,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        self.release_request(r, FinishReason.ABORTED)
+        return RequestUpdate(r.request_id, [], True, r.num_prompt_tokens, r.num_cached_prompt_tokens,
+                             error="internal error while scheduling it")  # (the detail is logged above)
+
+    def take_all_requests(self) -> list[MigratedRequest]:
+        """Remove every request and free all blocks; return what re-queues each elsewhere."""
+        out = []
+        for r in sorted(self.requests.values(), key=lambda r: r.arrival):
+            n = r.req.params.n if r.beam is None else 0
+            outputs: list[list[int]] = [[] for _ in range(n)]
+            reasons: list[FinishReason | None] = [None] * n
+            for seq in r.seqs if r.beam is None else ():
+                outputs[seq.index] = seq.output_token_ids
+                reasons[seq.index] = seq.finish_reason
+            out.append(MigratedRequest(r.req, outputs, reasons))
+            self.release_request(r, FinishReason.ABORTED)
+        self._stale_steps.update(f.step_id for f in self.in_flight)
+        self.in_flight.clear()
+        return out
+
+    def executor_reset(self) -> None:
+        """The executor was told to forget every sequence (after ``take_all_requests``): the plans
+        that call dropped get no answer here, and nothing it held needs freeing any more."""
+        self._stale_steps.clear()
+        self._owed_frees.clear()
+
+    def _set_running(self, r: Request) -> None:
+        r.state = RequestState.RUNNING
+        if not self.running or self.running[-1].arrival < r.arrival:
+            self.running.append(r)
+        else:
+            bisect.insort(self.running, r, key=lambda x: x.arrival)
+
+    # ------------------------------------------------------------------ prefix hits at admission
+    def _take_prefix_hits(self, r: Request, max_tokens: int) -> list[int] | None:
+        """Give each seq of ``r`` (being admitted) its cached prefix blocks, check-then-commit per
+        seq; None (nothing changed) when they, or a first chunk of up to ``max_tokens`` after
+        them, cannot fit."""
+        hits = []
+        known = r.req.prompt_block_hashes or ()  # every seq of r starts with the prompt
+        takes_hits = takes_prefix_hits(r.req)
+        for seq in r.live:
+            hit = self.kv.lookup_prefix(seq, known) if takes_hits else NO_HIT
+            if hit.blocks and len(r.live) == 1 and not self._first_chunk_fits(r, seq, hit, max_tokens):
+                self._unadmit(r)
+                return None
+            if self.kv.allocate(seq, 0, hit) is None:
+                self._unadmit(r)
+                return None
+            seq.num_computed_tokens = hit.num_tokens
+            hits.append(hit.num_tokens)
+        return hits
+
+    def _first_chunk_fits(self, r: Request, seq: Sequence, hit: PrefixHit, max_tokens: int) -> bool:
+        """Whether a one-sequence request's hits plus what ``Scheduler._group_work`` would compute
+        first fit with the watermark kept: the check ``Scheduler._allocate`` makes after the hits
+        are taken, made before. A request waiting at the head of the queue is retried every
+        step, and taking then returning its hits costs two refcount changes per hit block (a
+        preempted 32K-token request: ~2K blocks, milliseconds per step). True when it cannot
+        tell (an n > 1 request whose hits cover its shared prefill: it forks its choices next)."""
+        target = self._prefill_target(r, seq)
+        if target <= hit.num_tokens:
+            return True
+        n = min(target - hit.num_tokens, max_tokens)
+        return self.kv.blocks_needed(seq, n, hit) + self._watermark <= self.kv.num_free_blocks
+
+    @staticmethod
+    def _prefill_target(r: Request, seq: Sequence) -> int:
+        """The tokens of ``seq`` its request computes before anything else: all of them, or for
+        an n > 1 request not forked yet all but the last prompt token (computed once, then shared
+        by the choices it forks into)."""
+        return seq.num_tokens if r.forked else seq.num_tokens - 1
+
+    def _unadmit(self, r: Request) -> None:
+        """Undo a failed admission: hit blocks go back to the cache, nothing was sent."""
+        for seq in r.live:
+            self.kv.free(seq)
+            seq.residency += 1
+            seq.num_computed_tokens = 0
+            seq.forget_executor_state()  # choices forked during the attempt get NewSeq later
+
+    def _count_prefix(self, r: Request, hits: list[int]) -> None:
+        for seq, h in zip(r.live[: len(hits)], hits, strict=True):  # choices forked at admission share the hit
+            self.prefix_cache_query_tokens += seq.num_tokens
+            self.prefix_cache_hit_tokens += h
+        if r.emitted_seqs == 0 and not r.num_cached_prompt_tokens and hits:
+            r.num_cached_prompt_tokens = min(hits[0], r.num_prompt_tokens)
+
+    # ------------------------------------------------------------------ introspection
+    def has_work(self) -> bool:
+        return bool(self.requests or self._owed_frees)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.kv.stats().get("used", self.kv.num_device_blocks - self.kv.num_free_blocks)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.kv.stats().get("cached", 0)
+
+    @property
+    def num_shared_blocks(self) -> int:
+        return self.kv.stats().get("shared", 0)
+
+    @property
+    def num_cpu_used_blocks(self) -> int:
+        return self.kv.stats().get("cpu_used", 0)
+
+    def block_stats(self) -> dict[str, int]:
+        """used / cached / shared device blocks and cpu_used (counters: GetStats reads them)."""
+        return self.kv.stats()
+
+    def check_integrity(self) -> None:
+        """RuntimeError unless queues, sequences and the KV pools agree."""
+        self.kv.check_integrity()
+        queued = {id(r) for q in (self.waiting, self.running, self.swapped) for r in q}
+        if len(queued) != len(self.requests) or any(id(r) not in queued for r in self.requests.values()):
+            raise RuntimeError("every request must sit in exactly one queue")
+        if [r.arrival for r in self.running] != sorted(r.arrival for r in self.running):
+            raise RuntimeError("running queue is not in arrival order")
+        live = {s.seq_id for r in self.requests.values() for s in r.live}
+        if live != set(self.seqs):
+            raise RuntimeError("live sequence index disagrees with the requests")
+        for r in self.waiting:
+            for s in r.live:
+                if s.resident or s.num_computed_tokens or self.kv.block_ids(s):
+                    raise RuntimeError(f"waiting seq {s.seq_id} still holds executor state or blocks")
+        owed: dict[int, int] = {}  # placeholders each live sequence is owed by the plans in flight
+        for step in self.in_flight:
+            for s in step.sampling + step.beams:
+                if s.finish_reason is None:
+                    owed[s.seq_id] = owed.get(s.seq_id, 0) + step.decode_steps
+        for s in self.seqs.values():
+            if s.num_placeholders != owed.get(s.seq_id, 0):
+                raise RuntimeError(f"seq {s.seq_id} holds {s.num_placeholders} placeholders; the plans in flight "
+                                   f"owe it {owed.get(s.seq_id, 0)} samples")
+
+
+
+def seeded(sp: SamplingParams, i: int) -> SamplingParams:
+    """Choice i of a seeded n > 1 request samples with seed + i."""
+    if i == 0 or sp.seed is None:
+        return sp
+    return sp.with_seed(sp.seed + i)

@@ -1,1 +1,0 @@
-"""The serving tier's link between front processes and engine cores (docs/ARCHITECTURE.md, "Serving tier")."""
