@@ -185,7 +185,7 @@ def test_the_front_link_refuses_what_a_front_may_not_send(tiny_llama_dir, tmp_pa
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)
-        for junk in (b"\x93\x02\x01" + b"\x91" * 1000, b"\xc1", m.TIER.encode(m.Heartbeat())):
+        for junk in (b"\x93\x02\x01" + b"\x91" * 1000, b"\xc1", m.TIER.encode(m.Heartbeat(0.0))):
             sock.send(junk)
         sock.send(m.TIER.encode(m.FrontHello("intruder", m.TIER_VERSION)))
         assert sock.poll(5000)

@@ -27,25 +27,18 @@ from msgspec import Meta
 
 from pagedserve.engine_api import EngineStats, GenerationRequest, ModelInfo, RequestUpdate
 from pagedserve.wire.codec import Codec
-from pagedserve.wire.packed import num_packed, pack_ids, unpacked  # noqa: F401  (the front link's helpers)
-from pagedserve.wire.protocol import MAX_SEQ_TOKENS
 
-TIER_VERSION = 2
+# One message family with the executor link: the same base, heartbeat, text and packed-id types.
+from pagedserve.wire.messages import Heartbeat, PackedTokenIds, Text, _Message
+from pagedserve.wire.packed import num_packed, pack_ids, unpacked  # noqa: F401  (the front link's helpers)
+
+TIER_VERSION = 3  # 3: the executor link's Heartbeat (it carries the sender's time)
 HEARTBEAT_INTERVAL_S = 0.5  # both ways; a peer silent for 5 intervals (2.5 s) is dead
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a step's updates with log-probs; a request at the largest context
-MAX_ID_CHARS = 512  # request ids (the front's prefix and the client's id) and front ids
-MAX_TEXT_CHARS = 4096
+MAX_REQUEST_ID_CHARS = 512  # request ids (the front's prefix and the client's id) and front ids
 
-Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
-Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
+Id = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)]
 Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
-# Token ids as little-endian uint32s, 4 bytes each: decoding them is a copy, and the core builds the
-# ints at C speed, in slices between its plans. At most a sequence's tokens on the executor link.
-PackedIds = Annotated[bytes, Meta(max_length=4 * MAX_SEQ_TOKENS)]
-
-
-class _Message(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
-    """Base of every tier message: positional, no extra elements, not GC-tracked."""
 
 
 class FrontHello(_Message):
@@ -65,7 +58,7 @@ class Submit(_Message):
     ``prompt_ids``; the request's own ``prompt_token_ids`` is empty on the link."""
 
     request: GenerationRequest
-    prompt_ids: PackedIds
+    prompt_ids: PackedTokenIds  # little-endian uint32s: decoding them is one copy
     queued_s: Seconds  # since it arrived at the front
     deadline_in_s: Seconds | None = None  # None: no deadline
     # It ran on an engine core that was lost: each choice's tokens streamed so far, and how each that
@@ -81,10 +74,6 @@ class Abort(_Message):
 class FinishChoice(_Message):
     request_id: Id
     index: Annotated[int, Meta(ge=0, le=1 << 16)]
-
-
-class Heartbeat(_Message):
-    pass
 
 
 class Updates(_Message):

@@ -1,0 +1,4 @@
+"""How each process of the scheduler service starts: flags, the front and engine-core mains, children.
+
+The one room that may wire all the others together.
+"""

@@ -191,7 +191,7 @@ class RemoteCore:
             if now - self._last_heard > limit:
                 self._lost(f"silent for {now - self._last_heard:.1f}s")
                 continue
-            self._send(m.Heartbeat())
+            self._send(m.Heartbeat(time.time()))
             if self.front_families is not None and now - last_metrics >= METRICS_EVERY_S:
                 last_metrics = now
                 self._send(m.FrontMetrics(self.front_families()))

@@ -1,0 +1,1 @@
+"""Prometheus metrics that fronts and engine cores both export, and how they add up to one /metrics."""

@@ -1,0 +1,1 @@
+"""The gRPC API: the pagedserve.v1.Generation servicer, its call gate and connection bounds."""
