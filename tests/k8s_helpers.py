@@ -164,7 +164,8 @@ def project_scripts() -> dict[str, str]:
 def parser_for(script: str):
     """Console script -> its service's build_arg_parser, via pyproject's [project.scripts]."""
     package = project_scripts()[script].split(":")[0].split(".")[0]
-    return importlib.import_module(f"{package}.config").build_arg_parser
+    flags = {"scheduler_svc": "scheduler_svc.entrypoints.config", "executor_svc": "executor_svc.config"}[package]
+    return importlib.import_module(flags).build_arg_parser
 
 
 def parse_container(docs: list[Doc], c: Doc) -> tuple[argparse.Namespace, dict[str, str]]:
