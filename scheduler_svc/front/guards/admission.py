@@ -39,8 +39,9 @@ MiB = 1 << 20
 # Sizing for the machine (a cap given as 0): from the memory and CPUs the process may use, its
 # cgroup's limits where it has them (a Kubernetes pod's), else the machine's.
 MEMORY_PER_CALL = 1 * MiB  # a call's own state (task, streams, HTTP/2 buffers) is far below this
-# A front streams ~40k tokens/s per core (~24 us each, docs/PERF.md "Streaming cost of the
-# fronts"): ~1,000 streams at 40 tokens/s. More calls than that only queue for the CPU.
+# A front's CPU per streamed token is tens of µs (docs/PERF.md "Streaming cost of the fronts"):
+# a core streams some 15-30k tokens/s, ~1,000 streams at 15-30 tokens/s each. More calls than
+# that only queue for the CPU.
 CALLS_PER_CPU = 1024
 CALLS_RANGE = (256, 16384)
 IN_FLIGHT_FRACTION = 8  # request bytes grow ~2-3x while parsed (raw, message, text): <= ~3/8 of memory
