@@ -23,7 +23,6 @@ BENCHMARKS = (
     ("paper_sim", True),
     ("sharing_savings", True),
     ("scheduler_overhead", True),
-    ("detokenize", True),
     ("executor_cpu", True),
     ("executor_scaling", True),
     ("serve_vs_hf", True),
