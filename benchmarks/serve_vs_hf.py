@@ -12,7 +12,7 @@ default tiny model (models/tiny-llama, built if missing), float32 on CPU:
 * transformers ``generate`` with static left-padded batches; every batch size
   in ``--batch-sizes`` is tried in the first repetition, the best one is kept
   for the others (its median is reported).
-* transformers' continuous batching (benchmarks/hf_baselines.py).
+* transformers' continuous batching (testing/hf_baselines.py).
 
 The transformers runs use ``torch.set_num_threads(--threads)`` in this
 process. Repetitions interleave the systems, so load drift on a shared
@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,14 +36,14 @@ from pathlib import Path
 import grpc
 import torch
 
-from benchmarks import hf_baselines
 from pagedserve.bench.loadgen import fixed_trace, parse_range
 from pagedserve.bench.workloads import TraceRequest
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+from testing import hf_baselines
+from testing.hf_baselines import format_table, report
 
 DEFAULT_MODEL = Path("models/tiny-llama")
-TARGET_VS_STATIC, TARGET_VS_CB = 3.0, 1.5
 
 
 def ensure_model(path: Path) -> Path:
@@ -270,47 +269,7 @@ def measure(args: argparse.Namespace) -> dict:
         runs = _repetitions(args, stack, model, trace, pad_id)
     finally:
         stack.stop()
-    return _report(args, trace, runs)
-
-
-def _report(args: argparse.Namespace, trace: list[TraceRequest], runs: dict) -> dict:
-    med = statistics.median
-    ps = med(runs["pagedserve"])
-    static = {b: med(v) for b, v in runs["hf_static"].items()}
-    # the batch size measured in every repetition (the best of repetition 1)
-    best = max(static, key=lambda b: (len(runs["hf_static"][b]), static[b])) if static else None
-    cb = med(runs["hf_cb"]) if runs["hf_cb"] else None
-    out = {
-        "benchmark": "serve_vs_hf", "model": str(args.model), "num_requests": len(trace),
-        "input_len": args.input_len, "output_len": args.output_len, "reps": args.reps,
-        "threads": args.threads, "output_tokens": sum(r.output_len for r in trace),
-        "pagedserve_tok_s": ps,
-        "hf_static_tok_s": static.get(best) if best else None, "hf_static_best_batch": best,
-        "hf_static_by_batch_tok_s": static, "hf_cb_tok_s": cb,
-        "speedup_vs_static": ps / static[best] if best else None,
-        "speedup_vs_cb": ps / cb if cb else None,
-        "runs_tok_s": {k: v for k, v in runs.items() if k != "cpu_s"},
-        "cpu_s": runs.get("cpu_s", []),  # per run: wall and CPU seconds of each process involved
-    }
-    out["meets_targets"] = bool((out["speedup_vs_static"] or 0) >= TARGET_VS_STATIC
-                                and (out["speedup_vs_cb"] or 0) >= TARGET_VS_CB)
-    return out
-
-
-def format_table(r: dict) -> str:
-    rows = [("pagedserve (scheduler + executor, gRPC)", r["pagedserve_tok_s"], None, None)]
-    for b, v in sorted(r["hf_static_by_batch_tok_s"].items()):
-        mark = " (best)" if b == r["hf_static_best_batch"] else ""
-        rows.append((f"transformers generate, static batch {b}{mark}", v, TARGET_VS_STATIC, b))
-    if r["hf_cb_tok_s"]:
-        rows.append(("transformers continuous batching", r["hf_cb_tok_s"], TARGET_VS_CB, None))
-    lines = [f"{r['num_requests']} requests, prompts {r['input_len']}, outputs {r['output_len']} tokens, "
-             f"{r['output_tokens']} output tokens; torch threads {r['threads']}; median of {r['reps']}",
-             f"{'system':<50}{'tok/s':>10}{'pagedserve x':>14}{'target':>8}"]
-    for name, v, target, _ in rows:
-        ratio = r["pagedserve_tok_s"] / v
-        lines.append(f"{name:<50}{v:>10.1f}{ratio:>14.2f}{(f'>={target:g}' if target else ''):>8}")
-    return "\n".join(lines)
+    return report(args, trace, runs)
 
 
 def _exit_on_sigterm(signum, frame) -> None:
