@@ -124,7 +124,21 @@ def main(argv: list[str] | None = None) -> int:
     md = sim_report.markdown(fig13, sweeps, cfg, mode, wall, tail)
     Path(args.out_md or fig_dir / "paper_sim.md").write_text(md)
     print(md)
+    print(json.dumps(headline(fig13, sweeps, mode, wall)))
     return 0
+
+
+def headline(fig13: list[RunStats], sweeps: dict[str, dict], mode: str, wall: float) -> dict:
+    """The last line: per workload and allocator, Fig. 13's batched requests and share of KV memory
+    holding token states, and Fig. 12's sustained rate."""
+    out: dict = {"mode": mode, "wall_s": round(wall, 1)}
+    for s in fig13:
+        out[f"mean_batched_{s.workload}_{s.allocator}"] = round(s.mean_batched, 2)
+        out[f"token_states_{s.workload}_{s.allocator}"] = round(s.mem["token_states"], 4)
+    for wl, by_alloc in sweeps.items():
+        for alloc, curve in by_alloc.items():
+            out[f"sustained_rate_{wl}_{alloc}"] = round(curve["sustained"], 3)
+    return out
 
 
 if __name__ == "__main__":

@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     (fig_dir / "sharing_savings.md").write_text(md)
     (fig_dir / "sharing_savings.json").write_text(json.dumps(rows, indent=1))
     print(md)
+    print(json.dumps({f"saving_{r['workload']}_{r['mode']}_{r['width']}": round(r["saving"], 4) for r in rows}
+                     | {f"model_saving_{r['workload']}_{r['mode']}_{r['width']}": round(r["model_saving"], 4)
+                        for r in rows} | {"preemptions": sum(r["preemptions"] for r in rows)}))
     return 0
 
 

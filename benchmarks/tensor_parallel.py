@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         tput = throughput_rows(model_dir, args.configs, args.batch, args.prompt_len, args.decode_steps, args.repeats)
     if args.json:
         Path(args.json).write_text(json.dumps({"memory": mem, "throughput": tput}, indent=2))
+    print(json.dumps({"memory": mem, "throughput": tput}))
 
 
 if __name__ == "__main__":
