@@ -24,6 +24,7 @@ second of generation. A table is printed, then one JSON line (last line).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -36,6 +37,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from benchmarks.proc_stat import children, cpu_seconds
 from pagedserve.bench.loadgen import fixed_trace, parse_range
 from pagedserve.bench.workloads import TraceRequest
 from pagedserve.v1 import generation_pb2 as pb
@@ -116,14 +118,17 @@ class ServeProcesses:
         raise TimeoutError(f"pagedserve not ready after {timeout_s:.0f}s; logs in {self.logdir}")
 
     def cpu_seconds(self) -> dict[str, float]:
-        """User + system CPU seconds so far of the scheduler and the executor (Linux /proc; else empty)."""
+        """User + system CPU seconds so far of the scheduler and the executor (Linux /proc; else empty).
+        The scheduler's include its live children: the front processes it starts serve the APIs."""
         out = {}
         for name, p in zip(("scheduler", "executor"), self.procs, strict=True):
             try:
-                fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                out[name] = cpu_seconds(p.pid)
             except OSError:
                 return {}
-            out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+            for child in children(p.pid) if name == "scheduler" else ():
+                with contextlib.suppress(OSError):  # (a child that ended meanwhile)
+                    out[name] += cpu_seconds(child)
         return out
 
     def stop(self) -> None:

@@ -9,6 +9,8 @@ greedily for prompts of several lengths, prefilled in chunks of 7 tokens while t
 decode (the CuPy prefill and decode kernels with the per-rank head counts on CUDA). Exit status 0
 when every sequence equals transformers' greedy output token for token. ``--device cpu`` runs
 the same path with gloo (tests/test_tp_check.py does, on machines without GPUs).
+:func:`run_tp_check` is how ``make gpu-check`` runs it: in its own process, or skipped with the
+reason when the machine has fewer GPUs than ranks.
 """
 
 from __future__ import annotations
