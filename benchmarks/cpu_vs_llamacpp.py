@@ -46,7 +46,7 @@ from pathlib import Path
 
 from benchmarks import llamacpp_build
 from benchmarks.completions_client import LoadResult, run_in_subprocess
-from benchmarks.cpu_linear_kernels import llc_bytes
+from benchmarks.executor_cpu_roofline import llc_bytes
 from benchmarks.serve_vs_hf import ServeProcesses, _die_with_parent
 
 FORMATS = {  # pagedserve executor flags, GGUF type, KV cache type for both

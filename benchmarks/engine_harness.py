@@ -89,14 +89,6 @@ def executor_process(endpoint: str, name: str, vocab: int, eos: int | None, step
     ExecutorWorker(endpoint, runner, hs, drain_timeout=1.0).run()
 
 
-def small_tokenizer():
-    """The small tiny model's tokenizer and its EOS id."""
-    from executor_svc.tiny_model import EOS_TOKEN, SIZES, train_tokenizer
-
-    tok = train_tokenizer(SIZES["small"]["vocab"])
-    return tok, tok.token_to_id(EOS_TOKEN)
-
-
 async def consume(engine: Engine, req: GenerationRequest) -> int:
     """Drain one request's stream; return how many tokens it streamed."""
     n = 0

@@ -1,7 +1,13 @@
-"""Decode throughput of the CPU executor on the default tiny model, per CPU attention backend.
+"""The CPU executor: decode throughput per attention backend, decode attention against the GEMMs,
+and the roofline of a decode step.
 
-    .venv/bin/python -m benchmarks.executor_cpu [--model DIR] [--batch-sizes 1,16,64] [--threads 2]
-        [--cpu-attention torch,fused] [--repeats 3]
+    .venv/bin/python -m benchmarks.executor_cpu [throughput] [--model DIR] [--batch-sizes 1,16,64]
+        [--threads 2] [--cpu-attention torch,fused] [--repeats 3]
+    .venv/bin/python -m benchmarks.executor_cpu attention [--help]   (benchmarks/executor_cpu_attention.py)
+    .venv/bin/python -m benchmarks.executor_cpu roofline [--help]    (benchmarks/executor_cpu_roofline.py)
+
+Each mode prints its table, then one JSON line. ``throughput`` (the default) is on the default
+tiny model, per CPU attention backend:
 
 Drives ``ModelRunner`` directly with plans (no transport): prefill every
 sequence, then time ``--decode-steps`` steps that decode one token for each of
@@ -19,7 +25,9 @@ throughput ratio.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -116,8 +124,26 @@ def bench(model, batch: int, prompt_len: int, steps: int, profile_steps: int, sa
             "attention_fraction": attn}
 
 
+MODES = ("throughput", "attention", "roofline")
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    mode = argv.pop(0) if argv and argv[0] in MODES else "throughput"
+    if mode == "throughput":
+        result = throughput(argv)
+    else:  # the other modes' modules load only when asked for
+        module = importlib.import_module(f"benchmarks.executor_cpu_{mode}")
+        ap = argparse.ArgumentParser(prog=f"python -m benchmarks.executor_cpu {mode}",
+                                     description=module.__doc__.split("\n\n")[0])
+        module.add_args(ap)
+        result = module.run(ap.parse_args(argv))
+    print(json.dumps(result))
+
+
+def throughput(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.executor_cpu [throughput]",
+                                 description="decode throughput per CPU attention backend")
     ap.add_argument("--model", help="HF model dir (default: build the default tiny llama in a temp dir)")
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -162,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"(attention {100 * r['attention_fraction']:4.1f}%)  runs {r['runs_tokens_per_s']}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
+    return {"rows": rows}
 
 
 if __name__ == "__main__":

@@ -25,10 +25,11 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.engine_harness import consume, distinct_requests, engine_with_executors, small_tokenizer
+from benchmarks.engine_harness import consume, distinct_requests, engine_with_executors
 from pagedserve.gc_tuning import tune_gc
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.sched.config import SchedulerConfig
+from testing.tokenizers import small_tokenizer
 
 
 async def run_once(num_executors: int, seqs_per_executor: int, prompt_len: int, output_len: int,

@@ -1,9 +1,9 @@
 """The scheduler's memory under a burst of maximum-size gRPC requests, with and without a cap.
 
-Starts a real scheduler process (``python -m scheduler_svc``, the tiny model's tokenizer, no
-executor: every call ends UNAVAILABLE or RESOURCE_EXHAUSTED, after or before its message is
-read) and sends ``--calls`` concurrent ``Generate`` calls of a ``--prompt-mb`` MB prompt each,
-while sampling the process's resident memory every 5 ms. Prints the baseline, the peak and the
+Starts a real scheduler (``python -m scheduler_svc``, the tiny model's tokenizer, no executor: every
+call ends UNAVAILABLE or RESOURCE_EXHAUSTED, after or before its message is read) and sends
+``--calls`` concurrent ``Generate`` calls of a ``--prompt-mb`` MB prompt each, while sampling the
+resident memory of its process and the front processes it starts every 5 ms. Prints the baseline, the peak and the
 status codes; ``--scheduler-args`` go to the scheduler (e.g. ``--max-in-flight-bytes 268435456``).
 
     .venv/bin/python -m benchmarks.front_burst_memory [--calls 150] [--prompt-mb 3.9] [--scheduler-args "..."]
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import shlex
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import grpc
 
+from benchmarks.proc_stat import children
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -38,8 +40,13 @@ def _free_port() -> int:
 
 
 def _rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    """Resident memory of ``pid`` and its live children: the fronts that read the requests are
+    processes the scheduler starts."""
+    total = 0.0
+    for each in (pid, *children(pid)):
+        with contextlib.suppress(OSError), open(f"/proc/{each}/status") as f:  # (a child that ended meanwhile)
+            total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    return total
 
 
 def _sample(pid: int, stop: threading.Event, peak: list[float]) -> None:

@@ -67,6 +67,12 @@ def sdist(cache: Path, version: str) -> Path:
     return vendored
 
 
+def built_server(cache: Path | None = None, version: str = DEFAULT_VERSION) -> Path | None:
+    """Path of the ``llama-server`` built for this CPU when the cache holds one, else None."""
+    binary = (cache or default_cache()) / f"build-{version}-{cpu_key()}" / "bin" / "llama-server"
+    return binary if binary.is_file() else None
+
+
 def llama_server(cache: Path | None = None, version: str = DEFAULT_VERSION, jobs: int | None = None) -> Path:
     """Path of a built ``llama-server`` for this CPU, building it first when the cache lacks one."""
     cache = cache or default_cache()

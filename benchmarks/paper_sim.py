@@ -18,7 +18,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -26,14 +25,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
-
 from benchmarks.sim_report import LATENCY_FACTOR
-from benchmarks.sim_runs import ALLOCATORS, MEM_KINDS, RunStats, run_trace
-from pagedserve.bench.workloads import SHAREGPT, synthetic_trace
-
-# (workload, rate) of paper Fig. 13 (OPT-13B): ShareGPT at 2 req/s, Alpaca at 30 req/s.
-FIG13_POINTS = (("sharegpt", 2.0), ("alpaca", 30.0))
+from testing.sim.paper import FIG13_POINTS, _one, run_jobs, sustained_rate, tail_sensitivity
+from testing.sim.runs import ALLOCATORS, MEM_KINDS, RunStats
 
 QUICK = {"fig13_requests": {"sharegpt": 1000, "alpaca": 3000}, "sweep_requests": {"sharegpt": 400, "alpaca": 1500},
          "tail": {"sigmas": [0.8, 1.4], "requests": 300},
@@ -46,66 +40,6 @@ FULL = {"fig13_requests": {"sharegpt": 7200, "alpaca": 9000}, "sweep_requests": 
         "rates": {"sharegpt": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.4, 2.8],
                   "alpaca": [2.0, 5.0, 10.0, 20.0, 30.0, 40.0, 45.0, 50.0, 55.0, 60.0, 65.0, 70.0, 75.0, 80.0,
                              85.0, 90.0, 100.0, 110.0]}}
-
-
-def _one(job: tuple[str, str, float, int, int]) -> RunStats:
-    allocator, workload, rate, num, seed = job
-    return run_trace(allocator, synthetic_trace(workload, num, rate, seed=seed), workload, rate, seed=seed)
-
-
-def run_jobs(jobs: list[tuple[str, str, float, int, int]], workers: int) -> list[RunStats]:
-    if workers <= 1:
-        return [_one(j) for j in jobs]
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(_one, jobs))
-
-
-def _tail_trace(sigma: float, num: int, seed: int):
-    return synthetic_trace(dataclasses.replace(SHAREGPT, output_sigma=sigma), num, FIG13_POINTS[0][1], seed=seed)
-
-
-def _tail_one(job: tuple[str, float, int, int]) -> RunStats:
-    allocator, sigma, num, seed = job
-    return run_trace(allocator, _tail_trace(sigma, num, seed), f"sharegpt-sigma{sigma:g}", FIG13_POINTS[0][1],
-                     seed=seed)
-
-
-def tail_sensitivity(cfg: dict, workers: int, seed: int) -> list[dict]:
-    """Fig. 13's ShareGPT point (paged vs Orca Oracle) for several output-length tails.
-
-    Only the log-normal sigma of the output length changes; its mu is re-solved so the
-    mean stays the paper's 338 tokens.
-    """
-    sigmas, num = cfg["tail"]["sigmas"], cfg["tail"]["requests"]
-    jobs = [(a, sg, num, seed) for sg in sigmas for a in ("paged", "orca-oracle")]
-    if workers <= 1:
-        stats = [_tail_one(j) for j in jobs]
-    else:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            stats = list(pool.map(_tail_one, jobs))
-    rows = []
-    for i, sg in enumerate(sigmas):
-        out = np.array([t.output_len for t in _tail_trace(sg, num, seed)])
-        rows.append({"sigma": sg, "output_mean": float(out.mean()), "output_p50": float(np.median(out)),
-                     "output_p90": float(np.percentile(out, 90)),
-                     "paged": asdict(stats[2 * i]), "orca-oracle": asdict(stats[2 * i + 1])})
-    return rows
-
-
-def sustained_rate(rates: list[float], lats: list[float], threshold: float) -> tuple[float, bool]:
-    """Rate where normalized latency crosses ``threshold`` (linear interpolation).
-
-    Returns (rate, exact): ``exact`` is False when the curve never crosses
-    within the sweep (then the rate is the highest measured, a lower bound) or
-    is already above at the lowest rate (then 0.0).
-    """
-    for i, (r, lat) in enumerate(zip(rates, lats, strict=True)):
-        if lat > threshold:
-            if i == 0:
-                return 0.0, False
-            r0, l0 = rates[i - 1], lats[i - 1]
-            return r0 + (r - r0) * (threshold - l0) / (lat - l0), True
-    return rates[-1], False
 
 
 def _chain(job: tuple[str, str, list[float], int, int]) -> list[RunStats]:
@@ -190,7 +124,21 @@ def main(argv: list[str] | None = None) -> int:
     md = sim_report.markdown(fig13, sweeps, cfg, mode, wall, tail)
     Path(args.out_md or fig_dir / "paper_sim.md").write_text(md)
     print(md)
+    print(json.dumps(headline(fig13, sweeps, mode, wall)))
     return 0
+
+
+def headline(fig13: list[RunStats], sweeps: dict[str, dict], mode: str, wall: float) -> dict:
+    """The last line: per workload and allocator, Fig. 13's batched requests and share of KV memory
+    holding token states, and Fig. 12's sustained rate."""
+    out: dict = {"mode": mode, "wall_s": round(wall, 1)}
+    for s in fig13:
+        out[f"mean_batched_{s.workload}_{s.allocator}"] = round(s.mean_batched, 2)
+        out[f"token_states_{s.workload}_{s.allocator}"] = round(s.mem["token_states"], 4)
+    for wl, by_alloc in sweeps.items():
+        for alloc, curve in by_alloc.items():
+            out[f"sustained_rate_{wl}_{alloc}"] = round(curve["sustained"], 3)
+    return out
 
 
 if __name__ == "__main__":

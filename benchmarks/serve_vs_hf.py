@@ -12,7 +12,7 @@ default tiny model (models/tiny-llama, built if missing), float32 on CPU:
 * transformers ``generate`` with static left-padded batches; every batch size
   in ``--batch-sizes`` is tried in the first repetition, the best one is kept
   for the others (its median is reported).
-* transformers' continuous batching (benchmarks/hf_baselines.py).
+* transformers' continuous batching (testing/hf_baselines.py).
 
 The transformers runs use ``torch.set_num_threads(--threads)`` in this
 process. Repetitions interleave the systems, so load drift on a shared
@@ -24,10 +24,10 @@ second of generation. A table is printed, then one JSON line (last line).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,14 +37,15 @@ from pathlib import Path
 import grpc
 import torch
 
-from benchmarks import hf_baselines
+from benchmarks.proc_stat import children, cpu_seconds
 from pagedserve.bench.loadgen import fixed_trace, parse_range
 from pagedserve.bench.workloads import TraceRequest
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+from testing import hf_baselines
+from testing.hf_baselines import format_table, report
 
 DEFAULT_MODEL = Path("models/tiny-llama")
-TARGET_VS_STATIC, TARGET_VS_CB = 3.0, 1.5
 
 
 def ensure_model(path: Path) -> Path:
@@ -117,14 +118,17 @@ class ServeProcesses:
         raise TimeoutError(f"pagedserve not ready after {timeout_s:.0f}s; logs in {self.logdir}")
 
     def cpu_seconds(self) -> dict[str, float]:
-        """User + system CPU seconds so far of the scheduler and the executor (Linux /proc; else empty)."""
+        """User + system CPU seconds so far of the scheduler and the executor (Linux /proc; else empty).
+        The scheduler's include its live children: the front processes it starts serve the APIs."""
         out = {}
         for name, p in zip(("scheduler", "executor"), self.procs, strict=True):
             try:
-                fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                out[name] = cpu_seconds(p.pid)
             except OSError:
                 return {}
-            out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+            for child in children(p.pid) if name == "scheduler" else ():
+                with contextlib.suppress(OSError):  # (a child that ended meanwhile)
+                    out[name] += cpu_seconds(child)
         return out
 
     def stop(self) -> None:
@@ -270,47 +274,7 @@ def measure(args: argparse.Namespace) -> dict:
         runs = _repetitions(args, stack, model, trace, pad_id)
     finally:
         stack.stop()
-    return _report(args, trace, runs)
-
-
-def _report(args: argparse.Namespace, trace: list[TraceRequest], runs: dict) -> dict:
-    med = statistics.median
-    ps = med(runs["pagedserve"])
-    static = {b: med(v) for b, v in runs["hf_static"].items()}
-    # the batch size measured in every repetition (the best of repetition 1)
-    best = max(static, key=lambda b: (len(runs["hf_static"][b]), static[b])) if static else None
-    cb = med(runs["hf_cb"]) if runs["hf_cb"] else None
-    out = {
-        "benchmark": "serve_vs_hf", "model": str(args.model), "num_requests": len(trace),
-        "input_len": args.input_len, "output_len": args.output_len, "reps": args.reps,
-        "threads": args.threads, "output_tokens": sum(r.output_len for r in trace),
-        "pagedserve_tok_s": ps,
-        "hf_static_tok_s": static.get(best) if best else None, "hf_static_best_batch": best,
-        "hf_static_by_batch_tok_s": static, "hf_cb_tok_s": cb,
-        "speedup_vs_static": ps / static[best] if best else None,
-        "speedup_vs_cb": ps / cb if cb else None,
-        "runs_tok_s": {k: v for k, v in runs.items() if k != "cpu_s"},
-        "cpu_s": runs.get("cpu_s", []),  # per run: wall and CPU seconds of each process involved
-    }
-    out["meets_targets"] = bool((out["speedup_vs_static"] or 0) >= TARGET_VS_STATIC
-                                and (out["speedup_vs_cb"] or 0) >= TARGET_VS_CB)
-    return out
-
-
-def format_table(r: dict) -> str:
-    rows = [("pagedserve (scheduler + executor, gRPC)", r["pagedserve_tok_s"], None, None)]
-    for b, v in sorted(r["hf_static_by_batch_tok_s"].items()):
-        mark = " (best)" if b == r["hf_static_best_batch"] else ""
-        rows.append((f"transformers generate, static batch {b}{mark}", v, TARGET_VS_STATIC, b))
-    if r["hf_cb_tok_s"]:
-        rows.append(("transformers continuous batching", r["hf_cb_tok_s"], TARGET_VS_CB, None))
-    lines = [f"{r['num_requests']} requests, prompts {r['input_len']}, outputs {r['output_len']} tokens, "
-             f"{r['output_tokens']} output tokens; torch threads {r['threads']}; median of {r['reps']}",
-             f"{'system':<50}{'tok/s':>10}{'pagedserve x':>14}{'target':>8}"]
-    for name, v, target, _ in rows:
-        ratio = r["pagedserve_tok_s"] / v
-        lines.append(f"{name:<50}{v:>10.1f}{ratio:>14.2f}{(f'>={target:g}' if target else ''):>8}")
-    return "\n".join(lines)
+    return report(args, trace, runs)
 
 
 def _exit_on_sigterm(signum, frame) -> None:

@@ -10,7 +10,7 @@ fork + copy-on-write, beam search with pruned beams freed) driven by
 traces with EOS ignored (every choice / beam runs to the trace's output
 length). The load is kept low so that no request is preempted (a recomputed
 request would lose its sharing and muddy the measure); preemptions are
-reported. The block-level model of ``sharing_model.py`` is run on the same
+reported. The block-level model of ``testing/sim/sharing_model.py`` is run on the same
 lengths as a cross-check. The simulated executor's beam candidates have random
 log-probs, so which beams survive is random, not a language model's choice.
 
@@ -26,56 +26,13 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
-
-from benchmarks.sharing_model import beam_usage, parallel_usage
-from benchmarks.sim_executor import BLOCK_SIZE, SimExecutor, simulate
-from benchmarks.sim_runs import make_scheduler, to_requests
-from pagedserve.bench.workloads import synthetic_trace
+from testing.sim.sharing_model import measure
 
 WIDTHS = (2, 4, 6)
-RATES = {"alpaca": 1.0, "sharegpt": 0.05}  # low: (almost) no preemption even with 6 sequences per request
-# A request preempted by recompute must recompute all n choices in one step (the scheduler does not
-# chunk a multi-sequence group), so the token budget must hold 6 x 2048 tokens or it never resumes.
-TOKEN_BUDGET = 6 * 2048
 PAPER = {("alpaca", "parallel"): "6.1-9.8%", ("alpaca", "beam"): "37.6-55.2%",
          ("sharegpt", "parallel"): "16.2-30.5%", ("sharegpt", "beam"): "44.3-66.3%"}
 # the paper's range ends, read as its n (or width) = 2 and = 6 bars
 PAPER_ENDS = {k: tuple(float(x) for x in v.rstrip("%").split("-")) for k, v in PAPER.items()}
-
-
-def measure(workload: str, mode: str, width: int, num_requests: int, seed: int = 0) -> dict:
-    """Run one trace through the scheduler; time-averaged physical vs logical blocks."""
-    trace = synthetic_trace(workload, num_requests, RATES[workload], seed=seed)
-    n, beam = (width, 1) if mode == "parallel" else (1, width)
-    sched = make_scheduler("paged", max_num_batched_tokens=TOKEN_BUDGET)
-    kv = sched.kv
-    acc = {"logical": 0.0, "physical": 0.0}
-
-    def probe(now, plan, seconds):
-        logical = sum(kv.num_blocks(s) for r in sched.running for s in r.live)
-        acc["logical"] += logical * seconds
-        acc["physical"] += kv.pool.num_used_blocks * seconds
-
-    run = simulate(sched, SimExecutor(seed=seed), to_requests(trace, n=n, beam_width=beam), probe)
-    if len(run.finish_time) != len(trace):
-        raise RuntimeError(f"{len(trace) - len(run.finish_time)} requests did not finish")
-    lg, ph = _model(trace, mode, width, seed)
-    return {"workload": workload, "mode": mode, "width": width, "requests": len(trace),
-            "saving": 1.0 - acc["physical"] / acc["logical"], "model_saving": 1.0 - ph / lg,
-            "preemptions": sched.num_preemptions}
-
-
-def _model(trace, mode: str, width: int, seed: int) -> tuple[int, int]:
-    rng = np.random.default_rng(seed)
-    lg = ph = 0
-    for t in trace:
-        if mode == "parallel":
-            a, b = parallel_usage(t.prompt_len, t.output_len, width, BLOCK_SIZE)
-        else:
-            a, b = beam_usage(t.prompt_len, t.output_len, width, rng, BLOCK_SIZE)
-        lg, ph = lg + a, ph + b
-    return lg, ph
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -135,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     (fig_dir / "sharing_savings.md").write_text(md)
     (fig_dir / "sharing_savings.json").write_text(json.dumps(rows, indent=1))
     print(md)
+    print(json.dumps({f"saving_{r['workload']}_{r['mode']}_{r['width']}": round(r["saving"], 4) for r in rows}
+                     | {f"model_saving_{r['workload']}_{r['mode']}_{r['width']}": round(r["model_saving"], 4)
+                        for r in rows} | {"preemptions": sum(r["preemptions"] for r in rows)}))
     return 0
 
 

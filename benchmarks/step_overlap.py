@@ -24,7 +24,7 @@ Prints a table, then one JSON line with ``busy_5ms_256``, ``busy_10ms_4x256``,
 ``sync_`` prefix.
 
 ``--structured``: structured outputs instead, on one executor with 5 ms steps and a 128K
-vocabulary (benchmarks/large_vocab.py). Unconstrained runs and runs with every one of the 256
+vocabulary (testing/tokenizers.py). Unconstrained runs and runs with every one of the 256
 sequences under a JSON schema (``STRUCTURED_SCHEMA``) alternate, on fresh engines; the simulated
 executor samples only ids each sequence's grammar allows (benchmarks/grammar_sim.py, the
 executor's own grammar code). The JSON line has ``busy_5ms_256`` and ``structured_busy_5ms_256``
@@ -47,7 +47,7 @@ import time
 import msgspec
 import uvloop
 
-from benchmarks.engine_harness import consume, distinct_requests, engine_with_executors, small_tokenizer
+from benchmarks.engine_harness import consume, distinct_requests, engine_with_executors
 from pagedserve import wire
 from pagedserve.engine_api import GenerationRequest
 from pagedserve.gc_tuning import tune_gc
@@ -55,6 +55,7 @@ from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.telemetry.metrics import Metrics
 from testing.in_process_engine import Engine
+from testing.tokenizers import small_tokenizer
 
 SEQS, PROMPT = 256, 64
 CONFIGS = (("5ms_256", 1, 0.005), ("10ms_4x256", 4, 0.010), ("20ms_8x256", 8, 0.020))
@@ -193,7 +194,7 @@ def edge_check_ms() -> tuple[float, float]:
 def main_structured(repeats: int, output_len: int) -> None:
     import tempfile
 
-    from benchmarks.large_vocab import large_tokenizer, large_tokenizer_json
+    from testing.tokenizers import large_tokenizer, large_tokenizer_json
 
     tok = large_tokenizer()
     eos = tok.token_to_id("<|endoftext|>")

@@ -39,6 +39,12 @@ Phases, on one deployment, each ``--repeats`` times (a round runs them one after
    with the fronts and the clients at ``--delay-nice``, so that what is left of a delay is the
    core's own loop rather than this machine's 2 vCPUs shared with them; with
    ``--each-max-request`` also a window per request (which one delays the plans).
+4. **Intervals** (not run unless named): a front's own CPU per token by ``--stream-interval``
+   (``--intervals``), gRPC and HTTP, in this process over an engine that ticks
+   (``testing/ticking_engine.py``): no core, no executor, no other process sharing the CPU.
+5. **APIs** (not run unless named): the HTTP front against gRPC on a real model (``--model``, a
+   CPU executor): throughput, latencies and the scheduler's CPU per token of each
+   (``benchmarks/tier_apis.py``).
 
 ``scheduler_overhead``'s ``ms_per_step_256`` is measured in the same run (before and after, the
 median): the targets hold at 0.35 ms and scale by reference / 0.35 on a slower machine. That
@@ -48,6 +54,8 @@ step is also measured after such a gap (``reference_schedule_ms_256_after_gap``)
 per step over it is what the engine core adds to the scheduler's own work under equal conditions.
 
     .venv/bin/python -m benchmarks.tier_capacity [--quick] [--repeats 3] [--phases cost,busy,delay]
+    .venv/bin/python -m benchmarks.tier_capacity --phases intervals [--intervals 1,4]
+    .venv/bin/python -m benchmarks.tier_capacity --phases apis [--model DIR] [--repeats 7]
 
 Prints a table (a row per window: CPU per token and per step, busy fraction, plan delays, and the
 CPUs each process used, with the rest of the machine's as "others"), each target against its
@@ -66,6 +74,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks import tier_apis
 from benchmarks.scheduler_overhead import measure as schedule_cost
 from benchmarks.tier_processes import (
     NUM_BLOCKS,
@@ -78,6 +87,7 @@ from benchmarks.tier_processes import (
     run_floor,
     run_streams,
 )
+from testing.ticking_engine import front_costs
 
 REFERENCE_MS = 0.35  # scheduler_overhead's ms_per_step_256 on the machine the targets were set on
 TARGETS = {"front_cpu_us_per_token_grpc": 20.0, "front_cpu_us_per_token_http": 12.0,
@@ -122,7 +132,8 @@ def print_table(rows: list[dict]) -> None:
         print(" ".join(fmt.format(r[key]) if key in r else " " * width(fmt) for key, _, fmt in COLUMNS), flush=True)
 
 
-PHASES = ("cost", "busy", "delay")
+PHASES = ("cost", "busy", "delay", "intervals", "apis")
+TIER_PHASES = {"cost", "busy", "delay"}  # the phases on the deployment (the default)
 # The maximum-size requests of tier_load that reach the core (the two at a transport bound are refused by the front).
 MAX_REQUESTS = ("grpc token ids", "http token ids", "http text", "grpc every limit")
 
@@ -272,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one round, fewer tokens, a shorter baseline")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the phases (medians are reported)")
-    ap.add_argument("--phases", default=",".join(PHASES), help="which of cost,busy,delay to run")
+    ap.add_argument("--phases", default="cost,busy,delay", help=f"which of {','.join(PHASES)} to run")
     ap.add_argument("--fronts", type=int, default=1, help="--api-server-count")
     ap.add_argument("--stream-interval", type=int, default=1, help="the scheduler's --stream-interval")
     ap.add_argument("--tokens", type=int, default=256, help="tokens per stream in the cost phase")
@@ -291,13 +302,34 @@ def main(argv: list[str] | None = None) -> None:
                     help="the delay phase also sends each maximum-size request alone, a window each (which one "
                          "delays the plans)")
     ap.add_argument("--max-model-len", type=int, default=131072, help="the simulated executor's context")
+    ap.add_argument("--intervals", default="1,4", help="the intervals phase's --stream-interval values")
+    ap.add_argument("--interval-tokens", type=int, default=200, help="tokens per stream in the intervals phase")
+    tier_apis.add_args(ap)
     a = ap.parse_args(argv)
     phases = set(a.phases.split(","))
     if not phases <= set(PHASES):
         ap.error(f"--phases: choose among {','.join(PHASES)}, got {a.phases!r}")
     if a.quick:
-        a.repeats, a.tokens, a.busy_tokens, a.baseline_s = 1, 128, 256, 2.0
+        a.repeats, a.tokens, a.busy_tokens, a.baseline_s, a.interval_tokens = 1, 128, 256, 2.0, 64
+        vars(a).update(tier_apis.QUICK)
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    summary = run_tier(a, phases) if phases & TIER_PHASES else {}
+    if "intervals" in phases:
+        for api in ("grpc", "http"):
+            costs = front_costs(api, [int(k) for k in a.intervals.split(",")], SEQS, a.interval_tokens, a.repeats)
+            print(f"{api} front in process: " + ", ".join(f"{k} {v}" for k, v in costs.items()), flush=True)
+            summary |= {f"{k}_{api}": v for k, v in costs.items()}
+        summary |= {"intervals": a.intervals, "interval_tokens": a.interval_tokens}
+    if "apis" in phases:
+        summary |= tier_apis.measure(a) | {"model": str(a.model), "api_requests": a.num_requests,
+                                           "api_concurrency": a.concurrency}
+    summary |= {"repeats": a.repeats, "machine": machine(), "load_average": os.getloadavg()[0]}
+    print(json.dumps({k: (round(v, 4) if math.isfinite(v) else None) if isinstance(v, float) else v
+                      for k, v in summary.items()}))
+
+
+def run_tier(a: argparse.Namespace, phases: set[str]) -> dict:
+    """The phases on the deployment (cost, busy, delay), with the reference and the targets."""
     refs = reference_ms(10 if a.quick else 15)
     gap_refs = reference_ms(2 if a.quick else 4, a.cost_step_ms / 1e3, 32) if "cost" in phases else []
     with tempfile.TemporaryDirectory(prefix="tier-capacity-") as tmp, \
@@ -316,13 +348,10 @@ def main(argv: list[str] | None = None) -> None:
         summary["core_over_reference_after_gap"] = summary["core_cpu_ms_per_step_256"] / statistics.median(gap_refs)
     print_capacity_model(summary)
     summary["target_scale"] = report_targets(summary, refs)
-    summary |= {"fronts": a.fronts, "stream_interval": a.stream_interval, "streams": SEQS,
-                "tokens_per_stream": a.tokens, "cost_step_ms": a.cost_step_ms,
-                "busy_tokens_per_stream": a.busy_tokens, "delay_step_ms": a.delay_step_ms,
-                "delay_streams": a.delay_streams, "repeats": a.repeats, "machine": machine(),
-                "load_average": os.getloadavg()[0]}
-    print(json.dumps({k: (round(v, 4) if math.isfinite(v) else None) if isinstance(v, float) else v
-                      for k, v in summary.items()}))
+    return summary | {"fronts": a.fronts, "stream_interval": a.stream_interval, "streams": SEQS,
+                      "tokens_per_stream": a.tokens, "cost_step_ms": a.cost_step_ms,
+                      "busy_tokens_per_stream": a.busy_tokens, "delay_step_ms": a.delay_step_ms,
+                      "delay_streams": a.delay_streams}
 
 
 if __name__ == "__main__":

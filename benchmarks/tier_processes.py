@@ -29,6 +29,7 @@ from benchmarks import engine_harness as h
 from benchmarks.proc_stat import MachineTimes, children, cpu_seconds
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+from testing.tokenizers import small_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQS = 256  # --max-num-seqs
@@ -87,7 +88,7 @@ def corpus_ids(tok) -> list[int]:
 @contextlib.contextmanager
 def deployment(workdir: Path, fronts: int, max_model_len: int, num_blocks: int,
                stream_interval: int = 1) -> Iterator[Deployment]:
-    tok, eos = h.small_tokenizer()
+    tok, eos = small_tokenizer()
     model = workdir / "model"
     model.mkdir()
     tok.save(str(model / "tokenizer.json"))  # no weights: the first executor fixes the served model

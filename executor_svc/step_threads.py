@@ -7,7 +7,7 @@ step takes about its own time plus all the CPU the serving path spends on it. On
 leaves that CPU to the serving path, which then runs beside the step, but the step reads the
 weights with less bandwidth. Which is faster depends on the machine, the weight format, the batch
 and what else runs there, so the executor measures it: per batch-size class it times the fused
-steps with both counts, now and then, and keeps the faster (benchmarks/batch1_cpu_split.py,
+steps with both counts, now and then, and keeps the faster (measured by a one-off benchmark since removed,
 docs/PERF.md "Where a served batch-1 token goes"). A step's time is from its start to the next
 fused step's start: the serving path's share lands in the step's Python work and in the OpenMP
 threads' spinning after the call as much as in the call itself.

@@ -1,5 +1,5 @@
 """Driving the executor's ModelRunner in tests: a CPU runner, the toy scheduler that hand-builds
-its plans (``PlanDriver``, benchmarks/plan_driver.py: the device checks use it too), the real
+its plans (``PlanDriver``, testing/plan_driver.py: the device checks use it too), the real
 scheduler without a transport, transformers' references, and scenarios shared by parity tests.
 """
 
@@ -9,13 +9,13 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.plan_driver import DriverSeq, PlanDriver
 from executor_svc.backends import make_attention_backend
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
 from pagedserve.wire import BatchPlan, BlockUpdate, Fork, SamplingParams, StepResult
+from testing.plan_driver import DriverSeq, PlanDriver
 
 
 def make_runner(model_dir, num_blocks: int = 64, num_cpu_blocks: int = 16, block_size: int = 16,

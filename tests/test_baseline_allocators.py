@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from benchmarks.baseline_allocators import (
+from testing.sim.baseline_allocators import (
     BuddySpace,
     FirstFitSpace,
     ReservationPolicy,
@@ -127,7 +127,7 @@ def test_random_churn_keeps_ranges_tiled():
 
 def _sim(allocator: str, trace, num_blocks: int, snapshots: list | None = None, space: str = "buddy"):
     from benchmarks.sim_executor import SimExecutor, simulate
-    from benchmarks.sim_runs import make_scheduler, to_requests
+    from testing.sim.runs import make_scheduler, to_requests
 
     sched = make_scheduler(allocator, num_blocks=num_blocks, space=space)
     batch_sizes: list[int] = []
@@ -162,7 +162,7 @@ def test_every_allocator_finishes_every_request_at_its_length(allocator, space):
 
 
 def test_chunks_follow_the_policy_and_plans_use_chunk_blocks():
-    from benchmarks.sim_runs import make_scheduler, to_requests
+    from testing.sim.runs import make_scheduler, to_requests
 
     # prompt 50 + output 60: Oracle reserves 110 slots = 7 blocks, Pow2 50 + 64 = 114 slots = 8
     # blocks, Max 2048 = 128 blocks; the buddy allocator rounds 7 up to 8, first fit does not.
@@ -204,7 +204,7 @@ def test_paged_batches_more_than_oracle_when_memory_binds():
 
 
 def test_fork_is_refused():
-    from benchmarks.baseline_allocators import ContiguousKVCacheManager
+    from testing.sim.baseline_allocators import ContiguousKVCacheManager
 
     kv = ContiguousKVCacheManager("oracle", 16, 100, 2048)
     with pytest.raises(RuntimeError, match="cannot share"):

@@ -8,7 +8,7 @@ kernel (a shifted scale, a dropped tail) would score, and float32 must agree exa
 
 from __future__ import annotations
 
-from benchmarks.cpu_agreement import run
+from testing.cpu_agreement import run
 
 
 def test_formats_agree_with_float32_transformers(tiny_llama_dir):
@@ -26,8 +26,8 @@ def test_training_the_test_model_teaches_it_the_corpus(tiny_llama_dir, tmp_path)
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.cpu_agreement import train
     from executor_svc.tiny_model import CORPUS
+    from testing.cpu_agreement import train
 
     trained = train(tiny_llama_dir, tmp_path / "trained", steps=30, lr=3e-3)
     text = torch.tensor([Tokenizer.from_file(str(trained / "tokenizer.json")).encode(CORPUS.read_text()[:2000]).ids])

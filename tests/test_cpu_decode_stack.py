@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.cpu_agreement import Forcer
 from executor_svc.model import load_model
+from testing.cpu_agreement import Forcer
 
 # (load_model arguments, KV cache dtype, tolerance relative to the largest logit). The two paths
 # order their float sums differently; in bf16 and int8 that moves an activation's rounding now

@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.kernels.nvcc import find_nvcc
-from benchmarks.kernels.nvrtc import compile_source, find_library
 from cupy_kernels.build import (
     BLOCK_SIZES,
     CUDA_TYPES,
@@ -30,6 +28,8 @@ from cupy_kernels.build import (
     prefill_tokens,
     read_source,
 )
+from testing.kernels.nvcc import find_nvcc
+from testing.kernels.nvrtc import compile_source, find_library
 
 ARCHS = ("sm_80", "sm_90")
 GROUPS = (4, 1, 8, 2, 7, 3)  # cycled; the Llama-3-8B decode shape (bf16, 128, 16, 4) is in the set

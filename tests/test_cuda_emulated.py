@@ -1,4 +1,4 @@
-"""The CUDA kernel sources executed on the CPU by the SIMT emulator (benchmarks/kernels/emu), against
+"""The CUDA kernel sources executed on the CPU by the SIMT emulator (testing/kernels/emu), against
 the float64 references. Not a GPU test: it runs in CI and checks the kernels' indexing, masking,
 online softmax, split/reduce and GQA grouping from the exact source NVRTC compiles. Outputs and
 unwritten cache slots are poisoned with NaN, inputs are fresh random numbers."""
@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from benchmarks.kernels.cases import make_case
-from benchmarks.kernels.reference import ref_attention, ref_copy_blocks, ref_reshape_and_cache, rel_error
 from cupy_kernels.build import KernelKey, group_size, prefill_tokens
+from testing.kernels.cases import make_case
+from testing.kernels.reference import ref_attention, ref_copy_blocks, ref_reshape_and_cache, rel_error
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
@@ -25,7 +25,7 @@ SCALE = 0.107
 
 @pytest.fixture(scope="module")
 def emu():
-    from benchmarks.kernels.emulate import Emulator
+    from testing.kernels.emulate import Emulator
 
     keys = []
     for d, h, b, q, kv in CONFIGS:

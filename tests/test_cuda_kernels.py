@@ -15,9 +15,9 @@ import random
 import pytest
 import torch
 
-from benchmarks.kernels.cases import make_case
-from benchmarks.kernels.reference import ref_attention, ref_copy_blocks, ref_reshape_and_cache, rel_error
 from cupy_kernels.build import CUDA_TYPES, HEAD_SIZES, KernelKey, group_size, precompile, prefill_tokens
+from testing.kernels.cases import make_case
+from testing.kernels.reference import ref_attention, ref_copy_blocks, ref_reshape_and_cache, rel_error
 
 _HAVE_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
 pytestmark = [pytest.mark.gpu,

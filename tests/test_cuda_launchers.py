@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.kernels.cases import make_case
-from benchmarks.kernels.nvcc import nvcc_unit
-from benchmarks.kernels.reference import ref_attention, ref_copy_blocks, ref_reshape_and_cache, rel_error
 from cupy_kernels import build, cache_ops, launchers
+from testing.kernels.cases import make_case
+from testing.kernels.nvcc import nvcc_unit
+from testing.kernels.reference import ref_attention, ref_copy_blocks, ref_reshape_and_cache, rel_error
 
 
 def _decode_args(**over):

@@ -1,4 +1,4 @@
-"""benchmarks/device_idle.py on the CPU: the measurement make gpu-check runs on a GPU tells host work from compute."""
+"""testing/device_idle.py on the CPU: the measurement make gpu-check runs on a GPU tells host work from compute."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from benchmarks.device_idle import _busy_union_us, measure
 from executor_svc.runner import ModelRunner
+from testing.device_idle import _busy_union_us, measure
 
 
 @pytest.mark.parametrize("prepare_ahead", [False, True])

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.paper_sim import sustained_rate
 from benchmarks.sim_executor import PAPER_NUM_BLOCKS, PAPER_NUM_SLOTS, CostModel, SimExecutor
-from benchmarks.sim_runs import MEM_KINDS, run_trace
 from pagedserve.bench.workloads import synthetic_trace
 from pagedserve.wire import BatchPlan, NewSeq, SamplingParams, pack_ids
+from testing.sim.paper import sustained_rate
+from testing.sim.runs import MEM_KINDS, run_trace
 
 
 def test_paper_kv_budget():
@@ -86,7 +86,7 @@ def test_run_trace_accounts_every_slot_and_paging_wastes_less():
 
 def test_batch_size_is_averaged_per_step_and_per_second_over_the_arrival_window():
     from benchmarks.sim_executor import SimExecutor, simulate
-    from benchmarks.sim_runs import EOS_TOKEN_ID, MemoryProbe, make_scheduler, to_requests
+    from testing.sim.runs import EOS_TOKEN_ID, MemoryProbe, make_scheduler, to_requests
 
     trace = synthetic_trace("sharegpt", 40, 8.0, seed=3)
     sched = make_scheduler("paged", num_blocks=200)
@@ -121,7 +121,7 @@ def test_buddy_rounding_counts_as_external_fragmentation():
 
 
 def test_tail_sensitivity_varies_only_the_output_spread():
-    from benchmarks.paper_sim import tail_sensitivity
+    from testing.sim.paper import tail_sensitivity
 
     rows = tail_sensitivity({"tail": {"sigmas": [0.6, 1.4], "requests": 150}}, workers=1, seed=2)
     assert [r["sigma"] for r in rows] == [0.6, 1.4]

@@ -8,10 +8,10 @@ from executor_plans import PlanDriver, make_runner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.plan_driver import GREEDY
 from executor_svc.batch import SeqState, build_batch
 from executor_svc.model import load_model
 from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, SamplingParams, pack_ids
+from testing.plan_driver import GREEDY
 
 
 @pytest.fixture(scope="module")

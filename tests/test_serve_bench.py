@@ -155,7 +155,7 @@ def test_bench_against_a_real_stack(tiny_llama_dir, tmp_path, capsys):
 
 
 def test_left_padding_puts_prompts_at_the_right_edge():
-    from benchmarks.hf_baselines import _left_padded
+    from testing.hf_baselines import _left_padded
 
     ids, mask = _left_padded([(5, 6, 7), (9,)], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 9]]
@@ -165,7 +165,7 @@ def test_left_padding_puts_prompts_at_the_right_edge():
 def test_hf_baselines_generate_exactly_the_requested_tokens(tiny_llama_dir):
     """Both transformers baselines run on CPU (the continuous-batching cache sized explicitly) and
     produce the requested lengths, so their tokens/s compare with pagedserve's."""
-    from benchmarks import hf_baselines
+    from testing import hf_baselines
 
     model = hf_baselines.load_model(tiny_llama_dir)
     trace = build_trace("fixed", 3, math.inf, seed=2, vocab_size=model.config.vocab_size,
@@ -182,13 +182,13 @@ def test_hf_baselines_generate_exactly_the_requested_tokens(tiny_llama_dir):
 def test_serve_vs_hf_report_ratios_and_best_batch():
     import argparse
 
-    from benchmarks.serve_vs_hf import _report, format_table
+    from testing.hf_baselines import format_table, report
 
     args = argparse.Namespace(model="m", input_len="1:2", output_len="3:4", reps=3, threads=1)
     trace = build_trace("fixed", 4, math.inf, 0, 50, 100, (1, 2), (3, 4))
     runs = {"pagedserve": [300.0, 100.0, 200.0], "hf_cb": [50.0, 100.0, 150.0],
             "hf_static": {8: [40.0], 16: [70.0, 60.0, 80.0]}}  # 16 won repetition 1, so it ran 3 times
-    r = _report(args, trace, runs)
+    r = report(args, trace, runs)
     assert r["pagedserve_tok_s"] == 200.0 and r["hf_cb_tok_s"] == 100.0
     assert r["hf_static_best_batch"] == 16 and r["hf_static_tok_s"] == 70.0
     assert r["speedup_vs_cb"] == pytest.approx(2.0) and r["speedup_vs_static"] == pytest.approx(200 / 70)

@@ -170,9 +170,9 @@ def test_an_api_key_file_must_hold_usable_keys_in_a_regular_file(model_dir, tmp_
 def test_the_cluster_secret_is_read_once_at_start_up(model_dir, tmp_path):
     """The keys come from the one read the configuration made: the engine never reads the file again,
     so a file that changes (or goes) between parsing and start-up cannot change or break them."""
-    from benchmarks.engine_harness import small_tokenizer
     from pagedserve.wire.keys import derive_keys
     from testing.in_process_engine import Engine
+    from testing.tokenizers import small_tokenizer
 
     secret = tmp_path / "secret"
     secret.write_bytes(b"s" * 32 + b"\n")

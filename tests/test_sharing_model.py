@@ -1,11 +1,12 @@
-"""Block-level sharing models used by benchmarks/sharing_savings.py."""
+"""Block-level sharing models (testing/sim/sharing_model.py) and the scheduler's sharing measured against them
+(benchmarks/sharing_savings.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from benchmarks.sharing_model import BlockModel, beam_usage, parallel_usage
+from testing.sim.sharing_model import BlockModel, beam_usage, parallel_usage
 
 
 def test_fork_shares_and_cow_copies_only_a_shared_partial_block():
@@ -48,7 +49,7 @@ def test_savings_grow_with_width():
 
 @pytest.mark.parametrize("mode", ["parallel", "beam"])
 def test_scheduler_sharing_matches_the_block_model(mode):
-    from benchmarks.sharing_savings import measure
+    from testing.sim.sharing_model import measure
 
     row = measure("alpaca", mode, 4, 12, seed=3)
     assert row["preemptions"] == 0

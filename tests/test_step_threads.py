@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.cpu_agreement import Forcer
 from executor_svc.model import load_model
 from executor_svc.step_threads import FIRST_TRIAL_AFTER, SAMPLES, TRIAL_EVERY, StepThreads
+from testing.cpu_agreement import Forcer
 
 
 def _run(chooser: StepThreads, steps: int, seconds_of, n: int = 1, most: int = 2) -> list[int]:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from grpc_fakes import make_tokenizer
@@ -174,11 +177,13 @@ def test_the_engine_hands_over_fewer_outputs_with_the_same_tokens():
     assert [n for n, *_ in threes] == [1, 3, 3, 3, 1] and len(ones) == 11  # 1 at once, then 3 at a time
 
 
-def test_the_front_cost_benchmark_streams_every_token(capsys):
-    from benchmarks import front_stream_cost
+@pytest.mark.parametrize("api", ["grpc", "http"])
+def test_a_front_over_the_ticking_engine_streams_every_token(api):
+    """tier_capacity's intervals phase (testing/ticking_engine.py): every token reaches the clients,
+    in the messages the interval makes."""
+    from testing.ticking_engine import front_costs
 
-    front_stream_cost.main(["--streams", "4", "--tokens", "6", "--repeats", "1", "--intervals", "1,3"])
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    summary = front_costs(api, [1, 3], streams=4, tokens=6, repeats=1)
     # 6 tokens: one message each, or 1 + 3 + 2 (the first at once, then held until 3 or the end)
     assert summary["tokens_per_message_interval_1"] == 1.0
     assert summary["tokens_per_message_interval_3"] == 2.0
@@ -186,13 +191,22 @@ def test_the_front_cost_benchmark_streams_every_token(capsys):
 
 @pytest.mark.parametrize("api", ["grpc", "http"])
 def test_the_frameworks_floor_streams_every_token_to_the_fronts_clients(api):
-    """tier_capacity's floor (benchmarks/front_floor.py) serves the calls the load generator makes,
-    one message per token, so its CPU per token is comparable with a front's."""
-    from benchmarks.tier_processes import floor_server, run_floor
-
-    with floor_server(0.002) as floor:
-        row = run_floor(floor, api, streams=3, tokens=5, vocab=100, label=f"{api} floor")
-        assert floor.proc.poll() is None
-    assert row["tokens_per_message"] == 1.0
-    assert row["front_us_per_token"] >= 0.0
-    assert floor.proc.returncode == 0  # it stops when its stdin closes
+    """tier_capacity's floor (``python -m benchmarks.front_floor``, run as the benchmark runs it)
+    serves the calls its load generator (``python -m benchmarks.tier_load``) makes, one message
+    per token, so its CPU per token is comparable with a front's."""
+    root = Path(__file__).resolve().parent.parent
+    floor = subprocess.Popen([sys.executable, "-m", "benchmarks.front_floor", "--step-ms", "2"], cwd=root,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        ports = json.loads(floor.stdout.readline())
+        load = subprocess.run([sys.executable, "-m", "benchmarks.tier_load", "stream", "--api", api, "--target",
+                               f"127.0.0.1:{ports[api]}", "--vocab", "100", "--streams", "3", "--tokens", "5"],
+                              cwd=root, capture_output=True, text=True, timeout=120)
+        assert floor.poll() is None
+    finally:
+        floor.stdin.close()  # its signal to stop
+        floor.wait(10)
+    client = json.loads(load.stdout.strip().splitlines()[-1])
+    assert client["failed"] == 0 and client["tokens"] == 15
+    assert client["messages"] == 15  # one message per token
+    assert floor.returncode == 0  # it stops when its stdin closes

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from benchmarks.kernels.gpu_check import run_tp_check
-from benchmarks.kernels.tp_check import skip_reason
+from testing.kernels.tp_check import run_tp_check, skip_reason
 
 
 def test_one_gpu_skips_the_nccl_case_with_a_message():
@@ -21,7 +20,7 @@ def test_one_gpu_skips_the_nccl_case_with_a_message():
 
 @pytest.mark.slow
 def test_the_check_passes_on_two_cpu_ranks(tiny_checkpoint):
-    out = subprocess.run([sys.executable, "-m", "benchmarks.kernels.tp_check", "--device", "cpu", "--model",
+    out = subprocess.run([sys.executable, "-m", "testing.kernels.tp_check", "--device", "cpu", "--model",
                           str(tiny_checkpoint("llama", "tp"))], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("PASS ours") == 3 and "tensor-parallel N = 2 on cpu (rank 0: 4 q / 2 KV heads): PASS" \

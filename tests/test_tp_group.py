@@ -226,7 +226,7 @@ def test_watchdog_sees_a_silent_rank_and_relays_drains():
 
 
 def test_the_memory_benchmark_reports_halves_per_rank(tiny_checkpoint):
-    from benchmarks.tensor_parallel import memory_rows
+    from testing.tensor_parallel import memory_rows
 
     rows = {(r["tp"], r["rank"]): r for r in memory_rows(tiny_checkpoint("llama", "tp"), [1, 2], 1 << 20)}
     norms = 2 * 2 * 128 * 4  # two layers' two norms, float32: replicated on every rank

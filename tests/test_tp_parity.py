@@ -22,11 +22,11 @@ from executor_plans import (
 from tp_harness import tp_runner
 from transformers import AutoModelForCausalLM
 
-from benchmarks.plan_driver import GREEDY
 from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
 from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.scheduler import Scheduler
+from testing.plan_driver import GREEDY
 
 REL_TOL = 1e-4
 # (arch, num_key_value_heads override): 8 q heads; 4 KV heads split 2/2, or 1 KV head replicated.

@@ -1,3 +1,2 @@
-"""Tooling for the CUDA kernels in cupy_kernels/ (not shipped: the executor wheel carries the
-kernels and their launchers only): test cases and float64 references, the SIMT CPU emulator,
-compiling through NVRTC and nvcc without a GPU, the decode timing bench and ``make gpu-check``."""
+"""Timing of the CUDA kernels in cupy_kernels/ and ``make gpu-check`` (not shipped). Their test cases,
+references, emulator and compile helpers, which the tests use too, are in testing/kernels/."""

@@ -4,7 +4,7 @@
    head size / block size / GQA grid, the CuPy backend against the torch backend, and greedy
    generation of the tiny model on the GPU path against the CPU path and transformers;
 2. with two GPUs, a tensor-parallel group of 2 ranks (NCCL all-reduces, the CuPy kernels with
-   per-rank head counts) generating greedily against transformers (benchmarks/kernels/tp_check.py);
+   per-rank head counts) generating greedily against transformers (testing/kernels/tp_check.py);
    with one GPU it is skipped with a message saying so;
 3. decode-attention timing at Llama-3-8B shapes (batch 1/8/64 x context 512/2048/8192): achieved
    bandwidth against the measured device copy bandwidth, and time against torch SDPA.
@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from testing.kernels.tp_check import run_command, run_tp_check
 
 BATCHES = (1, 8, 64)
 CONTEXTS = (512, 2048, 8192)
@@ -37,28 +37,7 @@ def gpu_test_files() -> list[str]:
 
 def run_gpu_tests(timeout_s: int) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *gpu_test_files()]
-    return _run(cmd, timeout_s)
-
-
-def run_tp_check(timeout_s: int, device_count: int) -> dict:
-    """The N = 2 NCCL case when there are two GPUs; otherwise {"skipped": why}."""
-    from benchmarks.kernels.tp_check import skip_reason
-
-    reason = skip_reason("cuda", 2, device_count)
-    if reason is not None:
-        return {"skipped": reason, "returncode": 0}
-    return _run([sys.executable, "-m", "benchmarks.kernels.tp_check", "--device", "cuda", "--world", "2"], timeout_s)
-
-
-def _run(cmd: list[str], timeout_s: int) -> dict:
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        rc, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc, output = 124, f"timed out after {timeout_s}s\n{exc.stdout or ''}"
-    tail = "\n".join(output.strip().splitlines()[-40:])
-    return {"returncode": rc, "seconds": round(time.perf_counter() - start, 1), "tail": tail}
+    return run_command(cmd, timeout_s)
 
 
 def device_info() -> dict:
@@ -86,13 +65,13 @@ def run_bench() -> tuple[float, list]:
 
 
 def run_device_idle(prepare_ahead: bool) -> dict:
-    """The executor's host work per decode step that leaves the GPU idle (benchmarks/device_idle.py),
+    """The executor's host work per decode step that leaves the GPU idle (testing/device_idle.py),
     on the default tiny model, 64 sequences; one plan at a time, or each prepared while the step
     before runs (``--prepare-ahead``)."""
     import tempfile
 
-    from benchmarks.device_idle import measure
     from executor_svc.tiny_model import build_tiny_model
+    from testing.device_idle import measure
 
     try:
         with tempfile.TemporaryDirectory() as d:

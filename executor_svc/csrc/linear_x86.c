@@ -28,10 +28,10 @@
  * T0 prefetches far enough ahead to cover DRAM latency fill the small L1 and evict the lines
  * that are reused (activations, outputs). Whole decode steps of the default model were 11-16%
  * faster at batch 1 with T1 in every format, and 0-11% at 16 and 48 rows (`python -m
- * benchmarks.cpu_roofline --variant t0=-DPS_PF_HINT=_MM_HINT_T0`, docs/PERF.md). The AVX2
+ * benchmarks.executor_cpu roofline --variant t0=-DPS_PF_HINT=_MM_HINT_T0`, docs/PERF.md). The AVX2
  * bfloat16 and int8 kernels, which spend more instructions per weight byte (widening, sign
- * tricks), keep T0: the same at 1 row, 6-15% faster at 16 (`benchmarks.cpu_linear_kernels --isa
- * avx2`, with a second T1 build as the gauge of the harness's own spread). */
+ * tricks), keep T0: the same at 1 row, 6-15% faster at 16 (a one-off kernel benchmark with `--isa
+ * avx2`, since removed, with a second T1 build as the gauge of the harness's own spread). */
 #ifndef PS_PF_HINT
 #define PS_PF_HINT _MM_HINT_T1
 #endif

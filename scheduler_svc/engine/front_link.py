@@ -311,7 +311,7 @@ async def _ints(ids: array, vocab_size: int) -> list[int]:
 
 def in_vocab(ids: list[int], vocab_size: int, field: str, offset: int = 0) -> list[int]:
     """``ids`` when every one is below ``vocab_size``; else ValueError naming ``field[offset + i]``
-    of the first that is not (benchmarks/max_request_costs.py times it as the core runs it)."""
+    of the first that is not (its cost as the core runs it: docs/PERF.md)."""
     if ids and max(ids) >= vocab_size:  # (max at C speed; the loop only finds which one)
         i, tok = next((i, t) for i, t in enumerate(ids) if t >= vocab_size)
         raise ValueError(f"{field}[{offset + i}]: must be a token id in [0, vocab_size={vocab_size}) (got {tok})")

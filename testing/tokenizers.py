@@ -1,22 +1,31 @@
-"""A byte-level BPE tokenizer with a Llama-3-sized vocabulary (128K), built here, downloaded from nowhere.
+"""Tokenizers built here, downloaded from nowhere, for tests and benchmarks.
 
-What a grammar engine costs per token grows with the vocabulary (its mask has a bit per token and
-it walks the token trie), so measuring it needs a vocabulary of a real model's size; the tiny
-models' tokenizers have 512 and 8192 tokens. :func:`large_tokenizer` starts from the tiny model's
-trained BPE (trained on ``executor_svc/data/corpus.txt``) and keeps adding merges of two existing
-tokens, drawn with a seeded generator, until the vocabulary has ``vocab_size`` tokens: the result is
-a valid BPE (every token is a merge of two tokens before it), so ``tokenizers`` encodes and decodes
-with it and grammar engines read its token bytes as they would a real model's. Token lengths follow
-the merges: most are 3-12 bytes, as in a trained 128K vocabulary.
+:func:`small_tokenizer` is the small tiny model's (8K tokens). :func:`large_tokenizer` is a
+byte-level BPE with a Llama-3-sized vocabulary (128K): what a grammar engine costs per token grows
+with the vocabulary (its mask has a bit per token and it walks the token trie), so measuring it
+needs a vocabulary of a real model's size; the tiny models' tokenizers have 512 and 8192 tokens.
+It starts from the tiny model's trained BPE (trained on ``executor_svc/data/corpus.txt``) and keeps
+adding merges of two existing tokens, drawn with a seeded generator, until the vocabulary has
+``vocab_size`` tokens: the result is a valid BPE (every token is a merge of two tokens before it),
+so ``tokenizers`` encodes and decodes with it and grammar engines read its token bytes as they
+would a real model's. Token lengths follow the merges: most are 3-12 bytes, as in a trained 128K
+vocabulary.
 """
 
-from __future__ import annotations
 
 import functools
 import json
 import random
 
 LLAMA3_VOCAB = 128_256
+
+
+def small_tokenizer():
+    """The small tiny model's tokenizer and its EOS id."""
+    from executor_svc.tiny_model import EOS_TOKEN, SIZES, train_tokenizer
+
+    tok = train_tokenizer(SIZES["small"]["vocab"])
+    return tok, tok.token_to_id(EOS_TOKEN)
 
 
 @functools.lru_cache(maxsize=2)

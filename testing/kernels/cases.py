@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.kernels.reference import ref_reshape_and_cache
+from testing.kernels.reference import ref_reshape_and_cache
 
 
 @dataclass(slots=True)

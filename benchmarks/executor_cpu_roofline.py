@@ -1,7 +1,7 @@
-"""Roofline of the CPU executor's decode steps: bytes and FLOPs per step against what the machine
-measurably does, per weight format, at batch 1, 16 and 48.
+"""``executor_cpu roofline``: the CPU executor's decode steps, bytes and FLOPs per step against
+what the machine measurably does, per weight format, at batch 1, 16 and 48.
 
-    .venv/bin/python -m benchmarks.cpu_roofline [--model DIR] [--threads 2] [--batch-sizes 1,16,48]
+    .venv/bin/python -m benchmarks.executor_cpu roofline [--model DIR] [--threads 2] [--batch-sizes 1,16,48]
         [--formats float32,bfloat16,int8] [--prompt-len 128] [--steps 32] [--repeats 3]
         [--variant NAME=FLAGS ...]
 
@@ -29,7 +29,8 @@ Prints a markdown table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
+import ctypes
+import shlex
 import statistics
 import tempfile
 import time
@@ -38,10 +39,10 @@ from unittest import mock
 
 import torch
 
-from benchmarks.cpu_linear_kernels import llc_bytes, variant_builds
 from benchmarks.executor_cpu import BLOCK, SAMPLING, decode, prefill
 from executor_svc.backends import make_attention_backend
-from executor_svc.cpu_ops import native_ops
+from executor_svc.cpu_kernels import build_with_flags
+from executor_svc.cpu_ops import CpuOps, native_ops
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model
 from executor_svc.model.weights import PackedLinear
@@ -52,6 +53,29 @@ LOAD = {"float32": {}, "bfloat16": {"dtype": torch.bfloat16}, "int8": {"quantiza
 # int8 with a bfloat16 KV cache: `--quantization int8 --dtype bfloat16`, as cpu_vs_llamacpp runs it
 KV = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.bfloat16}
 WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
+
+
+def llc_bytes() -> int:
+    """The largest cache of cpu0 (sysfs), else 32 MiB."""
+    best = 0
+    for idx in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (idx / "size").read_text().strip()
+        except OSError:
+            continue
+        mult = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1], 1)
+        best = max(best, int(text.rstrip("KMG")) * mult)
+    return best or 32 * 1024**2
+
+
+def variant_builds(specs: list[str]) -> dict[str, CpuOps]:
+    """``NAME=FLAGS`` specs -> our kernels built with each (in a temporary directory)."""
+    into = Path(tempfile.mkdtemp(prefix="ps-variants-")) if specs else Path()
+    out = {}
+    for name, _, flags in (v.partition("=") for v in specs):
+        build = build_with_flags(shlex.split(flags), into / f"variant-{name}.so")
+        out[name] = CpuOps(ctypes.CDLL(str(build.path)), str(build.path))
+    return out
 
 
 def kernel_rate(ops, fmt: str, threads: int, rows: int = 96, repeats: int = 20) -> float:
@@ -99,8 +123,7 @@ def time_steps(model, fmt: str, batch: int, prompt: int, steps: int) -> float:
     return decode(runner, batch, steps, 20_000) / steps
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", type=Path, default=None, help="HF checkpoint (default: the default tiny llama)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch-sizes", default="1,16,48")
@@ -110,7 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="also time every format with our kernels compiled with these extra flags (repeatable)")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     ops = native_ops()
     bw = ops.read_bandwidth(max(4 * llc_bytes(), 256 << 20), args.threads)
@@ -148,8 +173,4 @@ def main(argv: list[str] | None = None) -> None:
                   f"{flops / t / 1e9:.0f} | {bound} | {t_bound * 1e3:.2f} | {t_bound / t:.0%} |")
             result[f"{label}_b{b}"] = {"ms": round(t * 1e3, 3), "mb": round(nbytes / 1e6, 1),
                                    "gflop": round(flops / 1e9, 3), "bound": bound, "of_bound": round(t_bound / t, 3)}
-    print(json.dumps(result))
-
-
-if __name__ == "__main__":
-    main()
+    return result

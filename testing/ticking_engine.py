@@ -1,29 +1,20 @@
-"""What streaming a token through a front costs the scheduler, by ``--stream-interval``.
+"""A front's own CPU per streamed token, by ``--stream-interval``: a real front over an engine that ticks.
 
-The real gRPC server (``start_grpc_server``: validation, ``Engine.generate``'s
-``OutputStream``, protobuf, grpc.aio writes), or with ``--api http`` the real
-OpenAI-compatible server (uvicorn, Starlette, one server-sent event per message,
-``return_token_ids``), runs in this process on uvloop; the
-engine is replaced by a ticker that, every modelled step, puts one token into
-each running request's mailbox (a real ``Tracked``, which holds tokens for
-``--stream-interval`` as the engine's does), as the engine's fan-out does. So what is
-measured is the front's own cost per token, which ``step_overlap``'s bare
-consumers leave out. The clients (grpc.aio, one streaming ``Generate`` per
-request; or aiohttp, one streaming ``POST /v1/completions`` per request) run in a
-subprocess whose CPU is not counted.
-
-    .venv/bin/python -m benchmarks.front_stream_cost [--api grpc|http] [--streams 256] [--tokens 200] [--repeats 3]
-
-Intervals alternate run by run; prints a table, then one JSON line with
-``us_per_token_interval_<k>`` (the scheduler process's CPU per streamed token,
-median of the repeats) and ``tokens_per_message_interval_<k>``.
+The real gRPC server (``start_grpc_server``: validation, ``Engine.generate``'s ``OutputStream``,
+protobuf, grpc.aio writes), or with ``api="http"`` the real OpenAI-compatible server (uvicorn,
+Starlette, one server-sent event per message, ``return_token_ids``), runs in this process on
+uvloop; the engine is :class:`TickingEngine`, which every modelled step puts one token into each
+running request's mailbox (a real ``Tracked``, which holds tokens for the stream interval as the
+engine's does), as the engine's fan-out does. So what is measured is the front's own cost per
+token. The clients (grpc.aio, one streaming ``Generate`` per request; or aiohttp, one streaming
+``POST /v1/completions`` per request) run in a subprocess whose CPU is not counted.
+``benchmarks/tier_capacity.py --phases intervals`` reports it; the tests check that every token
+arrives, in the messages the interval makes.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
 import subprocess
 import sys
@@ -31,7 +22,6 @@ import time
 
 import uvloop
 
-from benchmarks.engine_harness import small_tokenizer
 from pagedserve.engine_api import (
     ChoiceDelta,
     FinishReason,
@@ -49,6 +39,7 @@ from scheduler_svc.front.input.validation import ServerLimits
 from scheduler_svc.front.output.deltas import RequestStream
 from scheduler_svc.front.output.mailbox import Tracked
 from scheduler_svc.front.output.stream import OutputStream
+from testing.tokenizers import small_tokenizer
 
 STEP_S = 0.005
 CLIENT = r"""
@@ -160,32 +151,18 @@ async def run_once(api: str, interval: int, streams: int, tokens: int, tokenizer
     return {"us_per_token": 1e6 * cpu / got, "tokens_per_message": got / messages, "wall_s": wall}
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--api", choices=("grpc", "http"), default="grpc")
-    ap.add_argument("--streams", type=int, default=256)
-    ap.add_argument("--tokens", type=int, default=200, help="tokens per request")
-    ap.add_argument("--intervals", default="1,4", help="--stream-interval values, comma-separated")
-    ap.add_argument("--repeats", type=int, default=3)
-    a = ap.parse_args(argv)
+def front_costs(api: str, intervals: list[int], streams: int, tokens: int, repeats: int) -> dict[str, float]:
+    """Per interval k, the median of ``repeats`` runs (the intervals alternate run by run):
+    ``us_per_token_interval_<k>`` (this process's CPU per streamed token) and
+    ``tokens_per_message_interval_<k>``."""
     tokenizer, _ = small_tokenizer()
     tune_gc()
-    intervals = [int(x) for x in a.intervals.split(",")]
     runs: dict[int, list[dict]] = {k: [] for k in intervals}
-    for _ in range(a.repeats):
+    for _ in range(repeats):
         for k in intervals:
-            runs[k].append(uvloop.run(run_once(a.api, k, a.streams, a.tokens, tokenizer)))
-    print(f"{'interval':>8} {'scheduler CPU us/token':>23} {'tokens/message':>15} {'runs (us/token)':>24}")
-    summary: dict[str, float | int] = {}
+            runs[k].append(uvloop.run(run_once(api, k, streams, tokens, tokenizer)))
+    out: dict[str, float] = {}
     for k in intervals:
-        us = statistics.median(r["us_per_token"] for r in runs[k])
-        per_msg = statistics.median(r["tokens_per_message"] for r in runs[k])
-        print(f"{k:>8} {us:>23.1f} {per_msg:>15.2f} {str([round(r['us_per_token'], 1) for r in runs[k]]):>24}")
-        summary[f"us_per_token_interval_{k}"] = round(us, 2)
-        summary[f"tokens_per_message_interval_{k}"] = round(per_msg, 2)
-    summary.update({"api": a.api, "streams": a.streams, "tokens": a.tokens, "repeats": a.repeats})
-    print(json.dumps(summary))
-
-
-if __name__ == "__main__":
-    main()
+        out[f"us_per_token_interval_{k}"] = round(statistics.median(r["us_per_token"] for r in runs[k]), 2)
+        out[f"tokens_per_message_interval_{k}"] = round(statistics.median(r["tokens_per_message"] for r in runs[k]), 2)
+    return out

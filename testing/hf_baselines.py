@@ -1,4 +1,5 @@
-"""The Hugging Face transformers baselines of benchmarks/serve_vs_hf.py, run in this process.
+"""The Hugging Face transformers baselines of benchmarks/serve_vs_hf.py, run in this process, and
+that benchmark's report of pagedserve against them (:func:`report`, :func:`format_table`).
 
 * :func:`run_static`: ``model.generate`` on static batches of ``batch_size``
   requests in arrival order, left-padded to the batch's longest prompt; every
@@ -17,7 +18,9 @@ Both time only generation: model loading and the manager's start are outside.
 
 from __future__ import annotations
 
+import argparse
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,3 +134,47 @@ def _collect(manager, want: dict[str, int], deadline: float) -> dict[str, int]:
                                    f"{want[result.request_id]} (error {result.error!r})")
             done[result.request_id] = len(result.generated_tokens)
     return done
+
+
+TARGET_VS_STATIC, TARGET_VS_CB = 3.0, 1.5
+
+
+def report(args: argparse.Namespace, trace: list[TraceRequest], runs: dict) -> dict:
+    """The JSON line of benchmarks/serve_vs_hf.py from each system's tok/s per repetition."""
+    med = statistics.median
+    ps = med(runs["pagedserve"])
+    static = {b: med(v) for b, v in runs["hf_static"].items()}
+    # the batch size measured in every repetition (the best of repetition 1)
+    best = max(static, key=lambda b: (len(runs["hf_static"][b]), static[b])) if static else None
+    cb = med(runs["hf_cb"]) if runs["hf_cb"] else None
+    out = {
+        "benchmark": "serve_vs_hf", "model": str(args.model), "num_requests": len(trace),
+        "input_len": args.input_len, "output_len": args.output_len, "reps": args.reps,
+        "threads": args.threads, "output_tokens": sum(r.output_len for r in trace),
+        "pagedserve_tok_s": ps,
+        "hf_static_tok_s": static.get(best) if best else None, "hf_static_best_batch": best,
+        "hf_static_by_batch_tok_s": static, "hf_cb_tok_s": cb,
+        "speedup_vs_static": ps / static[best] if best else None,
+        "speedup_vs_cb": ps / cb if cb else None,
+        "runs_tok_s": {k: v for k, v in runs.items() if k != "cpu_s"},
+        "cpu_s": runs.get("cpu_s", []),  # per run: wall and CPU seconds of each process involved
+    }
+    out["meets_targets"] = bool((out["speedup_vs_static"] or 0) >= TARGET_VS_STATIC
+                                and (out["speedup_vs_cb"] or 0) >= TARGET_VS_CB)
+    return out
+
+
+def format_table(r: dict) -> str:
+    rows = [("pagedserve (scheduler + executor, gRPC)", r["pagedserve_tok_s"], None, None)]
+    for b, v in sorted(r["hf_static_by_batch_tok_s"].items()):
+        mark = " (best)" if b == r["hf_static_best_batch"] else ""
+        rows.append((f"transformers generate, static batch {b}{mark}", v, TARGET_VS_STATIC, b))
+    if r["hf_cb_tok_s"]:
+        rows.append(("transformers continuous batching", r["hf_cb_tok_s"], TARGET_VS_CB, None))
+    lines = [f"{r['num_requests']} requests, prompts {r['input_len']}, outputs {r['output_len']} tokens, "
+             f"{r['output_tokens']} output tokens; torch threads {r['threads']}; median of {r['reps']}",
+             f"{'system':<50}{'tok/s':>10}{'pagedserve x':>14}{'target':>8}"]
+    for name, v, target, _ in rows:
+        ratio = r["pagedserve_tok_s"] / v
+        lines.append(f"{name:<50}{v:>10.1f}{ratio:>14.2f}{(f'>={target:g}' if target else ''):>8}")
+    return "\n".join(lines)

@@ -1,6 +1,6 @@
 """A tensor-parallel group on real devices against transformers: ``make gpu-check``'s N = 2 case.
 
-    python -m benchmarks.kernels.tp_check [--device cuda|cpu] [--world 2] [--model DIR]
+    python -m testing.kernels.tp_check [--device cuda|cpu] [--world 2] [--model DIR]
 
 Starts an N-rank group exactly as ``pagedserve-executor --tensor-parallel-size N`` does (this
 process is rank 0; with ``--device cuda`` rank r uses GPU r and the model's all-reduces go
@@ -9,18 +9,22 @@ greedily for prompts of several lengths, prefilled in chunks of 7 tokens while t
 decode (the CuPy prefill and decode kernels with the per-rank head counts on CUDA). Exit status 0
 when every sequence equals transformers' greedy output token for token. ``--device cpu`` runs
 the same path with gloo (tests/test_tp_check.py does, on machines without GPUs).
+:func:`run_tp_check` is how ``make gpu-check`` runs it: in its own process, or skipped with the
+reason when the machine has fewer GPUs than ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.plan_driver import PlanDriver
+from testing.plan_driver import PlanDriver
 
 PROMPT_LENS = (5, 19, 40)
 MAX_NEW = 12
@@ -33,6 +37,26 @@ def skip_reason(device: str, world: int, device_count: int) -> str | None:
         return (f"tensor-parallel check (N = {world}, NCCL) skipped: it needs {world} GPUs, "
                 f"this machine has {device_count}")
     return None
+
+
+def run_tp_check(timeout_s: int, device_count: int) -> dict:
+    """The N = 2 NCCL case when there are two GPUs; otherwise {"skipped": why}."""
+    reason = skip_reason("cuda", 2, device_count)
+    if reason is not None:
+        return {"skipped": reason, "returncode": 0}
+    return run_command([sys.executable, "-m", "testing.kernels.tp_check", "--device", "cuda", "--world", "2"], timeout_s)
+
+
+def run_command(cmd: list[str], timeout_s: int) -> dict:
+    """Run ``cmd``: its exit status (124 when it timed out), seconds and the last 40 lines it printed."""
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        rc, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, output = 124, f"timed out after {timeout_s}s\n{exc.stdout or ''}"
+    tail = "\n".join(output.strip().splitlines()[-40:])
+    return {"returncode": rc, "seconds": round(time.perf_counter() - start, 1), "tail": tail}
 
 
 def greedy(runner, prompts: list[list[int]], max_new: int) -> list[list[int]]:
@@ -55,7 +79,7 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new: int) -> list[int]:
 
 
 def check(model_dir: Path, device: str, world: int) -> bool:
-    from benchmarks.tensor_parallel import serving_runner
+    from testing.tensor_parallel import serving_runner
 
     prompts = [[(11 * i + 5 * j) % 480 + 3 for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
     with serving_runner(model_dir, world, threads=world, device=device) as runner:
@@ -72,7 +96,7 @@ def check(model_dir: Path, device: str, world: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.tp_check", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m testing.kernels.tp_check", description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--model", help="HF model dir (default: the tiny 8-q / 4-KV-head llama, built here)")

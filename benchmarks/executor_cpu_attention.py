@@ -1,6 +1,7 @@
-"""Decode attention against GEMMs on CPU, at the shapes of the serve_vs_hf workload.
+"""``executor_cpu attention``: decode attention against GEMMs on CPU, at the shapes of the
+serve_vs_hf workload.
 
-    .venv/bin/python -m benchmarks.decode_attention_cpu [--seqs 64] [--min-len 100] [--max-len 400]
+    .venv/bin/python -m benchmarks.executor_cpu attention [--seqs 64] [--min-len 100] [--max-len 400]
 
 One decode step of ``--seqs`` sequences on the default tiny Llama's shapes
 (8 q / 4 KV heads of 64, hidden 512, MLP 1408, vocab 8192, 16-token blocks,
@@ -18,7 +19,6 @@ shows where CPU GEMMs stop getting cheaper per token.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -120,13 +120,14 @@ def gemm_cost_per_token(rows: list[int]) -> dict[int, float]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--min-len", type=int, default=100)
     ap.add_argument("--max-len", type=int, default=400)
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with torch.inference_mode():
@@ -138,8 +139,4 @@ def main(argv: list[str] | None = None) -> None:
     if "fused_forward_ms" not in per_layer:
         print("  (fused kernel unavailable: see the warning above)")
     print("all GEMMs of one step, per token (us): " + ", ".join(f"M={m}: {v:.0f}" for m, v in per_token.items()))
-    print(json.dumps({"per_layer_ms": per_layer, "gemm_us_per_token": per_token}))
-
-
-if __name__ == "__main__":
-    main()
+    return {"per_layer_ms": per_layer, "gemm_us_per_token": per_token}

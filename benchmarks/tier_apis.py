@@ -1,16 +1,15 @@
-"""The OpenAI-compatible HTTP front against the gRPC API: same stack, same requests, side by side.
+"""``tier_capacity --phases apis``: the OpenAI-compatible HTTP front against the gRPC API on a real
+model, same stack, same requests, side by side.
 
-    .venv/bin/python -m benchmarks.http_vs_grpc [--model models/tiny-llama] [--reps 5] [--out r.json]
-
-Starts one scheduler (``--http-port`` on, prefix caching off: every run sends the same
-prompts, which a cache would serve faster the second time) and one CPU executor, then sends
-the same fixed workload (default 64 requests, all at once, 64 streams in flight, prompts of
-32-256 random tokens, outputs of 32-128, greedy, EOS ignored) through each front in turn
-with ``pagedserve-bench --api grpc`` and ``--api http``, each in its own client process,
-alternating the order every repetition so load drift on a shared machine hits both alike.
-Reports the median run of each front (pagedserve.bench.stats.compare_runs) and the CPU
-seconds the scheduler and the client spent per run, which is where the fronts differ (the
-executor's work is the same). A table is printed, then one JSON line (last line).
+Starts one scheduler (``--http-port`` on, prefix caching off: every run sends the same prompts,
+which a cache would serve faster the second time) and one CPU executor on ``--model``, then sends
+the same fixed workload (default 64 requests, all at once, 64 streams in flight, prompts of 32-256
+random tokens, outputs of 32-128, greedy, EOS ignored) through each front in turn with
+``pagedserve-bench --api grpc`` and ``--api http``, each in its own client process, alternating
+the order every repetition (``--repeats``) so load drift on a shared machine hits both alike.
+Reports the median run of each front (pagedserve.bench.stats.compare_runs) and the CPU seconds the
+scheduler and the client spent per run, which is where the fronts differ (the executor's work is
+the same): the JSON keys ``comparison`` and ``cpu_s``.
 """
 
 from __future__ import annotations
@@ -47,19 +46,24 @@ def run_once(stack: ServeProcesses, http: str, api: str, args: argparse.Namespac
     return summary, cpu
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    ap.add_argument("--reps", type=int, default=5, help="runs per front; the median is reported")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=64, help="streams in flight")
-    ap.add_argument("--input-len", default="32:256")
-    ap.add_argument("--output-len", default="32:128")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="executor torch threads")
-    ap.add_argument("--kv-cache-memory", default="512MiB")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
+def add_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("apis phase (a real model, HTTP against gRPC)")
+    g.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    g.add_argument("--api-requests", dest="num_requests", type=int, default=64)
+    g.add_argument("--api-concurrency", dest="concurrency", type=int, default=64, help="streams in flight")
+    g.add_argument("--api-input-len", dest="input_len", default="32:256")
+    g.add_argument("--api-output-len", dest="output_len", default="32:128")
+    g.add_argument("--api-seed", dest="seed", type=int, default=0)
+    g.add_argument("--api-threads", dest="threads", type=int, default=1, help="executor torch threads")
+    g.add_argument("--api-kv-cache-memory", dest="kv_cache_memory", default="512MiB")
+    g.add_argument("--api-out", dest="out", type=Path, default=None, help="also write every run here")
+
+
+QUICK = {"num_requests": 16, "concurrency": 16, "output_len": "16:32"}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """The phase, ``args.repeats`` runs per front: {"comparison": ..., "cpu_s": ...}."""
     http_port = _free_port()
     stack = ServeProcesses(ensure_model(args.model), args.threads,
                            ["--http-port", str(http_port), "--max-num-seqs", "256"],
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
         stack.wait_ready()
         for api in ("grpc", "http"):  # warm-up: first-call costs (imports, connections) out of the numbers
             run_once(stack, http, api, argparse.Namespace(**{**vars(args), "num_requests": 4}))
-        for rep in range(args.reps):
+        for rep in range(args.repeats):
             for api in (("grpc", "http") if rep % 2 == 0 else ("http", "grpc")):
                 summary, used = run_once(stack, http, api, args)
                 runs[api].append(summary)
@@ -90,13 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     for who in ("scheduler", "client"):
         print(f"{who} CPU per output token (ms, median): " + ", ".join(
             f"{api} {comparison[api][f'{who}_cpu_ms_per_token']:.3f}" for api in runs))
-    report = {"settings": {k: str(v) for k, v in vars(args).items()}, "comparison": comparison,
-              "cpu_s": cpu}
+    report = {"comparison": comparison, "cpu_s": cpu}
     if args.out is not None:
         args.out.write_text(json.dumps({**report, "runs": runs}, indent=2) + "\n")
-    print(json.dumps(report))
     return report
-
-
-if __name__ == "__main__":
-    main()

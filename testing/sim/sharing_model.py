@@ -11,9 +11,8 @@ those at zero. After every generation step we count
 * ``physical``: blocks with refcount > 0 (blocks actually held).
 
 The saving of paper Fig. 15 is ``1 - sum(physical) / sum(logical)`` over steps.
-``sharing_savings.py`` uses these models to cross-check the scheduler's own
-numbers (parallel sampling) and, where the scheduler cannot run beam search,
-as the documented stand-in for it.
+:func:`measure` runs a trace through the real scheduler (``benchmarks/sharing_savings.py``) and
+cross-checks its numbers with these models on the same lengths.
 """
 
 from __future__ import annotations
@@ -21,6 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from benchmarks.sim_executor import BLOCK_SIZE, SimExecutor, simulate
+from pagedserve.bench.workloads import synthetic_trace
+from testing.sim.runs import make_scheduler, to_requests
 
 
 @dataclass(slots=True)
@@ -133,3 +136,43 @@ def beam_usage(prompt_len: int, output_len: int, width: int, rng: np.random.Gene
         logical += sum(len(b.table) for b in beams)
         physical += pool.physical
     return logical, physical
+
+
+RATES = {"alpaca": 1.0, "sharegpt": 0.05}  # low: (almost) no preemption even with 6 sequences per request
+# A request preempted by recompute must recompute all n choices in one step (the scheduler does not
+# chunk a multi-sequence group), so the token budget must hold 6 x 2048 tokens or it never resumes.
+TOKEN_BUDGET = 6 * 2048
+
+
+def measure(workload: str, mode: str, width: int, num_requests: int, seed: int = 0) -> dict:
+    """Run one trace through the scheduler; time-averaged physical vs logical blocks."""
+    trace = synthetic_trace(workload, num_requests, RATES[workload], seed=seed)
+    n, beam = (width, 1) if mode == "parallel" else (1, width)
+    sched = make_scheduler("paged", max_num_batched_tokens=TOKEN_BUDGET)
+    kv = sched.kv
+    acc = {"logical": 0.0, "physical": 0.0}
+
+    def probe(now, plan, seconds):
+        logical = sum(kv.num_blocks(s) for r in sched.running for s in r.live)
+        acc["logical"] += logical * seconds
+        acc["physical"] += kv.pool.num_used_blocks * seconds
+
+    run = simulate(sched, SimExecutor(seed=seed), to_requests(trace, n=n, beam_width=beam), probe)
+    if len(run.finish_time) != len(trace):
+        raise RuntimeError(f"{len(trace) - len(run.finish_time)} requests did not finish")
+    lg, ph = _model(trace, mode, width, seed)
+    return {"workload": workload, "mode": mode, "width": width, "requests": len(trace),
+            "saving": 1.0 - acc["physical"] / acc["logical"], "model_saving": 1.0 - ph / lg,
+            "preemptions": sched.num_preemptions}
+
+
+def _model(trace, mode: str, width: int, seed: int) -> tuple[int, int]:
+    rng = np.random.default_rng(seed)
+    lg = ph = 0
+    for t in trace:
+        if mode == "parallel":
+            a, b = parallel_usage(t.prompt_len, t.output_len, width, BLOCK_SIZE)
+        else:
+            a, b = beam_usage(t.prompt_len, t.output_len, width, rng, BLOCK_SIZE)
+        lg, ph = lg + a, ph + b
+    return lg, ph
