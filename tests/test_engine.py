@@ -303,8 +303,10 @@ def test_a_consumer_that_falls_behind_gets_several_steps_at_once_without_a_token
 def test_a_prompt_is_hashed_once_by_its_front(tokenizer, monkeypatch):
     """The prompt's block hashes (sha256 per block) are computed once, by the front: its chain is
     what the core's router, the scheduler's prefix lookup and cache registration use."""
-    from scheduler_svc.front import kv_cache_manager
+    from pagedserve import kv_blocks
+    from scheduler_svc.engine import requests as core_requests
     from scheduler_svc.front import streams as front_streams
+    from scheduler_svc.sched import kv_cache_manager
 
     hashed = []
 
@@ -312,9 +314,9 @@ def test_a_prompt_is_hashed_once_by_its_front(tokenizer, monkeypatch):
         hashed.append(len(toks) // bs)
         return real(parent, toks, bs, extra)
 
-    real = kv_cache_manager.hash_blocks
-    monkeypatch.setattr(kv_cache_manager, "hash_blocks", counting)
-    monkeypatch.setattr(front_streams, "hash_blocks", counting)
+    real = kv_blocks.hash_blocks
+    for module in (kv_blocks, kv_cache_manager, core_requests, front_streams):  # every module that calls it
+        monkeypatch.setattr(module, "hash_blocks", counting)
 
     async def main():
         async with running(tokenizer, 1) as (engine, _):

@@ -41,7 +41,7 @@ from pagedserve.engine_api import (
     RequestUpdate,
 )
 from pagedserve.kv_blocks import hash_blocks
-from scheduler_svc.front.output.deltas import RequestStream
+from scheduler_svc.front.output.deltas import DECODE_CASE, RequestStream
 from scheduler_svc.front.output.detokenize import standalone_token_texts
 from scheduler_svc.front.output.mailbox import Tracked
 from scheduler_svc.front.output.stream import OutputStream
@@ -238,12 +238,12 @@ class FrontStreams:
             stream = t.stream
             try:
                 prev = stream.last_token_at
-                if stream.fast is not None and (out := stream.next_token(upd, now)) is not None:
-                    tokens += 1  # the decode case (every running request, every step), kept lean
-                    itls.append(now - prev)  # type: ignore[operator]  (fast: not the first token)
+                out, stopped = stream.apply(upd, now)
+                if stopped is DECODE_CASE:  # one token after the first, nothing ended: kept lean
+                    tokens += 1
+                    itls.append(now - prev)  # type: ignore[operator]
                     t.put(out)
                     continue
-                out, stopped = stream.apply(upd, now)
                 if out.choices or out.finished:
                     t.put(out)
                 n = 0
@@ -252,7 +252,7 @@ class FrontStreams:
                 if n:
                     tokens += n
                     if prev is not None:
-                        itls += [(now - prev) / n] * n
+                        itls += [(now - prev) / n] * n  # (several steps at once: spread evenly)
                     elif self.metrics:
                         self._first_token(stream)
                 if out.finished and self.metrics:
@@ -266,7 +266,7 @@ class FrontStreams:
                 self._end(t)
                 if stopped and not upd.finished:  # the last choices ended by stop strings: free it now
                     self.core.abort(t.core_id)
-            else:
+            elif stopped:
                 for index in stopped:  # the core frees these choices (their next steps are dropped)
                     self.core.finish_choice(t.core_id, index)
         if tokens and self.metrics:
