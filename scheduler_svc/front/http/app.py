@@ -29,7 +29,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
-from pagedserve.engine_api import EngineApi, GenerationRequest, ModelInfo, RequestFailed
+from pagedserve.engine_api import EngineApi, EngineError, ErrorKind, GenerationRequest, ModelInfo
 from scheduler_svc.front.api_errors import ApiError, bad_field
 from scheduler_svc.front.guards.admission import CallBudget
 from scheduler_svc.front.http import extras, streams
@@ -55,7 +55,7 @@ from scheduler_svc.front.input.validation import (
     validate_request,
     validation_work,
 )
-from scheduler_svc.front.output.status_codes import refusal
+from scheduler_svc.front.output.status_codes import client_status
 from scheduler_svc.front.tool_calls import ToolCallOptions, ToolPlan, plan_tools
 from scheduler_svc.telemetry.metrics import Metrics
 
@@ -259,7 +259,7 @@ async def _next(outputs: AsyncIterator[streams.Tagged]) -> streams.Tagged:
     try:
         return await anext(outputs)
     except StopAsyncIteration:
-        raise RequestFailed("the engine ended the request without output") from None
+        raise EngineError(ErrorKind.FAILED, "the engine ended the request without output") from None
 
 
 async def _drain(outputs: AsyncIterator[streams.Tagged], render: _Render) -> None:
@@ -268,10 +268,10 @@ async def _drain(outputs: AsyncIterator[streams.Tagged], render: _Render) -> Non
 
 
 def engine_error(e: Exception, request_id: str) -> ApiError:
-    """The engine's errors (and anything unexpected) as HTTP statuses (refusals.py)."""
+    """The engine's errors (and anything unexpected) as HTTP statuses (output/status_codes.py)."""
     if isinstance(e, ApiError):
         return e
-    r = refusal(e, request_id)
+    r = client_status(e, request_id)
     return ApiError(r.http_status, r.message, code=r.api_code)
 
 

@@ -265,7 +265,7 @@ def _prompt_token_ids(f: RequestFields, model: ModelInfo, tokenize: Callable[[st
 
 def _check_prompt_chars(chars: int, model: ModelInfo) -> None:
     """A token spans at most ``model.max_token_chars`` characters, so a longer prompt than
-    ``max_model_len`` such tokens can never fit: refused from its length, never tokenized."""
+    ``max_model_len`` such tokens is too large for any executor: rejected from its length, never tokenized."""
     if not model.max_token_chars:
         return
     bound = (model.max_model_len - 1) * model.max_token_chars
@@ -286,7 +286,7 @@ def _max_tokens(max_tokens: int, prompt_len: int, model: ModelInfo, default: int
     if max_tokens == 0:  # the default never asks for more than the roomiest pool holds at once
         if model.max_request_blocks:
             room = min(room, model.max_request_blocks // width * model.block_size - prompt_len)
-        return max(1, min(default, room))  # (below 1 the prompt alone does not fit: refused next)
+        return max(1, min(default, room))  # (below 1 the prompt alone does not fit: rejected next)
     if max_tokens < 1:
         raise ValidationError("sampling.max_tokens", f"must be >= 1, or 0 for the default (got {max_tokens})")
     if max_tokens > room:
