@@ -254,7 +254,7 @@ class ApiServer:
             await self.health.set(HEALTH_LIVENESS, NOT_SERVING)
 
     async def begin_shutdown(self) -> None:
-        """Readiness off and new Generate calls refused (UNAVAILABLE); running requests continue."""
+        """Readiness off and new Generate calls rejected (UNAVAILABLE); running requests continue."""
         self.servicer.shutting_down = True
         await self.update_health()
 

@@ -59,7 +59,7 @@ from scheduler_svc.front.output.status_codes import client_status
 from scheduler_svc.front.tool_calls import ToolCallOptions, ToolPlan, plan_tools
 from scheduler_svc.telemetry.metrics import Metrics
 
-NO_AUTO_TOOLS = ToolCallOptions()  # tool_choice auto refused; required and named functions served
+NO_AUTO_TOOLS = ToolCallOptions()  # tool_choice auto rejected; required and named functions served
 # The validator's field names -> the OpenAI fields a client sent (errors.from_validation).
 _STRUCTURED_NAMES = {"response_format.json_schema": "response_format.json_schema.schema",
                      "structured_outputs.json_schema": "structured_outputs.json",
@@ -311,7 +311,7 @@ def _json(body: Any, status: int = 200) -> Response:
 
 
 async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body, refused (413) from its Content-Length before reading, or as soon as it passes
+    """The body, rejected (413) from its Content-Length before reading, or as soon as it passes
     ``limit``; 408 unless it has all arrived within ``timeout_s``."""
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > limit):

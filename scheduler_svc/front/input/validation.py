@@ -342,7 +342,7 @@ def _sampling(f: RequestFields, limits: ServerLimits) -> SamplingParams:
             raise ValidationError("sampling.temperature", f"must be >= 0 (got {t:g})")
         out.temperature = 0.0 if t < GREEDY_TEMPERATURE_EPS else t
     if f.top_p is not None:
-        if not 0.0 < f.top_p <= 1.0:  # also refuses NaN
+        if not 0.0 < f.top_p <= 1.0:  # also rejects NaN
             raise ValidationError("sampling.top_p", f"must be in (0, 1] (got {f.top_p:g})")
         out.top_p = float(f.top_p)
     if f.top_k is not None:
@@ -408,7 +408,7 @@ def _logit_bias(bias: Sequence[tuple[int, float]], model: ModelInfo, limits: Ser
         if not 0 <= tok < model.vocab_size:
             raise ValidationError(f"sampling.logit_bias[{tok}]",
                                   f"must name a token id in [0, vocab_size={model.vocab_size}) (got {tok})")
-        if not lo <= value <= hi:  # (also refuses NaN)
+        if not lo <= value <= hi:  # (also rejects NaN)
             raise ValidationError(f"sampling.logit_bias[{tok}]", f"must be in [{lo:g}, {hi:g}] (got {value:g})")
         out.append((int(tok), float(value)))
     return out
