@@ -156,7 +156,7 @@ class RequestStream:
             # (a one-token list is the update's own, built for it; a longer one may be a beam's)
             delta = ChoiceDelta(su.index, text, ids if len(ids) == 1 else list(ids))
             if su.logprobs:
-                delta.logprobs = su.logprobs
+                delta.logprobs = list(su.logprobs)  # (the update's list stays the core's)
         else:  # token by token: the tokens after the one that completes a stop string are dropped
             delta = ChoiceDelta(su.index)
             logprobs = su.logprobs or ()
