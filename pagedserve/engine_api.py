@@ -111,20 +111,23 @@ class RequestOutput(msgspec.Struct, gc=False):
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
+class ErrorKind(enum.IntEnum):
+    """Why the engine ended a request in error: the one form its error has from the engine core to
+    the client. It travels on the request's last update (``RequestUpdate.error_kind``: these ints on
+    the tier link) or in an :class:`EngineError`, and scheduler_svc/front/output/status_codes.py maps
+    it to the client's gRPC status, HTTP status and OpenAI error code."""
+
+    FAILED = 0  # an internal failure of this request only (INTERNAL)
+    NO_EXECUTOR = 1  # no executor can take it now, or it ran out of migrations (UNAVAILABLE)
+    QUEUE_FULL = 2  # more requests queued than the configured limit (RESOURCE_EXHAUSTED)
+
+
 class EngineError(Exception):
-    """Base of the errors the servicer maps to gRPC status codes."""
+    """The engine ends a request in error: its :class:`ErrorKind` and a message for its client."""
 
-
-class QueueFull(EngineError):
-    """More requests queued than the configured limit (RESOURCE_EXHAUSTED)."""
-
-
-class NoExecutor(EngineError):
-    """No executor is registered, or the request ran out of migrations (UNAVAILABLE)."""
-
-
-class RequestFailed(EngineError):
-    """An internal failure of this request only (INTERNAL)."""
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(slots=True)
@@ -195,11 +198,6 @@ class SeqUpdate(msgspec.Struct, array_like=True, gc=False):  # built per token; 
     finish_reason: FinishReason | None = None
 
 
-# What an error update means for the client (RequestUpdate.error_kind): the engine's exceptions of
-# api_types, which scheduler_svc/front/output/status_codes.py maps to gRPC and HTTP statuses.
-ERROR_FAILED, ERROR_NO_EXECUTOR, ERROR_QUEUE_FULL = 0, 1, 2
-
-
 class RequestUpdate(msgspec.Struct, array_like=True, gc=False):  # built per token; a front gets them positional
     request_id: str
     seqs: list[SeqUpdate]
@@ -207,5 +205,5 @@ class RequestUpdate(msgspec.Struct, array_like=True, gc=False):  # built per tok
     prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     error: str | None = None  # set when it failed (a generic message: details are logged); it is freed
-    error_kind: int = ERROR_FAILED  # with error: RequestFailed, NoExecutor or QueueFull
+    error_kind: ErrorKind = ErrorKind.FAILED  # with error: what the client is told
     prompt_logprobs: PromptScores | None = None  # prompt tokens a step scored (the request asked)

@@ -1,7 +1,7 @@
 """Block arithmetic that the fronts and the scheduler both do: prefix-cache keys and block counts.
 
 A front hashes a prompt's full blocks before it submits it (so the engine core's loop never
-spends a request's size on hashing), and refuses a request that could never fit; the scheduler
+spends a request's size on hashing), and turns away a request too large for any executor; the scheduler
 keys its prefix cache by the same hashes and holds the same counts. One definition each, here,
 so that the two sides cannot disagree about what a block is.
 """

@@ -8,7 +8,7 @@ core over a local front link (an ``ipc://`` socket in a directory only this user
 fronts of their own Deployment over ``--front-link-port``. The core's loop does nothing a request's
 size or text can stretch (docs/ARCHITECTURE.md, "Serving tier").
 
-Until SIGTERM or SIGINT: then readiness goes NOT_SERVING, the fronts refuse new requests and give
+Until SIGTERM or SIGINT: then readiness goes NOT_SERVING, the fronts reject new requests and give
 in-flight ones ``--shutdown-grace-seconds`` to finish, the rest are aborted and every block is
 freed.
 """

@@ -15,14 +15,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from pagedserve.engine_api import (
     ChoiceDelta,
+    EngineError,
     EngineStats,
+    ErrorKind,
     ExecutorStats,
     FinishReason,
     GenerationRequest,
     ModelInfo,
-    NoExecutor,
-    QueueFull,
-    RequestFailed,
     RequestOutput,
     TokenLogprob,
     Usage,
@@ -62,7 +61,7 @@ class FakeEngine:
     """Streams ``completions[i % len]`` for choice i, token by token, via the real detokenizer.
 
     ``mode`` picks a behaviour: "ok", "queue_full", "no_executor" (raised before
-    the first output), "fail" (RequestFailed after one output), "crash"
+    the first output), "fail" (a FAILED EngineError after one output), "crash"
     (ZeroDivisionError after one output), "bad_logprobs" (top ids and
     top logprobs of different lengths), "endless" (1 KB deltas forever, never
     awaiting: a cancel can then only land in the servicer's write).
@@ -103,15 +102,15 @@ class FakeEngine:
         done = False
         try:
             if self.mode == "queue_full":
-                raise QueueFull("1024 requests queued")
+                raise EngineError(ErrorKind.QUEUE_FULL, "1024 requests queued")
             if self.mode == "no_executor":
-                raise NoExecutor("all executors left")
+                raise EngineError(ErrorKind.NO_EXECUTOR, "all executors left")
             while self.mode == "endless":
                 yield RequestOutput(req.request_id, [ChoiceDelta(index=0, text="x" * 1024, token_ids=[5])])
             async for out in self._stream(req):
                 yield out
                 if self.mode == "fail":
-                    raise RequestFailed("executor returned garbage")
+                    raise EngineError(ErrorKind.FAILED, "executor returned garbage")
                 if self.mode == "crash":
                     raise ZeroDivisionError("bug")
             done = True

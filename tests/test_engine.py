@@ -20,11 +20,10 @@ from grpc_fakes import make_tokenizer
 from tokenizers import Tokenizer
 
 from pagedserve.engine_api import (
+    EngineError,
+    ErrorKind,
     FinishReason,
     GenerationRequest,
-    NoExecutor,
-    QueueFull,
-    RequestFailed,
     RequestParams,
 )
 from pagedserve.wire import SamplingParams
@@ -176,8 +175,9 @@ def test_loop_failure_fails_its_requests_and_the_executor_comes_back(tokenizer):
                 raise RuntimeError("injected scheduler bug")
 
             slot.scheduler.update = broken
-            with pytest.raises(RequestFailed):
+            with pytest.raises(EngineError) as raised:
                 await _collect(engine, _req("victim", list(range(3, 20))))
+            assert raised.value.kind is ErrorKind.FAILED
             slot.scheduler.update = real_update
             # The executor notices the silence, re-registers, and serving resumes.
             for _ in range(300):
@@ -197,8 +197,9 @@ def test_queue_limit_and_no_executor(tokenizer):
         engine = Engine(cfg, tokenizer, eos_token_ids=())
         await engine.start()
         try:
-            with pytest.raises(NoExecutor):
+            with pytest.raises(EngineError) as raised:
                 await _collect(engine, _req("x", [3, 4, 5]))
+            assert raised.value.kind is ErrorKind.NO_EXECUTOR
         finally:
             await engine.shutdown(0)
         async with running(tokenizer, 1, max_queued_requests=2) as (engine, execs):
@@ -206,8 +207,9 @@ def test_queue_limit_and_no_executor(tokenizer):
             firsts = [asyncio.ensure_future(g.__anext__()) for g in gens]
             await asyncio.sleep(0)  # both are admitted (queued), none scheduled yet
             assert engine.stats().num_waiting == 2
-            with pytest.raises(QueueFull):
+            with pytest.raises(EngineError) as raised:
                 await _collect(engine, _req("over", list(range(3, 300))))
+            assert raised.value.kind is ErrorKind.QUEUE_FULL
             await asyncio.gather(*firsts)
             for g in gens:
                 await g.aclose()
@@ -315,7 +317,7 @@ def test_a_prompt_is_hashed_once_by_its_front(tokenizer, monkeypatch):
         return real(parent, toks, bs, extra)
 
     real = kv_blocks.hash_blocks
-    for module in (kv_cache_manager, core_requests, front_streams):  # every module that can hash a prompt
+    for module in (kv_blocks, kv_cache_manager, core_requests, front_streams):  # every module that calls it
         monkeypatch.setattr(module, "hash_blocks", counting)
 
     async def main():

@@ -131,12 +131,12 @@ def test_only_trusted_keys_pass_the_transport_without_enrollment(store):
     auth = _auth(link)
     stranger = new_key_pair().public
     assert auth.callback("pagedserve-executors", ex0.public) and not auth.callback("d", stranger)
-    assert auth.refusal(ex0.public, _handshake()) == (None, False)
-    assert auth.refusal(stranger, _handshake()) == ("this executor's key is not trusted", False)
+    assert auth.rejection(ex0.public, _handshake()) == (None, False)
+    assert auth.rejection(stranger, _handshake()) == ("this executor's key is not trusted", False)
     link.revoked_keys.write_bytes(ex0.public + b" stolen laptop\n")
     auth = _auth(link)
     assert not auth.callback("d", ex0.public)
-    assert auth.refusal(ex0.public, _handshake())[0] == "this executor's key is revoked"
+    assert auth.rejection(ex0.public, _handshake())[0] == "this executor's key is revoked"
     assert not auth.still_admitted(ex0.public, enrolled=False)
 
 
@@ -147,13 +147,13 @@ def test_an_unknown_key_enrolls_with_a_proof_for_itself_and_never_past_a_revocat
     newcomer, thief = new_key_pair().public, new_key_pair().public
     proof = enrollment.proof(token.encode(), link.server.public, newcomer, "pod-1")
     assert auth.callback("d", newcomer)  # the transport lets it in: the handshake decides
-    assert auth.refusal(newcomer, _handshake("pod-1"))[0].endswith("carries no enrollment proof")
-    assert auth.refusal(newcomer, _handshake("pod-1", proof)) == (None, True)
-    assert auth.refusal(thief, _handshake("pod-1", proof))[0].startswith("its enrollment proof matches no")
+    assert auth.rejection(newcomer, _handshake("pod-1"))[0].endswith("carries no enrollment proof")
+    assert auth.rejection(newcomer, _handshake("pod-1", proof)) == (None, True)
+    assert auth.rejection(thief, _handshake("pod-1", proof))[0].startswith("its enrollment proof matches no")
     assert auth.still_admitted(newcomer, enrolled=True)
     link.revoked_keys.write_bytes(newcomer + b"\n")
     auth = _auth(link, token)
-    assert not auth.callback("d", newcomer) and auth.refusal(newcomer, _handshake("pod-1", proof))[0].endswith("revoked")
+    assert not auth.callback("d", newcomer) and auth.rejection(newcomer, _handshake("pod-1", proof))[0].endswith("revoked")
     assert not auth.still_admitted(newcomer, enrolled=True)
 
 
@@ -280,6 +280,6 @@ def test_a_cluster_secret_admits_the_one_executor_key_derived_from_it():
     keys = derive_keys(b"s" * 32)
     auth = ExecutorAuth(LinkSecurity(keys.server, fixed_keys=frozenset({keys.executor_public})))
     assert not auth.link.reloadable and "--cluster-secret-file" in auth.describe()
-    assert auth.callback("d", keys.executor_public) and auth.refusal(keys.executor_public, _handshake()) == (None, False)
+    assert auth.callback("d", keys.executor_public) and auth.rejection(keys.executor_public, _handshake()) == (None, False)
     assert not auth.callback("d", derive_keys(b"t" * 32).executor_public)
     assert keys.client.server_public == keys.server.public  # what an executor given the same secret dials with

@@ -25,7 +25,7 @@ from fake_engine import collect, engine_executor, req, run, running, settle
 from grpc_fakes import make_tokenizer
 
 from pagedserve import wire
-from pagedserve.engine_api import NoExecutor, RequestFailed
+from pagedserve.engine_api import EngineError, ErrorKind
 from scheduler_svc.telemetry.metrics import Metrics
 
 POISON = 61  # a prompt holding this token is the one the fault touches
@@ -114,7 +114,7 @@ def test_a_refused_plan_fails_the_request_it_names_and_no_other(tokenizer):
             while not engine.slots:
                 await asyncio.sleep(0.01)
             outs = await arrive(engine, reqs)
-            assert isinstance(outs["r10"], RequestFailed)
+            assert isinstance(outs["r10"], EngineError) and outs["r10"].kind is ErrorKind.FAILED
             assert "refused" in str(outs["r10"]) and "injected" not in str(outs["r10"])  # the detail is logged
             assert_bystanders_unharmed(outs, ref, "r10")
             assert execs[0].runner.resets == 1  # one resynchronisation
@@ -166,7 +166,7 @@ def test_a_failed_step_fails_only_the_requests_it_could_not_serve(tokenizer, who
             touched.update(owner.values())
             assert "r10" in touched and (len(touched) > 1) == whole_step
             for rid in touched:
-                assert isinstance(outs[rid], RequestFailed) and "injected" not in str(outs[rid])
+                assert isinstance(outs[rid], EngineError) and outs[rid].kind is ErrorKind.FAILED and "injected" not in str(outs[rid])
             for rid, out in outs.items():
                 if rid not in touched:
                     assert out == ref[rid], rid
@@ -190,8 +190,9 @@ def test_an_executor_whose_every_step_fails_is_dropped_and_its_requests_fail_cle
                 await asyncio.sleep(0.01)
             conn = engine.slots["broken"].conn
             for i in range(3):  # one request, one failed step, at a time
-                with pytest.raises(RequestFailed, match="the executor failed its step"):
+                with pytest.raises(EngineError, match="the executor failed its step") as raised:
                     await collect(engine, req(f"b{i}", [3 + i, 4, 5]))
+                assert raised.value.kind is ErrorKind.FAILED
             for _ in range(100):
                 if conn.state == "dead":
                     break
@@ -251,7 +252,7 @@ def test_a_request_no_survivor_can_hold_fails_at_once_and_the_rest_migrate(token
             async def one(r):
                 try:
                     return (await collect(engine, r))[0], time.monotonic()
-                except NoExecutor as exc:
+                except EngineError as exc:
                     return exc, time.monotonic()
 
             tasks = {r.request_id: asyncio.create_task(one(r)) for r in long_reqs + short_reqs}
@@ -263,7 +264,7 @@ def test_a_request_no_survivor_can_hold_fails_at_once_and_the_rest_migrate(token
             outs = {rid: await t for rid, t in tasks.items()}
             for r in long_reqs:
                 out, ended_at = outs[r.request_id]
-                assert isinstance(out, NoExecutor) and "max_model_len is 48" in str(out)
+                assert isinstance(out, EngineError) and out.kind is ErrorKind.NO_EXECUTOR and "max_model_len is 48" in str(out)
                 assert ended_at - killed_at < 5  # at once: the executor's death is noticed within ~1 s
             for r in short_reqs:
                 assert outs[r.request_id][0] == ref[r.request_id]
@@ -281,8 +282,9 @@ def test_a_request_whose_executors_all_died_fails_after_the_orphan_timeout(token
             while not engine.slots["fake0"].scheduler.num_running:
                 await asyncio.sleep(0.005)
             execs[0].kill()
-            with pytest.raises(NoExecutor, match="--orphan-timeout"):
+            with pytest.raises(EngineError, match="--orphan-timeout") as raised:
                 await asyncio.wait_for(task, 10)
+            assert raised.value.kind is ErrorKind.NO_EXECUTOR
         ends_once(metrics)
 
     run(main())

@@ -15,9 +15,9 @@ from grpc_fakes import make_tokenizer
 
 from pagedserve.engine_api import (
     ChoiceDelta,
+    EngineError,
+    ErrorKind,
     GenerationRequest,
-    QueueFull,
-    RequestFailed,
     RequestOutput,
     RequestParams,
 )
@@ -27,7 +27,7 @@ from scheduler_svc.front.output.stream import OutputStream
 
 
 class Admission:
-    """Admits (or refuses) like the engine, and records the aborts."""
+    """Admits (or not) like the engine, and records the aborts."""
 
     def __init__(self, refuse: Exception | None = None) -> None:
         self.refuse, self.tracked, self.abandoned = refuse, None, []
@@ -88,9 +88,10 @@ def test_an_error_is_raised_where_the_consumer_waits_and_ends_the_stream():
             a = Admission()
             s = await a.streaming()
             nxt = s.__anext__() if waiting else None
-            a.tracked.put_error(RequestFailed("executor died"))
-            with pytest.raises(RequestFailed, match="executor died"):
+            a.tracked.put_error(EngineError(ErrorKind.FAILED, "executor died"))
+            with pytest.raises(EngineError, match="executor died") as raised:
                 await (nxt if waiting else s.__anext__())
+            assert raised.value.kind is ErrorKind.FAILED
             assert await anext(s, "end") == "end"
 
     _run(main())
@@ -102,23 +103,25 @@ def test_a_consumer_that_fell_behind_gets_the_backlog_as_one_output_then_the_err
         s = await a.streaming()
         for text in "bcd":  # the consumer is busy (a slow client): three steps pile up
             a.tracked.put(_out(text))
-        a.tracked.put_error(RequestFailed("executor died"))
+        a.tracked.put_error(EngineError(ErrorKind.FAILED, "executor died"))
         caught_up = await s.__anext__()
         assert caught_up.choices[0].text == "bcd" and caught_up.choices[0].token_ids == [7, 7, 7]
-        with pytest.raises(RequestFailed, match="executor died"):  # after every token it had
+        with pytest.raises(EngineError, match="executor died") as raised:  # after every token it had
             await s.__anext__()
+        assert raised.value.kind is ErrorKind.FAILED
         assert await anext(s, "end") == "end"
 
     _run(main())
 
 
-def test_a_refusal_is_raised_by_the_first_await():
+def test_a_request_not_admitted_raises_at_the_first_await():
     async def main():
-        a = Admission(refuse=QueueFull("3 requests are queued"))
+        a = Admission(refuse=EngineError(ErrorKind.QUEUE_FULL, "3 requests are queued"))
         s = a.stream()
-        with pytest.raises(QueueFull):
+        with pytest.raises(EngineError) as raised:
             async for _ in s:
                 pass
+        assert raised.value.kind is ErrorKind.QUEUE_FULL
         assert await anext(s, "end") == "end"
         assert a.abandoned == []  # never admitted: nothing to abort
 

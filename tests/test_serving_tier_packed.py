@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pagedserve.engine_api import ERROR_FAILED, EngineStats, GenerationRequest, ModelInfo, RequestParams
+from pagedserve.engine_api import EngineStats, ErrorKind, GenerationRequest, ModelInfo, RequestParams
 from pagedserve.wire import MAX_SEQ_TOKENS, WireError
 from pagedserve.wire import front_messages as m
 from scheduler_svc.engine import front_link as core_link
@@ -144,7 +144,7 @@ def test_a_prompt_longer_than_the_context_is_refused_unread_and_broken_ids_drop_
             while not isinstance(reply, m.Updates):
                 reply = m.TIER.decode(await sock.recv())
             (u,) = reply.updates
-            assert (u.request_id, u.finished, u.error_kind) == ("f:long", True, ERROR_FAILED)
+            assert (u.request_id, u.finished, u.error_kind) == ("f:long", True, ErrorKind.FAILED)
             assert u.error == f"prompt of {MAX_MODEL_LEN} tokens must be shorter than max_model_len {MAX_MODEL_LEN}"
             assert link.fronts
             odd = m.TIER.encode(_submit("f:odd", [])).replace(b"\xc4\x00", b"\xc4\x03abc")
@@ -231,7 +231,7 @@ def test_an_id_outside_the_vocabulary_fails_its_request_alone(tmp_path, monkeypa
             while not isinstance(reply, m.Updates):
                 reply = m.TIER.decode(await asyncio.wait_for(sock.recv(), 10))
             (u,) = reply.updates
-            assert (u.request_id, u.finished, u.error_kind, u.error) == ("f:bad", True, ERROR_FAILED, error)
+            assert (u.request_id, u.finished, u.error_kind, u.error) == ("f:bad", True, ErrorKind.FAILED, error)
             await _until(lambda: core.calls == [("submit", "f:good", [5, 6])])
             assert link.fronts  # the front stays
         finally:

@@ -22,9 +22,10 @@ from test_engine import _req, running
 
 from pagedserve.engine_api import (
     ChoiceDelta,
+    EngineError,
+    ErrorKind,
     FinishReason,
     GenerationRequest,
-    RequestFailed,
     RequestOutput,
     RequestParams,
     TokenLogprob,
@@ -120,11 +121,12 @@ def test_an_error_first_releases_the_held_tokens(waiting):
                 assert (await anext(stream)).choices[0].text == "a"
         assert not t.outbox and len(t.held) == 2  # "b", "c": held, the consumer not woken
         pending = stream.__anext__() if waiting else None
-        t.put_error(RequestFailed("executor died"))
+        t.put_error(EngineError(ErrorKind.FAILED, "executor died"))
         got = [(await pending).choices[0].text] if waiting else []
-        with pytest.raises(RequestFailed, match="executor died"):
+        with pytest.raises(EngineError, match="executor died") as raised:
             async for o in stream:
                 got.append(o.choices[0].text)
+        assert raised.value.kind is ErrorKind.FAILED
         return got
 
     assert asyncio.run(run()) == ["bc"]  # held when it failed, handed over before the error

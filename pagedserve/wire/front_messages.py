@@ -9,8 +9,8 @@ prompt hashed; its prompt token ids packed, see :func:`pack_ids`), ``Abort`` (it
 stop string ended one choice), ``FrontMetrics`` (its counters, for the deployment's /metrics),
 ``Query`` (fresh stats, or the deployment's metrics) and ``Heartbeat``.
 
-core -> front: ``Updates`` (one step's token updates of that front's requests, or an admission
-refused: an error update), ``Status`` (readiness, model info, stats, health; also the core's
+core -> front: ``Updates`` (one step's token updates of that front's requests, or a request not
+admitted: an error update), ``Status`` (readiness, model info, stats, health; also the core's
 heartbeat) and ``Answer``.
 
 A front may only name the requests it submitted (the core checks their ids carry the front's

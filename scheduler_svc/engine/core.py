@@ -28,8 +28,8 @@ import time
 from collections.abc import Collection
 
 from pagedserve.engine_api import (
-    ERROR_FAILED,
     EngineStats,
+    ErrorKind,
     ExecutorStats,
     FinishReason,
     ModelInfo,
@@ -220,7 +220,7 @@ class EngineCore(CoreRequests):
             log.exception("engine loop for executor %s failed; failing its requests", slot.id)
             self._flush(slot)
             for cr in list(slot.requests.values()) + slot.take_adds():
-                self._fail(cr, ERROR_FAILED, "internal error in the scheduler")
+                self._fail(cr, ErrorKind.FAILED, "internal error in the scheduler")
             slot.requests = {}
             self.hub.drop(slot.conn, "engine loop failed")
         finally:
@@ -253,7 +253,7 @@ class EngineCore(CoreRequests):
                 slot.scheduler.add_request(cr.req, resume=cr.resume)
             except Exception:  # noqa: BLE001  (routing checked it fits: this is a bug, for cr only)
                 log.exception("request %s could not be queued on executor %s", cr.request_id, slot.id)
-                self._fail(cr, ERROR_FAILED, "could not queue the request")
+                self._fail(cr, ErrorKind.FAILED, "could not queue the request")
                 continue
             slot.requests[cr.request_id] = cr
             cr.resume = None

@@ -20,7 +20,7 @@ executor whose key is no longer admitted.
 
 Checked twice: at the transport (the ZAP handler, :meth:`ExecutorAuth.callback`:
 without enrollment, a peer whose key is not trusted never gets a frame through),
-and at the handshake (:meth:`ExecutorAuth.refusal`, with the key ZAP
+and at the handshake (:meth:`ExecutorAuth.rejection`, with the key ZAP
 authenticated), which alone can check an enrollment proof.
 """
 
@@ -112,7 +112,7 @@ class ExecutorAuth:
                        TRUSTED_FLAG if self.link.trusted_keys is not None else "the trusted keys")
         return False
 
-    def refusal(self, key: bytes, hs: wire.Handshake) -> tuple[str | None, bool]:
+    def rejection(self, key: bytes, hs: wire.Handshake) -> tuple[str | None, bool]:
         """Whether the executor whose connection authenticated with ``key`` may register as ``hs``
         says: (why not, or None; whether it got in by enrolling)."""
         state = self.state

@@ -1,7 +1,7 @@
 """ZeroMQ transport to the executors: registry, handshakes, heartbeats, steps.
 
 Executors dial in to one ROUTER socket (their routing id is their executor
-id). The hub accepts or refuses each handshake, keeps a heartbeat both ways,
+id). The hub accepts or rejects each handshake, keeps a heartbeat both ways,
 declares an executor dead after ``wire.DEAD_AFTER_INTERVALS`` silent intervals or a
 failed send, sends plans and hands their results back in order: with
 asynchronous scheduling an executor has up to two plans outstanding (one
@@ -13,7 +13,7 @@ CURVE server and its ZAP handler admits only the executor keys the trust store
 admits (scheduler_svc/engine/executor_auth.py: trusted, or enrolling with a token; never
 revoked), so without enrollment nothing from a peer without a trusted key reaches
 this code. An executor id is bound to the connection (and key) that registered
-it: a second connection claiming a live id is refused, and a connected routing
+it: a second connection claiming a live id is rejected, and a connected routing
 id cannot be taken over (no ROUTER_HANDOVER). A live executor whose key is
 revoked is dropped. Before its handshake is accepted a peer may send one small
 handshake frame, which is all that is decoded; every frame is size-bounded by
@@ -328,7 +328,7 @@ class ExecutorHub:
         except Exception:  # noqa: BLE001
             log.exception("error in the engine's %s callback", getattr(callback, "__name__", "executor"))
 
-    def _refusal(self, hs: wire.Handshake) -> str | None:
+    def _rejection(self, hs: wire.Handshake) -> str | None:
         if hs.wire_version != wire.WIRE_VERSION:
             return f"wire version {hs.wire_version}, scheduler speaks {wire.WIRE_VERSION}"
         if hs.block_size != self.block_size:
@@ -348,8 +348,8 @@ class ExecutorHub:
         if old is not None and old.state != "dead":
             # The same connection handshakes again: that process restarted and lost its KV cache.
             self._declare_dead(old, "executor reconnected (its state is gone)")
-        reason, enrolled = self._identity_refusal(identity, key, hs)
-        reason = reason or self._refusal(hs)
+        reason, enrolled = self._identity_rejection(identity, key, hs)
+        reason = reason or self._rejection(hs)
         if reason is None and (port := self.director(hs)) is not None:
             # Several engine cores: this port is their directory, and another core is to schedule it.
             self._reply(identity, wire.HandshakeReply(False, "", self.heartbeat_interval_s, redirect_port=port))
@@ -374,7 +374,7 @@ class ExecutorHub:
                  "" if key is None else f", key {key.decode()} ({'enrolled' if enrolled else 'trusted'})")
         self._on_join(conn)
 
-    def _identity_refusal(self, identity: bytes, key: bytes | None, hs: wire.Handshake) -> tuple[str | None, bool]:
+    def _identity_rejection(self, identity: bytes, key: bytes | None, hs: wire.Handshake) -> tuple[str | None, bool]:
         """Whether this connection may register as ``hs.executor_id``: its key must be admitted, and
         no other live connection may hold that id, whatever its routing id or key (the live executor
         keeps serving). Returns (why not, or None; whether it enrolled)."""
@@ -383,7 +383,7 @@ class ExecutorHub:
             return f"executor id {hs.executor_id!r} is held by another live connection", False
         if key is None:  # no CURVE: loopback only; the connection is the identity
             return None, False
-        return self.trust.refusal(key, hs)
+        return self.trust.rejection(key, hs)
 
     def _drop_untrusted(self) -> None:
         """After the trust store changed: drop each live executor whose key it no longer admits (its

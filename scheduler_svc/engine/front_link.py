@@ -12,10 +12,10 @@ executors). What a front sends is decoded with the bounded codec; a front's malf
 one naming a request it did not submit, drops that front. A front silent for
 ``DEAD_AFTER_INTERVALS`` heartbeats is dead: its requests are aborted and their blocks freed.
 
-A ``Submit``'s prompt comes packed (``messages.PackedIds``): one longer than the longest context is
-refused before any of it is unpacked, and a long one is turned into ints ``UNPACK_SLICE`` ids at a
-time, the loop free between slices, so no plan waits for it. The link reads on only when a Submit is
-admitted, so what a front sends is handled in the order it was sent.
+A ``Submit``'s prompt comes packed (``messages.PackedIds``): one longer than the longest context (too
+large for any executor) fails before any of it is unpacked, and a long one is turned into ints
+``UNPACK_SLICE`` ids at a time, the loop free between slices, so no plan waits for it. The link
+reads on only when a Submit is admitted, so what a front sends is handled in the order it was sent.
 """
 
 from __future__ import annotations
@@ -32,12 +32,9 @@ from pathlib import Path
 import zmq
 
 from pagedserve.engine_api import (
-    ERROR_FAILED,
-    ERROR_NO_EXECUTOR,
-    ERROR_QUEUE_FULL,
+    EngineError,
+    ErrorKind,
     FinishReason,
-    NoExecutor,
-    QueueFull,
     RequestUpdate,
 )
 from pagedserve.ratelog import RateLimitedLog
@@ -220,8 +217,8 @@ class FrontLink:
         if msg.resume_outputs is not None:  # it ran on an engine core that was lost
             resume = MigratedRequest(req, msg.resume_outputs, _finish_reasons(msg))
         n, info = m.num_packed(msg.prompt_ids), self.core.model_info()
-        if info is not None and n >= info.max_model_len:  # (refused before a single int is built)
-            front.deliver([RequestUpdate(req.request_id, [], True, n, error_kind=ERROR_FAILED,
+        if info is not None and n >= info.max_model_len:  # (too large for any executor: before an int is built)
+            front.deliver([RequestUpdate(req.request_id, [], True, n, error_kind=ErrorKind.FAILED,
                                          error=f"prompt of {n} tokens must be shorter than max_model_len "
                                                f"{info.max_model_len}")])
             return
@@ -231,7 +228,7 @@ class FrontLink:
             for k, outputs in enumerate(msg.resume_outputs or ()):
                 in_vocab(outputs, vocab_size, f"resume_outputs[{k}]")
         except ValueError as exc:  # (this request fails; nothing of it reaches an executor)
-            front.deliver([RequestUpdate(req.request_id, [], True, n, error=str(exc), error_kind=ERROR_FAILED)])
+            front.deliver([RequestUpdate(req.request_id, [], True, n, error=str(exc), error_kind=ErrorKind.FAILED)])
             return
         if not front.alive:  # it went away while its prompt was unpacked
             return
@@ -241,9 +238,8 @@ class FrontLink:
         req.max_total_tokens = None  # fixed here, at its first placement
         try:
             self.core.submit(req, front, resume)
-        except (QueueFull, NoExecutor, ValueError) as exc:
-            kind = ERROR_QUEUE_FULL if isinstance(exc, QueueFull) else \
-                ERROR_NO_EXECUTOR if isinstance(exc, NoExecutor) else ERROR_FAILED
+        except (EngineError, ValueError) as exc:
+            kind = exc.kind if isinstance(exc, EngineError) else ErrorKind.FAILED
             front.deliver([RequestUpdate(req.request_id, [], True, len(req.prompt_token_ids), error=str(exc),
                                          error_kind=kind)])
 

@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Protocol
 
-from pagedserve.engine_api import ERROR_NO_EXECUTOR, GenerationRequest, NoExecutor, QueueFull, RequestUpdate
+from pagedserve.engine_api import EngineError, ErrorKind, GenerationRequest, RequestUpdate
 from pagedserve.kv_blocks import hash_blocks
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.placement import Router
@@ -48,23 +48,24 @@ class CoreRequests:
     # ------------------------------------------------------------------ what fronts ask
 
     def submit(self, req: GenerationRequest, sink: UpdateSink, resume: MigratedRequest | None = None) -> None:
-        """Admit ``req`` (its id unique in this core); its updates go to ``sink``. QueueFull or
-        NoExecutor (nothing kept) when it cannot be taken. ``resume``: it ran on another engine core
-        that was lost, and goes on from the tokens its front streamed."""
+        """Admit ``req`` (its id unique in this core); its updates go to ``sink``. EngineError
+        (QUEUE_FULL or NO_EXECUTOR; nothing kept) when it cannot be taken. ``resume``: it ran on
+        another engine core that was lost, and goes on from the tokens its front streamed."""
         if self._closing:
-            raise NoExecutor("the server is shutting down")
+            raise EngineError(ErrorKind.NO_EXECUTOR, "the server is shutting down")
         if not self.is_ready():
-            raise NoExecutor("no executor is connected; try again once one has registered")
+            raise EngineError(ErrorKind.NO_EXECUTOR,
+                              "no executor is connected; try again once one has registered")
         if self._num_queued() >= self.cfg.max_queued_requests:
-            raise QueueFull(f"{self._num_queued()} requests are queued, the limit "
-                            f"(max_queued_requests) is {self.cfg.max_queued_requests}")
+            raise EngineError(ErrorKind.QUEUE_FULL, f"{self._num_queued()} requests are queued, the limit "
+                                                    f"(max_queued_requests) is {self.cfg.max_queued_requests}")
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already running in this engine core")
         if not req.arrival_time:
             req.arrival_time = time.monotonic()
         cr = CoreRequest(req, sink, resume=resume)
         if (why := self._place(cr)) is not None:
-            raise NoExecutor(why)
+            raise EngineError(ErrorKind.NO_EXECUTOR, why)
         self.requests[req.request_id] = cr
 
     def abort(self, request_id: str) -> None:
@@ -112,9 +113,10 @@ class CoreRequests:
         ready = [s for s in self.slots.values() if s.conn.state == "ready"]
         if req.max_total_tokens is None and ready:
             self._fix_length(req, ready)
-        fits = [s for s in ready if s.scheduler.refusal(req, cr.resume) is None]
+        fits = [s for s in ready if s.scheduler.why_cannot_hold(req, cr.resume) is None]
         if ready and not fits:
-            return f"no connected executor can hold this request: {ready[0].scheduler.refusal(req, cr.resume)}"
+            why = ready[0].scheduler.why_cannot_hold(req, cr.resume)
+            return f"no connected executor can hold this request: {why}"
         if req.prompt_block_hashes is None:  # (fronts hash prompts; a request from elsewhere is hashed here)
             req.prompt_block_hashes = hash_blocks(None, req.prompt_token_ids, self.cfg.scheduler.block_size)
         slot = self.router.choose(fits, req.prompt_block_hashes)
@@ -133,7 +135,7 @@ class CoreRequests:
         want = len(req.prompt_token_ids) + req.params.max_tokens
         for length in sorted({min(want, s.scheduler.config.max_model_len) for s in ready}, reverse=True):
             req.max_total_tokens = length
-            if any(s.scheduler.refusal(req) is None for s in ready):
+            if any(s.scheduler.why_cannot_hold(req) is None for s in ready):
                 return
         req.max_total_tokens = None  # fits nowhere: the caller reports why
 
@@ -145,8 +147,8 @@ class CoreRequests:
     def _orphan_expired(self, cr: CoreRequest) -> None:
         if cr in self.orphans:
             self.orphans.remove(cr)
-            self._fail(cr, ERROR_NO_EXECUTOR, f"its executor was lost and no executor registered within "
-                                              f"{self.cfg.orphan_timeout_s:g}s (--orphan-timeout)")
+            self._fail(cr, ErrorKind.NO_EXECUTOR, f"its executor was lost and no executor registered within "
+                                                  f"{self.cfg.orphan_timeout_s:g}s (--orphan-timeout)")
 
     def _unpark(self, cr: CoreRequest) -> None:
         if cr.parked is not None:
@@ -157,10 +159,10 @@ class CoreRequests:
 
     def _place_or_fail(self, cr: CoreRequest) -> None:
         if (why := self._place(cr)) is not None:
-            self._fail(cr, ERROR_NO_EXECUTOR, why)
+            self._fail(cr, ErrorKind.NO_EXECUTOR, why)
 
-    def _fail(self, cr: CoreRequest, kind: int, message: str) -> None:
-        """End ``cr`` with an error its front turns into the client's status (``kind``)."""
+    def _fail(self, cr: CoreRequest, kind: ErrorKind, message: str) -> None:
+        """End ``cr`` with an error: ``kind`` reaches its client's status as it is."""
         if cr.ended:
             return
         self.requests.pop(cr.request_id, None)
@@ -180,7 +182,7 @@ class CoreRequests:
                 continue
             cr.migrations += 1
             if cr.migrations > self.cfg.max_migrations:
-                self._fail(cr, ERROR_NO_EXECUTOR, f"request moved {cr.migrations - 1} times after executor "
+                self._fail(cr, ErrorKind.NO_EXECUTOR, f"request moved {cr.migrations - 1} times after executor "
                                                   f"failures (max_migrations={self.cfg.max_migrations}); "
                                                   f"last: {slot.id}: {why}")
                 continue

@@ -368,7 +368,7 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
     scheduler = SchedulerConfig(**_fields(SchedulerConfig, a))
     for flag, width in (("--max-n", a.max_n), ("--max-beam-width", a.max_beam_width)):
         room = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
-        if width > room:  # such a request could never be scheduled: refuse the configuration, not it
+        if width > room:  # such a request could never be scheduled: reject the configuration, not it
             parser.error(f"{flag}: must be <= --max-num-seqs and --max-num-batched-tokens ({room}), got {width}")
     keys = _executor_link(parser, a)
     host = _executor_host(parser, a, keys)

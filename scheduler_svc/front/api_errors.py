@@ -1,4 +1,4 @@
-"""A request refused with an HTTP status and an OpenAI error body, and its gRPC twin.
+"""A request rejected with an HTTP status and an OpenAI error body, and its gRPC twin.
 
 Raised wherever the OpenAI API's checks run (the HTTP front, tool-call planning); pure Python,
 so that what raises it needs no web framework. ``http/errors.py`` sends it as a response.
@@ -19,7 +19,7 @@ _TYPE_OF_STATUS = {400: "invalid_request_error", 401: "invalid_request_error", 4
 
 
 class ApiError(Exception):
-    """A request refused with an HTTP status and an OpenAI error body."""
+    """A request rejected with an HTTP status and an OpenAI error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

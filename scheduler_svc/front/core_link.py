@@ -3,12 +3,12 @@
 :class:`RemoteCore` dials the core's front link (a DEALER), says ``FrontHello`` and keeps the
 core's last ``Status``: readiness, model info, stats and health, which is all a front reads of
 the core between requests. ``submit``, ``abort`` and ``finish_choice`` are messages; the core's
-``Updates`` go to the front's streams (``FrontStreams.deliver``), an admission refused among them
+``Updates`` go to the front's streams (``FrontStreams.deliver``), a request not admitted among them
 as an error update. Every second the front's own counters go to the core, which serves the whole
 deployment's /metrics.
 
 A core silent for ``DEAD_AFTER_INTERVALS`` heartbeats is lost: the front is not ready, every
-request it had there fails with ``NoExecutor`` (UNAVAILABLE), and it keeps dialling; once the
+request it had there fails with ``NO_EXECUTOR`` (UNAVAILABLE), and it keeps dialling; once the
 core answers again, it is ready again.
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import zmq
 
-from pagedserve.engine_api import EngineStats, GenerationRequest, ModelInfo, NoExecutor
+from pagedserve.engine_api import EngineError, EngineStats, ErrorKind, GenerationRequest, ModelInfo
 from pagedserve.ratelog import RateLimitedLog
 from pagedserve.wire import DEAD_AFTER_INTERVALS, WireError
 from pagedserve.wire import front_messages as m
@@ -98,7 +98,7 @@ class RemoteCore:
     def submit(self, req: GenerationRequest, sink, resume: tuple[list, list] | None = None) -> None:
         """Send ``req`` (``resume``: the outputs and finish reasons it had on a core that was lost)."""
         if not self.is_ready():
-            raise NoExecutor("the engine core is not reachable; try again")
+            raise EngineError(ErrorKind.NO_EXECUTOR, "the engine core is not reachable; try again")
         now = time.monotonic()
         queued = max(0.0, now - req.arrival_time) if req.arrival_time else 0.0
         deadline_in = None if req.deadline is None else max(0.0, req.deadline - now)
@@ -205,7 +205,7 @@ class RemoteCore:
                         "dialling again", why)
             try:
                 if self.streams is not None:
-                    self.streams.core_lost(self, NoExecutor(f"the engine core was lost ({why})"))
+                    self.streams.core_lost(self, EngineError(ErrorKind.NO_EXECUTOR, f"the engine core was lost ({why})"))
                 self.on_status_change()
             except Exception:  # noqa: BLE001  a bug here must not stop the redial (nor this heartbeat loop)
                 log.exception("moving the requests of a lost engine core failed")

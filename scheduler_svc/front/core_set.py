@@ -12,7 +12,7 @@ cores and come back to the directory when theirs is lost.
 When a core is lost (silent for ``DEAD_AFTER_INTERVALS`` heartbeats), each request it ran moves to
 another ready core with the tokens this front streamed of it (``Submit.resume_*``, as a migration
 between executors), at most ``--max-migrations`` times; with no core left it fails with
-``NoExecutor`` (UNAVAILABLE). None waits for a core that may never come back.
+``NO_EXECUTOR`` (UNAVAILABLE). None waits for a core that may never come back.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-from pagedserve.engine_api import EngineStats, GenerationRequest, ModelInfo, NoExecutor
+from pagedserve.engine_api import EngineError, EngineStats, ErrorKind, GenerationRequest, ModelInfo
 from pagedserve.placement import within_skew
 from scheduler_svc.front.core_link import RemoteCore
 
@@ -111,7 +111,7 @@ class CoreSet:
         ready = [c for c in self._ready() if c is not exclude]
         fits = [c for c in ready if _fits(c, req)] or ready
         if not fits:
-            raise NoExecutor("no engine core is reachable; try again")
+            raise EngineError(ErrorKind.NO_EXECUTOR, "no engine core is reachable; try again")
         loads = {id(c): self._load(c) for c in fits}
         eligible = [fits[i] for i in within_skew([loads[id(c)] for c in fits])]
         first = (req.prompt_block_hashes or [b""])[0]
@@ -146,13 +146,13 @@ class CoreSet:
             moves = self.moves[rid] = self.moves.get(rid, 0) + 1
             try:
                 if moves > self.max_migrations:
-                    raise NoExecutor(f"request moved {moves - 1} times after engine cores were lost "
-                                     f"(max_migrations={self.max_migrations}); last: {exc}")
+                    raise EngineError(ErrorKind.NO_EXECUTOR, f"request moved {moves - 1} times after engine cores "
+                                      f"were lost (max_migrations={self.max_migrations}); last: {exc}")
                 target = self._choose(t.stream.req, exclude=core)
                 target.submit(streams.resumed(t), self, resume=streams.resume_of(t))
-            except NoExecutor as refused:
+            except EngineError as err:  # (NO_EXECUTOR: no engine core can take it)
                 self.moves.pop(rid, None)
-                streams.fail_request(t, refused if moves > self.max_migrations or self._ready() else exc)
+                streams.fail_request(t, err if moves > self.max_migrations or self._ready() else exc)
                 continue
             self.where[rid] = target
 

@@ -29,19 +29,16 @@ from typing import Protocol
 from tokenizers import Tokenizer
 
 from pagedserve.engine_api import (
-    ERROR_NO_EXECUTOR,
-    ERROR_QUEUE_FULL,
+    EngineError,
     EngineStats,
+    ErrorKind,
     FinishReason,
     GenerationRequest,
     ModelInfo,
-    NoExecutor,
-    QueueFull,
-    RequestFailed,
     RequestUpdate,
 )
 from pagedserve.kv_blocks import hash_blocks
-from scheduler_svc.front.output.deltas import RequestStream
+from scheduler_svc.front.output.deltas import DECODE_CASE, RequestStream
 from scheduler_svc.front.output.detokenize import standalone_token_texts
 from scheduler_svc.front.output.mailbox import Tracked
 from scheduler_svc.front.output.stream import OutputStream
@@ -54,7 +51,7 @@ class CoreApi(Protocol):
     """What a front needs of an engine core: ``EngineCore`` in this process, or the cores behind
     the tier link (``scheduler_svc/front/core_link.py, scheduler_svc/engine/front_link.py``)."""
 
-    def submit(self, req: GenerationRequest, sink: FrontStreams) -> None: ...  # QueueFull, NoExecutor
+    def submit(self, req: GenerationRequest, sink: FrontStreams) -> None: ...  # EngineError: QUEUE_FULL, NO_EXECUTOR
     def abort(self, request_id: str) -> None: ...
     def finish_choice(self, request_id: str, index: int) -> None: ...
     def model_info(self) -> ModelInfo | None: ...
@@ -124,7 +121,7 @@ class FrontStreams:
 
     def _admit(self, req: GenerationRequest) -> Tracked:
         if self.closing:
-            raise NoExecutor("the server is shutting down")
+            raise EngineError(ErrorKind.NO_EXECUTOR, "the server is shutting down")
         if not req.request_id or req.request_id in self.tracked:
             req.request_id = req.request_id + "-" + uuid.uuid4().hex[:8] if req.request_id \
                 else uuid.uuid4().hex
@@ -138,7 +135,7 @@ class FrontStreams:
                                standalone_texts=self.standalone_texts)
         t = Tracked(stream, self.stream_interval, core_id=self.id_prefix + req.request_id)
         # The core gets a copy under its own id; the stream keeps the client's request (and id).
-        self.core.submit(dataclasses.replace(req, request_id=t.core_id), self)  # QueueFull, NoExecutor
+        self.core.submit(dataclasses.replace(req, request_id=t.core_id), self)  # EngineError: QUEUE_FULL, NO_EXECUTOR
         self.tracked[req.request_id] = t
         self.by_core_id[t.core_id] = t
         if self.metrics:
@@ -233,17 +230,17 @@ class FrontStreams:
             if t is None or t.ended:
                 continue  # ended here meanwhile (aborted): what its last steps brought is dropped
             if upd.error:
-                self._fail(t, _error(upd))
+                self._fail(t, EngineError(upd.error_kind, upd.error))  # (the kind the core chose, as is)
                 continue
             stream = t.stream
             try:
                 prev = stream.last_token_at
-                if stream.fast is not None and (out := stream.next_token(upd, now)) is not None:
-                    tokens += 1  # the decode case (every running request, every step), kept lean
-                    itls.append(now - prev)  # type: ignore[operator]  (fast: not the first token)
+                out, stopped = stream.apply(upd, now)
+                if stopped is DECODE_CASE:  # one token after the first, nothing ended: kept lean
+                    tokens += 1
+                    itls.append(now - prev)  # type: ignore[operator]
                     t.put(out)
                     continue
-                out, stopped = stream.apply(upd, now)
                 if out.choices or out.finished:
                     t.put(out)
                 n = 0
@@ -252,7 +249,7 @@ class FrontStreams:
                 if n:
                     tokens += n
                     if prev is not None:
-                        itls += [(now - prev) / n] * n
+                        itls += [(now - prev) / n] * n  # (several steps at once: spread evenly)
                     elif self.metrics:
                         self._first_token(stream)
                 if out.finished and self.metrics:
@@ -260,13 +257,13 @@ class FrontStreams:
             except Exception:  # noqa: BLE001  one request's failure must not reach the others
                 log.exception("streaming request %s failed; failing it alone", stream.req.request_id)
                 self.core.abort(t.core_id)
-                self._fail(t, RequestFailed("internal error while streaming it"))
+                self._fail(t, EngineError(ErrorKind.FAILED, "internal error while streaming it"))
                 continue
             if out.finished:
                 self._end(t)
                 if stopped and not upd.finished:  # the last choices ended by stop strings: free it now
                     self.core.abort(t.core_id)
-            else:
+            elif stopped:
                 for index in stopped:  # the core frees these choices (their next steps are dropped)
                     self.core.finish_choice(t.core_id, index)
         if tokens and self.metrics:
@@ -281,11 +278,3 @@ class FrontStreams:
         self.metrics.on_finish(reason, time.monotonic() - stream.created, len(stream.req.prompt_token_ids),
                                out.usage.completion_tokens if out.usage else 0)
 
-
-def _error(upd: RequestUpdate) -> Exception:
-    """The engine exception an error update stands for (scheduler_svc/front/output/status_codes.py maps it)."""
-    if upd.error_kind == ERROR_NO_EXECUTOR:
-        return NoExecutor(upd.error)
-    if upd.error_kind == ERROR_QUEUE_FULL:
-        return QueueFull(upd.error)
-    return RequestFailed(upd.error)

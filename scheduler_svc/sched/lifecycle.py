@@ -142,7 +142,7 @@ class RequestLifecycle:
         self.waiting.append(r)
 
     def _validate(self, req: GenerationRequest, resume: MigratedRequest | None) -> None:
-        reason = self.refusal(req, resume)
+        reason = self.why_cannot_hold(req, resume)
         if reason is not None:
             raise ValueError(reason)
 
@@ -156,8 +156,8 @@ class RequestLifecycle:
         """The most KV blocks one request may ever hold here (the pool less the watermark)."""
         return self.kv.num_device_blocks - self._watermark
 
-    def refusal(self, req: GenerationRequest, resume: MigratedRequest | None = None) -> str | None:
-        """Why this scheduler can never run ``req`` (its executor's length or pool), or None.
+    def why_cannot_hold(self, req: GenerationRequest, resume: MigratedRequest | None = None) -> str | None:
+        """Why this scheduler can never run ``req`` (too large for its executor) (its executor's length or pool), or None.
 
         It counts the whole length the request may reach (``max_total_tokens``, fixed when it was
         first placed) and, for a request taken from another executor (``resume``), the tokens it

@@ -1,7 +1,7 @@
 """The fronts' metrics, gathered at the engine core: one /metrics for the whole deployment.
 
 Each front counts what it sees (tokens streamed, time to first token, inter-token latency, how
-requests ended, what its API refused) in its own registry and sends the lot to the core every
+requests ended, what its API rejected) in its own registry and sends the lot to the core every
 second (``FrontMetrics``: prometheus_client's families as plain tuples). The core sums them, the
 counters of fronts gone included, so that a counter never goes back, and exposes the sum beside
 its own gauges on ``--metrics-port``; a front's ``/metrics`` on the HTTP port asks the core for

@@ -91,7 +91,7 @@ class Metrics:
     ``part``: which half a process registers. An engine core counts what it schedules
     ("engine": requests running and waiting, KV usage, preemptions, migrations, queue time, and
     the ``vllm:`` gauges the Gateway API Inference Extension reads); a front counts what it
-    streams and refuses ("front": tokens, latencies, how requests ended, admission). The engine
+    streams and rejects ("front": tokens, latencies, how requests ended, admission). The engine
     core sums its fronts' into the one /metrics (``scheduler_svc/telemetry/families.py``); a process
     with both halves (tests, benchmarks) registers "all".
     """
@@ -247,8 +247,8 @@ class Metrics:
         self.rejected.labels(code).inc()
 
     def on_shed(self, reason: str) -> None:
-        """A call refused at the door (admission.py, auth_throttle.py); its status, RESOURCE_EXHAUSTED
-        (429), is counted with on_rejected as every refusal's is."""
+        """A call rejected at the door (admission.py, auth_throttle.py); its status, RESOURCE_EXHAUSTED
+        (429), is counted with on_rejected as every error status is."""
         self.shed.labels(reason).inc()
 
     def watch_budget(self, budget: Budget) -> None:

@@ -6,7 +6,7 @@ read. So :class:`CallGate` serves each unary-request method as a request-streami
 same bytes on the wire; the client cannot tell): the handler below starts as soon as the call's
 headers have arrived and, in order,
 
-1. refuses a peer that has failed too many API-key attempts (RESOURCE_EXHAUSTED, its key not
+1. rejects a peer that has failed too many API-key attempts (RESOURCE_EXHAUSTED, its key not
    even checked) and a call without an accepted key (UNAUTHENTICATED, counted against its
    peer: auth_throttle.py);
 2. takes a slot of the process's :class:`~scheduler_svc.front.guards.admission.CallBudget`
@@ -94,7 +94,7 @@ class CallGate(grpc.aio.ServerInterceptor):
                 if ticket is not None:
                     ticket.release()
             if late:
-                await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, self._late_message("the next message"))
+                await self._end_call(context, grpc.StatusCode.DEADLINE_EXCEEDED, self._late_message("the next message"))
 
         kind = grpc.stream_stream_rpc_method_handler if handler.response_streaming \
             else grpc.stream_unary_rpc_method_handler
@@ -128,7 +128,7 @@ class CallGate(grpc.aio.ServerInterceptor):
             return
         if self.throttle is not None:
             self.throttle.failed(peer)
-        await self._refuse(context, UNAUTHENTICATED, "missing or unknown API key: send 'authorization: Bearer <key>'")
+        await self._end_call(context, UNAUTHENTICATED, "missing or unknown API key: send 'authorization: Bearer <key>'")
 
     async def _read_request(self, context: grpc.aio.ServicerContext, ticket: Ticket | None,
                             deserialize: Callable[[bytes], Any] | None) -> Any:
@@ -154,24 +154,24 @@ class CallGate(grpc.aio.ServerInterceptor):
             raw = None
             await self._shed(context, shed.reason, str(shed))
         if raw is None:
-            await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, self._late_message("the request message"))
+            await self._end_call(context, grpc.StatusCode.DEADLINE_EXCEEDED, self._late_message("the request message"))
         if raw is grpc.aio.EOF:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "the call ended without a request message")
+            await self._end_call(context, grpc.StatusCode.INVALID_ARGUMENT, "the call ended without a request message")
         if deserialize is None:
             return raw
         try:
             return deserialize(raw)
         except Exception:
             problem = "the request is not a valid message"
-        await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        await self._end_call(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
 
     async def _shed(self, context: grpc.aio.ServicerContext, reason: str, message: str) -> None:
         if self.metrics is not None:
             self.metrics.on_shed(reason)
-        await self._refuse(context, RESOURCE_EXHAUSTED, message)
+        await self._end_call(context, RESOURCE_EXHAUSTED, message)
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-        """End the call with ``code``, counted under its name as the servicer's refusals are."""
+    async def _end_call(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        """End the call with ``code``, counted under its name as the servicer's error statuses are."""
         if self.metrics is not None:
             self.metrics.on_rejected(code.name)
         await context.abort(code, message)

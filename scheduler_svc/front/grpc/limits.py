@@ -71,5 +71,5 @@ def server_options(limits: GrpcLimits) -> list[tuple[str, int]]:
 
 
 # The largest request message gRPC reads (its default, stated): a prompt longer than the model could
-# ever take is refused from its length before tokenizing (validation.py), so this bounds memory.
+# ever take is rejected from its length before tokenizing (validation.py), so this bounds memory.
 MAX_REQUEST_BYTES = 4 * 1024 * 1024

@@ -1,7 +1,7 @@
 """The public gRPC API: the pagedserve.v1.Generation servicer, health and reflection.
 
 Status codes: the engine's errors as scheduler_svc/front/output/status_codes.py says (the table both fronts
-share: QueueFull -> RESOURCE_EXHAUSTED, NoExecutor -> UNAVAILABLE, RequestFailed and anything
+share, by ErrorKind: QUEUE_FULL -> RESOURCE_EXHAUSTED, NO_EXECUTOR -> UNAVAILABLE, FAILED and anything
 unexpected -> INTERNAL, this request only); before the engine, here:
 
     ValidationError -> INVALID_ARGUMENT    no model info, shutting down -> UNAVAILABLE
@@ -57,7 +57,7 @@ from scheduler_svc.front.input.validation import (
     validate_request,
     validation_work,
 )
-from scheduler_svc.front.output.status_codes import refusal
+from scheduler_svc.front.output.status_codes import client_status
 from scheduler_svc.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-class _Refused(Exception):
+class _ErrorStatus(Exception):
     """A request ends with a non-OK status (raised inside the servicer only)."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
@@ -93,28 +93,28 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # A coroutine writing with context.write (not an async generator): a cancel or deadline
         # raises CancelledError here, inside aclosing, so the engine's stream is closed at once.
         # Aborts happen outside the except blocks: context.abort raises, and an exception raised
-        # while handling _Refused would chain it, its traceback and the request's frames (a
+        # while handling _ErrorStatus would chain it, its traceback and the request's frames (a
         # multi-megabyte prompt) into a cycle that only a full garbage collection frees.
-        refusal = None
+        error_status = None
         try:
             greq = await self._admit(request, context)
-        except _Refused as e:
-            refusal = (e.code, str(e))
-        if refusal is not None:
+        except _ErrorStatus as e:
+            error_status = (e.code, str(e))
+        if error_status is not None:
             del request  # (grpc keeps the aborting frames in a cycle until a full collection)
-            await self._abort(context, *refusal)
+            await self._abort(context, *error_status)
             return
         self._in_flight.add(greq.request_id)
         try:
             async with contextlib.aclosing(self._run(greq)) as responses:
                 async for msg in responses:
                     await context.write(msg)
-        except _Refused as e:
-            refusal = (e.code, str(e))
+        except _ErrorStatus as e:
+            error_status = (e.code, str(e))
         finally:
             self._in_flight.discard(greq.request_id)
-        if refusal is not None:
-            await self._abort(context, *refusal)
+        if error_status is not None:
+            await self._abort(context, *error_status)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
                            ) -> pb.ModelInfo:
@@ -139,24 +139,24 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await self._abort(context, grpc.StatusCode.INTERNAL, "could not collect stats")
 
     async def _admit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationRequest:
-        """Validate, tokenize and stamp arrival time and deadline; raise _Refused."""
+        """Validate, tokenize and stamp arrival time and deadline; raise _ErrorStatus."""
         if self.shutting_down:
-            raise _Refused(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            raise _ErrorStatus(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         info = self._engine.model_info()
         if info is None:
-            raise _Refused(grpc.StatusCode.UNAVAILABLE, "no executor has registered yet; retry later")
+            raise _ErrorStatus(grpc.StatusCode.UNAVAILABLE, "no executor has registered yet; retry later")
         arrival = time.monotonic()
         try:
             fields = fields_from_proto(request)  # (a long prompt, or a grammar to check: in a worker thread)
             greq = await validate_off_loop(validation_work(fields), validate_request, fields, info, self._limits,
                                            self._tokenize, None, self._logprobs_mode)
         except ValidationError as e:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None  # (no frames kept: see Generate)
+            raise _ErrorStatus(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None  # (no frames kept: see Generate)
         except Exception as e:  # e.g. the tokenizer failed: a server bug, not the client's
             log.exception("validating a request failed")
-            raise _Refused(grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__})") from e
+            raise _ErrorStatus(grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__})") from e
         if greq.request_id in self._in_flight:
-            raise _Refused(grpc.StatusCode.ALREADY_EXISTS, f"request_id {greq.request_id!r} is already running")
+            raise _ErrorStatus(grpc.StatusCode.ALREADY_EXISTS, f"request_id {greq.request_id!r} is already running")
         greq.arrival_time = arrival
         remaining = context.time_remaining()  # None: the client set no deadline
         if remaining is not None:
@@ -164,15 +164,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return greq
 
     async def _run(self, greq: GenerationRequest) -> AsyncIterator[pb.GenerateResponse]:
-        """The engine's stream as protobuf, errors mapped to _Refused; always closes the engine's stream."""
+        """The engine's stream as protobuf, errors mapped to _ErrorStatus; always closes the engine's stream."""
         stream = None
         try:
             stream = self._engine.generate(greq)
             async for out in stream:
                 yield _response(out)  # inside the try: a malformed output is INTERNAL too
-        except Exception as e:  # the engine's errors, and a malformed output (a bug): refusals.py
-            r = refusal(e, greq.request_id)
-            raise _Refused(grpc.StatusCode[r.grpc_code], r.message) from e
+        except Exception as e:  # the engine's errors, and a malformed output (a bug): status_codes.py
+            r = client_status(e, greq.request_id)
+            raise _ErrorStatus(grpc.StatusCode[r.grpc_code], r.message) from e
         finally:
             # Cancellation or deadline: closing the stream tells the engine to abort and free blocks.
             aclose = getattr(stream, "aclose", None)
@@ -254,7 +254,7 @@ class ApiServer:
             await self.health.set(HEALTH_LIVENESS, NOT_SERVING)
 
     async def begin_shutdown(self) -> None:
-        """Readiness off and new Generate calls refused (UNAVAILABLE); running requests continue."""
+        """Readiness off and new Generate calls rejected (UNAVAILABLE); running requests continue."""
         self.servicer.shutting_down = True
         await self.update_health()
 

@@ -7,14 +7,14 @@ none). A gRPC message's size is not known until it has arrived (grpc reads it wh
 call reserves room for a message of the largest size while its message is read, and keeps
 only the message's size once it has arrived, before it is parsed. (The gRPC server's receive
 window stays 64 KiB per call until then: grpc_limits.py.) Slot and bytes come back when the
-call ends, however it ends (its response streamed to the end, refused, cancelled). A call the
-budget cannot take is refused at once with 429 / RESOURCE_EXHAUSTED; the calls in progress
+call ends, however it ends (its response streamed to the end, rejected, cancelled). A call the
+budget cannot take is rejected at once with 429 / RESOURCE_EXHAUSTED; the calls in progress
 are untouched. Only a gRPC reservation that finds the room taken by other reservations waits
-for them, since they shrink within moments: a burst of small calls is not refused for the size
+for them, since they shrink within moments: a burst of small calls is not rejected for the size
 their messages might have had. Health checks are not counted, so probes pass under load.
 
 This sits in front of the engine's own bound, ``--max-queued-requests`` (admitted requests
-waiting for an executor): a request refused here was never read, validated or tokenized.
+waiting for an executor): a request rejected here was never read, validated or tokenized.
 ``--max-concurrent-calls`` should exceed what the engine holds (the queue plus
 ``--max-num-seqs`` per executor), or callers get 429 from the front before the queue is full.
 ``--max-in-flight-bytes`` must hold at least one request of the largest size either front
@@ -46,11 +46,11 @@ CALLS_PER_CPU = 1024
 CALLS_RANGE = (256, 16384)
 IN_FLIGHT_FRACTION = 8  # request bytes grow ~2-3x while parsed (raw, message, text): <= ~3/8 of memory
 IN_FLIGHT_RANGE = (64 * MiB, 1024 * MiB)
-MAX_CONCURRENT_CALLS, MAX_IN_FLIGHT_BYTES = "max_concurrent_calls", "max_in_flight_bytes"  # refusal reasons
+MAX_CONCURRENT_CALLS, MAX_IN_FLIGHT_BYTES = "max_concurrent_calls", "max_in_flight_bytes"  # rejection reasons
 
 
 class Shed(Exception):
-    """A call refused for want of budget: ``reason`` is the cap's name (max_concurrent_calls or
+    """A call rejected for want of budget: ``reason`` is the cap's name (max_concurrent_calls or
     max_in_flight_bytes); the message names the flag, its value and what the call needed."""
 
     def __init__(self, reason: str, message: str) -> None:

@@ -2,9 +2,9 @@
 
 Each peer has a token bucket of ``--auth-failure-burst`` attempts that refills by one every
 ``--auth-failure-refill-s`` seconds; a failed attempt (no key, or a key not accepted) takes one.
-A peer whose bucket is empty is refused at once with 429 / RESOURCE_EXHAUSTED, saying when to
+A peer whose bucket is empty is rejected at once with 429 / RESOURCE_EXHAUSTED, saying when to
 retry, and its key is not even checked: checking it would let a guesser keep guessing at full
-speed and only learn the answer later. Nothing sleeps: a refusal costs what a 401 costs, and
+speed and only learn the answer later. Nothing sleeps: a rejection costs what a 401 costs, and
 nothing of the call is held. (A delayed 401 instead would hold a task and a connection per
 guess, which is what a flood of guesses wants.)
 

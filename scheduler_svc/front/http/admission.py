@@ -5,7 +5,7 @@ its body's Content-Length before anything reads the body, and gives both back wh
 has ended (streamed to the end, failed, or the client gone). A body without a Content-Length
 (chunked) is charged chunk by chunk as the app reads it. Over either cap: 429 with OpenAI's
 error body and ``Retry-After``, the body unread (a chunked one: as soon as it passes). A
-Content-Length over ``--http-max-body-bytes`` is not charged: the app refuses it (413) unread.
+Content-Length over ``--http-max-body-bytes`` is not charged: the app rejects it (413) unread.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from scheduler_svc.front.http.auth import OPEN_PATHS
 from scheduler_svc.front.http.errors import send_error
 from scheduler_svc.telemetry.metrics import Metrics
 
-RETRY_AFTER_S = b"1"  # calls end all the time: a refused caller may come back soon
+RETRY_AFTER_S = b"1"  # calls end all the time: a rejected caller may come back soon
 
 
 class AdmissionMiddleware:

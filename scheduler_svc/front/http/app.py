@@ -29,7 +29,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
-from pagedserve.engine_api import EngineApi, GenerationRequest, ModelInfo, RequestFailed
+from pagedserve.engine_api import EngineApi, EngineError, ErrorKind, GenerationRequest, ModelInfo
 from scheduler_svc.front.api_errors import ApiError, bad_field
 from scheduler_svc.front.guards.admission import CallBudget
 from scheduler_svc.front.http import extras, streams
@@ -55,11 +55,11 @@ from scheduler_svc.front.input.validation import (
     validate_request,
     validation_work,
 )
-from scheduler_svc.front.output.status_codes import refusal
+from scheduler_svc.front.output.status_codes import client_status
 from scheduler_svc.front.tool_calls import ToolCallOptions, ToolPlan, plan_tools
 from scheduler_svc.telemetry.metrics import Metrics
 
-NO_AUTO_TOOLS = ToolCallOptions()  # tool_choice auto refused; required and named functions served
+NO_AUTO_TOOLS = ToolCallOptions()  # tool_choice auto rejected; required and named functions served
 # The validator's field names -> the OpenAI fields a client sent (errors.from_validation).
 _STRUCTURED_NAMES = {"response_format.json_schema": "response_format.json_schema.schema",
                      "structured_outputs.json_schema": "structured_outputs.json",
@@ -259,7 +259,7 @@ async def _next(outputs: AsyncIterator[streams.Tagged]) -> streams.Tagged:
     try:
         return await anext(outputs)
     except StopAsyncIteration:
-        raise RequestFailed("the engine ended the request without output") from None
+        raise EngineError(ErrorKind.FAILED, "the engine ended the request without output") from None
 
 
 async def _drain(outputs: AsyncIterator[streams.Tagged], render: _Render) -> None:
@@ -268,10 +268,10 @@ async def _drain(outputs: AsyncIterator[streams.Tagged], render: _Render) -> Non
 
 
 def engine_error(e: Exception, request_id: str) -> ApiError:
-    """The engine's errors (and anything unexpected) as HTTP statuses (refusals.py)."""
+    """The engine's errors (and anything unexpected) as HTTP statuses (output/status_codes.py)."""
     if isinstance(e, ApiError):
         return e
-    r = refusal(e, request_id)
+    r = client_status(e, request_id)
     return ApiError(r.http_status, r.message, code=r.api_code)
 
 
@@ -311,7 +311,7 @@ def _json(body: Any, status: int = 200) -> Response:
 
 
 async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body, refused (413) from its Content-Length before reading, or as soon as it passes
+    """The body, rejected (413) from its Content-Length before reading, or as soon as it passes
     ``limit``; 408 unless it has all arrived within ``timeout_s``."""
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > limit):

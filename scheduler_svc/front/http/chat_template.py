@@ -120,14 +120,14 @@ class ChatTemplate:
         try:
             return self.template.render(messages=messages, tools=tools, documents=None,
                                         add_generation_prompt=add_generation_prompt, **self.special_tokens)
-        except jinja2.exceptions.TemplateError as e:  # raise_exception(), sandbox refusals, undefined values
+        except jinja2.exceptions.TemplateError as e:  # raise_exception(), sandbox violations, undefined values
             raise ChatTemplateError(str(e)) from e
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise ChatTemplateError(f"the chat template failed on these messages ({type(e).__name__}: {e})") from e
 
 
 def load_chat_template(model_dir: Path) -> ChatTemplate | None:
-    """The model directory's chat template, or None when it has none (chat requests are then refused).
+    """The model directory's chat template, or None when it has none (chat requests are then rejected).
 
     Raises ValueError when a template is there but broken: better at startup than on every request.
     """

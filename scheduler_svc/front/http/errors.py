@@ -3,11 +3,11 @@
     ValidationError, bad JSON, unsupported field -> 400 invalid_request_error (param: the field)
     body over --http-max-body-bytes -> 413       unknown model -> 404 model_not_found
     body not received within --http-body-timeout-s -> 408
-    no or unknown API key -> 401                 QueueFull -> 429
+    no or unknown API key -> 401                 QUEUE_FULL -> 429
     over --max-concurrent-calls or --max-in-flight-bytes, a peer's failed API keys -> 429 (before the body)
-    NoExecutor, no model yet, shutting down -> 503
-    RequestFailed, anything unexpected -> 500 (this request only; logged)
-    (the engine's errors: from the table both fronts share, scheduler_svc/front/output/status_codes.py)
+    NO_EXECUTOR, no model yet, shutting down -> 503
+    FAILED, anything unexpected -> 500 (this request only; logged)
+    (the engine's errors, by ErrorKind: from the table both fronts share, scheduler_svc/front/output/status_codes.py)
     client gone while sending or waiting -> 499 (nginx's "client closed request"; nobody reads it)
 
 The body is ``{"error": {"message", "type", "param", "code"}}``. Each status also has the gRPC

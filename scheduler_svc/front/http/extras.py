@@ -2,7 +2,7 @@
 
 - ``POST /tokenize``: ``{"prompt": text, "add_special_tokens": true}`` or ``{"messages": [...],
   "add_generation_prompt": true}`` (rendered with the chat template) -> ``{"count", "max_model_len",
-  "tokens"}``; a text longer than any prompt could be is refused before it is tokenized, and a
+  "tokens"}``; a text longer than any prompt could be is rejected before it is tokenized, and a
   long one is tokenized off the event loop, as a request's prompt is.
 - ``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}``; ids outside the vocabulary
   and more ids than max_model_len are a 400.

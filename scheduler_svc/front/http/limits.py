@@ -1,6 +1,6 @@
 """Bounds on what an HTTP client may send, checked before the shared validator runs.
 
-The port is reachable by anyone who can reach the service: a body is refused from its
+The port is reachable by anyone who can reach the service: a body is rejected from its
 Content-Length before it is read (and while it streams, when there is none), it must
 arrive within a time limit, and the counts that make work proportional to themselves (chat messages, prompts in one
 request) are bounded. A connection's time without a request in progress (its TLS handshake, its

@@ -14,7 +14,7 @@ Accepted beyond OpenAI's own fields, as vLLM does: ``top_k`` (-1 or 0: off), ``m
 ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``) and, for chat,
 ``add_generation_prompt``. ``user`` and unknown fields are ignored; fields that would change the
 output and are not implemented (``suffix``, ``best_of`` > n, a structural tag, non-text content
-parts) are refused, never silently dropped.
+parts) are rejected, never silently dropped.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    structural_tag: Any = None  # refused: not implemented
+    structural_tag: Any = None  # rejected: not implemented
 
 
 class _Request(msgspec.Struct, kw_only=True):
@@ -95,7 +95,7 @@ class _Request(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # Not implemented; refused when they would change the output.
+    # Not implemented; rejected when they would change the output.
     best_of: int | None = None
 
 
@@ -180,7 +180,7 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise bad_field(path, message, code="invalid_type") from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-    except RecursionError:  # e.g. [[[[...]]]] in a free-form field: refused, never a crash
+    except RecursionError:  # e.g. [[[[...]]]] in a free-form field: rejected, never a crash
         raise ApiError(400, "request body: JSON nested too deeply", code="invalid_json") from None
 
 
@@ -211,7 +211,7 @@ def chat_fields(req: ChatRequest) -> RequestFields:
 
 
 def _common(req: _Request, max_tokens: int | None, max_tokens_name: str) -> dict[str, Any]:
-    _refuse_unsupported(req)
+    _reject_unsupported(req)
     if req.stream_options is not None and not req.stream:
         raise bad_field("stream_options", "is only allowed with stream=true")
     n = _at_least_one("n", req.n)
@@ -232,7 +232,7 @@ def _common(req: _Request, max_tokens: int | None, max_tokens_name: str) -> dict
     return fields
 
 
-def _refuse_unsupported(req: _Request) -> None:
+def _reject_unsupported(req: _Request) -> None:
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise bad_field("best_of", f"must equal n when given (got best_of={req.best_of}, n={req.n or 1})",
                         code="unsupported")

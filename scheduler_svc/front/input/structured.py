@@ -12,7 +12,7 @@ The check uses llguidance, a grammar engine in Rust with no dependencies; the ex
 xgrammar, imports torch and transformers, which no front installs. The two engines agree on what
 is valid for everything the tests throw at them (tests/test_structured_edge.py); where llguidance
 is more lenient than xgrammar (bounds that contradict each other) this module checks itself, and
-where it is stricter (``not``, some GBNF escapes) the request is refused, never dropped. A spec
+where it is stricter (``not``, some GBNF escapes) the request is rejected, never dropped. A spec
 the executor still cannot compile fails that request's step (docs/ARCHITECTURE.md).
 
 Checking is per request and runs in the front, never on the scheduling loop: the fronts validate
@@ -118,7 +118,7 @@ def _schema_text(schema: Any, limit: int) -> str:
 
 
 def _check_bounds(node: Any, path: str, depth: int = 0) -> None:
-    """Lower bounds above upper ones (which xgrammar refuses and llguidance lets through)."""
+    """Lower bounds above upper ones (which xgrammar rejects and llguidance lets through)."""
     if depth > 64:
         raise StructuredError("json_schema", "is nested more than 64 levels deep")
     if isinstance(node, dict):

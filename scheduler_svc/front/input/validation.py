@@ -265,7 +265,7 @@ def _prompt_token_ids(f: RequestFields, model: ModelInfo, tokenize: Callable[[st
 
 def _check_prompt_chars(chars: int, model: ModelInfo) -> None:
     """A token spans at most ``model.max_token_chars`` characters, so a longer prompt than
-    ``max_model_len`` such tokens can never fit: refused from its length, never tokenized."""
+    ``max_model_len`` such tokens is too large for any executor: rejected from its length, never tokenized."""
     if not model.max_token_chars:
         return
     bound = (model.max_model_len - 1) * model.max_token_chars
@@ -286,7 +286,7 @@ def _max_tokens(max_tokens: int, prompt_len: int, model: ModelInfo, default: int
     if max_tokens == 0:  # the default never asks for more than the roomiest pool holds at once
         if model.max_request_blocks:
             room = min(room, model.max_request_blocks // width * model.block_size - prompt_len)
-        return max(1, min(default, room))  # (below 1 the prompt alone does not fit: refused next)
+        return max(1, min(default, room))  # (below 1 the prompt alone does not fit: rejected next)
     if max_tokens < 1:
         raise ValidationError("sampling.max_tokens", f"must be >= 1, or 0 for the default (got {max_tokens})")
     if max_tokens > room:
@@ -342,7 +342,7 @@ def _sampling(f: RequestFields, limits: ServerLimits) -> SamplingParams:
             raise ValidationError("sampling.temperature", f"must be >= 0 (got {t:g})")
         out.temperature = 0.0 if t < GREEDY_TEMPERATURE_EPS else t
     if f.top_p is not None:
-        if not 0.0 < f.top_p <= 1.0:  # also refuses NaN
+        if not 0.0 < f.top_p <= 1.0:  # also rejects NaN
             raise ValidationError("sampling.top_p", f"must be in (0, 1] (got {f.top_p:g})")
         out.top_p = float(f.top_p)
     if f.top_k is not None:
@@ -408,7 +408,7 @@ def _logit_bias(bias: Sequence[tuple[int, float]], model: ModelInfo, limits: Ser
         if not 0 <= tok < model.vocab_size:
             raise ValidationError(f"sampling.logit_bias[{tok}]",
                                   f"must name a token id in [0, vocab_size={model.vocab_size}) (got {tok})")
-        if not lo <= value <= hi:  # (also refuses NaN)
+        if not lo <= value <= hi:  # (also rejects NaN)
             raise ValidationError(f"sampling.logit_bias[{tok}]", f"must be in [{lo:g}, {hi:g}] (got {value:g})")
         out.append((int(tok), float(value)))
     return out

@@ -5,6 +5,10 @@ incrementally, applies stop strings (which the scheduler cannot see: they live
 in text space), keeps usage counts and timings, and builds the
 :class:`RequestOutput` messages the servicer streams. It survives migration to
 another executor, so text already streamed is never repeated.
+
+:meth:`RequestStream.apply` is the one way an update becomes a delta. Its first branch
+is the decode case (one choice, one token, no stop string, no log-probs), which runs for
+every running request every step and so skips the bookkeeping the other cases need.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from pagedserve.engine_api import (
 )
 from scheduler_svc.front.output.detokenize import NO_STANDALONE_TEXTS, IncrementalDetokenizer, StandaloneTexts
 
-_NOTHING: list[int] = []  # no choice ended by a stop string (shared: callers only read it)
+# RequestStream.apply's ``stopped`` in its decode case: no choice ended, and the output is one
+# token of choice 0 after its first, so the caller can count it without looking (shared: read only).
+DECODE_CASE: list[int] = []
 
 
 @dataclass(slots=True, eq=False)
@@ -42,14 +48,20 @@ class RequestStream:
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
-    # (detokenizer, streamed tokens) of the one choice while next_token() may take the decode
-    # case: one choice, streaming, no stop strings; apply() keeps it current.
+    # (detokenizer, streamed tokens) of the one choice while apply() may take its decode case:
+    # one choice, past its first token, no stop strings (apply() keeps it current).
     fast: tuple[IncrementalDetokenizer, list[int]] | None = None
     standalone_texts: StandaloneTexts = NO_STANDALONE_TEXTS  # the tokenizer's standalone_token_texts(), shared
     # Prompt log-probs (the request asked): the prompt's tokens 1.. scored so far, in order; handed over
     # once, with the first output that has tokens.
     prompt_scores: list[TokenLogprob] = field(default_factory=list)
-    prompt_scores_sent: bool = False
+    prompt_scores_sent: bool = False  # (True from the start when the request did not ask)
+    plain: bool = False  # one choice, no stop strings: the decode case may apply (set from req)
+
+    def __post_init__(self) -> None:
+        p = self.req.params
+        self.prompt_scores_sent = p.sampling.prompt_logprobs < 0
+        self.plain = self.num_choices == 1 and not p.stop
 
     @property
     def done(self) -> bool:
@@ -66,18 +78,62 @@ class RequestStream:
         return d
 
     def apply(self, update: RequestUpdate, now: float | None = None) -> tuple[RequestOutput, list[int]]:
-        """Fold one scheduler update in; return the delta and the choices a stop string ended.
+        """Fold one scheduler update in; return the delta to stream and the choices a stop string ended.
 
-        The caller must tell the scheduler to finish the returned choices (their
-        blocks are released there), unless the update already finished them.
-        ``now``: the caller's time.monotonic() (one reading for a whole step's updates).
+        The caller must tell the scheduler to finish the returned choices (their blocks are released
+        there), unless the update already finished them. ``now``: the caller's time.monotonic() (one
+        reading for a whole step's updates).
         """
+        seqs = update.seqs
+        fast = self.fast
+        if fast is not None and len(seqs) == 1 and update.prompt_logprobs is None:
+            su = seqs[0]
+            ids = su.new_token_ids
+            if len(ids) == 1 and su.finish_reason is None and not su.logprobs:
+                # The decode case (every running request, every step), kept lean: the one choice
+                # past its first token takes one token; with no stop string its text cannot end it.
+                detok, streamed = fast
+                text = detok.step(ids[0])
+                streamed.append(ids[0])
+                if update.num_cached_prompt_tokens:
+                    self.cached_prompt_tokens = update.num_cached_prompt_tokens
+                self.last_token_at = now or time.monotonic()
+                return RequestOutput(self.req.request_id, [ChoiceDelta(0, text, ids)]), DECODE_CASE
         if update.prompt_logprobs is not None:
             self._take_scores(update.prompt_logprobs)
-        out, stopped = self._apply(update, now)
-        if out.choices and not self.prompt_scores_sent and self.req.params.sampling.prompt_logprobs >= 0:
+        if update.num_cached_prompt_tokens:
+            self.cached_prompt_tokens = update.num_cached_prompt_tokens
+        choices: list[ChoiceDelta] = []
+        stopped: list[int] = []
+        finish = self.finish
+        for su in seqs:
+            if su.index in finish:
+                continue  # late tokens of a choice a stop string already ended
+            delta = self._advance(su)
+            if reason := delta.finish_reason:  # (UNSPECIFIED is 0)
+                finish[su.index] = reason
+                if reason == FinishReason.STOP and su.finish_reason is None:
+                    stopped.append(su.index)
+                choices.append(delta)
+            elif delta.token_ids or delta.text:
+                choices.append(delta)
+        if choices:
+            now = now or time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+        out = self._output(choices)
+        if choices and not self.prompt_scores_sent:
             out.prompt_logprobs = [None, *self.prompt_scores]
             self.prompt_scores_sent, self.prompt_scores = True, []
+        if self.fast is None:
+            # The decode case above applies from the next update on while a plain choice streams,
+            # past its first token (which carries the timings and prompt scores).
+            if self.plain and not finish and self.last_token_at is not None \
+                    and (detok := self.detoks.get(0)) is not None:
+                self.fast = (detok, self.outputs[0])
+        elif finish:
+            self.fast = None
         return out, stopped
 
     def _take_scores(self, piece: PromptScores) -> None:
@@ -88,101 +144,26 @@ class RequestStream:
         if piece.start == len(self.prompt_scores) + 1:
             self.prompt_scores.extend(piece.logprobs)
 
-    def _apply(self, update: RequestUpdate, now: float | None = None) -> tuple[RequestOutput, list[int]]:
-        if update.num_cached_prompt_tokens:
-            self.cached_prompt_tokens = update.num_cached_prompt_tokens
-        seqs = update.seqs
-        if len(seqs) == 1 and self.num_choices == 1 and not self.finish:
-            out = self._apply_one(seqs[0], now or time.monotonic())
-            detok = self.detoks.get(0)
-            self.fast = (detok, self.outputs[0]) if (detok is not None and not detok.has_stops and not self.finish
-                                                     and self.last_token_at is not None) else None
-            return out
-        choices: list[ChoiceDelta] = []
-        stopped: list[int] = []
-        for su in seqs:
-            if su.index in self.finish:
-                continue  # late tokens of a choice a stop string already ended
-            delta = self._advance(su)
-            if delta.finish_reason == FinishReason.STOP and su.finish_reason is None:
-                stopped.append(su.index)
-            if delta.finish_reason != FinishReason.UNSPECIFIED:
-                self.finish[su.index] = delta.finish_reason
-            if delta.token_ids or delta.text or delta.finish_reason != FinishReason.UNSPECIFIED:
-                choices.append(delta)
-        if choices:
-            now = now or time.monotonic()
-            if self.first_token_at is None:
-                self.first_token_at = now
-            self.last_token_at = now
-        return self._output(choices), stopped
-
-    def next_token(self, update: RequestUpdate, now: float) -> RequestOutput | None:
-        """The decode case alone, for the fan-out's hot path: one choice, one token, no logprobs,
-        no finish, no stop strings (``fast`` set). None when ``update`` is anything else: then
-        :meth:`apply`, which handles every case."""
-        fast, seqs = self.fast, update.seqs
-        if fast is None or len(seqs) != 1 or update.prompt_logprobs is not None:
-            return None
-        su = seqs[0]
-        ids = su.new_token_ids
-        if len(ids) != 1 or su.finish_reason is not None or su.logprobs:
-            return None
-        detok, streamed = fast
-        text = detok.step(ids[0])  # (no stop strings: text cannot end the choice)
-        streamed.append(ids[0])
-        if update.num_cached_prompt_tokens:
-            self.cached_prompt_tokens = update.num_cached_prompt_tokens
-        self.last_token_at = now
-        return RequestOutput(self.req.request_id, [ChoiceDelta(0, text, ids)])
-
-    def _apply_one(self, su: SeqUpdate, now: float) -> tuple[RequestOutput, list[int]]:
-        """The common case, kept lean (it runs for every running request every step): one choice."""
-        ids = su.new_token_ids
-        if len(ids) == 1 and su.finish_reason is None and not su.logprobs:
-            detok = self.detoks.get(su.index) or self._detok(su.index)
-            text = detok.step(ids[0])
-            if not detok.finished:  # (a stop string ends it: the general path below)
-                self.outputs[su.index].append(ids[0])
-                if self.first_token_at is None:
-                    self.first_token_at = now
-                self.last_token_at = now
-                return RequestOutput(self.req.request_id, [ChoiceDelta(su.index, text, ids)]), _NOTHING
-            delta = ChoiceDelta(su.index, text, ids, finish_reason=FinishReason.STOP)
-            self.outputs[su.index].append(ids[0])
-        else:
-            delta = self._advance(su)
-        stopped = [su.index] if delta.finish_reason == FinishReason.STOP and su.finish_reason is None else []
-        if delta.finish_reason != FinishReason.UNSPECIFIED:
-            self.finish[su.index] = delta.finish_reason
-        if delta.token_ids or delta.text or delta.finish_reason != FinishReason.UNSPECIFIED:
-            if self.first_token_at is None:
-                self.first_token_at = now
-            self.last_token_at = now
-            return self._output([delta]), stopped
-        return self._output([]), stopped
-
-    def _advance(self, su) -> ChoiceDelta:
+    def _advance(self, su: SeqUpdate) -> ChoiceDelta:
         """One choice's new tokens -> its delta (text, ids, logprobs, finish reason)."""
         detok = self.detoks.get(su.index) or self._detok(su.index)
-        out = self.outputs.setdefault(su.index, [])
+        streamed = self.outputs[su.index]
         ids = su.new_token_ids
-        if len(ids) == 1 and not su.logprobs:  # the decode fast path: one token, no logprobs
-            text = detok.step(ids[0])
-            out.append(ids[0])
-            delta = ChoiceDelta(su.index, text, ids)  # the update's list: not reused by the scheduler
-        elif not su.logprobs and not detok.has_stops:  # several steps merged: no stop can cut them
+        if len(ids) == 1 or not detok.has_stops:  # no token can be cut off by a stop string before it
             step = detok.step
-            text = "".join([step(tok) for tok in ids])
-            out.extend(ids)
-            delta = ChoiceDelta(su.index, text, list(ids))
-        else:
+            text = step(ids[0]) if len(ids) == 1 else "".join([step(tok) for tok in ids])
+            streamed.extend(ids)
+            # (a one-token list is the update's own, built for it; a longer one may be a beam's)
+            delta = ChoiceDelta(su.index, text, ids if len(ids) == 1 else list(ids))
+            if su.logprobs:
+                delta.logprobs = list(su.logprobs)  # (the update's list stays the core's)
+        else:  # token by token: the tokens after the one that completes a stop string are dropped
             delta = ChoiceDelta(su.index)
-            logprobs = su.logprobs or []
+            logprobs = su.logprobs or ()
             for i, tok in enumerate(ids):
                 delta.text += detok.step(tok)
                 delta.token_ids.append(tok)
-                out.append(tok)
+                streamed.append(tok)
                 if i < len(logprobs):
                     delta.logprobs.append(logprobs[i])
                 if detok.stop_matched is not None:

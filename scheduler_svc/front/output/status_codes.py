@@ -1,13 +1,16 @@
-"""How an engine error reaches a client, on either front: one table, so the two cannot drift.
+"""What a client is told when the engine ends its request in error, on either front: one table,
+keyed by the error's kind, so the two fronts cannot drift.
 
-    error           gRPC status          HTTP  OpenAI "code"
-    QueueFull       RESOURCE_EXHAUSTED   429   queue_full
-    NoExecutor      UNAVAILABLE          503   no_executor
-    RequestFailed   INTERNAL             500   request_failed   (this request only; a warning)
+    ErrorKind       gRPC status          HTTP  OpenAI "code"
+    QUEUE_FULL      RESOURCE_EXHAUSTED   429   queue_full
+    NO_EXECUTOR     UNAVAILABLE          503   no_executor
+    FAILED          INTERNAL             500   request_failed   (this request only; a warning)
     anything else   INTERNAL             500   internal_error   (a bug: logged with its traceback)
 
-The gRPC servicer raises the status, the HTTP front answers the status with an OpenAI error
-body; both count ``pagedserve:request_rejected_total{code}`` under the gRPC name.
+The kind is the one the engine core chose (``EngineError.kind``, or ``RequestUpdate.error_kind``
+as the front passed it on). The gRPC servicer raises the status, the HTTP front answers the
+status with an OpenAI error body; both count ``pagedserve:request_rejected_total{code}`` under
+the gRPC name.
 """
 
 from __future__ import annotations
@@ -15,33 +18,33 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pagedserve.engine_api import NoExecutor, QueueFull, RequestFailed
+from pagedserve.engine_api import EngineError, ErrorKind
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class Refusal:
+class ClientStatus:
     grpc_code: str  # a grpc.StatusCode name
     http_status: int
     api_code: str  # the OpenAI error body's "code"
     message: str
 
 
-# (error class, gRPC status, HTTP status, OpenAI code, message prefix)
-KNOWN = (
-    (QueueFull, "RESOURCE_EXHAUSTED", 429, "queue_full", "request queue is full"),
-    (NoExecutor, "UNAVAILABLE", 503, "no_executor", "no executor available"),
-    (RequestFailed, "INTERNAL", 500, "request_failed", "request failed"),
-)
+# kind -> (gRPC status, HTTP status, OpenAI code, message prefix)
+STATUS_OF_KIND: dict[ErrorKind, tuple[str, int, str, str]] = {
+    ErrorKind.QUEUE_FULL: ("RESOURCE_EXHAUSTED", 429, "queue_full", "request queue is full"),
+    ErrorKind.NO_EXECUTOR: ("UNAVAILABLE", 503, "no_executor", "no executor available"),
+    ErrorKind.FAILED: ("INTERNAL", 500, "request_failed", "request failed"),
+}
 
 
-def refusal(e: Exception, request_id: str) -> Refusal:
+def client_status(e: Exception, request_id: str) -> ClientStatus:
     """What the client is told when ``e`` ends request ``request_id``; logs what needs it."""
-    for kind, grpc_code, status, code, prefix in KNOWN:
-        if isinstance(e, kind):
-            if kind is RequestFailed:
-                log.warning("request %s failed: %s", request_id, e)
-            return Refusal(grpc_code, status, code, f"{prefix}: {e}")
+    if isinstance(e, EngineError):
+        grpc_code, status, code, prefix = STATUS_OF_KIND[e.kind]
+        if e.kind is ErrorKind.FAILED:
+            log.warning("request %s failed: %s", request_id, e)
+        return ClientStatus(grpc_code, status, code, f"{prefix}: {e}")
     log.error("request %s: unexpected engine error", request_id, exc_info=e)
-    return Refusal("INTERNAL", 500, "internal_error", f"internal error ({type(e).__name__})")
+    return ClientStatus("INTERNAL", 500, "internal_error", f"internal error ({type(e).__name__})")

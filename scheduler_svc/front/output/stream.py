@@ -14,8 +14,8 @@ consumer that fell behind catches up with one message, not one per step.
 
 It keeps an async generator's contract:
 
-- the request is admitted at the first ``__anext__`` (a refusal such as
-  ``QueueFull`` is raised by awaiting it), not when the stream is made;
+- the request is admitted at the first ``__anext__`` (an ``EngineError`` such as
+  QUEUE_FULL is raised by awaiting it), not when the stream is made;
 - an error ends the stream (the awaited future raises it), as does the finished output;
 - stopping early aborts the request and frees its blocks: ``aclose()``, dropping
   the stream unclosed, or cancelling its consumer while it waits for an output
@@ -101,7 +101,7 @@ class OutputStream:
         self._loop = asyncio.get_running_loop()
         try:
             self._tracked = self._admit(self._req)
-        except Exception as exc:  # noqa: BLE001  refused: awaiting the first output raises why
+        except Exception as exc:  # noqa: BLE001  not admitted: awaiting the first output raises why
             self._closed = True
             return self._failed(exc)
         return self.__anext__()

@@ -12,7 +12,7 @@ As vLLM serves them:
 - a named function (``{"type": "function", "function": {"name": ...}}``): a grammar makes the
   output that function's arguments.
 
-The last two need no flag. Tools are refused with a 400 naming the field when they are not what
+The last two need no flag. Tools are rejected with a 400 naming the field when they are not what
 OpenAI's API allows (names, count, parameters that are not a JSON object).
 """
 
