@@ -10,8 +10,7 @@ so a step reads every weight once from memory, as a decode step does. For each w
 the candidates are timed in the same process, interleaved, median of ``--repeats``:
 
 * float32: torch ``F.linear`` (MKL), oneDNN's linear (``mkldnn::_linear_pointwise``), our C kernel
-  (``csrc/linear_cpu.c``) at every row count, and ours as served (the C kernel up to
-  ``F32_KERNEL_MAX_ROWS`` rows, oneDNN above)
+  (``csrc/linear_cpu.c``), which serves every row count
 * bfloat16: torch ``F.linear`` on bfloat16 inputs (oneDNN), ours (AVX-512 BF16 / AVX2)
 * int8: torch ``_weight_int8pack_mm`` (weight-only, per channel), torch's dynamic quantized
   linear (fbgemm), ours (VNNI / AVX2)
@@ -90,7 +89,6 @@ def candidates(ws: list[torch.Tensor], ops, variants: dict[str, CpuOps] | None =
                                                           for w in ws]))
     f32 = [PackedLinear.from_float(w, None, "float32", ops) for w in ws]
     out["float32"].append(("C kernel", [p.on_kernel for p in f32]))
-    out["float32"].append((f"ours (C kernel to {weights.F32_KERNEL_MAX_ROWS} rows, then oneDNN)", f32))
     wb = [w.bfloat16() for w in ws]
     out["bfloat16"].append(("torch F.linear bf16", [lambda x, w=w: F.linear(x.bfloat16(), w).float() for w in wb]))
     out["bfloat16"].append(("ours", [PackedLinear.from_float(w, None, "bfloat16", ops) for w in ws]))
