@@ -64,7 +64,7 @@ TGT_AVX2 INLINE void f32_tile_avx2_t(const int T, const float *x, int64_t ldx, c
            a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
     int j = 0;
     for (; j + 8 <= k; j += 8) {
-        if (!(j & 15))
+        if (ahead && !(j & 15)) /* (0: the rows are in cache already, a prefill's chunk) */
             for (int r = 0; r < 4; r++) PREFETCH(w[r] + j + ahead);
         const __m256 w0 = _mm256_loadu_ps(w[0] + j), w1 = _mm256_loadu_ps(w[1] + j),
                      w2 = _mm256_loadu_ps(w[2] + j), w3 = _mm256_loadu_ps(w[3] + j);
@@ -98,7 +98,7 @@ TGT_512 INLINE void f32_tile_512_t(const int T, const float *x, int64_t ldx, con
            a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
     int j = 0;
     for (; j + 16 <= k; j += 16) {
-        if (ahead)
+        if (ahead) /* (0: the rows are in cache already, a prefill's chunk) */
             for (int r = 0; r < 4; r++) PREFETCH(w[r] + j + ahead);
         const __m512 w0 = _mm512_loadu_ps(w[0] + j), w1 = _mm512_loadu_ps(w[1] + j),
                      w2 = _mm512_loadu_ps(w[2] + j), w3 = _mm512_loadu_ps(w[3] + j);
