@@ -53,6 +53,7 @@ INDEX = (
     Bench("executor_cpu", ("attention", "--seqs", "16"), full=("attention",), part="attention"),
     Bench("executor_cpu", ("roofline", "--batch-sizes", "1,16", "--steps", "8", "--repeats", "1"),
           full=("roofline",), part="roofline"),
+    Bench("prefill_decode_cpu", ("--batch-sizes", "1,4", "--repeats", "1")),
     Bench("cpu_agreement", ("--prompts", "4", "--steps", "20")),
     Bench("serve_vs_hf", ("--quick",)),
     Bench("tensor_parallel", ("--quick",)),

@@ -1,12 +1,15 @@
 """CPU attention with the fused paged decode kernel (executor_svc/csrc/paged_decode_cpu.c).
 
-Decode rows (one new token per sequence) go to the C kernel, which reads each
-sequence's K/V blocks in place through its block table instead of gathering
-them into a padded tensor for SDPA: on the serve_vs_hf shapes that is the
-difference between reading the cache once and copying it twice
-(docs/PERF.md). Rows with several new tokens (prefill, chunked prefill) keep
-the torch reference path, as do queries not in float32 (the kernel computes in
-float32 and reads a float32 or bfloat16 cache; other dtypes fall back per call).
+Every query row goes to the C kernel, which reads its sequence's K/V blocks in place through
+the block table instead of gathering them into a padded tensor for SDPA: on the serve_vs_hf
+shapes that is the difference between reading the cache once and copying it twice
+(docs/PERF.md). A row of a prefill (several new tokens of one sequence) is a decode query of
+its own: the sequence's table, cut at the row's position (its K/V, and those of the rows
+before it, are written before attention runs). So each query reduces over its keys in one
+order, block by block, whether they were cached by an earlier step or written by this one,
+and however the prefill was chunked: SDPA blocks its sums by the query count ("What a seed
+guarantees", docs/ARCHITECTURE.md). Queries not in float32 keep the torch reference path
+(the kernel computes in float32 and reads a float32 or bfloat16 cache).
 """
 
 from __future__ import annotations
@@ -31,32 +34,42 @@ class FusedCpuAttentionBackend(TorchAttentionBackend):
             return super().forward(query, k_cache, v_cache, meta, scale)
         starts = meta.query_start_loc_host or meta.query_start_loc.tolist()
         lens = meta.seq_lens_host or meta.seq_lens.tolist()
-        prefill, rows, seqs, tables, seq_lens = self._decode_rows(meta, starts)
         if query.shape[0] != starts[-1] or len(lens) != len(starts) - 1:
             raise ValueError(f"attention: {query.shape[0]} query rows and {len(lens)} sequences for a "
                              f"layout of {starts[-1]} rows and {len(starts) - 1} sequences")
+        rows, seqs, tables, seq_lens = self._query_rows(meta, starts, lens)
         if query.stride(-1) != 1:
             query = query.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype)
         if rows.numel():
             # rows/seqs come from query_start_loc, just checked against query and seq_lens
             self.kernel(out, query, k_cache, v_cache, tables, seq_lens, rows, seqs, scale, check_indices=False)
-        for i in prefill:
-            r = slice(starts[i], starts[i + 1])
-            out[r] = self._one_sequence(query[r], k_cache, v_cache, meta.block_tables[i], lens[i], scale)
         return out
 
-    def _decode_rows(self, meta: AttentionMetadata, starts: list[int]):
-        """(prefill sequence indices, decode rows, their sequence indices, int32 tables, int32 lengths)."""
+    def _query_rows(self, meta: AttentionMetadata, starts: list[int], lens: list[int]):
+        """(query rows, their indices into the tables and lengths, int32 tables, int32 lengths).
+
+        A pure decode step uses the step's tables as they are. Any other gets one table row and
+        one length per query row: row ``j`` of a sequence with context ``L`` and ``q`` new tokens
+        sees the first ``L - q + j + 1`` keys."""
         if self._step is not None and self._step[0] is meta:
             return self._step[1:]
-        decode = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1]
-        prefill = [i for i in range(len(starts) - 1) if starts[i + 1] - starts[i] > 1]
-        rows = torch.tensor([starts[i] for i in decode], dtype=torch.int64)
-        seqs = torch.tensor(decode, dtype=torch.int64)
         tables = meta.block_tables
         if tables.dtype != torch.int32 or tables.stride(-1) != 1:
             tables = tables.to(torch.int32).contiguous()
-        seq_lens = meta.seq_lens.to(torch.int32).contiguous()  # a no-op for the runner's metadata
-        self._step = (meta, prefill, rows, seqs, tables, seq_lens)
-        return prefill, rows, seqs, tables, seq_lens
+        n_seqs = len(starts) - 1
+        if meta.max_query_len <= 1 and all(starts[i + 1] - starts[i] <= 1 for i in range(n_seqs)):
+            decode = [i for i in range(n_seqs) if starts[i + 1] - starts[i] == 1]
+            rows = torch.tensor([starts[i] for i in decode], dtype=torch.int64)
+            seqs = torch.tensor(decode, dtype=torch.int64)
+            seq_lens = meta.seq_lens.to(torch.int32).contiguous()  # a no-op for the runner's metadata
+        else:
+            q_lens = torch.tensor([starts[i + 1] - starts[i] for i in range(n_seqs)], dtype=torch.int64)
+            owner = torch.repeat_interleave(torch.arange(n_seqs), q_lens)  # each row's sequence
+            ends = torch.tensor(starts[1:], dtype=torch.int64)[owner]  # one past its sequence's last row
+            rows = torch.arange(starts[-1], dtype=torch.int64)
+            seq_lens = (torch.tensor(lens, dtype=torch.int64)[owner] - (ends - 1 - rows)).to(torch.int32)
+            tables = tables.index_select(0, owner).contiguous()
+            seqs = rows
+        self._step = (meta, rows, seqs, tables, seq_lens)
+        return rows, seqs, tables, seq_lens

@@ -73,6 +73,14 @@ class CpuOps:
         lib.ps_decode_stack.restype = c_i32
         lib.ps_read_sum.argtypes = [c_ptr, c_i64, c_i32]
         lib.ps_read_sum.restype = ctypes.c_double
+        lib.ps_rms_norm_rows.argtypes = [c_ptr, c_i64, c_i32, c_ptr, c_i32, c_f32, c_ptr, c_i64, c_i32]
+        lib.ps_rms_norm_rows.restype = None
+        lib.ps_rope_cos_sin_rows.argtypes = [c_ptr, c_i32, c_ptr, c_i32, c_ptr, c_ptr]
+        lib.ps_rope_cos_sin_rows.restype = None
+        lib.ps_rope_rows.argtypes = [c_ptr, c_i64, c_i32, c_i32, c_i32, c_ptr, c_ptr, c_i32]
+        lib.ps_rope_rows.restype = None
+        lib.ps_silu_mul_rows.argtypes = [c_ptr, c_i64, c_i32, c_i32, c_ptr, c_i64, c_i32]
+        lib.ps_silu_mul_rows.restype = None
         self._work = torch.empty(0, dtype=torch.uint8)  # activation scratch of linear(), grown on demand
 
     # ---------------------------------------------------------------- features
@@ -109,6 +117,48 @@ class CpuOps:
                                                   y.stride(0), int(accumulate), work.data_ptr(), work.numel(),
                                                   threads))
 
+    # Row-wise operations (csrc/rowwise_cpu.c): the decode stack's own functions, so the modules
+    # compute what it computes. Arguments: float32 CPU tensors whose last dimension is contiguous.
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [n, d] -> w * x / rms(x) [n, d]."""
+        n, d = x.shape
+        _rows_ok(x, weight)
+        out = torch.empty(n, d, dtype=torch.float32)
+        self.lib.ps_rms_norm_rows(x.data_ptr(), x.stride(0), n, weight.data_ptr(), d, eps, out.data_ptr(), d,
+                                  torch.get_num_threads())
+        return out
+
+    def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [n] int64 -> cos, sin [n, head_dim / 2] float32."""
+        n, half = positions.shape[0], inv_freq.shape[0]
+        if positions.dtype != torch.int64 or not positions.is_contiguous():
+            positions = positions.to(torch.int64).contiguous()
+        _rows_ok(inv_freq)
+        cos, sin = torch.empty(n, half), torch.empty(n, half)
+        self.lib.ps_rope_cos_sin_rows(positions.data_ptr(), n, inv_freq.data_ptr(), half, cos.data_ptr(),
+                                      sin.data_ptr())
+        return cos, sin
+
+    def rope(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotates the first ``heads`` heads of each row of x [n, >= heads * head_dim] in place."""
+        n = x.shape[0]
+        _rows_ok(x, cos, sin)
+        if x.shape[1] < heads * head_dim or cos.shape != sin.shape or tuple(cos.shape) != (n, head_dim // 2) \
+                or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError(f"rope: {tuple(x.shape)} rows, {heads} heads of {head_dim}, tables {tuple(cos.shape)}")
+        self.lib.ps_rope_rows(x.data_ptr(), x.stride(0), n, heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                              torch.get_num_threads())
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [n, 2 d] -> SiLU(gate) * up [n, d]."""
+        n, d = gate_up.shape[0], gate_up.shape[1] // 2
+        _rows_ok(gate_up)
+        out = torch.empty(n, d, dtype=torch.float32)
+        self.lib.ps_silu_mul_rows(gate_up.data_ptr(), gate_up.stride(0), n, d, out.data_ptr(), d,
+                                  torch.get_num_threads())
+        return out
+
     def read_bandwidth(self, nbytes: int, threads: int, repeats: int = 5) -> float:
         """Bytes per second of a STREAM-style read of ``nbytes`` of float32 (best of ``repeats``)."""
         import time
@@ -120,6 +170,13 @@ class CpuOps:
             self.lib.ps_read_sum(a.data_ptr(), a.numel(), threads)
             best = min(best, time.perf_counter() - t0)
         return a.numel() * 4 / best
+
+
+def _rows_ok(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
+            raise ValueError(f"row-wise kernels take float32 CPU rows with a contiguous last dimension, "
+                             f"got {t.dtype} {t.device} strides {t.stride()}")
 
 
 @functools.cache

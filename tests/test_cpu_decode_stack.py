@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from executor_svc.backends import make_attention_backend
 from executor_svc.model import load_model
 from testing.cpu_agreement import Forcer
 
@@ -49,10 +50,11 @@ def test_stack_matches_the_modules(tiny_checkpoint, fmt, arch, num_seqs):
     model = load_model(tiny_checkpoint(arch, "small"), **kwargs)
     model.decode_stack = spy = _Spy(model.decode_stack)
     prompts = _prompts(num_seqs, model.cfg.vocab_size)
-    fused, modules = (Forcer(model, kv_dtype, num_seqs, 64, attention) for attention in ("fused", "torch"))
+    fused, modules = (Forcer(model, kv_dtype, num_seqs, 64) for _ in range(2))
     first = [fused.step([i], [p]) for i, p in enumerate(prompts)]  # prefills: the modules in both
     for i, p in enumerate(prompts):
         modules.step([i], [p])
+    modules.backend = make_attention_backend("cpu", "torch")  # decode steps: the modules with SDPA
     tokens = torch.cat(first).argmax(-1)
     seqs = list(range(num_seqs))
     for _ in range(6):
@@ -62,6 +64,32 @@ def test_stack_matches_the_modules(tiny_checkpoint, fmt, arch, num_seqs):
         tokens = ref.argmax(-1)
     assert spy.calls == [num_seqs] * 6  # every decode step took the fused path, no prefill did
     assert spy.logits_served == 6  # and computed its logits in the same call
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("num_seqs", [1, 20])
+def test_stack_equals_the_modules_bit_for_bit(tiny_checkpoint, fmt, arch, num_seqs):
+    """On the fused attention backend the modules run the stack's own C functions (norms, rotary,
+    projections, attention, SiLU): a decode step gives the same bits on either path."""
+    kwargs, kv_dtype, _ = FORMATS[fmt]
+    model = load_model(tiny_checkpoint(arch, "small"), **kwargs)
+    stack = model.decode_stack
+    prompts = _prompts(num_seqs, model.cfg.vocab_size)
+    fused, modules = Forcer(model, kv_dtype, num_seqs, 64), Forcer(model, kv_dtype, num_seqs, 64)
+    tokens = torch.cat([fused.step([i], [p]) for i, p in enumerate(prompts)]).argmax(-1)
+    for i, p in enumerate(prompts):
+        modules.step([i], [p])
+    seqs = list(range(num_seqs))
+    for _ in range(4):
+        ours = fused.step(seqs, [[int(t)] for t in tokens])
+        model.decode_stack = None
+        try:
+            ref = modules.step(seqs, [[int(t)] for t in tokens])
+        finally:
+            model.decode_stack = stack
+        assert torch.equal(ours, ref), f"{fmt} {arch}: differ by up to {float((ours - ref).abs().max())}"
+        tokens = ref.argmax(-1)
 
 
 def test_a_block_id_outside_the_cache_is_refused(tiny_llama_dir):

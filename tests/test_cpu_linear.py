@@ -10,7 +10,6 @@ import torch
 
 from executor_svc.cpu_kernels import build_with_flags
 from executor_svc.cpu_ops import ISA_NAMES, CpuOps, native_ops
-from executor_svc.model import weights
 from executor_svc.model.weights import PackedLinear, pack_panels, quantize_int8, unpack_rows
 
 # (tokens, inputs, outputs): tails of the 4-token tiles, 64-output units, 16/32/64-wide vectors
@@ -58,16 +57,25 @@ def test_every_path_matches_the_reference(ops, fmt, shape):
     ops.limit_isa("avx512")
 
 
-def test_float32_past_the_kernel_rows_runs_on_onednn_as_exactly(ops, monkeypatch):
-    """A prefill's float32 GEMM (more rows than the C kernel takes) goes to oneDNN, not MKL's sgemm."""
-    n, k, m = weights.F32_KERNEL_MAX_ROWS + 13, 96, 70
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_a_row_gives_the_same_bits_whatever_the_rows_beside_it(ops, fmt, monkeypatch):
+    """A prefill's many rows run on the same kernel as a decode step's few (oneDNN, MKL never),
+    and each row's result is bit-identical to that row computed alone, on any thread count."""
+    n, k, m = 77, 96, 70  # past the 4-token tiles and any small-batch threshold
     g = torch.Generator().manual_seed(5)
     x, w, b = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(m, generator=g)
-    ref = _reference("float32", x, w, b)
-    layer = PackedLinear.from_float(w, b, "float32", ops)
-    if weights.ONEDNN_LINEAR is not None:  # (torch built with oneDNN, as the pinned CPU wheel is)
-        monkeypatch.setattr(weights.F, "linear", lambda *a: pytest.fail("F.linear (MKL) was used"))
-    torch.testing.assert_close(layer(x), ref, rtol=2e-5, atol=2e-5 * float(ref.abs().max()))
+    layer = PackedLinear.from_float(w, b, fmt, ops)
+    monkeypatch.setattr(layer, "_torch", lambda *a: pytest.fail("a torch GEMM was used"))
+    whole = layer(x)
+    ref = _reference(fmt, x, w, b)
+    torch.testing.assert_close(whole, ref, rtol=2e-5, atol=2e-5 * float(ref.abs().max()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for rows in (slice(0, 1), slice(5, 6), slice(3, 40), slice(60, 77)):
+            assert torch.equal(layer(x[rows].contiguous()), whole[rows]), f"{fmt} rows {rows}"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_int8_sums_are_the_same_on_every_path(ops):

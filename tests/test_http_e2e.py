@@ -125,10 +125,15 @@ def test_n2_with_a_seed_is_reproducible_and_choice_i_samples_with_seed_plus_i(cl
     first = run(2, 1234)
     assert run(2, 1234) == first and first[0] != first[1]
     assert run(1, 1235) == [first[1]]
+    # The first send prefills the whole prompt, the next ones hit the prefix cache and prefill only
+    # its tail: the same tokens and the same logprobs to the last bit (issue #43).
     chat = [client.chat.completions.create(model=model, messages=MESSAGES[1:2], seed=99, max_tokens=8,
-                                           extra_body={"ignore_eos": True}).choices[0].message.content
-            for _ in range(2)]
-    assert chat[0] == chat[1]
+                                           logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True}).choices[0]
+            for _ in range(3)]
+    assert chat[0].message.content == chat[1].message.content == chat[2].message.content
+    lps = [[(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in c.logprobs.content]
+           for c in chat]
+    assert lps[0] == lps[1] == lps[2]
 
 
 def test_stop_string_cuts_the_text_before_it(client, model):

@@ -14,6 +14,10 @@
  * cores the executor shares with the scheduler, a thread the OS preempts stalls the others at
  * the next barrier, so fewer barriers is also steadier.
  *
+ * The norms, rotary and SiLU are rowwise_cpu.c's, the projections linear_cpu.c's and attention
+ * paged_decode_cpu.c's, the functions the per-operator path of other steps calls: a token's
+ * result does not depend on which path ran it ("What a seed guarantees", docs/ARCHITECTURE.md).
+ *
  * Activations, the residual stream, norms, rotary and softmax are float32 whatever the weight
  * type (ps_linear_t); the KV cache is float32 or bfloat16. One query token per sequence: token
  * t belongs to sequence t (row t of block_tables / seq_lens). The caller (executor_svc/
@@ -92,54 +96,6 @@ int64_t ps_stack_work_bytes(const ps_model_t *M, int n, int num_threads) {
     return plan(M, n, num_threads > 0 ? num_threads : 1, NULL, &lo) * (int64_t)sizeof(float);
 }
 
-/* exp(x) for any float in a form the compiler vectorises: x = k ln2 + r, |r| <= ln2/2, exp(r)
- * by its Taylor series to r^7, times 2^k put in the exponent. Clamped to [-87, 88] (the
- * result then underflows to ~1e-38 or stays below FLT_MAX); max error ~2 ulp. NaN stays NaN. */
-static inline float exp_any(float x0) {
-    float x = x0 < -87.0f ? -87.0f : x0;
-    x = x > 88.0f ? 88.0f : x;
-    const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = (x - k * 0.693145751953125f) - k * 1.42860682030941723e-6f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = ((int32_t)(k == k ? k : 0.0f) + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return x0 != x0 ? x0 : p * scale;
-}
-
-/* out = w * (x / sqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm in float32 (out may be x). */
-static void rms_norm(const float *x, const float *restrict w, int d, float eps, float *out) {
-    float p[16] = {0};
-    int i = 0;
-    for (; i + 16 <= d; i += 16)
-        for (int l = 0; l < 16; l++) p[l] += x[i + l] * x[i + l];
-    float ss = 0.0f;
-    for (int l = 0; l < 16; l++) ss += p[l];
-    for (; i < d; i++) ss += x[i] * x[i];
-    const float r = 1.0f / sqrtf(ss / (float)d + eps);
-    for (i = 0; i < d; i++) out[i] = w[i] * (x[i] * r);
-}
-
-/* x [heads, D] rotated in place ("rotate half", as HF Llama): pairs (d, d + D/2). */
-static void rope(float *x, int heads, int D, const float *cs, const float *sn) {
-    const int half = D / 2;
-    for (int h = 0; h < heads; h++) {
-        float *v = x + (int64_t)h * D;
-        for (int d = 0; d < half; d++) {
-            const float a = v[d], b = v[d + half];
-            v[d] = a * cs[d] - b * sn[d];
-            v[d + half] = b * cs[d] + a * sn[d];
-        }
-    }
-}
-
 static inline uint16_t bf16_round(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
@@ -185,10 +141,6 @@ static int check_model(const ps_model_t *M) {
         }                                                                             \
     } while (0)
 
-static void silu_mul(const float *restrict gate, const float *restrict up_, int d, float *restrict out) {
-    for (int i = 0; i < d; i++) out[i] = gate[i] / (1.0f + exp_any(-gate[i])) * up_[i];
-}
-
 /* One attention unit: rotary and K/V store for KV heads [h0, h1) of token i, then attention. */
 static int attention_unit(const ps_model_t *M, const ps_layer_t *L, const layout_t *lo, int i, int h0, int h1,
                           const int64_t *slots, const int32_t *block_tables, int64_t bt_row, int max_blocks,
@@ -197,8 +149,8 @@ static int attention_unit(const ps_model_t *M, const ps_layer_t *L, const layout
     const int q_w = M->num_heads * D, kv_w = M->num_kv_heads * D, qkv_w = q_w + 2 * kv_w;
     float *row = lo->qkv + (int64_t)i * qkv_w;
     const float *cs = lo->cos + (int64_t)i * half, *sn = lo->sin + (int64_t)i * half;
-    rope(row + (int64_t)h0 * G * D, (h1 - h0) * G, D, cs, sn);
-    rope(row + q_w + (int64_t)h0 * D, h1 - h0, D, cs, sn);
+    ps_rope(row + (int64_t)h0 * G * D, (h1 - h0) * G, D, cs, sn);
+    ps_rope(row + q_w + (int64_t)h0 * D, h1 - h0, D, cs, sn);
     if (slots[i] >= 0) {
         const int64_t at = slots[i] * kv_w + (int64_t)h0 * D;
         store_kv(L->k_cache, M->kv_type, at, row + q_w + (int64_t)h0 * D, (h1 - h0) * D);
@@ -239,15 +191,11 @@ int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positio
         int mine = PS_OK;
 #pragma omp for schedule(static)
         for (int t = 0; t < n; t++)
-            for (int i = 0; i < half; i++) {
-                const float f = (float)positions[t] * M->inv_freq[i];
-                lo.cos[(int64_t)t * half + i] = cosf(f);
-                lo.sin[(int64_t)t * half + i] = sinf(f);
-            }
+            ps_rope_cos_sin(positions[t], M->inv_freq, half, lo.cos + (int64_t)t * half, lo.sin + (int64_t)t * half);
         for (int l = 0; l < M->num_layers; l++) {
             const ps_layer_t *L = &M->layers[l];
             FOR_TOKENS(priv, n, t, {
-                rms_norm(x + (int64_t)t * H, L->ln1, H, M->eps, h + (int64_t)t * H);
+                ps_rms_norm(x + (int64_t)t * H, L->ln1, H, M->eps, h + (int64_t)t * H);
                 ps_linear_prep(&L->qkv, h, H, t, t + 1, n, lw);
             });
             ps_linear_compute(&L->qkv, h, H, n, lw, lo.qkv, qkv_w, 0);
@@ -264,20 +212,20 @@ int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positio
             ps_linear_compute(&L->o, lo.att, q_w, n, lw, x, H, 1);
 #pragma omp barrier
             FOR_TOKENS(priv, n, t, {
-                rms_norm(x + (int64_t)t * H, L->ln2, H, M->eps, h + (int64_t)t * H);
+                ps_rms_norm(x + (int64_t)t * H, L->ln2, H, M->eps, h + (int64_t)t * H);
                 ps_linear_prep(&L->gate_up, h, H, t, t + 1, n, lw);
             });
             ps_linear_compute(&L->gate_up, h, H, n, lw, lo.gu, 2 * I, 0);
 #pragma omp barrier
             FOR_TOKENS(priv, n, t, {
-                silu_mul(lo.gu + (int64_t)t * 2 * I, lo.gu + (int64_t)t * 2 * I + I, I, act + (int64_t)t * I);
+                ps_silu_mul(lo.gu + (int64_t)t * 2 * I, lo.gu + (int64_t)t * 2 * I + I, I, act + (int64_t)t * I);
                 ps_linear_prep(&L->down, act, I, t, t + 1, n, lw);
             });
             ps_linear_compute(&L->down, act, I, n, lw, x, H, 1);
 #pragma omp barrier
         }
 #pragma omp for schedule(static)
-        for (int t = 0; t < n; t++) rms_norm(x + (int64_t)t * H, M->final_norm, H, M->eps, x + (int64_t)t * H);
+        for (int t = 0; t < n; t++) ps_rms_norm(x + (int64_t)t * H, M->final_norm, H, M->eps, x + (int64_t)t * H);
         if (M->lm_head.w) {
             FOR_TOKENS(priv, n, t, { ps_linear_prep(&M->lm_head, x, H, t, t + 1, n, lw); });
             ps_linear_compute(&M->lm_head, x, H, n, lw, logits, M->lm_head.m, 0);

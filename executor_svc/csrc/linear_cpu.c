@@ -32,6 +32,13 @@
  * shared counter rather than split up front: on a machine shared with the scheduler and other
  * processes a thread the OS preempts holds up one chunk, not a whole share of the matrix. */
 #define F32_CHUNK 16
+/* Past this many tokens (prefills) a float32 chunk is F32_CHUNK_WIDE rows, its weights kept in L2,
+ * and each 4-token tile of x is used by every row of the chunk before the next is loaded: x is
+ * then read from memory once per chunk instead of once per 4 rows. Only the loop order changes,
+ * not a single sum: each (token, row) is still one whole dot product of one tile call, so a row
+ * gets the same bits as in a decode step. */
+#define F32_WIDE_FROM 16
+#define F32_CHUNK_WIDE 64
 
 /* ------------------------------------------------------------------ CPU features */
 
@@ -189,31 +196,73 @@ static void q8_unit_scalar(int T, const void *xv, int64_t ldx, const void *wv, i
 
 /* ------------------------------------------------------------------ one thread's share */
 
+/* y rows t0 .. t0 + T - 1, outputs r .. r + 3 (those < m) (+)= res (+ bias). */
+static inline void f32_store(const ps_linear_t *L, float *y, int64_t ldy, int accumulate, int t0, int T, int r,
+                             const float *res) {
+    const int R = L->m - r < 4 ? L->m - r : 4;
+    for (int t = 0; t < T; t++) {
+        float *yt = y + (int64_t)(t0 + t) * ldy + r;
+        const float *rt = res + t * 4;
+        if (R == 4) { /* branch-free, so it vectorises; the same two roundings per output */
+            float v[4];
+            for (int i = 0; i < 4; i++) v[i] = L->bias ? rt[i] + L->bias[r + i] : rt[i];
+            if (accumulate)
+                for (int i = 0; i < 4; i++) yt[i] += v[i];
+            else
+                for (int i = 0; i < 4; i++) yt[i] = v[i];
+            continue;
+        }
+        for (int i = 0; i < R; i++) {
+            float v = rt[i];
+            if (L->bias) v += L->bias[r + i];
+            yt[i] = accumulate ? yt[i] + v : v;
+        }
+    }
+}
+
+static inline void f32_row_ptrs(const ps_linear_t *L, int r, const float **w) {
+    for (int i = 0; i < 4; i++) /* rows past m repeat the last one; their results are dropped */
+        w[i] = (const float *)L->w + (int64_t)(r + i < L->m ? r + i : L->m - 1) * L->ldw;
+}
+
 static void f32_rows(const ps_linear_t *L, const float *x, int64_t ldx, int n, float *y, int64_t ldy, int accumulate,
                      int r0, int r1, int isa) {
-    const int m = L->m, k = L->k;
+    const int k = L->k;
     ps_f32_tile_fn tile = f32_tile_scalar;
 #ifdef PS_X86
     if (isa == PS_ISA_AVX512) tile = ps_f32_tile_512;
     else if (isa == PS_ISA_AVX2) tile = ps_f32_tile_avx2;
 #endif
-    float res[16];
-    for (int r = r0; r < r1; r += 4) {
-        const float *w[4];
-        for (int i = 0; i < 4; i++) /* rows past m repeat the last one; their results are dropped */
-            w[i] = (const float *)L->w + (int64_t)(r + i < m ? r + i : m - 1) * L->ldw;
-        for (int t0 = 0; t0 < n; t0 += 4) {
-            const int T = n - t0 < 4 ? n - t0 : 4;
-            tile(T, x + (int64_t)t0 * ldx, ldx, w, 4 * L->ldw, k, res);
-            for (int t = 0; t < T; t++) {
-                float *yt = y + (int64_t)(t0 + t) * ldy;
-                for (int i = 0; i < 4 && r + i < m; i++) {
-                    float v = res[t * 4 + i];
-                    if (L->bias) v += L->bias[r + i];
-                    yt[r + i] = accumulate ? yt[r + i] + v : v;
-                }
+    float res[24];
+    const float *w[4];
+    if (n <= F32_WIDE_FROM) { /* decode: 4 weight rows against every token, the next rows prefetched */
+        for (int r = r0; r < r1; r += 4) {
+            f32_row_ptrs(L, r, w);
+            for (int t0 = 0; t0 < n; t0 += 4) {
+                const int T = n - t0 < 4 ? n - t0 : 4;
+                tile(T, x + (int64_t)t0 * ldx, ldx, w, 4 * L->ldw, k, res);
+                f32_store(L, y, ldy, accumulate, t0, T, r, res);
             }
         }
+        return;
+    }
+    for (int t0 = 0; t0 < n;) { /* prefill: a tile of tokens against every row of the chunk (in L2) */
+#ifdef PS_X86
+        const int six = isa == PS_ISA_AVX512 && n - t0 >= 6;
+#else
+        const int six = 0;
+#endif
+        const int T = six ? 6 : n - t0 < 4 ? n - t0 : 4;
+        for (int r = r0; r < r1; r += 4) {
+            f32_row_ptrs(L, r, w);
+#ifdef PS_X86
+            if (six) ps_f32_tile6_512(x + (int64_t)t0 * ldx, ldx, w, k, res);
+            else
+#endif
+                tile(T, x + (int64_t)t0 * ldx, ldx, w, 0, k, res);
+            f32_store(L, y, ldy, accumulate, t0, T, r, res);
+        }
+        t0 += T;
     }
 }
 
@@ -273,11 +322,12 @@ void ps_linear_compute(const ps_linear_t *L, const float *x, int64_t ldx, int n,
                        int64_t ldy, int accumulate) {
     const int wt = L->wtype, isa = ps_isa_level(wt);
     if (wt == PS_W_F32) {
-        const int chunks = (L->m + F32_CHUNK - 1) / F32_CHUNK;
+        const int rows = n > F32_WIDE_FROM ? F32_CHUNK_WIDE : F32_CHUNK;
+        const int chunks = (L->m + rows - 1) / rows;
 #pragma omp for schedule(dynamic, 1) nowait
         for (int c = 0; c < chunks; c++) {
-            const int r1 = (c + 1) * F32_CHUNK < L->m ? (c + 1) * F32_CHUNK : L->m;
-            f32_rows(L, x, ldx, n, y, ldy, accumulate, c * F32_CHUNK, r1, isa);
+            const int r1 = (c + 1) * rows < L->m ? (c + 1) * rows : L->m;
+            f32_rows(L, x, ldx, n, y, ldy, accumulate, c * rows, r1, isa);
         }
         return;
     }

@@ -34,6 +34,7 @@ typedef void (*ps_unit_fn)(int T, const void *x, int64_t ldx, const void *w, int
 #define PS_X86 1
 void ps_f32_tile_avx2(int T, const float *x, int64_t ldx, const float *const *w, int64_t ahead, int k, float *res);
 void ps_f32_tile_512(int T, const float *x, int64_t ldx, const float *const *w, int64_t ahead, int k, float *res);
+void ps_f32_tile6_512(const float *x, int64_t ldx, const float *const *w, int k, float *res); /* 6 tokens */
 void ps_bf16_unit_avx2(int T, const void *x, int64_t ldx, const void *w, int64_t pstride, int kp, const ps_out_t *out);
 void ps_bf16_unit_512(int T, const void *x, int64_t ldx, const void *w, int64_t pstride, int kp, const ps_out_t *out);
 void ps_q8_unit_avx2(int T, const void *x, int64_t ldx, const void *w, int64_t pstride, int kp, const ps_out_t *out);

@@ -90,4 +90,15 @@ int ps_paged_decode_region(float *out, int64_t o_row, int64_t o_head, const floa
 int ps_decode_chunks(int num_seqs, int num_kv_heads, int threads);
 int64_t ps_decode_scratch_floats(int num_q_heads, int num_kv_heads, int head_size, int block_size, int chunks);
 
+/* Row-wise operations (rowwise_cpu.c), shared by the decode stack and the per-operator path so
+ * that both compute a token's activations bit for bit alike. */
+/* out = w * (x / sqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm in float32 (out may be x). */
+void ps_rms_norm(const float *x, const float *w, int d, float eps, float *out);
+/* cs[i], sn[i] = cos, sin of position * inv_freq[i], for i < half. */
+void ps_rope_cos_sin(int64_t position, const float *inv_freq, int half, float *cs, float *sn);
+/* x [heads, D] rotated in place ("rotate half", as HF Llama): pairs (d, d + D/2). */
+void ps_rope(float *x, int heads, int D, const float *cs, const float *sn);
+/* out = SiLU(gate) * up, elementwise over d. */
+void ps_silu_mul(const float *gate, const float *up, int d, float *out);
+
 #endif

@@ -5,7 +5,8 @@ Called by the loader for an unsharded CPU model. Each ``nn.Linear`` becomes a
 layer at a time, so the peak is the float model plus one layer), the embedding a
 :class:`~executor_svc.model.weights.PackedEmbedding` that a tied LM head shares, the RMSNorm
 weights float32, and when the C kernels load the model gets a
-:class:`~executor_svc.model.cpu_decode.DecodeStack` for pure decode steps.
+:class:`~executor_svc.model.cpu_decode.DecodeStack` for pure decode steps and, for every other
+step, modules on the same C functions (:mod:`executor_svc.model.cpu_layers`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from executor_svc.cpu_ops import W_BF16, W_F32, W_Q8, CpuOps
 from executor_svc.model.cpu_decode import DecodeStack
+from executor_svc.model.cpu_layers import install_cpu_layers
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.model.weights import FORMATS, PackedEmbedding, pack_linear
 
@@ -63,6 +65,8 @@ def pack_for_cpu(model: LlamaForCausalLM, fmt: str, ops: CpuOps | None) -> Llama
     _float32_norms(model)
     model.weight_format = fmt
     model.decode_stack = DecodeStack(model, ops) if ops is not None else None
+    if ops is not None:  # every step then computes a token as the decode stack does (cpu_layers.py)
+        install_cpu_layers(model, ops)
     if ops is not None:
         log.info("CPU weights: %s, kernels on %s (%s)", fmt, ops.isa(_WTYPES[fmt]),
                  ", ".join(k for k, v in ops.features().items() if v) or "no vector extensions")

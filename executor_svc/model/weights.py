@@ -12,9 +12,12 @@ format and run through the kernels of ``executor_svc/csrc/linear_cpu.c``:
   Q8_0 does), so no calibration data is needed.
 
 Activations, norms, the residual stream and logits stay float32 in every format; RMSNorm
-weights are kept in float32. float32 GEMMs of more than ``F32_KERNEL_MAX_ROWS`` rows (prefills,
-large batches) run on oneDNN. Where the C library is unavailable the same formats run on torch
-(oneDNN or ``F.linear``, ``torch.ops.aten._weight_int8pack_mm``): slower, same weights.
+weights are kept in float32. Every row count runs on the C kernels, prefills included: they
+reduce each row in one order whatever the rows beside it, so a token's result does not depend
+on how its step was made up (a prefix cache hit, a chunk, neighbours); oneDNN, faster on large
+float32 GEMMs, blocks its sums by the row count ("What a seed guarantees", docs/ARCHITECTURE.md).
+Where the C library is unavailable the same formats run on torch (oneDNN or ``F.linear``,
+``torch.ops.aten._weight_int8pack_mm``): slower, same weights, no such guarantee.
 """
 
 from __future__ import annotations
@@ -27,17 +30,11 @@ from executor_svc.cpu_ops import W_BF16, W_F32, W_Q8, CpuOps, LinearDesc
 
 FORMATS = ("float32", "bfloat16", "int8")
 _WTYPE = {"float32": W_F32, "bfloat16": W_BF16, "int8": W_Q8}
-# float32 above this many rows goes to oneDNN's GEMM (torch's mkldnn linear, on the weights as
-# they are); the C kernel takes up to it (decode batches), where it reads the weights at memory
-# bandwidth. On the default tiny model's shapes (2 threads, Zen 4) the C kernel is faster up to
-# 16 rows and even at 32, oneDNN from 48 (0.44 vs 0.62 ms at 48 x 1408 -> 512), and at 128 rows
-# 30-40% faster than MKL's sgemm, torch's own float32 choice (docs/PERF.md, "CPU weight formats").
-F32_KERNEL_MAX_ROWS = 32
 
 
 def _onednn_linear():
-    """torch's oneDNN linear (``mkldnn::_linear_pointwise``, inductor's), None where this torch
-    has no oneDNN: F.linear (MKL or OpenBLAS) then."""
+    """torch's oneDNN linear (``mkldnn::_linear_pointwise``, inductor's), the float32 path when the
+    C library is unavailable; None where this torch has no oneDNN: F.linear (MKL or OpenBLAS) then."""
     if not torch.backends.mkldnn.is_available():
         return None
     try:
@@ -144,8 +141,7 @@ class PackedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32 or x2.stride(-1) != 1:
             x2 = x2.to(torch.float32).contiguous()
-        n = x2.shape[0]
-        if self.ops is None or x2.device.type != "cpu" or (self.fmt == "float32" and n > F32_KERNEL_MAX_ROWS):
+        if self.ops is None or x2.device.type != "cpu":
             return self._torch(x2).view(*lead, self.out_features)
         return self.on_kernel(x2).view(*lead, self.out_features)
 
