@@ -37,12 +37,14 @@ import torch
 from executor_svc.attention import AttentionBackend
 from executor_svc.batch import Batch, SeqState, build_batch
 from executor_svc.dropped import DroppedSeqs
-from executor_svc.grammar import GrammarBackend, GrammarMasks, SeqGrammar, unserved
+from executor_svc.grammar import GrammarBackend, GrammarMasks
 from executor_svc.kv_cache import KVCache
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.plan_check import PlanChecker, PlanError
 from executor_svc.sampler import SampleOutput, Sampler
+from executor_svc.seq_deltas import ExecutorDeltas
 from pagedserve.wire import MAX_TEXT_CHARS, BatchPlan, PromptLogprobs, SeqLogprobs, StepResult
+from pagedserve.wire.plan_deltas import apply_deltas
 
 log = logging.getLogger(__name__)
 PROMPT_SLICE = 256  # prompt rows scored at once (their logits are [rows, vocab] float32)
@@ -286,33 +288,8 @@ class ModelRunner:
     # ---------------------------------------------------------------- deltas
 
     def _apply(self, plan: BatchPlan) -> None:
-        self.backend.swap(self.kv.layers, self.kv.cpu_layers, plan.swap_out)
-        for sid in plan.free_seq_ids:
-            self.seqs.pop(sid, None)
-        for s in plan.new_seqs:
-            tokens = s.tokens()
-            state = self.seqs[s.seq_id] = SeqState(s.seq_id, tokens, s.num_prompt_tokens,
-                                                   list(s.block_ids), s.num_computed_tokens, s.sampling,
-                                                   self._grammar_of(s.sampling, tokens[s.num_prompt_tokens:]))
-            if s.sampling.prompt_logprobs >= 0 and len(tokens) == s.num_prompt_tokens > 1:
-                state.prompt_lp_next = 1  # nothing sampled yet: its prompt is scored (again) from token 1
-        for f in plan.forks:
-            p = self.seqs[f.parent_seq_id]
-            sampling = p.sampling if f.seed is None else p.sampling.with_seed(f.seed)
-            self.seqs[f.child_seq_id] = SeqState(f.child_seq_id, list(p.token_ids), p.num_prompt_tokens,
-                                                 list(p.block_ids), p.num_computed_tokens, sampling,
-                                                 p.grammar.fork() if p.grammar is not None else None)
-        for sid, tok in plan.append_tokens:
-            s = self.seqs[sid]
-            s.token_ids.append(tok)
-            if s.grammar is not None:
-                s.grammar.accept(tok)
-        for u in plan.block_updates:
-            table = self.seqs[u.seq_id].block_ids
-            del table[u.start:]
-            table.extend(u.block_ids)
-        self.backend.swap(self.kv.cpu_layers, self.kv.layers, plan.swap_in)
-        self.backend.copy_blocks(self.kv.layers, plan.copies)
+        """The plan's deltas, in the documented order (the walk its check ran dry)."""
+        apply_deltas(plan, self.seqs, ExecutorDeltas(self.kv, self.backend, self.grammar))
 
     # ---------------------------------------------------------------- forward
 
@@ -358,16 +335,6 @@ class ModelRunner:
                 top_ids += ids.flatten().tolist()
                 top_vals += vals.flatten().tolist()
         return PromptLogprobs(s.seq_id, first, lps, top_ids, top_vals)
-
-    def _grammar_of(self, sampling, outputs: list[int]) -> SeqGrammar | None:
-        """A structured sequence's grammar state; it starts compiling now, while the sequence prefills.
-        Beam rows have none: the fronts refuse the combination, and beams are chosen among unmasked
-        candidates (so a grammar could fail only sampling rows, the ones the TP followers hear of)."""
-        if sampling.structured is None or sampling.beam_candidates > 0:
-            return None
-        if self.grammar is None:
-            return unserved("this executor has no tokenizer.json, so it cannot serve structured outputs")
-        return self.grammar.track(sampling.structured, sampling.end_token_ids, outputs)
 
     def _masks(self, batch: Batch | None) -> GrammarMasks | None:
         if batch is None or not any(s.grammar is not None for s in batch.sample_seqs):
