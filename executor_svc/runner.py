@@ -296,24 +296,26 @@ class ModelRunner:
     def _forward_batch(self, plan: BatchPlan, batch: Batch) -> torch.Tensor | None:
         input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.model.device)
         with torch.inference_mode():
-            hidden = self.model(input_ids, batch.positions, self.kv.layers, batch.meta, self.backend)
-            logits = self._logits(hidden, batch)
+            hidden, step_logits = self.model.forward_with_logits(input_ids, batch.positions, self.kv.layers,
+                                                                 batch.meta, self.backend)
+            logits = self._logits(hidden, batch, step_logits)
         for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True):
             self.seqs[sid].num_computed_tokens += n
         for s, first, _, count in batch.prompt_rows:  # (every rank: the next step's batch depends on it)
             s.prompt_lp_next = first + count
         return logits
 
-    def _logits(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+    def _logits(self, hidden: torch.Tensor, batch: Batch, step_logits: torch.Tensor | None) -> torch.Tensor | None:
         """hidden [num_tokens, hidden] -> logits [num_sampling_rows, vocab] float32 (None if none);
-        the prompt tokens the batch scores, into ``batch.prompt_scores``."""
+        the prompt tokens the batch scores, into ``batch.prompt_scores``. ``step_logits``: every
+        row's logits when the forward computed them (the fused CPU decode step)."""
         for s, first, row, count in batch.prompt_rows:
             batch.prompt_scores.append(self._score_prompt(hidden, s, first, row, count))
         rows_list = batch.logits_rows
         if not rows_list:
             return None
-        if len(rows_list) == hidden.shape[0] and rows_list[-1] == len(rows_list) - 1:
-            return self.model.compute_logits(hidden)  # every row samples (rows ascend): no gather
+        if len(rows_list) == hidden.shape[0] and rows_list[-1] == len(rows_list) - 1:  # every row samples
+            return step_logits if step_logits is not None else self.model.compute_logits(hidden)  # (no gather)
         rows = torch.tensor(rows_list, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, rows))
 

@@ -115,7 +115,7 @@ class FollowerRunner(ModelRunner):
         super().__init__(model, kv_cache, backend, Sampler(), max_model_len)
         self.group, self.channel = group, PlanChannel(group)
 
-    def _logits(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+    def _logits(self, hidden: torch.Tensor, batch: Batch, step_logits: torch.Tensor | None) -> torch.Tensor | None:
         return None  # rank 0 holds the LM head and samples
 
     def _follow(self, plan: BatchPlan) -> None:
