@@ -8,10 +8,11 @@ sequence's computed count reaches its token count, and appends the sampled token
 scheduler can plan the next step without waiting.
 
 One implementation of a step, in three phases: ``prepare`` (check, apply, build the batch),
-``launch`` (start the forward) and ``complete`` (sample, report). ``execute`` runs them back to
-back (the in-order loop); ``executor_svc/pipeline.py`` prepares a plan while the step before it
-runs; the tensor-parallel runners hook into the same phases (``_publish``, ``_guard``,
-``_sampled``).
+``launch`` (start the forward) and ``complete`` (sample, report). Every step runs through them:
+``execute`` runs them back to back, once per decode step of the plan (a plan of ``decode_steps``
+k runs its steps 2..k as plans of their own); ``executor_svc/pipeline.py`` prepares a plan while
+the step before it runs; the tensor-parallel runners hook into the phases (``_stepping``,
+``_publish``, ``_guard``, ``_sample``, ``_sampled``).
 
 Every plan gets exactly one answer (``StepResult``, whose docstring is the contract):
 
@@ -43,11 +44,11 @@ from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.plan_check import PlanChecker, PlanError
 from executor_svc.sampler import SampleOutput, Sampler
 from executor_svc.seq_deltas import ExecutorDeltas
-from pagedserve.wire import MAX_TEXT_CHARS, BatchPlan, PromptLogprobs, SeqLogprobs, StepResult
+from executor_svc.step_report import report_samples, score_prompt
+from pagedserve.wire import MAX_TEXT_CHARS, BatchPlan, StepResult
 from pagedserve.wire.plan_deltas import apply_deltas
 
 log = logging.getLogger(__name__)
-PROMPT_SLICE = 256  # prompt rows scored at once (their logits are [rows, vocab] float32)
 __all__ = ["Batch", "LaunchedStep", "ModelRunner", "PreparedStep", "SeqState", "StepFatal"]
 
 
@@ -118,33 +119,43 @@ class ModelRunner:
         return 1 if self.prepare_ahead else self.max_decode_steps
 
     def execute(self, plan: BatchPlan) -> StepResult:
-        """One plan, start to end: the three phases back to back (and its further decode steps)."""
-        prepared = self.prepare(plan)
+        """One plan, start to end: the three phases back to back, once per decode step."""
+        with self._stepping():
+            result = self._in_order(plan)
+            if plan.decode_steps > 1 and not result.refused and not result.failed_seq_ids:
+                result = self._decode_more(plan, result)
+            return result
+
+    def _in_order(self, plan: BatchPlan, check: bool = True) -> StepResult:
+        """The three phases back to back; the step's model_seconds include its preparation."""
+        prepared = self.prepare(plan, check=check)
         if isinstance(prepared, StepResult):
             return prepared
         launched = self.launch(prepared)
         result = launched if isinstance(launched, StepResult) else self.complete(launched)
-        if plan.decode_steps > 1 and not result.refused and not result.failed_seq_ids:
-            result = self._decode_more(prepared.plan, result)
         result.model_seconds = time.perf_counter() - prepared.start
         return result
 
     def _decode_more(self, plan: BatchPlan, result: StepResult) -> StepResult:
         """Steps 2..k of a plan of ``decode_steps`` k: the sequences that sampled decode the token they
-        sampled, and sample again, k - 1 times; their tokens follow the first step's in ``result``. The
-        sequences are plain samplers (the check refused anything else), so each step is what a plan of
-        its own would be."""
+        sampled, and sample again, k - 1 times, each step a plan of its own (scheduled decodes, no
+        deltas) through the three phases; their tokens follow the first step's in ``result``. The
+        plan's check covered all k steps (the sequences sample plainly, their tables hold the k
+        slots), so the steps are not checked again. A step that fails any sequence fails them all:
+        their earlier tokens were appended here but are reported no more."""
         seq_ids = list(result.sampled_seq_ids)
         if not seq_ids:
             return result
         step = BatchPlan(plan.step_id, seq_ids, [1] * len(seq_ids))
-        try:
-            for _ in range(plan.decode_steps - 1):
-                batch = build_batch(self.seqs, self.kv.block_size, self.model.device, seq_ids, step.num_new_tokens)
-                logits = self._forward_batch(step, batch)
-                self._sample(batch, logits, result)
-        except Exception as exc:  # noqa: BLE001  its sequences fail, their earlier tokens with them
-            return self._failure(plan, seq_ids, exc)
+        for _ in range(plan.decode_steps - 1):
+            more = self._in_order(step, check=False)
+            if more.refused or more.failed_seq_ids or more.sampled_seq_ids != seq_ids:
+                self._drop(seq_ids)
+                return StepResult(step_id=plan.step_id, failed_seq_ids=seq_ids,
+                                  error=more.error or _text("executor error: a decode step sampled no token"))
+            result.sampled_seq_ids += more.sampled_seq_ids
+            result.sampled_token_ids += more.sampled_token_ids
+            result.model_seconds += more.model_seconds
         return result
 
     def can_prepare_ahead(self, plan: BatchPlan) -> bool:
@@ -155,16 +166,18 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- the three phases
 
-    def prepare(self, plan: BatchPlan, after: LaunchedStep | None = None) -> PreparedStep | StepResult:
+    def prepare(self, plan: BatchPlan, after: LaunchedStep | None = None, *,
+                check: bool = True) -> PreparedStep | StepResult:
         """Check and apply ``plan`` and build its batch, on the host. ``after``: the step still in
-        flight; the tokens it samples are inputs of this one, filled in by :meth:`launch`."""
+        flight; the tokens it samples are inputs of this one, filled in by :meth:`launch`.
+        ``check=False``: a further decode step of a plan whose check covered it."""
         start = time.perf_counter()
         if self.refusing is not None:
             return StepResult(step_id=plan.step_id, refused=True,
                               error=_text(f"discarded: a plan before it was refused ({self.refusing})"))
         sent, plan = plan, self.dropped.skip(plan)
         in_flight = after.sampling_seqs() if after is not None else {}
-        if (refused := self._check(plan, in_flight)) is not None:
+        if check and (refused := self._check(plan, in_flight)) is not None:
             return refused
         self._publish(sent)  # as sent: the other ranks skip what they dropped too (the frees of it included)
         try:
@@ -208,7 +221,7 @@ class ModelRunner:
         batch = step.batch
         if batch is not None:
             result.prompt_logprobs = batch.prompt_scores
-        if batch is not None and step.logits is not None:
+        if batch is not None and batch.logits_rows:
             try:
                 self._sample(batch, step.logits, result, step.masks)
             except StepFatal:
@@ -221,6 +234,10 @@ class ModelRunner:
         return result
 
     # ---------------------------------------------------------------- hooks (tensor parallelism)
+
+    def _stepping(self) -> contextlib.AbstractContextManager:
+        """Around a whole plan run in order (rank 0 holds its channel for the step's messages)."""
+        return contextlib.nullcontext()
 
     def _publish(self, plan: BatchPlan) -> None:
         """A plan passed its check and is about to be applied (rank 0 sends it to the other ranks)."""
@@ -285,8 +302,6 @@ class ModelRunner:
         step.batch = (build_batch(self.seqs, self.kv.block_size, self.model.device, step.plan.scheduled_seq_ids,
                                   step.plan.num_new_tokens) if kept else None)
 
-    # ---------------------------------------------------------------- deltas
-
     def _apply(self, plan: BatchPlan) -> None:
         """The plan's deltas, in the documented order (the walk its check ran dry)."""
         apply_deltas(plan, self.seqs, ExecutorDeltas(self.kv, self.backend, self.grammar))
@@ -310,7 +325,7 @@ class ModelRunner:
         the prompt tokens the batch scores, into ``batch.prompt_scores``. ``step_logits``: every
         row's logits when the forward computed them (the fused CPU decode step)."""
         for s, first, row, count in batch.prompt_rows:
-            batch.prompt_scores.append(self._score_prompt(hidden, s, first, row, count))
+            batch.prompt_scores.append(score_prompt(self.model, hidden, s, first, row, count))
         rows_list = batch.logits_rows
         if not rows_list:
             return None
@@ -318,25 +333,6 @@ class ModelRunner:
             return step_logits if step_logits is not None else self.model.compute_logits(hidden)  # (no gather)
         rows = torch.tensor(rows_list, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, rows))
-
-    def _score_prompt(self, hidden: torch.Tensor, s: SeqState, first: int, row: int, count: int) -> PromptLogprobs:
-        """Prompt tokens ``first .. first + count - 1`` of ``s``, scored by the raw log-softmax of the
-        logits of the rows before them, with the top ``prompt_logprobs`` alternatives; in slices, so a
-        long prompt never holds [prompt, vocab] logits at once."""
-        k = min(s.sampling.prompt_logprobs, self.model.cfg.vocab_size)
-        lps: list[float] = []
-        top_ids: list[int] = []
-        top_vals: list[float] = []
-        targets = torch.tensor(s.token_ids[first:first + count], dtype=torch.int64, device=hidden.device)
-        for at in range(0, count, PROMPT_SLICE):
-            n = min(PROMPT_SLICE, count - at)
-            lp = torch.log_softmax(self.model.compute_logits(hidden[row + at:row + at + n]).float(), dim=-1)
-            lps += lp.gather(1, targets[at:at + n, None])[:, 0].tolist()
-            if k:
-                vals, ids = torch.topk(lp, k, dim=-1)
-                top_ids += ids.flatten().tolist()
-                top_vals += vals.flatten().tolist()
-        return PromptLogprobs(s.seq_id, first, lps, top_ids, top_vals)
 
     def _masks(self, batch: Batch | None) -> GrammarMasks | None:
         if batch is None or not any(s.grammar is not None for s in batch.sample_seqs):
@@ -355,41 +351,10 @@ class ModelRunner:
 
     def _report(self, seqs: list[SeqState], out: SampleOutput, result: StepResult,
                 failed: dict[int, str] | None = None) -> None:
-        """Append the sampled tokens and report them; the rows in ``failed`` (row -> why: their
-        grammar cannot be served; sampled unmasked) are dropped and reported failed instead."""
-        failed = failed or {}
-        for i, s in enumerate(seqs):  # every row checked before any is appended: all or nothing
-            if out.beam[i] is None and out.token_ids[i] is None and i not in failed:
-                raise RuntimeError(f"sampler returned no token for seq {s.seq_id}")
-        constrained = [(s.grammar, out.token_ids[i]) for i, s in enumerate(seqs) if s.grammar is not None
-                       and out.beam[i] is None and i not in failed]
-        if constrained:  # (masked by their grammars: accepted; a terminated matcher takes no more)
-            if self.grammar is not None:
-                self.grammar.accept([g for g, _ in constrained], [t for _, t in constrained])
-            else:
-                for g, tok in constrained:
-                    g.accept(tok)
-        for i, s in enumerate(seqs):
-            if i in failed:
-                continue
-            beam = out.beam[i]
-            if beam is not None:
-                result.beam_candidates.append(SeqLogprobs(s.seq_id, 0.0, beam.top_token_ids, beam.top_logprobs))
-                continue
-            tok = out.token_ids[i]
-            lp = out.logprobs[i]
-            if lp is not None:
-                result.logprobs.append(SeqLogprobs(s.seq_id, lp.token_logprob, lp.top_token_ids, lp.top_logprobs))
-            s.token_ids.append(tok)
-            result.sampled_seq_ids.append(s.seq_id)
-            result.sampled_token_ids.append(tok)
-        if failed:
-            reasons = [f"seq {seqs[i].seq_id}: {why}" for i, why in failed.items()]
-            log.warning("step %d: %d sequences fail, their grammar cannot be served: %s", result.step_id,
-                        len(failed), "; ".join(reasons))
-            self._drop([seqs[i].seq_id for i in failed])
-            result.failed_seq_ids.extend(seqs[i].seq_id for i in failed)
-            result.error = _text("structured outputs: " + "; ".join(reasons))
+        """Append the sampled tokens and report them (``step_report.report_samples``); the rows in
+        ``failed`` (row -> why: their grammar cannot be served) are dropped and reported failed."""
+        if dropped := report_samples(seqs, out, result, failed or {}, self.grammar):
+            self._drop(dropped)
 
 
 def _named(plan: BatchPlan) -> list[int]:
