@@ -1,8 +1,9 @@
 """A simulated executor in virtual time, with a cost model of OPT-13B on one A100-40GB.
 
 The real :class:`~scheduler_svc.sched.scheduler.Scheduler` plans every step; this
-executor applies the plan deltas exactly as a real one would (it keeps each
-sequence's token count and computed count, see the order in ``pagedserve/wire/messages.py``), draws
+executor applies the plan deltas with a real executor's own walk
+(``pagedserve/wire/plan_deltas.py``: it keeps each sequence's token count and
+computed count; no block tables, no KV), draws
 a token for every sequence that finished its pending tokens, and instead of
 running a model returns how long the step *would* take on the paper's hardware.
 
@@ -53,6 +54,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedserve.wire import BatchPlan, SeqLogprobs, StepResult
+from pagedserve.wire.messages import BlockUpdate, Fork, NewSeq
+from pagedserve.wire.plan_deltas import DeltaTarget, apply_deltas
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,28 @@ class _SeqState:
     num_computed: int
     beam_candidates: int
     logprobs: int = -1  # top alternatives its request asked for with each token (-1: no log-probs)
+
+
+class _SimDeltas(DeltaTarget[_SeqState]):
+    """The deltas on the simulated counts (block updates and moves change nothing here)."""
+
+    def new_seq(self, ns: NewSeq) -> _SeqState:
+        sp = ns.sampling
+        return _SeqState(ns.num_tokens, ns.num_computed_tokens, sp.beam_candidates,
+                         sp.logprobs if sp.want_logprobs else -1)
+
+    def fork(self, parent: _SeqState, fork: Fork) -> _SeqState:
+        return _SeqState(parent.num_tokens, parent.num_computed, parent.beam_candidates, parent.logprobs)
+
+    def append_token(self, state: _SeqState, seq_id: int, token: int) -> _SeqState:
+        state.num_tokens += 1
+        return state
+
+    def update_blocks(self, state: _SeqState, update: BlockUpdate) -> _SeqState:
+        return state
+
+
+_DELTAS = _SimDeltas()
 
 
 @dataclass(slots=True)
@@ -158,18 +183,7 @@ class SimExecutor:
         return result
 
     def _apply_deltas(self, plan: BatchPlan) -> None:
-        for seq_id in plan.free_seq_ids:
-            self.seqs.pop(seq_id, None)
-        for ns in plan.new_seqs:
-            sp = ns.sampling
-            self.seqs[ns.seq_id] = _SeqState(ns.num_tokens, ns.num_computed_tokens, sp.beam_candidates,
-                                             sp.logprobs if sp.want_logprobs else -1)
-        for fk in plan.forks:
-            parent = self.seqs[fk.parent_seq_id]
-            self.seqs[fk.child_seq_id] = _SeqState(parent.num_tokens, parent.num_computed,
-                                                   parent.beam_candidates, parent.logprobs)
-        for seq_id, _token in plan.append_tokens:
-            self.seqs[seq_id].num_tokens += 1
+        apply_deltas(plan, self.seqs, _DELTAS)
 
     def _token(self) -> int:
         tok = int(self._rng.integers(4, self.vocab_size))

@@ -20,6 +20,7 @@ import sys
 import torch
 
 from executor_svc import threads
+from executor_svc.attention_cpu import FusedCpuAttentionBackend
 from executor_svc.backends import make_attention_backend
 from executor_svc.config import ExecutorConfig, parse_config
 from executor_svc.grammar import GrammarBackend
@@ -80,7 +81,7 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
     if model.decode_stack is not None:
         model.decode_stack.threads.enabled = cfg.cpu_decode_threads == "adaptive"
     backend = make_attention_backend(cfg.device, cfg.cpu_attention)
-    if backend.name == "cpu-fused" and model.dtype != torch.float32:  # (activations: float32 when packed)
+    if isinstance(backend, FusedCpuAttentionBackend) and model.dtype != torch.float32:  # (activations: float32 when packed)
         log.warning("the fused CPU decode kernel computes in float32: %s attention uses the torch path", dtype)
     agree = None
     if group is not None:

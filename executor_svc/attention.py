@@ -48,7 +48,10 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """What the model needs from an attention implementation."""
 
-    name: str = "abstract"
+    name: str = "abstract"  # for logs and reports only: what a backend can do is in its attributes
+    # Pure decode steps may run the model's fused decode stack (executor_svc/model/cpu_decode.py),
+    # which computes this backend's attention inside the same C call.
+    runs_decode_stack: bool = False
 
     @abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -22,6 +22,7 @@ from executor_svc.cpu_kernels import KV_TYPES, DecodeKernel
 
 class FusedCpuAttentionBackend(TorchAttentionBackend):
     name = "cpu-fused"
+    runs_decode_stack = True  # (the decode stack's attention is this kernel's, csrc/decode_stack_cpu.c)
 
     def __init__(self, kernel: DecodeKernel) -> None:
         self.kernel = kernel

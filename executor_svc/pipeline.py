@@ -1,9 +1,12 @@
-"""Run plans in order, preparing each one on the host while the device runs the one before.
+"""The executor's one loop over plans: each step through the runner's three phases, in order,
+each plan prepared on the host while the device runs the one before when that overlaps.
 
-With asynchronous scheduling the next plan is queued before a step ends. A
-sequential runner still leaves the device idle between two steps while its thread
-checks and applies the next plan and builds its batch. :class:`StepPipeline` does that
-work while the step before is in flight, in this order:
+``worker.ComputeThread`` pushes every plan into a :class:`StepPipeline` and sends what comes
+out. Without ``ahead`` (depth 0: on CPU, where nothing overlaps, and under tensor parallelism)
+each plan runs to its end when it comes: ``ModelRunner.execute``, the three phases back to back,
+once per decode step. With ``ahead`` (depth 1; asynchronous scheduling keeps the next plan
+queued before a step ends, and a sequential runner would leave the device idle while its thread
+checks and applies that plan and builds its batch):
 
 1. launch step k (its forward is queued on the device; on CPU it runs here);
 2. when plan k+1 is already here: prepare it (check, apply, build). Where step k's
@@ -19,8 +22,8 @@ launched without them (``ModelRunner.launch`` rebuilds its batch), as the sequen
 runner would have skipped them: the other sequences of k+1 are served.
 
 On a GPU, step 2 runs while the device computes step k. On CPU nothing overlaps (the
-forward runs in step 1), so the executor's compute thread uses this only on CUDA
-devices; the tests run it on CPU for its exactness.
+forward runs in step 1), so the executor prepares ahead only on CUDA devices
+(``ModelRunner.prepare_ahead``); the tests run it on CPU for its exactness.
 """
 
 from __future__ import annotations
@@ -30,13 +33,16 @@ from pagedserve.wire import BatchPlan, StepResult
 
 
 class StepPipeline:
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.in_flight: LaunchedStep | None = None  # launched, not yet completed
+    def __init__(self, runner: ModelRunner, ahead: bool = True) -> None:
+        self.runner, self.ahead = runner, ahead
+        self.in_flight: LaunchedStep | None = None  # launched, not yet completed (never without ahead)
 
     def push(self, plan: BatchPlan) -> list[StepResult]:
-        """Start ``plan``; the results completed meanwhile (the step before it), oldest first."""
+        """Start ``plan``; the results completed meanwhile (the step before it), oldest first.
+        Without ``ahead``: ``plan``'s own result, its steps all run."""
         runner, done = self.runner, []
+        if not self.ahead:
+            return [runner.execute(plan)]
         if self.in_flight is not None and not runner.can_prepare_ahead(plan):
             done.append(self.finish())
         prepared = runner.prepare(plan, self.in_flight)

@@ -2,9 +2,11 @@
 
 Check-then-commit: a plan that names an unknown sequence, a block outside the
 pools, or more tokens than a sequence holds is refused as a whole
-(:class:`PlanError`) and the runner's state is left untouched. The check
-simulates the documented application order (``pagedserve/wire/messages.py``) on a
-shadow of each sequence's (token count, table length, computed count).
+(:class:`PlanError`) and the runner's state is left untouched. The check is a
+dry run of the runner's own walk over the plan's deltas
+(``pagedserve/wire/plan_deltas.py``, the order ``messages.py`` documents) on a
+shadow of each sequence's (token count, table length, computed count), whose
+target checks every id a delta names.
 
 Leniency, on purpose: ``free_seq_ids`` may name sequences we do not know (after
 a reconnect the executor has dropped everything the scheduler may still free).
@@ -17,15 +19,13 @@ from collections.abc import Iterable
 import numpy as np
 
 from pagedserve.wire import BatchPlan, WireError
+from pagedserve.wire.messages import BlockUpdate, Fork, NewSeq
+from pagedserve.wire.plan_deltas import DeltaError, DeltaTarget, Pairs, apply_deltas
 
-
-class PlanError(ValueError):
-    """A plan that cannot be applied to this executor's state; ``seq_id``: the sequence at fault,
-    when one is."""
-
-    def __init__(self, message: str, seq_id: int | None = None) -> None:
-        super().__init__(message)
-        self.seq_id = seq_id
+# A plan that cannot be applied to this executor's state; ``seq_id``: the sequence at fault, when
+# one is. One error for every rule a plan breaks, the shared walk's and this check's.
+PlanError = DeltaError
+Shadow = tuple[int, int, int]  # (num_tokens, table_len, num_computed)
 
 
 class PlanChecker:
@@ -62,58 +62,8 @@ class PlanChecker:
         if plan.decode_steps > 1:
             self._multi_step(plan, max_decode_steps)
         shadow = dict(state)
-        self._pairs(plan.swap_out, self.num_blocks, self.num_cpu_blocks, "swap_out")
-        for sid in plan.free_seq_ids:
-            shadow.pop(sid, None)
-        for s in plan.new_seqs:
-            self._new_seq(s, shadow)
-        for f in plan.forks:
-            if f.parent_seq_id not in shadow:
-                raise PlanError(f"fork: unknown parent seq {f.parent_seq_id}", f.child_seq_id)
-            if f.child_seq_id in shadow:
-                raise PlanError(f"fork: child seq {f.child_seq_id} already exists", f.child_seq_id)
-            shadow[f.child_seq_id] = shadow[f.parent_seq_id]
-        for sid, tok in plan.append_tokens:
-            n, t, c = self._known(shadow, sid, "append_tokens")
-            self._tokens([tok], f"append_tokens seq {sid}", sid)
-            shadow[sid] = (n + 1, t, c)
-        for u in plan.block_updates:
-            n, t, c = self._known(shadow, u.seq_id, "block_updates")
-            if not 0 <= u.start <= t:
-                raise PlanError(f"block_updates seq {u.seq_id}: start {u.start} outside [0, {t}]", u.seq_id)
-            self._blocks(u.block_ids, self.num_blocks, f"block_updates seq {u.seq_id}", u.seq_id)
-            shadow[u.seq_id] = (n, u.start + len(u.block_ids), c)
-        self._pairs(plan.swap_in, self.num_cpu_blocks, self.num_blocks, "swap_in")
-        self._pairs(plan.copies, self.num_blocks, self.num_blocks, "copies")
+        apply_deltas(plan, shadow, _Shadow(self))  # the runner's own walk, over the shadow
         self._scheduled(plan, shadow)
-
-    def _known(self, shadow, sid: int, what: str) -> tuple[int, int, int]:
-        if sid not in shadow:
-            raise PlanError(f"{what}: unknown seq {sid}", sid)
-        return shadow[sid]
-
-    def _new_seq(self, s, shadow) -> None:
-        if s.seq_id in shadow:
-            raise PlanError(f"new_seqs: seq {s.seq_id} already exists", s.seq_id)
-        try:
-            n = s.num_tokens  # (the packing's own rule: whole uint32s)
-        except WireError as exc:
-            raise PlanError(f"new_seqs seq {s.seq_id}: {exc}", s.seq_id) from None
-        if n == 0 or n > self.max_model_len:
-            raise PlanError(f"new_seqs seq {s.seq_id}: {n} tokens, expected 1..{self.max_model_len}", s.seq_id)
-        if not 0 <= s.num_prompt_tokens <= n:
-            raise PlanError(f"new_seqs seq {s.seq_id}: num_prompt_tokens {s.num_prompt_tokens} outside [0, {n}]", s.seq_id)
-        if not 0 <= s.num_computed_tokens <= n:
-            raise PlanError(f"new_seqs seq {s.seq_id}: num_computed_tokens {s.num_computed_tokens} "
-                            f"outside [0, {n}]", s.seq_id)
-        if s.num_computed_tokens > len(s.block_ids) * self.block_size:
-            raise PlanError(f"new_seqs seq {s.seq_id}: {s.num_computed_tokens} computed tokens do not fit "
-                            f"in {len(s.block_ids)} blocks", s.seq_id)
-        self._packed_tokens(s.token_ids, f"new_seqs seq {s.seq_id}", s.seq_id)
-        self._blocks(s.block_ids, self.num_blocks, f"new_seqs seq {s.seq_id}", s.seq_id)
-        if s.sampling.beam_candidates < 0 or s.sampling.logprobs < 0 or s.sampling.top_k < 0:
-            raise PlanError(f"new_seqs seq {s.seq_id}: negative beam_candidates, logprobs or top_k", s.seq_id)
-        shadow[s.seq_id] = (n, len(s.block_ids), s.num_computed_tokens)
 
     def _multi_step(self, plan: BatchPlan, max_decode_steps: int) -> None:
         """A plan of several decode steps only decodes: no sequence arrives, forks, swaps or copies."""
@@ -138,7 +88,9 @@ class PlanChecker:
             raise PlanError("scheduled_seq_ids: a sequence is scheduled twice")
         steps = plan.decode_steps
         for sid, k in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True):
-            n, t, c = self._known(shadow, sid, "scheduled_seq_ids")
+            if (known := shadow.get(sid)) is None:
+                raise PlanError(f"scheduled_seq_ids: unknown seq {sid}", sid)
+            n, t, c = known
             if k < 1 or c + k > n:
                 raise PlanError(f"scheduled seq {sid}: {k} new tokens with {c} computed of {n}", sid)
             if steps > 1 and (k != 1 or c + 1 != n):
@@ -151,3 +103,57 @@ class PlanChecker:
             if steps > 1 and end > self.max_model_len:
                 raise PlanError(f"scheduled seq {sid}: {steps} decode steps reach {end} tokens, more than "
                                 f"{self.max_model_len}", sid)
+
+
+class _Shadow(DeltaTarget[Shadow]):
+    """The plan's deltas on the shadow state, each id they name checked against the pools and the
+    vocabulary; no block moves."""
+
+    def __init__(self, checker: PlanChecker) -> None:
+        self.c = checker
+
+    def swap_out(self, pairs: Pairs) -> None:
+        self.c._pairs(pairs, self.c.num_blocks, self.c.num_cpu_blocks, "swap_out")
+
+    def swap_in(self, pairs: Pairs) -> None:
+        self.c._pairs(pairs, self.c.num_cpu_blocks, self.c.num_blocks, "swap_in")
+
+    def copy_blocks(self, pairs: Pairs) -> None:
+        self.c._pairs(pairs, self.c.num_blocks, self.c.num_blocks, "copies")
+
+    def fork(self, parent: Shadow, fork: Fork) -> Shadow:
+        return parent
+
+    def append_token(self, state: Shadow, seq_id: int, token: int) -> Shadow:
+        self.c._tokens([token], f"append_tokens seq {seq_id}", seq_id)
+        n, t, c = state
+        return n + 1, t, c
+
+    def update_blocks(self, state: Shadow, u: BlockUpdate) -> Shadow:
+        n, t, c = state
+        if not 0 <= u.start <= t:
+            raise PlanError(f"block_updates seq {u.seq_id}: start {u.start} outside [0, {t}]", u.seq_id)
+        self.c._blocks(u.block_ids, self.c.num_blocks, f"block_updates seq {u.seq_id}", u.seq_id)
+        return n, u.start + len(u.block_ids), c
+
+    def new_seq(self, s: NewSeq) -> Shadow:
+        c = self.c
+        try:
+            n = s.num_tokens  # (the packing's own rule: whole uint32s)
+        except WireError as exc:
+            raise PlanError(f"new_seqs seq {s.seq_id}: {exc}", s.seq_id) from None
+        if n == 0 or n > c.max_model_len:
+            raise PlanError(f"new_seqs seq {s.seq_id}: {n} tokens, expected 1..{c.max_model_len}", s.seq_id)
+        if not 0 <= s.num_prompt_tokens <= n:
+            raise PlanError(f"new_seqs seq {s.seq_id}: num_prompt_tokens {s.num_prompt_tokens} outside [0, {n}]", s.seq_id)
+        if not 0 <= s.num_computed_tokens <= n:
+            raise PlanError(f"new_seqs seq {s.seq_id}: num_computed_tokens {s.num_computed_tokens} "
+                            f"outside [0, {n}]", s.seq_id)
+        if s.num_computed_tokens > len(s.block_ids) * c.block_size:
+            raise PlanError(f"new_seqs seq {s.seq_id}: {s.num_computed_tokens} computed tokens do not fit "
+                            f"in {len(s.block_ids)} blocks", s.seq_id)
+        c._packed_tokens(s.token_ids, f"new_seqs seq {s.seq_id}", s.seq_id)
+        c._blocks(s.block_ids, c.num_blocks, f"new_seqs seq {s.seq_id}", s.seq_id)
+        if s.sampling.beam_candidates < 0 or s.sampling.logprobs < 0 or s.sampling.top_k < 0:
+            raise PlanError(f"new_seqs seq {s.seq_id}: negative beam_candidates, logprobs or top_k", s.seq_id)
+        return n, len(s.block_ids), s.num_computed_tokens

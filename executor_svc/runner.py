@@ -8,10 +8,11 @@ sequence's computed count reaches its token count, and appends the sampled token
 scheduler can plan the next step without waiting.
 
 One implementation of a step, in three phases: ``prepare`` (check, apply, build the batch),
-``launch`` (start the forward) and ``complete`` (sample, report). ``execute`` runs them back to
-back (the in-order loop); ``executor_svc/pipeline.py`` prepares a plan while the step before it
-runs; the tensor-parallel runners hook into the same phases (``_publish``, ``_guard``,
-``_sampled``).
+``launch`` (start the forward) and ``complete`` (sample, report). Every step runs through them:
+``execute`` runs them back to back, once per decode step of the plan (a plan of ``decode_steps``
+k runs its steps 2..k as plans of their own); ``executor_svc/pipeline.py`` prepares a plan while
+the step before it runs; the tensor-parallel runners hook into the phases (``_stepping``,
+``_publish``, ``_guard``, ``_sample``, ``_sampled``).
 
 Every plan gets exactly one answer (``StepResult``, whose docstring is the contract):
 
@@ -37,15 +38,17 @@ import torch
 from executor_svc.attention import AttentionBackend
 from executor_svc.batch import Batch, SeqState, build_batch
 from executor_svc.dropped import DroppedSeqs
-from executor_svc.grammar import GrammarBackend, GrammarMasks, SeqGrammar, unserved
+from executor_svc.grammar import GrammarBackend, GrammarMasks
 from executor_svc.kv_cache import KVCache
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.plan_check import PlanChecker, PlanError
 from executor_svc.sampler import SampleOutput, Sampler
-from pagedserve.wire import MAX_TEXT_CHARS, BatchPlan, PromptLogprobs, SeqLogprobs, StepResult
+from executor_svc.seq_deltas import ExecutorDeltas
+from executor_svc.step_report import report_samples, score_prompt
+from pagedserve.wire import MAX_TEXT_CHARS, BatchPlan, StepResult
+from pagedserve.wire.plan_deltas import apply_deltas
 
 log = logging.getLogger(__name__)
-PROMPT_SLICE = 256  # prompt rows scored at once (their logits are [rows, vocab] float32)
 __all__ = ["Batch", "LaunchedStep", "ModelRunner", "PreparedStep", "SeqState", "StepFatal"]
 
 
@@ -116,33 +119,43 @@ class ModelRunner:
         return 1 if self.prepare_ahead else self.max_decode_steps
 
     def execute(self, plan: BatchPlan) -> StepResult:
-        """One plan, start to end: the three phases back to back (and its further decode steps)."""
-        prepared = self.prepare(plan)
+        """One plan, start to end: the three phases back to back, once per decode step."""
+        with self._stepping():
+            result = self._in_order(plan)
+            if plan.decode_steps > 1 and not result.refused and not result.failed_seq_ids:
+                result = self._decode_more(plan, result)
+            return result
+
+    def _in_order(self, plan: BatchPlan, check: bool = True) -> StepResult:
+        """The three phases back to back; the step's model_seconds include its preparation."""
+        prepared = self.prepare(plan, check=check)
         if isinstance(prepared, StepResult):
             return prepared
         launched = self.launch(prepared)
         result = launched if isinstance(launched, StepResult) else self.complete(launched)
-        if plan.decode_steps > 1 and not result.refused and not result.failed_seq_ids:
-            result = self._decode_more(prepared.plan, result)
         result.model_seconds = time.perf_counter() - prepared.start
         return result
 
     def _decode_more(self, plan: BatchPlan, result: StepResult) -> StepResult:
         """Steps 2..k of a plan of ``decode_steps`` k: the sequences that sampled decode the token they
-        sampled, and sample again, k - 1 times; their tokens follow the first step's in ``result``. The
-        sequences are plain samplers (the check refused anything else), so each step is what a plan of
-        its own would be."""
+        sampled, and sample again, k - 1 times, each step a plan of its own (scheduled decodes, no
+        deltas) through the three phases; their tokens follow the first step's in ``result``. The
+        plan's check covered all k steps (the sequences sample plainly, their tables hold the k
+        slots), so the steps are not checked again. A step that fails any sequence fails them all:
+        their earlier tokens were appended here but are reported no more."""
         seq_ids = list(result.sampled_seq_ids)
         if not seq_ids:
             return result
         step = BatchPlan(plan.step_id, seq_ids, [1] * len(seq_ids))
-        try:
-            for _ in range(plan.decode_steps - 1):
-                batch = build_batch(self.seqs, self.kv.block_size, self.model.device, seq_ids, step.num_new_tokens)
-                logits = self._forward_batch(step, batch)
-                self._sample(batch, logits, result)
-        except Exception as exc:  # noqa: BLE001  its sequences fail, their earlier tokens with them
-            return self._failure(plan, seq_ids, exc)
+        for _ in range(plan.decode_steps - 1):
+            more = self._in_order(step, check=False)
+            if more.refused or more.failed_seq_ids or more.sampled_seq_ids != seq_ids:
+                self._drop(seq_ids)
+                return StepResult(step_id=plan.step_id, failed_seq_ids=seq_ids,
+                                  error=more.error or _text("executor error: a decode step sampled no token"))
+            result.sampled_seq_ids += more.sampled_seq_ids
+            result.sampled_token_ids += more.sampled_token_ids
+            result.model_seconds += more.model_seconds
         return result
 
     def can_prepare_ahead(self, plan: BatchPlan) -> bool:
@@ -153,16 +166,18 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- the three phases
 
-    def prepare(self, plan: BatchPlan, after: LaunchedStep | None = None) -> PreparedStep | StepResult:
+    def prepare(self, plan: BatchPlan, after: LaunchedStep | None = None, *,
+                check: bool = True) -> PreparedStep | StepResult:
         """Check and apply ``plan`` and build its batch, on the host. ``after``: the step still in
-        flight; the tokens it samples are inputs of this one, filled in by :meth:`launch`."""
+        flight; the tokens it samples are inputs of this one, filled in by :meth:`launch`.
+        ``check=False``: a further decode step of a plan whose check covered it."""
         start = time.perf_counter()
         if self.refusing is not None:
             return StepResult(step_id=plan.step_id, refused=True,
                               error=_text(f"discarded: a plan before it was refused ({self.refusing})"))
         sent, plan = plan, self.dropped.skip(plan)
         in_flight = after.sampling_seqs() if after is not None else {}
-        if (refused := self._check(plan, in_flight)) is not None:
+        if check and (refused := self._check(plan, in_flight)) is not None:
             return refused
         self._publish(sent)  # as sent: the other ranks skip what they dropped too (the frees of it included)
         try:
@@ -206,7 +221,7 @@ class ModelRunner:
         batch = step.batch
         if batch is not None:
             result.prompt_logprobs = batch.prompt_scores
-        if batch is not None and step.logits is not None:
+        if batch is not None and batch.logits_rows:
             try:
                 self._sample(batch, step.logits, result, step.masks)
             except StepFatal:
@@ -219,6 +234,10 @@ class ModelRunner:
         return result
 
     # ---------------------------------------------------------------- hooks (tensor parallelism)
+
+    def _stepping(self) -> contextlib.AbstractContextManager:
+        """Around a whole plan run in order (rank 0 holds its channel for the step's messages)."""
+        return contextlib.nullcontext()
 
     def _publish(self, plan: BatchPlan) -> None:
         """A plan passed its check and is about to be applied (rank 0 sends it to the other ranks)."""
@@ -283,91 +302,37 @@ class ModelRunner:
         step.batch = (build_batch(self.seqs, self.kv.block_size, self.model.device, step.plan.scheduled_seq_ids,
                                   step.plan.num_new_tokens) if kept else None)
 
-    # ---------------------------------------------------------------- deltas
-
     def _apply(self, plan: BatchPlan) -> None:
-        self.backend.swap(self.kv.layers, self.kv.cpu_layers, plan.swap_out)
-        for sid in plan.free_seq_ids:
-            self.seqs.pop(sid, None)
-        for s in plan.new_seqs:
-            tokens = s.tokens()
-            state = self.seqs[s.seq_id] = SeqState(s.seq_id, tokens, s.num_prompt_tokens,
-                                                   list(s.block_ids), s.num_computed_tokens, s.sampling,
-                                                   self._grammar_of(s.sampling, tokens[s.num_prompt_tokens:]))
-            if s.sampling.prompt_logprobs >= 0 and len(tokens) == s.num_prompt_tokens > 1:
-                state.prompt_lp_next = 1  # nothing sampled yet: its prompt is scored (again) from token 1
-        for f in plan.forks:
-            p = self.seqs[f.parent_seq_id]
-            sampling = p.sampling if f.seed is None else p.sampling.with_seed(f.seed)
-            self.seqs[f.child_seq_id] = SeqState(f.child_seq_id, list(p.token_ids), p.num_prompt_tokens,
-                                                 list(p.block_ids), p.num_computed_tokens, sampling,
-                                                 p.grammar.fork() if p.grammar is not None else None)
-        for sid, tok in plan.append_tokens:
-            s = self.seqs[sid]
-            s.token_ids.append(tok)
-            if s.grammar is not None:
-                s.grammar.accept(tok)
-        for u in plan.block_updates:
-            table = self.seqs[u.seq_id].block_ids
-            del table[u.start:]
-            table.extend(u.block_ids)
-        self.backend.swap(self.kv.cpu_layers, self.kv.layers, plan.swap_in)
-        self.backend.copy_blocks(self.kv.layers, plan.copies)
+        """The plan's deltas, in the documented order (the walk its check ran dry)."""
+        apply_deltas(plan, self.seqs, ExecutorDeltas(self.kv, self.backend, self.grammar))
 
     # ---------------------------------------------------------------- forward
 
     def _forward_batch(self, plan: BatchPlan, batch: Batch) -> torch.Tensor | None:
         input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.model.device)
         with torch.inference_mode():
-            hidden = self.model(input_ids, batch.positions, self.kv.layers, batch.meta, self.backend)
-            logits = self._logits(hidden, batch)
+            hidden, step_logits = self.model.forward_with_logits(input_ids, batch.positions, self.kv.layers,
+                                                                 batch.meta, self.backend)
+            logits = self._logits(hidden, batch, step_logits)
         for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True):
             self.seqs[sid].num_computed_tokens += n
         for s, first, _, count in batch.prompt_rows:  # (every rank: the next step's batch depends on it)
             s.prompt_lp_next = first + count
         return logits
 
-    def _logits(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+    def _logits(self, hidden: torch.Tensor, batch: Batch, step_logits: torch.Tensor | None) -> torch.Tensor | None:
         """hidden [num_tokens, hidden] -> logits [num_sampling_rows, vocab] float32 (None if none);
-        the prompt tokens the batch scores, into ``batch.prompt_scores``."""
+        the prompt tokens the batch scores, into ``batch.prompt_scores``. ``step_logits``: every
+        row's logits when the forward computed them (the fused CPU decode step)."""
         for s, first, row, count in batch.prompt_rows:
-            batch.prompt_scores.append(self._score_prompt(hidden, s, first, row, count))
+            batch.prompt_scores.append(score_prompt(self.model, hidden, s, first, row, count))
         rows_list = batch.logits_rows
         if not rows_list:
             return None
-        if len(rows_list) == hidden.shape[0] and rows_list[-1] == len(rows_list) - 1:
-            return self.model.compute_logits(hidden)  # every row samples (rows ascend): no gather
+        if len(rows_list) == hidden.shape[0] and rows_list[-1] == len(rows_list) - 1:  # every row samples
+            return step_logits if step_logits is not None else self.model.compute_logits(hidden)  # (no gather)
         rows = torch.tensor(rows_list, dtype=torch.int64, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, rows))
-
-    def _score_prompt(self, hidden: torch.Tensor, s: SeqState, first: int, row: int, count: int) -> PromptLogprobs:
-        """Prompt tokens ``first .. first + count - 1`` of ``s``, scored by the raw log-softmax of the
-        logits of the rows before them, with the top ``prompt_logprobs`` alternatives; in slices, so a
-        long prompt never holds [prompt, vocab] logits at once."""
-        k = min(s.sampling.prompt_logprobs, self.model.cfg.vocab_size)
-        lps: list[float] = []
-        top_ids: list[int] = []
-        top_vals: list[float] = []
-        targets = torch.tensor(s.token_ids[first:first + count], dtype=torch.int64, device=hidden.device)
-        for at in range(0, count, PROMPT_SLICE):
-            n = min(PROMPT_SLICE, count - at)
-            lp = torch.log_softmax(self.model.compute_logits(hidden[row + at:row + at + n]).float(), dim=-1)
-            lps += lp.gather(1, targets[at:at + n, None])[:, 0].tolist()
-            if k:
-                vals, ids = torch.topk(lp, k, dim=-1)
-                top_ids += ids.flatten().tolist()
-                top_vals += vals.flatten().tolist()
-        return PromptLogprobs(s.seq_id, first, lps, top_ids, top_vals)
-
-    def _grammar_of(self, sampling, outputs: list[int]) -> SeqGrammar | None:
-        """A structured sequence's grammar state; it starts compiling now, while the sequence prefills.
-        Beam rows have none: the fronts refuse the combination, and beams are chosen among unmasked
-        candidates (so a grammar could fail only sampling rows, the ones the TP followers hear of)."""
-        if sampling.structured is None or sampling.beam_candidates > 0:
-            return None
-        if self.grammar is None:
-            return unserved("this executor has no tokenizer.json, so it cannot serve structured outputs")
-        return self.grammar.track(sampling.structured, sampling.end_token_ids, outputs)
 
     def _masks(self, batch: Batch | None) -> GrammarMasks | None:
         if batch is None or not any(s.grammar is not None for s in batch.sample_seqs):
@@ -386,41 +351,10 @@ class ModelRunner:
 
     def _report(self, seqs: list[SeqState], out: SampleOutput, result: StepResult,
                 failed: dict[int, str] | None = None) -> None:
-        """Append the sampled tokens and report them; the rows in ``failed`` (row -> why: their
-        grammar cannot be served; sampled unmasked) are dropped and reported failed instead."""
-        failed = failed or {}
-        for i, s in enumerate(seqs):  # every row checked before any is appended: all or nothing
-            if out.beam[i] is None and out.token_ids[i] is None and i not in failed:
-                raise RuntimeError(f"sampler returned no token for seq {s.seq_id}")
-        constrained = [(s.grammar, out.token_ids[i]) for i, s in enumerate(seqs) if s.grammar is not None
-                       and out.beam[i] is None and i not in failed]
-        if constrained:  # (masked by their grammars: accepted; a terminated matcher takes no more)
-            if self.grammar is not None:
-                self.grammar.accept([g for g, _ in constrained], [t for _, t in constrained])
-            else:
-                for g, tok in constrained:
-                    g.accept(tok)
-        for i, s in enumerate(seqs):
-            if i in failed:
-                continue
-            beam = out.beam[i]
-            if beam is not None:
-                result.beam_candidates.append(SeqLogprobs(s.seq_id, 0.0, beam.top_token_ids, beam.top_logprobs))
-                continue
-            tok = out.token_ids[i]
-            lp = out.logprobs[i]
-            if lp is not None:
-                result.logprobs.append(SeqLogprobs(s.seq_id, lp.token_logprob, lp.top_token_ids, lp.top_logprobs))
-            s.token_ids.append(tok)
-            result.sampled_seq_ids.append(s.seq_id)
-            result.sampled_token_ids.append(tok)
-        if failed:
-            reasons = [f"seq {seqs[i].seq_id}: {why}" for i, why in failed.items()]
-            log.warning("step %d: %d sequences fail, their grammar cannot be served: %s", result.step_id,
-                        len(failed), "; ".join(reasons))
-            self._drop([seqs[i].seq_id for i in failed])
-            result.failed_seq_ids.extend(seqs[i].seq_id for i in failed)
-            result.error = _text("structured outputs: " + "; ".join(reasons))
+        """Append the sampled tokens and report them (``step_report.report_samples``); the rows in
+        ``failed`` (row -> why: their grammar cannot be served) are dropped and reported failed."""
+        if dropped := report_samples(seqs, out, result, failed or {}, self.grammar):
+            self._drop(dropped)
 
 
 def _named(plan: BatchPlan) -> list[int]:

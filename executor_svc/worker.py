@@ -125,10 +125,7 @@ class ComputeThread(threading.Thread):
                     self.runner, sock = item.runner, item.ctx.socket(zmq.PAIR)
                     sock.connect(item.endpoint)
                     break
-            if getattr(self.runner, "prepare_ahead", False):
-                self._run_pipelined(sock)
-            else:
-                self._run_in_order(sock)
+            self._serve_plans(sock)
         except BaseException:  # a bug (every plan's own failure is a result): the main thread exits on it
             log.critical("the compute thread failed; the executor exits so that it is restarted", exc_info=True)
             raise
@@ -136,20 +133,13 @@ class ComputeThread(threading.Thread):
             if sock is not None:
                 sock.close(linger=0)
 
-    def _run_in_order(self, sock: zmq.Socket) -> None:
-        while True:
-            gen, item = self.inbox.get()
-            if item == _STOP:
-                return
-            if item == _RESET:
-                self.runner.reset()
-            elif gen == self.current_gen:
-                sock.send_multipart([str(gen).encode(), wire.encode(self.runner.execute(item))])
-
-    def _run_pipelined(self, sock: zmq.Socket) -> None:
-        """As _run_in_order, but each plan already queued is prepared while the device runs the
-        step before it (executor_svc/pipeline.py); a step completes once no plan is waiting."""
-        pipeline, in_flight_gen = StepPipeline(self.runner), 0
+    def _serve_plans(self, sock: zmq.Socket) -> None:
+        """Plans in arrival order through the one step driver (executor_svc/pipeline.py). With
+        ``prepare_ahead`` each plan already queued is prepared while the device runs the step
+        before it, and a step completes once no plan is waiting; without, each plan is run to its
+        end when it comes (nothing is ever in flight between two plans)."""
+        pipeline = StepPipeline(self.runner, ahead=getattr(self.runner, "prepare_ahead", False))
+        in_flight_gen = 0
 
         def send(result: wire.StepResult, gen: int) -> None:
             sock.send_multipart([str(gen).encode(), wire.encode(result)])

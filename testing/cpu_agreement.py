@@ -89,8 +89,10 @@ class Forcer:
         meta, positions = self._meta(seqs, [len(t) for t in tokens])
         ids = torch.tensor([t for ts in tokens for t in ts])
         with torch.inference_mode():
-            hidden = self.model(ids, positions, self.kv.layers, meta, self.backend)
+            hidden, logits = self.model.forward_with_logits(ids, positions, self.kv.layers, meta, self.backend)
             last = torch.tensor(meta.query_start_loc_host[1:]) - 1
+            if logits is not None:  # (the fused decode step computed every row's)
+                return logits.index_select(0, last)
             return self.model.compute_logits(hidden.index_select(0, last))
 
 

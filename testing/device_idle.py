@@ -114,7 +114,7 @@ def measure(model_dir: Path, device: str = "cpu", seqs: int = 64, prompt: int = 
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     else:  # the model's compute: its layers and the LM head
-        model.forward, model.compute_logits = timed(model.forward), timed(model.compute_logits)
+        model.forward_with_logits, model.compute_logits = timed(model.forward_with_logits), timed(model.compute_logits)
     with torch.profiler.profile(activities=activities) as prof:
         wall = pipelined(steps) if prepare_ahead else sum(step() for _ in range(steps))
     if device == "cuda":

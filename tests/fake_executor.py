@@ -1,8 +1,9 @@
 """A deterministic stand-in for an executor, strict about the plans it gets.
 
 It keeps per-sequence state exactly as a real executor does from the plan
-deltas (tokens, block table, computed count), applies a plan in the order
-``pagedserve/wire/messages.py`` documents, and simulates the KV cache: every slot a sequence computes stores a
+deltas (tokens, block table, computed count), applies a plan with the
+executor's own walk (``pagedserve/wire/plan_deltas.py``, the order
+``pagedserve/wire/messages.py`` documents), and simulates the KV cache: every slot a sequence computes stores a
 fingerprint of (all tokens up to that position). Before a sequence computes
 and after every step, every computed position of every sequence must read
 back its own fingerprint through its block table — so a missing copy-on-write,
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 
 from pagedserve import wire
 from pagedserve.wire import BatchPlan, SamplingParams, SeqLogprobs, StepResult
+from pagedserve.wire.messages import BlockUpdate, Fork, NewSeq
+from pagedserve.wire.plan_deltas import DeltaError, DeltaTarget, Pairs, apply_deltas
 
 
 class PlanError(AssertionError):
@@ -103,37 +106,10 @@ class FakeExecutor:
         return res
 
     def _apply(self, plan: BatchPlan) -> StepResult:
-        for d, c in plan.swap_out:
-            self.cpu[self._cblk(c)] = list(self.dev[self._dblk(d)])
-        for sid in plan.free_seq_ids:
-            if self.seqs.pop(sid, None) is None:
-                raise PlanError(f"free of unknown seq {sid}")
-        for ns in plan.new_seqs:
-            if ns.seq_id in self.seqs:
-                raise PlanError(f"NewSeq {ns.seq_id} is already registered")
-            for b in ns.block_ids:
-                self._dblk(b)
-            self.seqs[ns.seq_id] = _Seq(ns.tokens(), ns.num_prompt_tokens, list(ns.block_ids),
-                                        ns.num_computed_tokens, ns.sampling)
-        for f in plan.forks:
-            p = self._seq(f.parent_seq_id)
-            if f.child_seq_id in self.seqs:
-                raise PlanError(f"fork into registered seq {f.child_seq_id}")
-            sp = p.sampling if f.seed is None else p.sampling.with_seed(f.seed)
-            self.seqs[f.child_seq_id] = _Seq(list(p.tokens), p.num_prompt, list(p.table), p.computed, sp)
-        for sid, tok in plan.append_tokens:
-            self._seq(sid).tokens.append(tok)
-        for u in plan.block_updates:
-            s = self._seq(u.seq_id)
-            if not 0 <= u.start <= len(s.table):
-                raise PlanError(f"block update of seq {u.seq_id} at {u.start}, table has {len(s.table)}")
-            for b in u.block_ids:
-                self._dblk(b)
-            s.table[u.start:] = u.block_ids
-        for c, d in plan.swap_in:
-            self.dev[self._dblk(d)] = list(self.cpu[self._cblk(c)])
-        for src, dst in plan.copies:
-            self.dev[self._dblk(dst)] = list(self.dev[self._dblk(src)])
+        try:
+            apply_deltas(plan, self.seqs, _FakeDeltas(self))
+        except DeltaError as exc:  # (the walk's own rules: an unknown or already live sequence)
+            raise PlanError(str(exc)) from exc
         return self._forward(plan)
 
     def _forward(self, plan: BatchPlan) -> StepResult:
@@ -201,6 +177,53 @@ class FakeExecutor:
         return b
 
 
+
+
+class _FakeDeltas(DeltaTarget[_Seq]):
+    """The deltas on the fake's state, strict: freeing an unknown sequence and naming a block
+    outside the pools are errors, and every block move copies the simulated slots."""
+
+    def __init__(self, ex: FakeExecutor) -> None:
+        self.ex = ex
+
+    def free_unknown(self, seq_id: int) -> None:
+        raise PlanError(f"free of unknown seq {seq_id}")
+
+    def new_seq(self, ns: NewSeq) -> _Seq:
+        for b in ns.block_ids:
+            self.ex._dblk(b)
+        return _Seq(ns.tokens(), ns.num_prompt_tokens, list(ns.block_ids), ns.num_computed_tokens, ns.sampling)
+
+    def fork(self, p: _Seq, f: Fork) -> _Seq:
+        sp = p.sampling if f.seed is None else p.sampling.with_seed(f.seed)
+        return _Seq(list(p.tokens), p.num_prompt, list(p.table), p.computed, sp)
+
+    def append_token(self, s: _Seq, seq_id: int, token: int) -> _Seq:
+        s.tokens.append(token)
+        return s
+
+    def update_blocks(self, s: _Seq, u: BlockUpdate) -> _Seq:
+        if not 0 <= u.start <= len(s.table):
+            raise PlanError(f"block update of seq {u.seq_id} at {u.start}, table has {len(s.table)}")
+        for b in u.block_ids:
+            self.ex._dblk(b)
+        s.table[u.start:] = u.block_ids
+        return s
+
+    def swap_out(self, pairs: Pairs) -> None:
+        ex = self.ex
+        for d, c in pairs:
+            ex.cpu[ex._cblk(c)] = list(ex.dev[ex._dblk(d)])
+
+    def swap_in(self, pairs: Pairs) -> None:
+        ex = self.ex
+        for c, d in pairs:
+            ex.dev[ex._dblk(d)] = list(ex.cpu[ex._cblk(c)])
+
+    def copy_blocks(self, pairs: Pairs) -> None:
+        ex = self.ex
+        for src, dst in pairs:
+            ex.dev[ex._dblk(dst)] = list(ex.dev[ex._dblk(src)])
 
 
 # Plans a driver keeps in flight: 1 = synchronous (plan, run, update); 2 = asynchronous

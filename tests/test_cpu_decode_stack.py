@@ -18,19 +18,16 @@ FORMATS = {"float32": ({}, torch.float32, 1e-4), "bfloat16": ({"dtype": torch.bf
 
 
 class _Spy:
-    """The model's decode stack, counting its calls (rows per call)."""
+    """The model's decode stack, recording its calls (rows per call) and the logits each returned."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.calls, self.logits_served = inner, [], 0
+        self.inner, self.calls, self.logits = inner, [], []
 
     def __call__(self, *args):
         self.calls.append(args[0].shape[0])
-        return self.inner(*args)
-
-    def logits_for(self, hidden):
-        done = self.inner.logits_for(hidden)
-        self.logits_served += done is not None
-        return done
+        hidden, logits = self.inner(*args)
+        self.logits.append(logits)
+        return hidden, logits
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
@@ -61,9 +58,9 @@ def test_stack_matches_the_modules(tiny_checkpoint, fmt, arch, num_seqs):
         ours = fused.step(seqs, [[int(t)] for t in tokens])
         ref = modules.step(seqs, [[int(t)] for t in tokens])
         torch.testing.assert_close(ours, ref, rtol=0, atol=tol * float(ref.abs().max()))
+        assert torch.equal(ours, spy.logits[-1])  # the step's logits are those its one C call returned
         tokens = ref.argmax(-1)
     assert spy.calls == [num_seqs] * 6  # every decode step took the fused path, no prefill did
-    assert spy.logits_served == 6  # and computed its logits in the same call
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -100,3 +97,33 @@ def test_a_block_id_outside_the_cache_is_refused(tiny_llama_dir):
     meta.block_tables[0, 0] = forcer.kv.num_blocks  # one past the end
     with pytest.raises(ValueError, match="outside the cache"), torch.inference_mode():
         model(torch.tensor([8]), positions, forcer.kv.layers, meta, forcer.backend)
+
+
+def test_the_fused_step_is_chosen_by_what_the_backend_does_not_by_its_name(tiny_llama_dir):
+    """A backend whose kernel the stack runs takes the fused step whatever it is called; one that
+    does not never does, even under the fused backend's name."""
+    from executor_svc.attention import TorchAttentionBackend
+    from executor_svc.attention_cpu import FusedCpuAttentionBackend
+
+    class Renamed(FusedCpuAttentionBackend):
+        name = "something-else"
+
+    class Impostor(TorchAttentionBackend):
+        name = "cpu-fused"
+
+    model = load_model(tiny_llama_dir)
+    model.decode_stack = spy = _Spy(model.decode_stack)
+    forcer = Forcer(model, torch.float32, 1, 32)
+    fused = forcer.backend
+    assert isinstance(fused, FusedCpuAttentionBackend)
+    forcer.step([0], [[5, 6, 7]])
+    got = {}
+    for label, backend in (("renamed", Renamed(fused.kernel)), ("impostor", Impostor())):
+        forcer.backend, calls = backend, len(spy.calls)
+        meta, positions = forcer._meta([0], [1])
+        forcer.lens[0] -= 1  # (the same position again: both compute token 8 after 5, 6, 7)
+        with torch.inference_mode():
+            hidden, logits = model.forward_with_logits(torch.tensor([8]), positions, forcer.kv.layers, meta, backend)
+        got[label] = (len(spy.calls) - calls, logits)
+    assert got["renamed"][0] == 1 and got["renamed"][1] is not None and got["renamed"][1].shape[0] == 1
+    assert got["impostor"] == (0, None)  # the modules ran, and the runner computes the logits it wants

@@ -253,3 +253,59 @@ def test_a_plan_takes_as_many_steps_as_fit_its_time(tiny_llama_dir, model, monke
     assert taken[:2] == [1, 1]  # the prefill, then a decode step that measures the step time
     assert taken[2] == steps and max(taken) == steps
     assert sched.decode_policy.step_s == pytest.approx(step_s)
+
+
+class _PhaseRecorder:
+    """Wraps a runner's phases and hooks, recording each call in order."""
+
+    def __init__(self, runner, monkeypatch) -> None:
+        self.calls: list[str] = []
+        for name in ("prepare", "launch", "complete", "_publish", "_guard", "_sampled"):
+            inner = getattr(runner, name)
+            monkeypatch.setattr(runner, name, self._wrap(name, inner))
+
+    def _wrap(self, name, inner):
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return inner(*args, **kwargs)
+        return call
+
+
+def test_each_decode_step_of_a_plan_runs_through_the_three_phases_and_their_hooks(tiny_llama_dir, model,
+                                                                                  monkeypatch):
+    runner = _decoding_runner(tiny_llama_dir, model)
+    runner.keep_logits = True
+    rec = _PhaseRecorder(runner, monkeypatch)
+    res = runner.execute(BatchPlan(2, [1], [1], decode_steps=3))
+    step = ["prepare", "_publish", "_guard", "launch", "_guard", "complete", "_sampled"]
+    assert rec.calls == step * 3  # the hooks (tensor parallelism's) see every step as a plan of its own
+    assert res.sampled_seq_ids == [1] * 3 and runner.seqs[1].num_computed_tokens == 13
+    assert runner.seqs[1].token_ids[-3:] == res.sampled_token_ids
+    # The phases' bookkeeping holds for the last step too: its logits are what the runner kept.
+    assert int(runner.last_logits[0].argmax()) == res.sampled_token_ids[-1]
+
+
+def test_a_decode_step_that_fails_fails_the_plans_sequences_and_the_runner_serves_on(tiny_llama_dir, model,
+                                                                                     monkeypatch):
+    runner = _decoding_runner(tiny_llama_dir, model)
+    from pagedserve.wire import NewSeq, pack_ids
+    res = runner.execute(BatchPlan(2, [2], [10], new_seqs=[NewSeq(2, pack_ids(_prompt(2, 10)), 10, [4], 0,
+                                                                  SamplingParams(temperature=0.0))]))
+    assert res.sampled_seq_ids == [2]
+    forward, calls = runner._forward_batch, []
+
+    def second_step_fails(plan, batch):
+        calls.append(plan.scheduled_seq_ids)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return forward(plan, batch)
+
+    monkeypatch.setattr(runner, "_forward_batch", second_step_fails)
+    res = runner.execute(BatchPlan(3, [1, 2], [1, 1], decode_steps=3))
+    assert sorted(res.failed_seq_ids) == [1, 2] and res.sampled_seq_ids == [] and "boom" in res.error
+    assert not res.refused and 1 not in runner.seqs and 2 not in runner.seqs  # dropped, first tokens with them
+    # A plan sent before the scheduler heard skips them; the runner still serves a new sequence.
+    monkeypatch.setattr(runner, "_forward_batch", forward)
+    res = runner.execute(BatchPlan(4, [1, 2, 3], [1, 1, 5], new_seqs=[NewSeq(3, pack_ids(_prompt(3, 5)), 5, [5], 0,
+                                                                         SamplingParams(temperature=0.0))]))
+    assert res.error is None and res.sampled_seq_ids == [3]

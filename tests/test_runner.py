@@ -161,14 +161,16 @@ def test_logprobs_are_reported_per_sampled_sequence(runner):
 def test_a_step_whose_sampler_missed_a_row_appends_no_token_to_any_sequence():
     """All or nothing: a tensor-parallel group's other ranks append nothing for a failed step, so
     rank 0 must not keep the rows it reported before the bad one."""
-    from executor_svc.runner import ModelRunner, SeqState
+    from executor_svc.runner import SeqState
     from executor_svc.sampler import SampleOutput
+    from executor_svc.step_report import report_samples
     from pagedserve.wire import SamplingParams, StepResult
 
     seqs = [SeqState(1, [5, 6], 2, [], 2, SamplingParams()), SeqState(2, [7], 1, [], 1, SamplingParams())]
+    result = StepResult(1)
     with pytest.raises(RuntimeError, match="no token for seq 2"):
-        ModelRunner._report(None, seqs, SampleOutput([9, None], [None, None], [None, None]), StepResult(1))
-    assert [s.token_ids for s in seqs] == [[5, 6], [7]]
+        report_samples(seqs, SampleOutput([9, None], [None, None], [None, None]), result, {}, None)
+    assert [s.token_ids for s in seqs] == [[5, 6], [7]] and result.sampled_seq_ids == []
 
 
 def _reference_batch(runner, seq_ids, num_new):

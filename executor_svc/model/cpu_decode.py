@@ -1,12 +1,13 @@
 """The CPU fast path of a decode step: the whole decoder stack in one C call.
 
-``LlamaForCausalLM.forward`` hands a step to :class:`DecodeStack` when every sequence adds
-exactly one token (pure decode), the model was packed for the CPU (``cpu_pack.py``) and the
-fused CPU attention backend serves it. The C side (``csrc/decode_stack_cpu.c``) runs norms,
+``LlamaForCausalLM.forward_with_logits`` hands a step to :class:`DecodeStack` when every
+sequence adds exactly one token (pure decode), the model was packed for the CPU (``cpu_pack.py``)
+and the attention backend is one whose kernel the stack runs (``runs_decode_stack``: the fused CPU
+backend). The C side (``csrc/decode_stack_cpu.c``) runs norms,
 projections, rotary, the KV write, paged attention and the MLP of every layer in one OpenMP
 region: no per-operator dispatch from Python, which at batch 1 would cost as much as reading
-the weights. The same call computes the LM head of every row, which ``compute_logits`` hands
-back when asked for exactly those hidden states (a pure decode step samples every row). Any
+the weights. The same call computes the LM head of every row and returns those logits with the hidden
+states (the runner takes them when every row samples, as in a pure decode step). Any
 other step (prefill, chunked prefill, mixed) runs the torch modules, whose linear layers call
 the same kernels.
 """
@@ -29,21 +30,10 @@ class DecodeStack:
         self.model, self.ops = model, ops
         self._bound: tuple | None = None  # (key, caches, ModelDesc, LayerDesc array)
         self._work = torch.empty(0, dtype=torch.uint8)
-        # The step's logits, computed in the same call: (its hidden states, their logits).
-        self._logits: tuple[torch.Tensor, torch.Tensor] | None = None
         # All compute threads, or one fewer when timed faster: off until the executor turns it on
         # (--cpu-decode-threads adaptive), so in-process benchmarks and tests time a fixed count.
         self.threads = StepThreads(enabled=False)
         self._last: tuple[int, int, int, float, float] | None = None  # (rows, most, threads, start, call s)
-
-    def logits_for(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The last step's logits if ``hidden`` is exactly its hidden states (the runner selects
-        every row of a pure decode step); else None. Used once."""
-        last, self._logits = self._logits, None
-        if last is None or (hidden is not last[0] and (hidden.shape != last[0].shape
-                                                       or not torch.equal(hidden, last[0]))):
-            return None
-        return last[1]
 
     def _bind(self, caches: KVCaches) -> ModelDesc:
         """The C model descriptor for these KV caches (built once per cache set)."""
@@ -88,8 +78,9 @@ class DecodeStack:
             self.threads.record(n, most, used, period if period <= 3 * call else None)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, caches: KVCaches,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        """x [n, hidden] float32 embeddings (overwritten) -> final-normed hidden states [n, hidden]."""
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [n, hidden] float32 embeddings (overwritten) -> (final-normed hidden states [n, hidden],
+        every row's logits [n, vocab] float32, None when the model has no packed LM head)."""
         desc = self._bind(caches)
         n = x.shape[0]
         bt, lens, slots = meta.block_tables, meta.seq_lens, meta.slot_mapping
@@ -113,5 +104,4 @@ class DecodeStack:
             bt.shape[1], lens.data_ptr(), None if logits is None else logits.data_ptr(), self._work.data_ptr(),
             self._work.numel(), threads))
         self._last = (n, most, threads, start, time.perf_counter() - call)
-        self._logits = None if logits is None else (x, logits)
-        return x
+        return x, logits

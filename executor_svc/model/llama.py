@@ -144,15 +144,23 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: KVCaches,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [num_tokens] int64 -> final hidden states [num_tokens, hidden]."""
+        return self.forward_with_logits(input_ids, positions, caches, meta, backend)[0]
+
+    def forward_with_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: KVCaches,
+                            meta: AttentionMetadata, backend: AttentionBackend
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward`, and every row's logits [num_tokens, vocab] float32 when the step computed
+        them on its way (the fused decode stack runs the LM head in its C call); else None, and
+        :meth:`compute_logits` computes the rows wanted."""
         if self.rotary is None:
             raise RuntimeError("model used before load_model() built its rotary embedding")
         x = self.embed_tokens(input_ids)
-        if self.decode_stack is not None and meta.max_query_len == 1 and backend.name == "cpu-fused":
+        if self.decode_stack is not None and meta.max_query_len == 1 and backend.runs_decode_stack:
             return self.decode_stack(x, positions, caches, meta)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer(x, cos, sin, cache, meta, backend)
-        return self.norm(x)
+        return self.norm(x), None
 
     def logits_head(self) -> PackedLinear | None:
         """The LM head of a CPU-packed model (a tied one is the embedding's table); else None."""
@@ -163,8 +171,6 @@ class LlamaForCausalLM(nn.Module):
         """hidden [n, hidden] -> logits [n, vocab] float32."""
         if not self.with_lm_head:
             raise RuntimeError("compute_logits on a tensor-parallel rank without the LM head (rank 0 samples)")
-        if self.decode_stack is not None and (done := self.decode_stack.logits_for(hidden)) is not None:
-            return done  # computed by the fused decode step itself
         head = self.logits_head()
         if head is not None:
             return head.project(hidden)

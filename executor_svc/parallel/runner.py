@@ -9,9 +9,12 @@ layers' all-reduces keep the ranks in lockstep. Rank 0 alone computes logits and
 sends the sampled tokens so each follower appends exactly what the leader appended (no rank
 relies on drawing the same random numbers).
 
-The step is ``ModelRunner``'s, in the same three phases; the leader hooks in to send the plan
-once it passed its check (``_publish``) and the tokens once sampled (``_sampled``). Plans that
-name sequences an earlier step dropped reach the followers already without them.
+The step is ``ModelRunner``'s, in the same three phases, on every rank; the ranks only hook into
+them. The leader holds the channel for a whole step (``_stepping``), sends the plan once it
+passed its check (``_publish``) and the tokens once sampled (``_sampled``); a follower takes those
+tokens where it would sample (``_sample``). On both, an error while applying a plan or in the
+forward is fatal (``_guard``). Plans that name sequences an earlier step dropped reach the
+followers already without them.
 
 Failures: an exception while applying a plan or inside the forward leaves the ranks in different
 places of the step, so it is fatal for the group (``TPGroup.fatal``: the process exits and the
@@ -28,6 +31,7 @@ import time
 import torch
 
 from executor_svc.attention import AttentionBackend
+from executor_svc.grammar import GrammarMasks
 from executor_svc.kv_cache import KVCache
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.parallel.channel import DROPPED, FAILED, OK, PLAN, RESET, STOP, TICK, TICK_S, PlanChannel
@@ -57,9 +61,8 @@ class TensorParallelRunner(ModelRunner):
             self._send(RESET)
             super().reset()
 
-    def execute(self, plan: BatchPlan) -> StepResult:
-        with self._lock:  # the whole step is one message sequence on the channel
-            return super().execute(plan)
+    def _stepping(self) -> threading.Lock:
+        return self._lock  # the whole step is one message sequence on the channel
 
     def _publish(self, plan: BatchPlan) -> None:
         self._send(PLAN, wire.encode(plan))  # checked here; the followers apply exactly this
@@ -115,28 +118,32 @@ class FollowerRunner(ModelRunner):
         super().__init__(model, kv_cache, backend, Sampler(), max_model_len)
         self.group, self.channel = group, PlanChannel(group)
 
-    def _logits(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+    def _logits(self, hidden: torch.Tensor, batch: Batch, step_logits: torch.Tensor | None) -> torch.Tensor | None:
         return None  # rank 0 holds the LM head and samples
 
+    def _guard(self, what: str):
+        return self.group.fatal_on_error(what)
+
+    def _sample(self, batch: Batch, logits: torch.Tensor | None, result: StepResult,
+                masks: GrammarMasks | None = None) -> None:
+        """Append the tokens rank 0 sampled (and drop what it failed alone); rank 0's sampler
+        failing is this step's sampling failure here too (``complete`` drops those sequences)."""
+        rows = batch.token_seqs()
+        tokens = self.channel.recv_tokens(len(rows))
+        if tokens is None:
+            raise RuntimeError("rank 0's sampler failed")
+        dropped = [s.seq_id for s, tok in zip(rows, tokens, strict=True) if tok == DROPPED]
+        for s, tok in zip(rows, tokens, strict=True):
+            if tok != DROPPED:
+                s.token_ids.append(tok)
+        if dropped:  # they failed alone on rank 0
+            self._drop(dropped)
+
     def _follow(self, plan: BatchPlan) -> None:
-        """Apply and run the step rank 0 is running, then take its tokens (or drop what it failed)."""
-        prepared = self.prepare(plan)
-        launched = prepared if isinstance(prepared, StepResult) else self.launch(prepared)
-        if isinstance(launched, StepResult):  # rank 0 checked the same plan against the same state
-            raise RuntimeError(f"step {plan.step_id} failed on a follower: {launched.error}")
-        batch = launched.batch
-        if batch is not None and batch.logits_rows:
-            rows = batch.token_seqs()
-            tokens = self.channel.recv_tokens(len(rows))
-            if tokens is None:  # rank 0's sampler failed: it dropped these sequences, so do we
-                self._failure(plan, [s.seq_id for s in batch.sample_seqs], RuntimeError("rank 0's sampler failed"))
-                return
-            dropped = [s.seq_id for s, tok in zip(rows, tokens, strict=True) if tok == DROPPED]
-            for s, tok in zip(rows, tokens, strict=True):
-                if tok != DROPPED:
-                    s.token_ids.append(tok)
-            if dropped:  # they failed alone on rank 0
-                self._drop(dropped)
+        """Run the step rank 0 is running, through the same phases."""
+        result = self.execute(plan)
+        if result.refused:  # rank 0 checked the same plan against the same state
+            raise RuntimeError(f"step {plan.step_id} refused on a follower: {result.error}")
 
     def serve(self) -> None:
         """Follow the leader's messages until STOP (plans were checked on rank 0 against the

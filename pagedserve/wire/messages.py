@@ -12,7 +12,8 @@ that a step only names the sequence, how many tokens to compute and which block
 ids were appended. The executor keeps per-sequence state and appends the tokens
 it samples itself, so a decode step costs a few bytes per sequence.
 
-Order in which an executor applies a :class:`BatchPlan` (both sides rely on it):
+Order in which an executor applies a :class:`BatchPlan` (both sides rely on it;
+``plan_deltas.py`` applies steps 1-8, for every executor, real or simulated):
 
 1. ``swap_out``   device block -> CPU block copies (data of preempted sequences)
 2. ``free_seq_ids`` forget these sequences (finished, aborted or preempted)

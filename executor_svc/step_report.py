@@ -1,0 +1,83 @@
+"""What a step reports besides its forward: its sampled tokens and the prompt tokens it scores.
+
+Kept apart from the runner's phases (``runner.py``): these turn the sampler's output and the
+model's hidden states into the ``StepResult``'s entries, and append each sampled token to its
+sequence, the one place the executor's state grows by a token it chose itself.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from executor_svc.batch import SeqState
+from executor_svc.grammar import GrammarBackend
+from executor_svc.model.llama import LlamaForCausalLM
+from executor_svc.sampler import SampleOutput
+from pagedserve.wire import MAX_TEXT_CHARS, PromptLogprobs, SeqLogprobs, StepResult
+
+log = logging.getLogger(__name__)
+PROMPT_SLICE = 256  # prompt rows scored at once (their logits are [rows, vocab] float32)
+
+
+def score_prompt(model: LlamaForCausalLM, hidden: torch.Tensor, s: SeqState, first: int, row: int,
+                 count: int) -> PromptLogprobs:
+    """Prompt tokens ``first .. first + count - 1`` of ``s``, scored by the raw log-softmax of the
+    logits of the rows before them, with the top ``prompt_logprobs`` alternatives; in slices, so a
+    long prompt never holds [prompt, vocab] logits at once."""
+    k = min(s.sampling.prompt_logprobs, model.cfg.vocab_size)
+    lps: list[float] = []
+    top_ids: list[int] = []
+    top_vals: list[float] = []
+    targets = torch.tensor(s.token_ids[first:first + count], dtype=torch.int64, device=hidden.device)
+    for at in range(0, count, PROMPT_SLICE):
+        n = min(PROMPT_SLICE, count - at)
+        lp = torch.log_softmax(model.compute_logits(hidden[row + at:row + at + n]).float(), dim=-1)
+        lps += lp.gather(1, targets[at:at + n, None])[:, 0].tolist()
+        if k:
+            vals, ids = torch.topk(lp, k, dim=-1)
+            top_ids += ids.flatten().tolist()
+            top_vals += vals.flatten().tolist()
+    return PromptLogprobs(s.seq_id, first, lps, top_ids, top_vals)
+
+
+def report_samples(seqs: list[SeqState], out: SampleOutput, result: StepResult, failed: dict[int, str],
+                   grammar: GrammarBackend | None) -> list[int]:
+    """Append the sampled tokens to their sequences and report them in ``result``; the rows in
+    ``failed`` (row -> why: their grammar cannot be served; sampled unmasked) are reported failed
+    instead: the sequences the caller must drop. RuntimeError, nothing appended, when a row that
+    should have a token has none."""
+    for i, s in enumerate(seqs):  # every row checked before any is appended: all or nothing
+        if out.beam[i] is None and out.token_ids[i] is None and i not in failed:
+            raise RuntimeError(f"sampler returned no token for seq {s.seq_id}")
+    constrained = [(s.grammar, out.token_ids[i]) for i, s in enumerate(seqs) if s.grammar is not None
+                   and out.beam[i] is None and i not in failed]
+    if constrained:  # (masked by their grammars: accepted; a terminated matcher takes no more)
+        if grammar is not None:
+            grammar.accept([g for g, _ in constrained], [t for _, t in constrained])
+        else:
+            for g, tok in constrained:
+                g.accept(tok)
+    for i, s in enumerate(seqs):
+        if i in failed:
+            continue
+        beam = out.beam[i]
+        if beam is not None:
+            result.beam_candidates.append(SeqLogprobs(s.seq_id, 0.0, beam.top_token_ids, beam.top_logprobs))
+            continue
+        tok = out.token_ids[i]
+        lp = out.logprobs[i]
+        if lp is not None:
+            result.logprobs.append(SeqLogprobs(s.seq_id, lp.token_logprob, lp.top_token_ids, lp.top_logprobs))
+        s.token_ids.append(tok)
+        result.sampled_seq_ids.append(s.seq_id)
+        result.sampled_token_ids.append(tok)
+    if not failed:
+        return []
+    reasons = [f"seq {seqs[i].seq_id}: {why}" for i, why in failed.items()]
+    log.warning("step %d: %d sequences fail, their grammar cannot be served: %s", result.step_id,
+                len(failed), "; ".join(reasons))
+    result.failed_seq_ids.extend(seqs[i].seq_id for i in failed)
+    result.error = ("structured outputs: " + "; ".join(reasons))[:MAX_TEXT_CHARS]
+    return [seqs[i].seq_id for i in failed]
