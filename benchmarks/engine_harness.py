@@ -13,12 +13,12 @@ import multiprocessing as mp
 import time
 from collections.abc import AsyncIterator
 
-from benchmarks.sim_executor import CostModel, SimExecutor
 from pagedserve import wire
 from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
 from scheduler_svc.engine.config import EngineConfig
 from testing.in_process_engine import Engine
+from testing.sim.executor import CostModel, SimExecutor
 
 SIM_BLOCKS = 8192  # per executor: room for 256 sequences of 2k tokens, so no preemption
 

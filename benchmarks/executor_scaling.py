@@ -5,7 +5,7 @@ this process and is driven through ``Engine.generate`` — the servicer's
 interface, without gRPC clients, whose cost would belong to the clients.
 Each executor is a real ``executor_svc.worker.ExecutorWorker`` process (real
 ZeroMQ, handshake, heartbeats) whose runner is the simulated executor of
-``benchmarks/sim_executor.py``: it applies the plan deltas and sleeps for the
+``testing/sim/executor.py``: it applies the plan deltas and sleeps for the
 step time of the OPT-13B / A100 cost model, so a step costs what a GPU step
 would while using almost no CPU.
 

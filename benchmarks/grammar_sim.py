@@ -1,6 +1,6 @@
 """The simulated executor with structured outputs: constrained sequences sample only ids their grammar allows.
 
-:class:`GrammarSimExecutor` is :class:`~benchmarks.sim_executor.SimExecutor` with the real
+:class:`GrammarSimExecutor` is :class:`~testing.sim.executor.SimExecutor` with the real
 executor's grammar code (``executor_svc/grammar.py``): a sequence registered with a structured
 spec gets a :class:`~executor_svc.grammar.SeqGrammar` (compiled on the backend's worker threads,
 cached by spec), each step's constrained rows get their token masks in one batch
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from benchmarks.engine_harness import SIM_BLOCKS, SleepingRunner
-from benchmarks.sim_executor import CostModel, SimExecutor
 from pagedserve import wire
+from testing.sim.executor import CostModel, SimExecutor
 
 
 @dataclass(slots=True)

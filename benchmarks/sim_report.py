@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks.sim_executor import PAPER_NUM_SLOTS  # noqa: E402
+from testing.sim.executor import PAPER_NUM_SLOTS  # noqa: E402
 from testing.sim.runs import ALLOCATORS, MEM_KINDS, RunStats  # noqa: E402
 
 LABELS = {"paged": "pagedserve (paged)", "orca-oracle": "Orca (Oracle)", "orca-pow2": "Orca (Pow2)",

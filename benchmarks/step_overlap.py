@@ -4,7 +4,7 @@ The real engine (scheduler, router, front streams, detokenization, metrics) runs
 this process with one consumer per request iterating ``Engine.generate``, as
 the gRPC handlers do. Each executor is a real ``ExecutorWorker`` process
 (ZeroMQ, handshake, heartbeats) whose runner applies the plan deltas
-(benchmarks/sim_executor.py) and then sleeps to a constant modelled step time,
+(testing/sim/executor.py) and then sleeps to a constant modelled step time,
 so a step costs what a device step would while using almost no CPU. Every
 executor gets 256 sequences (64-token prompts, 128 output tokens, greedy,
 ignore_eos).
@@ -136,8 +136,8 @@ async def run_structured_once(constrained: bool, output_len: int, tok, eos: int,
 def plan_bytes_per_seq_step(constrained: bool, output_len: int, vocab: int, eos: int) -> float:
     """The encoded plans of a whole run (256 sequences, ``output_len`` tokens each) per sequence per
     step: the spec travels once per residency (NewSeq), nothing per step."""
-    from benchmarks.sim_executor import SimExecutor
     from scheduler_svc.sched.scheduler import Scheduler
+    from testing.sim.executor import SimExecutor
 
     sched = Scheduler(SchedulerConfig(max_num_seqs=SEQS, max_num_batched_tokens=8192, max_model_len=4096),
                       8192, 0, eos_token_ids=(eos,))

@@ -126,7 +126,7 @@ def test_random_churn_keeps_ranges_tiled():
 
 
 def _sim(allocator: str, trace, num_blocks: int, snapshots: list | None = None, space: str = "buddy"):
-    from benchmarks.sim_executor import SimExecutor, simulate
+    from testing.sim.executor import SimExecutor, simulate
     from testing.sim.runs import make_scheduler, to_requests
 
     sched = make_scheduler(allocator, num_blocks=num_blocks, space=space)

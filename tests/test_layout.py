@@ -144,18 +144,13 @@ def test_no_service_imports_the_test_support_or_the_benchmarks():
     assert not offenders, offenders
 
 
-# The simulated executor moves to testing/ next; until then the tests and testing/ may import it.
-STILL_IN_BENCHMARKS = ("benchmarks.sim_executor",)
-
-
 def test_no_test_imports_from_the_benchmarks():
     """The tests' fakes and drivers live in testing/: a benchmark can change or go without a test
     noticing. (A test may still run a benchmark's command line, as a user does.)"""
     offenders = []
     for package in ("tests", "testing"):
         for module, path in _modules(package).items():
-            bad = sorted(n for n in _imports(path, module) if n.split(".")[0] == "benchmarks" and n != "benchmarks"
-                         and not any(n == ok or n.startswith(ok + ".") for ok in STILL_IN_BENCHMARKS))
+            bad = sorted(n for n in _imports(path, module) if n.split(".")[0] == "benchmarks" and n != "benchmarks")
             if bad:
                 offenders.append(f"{module} imports {bad}")
     assert not offenders, "move what the tests need into testing/:\n" + "\n".join(offenders)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.sim_executor import PAPER_NUM_BLOCKS, PAPER_NUM_SLOTS, CostModel, SimExecutor
 from pagedserve.bench.workloads import synthetic_trace
 from pagedserve.wire import BatchPlan, NewSeq, SamplingParams, pack_ids
+from testing.sim.executor import PAPER_NUM_BLOCKS, PAPER_NUM_SLOTS, CostModel, SimExecutor
 from testing.sim.paper import sustained_rate
 from testing.sim.runs import MEM_KINDS, run_trace
 
@@ -85,7 +85,7 @@ def test_run_trace_accounts_every_slot_and_paging_wastes_less():
 
 
 def test_batch_size_is_averaged_per_step_and_per_second_over_the_arrival_window():
-    from benchmarks.sim_executor import SimExecutor, simulate
+    from testing.sim.executor import SimExecutor, simulate
     from testing.sim.runs import EOS_TOKEN_ID, MemoryProbe, make_scheduler, to_requests
 
     trace = synthetic_trace("sharegpt", 40, 8.0, seed=3)

@@ -19,13 +19,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from benchmarks.sim_executor import BLOCK_SIZE, PAPER_NUM_BLOCKS, SimExecutor, simulate
 from pagedserve.bench.workloads import TraceRequest
 from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import BatchPlan, SamplingParams
 from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.scheduler import Scheduler
 from testing.sim.baseline_allocators import ContiguousKVCacheManager
+from testing.sim.executor import BLOCK_SIZE, PAPER_NUM_BLOCKS, SimExecutor, simulate
 
 ALLOCATORS = ("paged", "orca-oracle", "orca-pow2", "orca-max")
 MEM_KINDS = ("token_states", "reservation", "internal_frag", "external_frag", "free")

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.sim_executor import BLOCK_SIZE, SimExecutor, simulate
 from pagedserve.bench.workloads import synthetic_trace
+from testing.sim.executor import BLOCK_SIZE, SimExecutor, simulate
 from testing.sim.runs import make_scheduler, to_requests
 
 
