@@ -85,7 +85,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
         prog="pagedserve-executor",
         description="Run a Llama-family model on a paged KV cache for a pagedserve scheduler. "
                     "Every flag also reads PAGEDSERVE_<FLAG> from the environment.")
-    p.add_argument("--model", required=True, help="HF model directory (config.json, *.safetensors)")
+    p.add_argument("--model", required=True, help="HF model directory (config.json, *.safetensors) or GGUF file "
+                                                  "(dequantized to --dtype at load)")
     p.add_argument("--scheduler", required=True, type=_endpoint, help="scheduler endpoint, tcp://HOST:5556")
     p.add_argument("--device", choices=DEVICES, default="cpu")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("2GiB"),
