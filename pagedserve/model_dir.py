@@ -86,6 +86,17 @@ def load_tokenizer(model: Path) -> Tokenizer:
     return Tokenizer.from_file(str(path))
 
 
+def resolve_model(model: Path) -> Path:
+    """--model as the services read it: a directory without config.json that holds exactly one
+    ``.gguf`` file means that file (a volume mounted at a fixed path, as the Kubernetes manifests
+    mount one, can then hold either kind). Anything else is returned as given."""
+    if model.is_dir() and not (model / "config.json").is_file():
+        files = sorted(p for p in model.glob("*.gguf") if p.is_file())
+        if len(files) == 1:
+            return files[0]
+    return model
+
+
 def has_model_config(model: Path) -> bool:
     """Whether --model is something a service can start from: a GGUF file or a directory with config.json."""
     return (model / "config.json").is_file() or is_gguf(model)

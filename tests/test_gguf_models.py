@@ -12,13 +12,15 @@ from gguf_files import llama_permute, write_gguf
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
+from executor_svc.config import parse_config
 from executor_svc.model import load_model, load_model_config
 from executor_svc.model.gguf_weights import gguf_tensors, unpermute
 from pagedserve.gguf_file import GGUFError
 from pagedserve.gguf_model import GGUFModel
 from pagedserve.gguf_tokenizer import build_tokenizer
-from pagedserve.model_dir import eos_token_ids, has_model_config, is_gguf
+from pagedserve.model_dir import eos_token_ids, has_model_config, is_gguf, resolve_model
 from pagedserve.wire.fingerprint import model_fingerprint
+from scheduler_svc.entrypoints.config import load_config
 
 FORMATS = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
 
@@ -127,3 +129,19 @@ def test_a_truncated_file_fails_naming_the_tensor(tmp_path, tiny_llama_dir):
     path.write_bytes(b"NOPE" + data[4:])
     with pytest.raises(GGUFError, match="not a GGUF file"):
         GGUFModel(path)
+
+
+def test_both_services_take_the_file_or_a_directory_holding_only_it(tmp_path, tiny_llama_dir):
+    """A volume mounted at a fixed path (the Kubernetes manifests' /models/model) may hold one .gguf."""
+    volume = tmp_path / "model"
+    volume.mkdir()
+    path = write_gguf(volume / "m.gguf", tiny_llama_dir, "llama", Q.Q8_0)
+    for given in (path, volume):
+        assert resolve_model(given) == path
+        assert load_config(["--model", str(given)]).model_dir == path
+        assert parse_config(["--model", str(given), "--scheduler", "tcp://127.0.0.1:5556"]).model_dir == path
+    write_gguf(volume / "other.gguf", tiny_llama_dir, "llama", Q.Q8_0)
+    assert resolve_model(volume) == volume  # two files: which one is not guessed
+    with pytest.raises(SystemExit):
+        load_config(["--model", str(volume)])
+    assert resolve_model(tiny_llama_dir) == tiny_llama_dir

@@ -21,7 +21,7 @@ from typing import Any
 
 from pagedserve import wire
 from pagedserve.envargs import number, parse_with_env
-from pagedserve.model_dir import has_model_config
+from pagedserve.model_dir import has_model_config, resolve_model
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.executor_auth import LinkSecurity
 from scheduler_svc.engine.link_flags import add_link_flags, link_security
@@ -365,6 +365,7 @@ def _fields(cls: type, args: argparse.Namespace) -> dict[str, Any]:
 def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> ServiceConfig:
     parser = build_arg_parser()
     a = parse_with_env(parser, argv, environ)
+    a.model = resolve_model(a.model)
     if not has_model_config(a.model):
         parser.error(f"--model: {a.model} is neither a GGUF file nor a directory with config.json")
     scheduler = SchedulerConfig(**_fields(SchedulerConfig, a))
