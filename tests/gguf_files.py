@@ -4,7 +4,8 @@ Random weights (std 0.02) in one ggml type for every matrix, norms in F32; llama
 llama.cpp's Q/K row permutation, so loading them proves the reverse. ``gguf.quants.quantize``
 writes the 32-element formats; it cannot quantize K-quants, so their blocks are written directly:
 random quants with small, finite scales (any valid block is a fair test: both loaders dequantize
-the same bytes). The vocabulary is a tiny model directory's byte-level BPE (tokenizer.json).
+the same bytes). The vocabulary is a tiny model directory's byte-level BPE (tokenizer.json) or a SentencePiece BPE
+trained here (Llama 2 / Mistral files carry one).
 """
 
 from __future__ import annotations
@@ -42,30 +43,55 @@ def _stored(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     return data.reshape(rows, -1)
 
 
-def write_gguf(path: Path, tokenizer_dir: Path, arch: str = "llama", qtype: Q = Q.Q8_0, *, tied: bool = False,
-               seed: int = 0, sizes: dict[str, int] | None = None, edit=None) -> Path:
-    """A GGUF model of ``arch`` (llama, qwen2) with every matrix in ``qtype``. ``edit(writer_kwargs)``
-    may change the metadata or tensors before writing (for the bad-file tests)."""
-    s = dict(SIZES, **(sizes or {}))
-    rng = np.random.default_rng(seed)
+def byte_level_vocab(tokenizer_dir: Path) -> dict[str, object]:
+    """A tiny model directory's byte-level BPE (tokenizer.json) as GGUF tokenizer metadata."""
     tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     vocab: dict[str, int] = tok["model"]["vocab"]
     added = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
-    n_vocab = max([*vocab.values(), *added.values()]) + 1
-    tokens = [""] * n_vocab
+    tokens = [""] * (max([*vocab.values(), *added.values()]) + 1)
     for t, i in {**vocab, **added}.items():
         tokens[i] = t
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3 if t in added else 1 for t in tokens],
+            "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]],
+            "tokenizer.ggml.eos_token_id": added.get("<|endoftext|>", 0), "tokenizer.ggml.add_bos_token": False}
+
+
+def sentencepiece_vocab(text: list[str], vocab_size: int = 320) -> dict[str, object]:
+    """A SentencePiece BPE trained on ``text``, as llama.cpp writes one (tokens, scores, types; no merges)."""
+    import io
+
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=buf, model_type="bpe",
+                                   vocab_size=vocab_size, byte_fallback=True, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    n = sp.get_piece_size()
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+            "tokenizer.ggml.scores": [float(sp.get_score(i)) for i in range(n)], "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.bos_token_id": sp.bos_id(), "tokenizer.ggml.eos_token_id": sp.eos_id(),
+            "tokenizer.ggml.unknown_token_id": sp.unk_id(), "_processor": sp}
+
+
+def write_gguf(path: Path, tokenizer_dir: Path | None, arch: str = "llama", qtype: Q = Q.Q8_0, *,
+               tied: bool = False, seed: int = 0, sizes: dict[str, int] | None = None, edit=None,
+               vocab: dict[str, object] | None = None) -> Path:
+    """A GGUF model of ``arch`` (llama, qwen2) with every matrix in ``qtype``; its tokenizer is
+    ``vocab`` (GGUF tokenizer metadata) or else ``tokenizer_dir``'s. ``edit(meta, tensors)`` may
+    change the metadata or tensors before writing (for the bad-file tests)."""
+    s = dict(SIZES, **(sizes or {}))
+    rng = np.random.default_rng(seed)
+    vocab = {k: v for k, v in (vocab or byte_level_vocab(tokenizer_dir)).items() if not k.startswith("_")}
+    n_vocab = len(vocab["tokenizer.ggml.tokens"])
     h, inter, hd = s["hidden"], s["intermediate"], s["hidden"] // s["heads"]
     meta: dict[str, object] = {
         f"{arch}.context_length": s["context"], f"{arch}.embedding_length": h,
         f"{arch}.feed_forward_length": inter, f"{arch}.block_count": s["layers"],
         f"{arch}.attention.head_count": s["heads"], f"{arch}.attention.head_count_kv": s["kv_heads"],
         f"{arch}.attention.layer_norm_rms_epsilon": 1e-5, f"{arch}.rope.freq_base": 10000.0,
-        f"{arch}.rope.dimension_count": hd, f"{arch}.vocab_size": n_vocab,
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [3 if t in added else 1 for t in tokens], "tokenizer.ggml.merges": merges,
-        "tokenizer.ggml.eos_token_id": added.get("<|endoftext|>", 0), "tokenizer.ggml.add_bos_token": False,
+        f"{arch}.rope.dimension_count": hd, f"{arch}.vocab_size": n_vocab, **vocab,
     }
 
     def matrix(rows: int, cols: int) -> np.ndarray:

@@ -8,9 +8,9 @@ import pytest
 import torch
 from executor_plans import PlanDriver, hf_greedy, make_runner
 from gguf import GGMLQuantizationType as Q
-from gguf_files import llama_permute, write_gguf
+from gguf_files import llama_permute, sentencepiece_vocab, write_gguf
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from executor_svc.config import parse_config
 from executor_svc.model import load_model, load_model_config
@@ -145,3 +145,22 @@ def test_both_services_take_the_file_or_a_directory_holding_only_it(tmp_path, ti
     with pytest.raises(SystemExit):
         load_config(["--model", str(volume)])
     assert resolve_model(tiny_llama_dir) == tiny_llama_dir
+
+
+CORPUS = ["the quick brown fox jumps over the lazy dog", "paged attention keeps the cache in blocks",
+          "a block table maps logical blocks to physical ones", "copy on write shares the prompt's blocks",
+          "the scheduler plans one step while the executor runs the last"] * 20
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece_and_transformers(tmp_path):
+    """Llama 2 and Mistral files carry a SentencePiece BPE (scores, no merges; BOS added)."""
+    vocab = sentencepiece_vocab(CORPUS)
+    sp = vocab["_processor"]
+    path = write_gguf(tmp_path / "spm.gguf", None, "llama", Q.Q8_0, vocab=vocab)
+    ours = build_tokenizer(GGUFModel(path))
+    ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ["the lazy fox plans blocks", " leading space", "Unseen WORDS, digits 42 and 日本!"]:
+        ids = ours.encode(text).ids
+        assert ids == [sp.bos_id(), *sp.encode(text)], text
+        assert ids == ref(text)["input_ids"], text
+        assert ours.decode(ids, skip_special_tokens=True) == sp.decode(sp.encode(text))
