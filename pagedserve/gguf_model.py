@@ -19,6 +19,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from pagedserve.gguf_file import GGUFError, GGUFFile
@@ -116,7 +117,11 @@ class GGUFModel:
     def _rope_scaling(self, head_dim: int) -> dict[str, Any] | None:
         kind = self.meta.get(f"{self.arch}.rope.scaling.type", "none")
         if kind == "linear":
-            return {"rope_type": "linear", "factor": float(self.meta[f"{self.arch}.rope.scaling.factor"])}
+            factor = self.meta.get(f"{self.arch}.rope.scaling.factor")
+            if not isinstance(factor, (int, float)) or factor <= 0:
+                raise GGUFError(f"{self.path}: linear rope scaling without a positive "
+                                f"{self.arch}.rope.scaling.factor ({factor!r})")
+            return {"rope_type": "linear", "factor": float(factor)}
         if kind != "none":
             raise GGUFError(f"{self.path}: rope scaling {kind!r} is not supported (supported: none, linear, "
                             f"and Llama 3's rope_freqs)")
@@ -128,8 +133,6 @@ class GGUFModel:
         """Llama 3.1+ files store RoPE's per-frequency factors (``rope_freqs``) instead of the
         rope_scaling they were computed from; the usual parameters are taken when they give those
         factors back, and the file is refused otherwise."""
-        import numpy as np
-
         stored = np.asarray(self.file.raw(ROPE_FREQS), dtype=np.float64).reshape(-1)
         theta = float(self.meta.get(f"{self.arch}.rope.freq_base", 10000.0))
         params = {"rope_type": "llama3", "factor": float(stored.max()), "low_freq_factor": 1.0,

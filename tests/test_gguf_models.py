@@ -22,7 +22,7 @@ from pagedserve.model_dir import eos_token_ids, has_model_config, is_gguf, resol
 from pagedserve.wire.fingerprint import model_fingerprint
 from scheduler_svc.entrypoints.config import load_config
 
-FORMATS = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
+FORMATS = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q5_K]
 
 
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:
