@@ -16,7 +16,7 @@ from executor_svc.config import parse_config
 from executor_svc.model import load_model, load_model_config
 from executor_svc.model.gguf_weights import gguf_tensors, unpermute
 from pagedserve.gguf_file import GGUFError
-from pagedserve.gguf_model import GGUFModel
+from pagedserve.gguf_model import GGUFModel, llama3_factors
 from pagedserve.gguf_tokenizer import build_tokenizer
 from pagedserve.model_dir import eos_token_ids, has_model_config, is_gguf, resolve_model
 from pagedserve.wire.fingerprint import model_fingerprint
@@ -164,3 +164,23 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece_and_transformers(
         assert ids == [sp.bos_id(), *sp.encode(text)], text
         assert ids == ref(text)["input_ids"], text
         assert ours.decode(ids, skip_special_tokens=True) == sp.decode(sp.encode(text))
+
+
+def test_llama3_rope_frequency_factors_become_its_rope_scaling(tmp_path, tiny_llama_dir):
+    """Llama 3.1+ files store RoPE's per-frequency factors; the parameters that give them back are
+    taken, and factors that match no such parameters are refused."""
+    params = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    factors = np.array(llama3_factors(500000.0, 64, params), dtype=np.float32)
+
+    def llama3(meta, tensors, freqs=factors):
+        meta["llama.rope.freq_base"] = 500000.0
+        tensors["rope_freqs.weight"] = (freqs, Q.F32)
+
+    path = write_gguf(tmp_path / "l3.gguf", tiny_llama_dir, "llama", Q.Q8_0, edit=llama3)
+    rope = load_model_config(path).rope
+    assert (rope.rope_type, rope.factor, rope.original_max_position_embeddings) == ("llama3", 8.0, 8192)
+    odd = write_gguf(tmp_path / "odd.gguf", tiny_llama_dir, "llama", Q.Q8_0,
+                     edit=lambda m, t: llama3(m, t, factors[::-1].copy()))
+    with pytest.raises(GGUFError, match="rope_freqs does not match Llama 3's RoPE scaling"):
+        GGUFModel(odd)
