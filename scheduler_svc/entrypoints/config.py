@@ -367,7 +367,7 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
     a = parse_with_env(parser, argv, environ)
     a.model = resolve_model(a.model)
     if not has_model_config(a.model):
-        parser.error(f"--model: {a.model} is neither a GGUF file nor a directory with config.json")
+        parser.error(f"--model: {a.model} has no config.json (nor is it a GGUF file, or a directory holding one)")
     scheduler = SchedulerConfig(**_fields(SchedulerConfig, a))
     for flag, width in (("--max-n", a.max_n), ("--max-beam-width", a.max_beam_width)):
         room = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
