@@ -117,7 +117,7 @@ def test_bad_files_fail_at_open_naming_what_is_wrong(tmp_path, tiny_llama_dir):
     assert "1 tensors missing" in _bad(tmp_path, tiny_llama_dir, missing)
 
 
-def test_a_truncated_file_fails_naming_the_tensor(tmp_path, tiny_llama_dir):
+def test_a_truncated_file_fails_naming_the_tensor(tmp_path, tiny_llama_dir, capsys):
     path = write_gguf(tmp_path / "m.gguf", tiny_llama_dir, "llama", Q.Q8_0)
     data = path.read_bytes()
     path.write_bytes(data[:len(data) - 1000])
@@ -126,6 +126,9 @@ def test_a_truncated_file_fails_naming_the_tensor(tmp_path, tiny_llama_dir):
     path.write_bytes(data[:4000])
     with pytest.raises(GGUFError, match="truncated"):
         GGUFModel(path)
+    with pytest.raises(SystemExit):  # the scheduler refuses it at start too
+        load_config(["--model", str(path)])
+    assert "truncated" in capsys.readouterr().err
     path.write_bytes(b"NOPE" + data[4:])
     with pytest.raises(GGUFError, match="not a GGUF file"):
         GGUFModel(path)

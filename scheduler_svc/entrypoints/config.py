@@ -21,7 +21,7 @@ from typing import Any
 
 from pagedserve import wire
 from pagedserve.envargs import number, parse_with_env
-from pagedserve.model_dir import has_model_config, resolve_model
+from pagedserve.model_dir import has_model_config, is_gguf, open_gguf, resolve_model
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.executor_auth import LinkSecurity
 from scheduler_svc.engine.link_flags import add_link_flags, link_security
@@ -368,6 +368,11 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
     a.model = resolve_model(a.model)
     if not has_model_config(a.model):
         parser.error(f"--model: {a.model} has no config.json (nor is it a GGUF file, or a directory holding one)")
+    if is_gguf(a.model):  # a bad file stops the service here, saying why, before anything starts
+        try:
+            open_gguf(a.model)
+        except ValueError as e:
+            parser.error(f"--model: {e}")
     scheduler = SchedulerConfig(**_fields(SchedulerConfig, a))
     for flag, width in (("--max-n", a.max_n), ("--max-beam-width", a.max_beam_width)):
         room = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
