@@ -12,6 +12,7 @@ llama.cpp writes Mistral models with architecture ``llama`` (its converter treat
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -220,6 +221,12 @@ class GGUFModel:
             if info.ggml_type not in SUPPORTED_TYPES:
                 raise GGUFError(f"{self.path}: tensor {name} is stored as {info.ggml_type.name}, which is not "
                                 f"supported; supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))}")
+
+
+@functools.lru_cache(maxsize=4)
+def open_gguf(path: Path) -> GGUFModel:
+    """The checked file, read once per process (config, tokenizer, template, eos ids all come from it)."""
+    return GGUFModel(path)
 
 
 def llama3_factors(theta: float, head_dim: int, p: dict[str, Any]) -> list[float]:

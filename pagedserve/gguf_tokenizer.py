@@ -130,8 +130,9 @@ def _add_special(tok: Tokenizer, tokens: list[str], types: list[Any], byte_level
     letters = set(_byte_alphabet().values()) if byte_level else None
     control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=False)
                if ty == _CONTROL and (letters is None or set(t) <= letters)]
+    # (only those the vocabulary spells as stored: another would be added past the model's vocabulary)
     user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types, strict=False)
-            if ty == _USER_DEFINED]
+            if ty == _USER_DEFINED and tok.token_to_id(t) is not None]
     if control:
         tok.add_special_tokens(control)
     if user:

@@ -6,7 +6,6 @@ here answer for both, so the services never ask which.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from pathlib import Path
@@ -63,12 +62,11 @@ def is_gguf(model: Path) -> bool:
     return _is_gguf(model)
 
 
-@functools.lru_cache(maxsize=4)
 def open_gguf(model: Path) -> GGUFModel:
     """The checked GGUF file, read once per process (tokenizer, template, eos ids all come from it)."""
-    from pagedserve.gguf_model import GGUFModel
+    from pagedserve.gguf_model import open_gguf as _open
 
-    return GGUFModel(model)
+    return _open(model)
 
 
 def load_tokenizer(model: Path) -> Tokenizer:

@@ -82,6 +82,7 @@ def test_metadata_is_what_the_services_read(tmp_path, tiny_llama_dir):
 def test_tokenizer_from_the_vocabulary_matches_tokenizer_json(tmp_path, tiny_llama_dir):
     path = write_gguf(tmp_path / "m.gguf", tiny_llama_dir, "llama", Q.Q8_0)
     ours, ref = build_tokenizer(GGUFModel(path)), Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json"))
+    assert ours.get_vocab_size() == ref.get_vocab_size() == load_model_config(path).vocab_size
     for text in ["the quick brown fox", "  two spaces, then\ttab\nnewline", "digits 12345 end<|endoftext|>",
                  "ünïcödé and 日本"]:
         assert ours.encode(text).ids == ref.encode(text).ids, text

@@ -81,6 +81,7 @@ def model(path):
 
 def test_the_chat_template_renders_and_tokenizes_as_transformers(path, reference):
     template, tokenizer = load_chat_template(path), load_tokenizer(path)
+    assert tokenizer.get_vocab_size() == 49152  # control tokens are the vocabulary's own, none added past it
     for chat, text, ids in zip(CHATS, reference["rendered"], reference["ids"], strict=True):
         assert template.render(chat) == text
         assert tokenizer.encode(text, add_special_tokens=False).ids == ids

@@ -57,7 +57,7 @@ def model_fingerprint(model_dir: str | Path) -> str:
     """sha256 over config.json's bytes and the weights' names, shapes and dtypes; for a GGUF file,
     over its header (metadata and tensor table)."""
     if Path(model_dir).is_file():
-        from pagedserve.model_dir import open_gguf  # (gguf pulls numpy: only for GGUF models)
+        from pagedserve.gguf_model import open_gguf  # (gguf pulls numpy: only for GGUF models)
 
         return open_gguf(Path(model_dir)).fingerprint()
     h = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
