@@ -3,6 +3,8 @@ token (float32); the tokenizer and template come from the file; bad files fail a
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -188,3 +190,27 @@ def test_llama3_rope_frequency_factors_become_its_rope_scaling(tmp_path, tiny_ll
                      edit=lambda m, t: llama3(m, t, factors[::-1].copy()))
     with pytest.raises(GGUFError, match="rope_freqs does not match Llama 3's RoPE scaling"):
         GGUFModel(odd)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None),
+                    reason="needs a CUDA GPU and CuPy (run make gpu-check)")
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
+def test_on_cuda_a_gguf_file_generates_as_on_the_cpu(tmp_path, tiny_llama_dir, qtype):
+    """The GPU path dequantizes at load too (no kernel computes on the blocks yet): float32 on cuda
+    with the CUDA kernels gives the CPU path's greedy tokens, which are transformers'."""
+    from executor_svc.attention_cupy import CupyAttentionBackend
+    from executor_svc.kv_cache import KVCache
+    from executor_svc.runner import ModelRunner
+    from executor_svc.sampler import Sampler
+
+    path = write_gguf(tmp_path / "m.gguf", tiny_llama_dir, "llama", qtype)
+    vocab = load_model_config(path).vocab_size
+    prompts = {0: _prompt(23, 1, vocab), 1: _prompt(5, 2, vocab), 2: _prompt(40, 3, vocab)}
+    model = load_model(path, "cuda", torch.float32)
+    drv = PlanDriver(ModelRunner(model, KVCache(model.cfg, 16, 64, 0, torch.float32, "cuda"),
+                                 CupyAttentionBackend(), Sampler(seed=0)))
+    for sid, p in prompts.items():
+        drv.add(sid, p)
+    drv.run_until(16, chunk=9)
+    assert {sid: drv.seqs[sid].outputs[:16] for sid in prompts} == _ours(path, prompts, 16)
