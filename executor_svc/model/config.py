@@ -53,9 +53,14 @@ class ModelConfig:
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """The config of an HF model directory, or of a GGUF file (its metadata in config.json's form)."""
+    if Path(model_dir).is_file():
+        from pagedserve.model_dir import open_gguf
+
+        return parse_model_config(open_gguf(Path(model_dir)).config)
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: --model must be an HF model directory")
+        raise FileNotFoundError(f"{path} not found: --model must be an HF model directory or a GGUF file")
     with open(path, encoding="utf-8") as f:
         return parse_model_config(json.load(f))
 

@@ -1,4 +1,4 @@
-"""Load an HF checkpoint directory (safetensors, sharded or not) into our model.
+"""Load an HF checkpoint directory (safetensors, sharded or not) or a GGUF file into our model.
 
 Weights are read tensor by tensor with ``safetensors`` (never pickle) and
 copied into parameters allocated once on the target device, so peak memory is
@@ -19,9 +19,11 @@ from tqdm import tqdm
 from executor_svc.cpu_ops import load_cpu_ops
 from executor_svc.model.config import ModelConfig, UnsupportedModelError, load_model_config
 from executor_svc.model.cpu_pack import pack_for_cpu, weight_format
+from executor_svc.model.gguf_weights import gguf_tensors
 from executor_svc.model.llama import AllReduce, LlamaForCausalLM
 from executor_svc.model.rope import RotaryEmbedding
 from executor_svc.parallel.shard import NO_SHARD, TPShard
+from pagedserve.model_dir import open_gguf
 from pagedserve.wire.fingerprint import weight_files
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,21 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     model = LlamaForCausalLM(local, reduce, with_lm_head=shard.holds_lm_head).to_empty(device=device).to(load_dtype)
     params = dict(model.named_parameters())
     targets = _targets(cfg, shard)
+    if Path(model_dir).is_file():  # a GGUF file (config.py has checked it)
+        seen = _load_gguf(Path(model_dir), targets, params)
+    else:
+        seen = _load_safetensors(model_dir, targets, params)
+    missing = sorted(set(targets) - seen)
+    if missing:
+        raise UnsupportedModelError(f"{model_dir}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+    model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, torch.device(device))
+    if fmt is not None:
+        pack_for_cpu(model, fmt, load_cpu_ops() if cpu_kernels else None)
+    return model.eval()
+
+
+def _load_safetensors(model_dir: str | Path, targets: dict[str, Target],
+                      params: dict[str, torch.nn.Parameter]) -> set[str]:
     files = weight_files(model_dir)
     total = sum(f.stat().st_size for f in files)
     seen: set[str] = set()
@@ -120,13 +137,24 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
                     bar.update(tensor.numel() * tensor.element_size())
                     _copy_into(params, target, name, tensor)
                     seen.add(name)
-    missing = sorted(set(targets) - seen)
-    if missing:
-        raise UnsupportedModelError(f"{model_dir}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
-    model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, torch.device(device))
-    if fmt is not None:
-        pack_for_cpu(model, fmt, load_cpu_ops() if cpu_kernels else None)
-    return model.eval()
+    return seen
+
+
+def _load_gguf(path: Path, targets: dict[str, Target], params: dict[str, torch.nn.Parameter]) -> set[str]:
+    """Each needed tensor dequantized (gguf_weights.py), cut to this rank's slice, copied in."""
+    gguf = open_gguf(path)
+    seen: set[str] = set()
+    with tqdm(total=len(targets), desc="dequantizing GGUF tensors", disable=path.stat().st_size < _PROGRESS_MIN_BYTES) \
+            as bar:
+        for name, tensor in gguf_tensors(gguf, set(targets)):
+            target = targets[name]
+            if target.src is not None:
+                dim, first, count = target.src
+                tensor = tensor.narrow(dim, first, count)
+            _copy_into(params, target, name, tensor)
+            seen.add(name)
+            bar.update()
+    return seen
 
 
 def _read(f, name: str, target: Target) -> torch.Tensor:

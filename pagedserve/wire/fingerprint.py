@@ -54,7 +54,12 @@ def checkpoint_manifest(model_dir: str | Path) -> list[tuple[str, list[int], str
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
-    """sha256 over config.json's bytes and the weights' names, shapes and dtypes."""
+    """sha256 over config.json's bytes and the weights' names, shapes and dtypes; for a GGUF file,
+    over its header (metadata and tensor table)."""
+    if Path(model_dir).is_file():
+        from pagedserve.gguf_model import open_gguf  # (gguf pulls numpy: only for GGUF models)
+
+        return open_gguf(Path(model_dir)).fingerprint()
     h = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
     for name, shape, dtype in checkpoint_manifest(model_dir):
         h.update(f"\n{name}:{shape}:{dtype}".encode())

@@ -21,6 +21,7 @@ from typing import Any
 
 from pagedserve import wire
 from pagedserve.envargs import number, parse_with_env
+from pagedserve.model_dir import has_model_config, is_gguf, open_gguf, resolve_model
 from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.executor_auth import LinkSecurity
 from scheduler_svc.engine.link_flags import add_link_flags, link_security
@@ -153,7 +154,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                     "queues, KV block tables and preemption; executors dial in over ZeroMQ. Every flag also reads "
                     "PAGEDSERVE_<FLAG> from the environment.")
     p.add_argument("--model", required=True, type=Path,
-                   help="model directory (config.json and tokenizer.json are read; no weights)")
+                   help="model directory (config.json and tokenizer.json are read; no weights) or GGUF file "
+                        "(its metadata is read: tokenizer, chat template, eos ids)")
     p.add_argument("--host", default="0.0.0.0", help="gRPC listen address")
     p.add_argument("--port", type=PORT, default=DEFAULT_GRPC_PORT, help="gRPC port")
     p.add_argument("--executor-host", default=None,
@@ -363,8 +365,14 @@ def _fields(cls: type, args: argparse.Namespace) -> dict[str, Any]:
 def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> ServiceConfig:
     parser = build_arg_parser()
     a = parse_with_env(parser, argv, environ)
-    if not (a.model / "config.json").is_file():
-        parser.error(f"--model: {a.model} has no config.json")
+    a.model = resolve_model(a.model)
+    if not has_model_config(a.model):
+        parser.error(f"--model: {a.model} has no config.json (nor is it a GGUF file, or a directory holding one)")
+    if is_gguf(a.model):  # a bad file stops the service here, saying why, before anything starts
+        try:
+            open_gguf(a.model)
+        except ValueError as e:
+            parser.error(f"--model: {e}")
     scheduler = SchedulerConfig(**_fields(SchedulerConfig, a))
     for flag, width in (("--max-n", a.max_n), ("--max-beam-width", a.max_beam_width)):
         room = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)

@@ -30,6 +30,7 @@ from tokenizers import Tokenizer
 
 from pagedserve.envargs import parse_with_env
 from pagedserve.gc_tuning import tune_gc
+from pagedserve.model_dir import load_tokenizer as model_tokenizer
 from pagedserve.wire.key_files import load_key_pair, load_public_key
 from pagedserve.wire.keys import ClientKeys
 from scheduler_svc.entrypoints.children import EXIT_WITH_PARENT, exit_with_parent
@@ -62,10 +63,11 @@ class FrontConfig:
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        raise SystemExit(f"--model: {model_dir} has no tokenizer.json (needed to tokenize prompts)")
-    return Tokenizer.from_file(str(path))
+    """The tokenizer of a model directory or GGUF file (pagedserve/model_dir.py); a clear exit if none."""
+    try:
+        return model_tokenizer(model_dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"--model: {e}") from None
 
 
 async def start_http(cfg: ServiceConfig, engine, tokenizer: Tokenizer, metrics: Metrics, budget: CallBudget,

@@ -1,4 +1,4 @@
-"""Chat templates: a model directory's Jinja template, rendered the way transformers renders it.
+"""Chat templates: a model's Jinja template, rendered the way transformers renders it.
 
 The template comes from ``chat_template.jinja`` or, failing that, ``tokenizer_config.json``'s
 ``chat_template`` (a string, or a list of named templates of which ``default`` is used): the
@@ -28,6 +28,8 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from pagedserve.model_dir import is_gguf, open_gguf
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +132,12 @@ def load_chat_template(model_dir: Path) -> ChatTemplate | None:
     """The model directory's chat template, or None when it has none (chat requests are then rejected).
 
     Raises ValueError when a template is there but broken: better at startup than on every request.
+    A GGUF file's template and special tokens come from its metadata.
     """
+    if is_gguf(model_dir):
+        gguf = open_gguf(model_dir)
+        source = gguf.chat_template()
+        return None if source is None else ChatTemplate.compile(source, gguf.special_tokens())
     config = _read_json(model_dir / TOKENIZER_CONFIG)
     source = _template_source(model_dir, config)
     if source is None:
