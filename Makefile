@@ -8,7 +8,7 @@ TINY_MODEL ?= models/tiny-llama
 MODEL ?=
 DEMO_MODEL_STAMP := .venv/.demo-model
 
-.PHONY: setup proto test lint run tiny-model demo-model bench gpu-check images tools clean
+.PHONY: setup proto test lint run tiny-model demo-model bench gpu-check gpu-wheels images tools clean
 
 setup: $(STAMP)
 
@@ -60,8 +60,18 @@ bench: setup
 gpu-check:
 	bash benchmarks/kernels/gpu_check.sh
 
+# The wheels a bare GPU machine without a package index lacks (its image has CUDA torch, CuPy,
+# transformers, grpcio, numpy; not these), for its Python 3.12, downloaded here into an ignored
+# folder that travels with the tree: gpu_check.sh installs them from there when it is present.
+GPU_WHEELS := .whl
+GPU_WHEEL_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
+gpu-wheels: setup
+	mkdir -p $(GPU_WHEELS)
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  $(GPU_WHEEL_PLATFORMS) -d $(GPU_WHEELS) 'pyzmq==27.3.0' 'msgspec==0.23.0' 'gguf==0.19.0'
+
 clean:
-	rm -rf .venv .venv-tools models build .pytest_cache .hypothesis
+	rm -rf .venv .venv-tools models build .pytest_cache .hypothesis $(GPU_WHEELS)
 
 # Offline checkers for k8s/ and docker/ (checkov, kubernetes-validate), in their own venv:
 # checkov's ~80 dependencies stay out of the project's. tests/test_k8s_manifests.py uses it.

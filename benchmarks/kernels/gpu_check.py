@@ -32,7 +32,7 @@ TARGET_VS_SDPA = 1.25
 
 def gpu_test_files() -> list[str]:
     """Test files that carry GPU tests (collecting only these keeps unrelated imports out)."""
-    return sorted(str(p) for p in Path("tests").glob("test_*.py") if "mark.gpu" in p.read_text())
+    return sorted(str(p) for p in Path("tests").rglob("test_*.py") if "mark.gpu" in p.read_text())
 
 
 def run_gpu_tests(timeout_s: int) -> dict:

@@ -8,6 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
+if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then  # `make gpu-wheels`: no package index needed
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/pagedserve-site .whl/*.whl
+  export PYTHONPATH="/tmp/pagedserve-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 if ! "$PY" -c "import cupy, torch, zmq; assert torch.cuda.is_available()" 2>/dev/null; then
   major=$(nvidia-smi | sed -n 's/.*CUDA Version: \([0-9]*\).*/\1/p' | head -1)
   echo "gpu_check: installing torch and cupy-cuda${major:-12}x from PyPI" >&2
