@@ -1,5 +1,5 @@
-"""The scheduler service (CPU only): gRPC API, request queues, KV block tables, preemption, routing."""
+"""The scheduler service (CPU only): fronts (public APIs), engine cores (scheduling), and how they start.
 
-from pagedserve.extras import require
-
-require("scheduler", ("tokenizers", "zmq", "msgspec", "prometheus_client", "grpc_reflection", "uvloop"))
+Its processes check for the scheduler extra where they start (``entrypoints/``); the scheduling
+state and the contracts load without it, so the executor's tools and tests may use them.
+"""

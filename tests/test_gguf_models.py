@@ -22,7 +22,6 @@ from pagedserve.gguf_model import GGUFModel, llama3_factors
 from pagedserve.gguf_tokenizer import build_tokenizer
 from pagedserve.model_dir import eos_token_ids, has_model_config, is_gguf, resolve_model
 from pagedserve.wire.fingerprint import model_fingerprint
-from scheduler_svc.entrypoints.config import load_config
 
 FORMATS = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q5_K]
 
@@ -121,6 +120,8 @@ def test_bad_files_fail_at_open_naming_what_is_wrong(tmp_path, tiny_llama_dir):
 
 
 def test_a_truncated_file_fails_naming_the_tensor(tmp_path, tiny_llama_dir, capsys):
+    from scheduler_svc.entrypoints.config import load_config  # (the scheduler extra: not on a GPU box)
+
     path = write_gguf(tmp_path / "m.gguf", tiny_llama_dir, "llama", Q.Q8_0)
     data = path.read_bytes()
     path.write_bytes(data[:len(data) - 1000])
@@ -139,6 +140,8 @@ def test_a_truncated_file_fails_naming_the_tensor(tmp_path, tiny_llama_dir, caps
 
 def test_both_services_take_the_file_or_a_directory_holding_only_it(tmp_path, tiny_llama_dir):
     """A volume mounted at a fixed path (the Kubernetes manifests' /models/model) may hold one .gguf."""
+    from scheduler_svc.entrypoints.config import load_config  # (the scheduler extra: not on a GPU box)
+
     volume = tmp_path / "model"
     volume.mkdir()
     path = write_gguf(volume / "m.gguf", tiny_llama_dir, "llama", Q.Q8_0)

@@ -177,3 +177,15 @@ def test_the_scheduling_state_loads_without_grpc_or_a_web_framework():
     heavy = sorted(m for m in loaded
                    if m.split(".")[0] in ("uvicorn", "starlette", "jinja2", "grpc", "grpc_reflection", "torch"))
     assert not heavy, f"the scheduling state imports {heavy}"
+
+
+def test_the_scheduling_state_loads_where_the_scheduler_extra_is_not_installed():
+    """A GPU machine's tools (gpu-check, the executor's benchmarks) use the scheduler's data types
+    without the scheduler extra; only its processes require it, and say so."""
+    hide = "import sys; sys.modules['grpc_reflection'] = sys.modules['uvicorn'] = None; "
+    ok = subprocess.run([sys.executable, "-c", hide + "import scheduler_svc.sched.scheduler, pagedserve.engine_api"],
+                        capture_output=True, text=True, cwd=ROOT)
+    assert ok.returncode == 0, ok.stderr
+    refused = subprocess.run([sys.executable, "-c", hide + "import scheduler_svc.entrypoints.core"],
+                             capture_output=True, text=True, cwd=ROOT)
+    assert "needs the 'scheduler' extra" in refused.stderr and "grpc_reflection" in refused.stderr

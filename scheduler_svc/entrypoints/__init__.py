@@ -2,3 +2,7 @@
 
 The one room that may wire all the others together.
 """
+
+from pagedserve.extras import require
+
+require("scheduler", ("tokenizers", "zmq", "msgspec", "prometheus_client", "grpc_reflection", "uvloop"))
