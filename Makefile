@@ -6,7 +6,7 @@ STAMP := .venv/.installed
 TINY_MODEL ?= models/tiny-llama
 MODEL ?= $(TINY_MODEL)
 
-.PHONY: setup proto test lint run tiny-model bench gpu-check images tools clean
+.PHONY: setup proto test test-busy lint run tiny-model bench gpu-check images tools clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,14 @@ proto: $(STAMP)
 	  proto/pagedserve/v1/*.proto
 
 test: setup tools
+	$(PY) -m pytest -q
+
+# The suite on a busy machine: BURNERS (2) busy loops run beside it, as a compiler would, started
+# before and killed after, whatever way pytest ends (failure, Ctrl-C).
+BURNERS ?= 2
+test-busy: setup tools
+	burners=""; trap 'kill $$burners 2>/dev/null; wait $$burners 2>/dev/null' EXIT; trap 'exit 130' INT TERM; \
+	for i in $$(seq $(BURNERS)); do sh -c 'while :; do :; done' & burners="$$burners $$!"; done; \
 	$(PY) -m pytest -q
 
 lint: setup
