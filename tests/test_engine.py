@@ -307,8 +307,8 @@ def test_a_consumer_that_falls_behind_gets_several_steps_at_once_without_a_token
 def test_a_prompt_is_hashed_once_by_its_front(tokenizer, monkeypatch):
     """The prompt's block hashes (sha256 per block) are computed once, by the front: its chain is
     what the core's router, the scheduler's prefix lookup and cache registration use."""
-    from scheduler_svc.front import kv_cache_manager
     from scheduler_svc.front import streams as front_streams
+    from scheduler_svc.sched import kv_cache_manager
 
     hashed = []
 
