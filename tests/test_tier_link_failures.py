@@ -106,8 +106,8 @@ def test_a_child_is_started_again_after_a_failed_start_and_a_failing_exit_hook(m
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ipc:// endpoints")
 def test_a_front_seen_to_exit_loses_its_requests_and_their_blocks_at_once(tmp_path):
     """The scheduler reports a front's exit (``drop_front``, from its child watcher) while the
-    front's link still looks alive: no send to it fails, and it is far from silent long enough to
-    be dead. Its requests must be aborted there and then, and their blocks freed by the next steps,
+    front's link still looks alive: it reads, so no send to it fails, and it beats, so it is never
+    silent. Its requests must be aborted there and then, and their blocks freed by the next steps,
     well within the dead-peer interval the link would otherwise wait."""
     dead_peer_s = DEAD_AFTER_INTERVALS * m.HEARTBEAT_INTERVAL_S
 
