@@ -8,7 +8,7 @@ TINY_MODEL ?= models/tiny-llama
 MODEL ?=
 DEMO_MODEL_STAMP := .venv/.demo-model
 
-.PHONY: setup proto test lint run tiny-model demo-model bench gpu-check gpu-wheels images tools clean
+.PHONY: setup proto test test-busy lint run tiny-model demo-model bench gpu-check gpu-wheels images tools clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,14 @@ proto: $(STAMP)
 	  proto/pagedserve/v1/*.proto
 
 test: setup tools demo-model
+	$(PY) -m pytest -q
+
+# The suite on a busy machine: BURNERS (2) busy loops run beside it, as a compiler would, started
+# before and killed after, whatever way pytest ends (failure, Ctrl-C).
+BURNERS ?= 2
+test-busy: setup tools demo-model
+	burners=""; trap 'kill $$burners 2>/dev/null; wait $$burners 2>/dev/null' EXIT; trap 'exit 130' INT TERM; \
+	for i in $$(seq $(BURNERS)); do sh -c 'while :; do :; done' & burners="$$burners $$!"; done; \
 	$(PY) -m pytest -q
 
 lint: setup

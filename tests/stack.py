@@ -27,6 +27,10 @@ from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from pagedserve.wire.enrollment import new_token
 from pagedserve.wire.key_files import write_key_pair
 
+# How long a stack may take to come up: each process imports torch and loads the model, and with
+# a compiler (or `make test-busy`'s burners) on the same two cores that took over a minute.
+START_TIMEOUT_S = 180.0
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -169,7 +173,7 @@ class Stack:
         stub = health_pb2_grpc.HealthStub(self.channel)
         return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
 
-    def wait_health(self, liveness: bool = False, timeout_s: float = 60.0) -> None:
+    def wait_health(self, liveness: bool = False, timeout_s: float = START_TIMEOUT_S) -> None:
         service = "liveness" if liveness else "pagedserve.v1.Generation"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -182,7 +186,7 @@ class Stack:
             time.sleep(0.1)
         raise TimeoutError(f"{service} not SERVING after {timeout_s}s\n{self.logs()}")
 
-    def wait_executors(self, n: int, timeout_s: float = 60.0) -> None:
+    def wait_executors(self, n: int, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self._check_alive()

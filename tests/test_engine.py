@@ -225,8 +225,12 @@ def test_metrics_gauges_return_to_idle_after_the_work(tokenizer):
         metrics = Metrics()
         async with running(tokenizer, 1, metrics=metrics) as (engine, _):
             await asyncio.gather(*(_collect(engine, _req(f"g{i}", list(range(3, 40)), 30)) for i in range(6)))
-            await asyncio.sleep(0.6)  # an idle loop turn refreshes the gauges
             value = metrics.registry.get_sample_value
+            deadline = time.monotonic() + 30
+            while value("pagedserve:num_requests_running") or value("pagedserve:kv_cache_usage_perc",
+                                                                     {"executor": "fake0"}):
+                assert time.monotonic() < deadline, "the gauges did not return to idle"
+                await asyncio.sleep(0.05)  # an idle loop turn refreshes the gauges
             assert value("pagedserve:num_requests_running") == 0
             assert value("pagedserve:generation_tokens_total") == 180
             # every token but each request's first has an inter-token latency, whichever path streamed it

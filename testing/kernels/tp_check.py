@@ -82,12 +82,19 @@ def check(model_dir: Path, device: str, world: int) -> bool:
     from testing.tensor_parallel import serving_runner
 
     prompts = [[(11 * i + 5 * j) % 480 + 3 for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
+    # transformers' outputs first, before the group starts: rank 0's runner builds its grammar
+    # compiler on a thread of its own, which imports xgrammar and with it transformers, slowly on a
+    # busy machine. transformers puts a lazy module in its own place in sys.modules while it is
+    # imported; a thread importing it meanwhile is handed the module it replaced, which has none
+    # of its names (ImportError: cannot import name 'AutoModelForCausalLM'). On one torch thread,
+    # as they always were (serving_runner's count per rank).
+    torch.set_num_threads(1)
+    refs = [hf_greedy(model_dir, p, MAX_NEW) for p in prompts]
     with serving_runner(model_dir, world, threads=world, device=device) as runner:
         ours = greedy(runner, prompts, MAX_NEW)
         heads = (runner.model.cfg.num_heads, runner.model.cfg.num_kv_heads)
     ok = True
-    for p, got in zip(prompts, ours, strict=True):
-        ref = hf_greedy(model_dir, p, MAX_NEW)
+    for p, got, ref in zip(prompts, ours, refs, strict=True):
         ok &= got == ref
         print(f"  prompt of {len(p):2d} tokens: {'PASS' if got == ref else 'FAIL'} ours {got} transformers {ref}")
     print(f"tensor-parallel N = {world} on {device} (rank 0: {heads[0]} q / {heads[1]} KV heads): "
