@@ -82,7 +82,7 @@ clean:
 	rm -rf .venv .venv-tools models build .pytest_cache .hypothesis $(GPU_WHEELS)
 
 # Offline checkers for k8s/ and docker/ (checkov, kubernetes-validate), in their own venv:
-# checkov's ~80 dependencies stay out of the project's. tests/test_k8s_manifests.py uses it.
+# checkov's ~80 dependencies stay out of the project's. tests/deploy/test_k8s_manifests.py uses it.
 TOOLS_VENV := .venv-tools
 $(TOOLS_VENV)/.installed: k8s/tools-requirements.txt
 	test -x $(TOOLS_VENV)/bin/python || python3 -m venv $(TOOLS_VENV)
@@ -91,7 +91,7 @@ $(TOOLS_VENV)/.installed: k8s/tools-requirements.txt
 	touch $@
 
 tools: $(TOOLS_VENV)/.installed
-	@command -v kubectl >/dev/null 2>&1 || echo "warning: kubectl not found; tests/test_k8s_manifests.py needs it (kubectl kustomize)"
+	@command -v kubectl >/dev/null 2>&1 || echo "warning: kubectl not found; tests/deploy/test_k8s_manifests.py needs it (kubectl kustomize)"
 
 # Container images (needs a Docker engine; none runs on the dev machines, CI doesn't build them).
 # EXECUTOR_VARIANT=cpu builds a CPU-only executor for k8s/overlays/cpu. Names match k8s/overlays/*.

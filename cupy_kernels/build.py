@@ -4,7 +4,7 @@ The ``.cu`` files next to this module are compiled two ways from the same text:
 
 * at run time by CuPy (NVRTC) through ``cupy.RawModule(name_expressions=...)``, one module per
   kernel configuration, cached for the life of the process (:func:`get_function`);
-* in CI by ``nvcc -cubin`` (tests/test_cuda_compile.py), through a translation unit that
+* in CI by ``nvcc -cubin`` (tests/unit/kernels/test_cuda_compile.py), through a translation unit that
   instantiates a representative set of the same templates (:func:`nvcc_unit`).
 
 ``common.cuh`` is pasted in place of its ``#include`` for NVRTC, so the compile cache (keyed by

@@ -211,7 +211,7 @@ def _config_eos_ids(model_dir: Path) -> list[int]:
 
 # xgrammar (0.2.9) writes the characters of a string with a length bound as [^"\\\r\n], which lets raw
 # control characters into it: JSON forbids them (RFC 8259, section 7) and json.loads refuses them.
-# Its unbounded strings have the right class; bounded ones get it here (tests/test_structured_outputs.py
+# Its unbounded strings have the right class; bounded ones get it here (tests/unit/executor/test_structured_outputs.py
 # fails if a new xgrammar changes what it writes).
 _BOUNDED_STRING_CHARS = r'[^\"\\\r\n]'
 _JSON_STRING_CHARS = r'[^\0-\x1f\"\\]'

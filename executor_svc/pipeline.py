@@ -15,7 +15,7 @@ checks and applies that plan and builds its batch):
 4. launch step k+1, its open rows filled from the tokens step k appended.
 
 Results come out in plan order, and the tokens are the same as with the sequential
-runner (tests/test_step_pipeline.py). A plan that forks or extends a sequence (n > 1
+runner (tests/unit/executor/test_step_pipeline.py). A plan that forks or extends a sequence (n > 1
 choices, beam search's chosen tokens) needs step k's token on the host first: step k
 completes before it is prepared. When step k fails for some sequences, step k+1 is
 launched without them (``ModelRunner.launch`` rebuilds its batch), as the sequential

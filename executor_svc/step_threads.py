@@ -13,7 +13,7 @@ fused step's start: the serving path's share lands in the step's Python work and
 threads' spinning after the call as much as in the call itself.
 
 Both counts compute the same numbers: every output of a linear layer and every (sequence, KV
-head) of attention is computed by one thread whatever the count (tests/test_step_threads.py).
+head) of attention is computed by one thread whatever the count (tests/unit/executor/test_step_threads.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TextIO
 
 NAMESPACE = "pagedserve"
-# What `keys kubernetes` makes, and k8s/ mounts (tests/test_k8s_manifests.py checks they agree).
+# What `keys kubernetes` makes, and k8s/ mounts (tests/deploy/test_k8s_manifests.py checks they agree).
 SCHEDULER_KEY_SECRET, SCHEDULER_KEY_FILE = "pagedserve-scheduler-key", "scheduler.key_secret"
 SCHEDULER_PUBLIC_CONFIGMAP, SCHEDULER_PUBLIC_FILE = "pagedserve-scheduler-public-key", "scheduler.key"
 TOKEN_SECRET, TOKEN_FILE = "pagedserve-enrollment-token", "enrollment-token"

@@ -8,7 +8,7 @@ through NCCL, the plans through gloo), loads the tiny 8-q / 4-KV-head Llama, and
 greedily for prompts of several lengths, prefilled in chunks of 7 tokens while the others
 decode (the CuPy prefill and decode kernels with the per-rank head counts on CUDA). Exit status 0
 when every sequence equals transformers' greedy output token for token. ``--device cpu`` runs
-the same path with gloo (tests/test_tp_check.py does, on machines without GPUs).
+the same path with gloo (tests/process/test_tp_check.py does, on machines without GPUs).
 :func:`run_tp_check` is how ``make gpu-check`` runs it: in its own process, or skipped with the
 reason when the machine has fewer GPUs than ranks.
 """

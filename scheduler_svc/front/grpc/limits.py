@@ -2,7 +2,7 @@
 
 Each knob has a ``--grpc-*`` flag (scheduler_svc/entrypoints/config.py) and becomes grpc core channel
 arguments here (:func:`server_options`). grpc core ignores arguments it does not know, silently,
-so each of these is exercised against a real client in tests/test_grpc_connections.py:
+so each of these is exercised against a real client in tests/unit/front/test_grpc_connections.py:
 
 - ``handshake_timeout_s``: a new connection must finish its TLS handshake and send HTTP/2's
   preface and SETTINGS within it (grpc.server_handshake_timeout_ms), whatever it trickles.

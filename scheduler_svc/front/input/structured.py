@@ -10,7 +10,7 @@ grammar is a 400 / INVALID_ARGUMENT naming the field. The executors compile and 
 
 The check uses llguidance, a grammar engine in Rust with no dependencies; the executors' engine,
 xgrammar, imports torch and transformers, which no front installs. The two engines agree on what
-is valid for everything the tests throw at them (tests/test_structured_edge.py); where llguidance
+is valid for everything the tests throw at them (tests/unit/front/test_structured_edge.py); where llguidance
 is more lenient than xgrammar (bounds that contradict each other) this module checks itself, and
 where it is stricter (``not``, some GBNF escapes) the request is rejected, never dropped. A spec
 the executor still cannot compile fails that request's step (docs/ARCHITECTURE.md).

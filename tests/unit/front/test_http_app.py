@@ -1,0 +1,598 @@
+"""The OpenAI-compatible HTTP front in-process, over the fake engine: request mapping, response
+shapes (through the official openai client), every error status, body bounds, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import openai
+import pytest
+
+from scheduler_svc.front.http.chat_template import ChatTemplate
+from scheduler_svc.front.http.limits import HttpLimits
+from scheduler_svc.front.input import offload
+from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.telemetry.metrics import Metrics
+from testing.grpc_fakes import FakeEngine, make_tokenizer
+from testing.http_fakes import HttpThread
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+LIMITS = ServerLimits(max_n=4, max_logprobs=5, max_stop_strings=2)
+HTTP_LIMITS = HttpLimits(max_body_bytes=4096, max_messages=3, max_prompts=2)
+MODEL = "tiny-test"
+FULL = "Hello world, the end."  # what the fake engine generates
+MAX_MODEL_LEN = 256
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = FakeEngine(make_tokenizer(), MAX_MODEL_LEN)
+    metrics = Metrics()
+    srv = HttpThread(engine, ChatTemplate.compile(CHATML), LIMITS, HTTP_LIMITS, metrics)
+    srv.metrics = metrics
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def fake(server):
+    server.engine.reset()
+    server.engine.ready = True
+    server.front.shutting_down = False
+    return server
+
+
+def _error(status: int, body: bytes) -> dict:
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    return err
+
+
+# ------------------------------------------------------------------ results
+
+def test_completion_text_usage_and_finish_reason(fake):
+    r = fake.client().completions.create(model=MODEL, prompt="Hello", max_tokens=50)
+    (choice,) = r.choices
+    assert choice.text == FULL and choice.finish_reason == "stop"  # EOS -> "stop"
+    (req,) = fake.engine.requests
+    assert req.prompt_token_ids == make_tokenizer().encode("Hello").ids  # with BOS, like gRPC
+    assert r.usage.prompt_tokens == len(req.prompt_token_ids)
+    assert r.usage.completion_tokens == len(make_tokenizer().encode(FULL, add_special_tokens=False).ids) + 1
+    assert r.usage.prompt_tokens_details.cached_tokens == 3  # from the engine's usage
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+
+
+def test_length_finish_and_default_max_tokens_per_endpoint(fake):
+    r = fake.client().completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2)
+    assert r.choices[0].finish_reason == "length" and fake.engine.requests[-1].prompt_token_ids == [5, 6, 7]
+    fake.client().completions.create(model=MODEL, prompt="Hi")
+    assert fake.engine.requests[-1].params.max_tokens == 16  # ServerLimits.default_max_tokens, as gRPC
+    fake.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    req = fake.engine.requests[-1]
+    assert req.params.max_tokens == MAX_MODEL_LEN - len(req.prompt_token_ids)  # chat: the whole context left
+
+
+def test_chat_renders_the_template_and_tokenizes_without_adding_bos(fake):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    r = fake.client().chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=40)
+    assert r.choices[0].message.content == FULL and r.choices[0].message.role == "assistant"
+    assert r.object == "chat.completion" and r.choices[0].finish_reason == "stop"
+    rendered = ChatTemplate.compile(CHATML).render(messages)
+    expected = make_tokenizer().encode(rendered, add_special_tokens=False).ids
+    assert fake.engine.requests[-1].prompt_token_ids == expected and expected[0] != 0  # no BOS added
+    assert fake.engine.requests[-1].params.max_tokens == 40
+
+
+def test_chat_stream_role_first_usage_last_then_done(fake):
+    stream = fake.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:-1])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == FULL
+    assert chunks[-2].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_n_choices_stop_logprobs_and_extensions_reach_the_engine(fake):
+    r = fake.client().completions.create(
+        model=MODEL, prompt="Hi", n=2, stop=["the"], logprobs=2, seed=7, temperature=0.5, top_p=0.9,
+        presence_penalty=0.5, frequency_penalty=-0.5,
+        extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True,
+                    "stop_token_ids": [9], "return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(c.text == "Hello world, " and c.finish_reason == "stop" for c in r.choices)  # cut before "the"
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert len(r.choices[0].token_ids) == len(lp.tokens)  # return_token_ids
+    p = fake.engine.requests[-1].params
+    s = p.sampling
+    assert (p.n, p.stop, p.stop_token_ids, p.ignore_eos) == (2, ["the"], [9], True)
+    assert (s.seed, s.temperature, s.top_k, s.logprobs, s.want_logprobs) == (7, 0.5, 5, 2, True)
+    assert (s.presence_penalty, s.frequency_penalty) == (0.5, -0.5)
+    assert s.top_p == pytest.approx(0.9) and s.min_p == pytest.approx(0.1) and s.repetition_penalty == 1.2
+
+
+def test_chat_logprobs_form_and_beam_search_mapping(fake):
+    r = fake.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert content and all(len(e.top_logprobs) == 2 for e in content)
+    assert all(bytes(e.bytes).decode("utf-8", "replace") == e.token for e in content)
+    assert fake.engine.requests[-1].params.sampling.logprobs == 2
+    fake.client().completions.create(model=MODEL, prompt="Hi", n=3, extra_body={"use_beam_search": True})
+    p = fake.engine.requests[-1].params
+    assert (p.n, p.beam_width) == (1, 3)
+
+
+def test_batch_of_prompts_runs_one_request_each_with_echo(fake):
+    r = fake.client().completions.create(model=MODEL, prompt=["Hi", "Ho"], n=2, echo=True, max_tokens=3)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text[:2] for c in r.choices] == ["Hi", "Hi", "Ho", "Ho"]
+    assert len(fake.engine.requests) == 2 and len({q.request_id for q in fake.engine.requests}) == 2
+    assert r.usage.prompt_tokens == sum(len(q.prompt_token_ids) for q in fake.engine.requests)
+
+
+def test_a_large_body_is_validated_and_its_echo_decoded_off_the_event_loop(fake, monkeypatch):
+    class Watched:  # the front's tokenizer, noting the thread of every call
+        def __init__(self, tok) -> None:
+            self.tok, self.threads = tok, set()
+
+        def __getattr__(self, name):
+            self.threads.add(threading.get_ident())
+            return getattr(self.tok, name)
+
+    async def ident() -> int:
+        return threading.get_ident()
+
+    watched = Watched(fake.front.tokenizer)
+    monkeypatch.setattr(fake.front, "tokenizer", watched)
+    monkeypatch.setattr(offload, "THREAD_CHARS", 64)  # this fixture's bodies stay under 4 KB
+    ids = list(range(5, 105))  # more ids than THREAD_CHARS below: the echo decode is real work
+    r = fake.client().completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=3)
+    assert r.choices[0].text.startswith(watched.tok.decode(ids))  # the echo, then the completion
+    assert fake.engine.requests[0].prompt_token_ids == ids
+    assert watched.threads and fake.call(ident()) not in watched.threads  # never the loop's thread
+
+
+def test_token_id_prompts_do_not_queue_behind_long_text_prompts(fake, monkeypatch):
+    """The worker slots are for tokenizer work: with both held (two huge text prompts being
+    tokenized), a batch of token-id prompts is still served; a long text prompt waits."""
+    monkeypatch.setattr(offload, "THREAD_CHARS", 64)  # this fixture's bodies stay under 4 KB
+
+    async def hold(n: int) -> list:
+        slots = offload._slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(offload.CONCURRENT))
+        for _ in range(n):
+            await slots.acquire()
+        return [slots] * n
+
+    held = fake.call(hold(offload.CONCURRENT))
+    try:
+        ids = [list(range(5, 105)), list(range(7, 107))]  # a body of ~1 KB: "large" here
+        r = fake.client(timeout=5).completions.create(model=MODEL, prompt=ids, max_tokens=3)
+        assert len(r.choices) == 2 and [q.prompt_token_ids for q in fake.engine.requests] == ids
+        with pytest.raises(openai.APITimeoutError):  # text to tokenize: it needs a slot
+            fake.client(timeout=1).completions.create(model=MODEL, prompt="word " * 40, max_tokens=3)
+    finally:
+        for slots in held:
+            fake.loop.call_soon_threadsafe(slots.release)
+
+
+def test_models_and_health(fake):
+    (model,) = fake.client().models.list().data
+    assert model.id == MODEL and model.owned_by == "pagedserve"
+    assert fake.client().models.retrieve(MODEL).id == MODEL
+    assert fake.request("GET", "/health")[0] == 200
+    fake.engine.ready = False
+    assert fake.request("GET", "/health")[0] == 503
+
+
+# ------------------------------------------------------------------ errors
+
+BAD = [
+    ("/v1/completions", {"prompt": "a", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "a", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 10**6}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 5}, "n"),
+    ("/v1/completions", {"prompt": "a", "n": 9, "use_beam_search": True}, "n"),
+    ("/v1/completions", {"prompt": "a", "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": "a", "stop": ["a", "b", "c"]}, "stop"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "seed": -1}, "seed"),
+    ("/v1/completions", {"prompt": "a", "top_k": -2}, "top_k"),
+    ("/v1/completions", {"prompt": "a", "stop_token_ids": [10**6]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 10**6]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", [1]]}, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 10}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"999999": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": "a", "prompt_logprobs": 6}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "a", "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/completions", {"prompt": "a", "response_format": {"type": "json_schema",
+                                                            "json_schema": {"schema": {"type": "foo"}}}},
+     "response_format"),
+    ("/v1/completions", {"prompt": "a", "response_format": {"type": "yaml"}}, "response_format"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+     "structured_outputs"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"choice": []}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"structural_tag": {}}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "a", "structured_outputs": {"json_object": True}, "ignore_eos": True},
+     "structured_outputs"),
+    ("/v1/completions", {"prompt": "a", "guided_regex": "a", "response_format": {"type": "json_object"}},
+     "guided_regex"),
+    ("/v1/completions", {"prompt": "a", "guided_json": {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 5, "maximum": 1}}}}, "guided_json"),
+    ("/v1/completions", {"prompt": "a", "use_beam_search": True, "n": 2, "guided_choice": ["x"]}, "guided_choice"),
+    ("/v1/completions", {"prompt": "a", "suffix": "x"}, "suffix"),
+    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}] * 4}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "a"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * 300}]}, "messages"),  # > 256 tokens
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 999},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True,
+                              "top_logprobs": 6}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
+     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tool_choice": "required"},
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [TOOL]}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [TOOL],
+                              "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [TOOL, TOOL],
+                              "tool_choice": "required"}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [
+        {"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "required"}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [TOOL],
+                              "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a", "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD, ids=[f"{p.split('/')[-1]}-{i}" for i, (p, _, _) in enumerate(BAD)])
+def test_bad_input_is_400_naming_the_openai_field(fake, path, body, param):
+    status, raw = fake.request("POST", path, body)
+    err = _error(status, raw)
+    assert status == 400 and err["param"] == param and err["type"] == "invalid_request_error", err
+    assert err["message"].startswith(param), err  # "<field>: <what is wrong> (got <value>)"
+    assert not fake.engine.requests
+
+
+def test_validation_message_names_limit_and_value(fake):
+    err = _error(*fake.request("POST", "/v1/completions", {"prompt": "a", "n": 5}))
+    assert err["message"] == "n: must be in [0, 4] (got 5)"
+    with pytest.raises(openai.BadRequestError) as e:
+        fake.client().completions.create(model=MODEL, prompt="a", temperature=-1)
+    assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+
+
+def test_malformed_and_oversized_bodies(fake):
+    status, raw = fake.request("POST", "/v1/completions", b'{"prompt": "a",')
+    assert status == 400 and _error(status, raw)["code"] == "invalid_json"
+    status, raw = fake.request("POST", "/v1/completions", b'{"prompt": ' + b"[" * 2000 + b"]" * 2000 + b"}")
+    assert status == 400
+    status, raw = fake.request("POST", "/v1/completions", {"prompt": "a" * 5000})
+    assert status == 413 and _error(status, raw)["code"] == "request_too_large"
+
+
+def test_oversized_body_is_refused_from_its_content_length_before_it_is_read(fake):
+    with socket.create_connection(("127.0.0.1", fake.server.port), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000000000\r\n\r\n{")  # a gigabyte announced, one byte sent
+        reply = s.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 413")
+
+
+def test_chunked_body_is_cut_off_at_the_limit(fake):
+    with socket.create_connection(("127.0.0.1", fake.server.port), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"x" * 1000
+        for _ in range(5):  # 5000 bytes > 4096, no Content-Length to refuse it by
+            s.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+        reply = s.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 413")
+
+
+def test_an_endless_request_head_is_cut_off_and_the_server_keeps_serving(fake):
+    """httptools (llhttp) does not bound a head: a header value sent forever would be buffered
+    forever. The connection gets 400 and is closed once the head passes 16 KiB, as with h11."""
+    from scheduler_svc.front.http.serve import MAX_REQUEST_HEAD_BYTES, BoundedHttpToolsProtocol
+
+    assert fake.server.server.config.http_protocol_class.func is BoundedHttpToolsProtocol
+    with socket.create_connection(("127.0.0.1", fake.server.port), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+        sent, reply = 0, b""
+        with contextlib.suppress(OSError):  # (the server may close while we still send)
+            while sent < 40 * MAX_REQUEST_HEAD_BYTES and not reply:
+                s.sendall(b"a" * 4096)
+                sent += 4096
+                s.settimeout(0.01)
+                with contextlib.suppress(TimeoutError):
+                    reply = s.recv(4096)
+                s.settimeout(5)
+        reply += s.recv(4096) if not reply else b""
+    assert reply.startswith(b"HTTP/1.1 400") and b"head too large" in reply
+    assert sent <= 2 * MAX_REQUEST_HEAD_BYTES  # cut off near the bound, not after buffering it all
+    assert fake.client().completions.create(model=MODEL, prompt="a").choices[0].text == FULL
+
+
+def test_a_large_body_sent_with_its_head_is_not_counted_as_head(fake):
+    """The head bound counts only what precedes the end of the headers, even when the body
+    arrives in the same read."""
+    body = json.dumps({"prompt": "a", "model": MODEL, "user": "u" * 3000}).encode()  # < max_body_bytes
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + b"X-Pad: " + b"p" * 12000 + b"\r\n"  # head 12 KB + body 3 KB > 16 KiB together
+            + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
+    with socket.create_connection(("127.0.0.1", fake.server.port), timeout=5) as s:
+        s.sendall(head + body)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+
+
+def test_unknown_model_route_and_method(fake):
+    with pytest.raises(openai.NotFoundError) as e:
+        fake.client().completions.create(model="gpt-4", prompt="a")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    status, raw = fake.request("GET", "/v2/nothing")
+    assert status == 404 and _error(status, raw)["code"] == "not_found"
+    assert fake.request("GET", "/v1/completions")[0] == 405
+    assert fake.request("GET", "/v1/models/gpt-4")[0] == 404
+
+
+@pytest.mark.parametrize("mode,status,error", [("queue_full", 429, openai.RateLimitError),
+                                                ("no_executor", 503, openai.InternalServerError),
+                                                ("crash", 500, openai.InternalServerError)])
+def test_engine_errors_map_to_statuses_and_the_server_keeps_serving(fake, mode, status, error):
+    fake.engine.mode = mode
+    with pytest.raises(error) as e:
+        fake.client().completions.create(model=MODEL, prompt="a")
+    assert e.value.status_code == status
+    # Streaming: raised before the first output, the status is still the error's; a crash after
+    # it comes as an error event (the openai client raises it as APIError).
+    with pytest.raises(error if mode != "crash" else openai.APIError) as e:
+        list(fake.client().completions.create(model=MODEL, prompt="a", stream=True))
+    assert getattr(e.value, "status_code", None) == (status if mode != "crash" else None)
+    fake.engine.mode = "ok"
+    assert fake.client().completions.create(model=MODEL, prompt="a").choices[0].text == FULL
+
+
+def test_error_after_the_stream_started_is_an_error_event_then_done(fake):
+    fake.engine.mode = "fail"
+    status, raw = fake.request("POST", "/v1/completions", {"prompt": "a", "stream": True})
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert status == 200 and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "request_failed"
+
+
+def test_rejections_are_counted_with_the_grpc_code_names(fake):
+    before = fake.metrics.rejected.labels("INVALID_ARGUMENT")._value.get()
+    fake.request("POST", "/v1/completions", {"prompt": "a", "n": 0})
+    assert fake.metrics.rejected.labels("INVALID_ARGUMENT")._value.get() == before + 1
+
+
+def test_a_client_gone_mid_upload_is_counted_cancelled_not_an_internal_error(fake, caplog):
+    import socket
+    import time
+
+    before = fake.metrics.rejected.labels("CANCELLED")._value.get()
+    with socket.create_connection(("127.0.0.1", fake.server.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": \"a")  # then hangs up, 988 bytes short
+    deadline = time.monotonic() + 5
+    while fake.metrics.rejected.labels("CANCELLED")._value.get() == before:
+        assert time.monotonic() < deadline, "the abandoned upload was never accounted for"
+        time.sleep(0.02)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert fake.client().completions.create(model=MODEL, prompt="a").choices[0].text == FULL
+
+
+def test_a_body_trickled_past_the_time_limit_is_408_and_the_server_keeps_serving():
+    import socket
+
+    engine = FakeEngine(make_tokenizer(), MAX_MODEL_LEN)
+    engine.ready = True
+    http = HttpThread(engine, ChatTemplate.compile(CHATML), LIMITS, HttpLimits(body_timeout_s=1), Metrics())
+    try:
+        with socket.create_connection(("127.0.0.1", http.server.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")  # and nothing more
+            reply = b""
+            while b"request_timeout" not in reply and (chunk := sock.recv(4096)):  # headers, body: 1-2 reads
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
+        assert http.client().completions.create(model=MODEL, prompt="a").choices[0].text == FULL
+    finally:
+        http.stop()
+
+
+def _read_response(sock) -> tuple[int, bytes]:
+    """One HTTP/1.1 response with a Content-Length from a keep-alive socket: (status, body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split()[1]), body
+
+
+def _trickle_head(sock) -> bytes:
+    """Send a request head one byte every 0.2 s, never finishing it; what the server answers
+    before it closes the connection (at most 5 s)."""
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+    reply, start = b"", time.monotonic()
+    with contextlib.suppress(OSError):  # (the server may close while we still send)
+        while not reply and time.monotonic() - start < 5:
+            sock.sendall(b"X")
+            sock.settimeout(0.2)
+            with contextlib.suppress(TimeoutError):
+                reply = sock.recv(4096)
+    sock.settimeout(5)
+    # A byte we sent after the server closed makes its kernel answer with a reset: the end, as EOF.
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(4096):
+            reply += chunk
+    return reply
+
+
+def test_a_head_sent_slowly_or_never_is_timed_out_and_the_server_keeps_serving():
+    """uvicorn bounds neither: any byte resets its keep-alive timer, and a new connection may wait
+    for ever. A head trickled past head_timeout_s gets 408; a connection that sends nothing is
+    closed; a client that sends its head in time (also after idling on keep-alive) is served."""
+    import socket
+
+    engine = FakeEngine(make_tokenizer(), MAX_MODEL_LEN)
+    engine.ready = True
+    http = HttpThread(engine, ChatTemplate.compile(CHATML), LIMITS, HttpLimits(head_timeout_s=1), Metrics())
+    try:
+        port = http.server.port
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as slow, \
+                socket.create_connection(("127.0.0.1", port), timeout=10) as silent:
+            start = time.monotonic()
+            reply = _trickle_head(slow)
+            took = time.monotonic() - start
+            assert reply.startswith(b"HTTP/1.1 408") and b"not received in time" in reply, reply[:200]
+            assert 0.9 < took < 3
+            assert silent.recv(4096) == b""  # closed without an answer
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # keep-alive: two requests
+            body = json.dumps({"prompt": "a", "model": MODEL}).encode()
+            head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % len(body))
+            for i in range(3):
+                if i:
+                    time.sleep(0.6)  # idle between requests: uvicorn's keep-alive timeout, not ours
+                s.sendall(head[:20])
+                time.sleep(0.6 if i else 0.3)  # a later head ends 1.2 s after the last response: its
+                s.sendall(head[20:] + body)  # clock starts at its first byte
+                status, _ = _read_response(s)
+                assert status == 200
+            assert _trickle_head(s).startswith(b"HTTP/1.1 408")  # a later request's head is timed too
+        assert http.client().completions.create(model=MODEL, prompt="a").choices[0].text == FULL
+    finally:
+        http.stop()
+
+
+def test_unavailable_before_an_executor_and_while_shutting_down(fake):
+    fake.engine.info = None
+    try:
+        status, raw = fake.request("POST", "/v1/completions", {"prompt": "a"})
+        assert status == 503 and _error(status, raw)["code"] == "no_executor"
+        assert fake.request("GET", "/v1/models")[0] == 503
+    finally:
+        fake.engine.info = FakeEngine(make_tokenizer(), MAX_MODEL_LEN).info
+    fake.front.shutting_down = True
+    status, raw = fake.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})
+    assert status == 503 and _error(status, raw)["code"] == "shutting_down"
+    assert fake.request("GET", "/health")[0] == 503
+
+
+def test_chat_without_a_template_is_a_clear_400():
+    engine = FakeEngine(make_tokenizer())
+    srv = HttpThread(engine, template=None)
+    try:
+        status, raw = srv.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})
+        err = _error(status, raw)
+        assert status == 400 and err["code"] == "no_chat_template" and "chat template" in err["message"]
+        assert srv.client().completions.create(model=MODEL, prompt="a").choices[0].text == FULL
+    finally:
+        srv.stop()
+
+
+# ------------------------------------------------------------------ disconnects
+
+def _wait_closed(engine: FakeEngine, timeout_s: float = 5.0) -> tuple[str, bool]:
+    assert engine.closed_event.wait(timeout_s), "the engine's generator was never closed"
+    return engine.closed[-1]
+
+
+def test_a_client_leaving_a_stream_closes_the_engine_generator_at_once(fake):
+    fake.engine.completions = ["word " * 200]
+    fake.engine.token_delay = 0.02
+    stream = fake.client().completions.create(model=MODEL, prompt="a", max_tokens=60, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    t0 = time.monotonic()
+    stream.close()
+    _, finished = _wait_closed(fake.engine)
+    assert not finished and time.monotonic() - t0 < 1.0  # aborted, long before 60 tokens x 20 ms
+
+
+def test_a_client_leaving_a_non_streamed_request_closes_the_engine_generator(fake):
+    fake.engine.completions = ["word " * 200]
+    fake.engine.token_delay = 0.05
+    with pytest.raises(openai.APITimeoutError):
+        fake.client(timeout=0.3).completions.create(model=MODEL, prompt="a", max_tokens=60)
+    _, finished = _wait_closed(fake.engine)
+    assert not finished
+
+
+def test_connections_send_without_nagle_delay(fake):
+    """Each SSE event is a small write; with Nagle's algorithm on, every one after the first
+    waits for the client's delayed ACK (~40 ms on Linux)."""
+    fake.engine.token_delay = 0.05
+    stream = fake.client().completions.create(model=MODEL, prompt="a", stream=True)
+    next(iter(stream))
+    conns = list(fake.server.server.server_state.connections)
+    sockets = [c.transport.get_extra_info("socket") for c in conns]
+    assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
+    stream.close()
+
+
+def test_a_streamed_response_imports_nothing_on_its_way():
+    """The first streamed response after start must not wait for an import (starlette's own
+    streaming response imported anyio's asyncio backend then: 20-30 ms)."""
+    import subprocess
+    import sys
+
+    probe = """
+import asyncio, sys
+from scheduler_svc.front.http import app, streams
+async def events():
+    yield b"data: 1\\n\\n"
+async def main():
+    sent = []
+    async def receive():
+        await asyncio.sleep(3600)
+    async def send(message):
+        sent.append(message["type"])
+    before = set(sys.modules)
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+    await streams.EventStreamResponse(events())(scope, receive, send)
+    print(sorted(set(sys.modules) - before), sent)
+asyncio.run(main())
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[] ['http.response.start', 'http.response.body', 'http.response.body']"

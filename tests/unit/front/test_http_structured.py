@@ -1,0 +1,277 @@
+"""The HTTP front over the fake engine: structured-output fields reach the engine as one checked
+spec, tool calls are parsed out of scripted outputs (every parser, streaming and not, through the
+official openai client), and every row of the "no field ignored" table is honoured."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from pagedserve.wire import STRUCTURED_CHOICE, STRUCTURED_GRAMMAR, STRUCTURED_JSON, STRUCTURED_REGEX
+from scheduler_svc.front.http.chat_template import ChatTemplate
+from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.front.tool_calls import ToolCallOptions
+from scheduler_svc.telemetry.metrics import Metrics
+from testing.grpc_fakes import FakeEngine, make_tokenizer
+from testing.http_fakes import HttpThread
+from testing.tool_templates import TOOLS
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+MODEL = "tiny-test"
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+SCRIPTS = {  # what a model of each family writes to call get_weather and get_time
+    "hermes": 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+              '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+                   '{"name": "get_time", "parameters": {"tz": "CET"}}',
+    "mistral": 'Let me look. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+               '{"name": "get_time", "arguments": {"tz": "CET"}}]',
+}
+CONTENT = {"hermes": "Let me look.\n", "llama3_json": None, "mistral": "Let me look. "}
+
+
+def _server(parser: str | None = None, **kw) -> HttpThread:
+    engine = FakeEngine(make_tokenizer(), 2048)
+    engine.ready = True
+    options = ToolCallOptions(parser is not None, parser)
+    return HttpThread(engine, ChatTemplate.compile(CHATML), ServerLimits(max_n=4, max_logprobs=5), metrics=Metrics(),
+                      tool_options=options, **kw)
+
+
+@pytest.fixture(scope="module")
+def fake():
+    srv = _server()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(autouse=True)
+def _reset(request):
+    if "fake" in request.fixturenames:
+        srv = request.getfixturevalue("fake")
+        srv.engine.reset()
+
+
+# ------------------------------------------------------------------ structured outputs reach the engine
+
+@pytest.mark.parametrize("extra,kind,spec", [
+    ({"response_format": {"type": "json_object"}}, STRUCTURED_JSON, '{"type":"object"}'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}}, STRUCTURED_JSON,
+     '{"type":"object","properties":{"a":{"type":"integer"}}}'),
+    ({"structured_outputs": {"json": {"type": "array", "maxItems": 2}}}, STRUCTURED_JSON,
+     '{"type":"array","maxItems":2}'),
+    ({"structured_outputs": {"regex": "[a-z]{3}"}}, STRUCTURED_REGEX, "[a-z]{3}"),
+    ({"structured_outputs": {"choice": ["yes", "no", "yes"]}}, STRUCTURED_CHOICE, '["yes", "no"]'),
+    ({"structured_outputs": {"grammar": 'root ::= "a" | "b"'}}, STRUCTURED_GRAMMAR, 'root ::= "a" | "b"'),
+    ({"guided_regex": "x+"}, STRUCTURED_REGEX, "x+"),
+    ({"guided_choice": ["x"]}, STRUCTURED_CHOICE, '["x"]'),
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_each_structured_output_field_reaches_the_engine_as_one_checked_spec(fake, extra, kind, spec, path):
+    body = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": USER}
+    status, raw = fake.request("POST", path, {**body, **extra, "max_tokens": 4})
+    assert status == 200, raw
+    sp = fake.engine.requests[-1].params.sampling
+    assert (sp.structured.kind, sp.structured.spec) == (kind, spec)
+    assert sp.end_token_ids == [1]  # the model's EOS ends a structured output
+
+
+def test_logit_bias_min_tokens_stop_strings_and_prompt_logprobs_reach_the_engine(fake):
+    fake.client().completions.create(model=MODEL, prompt="Hi", max_tokens=8, logit_bias={"5": -100, "7": 2.5},
+                                     extra_body={"min_tokens": 3, "include_stop_str_in_output": True,
+                                                 "prompt_logprobs": 2, "stop_token_ids": [9]})
+    req = fake.engine.requests[-1]
+    sp = req.params.sampling
+    assert sp.logit_bias == [(5, -100.0), (7, 2.5)] and sp.min_tokens == 3 and sp.prompt_logprobs == 2
+    assert sp.end_token_ids == [1, 9]  # EOS, then the stop token ids: what min_tokens holds back
+    assert req.params.include_stop_str_in_output and sp.processed_logprobs is False  # raw by default
+
+
+def test_the_logprobs_mode_is_the_deployments():
+    srv = _server(logprobs_mode="processed_logprobs")
+    try:
+        srv.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2, logprobs=1)
+        assert srv.engine.requests[-1].params.sampling.processed_logprobs
+    finally:
+        srv.stop()
+
+
+# ------------------------------------------------------------------ tool calls
+
+def _stream_calls(stream) -> tuple[str, dict[int, dict], list[str], int]:
+    """(content, calls by index with concatenated arguments, finish reasons, chunks) of a chat stream."""
+    content, calls, reasons, chunks = "", {}, [], 0
+    for chunk in stream:
+        chunks += 1
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = call["id"] or tc.id
+                call["name"] = call["name"] or (tc.function.name if tc.function else None)
+                call["arguments"] += (tc.function.arguments or "") if tc.function else ""
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    return content, calls, reasons, chunks
+
+
+@pytest.mark.parametrize("parser", list(SCRIPTS))
+def test_auto_tool_calls_are_parsed_whole_and_streamed_as_deltas(parser):
+    srv = _server(parser)
+    try:
+        srv.engine.completions = [SCRIPTS[parser]]
+        client = srv.client()
+        r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS)
+        (choice,) = r.choices
+        assert choice.finish_reason == "tool_calls" and choice.message.content == CONTENT[parser]
+        calls = choice.message.tool_calls
+        assert [c.function.name for c in calls] == ["get_weather", "get_time"]
+        assert json.loads(calls[0].function.arguments) == {"city": "Paris", "unit": "celsius"}
+        assert json.loads(calls[1].function.arguments) == {"tz": "CET"}
+        assert len({c.id for c in calls}) == 2 and all(c.type == "function" for c in calls)
+        if parser == "mistral":
+            assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)  # what Mistral's template demands
+        content, streamed, reasons, chunks = _stream_calls(client.chat.completions.create(
+            model=MODEL, messages=USER, tools=TOOLS, stream=True))
+        assert content == (CONTENT[parser] or "") and reasons == ["tool_calls"]
+        assert [c["name"] for c in streamed.values()] == ["get_weather", "get_time"]
+        assert [json.loads(c["arguments"]) for c in streamed.values()] == [json.loads(c.function.arguments)
+                                                                          for c in calls]
+        assert chunks > len(streamed) + 2  # the arguments came in pieces, as generated
+    finally:
+        srv.stop()
+
+
+def test_without_a_call_the_text_is_content_and_the_finish_reason_stop():
+    srv = _server("hermes")
+    try:
+        srv.engine.completions = ["Sunny, I think. <tool_ca"]  # a marker's beginning that never completes
+        r = srv.client().chat.completions.create(model=MODEL, messages=USER, tools=TOOLS)
+        assert r.choices[0].message.content == "Sunny, I think. <tool_ca" and r.choices[0].finish_reason == "stop"
+        assert not r.choices[0].message.tool_calls
+        content, calls, reasons, _ = _stream_calls(srv.client().chat.completions.create(
+            model=MODEL, messages=USER, tools=TOOLS, stream=True))
+        assert content == "Sunny, I think. <tool_ca" and not calls and reasons == ["stop"]
+    finally:
+        srv.stop()
+
+
+def test_required_and_named_tool_choice_are_grammars_and_their_output_is_the_call(fake):
+    fake.engine.completions = ['[{"name": "get_time", "parameters": {"tz": "UTC"}}]']
+    r = fake.client().chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required")
+    sp = fake.engine.requests[-1].params.sampling
+    schema = json.loads(sp.structured.spec)
+    assert sp.structured.kind == STRUCTURED_JSON and schema["type"] == "array" and schema["minItems"] == 1
+    assert [b["properties"]["name"]["enum"] for b in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"tz": "UTC"}
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+
+    fake.engine.completions = ['{"city": "Oslo", "unit": "celsius"}']
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = fake.client().chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice=named)
+    assert json.loads(fake.engine.requests[-1].params.sampling.structured.spec) == TOOLS[0]["function"]["parameters"]
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo",
+                                                                                         "unit": "celsius"})
+    assert r.choices[0].finish_reason == "stop"  # as OpenAI answers a named function
+    _, calls, _, _ = _stream_calls(fake.client().chat.completions.create(
+        model=MODEL, messages=USER, tools=TOOLS, tool_choice=named, stream=True))
+    assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {"city": "Oslo", "unit": "celsius"}
+
+
+def test_tool_choice_none_renders_the_tools_and_parses_nothing(fake):
+    fake.engine.completions = ['<tool_call>{"name": "get_time", "arguments": {}}</tool_call>']
+    r = fake.client().chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="none")
+    assert r.choices[0].message.content.startswith("<tool_call>") and not r.choices[0].message.tool_calls
+    assert fake.engine.requests[-1].params.sampling.structured is None
+
+
+def test_mistral_calls_are_read_with_special_tokens_kept_when_bot_is_special():
+    from scheduler_svc.front.tool_calls import plan_tools
+    from scheduler_svc.front.tool_calls.requests import ToolCallOptions as Options
+
+    class T:
+        def __init__(self, name):
+            self.type, self.function = "function", type("F", (), {"name": name, "description": None,
+                                                                  "parameters": None})()
+
+    plan = plan_tools([T("f")], "auto", None, Options(True, "mistral"), frozenset({"[TOOL_CALLS]"}))
+    assert plan.skip_special_tokens is False
+    assert plan_tools([T("f")], "auto", None, Options(True, "mistral"), frozenset()).skip_special_tokens
+
+
+# ------------------------------------------------------------------ the table's other rows
+
+def test_n_streamed_choices_arrive_one_per_chunk_with_continuous_usage(fake):
+    fake.engine.completions = ["Hello world", "Good day"]
+    chunks = list(fake.client().completions.create(
+        model=MODEL, prompt="Hi", n=2, max_tokens=20, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    body = [c for c in chunks if c.choices]
+    assert all(len(c.choices) == 1 for c in body)
+    assert {c.choices[0].index for c in body} == {0, 1}
+    completion = [c.usage.completion_tokens for c in body]
+    assert completion == sorted(completion) and all(c.usage.prompt_tokens == 3 for c in body)  # <s> H i
+    assert chunks[-1].usage.completion_tokens == completion[-1]
+
+
+def test_completion_logprobs_list_k_plus_one_with_the_sampled_token(fake):
+    for k in (0, 2):
+        r = fake.client().completions.create(model=MODEL, prompt="Hi", max_tokens=3, logprobs=k)
+        lp = r.choices[0].logprobs
+        for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert top[token] == value and len(top) <= k + 1
+        assert k or all(len(top) == 1 for top in lp.top_logprobs)  # logprobs=0: the sampled token's
+
+
+def test_echo_with_logprobs_returns_the_prompts_log_probs_first(fake):
+    r = fake.client().completions.create(model=MODEL, prompt="Hello world", max_tokens=2, logprobs=1, echo=True)
+    lp = r.choices[0].logprobs
+    prompt_ids = fake.engine.requests[-1].prompt_token_ids
+    assert fake.engine.requests[-1].params.sampling.prompt_logprobs == 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes the first token
+    assert lp.token_logprobs[1:len(prompt_ids)] == pytest.approx([-1.0 - j / 10 for j in range(len(prompt_ids) - 1)])
+    assert lp.tokens[:len(prompt_ids)] == [make_tokenizer().decode([t], skip_special_tokens=False) for t in prompt_ids]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+def test_prompt_logprobs_are_reported_in_vllms_form(fake):
+    r = fake.request("POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 2, "prompt_logprobs": 1})
+    body = json.loads(r[1])["choices"][0]["prompt_logprobs"]
+    ids = fake.engine.requests[-1].prompt_token_ids
+    assert body[0] is None and len(body) == len(ids)
+    assert body[1][str(ids[1])]["logprob"] == -1.0 and body[1]["2"]["rank"] == 1
+
+
+def test_a_request_the_server_aborted_is_an_error_never_finish_reason_abort(fake):
+    fake.engine.mode = "aborted"
+    with pytest.raises(openai.APIStatusError) as e:
+        fake.client().completions.create(model=MODEL, prompt="Hi", max_tokens=8)
+    assert e.value.status_code == 503
+    with pytest.raises(openai.APIError):
+        list(fake.client().completions.create(model=MODEL, prompt="Hi", max_tokens=8, stream=True))
+
+
+def test_tokenize_detokenize_version_and_metrics_on_the_api_port(fake):
+    status, raw = fake.request("POST", "/tokenize", {"prompt": "Hello world"})
+    tokens = json.loads(raw)["tokens"]
+    assert status == 200 and tokens == make_tokenizer().encode("Hello world").ids
+    assert json.loads(raw)["count"] == len(tokens) and json.loads(raw)["max_model_len"] == 2048
+    chat = json.loads(fake.request("POST", "/tokenize", {"messages": USER})[1])["tokens"]
+    rendered = ChatTemplate.compile(CHATML).render(USER)
+    assert chat == make_tokenizer().encode(rendered, add_special_tokens=False).ids
+    status, raw = fake.request("POST", "/detokenize", {"tokens": tokens[1:]})
+    assert status == 200 and json.loads(raw)["prompt"] == "Hello world"
+    status, raw = fake.request("POST", "/detokenize", {"tokens": [10**6]})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "tokens"
+    status, raw = fake.request("GET", "/version")
+    assert status == 200 and json.loads(raw)["version"]
+    status, raw = fake.request("GET", "/metrics")
+    assert status == 200 and b"pagedserve:" in raw
+    status, raw = fake.request("HEAD", "/metrics")
+    assert status == 200 and raw == b""

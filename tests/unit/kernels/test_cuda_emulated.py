@@ -1,0 +1,168 @@
+"""The CUDA kernel sources executed on the CPU by the SIMT emulator (testing/kernels/emu), against
+the float64 references. Not a GPU test: it runs in CI and checks the kernels' indexing, masking,
+online softmax, split/reduce and GQA grouping from the exact source NVRTC compiles. Outputs and
+unwritten cache slots are poisoned with NaN, inputs are fresh random numbers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cupy_kernels.build import KernelKey, group_size, prefill_tokens
+from testing.kernels.cases import make_case
+from testing.kernels.reference import ref_attention, ref_copy_blocks, ref_reshape_and_cache, rel_error
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+# (dtype, head_size, block_size, num_q_heads, num_kv_heads): odd heads and groups, MHA, MQA, Llama
+CONFIGS = [("float32", 80, 8, 12, 4), ("float16", 256, 32, 4, 4), ("bfloat16", 128, 16, 8, 2),
+           ("float32", 64, 16, 16, 1), ("bfloat16", 96, 8, 14, 2), ("float32", 16, 16, 4, 2)]  # last: the tiny model
+IDS = [f"{d}-h{h}-b{b}-q{q}kv{kv}" for d, h, b, q, kv in CONFIGS]
+SCALE = 0.107
+
+
+@pytest.fixture(scope="module")
+def emu():
+    from testing.kernels.emulate import Emulator
+
+    keys = []
+    for d, h, b, q, kv in CONFIGS:
+        g = group_size(q // kv)
+        keys += [KernelKey("decode", d, h, b, g), KernelKey("decode_reduce", d, h),
+                 KernelKey("prefill", d, h, b, g, prefill_tokens(g))]
+    return Emulator(keys)
+
+
+def _check(out, ref, dtype, what):
+    err = rel_error(out, ref)
+    assert err < TOL[dtype], f"{what}: relative error {err:.3g} >= {TOL[dtype]}"
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_emulated_decode_single_and_split(emu, cfg):
+    dtype, head, bs, nq, nkv = cfg
+    ctx = [1, bs - 1, bs + 1, 2 * bs + 5, 70]
+    seed = random.randrange(1 << 30)
+    case = make_case(ctx, [1] * len(ctx), nq, nkv, head, bs, DTYPES[dtype], "cpu", seed=seed)
+    emu.reshape_and_cache(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
+    ref = ref_attention(case.query, case.k_cache, case.v_cache, case.block_tables, ctx, case.starts, SCALE)
+    for parts in (1, 3):
+        out = torch.full_like(case.query, float("nan"))
+        emu.decode(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, max(ctx), SCALE,
+                   out, num_partitions=parts)
+        _check(out, ref, dtype, f"decode partitions={parts} seed={seed}")
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_emulated_prefill_chunks(emu, cfg):
+    dtype, head, bs, nq, nkv = cfg
+    ctx, qs = [21, 50, 9, bs], [21, 7, 1, bs - 2]  # fresh prompt, chunk over a prefix, decode row
+    seed = random.randrange(1 << 30)
+    case = make_case(ctx, qs, nq, nkv, head, bs, DTYPES[dtype], "cpu", seed=seed)
+    ref_reshape_and_cache(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
+    ref = ref_attention(case.query, case.k_cache, case.v_cache, case.block_tables, ctx, case.starts, SCALE)
+    out = torch.full_like(case.query, float("nan"))
+    emu.prefill(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.query_start_loc,
+                max(qs), max(ctx), SCALE, out)
+    _check(out, ref, dtype, f"prefill seed={seed}")
+
+
+def test_emulated_reshape_and_cache_skips_negative_slots(emu):
+    case = make_case([9, 4], [9, 4], 4, 2, 80, 8, torch.bfloat16, "cpu", seed=random.randrange(1 << 30))
+    case.slot_mapping[3] = -1
+    fused = torch.randn(case.key.shape[0], 3, 2 * 80).bfloat16()
+    key = fused[:, 1].view(-1, 2, 80)  # a strided slice, as from a fused QKV projection
+    key.copy_(case.key)
+    k_ref, v_ref = case.k_cache.clone(), case.v_cache.clone()
+    ref_reshape_and_cache(key, case.value, k_ref, v_ref, case.slot_mapping)
+    emu.reshape_and_cache(key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
+    torch.testing.assert_close(case.k_cache, k_ref, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(case.v_cache, v_ref, rtol=0, atol=0, equal_nan=True)
+
+
+def test_emulated_copy_blocks(emu):
+    caches = [(torch.randn(6, 8, 2, 64), torch.randn(6, 8, 2, 64)) for _ in range(2)]
+    pairs = [(0, 3), (5, 1)]
+    expected = [(k.clone(), v.clone()) for k, v in caches]
+    ref_copy_blocks(expected, pairs)
+    emu.copy_blocks(caches, pairs)
+    for (k, v), (ek, ev) in zip(caches, expected, strict=True):
+        assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+def _emulate_launchers(emu, monkeypatch) -> None:
+    """The CuPy backend's launchers run the kernels' source on the SIMT emulator (one at a time:
+    tensor-parallel ranks call them from several threads)."""
+    import threading
+
+    from cupy_kernels import cache_ops, launchers
+
+    lock = threading.Lock()
+
+    def decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out=None):
+        out = torch.full_like(query, float("nan")) if out is None else out
+        with lock:
+            emu.decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out)
+        return out
+
+    def prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                max_seq_len, scale, out=None):
+        out = torch.full_like(query, float("nan")) if out is None else out
+        with lock:
+            emu.prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                        max_seq_len, scale, out)
+        return out
+
+    def reshape_and_cache(*args):
+        with lock:
+            emu.reshape_and_cache(*args)
+
+    monkeypatch.setattr(launchers, "paged_attention_decode", decode)
+    monkeypatch.setattr(launchers, "paged_attention_prefill", prefill)
+    monkeypatch.setattr(cache_ops, "reshape_and_cache", reshape_and_cache)
+
+
+PROMPTS = [[(5 * i + 2) % 300 + 1 for i in range(n)] for n in (11, 4, 19)]
+
+
+def _generate(runner) -> list[list[int]]:
+    from testing.executor_plans import PlanDriver
+
+    drv = PlanDriver(runner)
+    for sid, p in enumerate(PROMPTS):
+        drv.add(sid, p)
+    drv.run_until(5, chunk=7)
+    return [drv.seqs[sid].outputs for sid in range(len(PROMPTS))]
+
+
+def test_emulated_backend_generates_like_the_torch_backend(emu, tiny_llama_dir, monkeypatch):
+    """The runner with CupyAttentionBackend (kernels emulated on the CPU) decodes the tiny model
+    exactly as with the torch backend: chunked prefill over cached blocks, batched decode."""
+    from executor_svc.attention_cupy import CupyAttentionBackend
+    from testing.executor_plans import make_runner
+
+    _emulate_launchers(emu, monkeypatch)
+    outputs = []
+    for cupy_backend in (True, False):
+        runner = make_runner(tiny_llama_dir)
+        if cupy_backend:
+            runner.backend = CupyAttentionBackend()
+        outputs.append(_generate(runner))
+    assert outputs[0] == outputs[1]
+
+
+def test_emulated_kernels_take_per_rank_head_counts(emu, tiny_llama_dir, monkeypatch):
+    """Two tensor-parallel ranks, each with the CuPy backend on its own 2 q / 1 KV heads (the
+    kernels see the per-rank shapes), generate what one torch-backed runner does."""
+    from executor_svc.attention_cupy import CupyAttentionBackend
+    from testing.executor_plans import make_runner
+    from testing.tp_harness import tp_runner
+
+    _emulate_launchers(emu, monkeypatch)
+    with tp_runner(tiny_llama_dir, backend=CupyAttentionBackend) as runner:
+        assert [(r.model.cfg.num_heads, r.kv.layers[0][0].shape[2]) for r in [runner, *runner.followers]] == \
+            [(2, 1), (2, 1)]
+        sharded = _generate(runner)
+    assert sharded == _generate(make_runner(tiny_llama_dir, cpu_attention="torch"))
