@@ -128,7 +128,7 @@ def test_a_front_seen_to_exit_loses_its_requests_and_their_blocks_at_once(tmp_pa
 
             async def beat() -> None:  # ... and beats, as a live front does (so it is never silent)
                 while True:
-                    await sock.send(m.TIER.encode(m.Heartbeat()))
+                    await sock.send(m.TIER.encode(m.Heartbeat(time.time())))
                     await asyncio.sleep(m.HEARTBEAT_INTERVAL_S)
 
             tasks: list[asyncio.Task] = []
