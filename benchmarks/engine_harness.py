@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from pagedserve import wire
 from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
-from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.engine.engine_config import EngineConfig
 from testing.in_process_engine import Engine
 from testing.sim.executor import CostModel, SimExecutor
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from benchmarks.engine_harness import consume, distinct_requests, engine_with_executors
 from pagedserve.gc_tuning import tune_gc
-from scheduler_svc.engine.config import EngineConfig
-from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.engine.engine_config import EngineConfig
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.tokenizers import small_tokenizer
 
 

@@ -29,8 +29,8 @@ from pagedserve import wire
 from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.kv_blocks import hash_blocks
 from pagedserve.wire import BatchPlan, SamplingParams, StepResult
-from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 
 EOS = 2
 

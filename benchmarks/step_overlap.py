@@ -51,8 +51,8 @@ from benchmarks.engine_harness import consume, distinct_requests, engine_with_ex
 from pagedserve import wire
 from pagedserve.engine_api import GenerationRequest
 from pagedserve.gc_tuning import tune_gc
-from scheduler_svc.engine.config import EngineConfig
-from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.engine.engine_config import EngineConfig
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from scheduler_svc.telemetry.metrics import Metrics
 from testing.in_process_engine import Engine
 from testing.tokenizers import small_tokenizer

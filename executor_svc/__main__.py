@@ -27,7 +27,7 @@ from executor_svc.grammar import GrammarBackend
 from executor_svc.kv_cache import KVCache
 from executor_svc.malloc_tuning import retain_freed_memory
 from executor_svc.model import load_model, load_model_config, model_fingerprint
-from executor_svc.model.config import ModelConfig
+from executor_svc.model.architecture import ModelConfig
 from executor_svc.parallel.group import TPGroup
 from executor_svc.parallel.runner import FollowerRunner, TensorParallelRunner
 from executor_svc.parallel.serve import close_group, serve_follower, start_group

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from executor_svc.model.config import ModelConfig
+from executor_svc.model.architecture import ModelConfig
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -1,7 +1,7 @@
 """The one placement rule: which candidates are near enough the least loaded to be chosen.
 
 Both levels of placement use it: an engine core choosing an executor for a request
-(``scheduler_svc/engine/placement.py``, by prefix-cache hits) and a front choosing an engine core
+(``scheduler_svc/engine/router.py``, by prefix-cache hits) and a front choosing an engine core
 (``scheduler_svc/front/core_set.py``, by rendezvous hashing of the prompt's first block). Each
 prefers the candidate that already caches the prompt, but only among those whose load is within
 the skew bound of the least loaded: that bound is what stops one hot prefix from swamping a

@@ -33,9 +33,9 @@ from pagedserve.gc_tuning import tune_gc
 from pagedserve.model_dir import eos_token_ids, served_model
 from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.entrypoints.children import Children, fixed_port
-from scheduler_svc.entrypoints.config import ServiceConfig, load_config
 from scheduler_svc.entrypoints.core import core_links
 from scheduler_svc.entrypoints.other_cores import OtherCores
+from scheduler_svc.entrypoints.service_config import ServiceConfig, load_config
 from scheduler_svc.telemetry.families import FamiliesCollector, families_of, merge_families
 from scheduler_svc.telemetry.metrics import Metrics, start_metrics_server
 

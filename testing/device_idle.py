@@ -27,8 +27,8 @@ from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
 from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
-from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 
 
 def _busy_union_us(events) -> float:

@@ -21,8 +21,8 @@ from executor_svc.worker import ExecutorWorker
 from pagedserve import wire
 from pagedserve.engine_api import FinishReason, GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
-from scheduler_svc.engine.config import EngineConfig
-from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.engine.engine_config import EngineConfig
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.fake_executor import FakeExecutor
 from testing.in_process_engine import Engine
 

@@ -14,8 +14,8 @@ from collections.abc import Collection
 
 from tokenizers import Tokenizer
 
-from scheduler_svc.engine.config import EngineConfig
 from scheduler_svc.engine.core import EngineCore
+from scheduler_svc.engine.engine_config import EngineConfig
 from scheduler_svc.front.streams import FrontStreams
 
 

@@ -1,6 +1,6 @@
 """Llama-family models (Llama, Mistral, Qwen2) in plain torch, loaded from HF safetensors."""
 
-from executor_svc.model.config import (
+from executor_svc.model.architecture import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
     UnsupportedModelError,

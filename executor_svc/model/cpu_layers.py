@@ -18,7 +18,7 @@ import torch
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
 from executor_svc.cpu_ops import CpuOps
-from executor_svc.model.config import ModelConfig
+from executor_svc.model.architecture import ModelConfig
 from executor_svc.model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 from executor_svc.model.rope import RotaryEmbedding
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata, KVCaches
-from executor_svc.model.config import ModelConfig
+from executor_svc.model.architecture import ModelConfig
 from executor_svc.model.rope import RotaryEmbedding, apply_rotary
 from executor_svc.model.weights import PackedLinear
 

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from executor_svc.cpu_ops import load_cpu_ops
-from executor_svc.model.config import ModelConfig, UnsupportedModelError, load_model_config
+from executor_svc.model.architecture import ModelConfig, UnsupportedModelError, load_model_config
 from executor_svc.model.cpu_pack import pack_for_cpu, weight_format
 from executor_svc.model.gguf_weights import gguf_tensors
 from executor_svc.model.llama import AllReduce, LlamaForCausalLM

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from executor_svc.model.config import RopeConfig
+from executor_svc.model.architecture import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from executor_svc.model.config import ModelConfig
+from executor_svc.model.architecture import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from pagedserve.engine_api import (
     FinishReason,
     ModelInfo,
 )
-from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.engine.engine_config import EngineConfig
 from scheduler_svc.engine.executor_link import ExecutorConn, ExecutorHub, ExecutorLost
 from scheduler_svc.engine.requests import CoreRequests
 from scheduler_svc.engine.state import ExecutorSlot

@@ -3,7 +3,7 @@
 :class:`CoreRequests` is the half of :class:`~scheduler_svc.engine.core.EngineCore` that deals in
 requests rather than steps: what fronts ask (submit, abort, a stop string's finished choice, a
 front gone), placement on a ready executor that can hold a request (prefix affinity bounded by
-load, ``scheduler_svc/engine/placement.py``; its reachable length fixed at its first placement), waiting for
+load, ``scheduler_svc/engine/router.py``; its reachable length fixed at its first placement), waiting for
 an executor when none is left (``--orphan-timeout``), and migration (an executor dead, its drain
 over, a plan refused: each request goes on elsewhere from the tokens it has, ``--max-migrations``).
 """
@@ -17,8 +17,8 @@ from typing import Protocol
 
 from pagedserve.engine_api import EngineError, ErrorKind, GenerationRequest, RequestUpdate
 from pagedserve.kv_blocks import hash_blocks
-from scheduler_svc.engine.config import EngineConfig
-from scheduler_svc.engine.placement import Router
+from scheduler_svc.engine.engine_config import EngineConfig
+from scheduler_svc.engine.router import Router
 from scheduler_svc.engine.state import CoreRequest, ExecutorSlot
 from scheduler_svc.sched.request import MigratedRequest
 

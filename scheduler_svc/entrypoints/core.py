@@ -30,7 +30,7 @@ from pagedserve.model_dir import eos_token_ids, served_model
 from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.engine.front_link import FrontLink
 from scheduler_svc.entrypoints.children import EXIT_WITH_PARENT, exit_with_parent
-from scheduler_svc.entrypoints.config import ServiceConfig, load_config
+from scheduler_svc.entrypoints.service_config import ServiceConfig, load_config
 from scheduler_svc.telemetry.families import families_of
 from scheduler_svc.telemetry.metrics import Metrics
 

@@ -34,7 +34,7 @@ from pagedserve.model_dir import load_tokenizer as model_tokenizer
 from pagedserve.wire.key_files import load_key_pair, load_public_key
 from pagedserve.wire.keys import ClientKeys
 from scheduler_svc.entrypoints.children import EXIT_WITH_PARENT, exit_with_parent
-from scheduler_svc.entrypoints.config import ServiceConfig, load_config
+from scheduler_svc.entrypoints.service_config import ServiceConfig, load_config
 from scheduler_svc.front.core_link import RemoteCore
 from scheduler_svc.front.core_set import CoreSet
 from scheduler_svc.front.grpc.server import start_grpc_server

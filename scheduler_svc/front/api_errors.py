@@ -1,7 +1,7 @@
 """A request rejected with an HTTP status and an OpenAI error body, and its gRPC twin.
 
 Raised wherever the OpenAI API's checks run (the HTTP front, tool-call planning); pure Python,
-so that what raises it needs no web framework. ``http/errors.py`` sends it as a response.
+so that what raises it needs no web framework. ``http/error_responses.py`` sends it as a response.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ import msgspec
 
 from pagedserve.engine_api import FinishReason, GenerationRequest, RequestUpdate
 from pagedserve.wire import SamplingParams, max_result_bytes
-from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.kv_cache_manager import NO_HIT, KVCacheManager, KVCacheManagerBase, PrefixHit
 from scheduler_svc.sched.request import BeamState, MigratedRequest, Request, RequestState, Sequence
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 
 Work = list[tuple[Sequence, int]]  # (sequence, num_new_tokens) scheduled in one step
 log = logging.getLogger(__name__)

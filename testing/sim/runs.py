@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pagedserve.bench.workloads import TraceRequest
 from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import BatchPlan, SamplingParams
-from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.sim.baseline_allocators import ContiguousKVCacheManager
 from testing.sim.executor import BLOCK_SIZE, PAPER_NUM_BLOCKS, SimExecutor, simulate
 

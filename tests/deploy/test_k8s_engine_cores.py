@@ -50,7 +50,7 @@ def rendered(tmp_path_factory) -> dict[str, list[Doc]]:
 
 def _scheduler_args(docs: list[Doc]) -> argparse.Namespace:
     """The scheduler's rendered command, parsed and held to the parser's own port-range check."""
-    from scheduler_svc.entrypoints import config as sc
+    from scheduler_svc.entrypoints import service_config as sc
 
     args, _ = parse_container(docs, container(find(docs, "Deployment", SCHED)))
     sc._check_port_ranges(sc.build_arg_parser(), args)  # (argparse exits on a clash)

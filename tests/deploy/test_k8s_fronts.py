@@ -69,8 +69,8 @@ def _parse_pods(docs: list[Doc], key_volumes: dict[str, Path], tmp: Path, monkey
     run them: volumes are local directories (the key ones holding what `pagedserve keys kubernetes`
     makes), addresses of Services the local ports behind them. -> (scheduler config, front config,
     front's FrontConfig)."""
-    from scheduler_svc.entrypoints.config import load_config
     from scheduler_svc.entrypoints.front import parse_front_args
+    from scheduler_svc.entrypoints.service_config import load_config
 
     cluster = StandIn(docs, tmp)
     parsed = []

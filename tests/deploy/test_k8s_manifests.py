@@ -231,7 +231,7 @@ def test_checkov_passes_the_dockerfiles_with_reasoned_skips_only(checkov_reports
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_scheduler_command_parses_and_matches_ports_and_probes(rendered, overlay):
     from pagedserve import wire
-    from scheduler_svc.entrypoints import config as sc
+    from scheduler_svc.entrypoints import service_config as sc
 
     docs = rendered[overlay]
     deploy = find(docs, "Deployment", SCHED)
@@ -651,7 +651,7 @@ def test_the_scheduler_installs_no_torch_and_its_image_uses_its_extra():
 
 def test_configmaps_split_shared_and_per_service_settings(rendered):
     from executor_svc import config as ec
-    from scheduler_svc.entrypoints import config as sc
+    from scheduler_svc.entrypoints import service_config as sc
 
     both = flag_env_names(sc.build_arg_parser) & flag_env_names(ec.build_arg_parser)
     for docs in rendered.values():

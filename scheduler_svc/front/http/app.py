@@ -32,11 +32,12 @@ from tokenizers import Tokenizer
 from pagedserve.engine_api import EngineApi, EngineError, ErrorKind, GenerationRequest, ModelInfo
 from scheduler_svc.front.api_errors import ApiError, bad_field
 from scheduler_svc.front.guards.admission import CallBudget
-from scheduler_svc.front.http import extras, streams
-from scheduler_svc.front.http.admission import AdmissionMiddleware
+from scheduler_svc.front.http import streams
+from scheduler_svc.front.http import utility_routes as extras
+from scheduler_svc.front.http.budget_middleware import AdmissionMiddleware
 from scheduler_svc.front.http.chat_messages import chat_messages
 from scheduler_svc.front.http.chat_template import ChatTemplate, ChatTemplateError
-from scheduler_svc.front.http.errors import from_validation
+from scheduler_svc.front.http.error_responses import from_validation
 from scheduler_svc.front.http.limits import HttpLimits
 from scheduler_svc.front.http.openai_types import (
     ChatRequest,

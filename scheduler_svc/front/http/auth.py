@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from scheduler_svc.front.api_errors import ApiError
 from scheduler_svc.front.guards.auth_throttle import AuthThrottle, peer_of_host
 from scheduler_svc.front.guards.security import ApiKeys
-from scheduler_svc.front.http.errors import send_error
+from scheduler_svc.front.http.error_responses import send_error
 from scheduler_svc.telemetry.metrics import Metrics
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes carry no credentials, are never shed

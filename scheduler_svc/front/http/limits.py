@@ -5,7 +5,7 @@ Content-Length before it is read (and while it streams, when there is none), it 
 arrive within a time limit, and the counts that make work proportional to themselves (chat messages, prompts in one
 request) are bounded. A connection's time without a request in progress (its TLS handshake, its
 wait for a request, a request's head) is bounded by the protocol itself, whatever bytes trickle
-in (scheduler_svc/front/http/serve.py). Built once in ``__main__`` from the flags (scheduler_svc/entrypoints/config.py).
+in (scheduler_svc/front/http/serve.py). Built once in ``__main__`` from the flags (scheduler_svc/entrypoints/service_config.py).
 """
 
 from __future__ import annotations

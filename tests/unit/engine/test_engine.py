@@ -21,8 +21,8 @@ from pagedserve.engine_api import (
     RequestParams,
 )
 from pagedserve.wire import SamplingParams
-from scheduler_svc.engine.config import EngineConfig
-from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.engine.engine_config import EngineConfig
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.fake_engine import collect as _collect
 from testing.fake_engine import engine_executor, running
 from testing.fake_engine import req as _req

@@ -9,8 +9,8 @@ import os
 import pytest
 
 from pagedserve.envargs import env_name, parse_bytes
-from scheduler_svc.engine.config import EngineConfig
-from scheduler_svc.entrypoints.config import (
+from scheduler_svc.engine.engine_config import EngineConfig
+from scheduler_svc.entrypoints.service_config import (
     FLAG_FIELDS,
     RUNTIME_FIELDS,
     build_arg_parser,
@@ -20,7 +20,7 @@ from scheduler_svc.entrypoints.config import (
 from scheduler_svc.front.grpc.limits import GrpcLimits
 from scheduler_svc.front.http.limits import HttpLimits
 from scheduler_svc.front.input.validation import ServerLimits
-from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 
 
 @pytest.fixture()

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 from executor_svc.model import load_model
 from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
-from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.executor_plans import drive, hf_greedy, make_runner
 
 PROMPTS = [[5, 17, 99, 3, 250, 31, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57]]

@@ -14,8 +14,8 @@ import pytest
 
 from executor_svc.worker import _STOP, ComputeThread, ExecutorWorker
 from pagedserve import wire
-from scheduler_svc.engine.config import EngineConfig
-from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.engine.engine_config import EngineConfig
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.fake_engine import BLOCKS, FakeRunner, collect, req, run, settle
 from testing.grpc_fakes import make_tokenizer
 from testing.in_process_engine import Engine

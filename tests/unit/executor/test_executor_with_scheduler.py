@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 from executor_svc.model import load_model
 from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
-from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.executor_plans import hf_greedy, make_runner, serve_requests
 
 

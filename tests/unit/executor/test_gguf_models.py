@@ -120,7 +120,9 @@ def test_bad_files_fail_at_open_naming_what_is_wrong(tmp_path, tiny_llama_dir):
 
 
 def test_a_truncated_file_fails_naming_the_tensor(tmp_path, tiny_llama_dir, capsys):
-    from scheduler_svc.entrypoints.config import load_config  # (the scheduler extra: not on a GPU box)
+    from scheduler_svc.entrypoints.service_config import (
+        load_config,  # (the scheduler extra: not on a GPU box)
+    )
 
     path = write_gguf(tmp_path / "m.gguf", tiny_llama_dir, "llama", Q.Q8_0)
     data = path.read_bytes()
@@ -140,7 +142,9 @@ def test_a_truncated_file_fails_naming_the_tensor(tmp_path, tiny_llama_dir, caps
 
 def test_both_services_take_the_file_or_a_directory_holding_only_it(tmp_path, tiny_llama_dir):
     """A volume mounted at a fixed path (the Kubernetes manifests' /models/model) may hold one .gguf."""
-    from scheduler_svc.entrypoints.config import load_config  # (the scheduler extra: not on a GPU box)
+    from scheduler_svc.entrypoints.service_config import (
+        load_config,  # (the scheduler extra: not on a GPU box)
+    )
 
     volume = tmp_path / "model"
     volume.mkdir()

@@ -16,8 +16,8 @@ from pagedserve.wire import SamplingParams
 from pagedserve.wire.codec import encode
 from scheduler_svc.front.output.deltas import RequestStream
 from scheduler_svc.sched import lifecycle
-from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.executor_plans import hf_logits, make_runner
 
 PROMPT = [(7 * j + 3) % 480 + 5 for j in range(45)]

@@ -23,8 +23,8 @@ from pagedserve.model_dir import eos_token_ids, load_tokenizer
 from pagedserve.wire import STRUCTURED_JSON, SamplingParams, Structured
 from pagedserve.wire.fingerprint import model_fingerprint
 from scheduler_svc.front.http.chat_template import load_chat_template
-from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.executor_plans import PlanDriver, make_runner, serve_requests
 
 CHATS = [

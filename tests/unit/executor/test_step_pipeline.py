@@ -14,8 +14,8 @@ from executor_svc.model import load_model
 from executor_svc.pipeline import StepPipeline
 from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, SamplingParams, pack_ids
-from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.executor_plans import apply_result, hf_greedy, make_runner, serve_requests
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -31,8 +31,8 @@ from pagedserve.wire import (
     SamplingParams,
     Structured,
 )
-from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.executor_plans import drive, make_runner, serve_requests
 from testing.json_schemas import random_schema
 from testing.tp_harness import tp_runner

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
-from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.executor_plans import (
     PlanDriver,
     check_fork_with_copy_on_write,

@@ -22,14 +22,14 @@ from tokenizers import Tokenizer
 from executor_svc.grammar import GrammarBackend
 from executor_svc.worker import ExecutorWorker
 from pagedserve import wire
-from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.engine.engine_config import EngineConfig
 from scheduler_svc.front.http.app import OpenAIFront, build_app
 from scheduler_svc.front.http.chat_template import ChatTemplate
 from scheduler_svc.front.http.limits import HttpLimits
 from scheduler_svc.front.http.serve import start_http_server
 from scheduler_svc.front.input.validation import ServerLimits
 from scheduler_svc.front.tool_calls import ToolCallOptions
-from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.executor_plans import make_runner
 from testing.in_process_engine import Engine
 from testing.tool_templates import TEMPLATES, TOOLS, history

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from pagedserve import wire
 from pagedserve.engine_api import FinishReason, GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams, StepResult
-from scheduler_svc.sched.config import SchedulerConfig
 from scheduler_svc.sched.kv_cache_manager import KVCacheManager
 from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from scheduler_svc.sched.step_output import OutputProcessor
 from testing import fake_executor
 from testing.fake_executor import FakeExecutor, drive, sample_token

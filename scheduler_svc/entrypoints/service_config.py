@@ -22,7 +22,7 @@ from typing import Any
 from pagedserve import wire
 from pagedserve.envargs import number, parse_with_env
 from pagedserve.model_dir import has_model_config, is_gguf, open_gguf, resolve_model
-from scheduler_svc.engine.config import EngineConfig
+from scheduler_svc.engine.engine_config import EngineConfig
 from scheduler_svc.engine.executor_auth import LinkSecurity
 from scheduler_svc.engine.link_flags import add_link_flags, link_security
 from scheduler_svc.front.grpc.limits import MAX_REQUEST_BYTES, GrpcLimits
@@ -31,7 +31,7 @@ from scheduler_svc.front.guards.security import ApiKeys, TlsFiles
 from scheduler_svc.front.http.limits import HttpLimits
 from scheduler_svc.front.input.validation import LOGPROBS_MODES, ServerLimits
 from scheduler_svc.front.tool_calls import AUTO_PARSERS, ToolCallOptions
-from scheduler_svc.sched.config import PREEMPTION_MODES, SchedulerConfig
+from scheduler_svc.sched.scheduler_config import PREEMPTION_MODES, SchedulerConfig
 
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_EXECUTOR_PORT = 5556

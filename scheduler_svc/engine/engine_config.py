@@ -1,6 +1,6 @@
-"""The engine core's knobs, frozen and validated once (the scheduler's own are in sched/config.py).
+"""The engine core's knobs, frozen and validated once (the scheduler's own are in sched/scheduler_config.py).
 
-Built by the service's ``entrypoints/config.py`` from the command line; values learned at run
+Built by the service's ``entrypoints/service_config.py`` from the command line; values learned at run
 time arrive through the executors' handshakes, never by mutating these objects.
 """
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from pagedserve import wire
 from scheduler_svc.engine.executor_auth import LinkSecurity
-from scheduler_svc.sched.config import SchedulerConfig
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
 
 
 @dataclass(frozen=True, slots=True)

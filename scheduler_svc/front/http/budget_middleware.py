@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from scheduler_svc.front.api_errors import ApiError
 from scheduler_svc.front.guards.admission import CallBudget, Shed, Ticket
 from scheduler_svc.front.http.auth import OPEN_PATHS
-from scheduler_svc.front.http.errors import send_error
+from scheduler_svc.front.http.error_responses import send_error
 from scheduler_svc.telemetry.metrics import Metrics
 
 RETRY_AFTER_S = b"1"  # calls end all the time: a rejected caller may come back soon

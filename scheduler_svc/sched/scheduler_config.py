@@ -1,6 +1,6 @@
-"""The scheduler's knobs, frozen and validated once (the engine core's are in engine/config.py).
+"""The scheduler's knobs, frozen and validated once (the engine core's are in engine/engine_config.py).
 
-Built by the service's ``entrypoints/config.py`` from the command line (each flag takes
+Built by the service's ``entrypoints/service_config.py`` from the command line (each flag takes
 its default from the field declared here); values learned at run time (the
 number of device and CPU blocks, the executor's max length) arrive through the
 executor's handshake and are passed to :class:`~scheduler_svc.sched.scheduler.Scheduler`
