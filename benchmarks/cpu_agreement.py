@@ -3,21 +3,8 @@
     .venv/bin/python -m benchmarks.cpu_agreement [--model DIR] [--formats bfloat16,int8]
         [--prompts 20] [--steps 100] [--seed 1] [--train-steps 500]
 
-transformers' float32 model generates ``--steps`` greedy tokens after each of ``--prompts``
-random prompts (seeded by ``--seed``; tuning used seed 0, reported figures use other seeds).
-Our model, loaded in each format, is then fed exactly those tokens (teacher forcing: its own
-choices never feed back), all prompts as one decode batch, through the CPU fast path (the
-fused decode stack, the KV cache in the format's dtype). At every step it is scored on
-whether its top-1 token is the one transformers chose; the largest absolute logit difference
-is reported too. ``prompts x steps`` decode steps in all (default 2,000). Float32 is included
-as the reference point of the measurement itself, and ``transformers-bf16`` (transformers'
-model in bfloat16, fed the same tokens) as the reference point of what bfloat16 costs.
-
-The random-weight models' next-token distributions are nearly flat (logits spread ~2), so
-rounding alone flips many choices, whatever the format's implementation. ``--train-steps N``
-first trains the checkpoint (from its random weights) for N steps on the tiny model's corpus, so
-that it predicts as a trained model does, with clear margins between its first choices; the
-agreement is then measured on the trained weights, with the same random prompts.
+The measurement (teacher forcing, what is scored, why ``--train-steps``) is described and
+implemented in ``testing/cpu_agreement.py``; this script is its command line and report.
 """
 
 from __future__ import annotations
