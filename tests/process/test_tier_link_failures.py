@@ -39,7 +39,8 @@ class _BrokenSink:
         raise RuntimeError("a bug while moving the lost core's requests")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ipc:// endpoints")
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="the local front link is an ipc:// socket in a private directory: Linux only")
 def test_a_front_redials_a_lost_core_even_when_moving_its_requests_fails(tmp_path, caplog):
     async def main():
         core = RemoteCore(f"ipc://{tmp_path}/nobody.sock", "f")
@@ -103,7 +104,8 @@ def test_a_child_is_started_again_after_a_failed_start_and_a_failing_exit_hook(m
     assert "handling the exit of child.1 failed" in caplog.text and "could not start child.2 again" in caplog.text
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ipc:// endpoints")
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="the local front link is an ipc:// socket in a private directory: Linux only")
 def test_a_front_seen_to_exit_loses_its_requests_and_their_blocks_at_once(tmp_path):
     """The scheduler reports a front's exit (``drop_front``, from its child watcher) while the
     front's link still looks alive: it reads, so no send to it fails, and it beats, so it is never
