@@ -1,0 +1,1 @@
+"""Speculative decoding in the executor: verifying proposed tokens against the target model."""

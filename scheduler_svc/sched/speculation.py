@@ -1,0 +1,92 @@
+"""Speculative decoding: the ``--speculative-config`` knob and the n-gram (prompt lookup) proposer.
+
+Proposals are made here, in the scheduler, because it already holds every sequence's prompt and
+output tokens: an n-gram lookup costs microseconds and needs no model, so making it where the
+tokens live keeps the executor stateless about speculation (the plan would carry the proposals,
+and the executor only scores them). A draft model or EAGLE heads need the executor's weights and
+hidden states, so those proposers would live in the executor instead, behind the same
+``propose(tokens) -> proposals`` shape.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+SPECULATIVE_METHODS = ("ngram",)  # the draft-model method is not built yet
+MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS = 1, 16
+MAX_PROMPT_LOOKUP = 64  # longer n-grams cost lookup time and almost never match better
+_KNOWN_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config`` fields that pagedserve understands (the n-gram method)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"method: must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        _int_in("num_speculative_tokens", self.num_speculative_tokens,
+                MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS)
+        _int_in("prompt_lookup_min", self.prompt_lookup_min, 1, MAX_PROMPT_LOOKUP)
+        _int_in("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, MAX_PROMPT_LOOKUP)
+
+
+def _int_in(name: str, value: object, low: int, high: int) -> None:
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{name}: must be an integer in {low}..{high}, got {value!r}")
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """The flag's JSON object -> a validated config; ValueError names the field and its limit."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not a JSON object: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"not a JSON object: {text!r}")
+    if "model" in raw and "method" not in raw:
+        raise ValueError("model: the draft-model method is not supported yet; use {\"method\": \"ngram\", ...}")
+    unknown = sorted(set(raw) - set(_KNOWN_KEYS))
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown}; known: {list(_KNOWN_KEYS)}")
+    # vLLM: when only one lookup bound is given, the other equals it
+    if "prompt_lookup_min" in raw and "prompt_lookup_max" not in raw:
+        raw["prompt_lookup_max"] = raw["prompt_lookup_min"]
+    elif "prompt_lookup_max" in raw and "prompt_lookup_min" not in raw:
+        raw["prompt_lookup_min"] = raw["prompt_lookup_max"]
+    return SpeculativeConfig(**raw)
+
+
+class NgramProposer:
+    """Prompt lookup: find the sequence's last n tokens earlier in it, propose what followed.
+
+    Tries the longest n first (``prompt_lookup_max`` down to ``prompt_lookup_min``) and, for one n,
+    the most recent earlier occurrence: in an edit the text being copied is the latest match.
+    """
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, tokens: list[int] | np.ndarray, k: int | None = None) -> list[int]:
+        """Up to ``k`` (default the configured k) proposed next tokens; [] when nothing matches."""
+        k = self.k if k is None else k
+        seq = np.asarray(tokens, dtype=np.int64)
+        total = len(seq)
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            # windows starting at 0..total-n-1: every earlier n-gram, excluding the suffix itself
+            windows = np.lib.stride_tricks.sliding_window_view(seq[:total - 1], n)
+            hits = np.flatnonzero((windows == seq[total - n:]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return seq[start:start + k].tolist()
+        return []

@@ -1,0 +1,81 @@
+"""The --speculative-config knob and the n-gram (prompt lookup) proposer."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.sched.speculation import NgramProposer, SpeculativeConfig, parse_speculative_config
+
+
+def test_parse_accepts_vllm_ngram_form():
+    cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 5, '
+                                   '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
+    assert cfg == SpeculativeConfig("ngram", 5, 4, 2)
+
+
+@pytest.mark.parametrize("text, field", [
+    ('{"method": "medusa", "num_speculative_tokens": 4}', "method"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 17}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 2.5}', "num_speculative_tokens"),
+    ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_max"),
+    ('{"method": "ngram", "prompt_lookup_min": 0}', "prompt_lookup_min"),
+    ('{"method": "ngram", "lookahead": 2}', "lookahead"),
+    ('{"model": "/some/draft", "num_speculative_tokens": 4}', "model"),
+    ('[1, 2]', "JSON object"),
+    ('{method: ngram}', "JSON object"),
+])
+def test_parse_rejects_bad_input_naming_the_field(text, field):
+    with pytest.raises(ValueError, match=field):
+        parse_speculative_config(text)
+
+
+def test_k_limits_name_the_range():
+    with pytest.raises(ValueError, match=r"1\.\.16"):
+        parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 17}')
+
+
+def _proposer(k=4, lo=1, hi=4):
+    return NgramProposer(SpeculativeConfig("ngram", k, hi, lo))
+
+
+def test_proposes_what_followed_the_suffix_earlier():
+    #        0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
+    assert _proposer(k=3).propose(tokens) == [8, 9, 1]
+
+
+def test_longest_match_wins_over_a_more_recent_shorter_one():
+    # suffix [1, 2, 3]: matched in full at 0 (-> 40); the later [2, 3] at 5 would propose 50
+    tokens = [1, 2, 3, 40, 41, 2, 3, 50, 51, 1, 2, 3]
+    assert _proposer(k=2, lo=1, hi=3).propose(tokens) == [40, 41]
+
+
+def test_most_recent_occurrence_for_equal_length():
+    tokens = [7, 8, 1, 9, 9, 7, 8, 2, 3, 3, 7, 8]
+    assert _proposer(k=2, lo=2, hi=2).propose(tokens) == [2, 3]
+
+
+def test_proposal_is_cut_at_the_sequence_end_and_empty_without_a_match():
+    p = _proposer(k=4, lo=2, hi=3)
+    assert p.propose([1, 2, 3, 1, 2]) == [3, 1, 2]
+    assert p.propose([1, 2, 3, 4, 5]) == []
+    assert p.propose([1]) == []
+    assert p.propose([]) == []
+
+
+def test_min_n_is_respected():
+    # only a 1-gram matches: with prompt_lookup_min 2 nothing is proposed
+    tokens = [4, 9, 1, 2, 3, 9]
+    assert _proposer(lo=1, hi=3).propose(tokens) == [1, 2, 3, 9]
+    assert _proposer(lo=2, hi=3).propose(tokens) == []
+
+
+def test_repeated_text_is_proposed_in_full():
+    prompt = list(range(100, 140))
+    out = prompt[:10]  # the model is copying the prompt
+    assert _proposer(k=8, lo=2, hi=4).propose(prompt + out) == prompt[10:18]
+
+
+def test_k_override():
+    assert _proposer(k=4).propose([1, 2, 3, 4, 1], k=2) == [2, 3]
