@@ -257,6 +257,24 @@ class KVCacheManager(KVCacheManagerBase):
             start = 0  # the executor learns the whole table (NewSeq) anyway
         return SlotChange(start, [b.block_id for b in table[start:]], copy)
 
+    def rollback(self, seq: Sequence, num_tokens: int) -> int:
+        """Speculation rejected positions: keep the blocks holding the first ``num_tokens`` tokens,
+        free the rest (returns how many). Blocks already offered to the prefix cache hold verified
+        tokens only (commit_computed runs after verification), so cutting into them is a bug."""
+        table = self._tables.get(seq.seq_id)
+        if table is None:
+            return 0
+        keep = -(-num_tokens // self.block_size)
+        if keep < self._registered.get(seq.seq_id, 0):
+            raise RuntimeError(f"rollback of seq {seq.seq_id} to {num_tokens} tokens cuts into its cached blocks")
+        cut = table[keep:]
+        del table[keep:]
+        self.pool.free_many(reversed(cut))
+        hashes = self._hashes.get(seq.seq_id)
+        if hashes is not None:  # hashes of blocks past the kept tokens covered rejected proposals
+            del hashes[num_tokens // self.block_size:]
+        return len(cut)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         self.fork_many(parent, (child,))
 
