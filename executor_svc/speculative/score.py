@@ -41,7 +41,7 @@ def score_proposals(model: LlamaForCausalLM, kv: KVCache, backend: AttentionBack
         hidden, every_row = model.forward_with_logits(input_ids, batch.positions, kv.layers, batch.meta, backend)
         logits = every_row if every_row is not None else model.compute_logits(hidden)
     ends = batch.meta.query_start_loc_host[1:]
-    return [logits[end - len(p) - 1:end] for end, p in zip(ends, proposals)]
+    return [logits[end - len(p) - 1:end] for end, p in zip(ends, proposals, strict=True)]
 
 
 def accept_greedy(seq: SeqState, proposals: Sequence[int], logits: torch.Tensor) -> list[int]:

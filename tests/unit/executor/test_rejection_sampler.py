@@ -15,7 +15,7 @@ _CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
 
 def _chi_square(counts: list[int], probs: list[float]) -> float:
     n = sum(counts)
-    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs) if p > 0)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs, strict=True) if p > 0)
 
 
 def test_greedy_accepts_matching_prefix_then_the_target_token():

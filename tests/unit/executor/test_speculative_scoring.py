@@ -67,10 +67,10 @@ def test_speculative_greedy_equals_plain_greedy(setup, k):
             good = rng.randint(0, len(truth))
             props.append(truth[:good] + [(t + 1) % 400 for t in truth[good:]] if rng.random() < 0.7
                          else ngram.propose(s.token_ids))
-        for s, p, logits in zip(live, props, score_proposals(model, runner.kv, runner.backend, live, props)):
+        for s, p, logits in zip(live, props, score_proposals(model, runner.kv, runner.backend, live, props), strict=True):
             accepted += len(accept_greedy(s, p, logits)) - 1
         steps += 1
-    for s, w in zip(seqs, want):
+    for s, w in zip(seqs, want, strict=True):
         assert s.token_ids[s.num_prompt_tokens:s.num_prompt_tokens + NEW] == w
     assert accepted > 0 and steps < NEW  # proposals were accepted: fewer forwards than tokens
 
