@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -82,3 +83,55 @@ def test_scoring_refuses_unreserved_blocks(setup):
     _prefill(runner, s)
     with pytest.raises(ValueError, match="blocks for 2 proposals"):
         score_proposals(model, runner.kv, runner.backend, [s], [[5, 6]])
+
+
+def _hist(tokens: list[int], vocab: int) -> torch.Tensor:
+    return torch.bincount(torch.tensor(tokens), minlength=vocab).double()
+
+
+SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5,
+                         seed=11)
+
+
+def test_target_probs_row_i_is_the_sampler_law_after_the_first_i_proposals(setup):
+    """Row i must equal the distribution the plain sampler draws from for the sequence with
+    proposals[:i] appended: checked by drawing many seeded tokens from the real Sampler."""
+    from executor_svc.sampler import Sampler
+    from executor_svc.speculative.target_probs import target_probs
+
+    path, model, _ = setup
+    runner = make_runner(path, num_blocks=16, block_size=BLOCK, model=model)
+    prompt, props = [5, 9, 33, 9, 12, 40, 7], [9, 21, 5]
+    s = SeqState(0, list(prompt), len(prompt), list(range(8)), 0, SAMPLED)
+    _prefill(runner, s)
+    logits = score_proposals(model, runner.kv, runner.backend, [s], [props])[0]
+    probs = target_probs(s, props, logits)
+    vocab = logits.shape[1]
+    for i in (0, 2):
+        view = SeqState(0, prompt + props[:i], len(prompt), [], 0, SAMPLED)
+        n, draws = 3000, []
+        sampler = Sampler(seed=i)
+        for seed in range(n):
+            view.sampling = msgspec.structs.replace(SAMPLED, seed=seed)
+            draws.append(sampler.sample(logits[i:i + 1].clone(), [view]).token_ids[0])
+        seen = _hist(draws, vocab)
+        assert set(torch.nonzero(seen).flatten().tolist()) <= set(torch.nonzero(probs[i]).flatten().tolist())
+        assert float((seen / n - probs[i].double()).abs().max()) < 0.04
+
+
+def test_sampled_speculation_is_reproducible_with_a_seed(setup):
+    from executor_svc.speculative.target_probs import accept_sampled
+
+    path, model, _ = setup
+    runs = []
+    for _ in range(2):
+        runner = make_runner(path, num_blocks=16, block_size=BLOCK, model=model)
+        s = SeqState(0, [5, 9, 33, 9, 12, 40, 7, 9, 33], 9, list(range(8)), 0, SAMPLED)
+        _prefill(runner, s)
+        ngram = NgramProposer(SpeculativeConfig("ngram", 4, 2, 1))
+        while len(s.token_ids) < 9 + 20:
+            props = ngram.propose(s.token_ids)
+            logits = score_proposals(model, runner.kv, runner.backend, [s], [props])[0]
+            accept_sampled(s, props, logits)
+        runs.append(s.token_ids[9:29])
+    assert runs[0] == runs[1]
