@@ -117,9 +117,10 @@ def main(argv: list[str] | None = None) -> None:
         out[f"speedup_ngram_{name}_inprocess"] = round(speedup, 2)
         out[f"speedup_ngram_{name}_inprocess_no_adapt"] = round(statistics.median(plain) / statistics.median(fixed), 2)
         out[f"acceptance_{name}"] = round(acc / prop, 2) if prop else 0.0
+        out[f"proposed_per_run_{name}"] = round(prop / args.reps, 1)  # (adaptive runs)
         print(f"{name}: {args.new / statistics.median(plain):.1f} -> {args.new / statistics.median(spec):.1f} tok/s "
               f"({speedup:.2f}x; without adaptation {out[f'speedup_ngram_{name}_inprocess_no_adapt']:.2f}x), "
-              f"acceptance {out[f'acceptance_{name}']}, sample: {tok.decode(ref)[:70]!r}")
+              f"acceptance {out[f'acceptance_{name}']} of {out[f'proposed_per_run_{name}']} proposed, sample: {tok.decode(ref)[:70]!r}")
     print(json.dumps(out))
 
 
