@@ -39,6 +39,7 @@ from executor_svc.sampler import Sampler
 from executor_svc.warmup import warm_up
 from executor_svc.worker import ComputeThread, ExecutorWorker
 from pagedserve import wire
+from pagedserve.fd_limits import raise_open_files_limit
 from pagedserve.gc_tuning import tune_gc
 
 log = logging.getLogger("executor_svc")
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(argv)
     rank = f" rank{cfg.rank_env.rank}" if cfg.rank_env is not None else " rank0" if cfg.tensor_parallel_size > 1 else ""
     logging.basicConfig(level=cfg.log_level, format=f"%(asctime)s %(levelname)s{rank} %(name)s: %(message)s")
+    raise_open_files_limit()
     try:
         code = run(cfg, argv)
     except (ValueError, FileNotFoundError) as exc:  # bad model dir, unsupported model, budget too small
