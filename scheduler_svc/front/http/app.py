@@ -47,7 +47,7 @@ from scheduler_svc.front.http.openai_types import (
     completion_fields,
 )
 from scheduler_svc.front.http.responses import ChatRender, CompletionRender, TokenTexts, _Render
-from scheduler_svc.front.input.offload import token_ids, validate_off_loop
+from scheduler_svc.front.input.offload import token_ids, trim_soon, validate_off_loop
 from scheduler_svc.front.input.validation import (
     LOGPROBS_MODES,
     RequestFields,
@@ -359,6 +359,9 @@ def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = (), budget:
         front._count(exc.grpc_code)
         response = _json(exc.body(), exc.status)
         response.headers.update(exc.headers or {})
+        if exc.status == 413:  # the rest of the body is never read: the connection closes after this
+            response.headers["connection"] = "close"
+            trim_soon()
         return response
 
     async def http_error(request: Request, exc: Exception) -> Response:

@@ -26,6 +26,7 @@ import msgspec
 
 from scheduler_svc.front.api_errors import ApiError
 from scheduler_svc.front.http.openai_types import decode
+from scheduler_svc.front.input.offload import trim_soon
 
 LARGE_BODY_BYTES = 256 << 10
 QUEUE_BYTES = 16 << 20  # ~80 ms of decoding at 200 MB/s
@@ -59,6 +60,7 @@ class BodyParser:
                 return decode(body, kind)
             finally:
                 self._slot.release()
+                trim_soon()  # a large decode's garbage (a refused one's, or the body's) back to the OS
         finally:
             self.queued -= len(body)
 

@@ -15,13 +15,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-# The body cap derived from the model (--http-max-body-bytes 0, the default): room for a prompt of
-# max_model_len tokens, at BODY_BYTES_PER_TOKEN each (a token id is at most 7 bytes of JSON with its
-# comma; text averages about 4 bytes a token, JSON-escaped non-ASCII up to 12), plus an allowance
-# for everything else a request carries: chat messages' structure, tools, a JSON schema, stop
-# strings (each has its own count or size cap in ServerLimits). 131,072 tokens: 3 MiB.
-BODY_BYTES_PER_TOKEN = 16
-BODY_ALLOWANCE_BYTES = 1 << 20
+from scheduler_svc.front.guards.request_size import request_bytes_for
+
 # Descriptors a front keeps beyond its connection cap: health probes (served past the cap), the
 # links to its engine core, its gRPC server's own sockets, log files.
 CONNECTION_RESERVE = 128
@@ -50,10 +45,10 @@ DERIVED = frozenset({"max_body_bytes", "max_connections"})  # 0 = derived
 
 
 def body_cap(limits: HttpLimits, max_model_len: int, max_in_flight_bytes: int | None = None) -> int:
-    """The largest body a front reads: ``--http-max-body-bytes`` when given, else room for a prompt
-    of ``max_model_len`` tokens plus the allowance; never more than the process's request-bytes
+    """The largest body a front reads: ``--http-max-body-bytes`` when given, else what a request to
+    the model can need (guards/request_size.py, 0 when no model is known yet); never more than the process's request-bytes
     budget (``max_in_flight_bytes``), which must hold any body it accepts."""
-    cap = limits.max_body_bytes or max_model_len * BODY_BYTES_PER_TOKEN + BODY_ALLOWANCE_BYTES
+    cap = limits.max_body_bytes or request_bytes_for(max_model_len)
     return min(cap, max_in_flight_bytes) if max_in_flight_bytes else cap
 
 

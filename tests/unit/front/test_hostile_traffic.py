@@ -16,14 +16,9 @@ import time
 import msgspec
 import pytest
 
+from scheduler_svc.front.guards.request_size import ALLOWANCE_BYTES
 from scheduler_svc.front.http.body_parser import BodyParser
-from scheduler_svc.front.http.limits import (
-    BODY_ALLOWANCE_BYTES,
-    CONNECTION_RESERVE,
-    HttpLimits,
-    body_cap,
-    connection_cap,
-)
+from scheduler_svc.front.http.limits import CONNECTION_RESERVE, HttpLimits, body_cap, connection_cap
 from scheduler_svc.front.http.openai_types import CompletionRequest
 from testing.grpc_fakes import FakeEngine, make_tokenizer
 from testing.http_fakes import HttpThread
@@ -56,8 +51,8 @@ def _connect(http) -> socket.socket:
 
 
 def test_the_body_cap_follows_the_model_and_the_flag_wins():
-    assert body_cap(HttpLimits(), 131072) == 131072 * 16 + BODY_ALLOWANCE_BYTES == 3 << 20
-    assert body_cap(HttpLimits(), 4096) == 4096 * 16 + BODY_ALLOWANCE_BYTES
+    assert body_cap(HttpLimits(), 131072) == 131072 * 16 + ALLOWANCE_BYTES == 3 << 20
+    assert body_cap(HttpLimits(), 4096) == 4096 * 16 + ALLOWANCE_BYTES
     assert body_cap(HttpLimits(max_body_bytes=5000), 131072) == 5000
     assert body_cap(HttpLimits(), 131072, max_in_flight_bytes=1 << 20) == 1 << 20  # never past the budget
     assert connection_cap(HttpLimits(), 1024) == 1024 - CONNECTION_RESERVE
@@ -220,3 +215,36 @@ def test_a_benign_request_is_served_promptly_while_large_bodies_flood_in(open_ht
     assert statuses and set(statuses) <= {400, 503}, set(statuses)  # too long for the model, or the queue full
     print(f"benign worst {worst:.4f}s, idle {idle:.4f}s")
     assert worst <= max(1.0, 20 * idle), f"benign worst {worst:.3f}s against idle {idle:.4f}s"
+
+
+def test_a_grpc_message_larger_than_the_model_can_need_is_refused_unparsed():
+    """Over the derived cap (max_model_len x 16 + 1 MiB): RESOURCE_EXHAUSTED naming the cap, before
+    a parse that would grow 1-byte ids into a 4-byte array; under it, a prompt longer than the
+    model is parsed and refused from its length (INVALID_ARGUMENT)."""
+    import grpc
+
+    from pagedserve.v1 import generation_pb2 as pb
+    from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+    from scheduler_svc.front.guards.request_size import request_bytes_for
+    from testing.grpc_fakes import ServerThread
+
+    engine = FakeEngine(make_tokenizer(), max_model_len=64)
+    engine.ready = True
+    srv = ServerThread(engine)
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            cap = request_bytes_for(64)
+
+            def code_of(n_ids: int) -> tuple[grpc.StatusCode, str]:
+                req = pb.GenerateRequest(prompt_token_ids=[7] * n_ids, sampling=pb.SamplingParams(max_tokens=1))
+                with pytest.raises(grpc.RpcError) as e:
+                    list(stub.Generate(req, timeout=20))
+                return e.value.code(), e.value.details()
+
+            code, details = code_of(cap + 10)  # one byte per id: just over the cap
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"at most {cap}" in details
+            code, details = code_of(cap // 2)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in details
+    finally:
+        srv.stop()
