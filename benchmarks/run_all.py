@@ -50,6 +50,7 @@ INDEX = (
           full=("--phases", "cost,busy,delay,intervals")),
     Bench("tier_capacity", ("--quick", "--phases", "apis"), full=("--phases", "apis"), part="apis"),
     Bench("front_burst_memory", ("--calls", "20")),
+    Bench("hostile_load", ("--quick",)),
     Bench("executor_cpu", ("--batch-sizes", "1,16", "--decode-steps", "8", "--profile-steps", "2")),
     Bench("executor_cpu", ("attention", "--seqs", "16"), full=("attention",), part="attention"),
     Bench("executor_cpu", ("roofline", "--batch-sizes", "1,16", "--steps", "8", "--repeats", "1"),

@@ -16,6 +16,7 @@ import faulthandler
 import logging
 import signal
 import sys
+import time
 
 import torch
 
@@ -23,6 +24,7 @@ from executor_svc import threads
 from executor_svc.attention_cpu import FusedCpuAttentionBackend
 from executor_svc.backends import make_attention_backend
 from executor_svc.config import ExecutorConfig, parse_config
+from executor_svc.decode_graphs import DecodeGraphs
 from executor_svc.grammar import GrammarBackend
 from executor_svc.kv_cache import KVCache
 from executor_svc.malloc_tuning import retain_freed_memory
@@ -37,6 +39,7 @@ from executor_svc.sampler import Sampler
 from executor_svc.warmup import warm_up
 from executor_svc.worker import ComputeThread, ExecutorWorker
 from pagedserve import wire
+from pagedserve.fd_limits import raise_open_files_limit
 from pagedserve.gc_tuning import tune_gc
 
 log = logging.getLogger("executor_svc")
@@ -118,6 +121,15 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
     return runner, hs
 
 
+def capture_decode_graphs(runner: ModelRunner, sizes: tuple[int, ...]) -> None:
+    """Capture every decode bucket into a CUDA graph (executor_svc/decode_graphs.py)."""
+    start = time.perf_counter()
+    runner.graphs = DecodeGraphs(runner.model, runner.kv, runner.backend, runner.max_model_len, sizes)
+    runner.graphs.capture_all()
+    log.info("decode steps of up to %d sequences replay CUDA graphs (%d sizes captured in %.1f s; "
+             "--enforce-eager turns them off)", sizes[-1], len(sizes), time.perf_counter() - start)
+
+
 def run(cfg: ExecutorConfig, argv: list[str] | None = None) -> int:
     """``argv``: this process's flags, which a tensor-parallel leader passes on to its ranks."""
     health = None
@@ -140,6 +152,8 @@ def run(cfg: ExecutorConfig, argv: list[str] | None = None) -> int:
         runner, hs = compute.call(build_runner, cfg, group)
         if cfg.warmup and cfg.device == "cpu" and group is None:
             compute.call(warm_up, runner)  # before dialling in: the first request must not pay for it
+        if cfg.device == "cuda" and group is None and not cfg.enforce_eager:
+            compute.call(capture_decode_graphs, runner, cfg.cuda_graph_sizes)  # before any sequence exists
         tune_gc()  # what start-up allocated (torch, the model) is never walked again by the collector
         worker = ExecutorWorker(cfg.scheduler, runner, hs, drain_timeout=cfg.drain_timeout, health=health,
                                 keys=cfg.link_keys, enrollment_token_file=cfg.enrollment_token_file,
@@ -161,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(argv)
     rank = f" rank{cfg.rank_env.rank}" if cfg.rank_env is not None else " rank0" if cfg.tensor_parallel_size > 1 else ""
     logging.basicConfig(level=cfg.log_level, format=f"%(asctime)s %(levelname)s{rank} %(name)s: %(message)s")
+    raise_open_files_limit()
     try:
         code = run(cfg, argv)
     except (ValueError, FileNotFoundError) as exc:  # bad model dir, unsupported model, budget too small

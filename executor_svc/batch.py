@@ -53,6 +53,11 @@ class Batch:
     # token_ids, count); row r's logits score token first + (r - row).
     prompt_rows: list[tuple[SeqState, int, int, int]] = field(default_factory=list)
     prompt_scores: list = field(default_factory=list)  # their wire.PromptLogprobs, once the forward ran
+    # Host copies of the layout (positions, slots [num_tokens] int64; block tables [num_seqs, width]
+    # int32): what a CUDA-graph replay writes into its static inputs (executor_svc/decode_graphs.py).
+    host_positions: np.ndarray | None = None
+    host_slots: np.ndarray | None = None
+    host_tables: np.ndarray | None = None
 
     @property
     def sample_seq_ids(self) -> list[int]:
@@ -146,4 +151,5 @@ def build_batch(seqs: dict[int, SeqState], block_size: int, device: torch.device
         max_query_len=max(num_new), max_seq_len=max(lens),
         query_start_loc_host=starts_host, seq_lens_host=lens)
     return Batch(ids, torch.from_numpy(positions).to(dev), meta, (starts[1:][sample_at] - 1).tolist(),
-                 sample_seqs, open_rows, prompt_rows)
+                 sample_seqs, open_rows, prompt_rows, host_positions=positions, host_slots=slots,
+                 host_tables=block_tables)

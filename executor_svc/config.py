@@ -20,6 +20,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from executor_svc.graph_buckets import DEFAULT_SIZES as DEFAULT_GRAPH_SIZES
+from executor_svc.graph_buckets import parse_sizes
 from pagedserve import wire
 from pagedserve.envargs import number, parse_bytes, parse_with_env
 from pagedserve.model_dir import resolve_model
@@ -72,6 +74,8 @@ class ExecutorConfig:
     decode_steps: int = 8  # the most decode steps one plan may carry (1 with --prepare-ahead or N ranks)
     quantization: str | None = None  # CPU weight quantization (None: weights in --dtype)
     warmup: bool = True  # run warm-up steps before registering (executor_svc/warmup.py)
+    enforce_eager: bool = False  # CUDA: no decode graphs (executor_svc/decode_graphs.py)
+    cuda_graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES  # decode batch sizes captured as graphs
     enrollment_token_file: Path | None = None  # proves this executor may enroll its key (read at each connection)
 
 
@@ -145,6 +149,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run a few prefill and decode steps before registering, so the first request runs "
                         "at steady-state speed")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: launch every decode step's kernels one by one instead of replaying a CUDA "
+                        "graph captured at start (as vLLM's flag); prefill and mixed steps are always eager")
+    p.add_argument("--cuda-graph-sizes", type=_graph_sizes, default=DEFAULT_GRAPH_SIZES,
+                   help="CUDA: decode batch sizes captured as graphs, comma-separated (default 1,2,4,8 and "
+                        "every multiple of 8 to 256); a step of n sequences replays the smallest size >= n, "
+                        "a larger one runs eagerly")
     p.add_argument("--prepare-ahead", action=argparse.BooleanOptionalAction, default=None,
                    help="check and apply each queued plan and build its batch while the device runs the "
                         "step before, so the device does not wait for that host work (default: on with "
@@ -239,4 +250,12 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         link_keys=keys, enrollment_token_file=args.enrollment_token_file, log_level=args.log_level,
         tensor_parallel_size=args.tensor_parallel_size, rank_env=ranks, prepare_ahead=args.prepare_ahead,
         cpu_threads=args.cpu_threads, cpu_decode_threads=args.cpu_decode_threads, quantization=args.quantization,
-        warmup=args.warmup, decode_steps=args.decode_steps)
+        warmup=args.warmup, decode_steps=args.decode_steps, enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=args.cuda_graph_sizes)
+
+
+def _graph_sizes(text: str) -> tuple[int, ...]:
+    try:
+        return parse_sizes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -37,6 +37,7 @@ import torch
 
 from executor_svc.attention import AttentionBackend
 from executor_svc.batch import Batch, SeqState, build_batch
+from executor_svc.decode_graphs import DecodeGraphs
 from executor_svc.dropped import DroppedSeqs
 from executor_svc.grammar import GrammarBackend, GrammarMasks
 from executor_svc.kv_cache import KVCache
@@ -105,6 +106,8 @@ class ModelRunner:
         # handshake. Where a step is short (small models on CPU) the per-plan cost is then paid once
         # for several tokens: the scheduler's, the link's, the executor's own.
         self.max_decode_steps = 1
+        # Pure decode steps replayed from CUDA graphs (executor_svc/decode_graphs.py; None: eager).
+        self.graphs: DecodeGraphs | None = None
         self.keep_logits = False  # tests: keep the last step's sampled logits rows in last_logits
         self.last_logits: torch.Tensor | None = None  # [num_sampled, vocab] float32
 
@@ -309,11 +312,14 @@ class ModelRunner:
     # ---------------------------------------------------------------- forward
 
     def _forward_batch(self, plan: BatchPlan, batch: Batch) -> torch.Tensor | None:
-        input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.model.device)
         with torch.inference_mode():
-            hidden, step_logits = self.model.forward_with_logits(input_ids, batch.positions, self.kv.layers,
-                                                                 batch.meta, self.backend)
-            logits = self._logits(hidden, batch, step_logits)
+            if self.graphs is not None and self.graphs.serves(batch):
+                logits = self.graphs.run(batch)
+            else:
+                input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.model.device)
+                hidden, step_logits = self.model.forward_with_logits(input_ids, batch.positions, self.kv.layers,
+                                                                     batch.meta, self.backend)
+                logits = self._logits(hidden, batch, step_logits)
         for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True):
             self.seqs[sid].num_computed_tokens += n
         for s, first, _, count in batch.prompt_rows:  # (every rank: the next step's batch depends on it)

@@ -29,6 +29,7 @@ from pathlib import Path
 import uvloop
 from prometheus_client import CollectorRegistry, generate_latest
 
+from pagedserve.fd_limits import raise_open_files_limit
 from pagedserve.gc_tuning import tune_gc
 from pagedserve.model_dir import eos_token_ids, served_model
 from scheduler_svc.engine.core import EngineCore
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = load_config(argv)
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise_open_files_limit()  # before any socket: each client connection holds a descriptor
     uvloop.run(serve(cfg, argv))  # a faster event loop: the core's loop runs every executor's
 
 

@@ -7,6 +7,10 @@ The real scheduler plans the steps (in this process, outside the timed window);
 each ``ModelRunner.execute`` is timed, and on CUDA the union of the kernels'
 intervals from torch.profiler is the device's busy time. On CPU "busy" is the
 time inside the model's forward and LM head (there is no separate device).
+The wall time comes from steps run without the profiler (it adds milliseconds of
+host work per step); the busy time from as many steps run under it right after.
+``graphs``: decode steps replay CUDA graphs (executor_svc/decode_graphs.py; on
+CPU their eager twin).
 
 ``benchmarks/device_idle.py`` is its command line; ``make gpu-check`` runs it on the GPU
 (benchmarks/kernels/gpu_check.py); the tests check it on the CPU.
@@ -20,6 +24,8 @@ from pathlib import Path
 import torch
 
 from executor_svc.backends import make_attention_backend
+from executor_svc.decode_graphs import DecodeGraphs
+from executor_svc.graph_buckets import DEFAULT_SIZES, bucket_for
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model
 from executor_svc.pipeline import StepPipeline
@@ -46,20 +52,25 @@ def _busy_union_us(events) -> float:
 
 
 def measure(model_dir: Path, device: str = "cpu", seqs: int = 64, prompt: int = 128, steps: int = 30,
-            warmup: int = 4, prepare_ahead: bool = False) -> dict:
+            warmup: int = 4, prepare_ahead: bool = False, graphs: bool = False,
+            dtype: torch.dtype | None = None) -> dict:
     """``prepare_ahead``: the timed steps go through a StepPipeline with two plans in flight, as the
     executor runs them on a GPU (executor_svc/pipeline.py); else one plan at a time."""
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
     model = load_model(model_dir, device, dtype)
-    bs, blocks = 16, seqs * (-(-(prompt + warmup + steps + 2) // 16)) + 8
+    bs, blocks = 16, seqs * (-(-(prompt + warmup + 2 * steps + 2) // 16)) + 8
     kv = KVCache(model.cfg, bs, blocks, 0, dtype, device)
     runner = ModelRunner(model, kv, make_attention_backend(device), Sampler(seed=0))
+    if graphs:  # every decode step of this workload has all ``seqs`` sequences: one bucket
+        runner.graphs = DecodeGraphs(model, kv, runner.backend, runner.max_model_len,
+                                     (bucket_for(seqs, DEFAULT_SIZES) or seqs,))
+        runner.graphs.capture_all()
     sched = Scheduler(SchedulerConfig(block_size=bs, max_num_seqs=seqs, max_num_batched_tokens=seqs * prompt,
                                       max_model_len=4096), blocks, 0, ())
     vocab = model.cfg.vocab_size
     for i in range(seqs):
         sched.add_request(GenerationRequest(f"r{i}", [(i * 7 + j) % (vocab - 4) + 2 for j in range(prompt)],
-                                            RequestParams(max_tokens=warmup + steps + 1, ignore_eos=True,
+                                            RequestParams(max_tokens=warmup + 2 * steps + 1, ignore_eos=True,
                                                           sampling=SamplingParams(temperature=0.0))))
 
     def step() -> float:
@@ -113,15 +124,23 @@ def measure(model_dir: Path, device: str = "cpu", seqs: int = 64, prompt: int = 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    else:  # the model's compute: its layers and the LM head
+
+    def run_steps() -> float:
+        return pipelined(steps) if prepare_ahead else sum(step() for _ in range(steps))
+
+    if device == "cuda":
+        wall = run_steps()  # without the profiler, which adds host work to every step
+        with torch.profiler.profile(activities=activities) as prof:
+            run_steps()
+    else:  # the model's compute, its layers and the LM head, timed around its calls
         model.forward_with_logits, model.compute_logits = timed(model.forward_with_logits), timed(model.compute_logits)
-    with torch.profiler.profile(activities=activities) as prof:
-        wall = pipelined(steps) if prepare_ahead else sum(step() for _ in range(steps))
+        wall = run_steps()
     if device == "cuda":
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy = _busy_union_us(kernels) / 1e6
     else:
         busy = forward_s
     return {"device": device, "seqs": seqs, "prompt": prompt, "steps": steps, "prepare_ahead": prepare_ahead,
+            "graphs": graphs, "replays": runner.graphs.replays if runner.graphs is not None else 0,
             "wall_ms_per_step": round(1e3 * wall / steps, 3), "busy_ms_per_step": round(1e3 * busy / steps, 3),
             "idle_ms_per_step": round(1e3 * (wall - busy) / steps, 3), "idle_frac": round(1 - busy / wall, 4)}

@@ -75,8 +75,11 @@ class Stack:
 
     def __init__(self, model: Path, logdir: Path, scheduler_args: list[str] | None = None,
                  secure: bool = True, api_key: str | None = None, tls_ca: Path | None = None,
-                 tls_client: tuple[Path, Path] | None = None, enrollment: bool = False) -> None:
+                 tls_client: tuple[Path, Path] | None = None, enrollment: bool = False,
+                 soft_nofile: int | None = None) -> None:
+        """``soft_nofile``: start every process under this soft open-files limit (a login's 1024)."""
         self.model, self.logdir = model, logdir
+        self.soft_nofile = soft_nofile
         self.port, self.executor_port, self.http_port = free_ports(3)
         self.scheduler_args = scheduler_args or []
         # The executor link runs CurveZMQ as deployed: the scheduler's own key pair, one key pair per
@@ -121,7 +124,13 @@ class Stack:
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.logdir / f"{name}.log", "wb")
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        return subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=self._limit_files if self.soft_nofile else None)
+
+    def _limit_files(self) -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.soft_nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
     def start_scheduler(self) -> None:
         self.scheduler = self._spawn("scheduler", [

@@ -25,6 +25,7 @@ import time
 
 import uvloop
 
+from pagedserve.fd_limits import raise_open_files_limit
 from pagedserve.gc_tuning import tune_gc
 from pagedserve.model_dir import eos_token_ids, served_model
 from scheduler_svc.engine.core import EngineCore
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(rest)
     logging.basicConfig(level=cfg.log_level, format=f"%(asctime)s %(levelname)s core {own.core_index} "
                                                     f"%(name)s: %(message)s")
+    raise_open_files_limit()
     if not os.environ.get(EXIT_WITH_PARENT):
         log.warning("an engine core is started by pagedserve-scheduler --engine-cores, not by hand")
     uvloop.run(serve_core(cfg, own.core_index, own.core_link))

@@ -29,6 +29,7 @@ from starlette.middleware import Middleware
 from tokenizers import Tokenizer
 
 from pagedserve.envargs import parse_with_env
+from pagedserve.fd_limits import raise_open_files_limit
 from pagedserve.gc_tuning import tune_gc
 from pagedserve.model_dir import load_tokenizer as model_tokenizer
 from pagedserve.wire.key_files import load_key_pair, load_public_key
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     return_large_allocations_to_the_os()  # request messages of megabytes must not stay in RSS
     logging.basicConfig(level=cfg.log_level, format=f"%(asctime)s %(levelname)s front {fc.front_id} %(name)s: "
                                                     f"%(message)s")
+    raise_open_files_limit()  # before any socket: each client connection holds a descriptor
     uvloop.run(serve_front(cfg, fc))
 
 

@@ -114,7 +114,10 @@ _LIMIT_HELP = {
     "max_structured_chars": "longest structured-output spec (JSON schema, regex, grammar, choices as JSON), in "
                             "characters (0: structured outputs are not accepted)",
     "max_request_id_len": "longest request_id, in characters",
-    "max_body_bytes": "HTTP: largest request body; bigger ones get 413 before they are read",
+    "max_body_bytes": "HTTP: largest request body; bigger ones get 413 before they are read (0: room for a "
+                      "prompt of max_model_len tokens at 16 bytes each plus 1 MiB, e.g. 3 MiB at 131,072 tokens)",
+    "max_connections": "HTTP: connections a front serves requests on; past it a request gets 503 (health probes "
+                       "are still served) (0: the open-files limit, raised to the hard limit at start, less 128)",
     "max_messages": "HTTP: most messages in one chat request",
     "max_prompts": "HTTP: most prompts in one completions request (a batch)",
     "body_timeout_s": "HTTP: seconds a client may take to send a request body (408 after)",

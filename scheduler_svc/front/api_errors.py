@@ -21,9 +21,11 @@ _TYPE_OF_STATUS = {400: "invalid_request_error", 401: "invalid_request_error", 4
 class ApiError(Exception):
     """A request rejected with an HTTP status and an OpenAI error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # extra response headers (Retry-After on a 503)
 
     @property
     def grpc_code(self) -> str:

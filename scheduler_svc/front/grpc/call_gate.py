@@ -14,7 +14,8 @@ headers have arrived and, in order,
 3. reserves room in the budget for a message of the largest size (``max_message_bytes``;
    RESOURCE_EXHAUSTED when the bytes held leave none), reads the request message, which must
    arrive whole within ``message_timeout_s`` of the call's start (DEADLINE_EXCEEDED), and keeps
-   only its size, before it is parsed;
+   only its size, before it is parsed; a message larger than the served model can need
+   (``message_cap``, guards/request_size.py) is refused unparsed (RESOURCE_EXHAUSTED);
 4. runs the method's handler, and gives slot and bytes back when the call ends, however it ends.
 
 Health checks (security.OPEN_METHODS) skip 1 and 2: probes carry no key and must pass under
@@ -34,6 +35,7 @@ import grpc
 from scheduler_svc.front.guards.admission import MAX_IN_FLIGHT_BYTES, CallBudget, Shed, Ticket
 from scheduler_svc.front.guards.auth_throttle import AuthThrottle, peer_of_grpc
 from scheduler_svc.front.guards.security import OPEN_METHODS, ApiKeys
+from scheduler_svc.front.input.offload import trim_soon
 from scheduler_svc.telemetry.metrics import Metrics
 
 RESOURCE_EXHAUSTED, UNAUTHENTICATED = grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED
@@ -47,8 +49,9 @@ class _MessageLate(Exception):
 class CallGate(grpc.aio.ServerInterceptor):
     def __init__(self, message_timeout_s: float, max_message_bytes: int, budget: CallBudget | None = None,
                  keys: ApiKeys | None = None, throttle: AuthThrottle | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, message_cap: Callable[[], int] | None = None) -> None:
         self.message_timeout_s, self.max_message_bytes = message_timeout_s, max_message_bytes
+        self.message_cap = message_cap  # the largest request the model can need (None: max_message_bytes)
         self.budget, self.keys, self.throttle, self.metrics = budget, keys, throttle, metrics
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
@@ -157,6 +160,13 @@ class CallGate(grpc.aio.ServerInterceptor):
             await self._end_call(context, grpc.StatusCode.DEADLINE_EXCEEDED, self._late_message("the request message"))
         if raw is grpc.aio.EOF:
             await self._end_call(context, grpc.StatusCode.INVALID_ARGUMENT, "the call ended without a request message")
+        cap = self.message_cap() if self.message_cap is not None else None
+        if cap is not None and len(raw) > cap:
+            size, raw = len(raw), None
+            trim_soon()
+            await self._end_call(context, RESOURCE_EXHAUSTED,
+                                 f"request message: {size} bytes, at most {cap} for this model (room for a "
+                                 "prompt of max_model_len tokens); refused before it was parsed")
         if deserialize is None:
             return raw
         try:

@@ -47,6 +47,7 @@ from scheduler_svc.front.grpc.call_gate import CallGate
 from scheduler_svc.front.grpc.limits import MAX_REQUEST_BYTES, GrpcLimits, server_options
 from scheduler_svc.front.guards.admission import CallBudget
 from scheduler_svc.front.guards.auth_throttle import AuthThrottle
+from scheduler_svc.front.guards.request_size import request_bytes_for
 from scheduler_svc.front.guards.security import ApiKeys, TlsFiles
 from scheduler_svc.front.input.offload import token_ids, validate_off_loop
 from scheduler_svc.front.input.validation import (
@@ -340,8 +341,12 @@ async def start_grpc_server(
     grpc_limits = grpc_limits or GrpcLimits()
     if api_keys is not None and throttle is None:
         throttle = AuthThrottle(limits.auth_failure_burst, limits.auth_failure_refill_s)
+    def message_cap() -> int:
+        info = engine.model_info()
+        return MAX_REQUEST_BYTES if info is None else min(MAX_REQUEST_BYTES, request_bytes_for(info.max_model_len))
+
     gate = CallGate(grpc_limits.message_timeout_s, MAX_REQUEST_BYTES, budget or CallBudget.from_limits(limits),
-                    api_keys, throttle, metrics)
+                    api_keys, throttle, metrics, message_cap)
     servicer = GenerationServicer(engine, tokenizer, limits, metrics, logprobs_mode)
     health = health_aio.HealthServicer()
     server = grpc.aio.server(interceptors=[gate], options=[

@@ -34,20 +34,20 @@ from scheduler_svc.front.api_errors import ApiError, bad_field
 from scheduler_svc.front.guards.admission import CallBudget
 from scheduler_svc.front.http import streams
 from scheduler_svc.front.http import utility_routes as extras
+from scheduler_svc.front.http.body_parser import BodyParser
 from scheduler_svc.front.http.budget_middleware import AdmissionMiddleware
 from scheduler_svc.front.http.chat_messages import chat_messages
 from scheduler_svc.front.http.chat_template import ChatTemplate, ChatTemplateError
 from scheduler_svc.front.http.error_responses import from_validation
-from scheduler_svc.front.http.limits import HttpLimits
+from scheduler_svc.front.http.limits import HttpLimits, body_cap
 from scheduler_svc.front.http.openai_types import (
     ChatRequest,
     CompletionRequest,
     chat_fields,
     completion_fields,
-    decode,
 )
 from scheduler_svc.front.http.responses import ChatRender, CompletionRender, TokenTexts, _Render
-from scheduler_svc.front.input.offload import token_ids, validate_off_loop
+from scheduler_svc.front.input.offload import token_ids, trim_soon, validate_off_loop
 from scheduler_svc.front.input.validation import (
     LOGPROBS_MODES,
     RequestFields,
@@ -84,6 +84,7 @@ class OpenAIFront:
         self.special_tokens = frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
         self.texts = TokenTexts(tokenizer)
         self.shutting_down = False
+        self.parser = BodyParser()  # JSON bodies: large ones one at a time (body_parser.py)
         self.created = int(time.time())
         # The deployment's metrics (a front asks its engine core, which sums every front's): None in a
         # process that has the whole engine, whose own registry is then served.
@@ -158,11 +159,20 @@ class OpenAIFront:
         return await self._respond(request, greqs, render, req.stream)
 
     # ------------------------------------------------------------------ admission
+    def body_cap(self) -> int:
+        """The largest body read now (limits.body_cap): derived from the model once one is known;
+        before, only the allowance (such a request gets 503 unread anyway)."""
+        info = self.engine.model_info()
+        return body_cap(self.http_limits, info.max_model_len if info is not None else 0,
+                        self.limits.max_in_flight_bytes)
+
     async def _admit(self, request: Request, kind: type) -> tuple[float, bytes, Any, ModelInfo]:
-        """(arrival time, body, decoded body, model): the bounded read, the JSON, the model named."""
+        """(arrival time, body, decoded body, model): the bounded read, the JSON, the model named.
+        No body is read before a model is known, nor one over the cap (413 from its length)."""
         arrival = time.monotonic()
-        body = await _read_body(request, self.http_limits.max_body_bytes, self.http_limits.body_timeout_s)
-        req = decode(body, kind)
+        self._info()
+        body = await _read_body(request, self.body_cap(), self.http_limits.body_timeout_s)
+        req = await self.parser.decode(body, kind)
         return arrival, body, req, self._model(req.model)
 
     def _info(self) -> ModelInfo:
@@ -341,13 +351,18 @@ def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = (), budget:
     ``budget``: the calls and request bytes the process's fronts share (admission.py), taken
     inside ``middleware``, so a caller without a key never holds any."""
     if budget is not None:
-        middleware = [*middleware, Middleware(AdmissionMiddleware, budget=budget,
-                                              max_body_bytes=front.http_limits.max_body_bytes, metrics=front.metrics)]
+        middleware = [*middleware, Middleware(AdmissionMiddleware, budget=budget, body_cap=front.body_cap,
+                                              metrics=front.metrics)]
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         front._count(exc.grpc_code)
-        return _json(exc.body(), exc.status)
+        response = _json(exc.body(), exc.status)
+        response.headers.update(exc.headers or {})
+        if exc.status == 413:  # the rest of the body is never read: the connection closes after this
+            response.headers["connection"] = "close"
+            trim_soon()
+        return response
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

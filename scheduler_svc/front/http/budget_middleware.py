@@ -5,10 +5,13 @@ its body's Content-Length before anything reads the body, and gives both back wh
 has ended (streamed to the end, failed, or the client gone). A body without a Content-Length
 (chunked) is charged chunk by chunk as the app reads it. Over either cap: 429 with OpenAI's
 error body and ``Retry-After``, the body unread (a chunked one: as soon as it passes). A
-Content-Length over ``--http-max-body-bytes`` is not charged: the app rejects it (413) unread.
+Content-Length over the body cap (``OpenAIFront.body_cap``) is not charged: the app rejects it
+(413) unread.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -22,8 +25,9 @@ RETRY_AFTER_S = b"1"  # calls end all the time: a rejected caller may come back 
 
 
 class AdmissionMiddleware:
-    def __init__(self, app: ASGIApp, budget: CallBudget, max_body_bytes: int, metrics: Metrics | None = None) -> None:
-        self.app, self.budget, self.max_body_bytes, self.metrics = app, budget, max_body_bytes, metrics
+    def __init__(self, app: ASGIApp, budget: CallBudget, body_cap: Callable[[], int],
+                 metrics: Metrics | None = None) -> None:
+        self.app, self.budget, self.body_cap, self.metrics = app, budget, body_cap, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -32,7 +36,7 @@ class AdmissionMiddleware:
         declared = _content_length(scope)
         shed = None
         try:
-            ticket = self.budget.enter(declared if declared is not None and declared <= self.max_body_bytes else 0)
+            ticket = self.budget.enter(declared if declared is not None and declared <= self.body_cap() else 0)
         except Shed as e:
             shed = e
         if shed is not None:

@@ -26,11 +26,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import httptools
 import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from scheduler_svc.front.http.limits import HttpLimits
+from pagedserve.fd_limits import open_files_limit
+from scheduler_svc.front.http.auth import OPEN_PATHS
+from scheduler_svc.front.http.limits import CONNECTION_RESERVE, HttpLimits, connection_cap
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +67,17 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     A request in progress (its head complete, its response not) is on neither clock: its body
     has its own limit (``--http-body-timeout-s``, app.py), and a response streams for as long as
     it produces tokens.
+
+    Connections: past ``max_connections`` (limits.connection_cap) a request gets 503 unless it is a
+    health probe or a scrape (OPEN_PATHS), so a flood of held connections is answered, not left to
+    a kernel reset. Past the cap plus half the descriptor reserve a new connection is answered 503
+    at once and closed: the rest of the reserve stays for the probes and the process's own links.
     """
 
-    def __init__(self, *args: Any, limits: HttpLimits = DEFAULT_LIMITS, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, limits: HttpLimits = DEFAULT_LIMITS, max_connections: int = 1 << 16,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._max_connections = max_connections
         self._in_head = True  # between a request's first byte and its headers' end
         self._head_bytes = 0
         self._head_timeout_s, self._keep_alive_s = limits.head_timeout_s, limits.keep_alive_timeout_s
@@ -76,6 +86,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if len(self.connections) > self._max_connections + CONNECTION_RESERVE // 2:
+            transport.write(_OVER_CAP)
+            transport.close()
+            return
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -100,6 +114,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._disarm_head_timer()
+        over = len(self.connections) > self._max_connections
+        if over and httptools.parse_url(self.url).path.decode("ascii", "replace") not in OPEN_PATHS:
+            self.limit_concurrency = 0  # uvicorn's own 503 for this request, the connection kept
+            try:
+                super().on_headers_complete()
+            finally:
+                self.limit_concurrency = self.config.limit_concurrency
+            return
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
@@ -140,6 +162,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.write(b"".join([STATUS_LINE[408], b"content-type: text/plain; charset=utf-8\r\n",
                                        b"content-length: %d\r\nconnection: close\r\n\r\n" % len(msg), msg]))
         self.transport.close()
+
+
+_OVER_CAP = (STATUS_LINE[503] + b"content-type: text/plain; charset=utf-8\r\ncontent-length: 33\r\n"
+             b"retry-after: 1\r\nconnection: close\r\n\r\nToo many connections; retry later")
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -220,7 +246,8 @@ async def start_http_server(app: ASGIApp, host: str, port: int, ssl: Mapping[str
     """Bind ``host:port`` (0: a free port, see ``.port``) and serve ``app``; must run in the engine's loop.
     ``limits``: the connection bounds (keep-alive, head and TLS handshake timeouts) of HttpLimits.
     ``reuse_port``: other processes of this host (the scheduler's fronts) serve the same port."""
-    protocol = functools.partial(BoundedHttpToolsProtocol, limits=limits)
+    cap = connection_cap(limits, open_files_limit())
+    protocol = functools.partial(BoundedHttpToolsProtocol, limits=limits, max_connections=cap)
     config = uvicorn.Config(app, host=host, port=port, lifespan="off", access_log=False, log_config=None,
                             server_header=False, http=protocol, timeout_keep_alive=limits.keep_alive_timeout_s,
                             **dict(ssl or {}))
@@ -234,5 +261,5 @@ async def start_http_server(app: ASGIApp, host: str, port: int, ssl: Mapping[str
             task.result()
             raise RuntimeError("the HTTP server stopped during startup")
         await asyncio.sleep(0.01)
-    log.info("OpenAI-compatible HTTP API listening on %s:%d", host, bound)
+    log.info("OpenAI-compatible HTTP API listening on %s:%d (requests on at most %d connections)", host, bound, cap)
     return HttpServer(server, task, bound)

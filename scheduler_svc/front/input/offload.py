@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -67,3 +68,19 @@ def _then_trim(fn: Callable[..., T], *args) -> T:
     finally:
         if _trim is not None:
             _trim(0)
+
+
+_last_trim = 0.0
+TRIM_INTERVAL_S = 1.0
+
+
+def trim_soon() -> None:
+    """Give freed heap back to the OS after a large request was read and dropped (grpc core
+    receives a message in small slices, which the mmap threshold does not catch), in a worker
+    thread, at most once per TRIM_INTERVAL_S however many such requests arrive."""
+    global _last_trim
+    now = time.monotonic()
+    if _trim is None or now - _last_trim < TRIM_INTERVAL_S:
+        return
+    _last_trim = now
+    asyncio.get_running_loop().run_in_executor(None, _trim, 0)
