@@ -45,7 +45,7 @@ INDEX = (
     Bench("step_overlap", ("--quick",)),
     Bench("step_overlap", ("--quick", "--structured"), full=("--structured",), part="--structured"),
     Bench("executor_scaling", ("--quick",)),
-    Bench("speculative_verify", ("--new", "32", "--reps", "1")),
+    Bench("speculative", ("--quick",)),
     Bench("tier_capacity", ("--quick", "--phases", "cost,busy,delay,intervals"),
           full=("--phases", "cost,busy,delay,intervals")),
     Bench("tier_capacity", ("--quick", "--phases", "apis"), full=("--phases", "apis"), part="apis"),

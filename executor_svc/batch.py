@@ -35,6 +35,7 @@ class SeqState:
     # logits of position t - 1), -1 when none is owed; what was scored so far, reported with the first sample.
     prompt_lp_next: int = -1
     prompt_lps: list | None = None
+    proposals: list[int] | None = None  # speculative decoding: this step's proposed tokens (runner.py)
 
 
 @dataclass(slots=True)
@@ -58,6 +59,11 @@ class Batch:
     host_positions: np.ndarray | None = None
     host_slots: np.ndarray | None = None
     host_tables: np.ndarray | None = None
+    # Speculating sequences (BatchPlan.proposals): (sequence, its proposals, the row of its last
+    # committed token), and once the forward ran, the logits of those rows and the proposals but
+    # the last ([len(proposals), vocab] each; the last proposal's row is its sampling row).
+    spec: list[tuple[SeqState, list[int], int]] = field(default_factory=list)
+    spec_logits: list = field(default_factory=list)
 
     @property
     def sample_seq_ids(self) -> list[int]:

@@ -64,6 +64,30 @@ class PlanChecker:
         shadow = dict(state)
         apply_deltas(plan, shadow, _Shadow(self))  # the runner's own walk, over the shadow
         self._scheduled(plan, shadow)
+        if plan.proposals:
+            self._proposals(plan, shadow)
+
+    def _proposals(self, plan: BatchPlan, shadow) -> None:
+        """Proposals only for sequences this plan decodes (one new token, the last), once each, in
+        the vocabulary, their slots in the table and within the model's length; never with
+        several decode steps."""
+        if plan.decode_steps > 1:
+            raise PlanError(f"proposals: a plan of {plan.decode_steps} decode steps does not speculate")
+        new = dict(zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True))
+        seen: set[int] = set()
+        for prop in plan.proposals:
+            sid = prop.seq_id
+            if sid in seen:
+                raise PlanError(f"proposals: seq {sid} has two", sid)
+            seen.add(sid)
+            n, t, c = shadow.get(sid, (0, 0, 0))
+            if new.get(sid) != 1 or c + 1 != n:
+                raise PlanError(f"proposals: seq {sid} is not decoding in this plan", sid)
+            self._tokens(prop.token_ids, f"proposals seq {sid}", sid)
+            end = n + len(prop.token_ids)
+            if end > t * self.block_size or end > self.max_model_len:
+                raise PlanError(f"proposals: seq {sid} reaches {end} tokens, its {t} blocks of {self.block_size} "
+                                f"or max_model_len {self.max_model_len} hold fewer", sid)
 
     def _multi_step(self, plan: BatchPlan, max_decode_steps: int) -> None:
         """A plan of several decode steps only decodes: no sequence arrives, forks, swaps or copies."""

@@ -45,6 +45,7 @@ from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.plan_check import PlanChecker, PlanError
 from executor_svc.sampler import SampleOutput, Sampler
 from executor_svc.seq_deltas import ExecutorDeltas
+from executor_svc.speculative.verify import report_spec_tokens, speculating_rows, verify_proposals
 from executor_svc.step_report import report_samples, score_prompt
 from pagedserve.wire import MAX_TEXT_CHARS, BatchPlan, StepResult
 from pagedserve.wire.plan_deltas import apply_deltas
@@ -163,9 +164,21 @@ class ModelRunner:
 
     def can_prepare_ahead(self, plan: BatchPlan) -> bool:
         """Whether ``plan`` may be prepared while the step before it is in flight: not when it
-        copies or extends a sequence's tokens (forks, beam search's appended tokens), which
-        would need that step's sampled token first."""
-        return not plan.forks and not plan.append_tokens
+        copies or extends a sequence's tokens (forks, beam search's appended tokens, proposals),
+        which would need that step's sampled token first."""
+        return not plan.forks and not plan.append_tokens and not plan.proposals
+
+    def _propose(self, plan: BatchPlan) -> list[int]:
+        """Speculative decoding: each proposing sequence's proposals appended to its tokens for this
+        step's forward (verification takes back what it rejects); the new-token counts to build
+        the batch with."""
+        extra = {}
+        for prop in plan.proposals:
+            s = self.seqs[prop.seq_id]
+            s.proposals = list(prop.token_ids)
+            s.token_ids.extend(s.proposals)
+            extra[prop.seq_id] = len(s.proposals)
+        return [n + extra.get(sid, 0) for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True)]
 
     # ---------------------------------------------------------------- the three phases
 
@@ -186,8 +199,11 @@ class ModelRunner:
         try:
             with self._guard(f"applying plan {plan.step_id}"):
                 self._apply(plan)
+                num_new = self._propose(plan) if plan.proposals else plan.num_new_tokens
                 batch = (build_batch(self.seqs, self.kv.block_size, self.model.device, plan.scheduled_seq_ids,
-                                     plan.num_new_tokens, in_flight) if plan.scheduled_seq_ids else None)
+                                     num_new, in_flight) if plan.scheduled_seq_ids else None)
+                if plan.proposals and batch is not None:
+                    batch.spec = speculating_rows(plan, batch, self.seqs)
         except StepFatal:
             raise
         except Exception as exc:  # noqa: BLE001  the state of what it named is unknown: refuse until reset
@@ -332,6 +348,10 @@ class ModelRunner:
         row's logits when the forward computed them (the fused CPU decode step)."""
         for s, first, row, count in batch.prompt_rows:
             batch.prompt_scores.append(score_prompt(self.model, hidden, s, first, row, count))
+        for _seq, props, row in batch.spec:  # rows scoring the last token and all proposals but the last
+            rows = slice(row, row + len(props))
+            batch.spec_logits.append(step_logits[rows] if step_logits is not None
+                                     else self.model.compute_logits(hidden[rows]))
         rows_list = batch.logits_rows
         if not rows_list:
             return None
@@ -353,7 +373,15 @@ class ModelRunner:
             self.last_logits = logits.clone()
         seqs = batch.sample_seqs
         failed = masks.failed if masks is not None else {}
-        self._report(seqs, self.sampler.sample(logits, seqs, masks), result, failed)
+        if not batch.spec:
+            self._report(seqs, self.sampler.sample(logits, seqs, masks), result, failed)
+            return
+        index = {s.seq_id: i for i, s in enumerate(seqs)}
+        last_rows = [logits[index[s.seq_id]].clone() for s, _, _ in batch.spec]  # (the sampler edits logits)
+        out = self.sampler.sample(logits, seqs, masks)  # (speculating rows: replaced below)
+        extras = verify_proposals(self.sampler, batch, last_rows, out, index)
+        self._report(seqs, out, result, failed)
+        report_spec_tokens(batch, extras, result)
 
     def _report(self, seqs: list[SeqState], out: SampleOutput, result: StepResult,
                 failed: dict[int, str] | None = None) -> None:

@@ -170,6 +170,12 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0
     num_migrations: int = 0
     executors: list[ExecutorStats] = field(default_factory=list)
+    # Speculative decoding (vLLM's spec_decode counters): proposal rounds, tokens proposed, accepted,
+    # and accepted by position in the round.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 class EngineApi(Protocol):

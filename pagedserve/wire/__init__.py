@@ -19,9 +19,11 @@ from pagedserve.wire.messages import (
     Message,
     NewSeq,
     PromptLogprobs,
+    Proposal,
     Reset,
     SamplingParams,
     SeqLogprobs,
+    SpecTokens,
     StepResult,
     Structured,
     max_result_bytes,
@@ -32,7 +34,9 @@ from pagedserve.wire.protocol import MAX_FRAME_BYTES, WIRE_VERSION
 
 __all__ = [
     "KIND_OF", "MAX_FRAME_BYTES", "WIRE_VERSION", "BatchPlan", "BlockUpdate", "Drain", "Envelope", "Fork",
-    "Handshake", "HandshakeReply", "Heartbeat", "Message", "NewSeq", "PromptLogprobs", "Reset", "SamplingParams", "SeqLogprobs",
+    "Handshake", "HandshakeReply", "Heartbeat", "Message", "NewSeq", "PromptLogprobs",
+    "Proposal", "Reset", "SamplingParams", "SeqLogprobs",
+    "SpecTokens",
     "StepResult", "Structured", "WireError", "decode", "decode_body", "encode", "max_result_bytes", "num_packed", "pack_ids",
     "read_envelope", "unpacked",
 ]

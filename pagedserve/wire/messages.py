@@ -174,6 +174,15 @@ class BlockUpdate(_Message):
     block_ids: BlockIds
 
 
+class Proposal(_Message):
+    """Speculative decoding: tokens proposed to follow a decoding sequence's last token. The
+    executor scores the last token and these in one forward and reports the tokens the target
+    model emits (``StepResult.spec_tokens``): the proposals it accepts, then its own next token."""
+
+    seq_id: Id
+    token_ids: Annotated[list[Id], Meta(min_length=1, max_length=p.MAX_SPECULATIVE_TOKENS)]
+
+
 class BatchPlan(_Message):
     """One iteration for one executor. See the module docstring for the order.
 
@@ -189,6 +198,11 @@ class BatchPlan(_Message):
     tables already hold the k slots; nothing else in the plan but frees and
     block updates. The result reports the k steps one after another, each in
     plan order.
+
+    ``proposals``: speculative decoding (to executors whose handshake says ``speculative``): a
+    sequence listed there decodes (one new token, and it samples) and the executor scores its
+    proposals in the same forward; its table holds their slots. Never in a plan of several decode
+    steps.
     """
 
     step_id: Count
@@ -204,6 +218,7 @@ class BatchPlan(_Message):
     swap_in: Pairs = msgspec.field(default_factory=list)  # (cpu_block, device_block)
     copies: Pairs = msgspec.field(default_factory=list)  # (src_block, dst_block)
     decode_steps: Annotated[int, Meta(ge=1, le=p.MAX_DECODE_STEPS)] = 1
+    proposals: Annotated[list[Proposal], Meta(max_length=p.MAX_SEQS_PER_STEP)] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.scheduled_seq_ids) != len(self.num_new_tokens):
@@ -221,6 +236,16 @@ class SeqLogprobs(_Message):
     def __post_init__(self) -> None:
         if len(self.top_token_ids) != len(self.top_logprobs):
             raise ValueError("top_token_ids and top_logprobs differ in length")
+
+
+class SpecTokens(_Message):
+    """Tokens a speculating sequence emitted after its first one (which is in ``sampled_token_ids``),
+    in order, with their log-probs when the sequence asks for them (one entry per token)."""
+
+    seq_id: Id
+    token_ids: Annotated[list[Id], Meta(max_length=p.MAX_SPECULATIVE_TOKENS)]
+    logprobs: Annotated[list[SeqLogprobs], Meta(max_length=p.MAX_SPECULATIVE_TOKENS)] = \
+        msgspec.field(default_factory=list)
 
 
 class PromptLogprobs(_Message):
@@ -285,6 +310,8 @@ class StepResult(_Message):
     # the steps that prefill it; a step's computed tokens bound it).
     prompt_logprobs: Annotated[list[PromptLogprobs], Meta(max_length=p.MAX_SEQS_PER_STEP)] = \
         msgspec.field(default_factory=list)
+    # The tokens speculating sequences (BatchPlan.proposals) emitted after their first, in plan order.
+    spec_tokens: Annotated[list[SpecTokens], Meta(max_length=p.MAX_SEQS_PER_STEP)] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.sampled_seq_ids) != len(self.sampled_token_ids):
@@ -294,14 +321,16 @@ class StepResult(_Message):
 def max_result_bytes(num_scheduled: int, num_sampled: int, logprobs: int = 0, num_logprob_seqs: int = 0,
                      beam_candidates: int = 0, num_beam_seqs: int = 0, prompt_tokens_scored: int = 0,
                      prompt_logprob_entries: int = 0, num_prompt_logprob_seqs: int = 0,
-                     decode_steps: int = 1) -> int:
+                     decode_steps: int = 1, proposed: int = 0, num_speculating: int = 0) -> int:
     """The largest encoded StepResult frame (envelope included) a plan can be answered with.
 
     ``num_scheduled`` sequences computed, ``num_sampled`` of them sampling; of those,
     ``num_logprob_seqs`` report ``logprobs`` alternatives in all (summed over them) and
     ``num_beam_seqs`` beam sequences report ``beam_candidates`` in all; ``num_prompt_logprob_seqs``
     report prompt log-probs for ``prompt_tokens_scored`` prompt tokens with
-    ``prompt_logprob_entries`` alternatives in all; ``decode_steps``: the plan's. A receiver refuses a larger frame before
+    ``prompt_logprob_entries`` alternatives in all; ``decode_steps``: the plan's; ``proposed``
+    tokens proposed to ``num_speculating`` sequences, each of which may come back with its
+    log-probs (counted at ``logprobs`` / ``num_logprob_seqs`` per token). A receiver refuses a larger frame before
     parsing it. msgpack sizes are taken at their largest: 5 bytes for an int or a container
     header, 9 for a float, 4 bytes per character of text.
     """
@@ -314,7 +343,9 @@ def max_result_bytes(num_scheduled: int, num_sampled: int, logprobs: int = 0, nu
             + 10 * num_sampled * decode_steps  # sampled ids and tokens
             + seq_logprobs * (num_logprob_seqs + num_beam_seqs)
             + 14 * (logprobs + num_logprob_seqs + beam_candidates)  # an id and a float per entry
-            + prompt_logprobs + 9 * prompt_tokens_scored + 14 * prompt_logprob_entries)
+            + prompt_logprobs + 9 * prompt_tokens_scored + 14 * prompt_logprob_entries
+            + 5 + 20 * num_speculating + 5 * proposed  # spec_tokens: entries, their ids
+            + proposed * (seq_logprobs + 14 * (1 + (logprobs // max(num_logprob_seqs, 1)))))
 
 
 class Handshake(_Message):
@@ -339,6 +370,8 @@ class Handshake(_Message):
     enrollment_proof: Annotated[bytes, Meta(max_length=64)] = b""
     # The most BatchPlan.decode_steps it serves (1: one step per plan).
     max_decode_steps: Annotated[int, Meta(ge=1, le=p.MAX_DECODE_STEPS)] = 1
+    # It scores BatchPlan.proposals (speculative decoding); older executors omit it.
+    speculative: bool = False
 
 
 class HandshakeReply(_Message):

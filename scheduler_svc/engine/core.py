@@ -57,6 +57,7 @@ class EngineCore(CoreRequests):
                                on_drain=self._on_drain, on_dead=self._on_dead, keys=cfg.executor_link,
                                step_timeout_s=cfg.step_timeout_s, model_fingerprint=cfg.model_fingerprint)
         self._retired_preemptions = 0  # counters of schedulers of executors now gone
+        self._retired_spec = EngineStats()  # (its speculative decoding counters)
         self._retired_prefix = (0, 0)
         self._last_observed = 0.0
         self.num_steps = 0  # executor steps planned, all executors (benchmarks read it)
@@ -115,6 +116,7 @@ class EngineCore(CoreRequests):
                          prefix_cache_query_tokens=self._retired_prefix[0],
                          prefix_cache_hit_tokens=self._retired_prefix[1],
                          num_migrations=self._num_migrations)
+        _add_spec(st, self._retired_spec)
         st.num_waiting = len(self.orphans)
         for slot in self.slots.values():
             s = slot.scheduler
@@ -124,6 +126,8 @@ class EngineCore(CoreRequests):
             st.num_preemptions += s.num_preemptions
             st.prefix_cache_query_tokens += s.prefix_cache_query_tokens
             st.prefix_cache_hit_tokens += s.prefix_cache_hit_tokens
+            if s.spec is not None:
+                _add_spec(st, s.spec)
             info = slot.conn.info
             blocks = s.block_stats()
             st.executors.append(ExecutorStats(
@@ -141,7 +145,8 @@ class EngineCore(CoreRequests):
         if self.metrics:
             self.metrics.watch_deployment(info.model_name, lambda: self.deployment_stats())
         cfg = dataclasses.replace(self.cfg.scheduler, max_model_len=info.max_model_len,
-                                  decode_steps=info.max_decode_steps)
+                                  decode_steps=info.max_decode_steps,
+                                  speculative=self.cfg.scheduler.speculative if info.speculative else None)
         slot = ExecutorSlot(conn, Scheduler(cfg, info.num_device_blocks, info.num_cpu_blocks,
                                             self.eos_token_ids, vocab_size=info.vocab_size))
         self.slots[conn.id] = slot
@@ -340,6 +345,8 @@ class EngineCore(CoreRequests):
             self.router.forget(slot.id)
             s = slot.scheduler
             self._retired_preemptions += s.num_preemptions
+            if s.spec is not None:
+                _add_spec(self._retired_spec, s.spec)
             q, h = self._retired_prefix
             self._retired_prefix = (q + s.prefix_cache_query_tokens, h + s.prefix_cache_hit_tokens)
             del self.slots[slot.id]
@@ -358,3 +365,21 @@ class EngineCore(CoreRequests):
             self._last_observed = now
             self.metrics.observe_stats(self.stats())
 
+
+
+def _add_spec(into: EngineStats, src) -> None:
+    """Add a scheduler's speculative decoding counters (SpeculativeSteps, or an EngineStats of
+    retired ones) into ``into``."""
+    if isinstance(src, EngineStats):
+        drafts, tokens, accepted, per_pos = (src.spec_num_drafts, src.spec_num_draft_tokens,
+                                             src.spec_num_accepted_tokens, src.spec_accepted_per_pos)
+    else:
+        drafts, tokens, accepted, per_pos = (src.num_drafts, src.num_draft_tokens, src.num_accepted_tokens,
+                                             src.accepted_per_pos)
+    into.spec_num_drafts += drafts
+    into.spec_num_draft_tokens += tokens
+    into.spec_num_accepted_tokens += accepted
+    if len(into.spec_accepted_per_pos) < len(per_pos):
+        into.spec_accepted_per_pos.extend([0] * (len(per_pos) - len(into.spec_accepted_per_pos)))
+    for i, n in enumerate(per_pos):
+        into.spec_accepted_per_pos[i] += n

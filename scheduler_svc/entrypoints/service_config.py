@@ -32,6 +32,7 @@ from scheduler_svc.front.http.limits import HttpLimits
 from scheduler_svc.front.input.validation import LOGPROBS_MODES, ServerLimits
 from scheduler_svc.front.tool_calls import AUTO_PARSERS, ToolCallOptions
 from scheduler_svc.sched.scheduler_config import PREEMPTION_MODES, SchedulerConfig
+from scheduler_svc.sched.speculation import SpeculativeConfig, parse_speculative_config
 
 DEFAULT_GRPC_PORT = 50051
 DEFAULT_EXECUTOR_PORT = 5556
@@ -86,6 +87,7 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "--preemption-mode": (SchedulerConfig, "preemption_mode"),
     "--watermark": (SchedulerConfig, "watermark"),
     "--disable-prefix-caching": (SchedulerConfig, "enable_prefix_caching"),
+    "--speculative-config": (SchedulerConfig, "speculative"),
     "--heartbeat-interval": (EngineConfig, "heartbeat_interval_s"),
     "--max-queued-requests": (EngineConfig, "max_queued_requests"),
     "--max-migrations": (EngineConfig, "max_migrations"),
@@ -203,6 +205,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="fraction of an executor's blocks kept free when admitting requests (avoids thrashing)")
     p.add_argument("--disable-prefix-caching", action="store_false", dest="enable_prefix_caching",
                    help="do not reuse KV blocks across requests with a common prefix")
+    p.add_argument("--speculative-config", type=_speculative, default=default(s, "speculative"), dest="speculative",
+                   help="speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (k in 1..16; the draft-model method is "
+                        "not served yet). Greedy and seeded outputs are the same with it on and off")
     p.add_argument("--max-queued-requests", type=number(int, "--max-queued-requests", 0),
                    default=default(e, "max_queued_requests"),
                    help="waiting requests beyond which new ones get RESOURCE_EXHAUSTED")
@@ -359,6 +365,13 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _speculative(text: str) -> SpeculativeConfig:
+    try:
+        return parse_speculative_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--speculative-config: {exc}") from None
 
 
 def _fields(cls: type, args: argparse.Namespace) -> dict[str, Any]:

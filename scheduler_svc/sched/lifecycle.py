@@ -46,6 +46,12 @@ class InFlight:
     scoring: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
     decode_steps: int = 1  # the plan's: each sequence of ``sampling`` gets this many tokens
     decode_only: bool = False  # every sequence it computes decodes one token per step (its time says a step's)
+    # Speculative decoding: (seq, proposals, its residency) for each sequence the plan gave proposals.
+    proposed_at: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def proposed(self) -> list[tuple[Sequence, int]]:
+        return [(s, d) for s, d, _ in self.proposed_at]
 
     def max_result_bytes(self) -> int:
         """The largest result frame this plan can be answered with (its sequences, their log-probs,
@@ -64,7 +70,8 @@ class InFlight:
             scored += most
             entries += most * s.sampling.prompt_logprobs
         return max_result_bytes(len(self.seq_ids), len(self.sampling), lp, num_lp, beams, len(self.beams),
-                                scored, entries, len(self.scoring), self.decode_steps)
+                                scored, entries, len(self.scoring), self.decode_steps,
+                                sum(d for _, d, _ in self.proposed_at), len(self.proposed_at))
 
     def forget(self, dropped: set[int]) -> None:
         """The executor dropped these sequences after an earlier step failed: this plan serves none of

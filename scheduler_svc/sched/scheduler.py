@@ -41,12 +41,13 @@ import time
 from collections.abc import Collection
 
 from pagedserve.engine_api import RequestUpdate
-from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, StepResult
+from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, Proposal, StepResult
 from scheduler_svc.sched.decode_steps import DecodeStepPolicy
 from scheduler_svc.sched.kv_cache_manager import NO_CHANGE, KVCacheManagerBase, SlotChange
 from scheduler_svc.sched.lifecycle import InFlight, ProtocolError, RequestLifecycle, Work, seeded
 from scheduler_svc.sched.request import Request, RequestState, Sequence
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
+from scheduler_svc.sched.speculative_steps import SpeculativeSteps
 from scheduler_svc.sched.step_output import OutputProcessor
 
 
@@ -68,7 +69,8 @@ class Scheduler(RequestLifecycle):
                  vocab_size: int | None = None) -> None:
         super().__init__(config, num_device_blocks, num_cpu_blocks, eos_token_ids, kv_manager)
         self._out = OutputProcessor(self, vocab_size)
-        self.decode_policy = DecodeStepPolicy(config.decode_steps)
+        self.decode_policy = DecodeStepPolicy(config.decode_steps if config.speculative is None else 1)
+        self.spec = SpeculativeSteps(config.speculative) if config.speculative is not None else None
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> BatchPlan | None:
@@ -101,6 +103,8 @@ class Scheduler(RequestLifecycle):
         self._preempted = False
         running, allocate, bs = self.running, self.kv.allocate, self.config.block_size
         ids, nums = plan.scheduled_seq_ids, plan.num_new_tokens
+        spec = self.spec if self.spec is not None and self.spec.step_speculates(len(running)) else None
+        pending = self.spec.pending if self.spec is not None else ()
         sampling, to_commit = self._step.sampling, self._step.to_commit
         i = 0
         while i < len(running) and budget.tokens > 0 and budget.seqs > 0:
@@ -113,13 +117,21 @@ class Scheduler(RequestLifecycle):
                     seq = live[0]
                     c = seq.num_computed_tokens
                     total = len(seq.token_ids) + seq.num_placeholders
-                    if seq.num_placeholders and total >= r.stop_len:
-                        i += 1  # its last token is in flight: it ends by length when that result comes
-                        continue
+                    if (seq.num_placeholders and total >= r.stop_len) or seq.seq_id in pending or (
+                            spec is not None and seq.num_placeholders and spec.waits(r, seq)):
+                        i += 1  # its last token is in flight: it ends by length when that result comes (or
+                        continue  # its proposals' result, or it will propose once that token is known)
                     n = total - c if total - c <= budget.tokens else budget.tokens
                     # k decode steps write k positions and sample k placeholders.
                     k = steps if steps > 1 else n
-                    ch = allocate(seq, k)
+                    props = (spec.propose(r, seq, total, budget.tokens - 1)
+                             if spec is not None and n == 1 and total - c == 1 and not seq.num_placeholders else None)
+                    ch = allocate(seq, k + len(props)) if props else allocate(seq, k)
+                    if ch is not None and props:
+                        plan.proposals.append(Proposal(seq.seq_id, props))
+                        self._step.proposed_at.append((seq, len(props), seq.residency))
+                        spec.pending.add(seq.seq_id)
+                        budget.tokens -= len(props)
                     if ch is not None:
                         if ch is not NO_CHANGE:
                             self._emit_change(seq, ch, plan)
@@ -414,6 +426,8 @@ class Scheduler(RequestLifecycle):
         self.in_flight.popleft()
         if not failed:
             self.decode_policy.observe(step, result)
+        if self.spec is not None and (step.proposed_at or result.spec_tokens):
+            self.spec.check(result, step, failed, self._out.vocab_size)
         if step.decode_steps > 1:  # (its later steps' inputs are its samples: committed with them)
             updates = self._out.process_steps(result, due, step, failed)
             return updates + self._fail_dropped(failed) if failed else updates
@@ -422,12 +436,22 @@ class Scheduler(RequestLifecycle):
             if seq.finish_reason is None and seq.residency == residency and seq.seq_id not in failed:
                 commit(seq, computed)  # (before the samples: a sequence they finish frees its blocks)
         if not failed:
-            return self._out.process(result, step.sampling, step.beams)
+            updates = self._out.process(result, step.sampling, step.beams)
+            if step.proposed_at:
+                self.spec.apply(result, step, updates, failed, self._out)
+            return updates
         for s in step.sampling + step.beams:
             if s.seq_id in failed:
                 s.num_placeholders -= 1  # its sample never comes
         updates = self._out.process(result, due, [s for s in step.beams if s.seq_id not in failed])
+        if step.proposed_at:
+            self.spec.apply(result, step, updates, failed, self._out)
         return updates + self._fail_dropped(failed)
+
+    def take_all_requests(self):
+        if self.spec is not None:
+            self.spec.pending.clear()  # (their results will not be applied)
+        return super().take_all_requests()
 
     def _fail_dropped(self, failed: set[int]) -> list[RequestUpdate]:
         """The executor dropped ``failed`` (its step could not serve them): the plans behind it serve

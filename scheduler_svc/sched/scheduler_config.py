@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve import wire
+from scheduler_svc.sched.speculation import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -37,6 +38,8 @@ class SchedulerConfig:
     # Decode steps one plan may carry (BatchPlan.decode_steps): what the executor serves, from its
     # handshake. Taken only when every running sequence decodes plainly and nothing waits.
     decode_steps: int = 1
+    # Speculative decoding (--speculative-config; None: off, and for executors that do not score proposals).
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)

@@ -10,8 +10,10 @@ compute, where every position costs its share. So:
   again (up to ``max_backoff``), then probes with one proposal round. Text that starts repeating
   later (an edit after a preamble) is found again by the probes.
 * per step: no sequence proposes when more than ``max_batch_tokens`` positions would be verified
-  (the decoding sequences times k + 1): past that the step is compute-bound and speculation
-  trades throughput for latency nobody asked for.
+  (the decoding sequences times k + 1). A verification forward runs the chunked-prefill path,
+  which on a CPU costs more per token than the fused decode step: on SmolLM2, 1 stream
+  speculating ran 2.26x faster than plain decoding, 4 streams 0.88x (benchmarks/speculative.py),
+  so 12 positions: at k = 4, one or two sequences.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class _SeqAcceptance:
 
 
 class SpeculationPolicy:
-    def __init__(self, k: int, min_acceptance: float = 0.25, max_batch_tokens: int = 256,
+    def __init__(self, k: int, min_acceptance: float = 0.25, max_batch_tokens: int = 12,
                  first_backoff: int = 8, max_backoff: int = 256) -> None:
         if not 0.0 <= min_acceptance < 1.0:
             raise ValueError(f"min_acceptance: must be in [0, 1), got {min_acceptance}")
@@ -40,6 +42,11 @@ class SpeculationPolicy:
     def batch_speculates(self, num_decoding: int) -> bool:
         """Whether this step proposes at all, for ``num_decoding`` sequences in it."""
         return num_decoding * (self.k + 1) <= self.max_batch_tokens
+
+    def may_propose(self, seq_id: int) -> bool:
+        """Whether the sequence is not paused (counts nothing down)."""
+        st = self._seqs.get(seq_id)
+        return st is None or st.paused_steps == 0
 
     def wants_proposals(self, seq_id: int) -> bool:
         """Whether the sequence proposes this step; a paused one counts a step down."""

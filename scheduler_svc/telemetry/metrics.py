@@ -104,7 +104,7 @@ class Metrics:
             self._engine_metrics(r)
         if part in ("all", "front"):
             self._front_metrics(r)
-        self._last = {"pq": 0, "ph": 0, "pre": 0, "mig": 0}  # cumulative engine counters already counted
+        self._last: dict[str, int] = {"pq": 0, "ph": 0, "pre": 0, "mig": 0, "sd": 0, "sdt": 0, "sa": 0}  # cumulative engine counters already counted
         self._executors: set[str] = set()
         self._states: set[str] = set()
 
@@ -139,6 +139,13 @@ class Metrics:
                                   "deployment's).", self.model_name, registry=r)
         self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of the deployment's KV blocks in use "
                                    "(0..1).", self.model_name, registry=r)
+        # Speculative decoding, under vLLM's names (--speculative-config).
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Proposal rounds verified.", registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Tokens proposed.", registry=r)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", registry=r)
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Proposed tokens accepted, by position in their round.", ["position"],
+                                             registry=r)
 
     def _front_metrics(self, r: CollectorRegistry) -> None:
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
@@ -179,6 +186,11 @@ class Metrics:
         self._advance(self.prefix_hits, "ph", stats.prefix_cache_hit_tokens)
         self._advance(self.preemptions, "pre", stats.num_preemptions)
         self._advance(self.migrations, "mig", stats.num_migrations)
+        self._advance(self.spec_drafts, "sd", stats.spec_num_drafts)
+        self._advance(self.spec_draft_tokens, "sdt", stats.spec_num_draft_tokens)
+        self._advance(self.spec_accepted, "sa", stats.spec_num_accepted_tokens)
+        for pos, n in enumerate(stats.spec_accepted_per_pos):
+            self._advance(self.spec_accepted_per_pos.labels(str(pos)), f"sap{pos}", n)
         seen: set[str] = set()
         states: dict[str, int] = {}
         for e in stats.executors:
@@ -257,7 +269,7 @@ class Metrics:
         self.request_bytes_in_flight.set_function(lambda: budget.bytes)
 
     def _advance(self, counter: Counter, key: str, total: int) -> None:
-        last = self._last[key]
+        last = self._last.get(key, 0)
         counter.inc(total - last if total >= last else total)  # a smaller total: the source restarted
         self._last[key] = total
 

@@ -102,7 +102,8 @@ def test_every_flag_reaches_the_object_that_uses_it(model_dir, tmp_path):
     values.update({flag: str(default(cls, name) + 3) for flag, (cls, name) in FLAG_FIELDS.items()
                    if cls in (ServerLimits, HttpLimits, GrpcLimits)})
     values["--max-in-flight-bytes"] = str(64 << 20)  # at least the largest request a front accepts
-    argv = ["--model", str(model_dir), "--disable-prefix-caching", "--no-async-scheduling"]
+    argv = ["--model", str(model_dir), "--disable-prefix-caching", "--no-async-scheduling",
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
     for flag, value in values.items():
         argv += [flag, value]
     cfg = load_config(argv, {})
@@ -333,3 +334,22 @@ def test_the_fronts_share_the_machine_sized_caps(model_dir):
     assert quarter.max_in_flight_bytes == (4 << 30) // 8 and quarter.max_concurrent_calls == 2048
     assert load_config(["--model", str(model_dir), "--api-server-count", "4"], {}).limits.max_concurrent_calls \
         <= load_config(["--model", str(model_dir)], {}).limits.max_concurrent_calls
+
+
+@pytest.mark.parametrize("value,message", [
+    ('{"method": "eagle"}', "method: must be one of"),
+    ('{"method": "ngram", "num_speculative_tokens": 17}', "num_speculative_tokens: must be an integer in 1..16"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens: must be an integer in 1..16"),
+    ('{"model": "/models/draft"}', "draft-model method is not supported yet"),
+    ("ngram", "not a JSON object"),
+])
+def test_a_bad_speculative_config_is_refused_at_start_naming_the_field(model_dir, capsys, value, message):
+    with pytest.raises(SystemExit):
+        load_config(["--model", str(model_dir), "--speculative-config", value], {})
+    assert message in capsys.readouterr().err
+
+
+def test_the_speculative_config_also_comes_from_the_environment(model_dir):
+    cfg = load_config(["--model", str(model_dir)],
+                      {"PAGEDSERVE_SPECULATIVE_CONFIG": '{"method": "ngram", "num_speculative_tokens": 5}'})
+    assert cfg.scheduler.speculative.num_speculative_tokens == 5

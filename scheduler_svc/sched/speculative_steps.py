@@ -1,0 +1,147 @@
+"""Speculative decoding in the scheduler's steps: which decoding sequence proposes, and what its
+result does to it (the plan side is a few lines in ``scheduler.py``).
+
+A sequence proposes when its last token is known (no sample of it in flight: with asynchronous
+scheduling a proposing sequence skips the plan after its own, since how many tokens it gets is
+unknown until the result), it decodes plainly (one sequence, no beams, no structured output),
+the policy lets it (``speculation_policy.py``) and the n-gram lookup finds something, never more
+than fit before its length limit. Its plan decodes its last token as usual and carries the
+proposals; its table and the step's token budget hold their slots.
+
+The result's first token per sequence is applied as any sample (``step_output.py``); the tokens
+after it (``StepResult.spec_tokens``) here, each through the same end checks (EOS, stop token
+ids, length), so no token past an end is ever reported. Then the sequence's computed count
+covers the verified tokens only, the blocks past them go back to the pool, and the blocks full
+of verified tokens go to the prefix cache.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedserve.engine_api import FinishReason, RequestUpdate, SeqUpdate, TokenLogprob
+from pagedserve.wire import StepResult
+from scheduler_svc.sched.lifecycle import ProtocolError
+from scheduler_svc.sched.speculation import NgramProposer, SpeculativeConfig
+from scheduler_svc.sched.speculation_policy import SpeculationPolicy
+
+if TYPE_CHECKING:
+    from scheduler_svc.sched.lifecycle import InFlight
+    from scheduler_svc.sched.request import Request, Sequence
+    from scheduler_svc.sched.step_output import OutputProcessor
+
+
+class SpeculativeSteps:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.proposer = NgramProposer(config)
+        self.policy = SpeculationPolicy(config.num_speculative_tokens)
+        self.pending: set[int] = set()  # seq ids whose proposals' result is in flight
+        # vLLM's counters (telemetry reads them): drafts, drafted and accepted tokens, acceptances by position
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * config.num_speculative_tokens
+
+    def step_speculates(self, num_running: int) -> bool:
+        return self.policy.batch_speculates(num_running)
+
+    def waits(self, r: Request, seq: Sequence) -> bool:
+        """Whether a sequence whose last token is still in flight (asynchronous scheduling) should wait
+        for it instead of decoding it blind: when it would propose, which needs that token, and its
+        known tokens already end in a repeated n-gram (else it pipelines as usual)."""
+        sp = seq.sampling
+        if sp.structured is not None or sp.beam_candidates > 0 or r.req.params.n > 1 or seq.num_placeholders > 1:
+            return False
+        if not self.policy.may_propose(seq.seq_id):
+            return False
+        return bool(self.proposer.propose(seq.token_ids, 1))
+
+    def propose(self, r: Request, seq: Sequence, total: int, room_tokens: int) -> list[int]:
+        """Proposals for ``seq`` (its ``total`` tokens all known, the last one to decode now), at most
+        ``room_tokens`` of them (the step's token budget left after its own token)."""
+        sp = seq.sampling
+        if sp.structured is not None or sp.beam_candidates > 0 or r.req.params.n > 1:
+            return []
+        room = min(self.proposer.k, r.stop_len - total - 1, room_tokens)
+        if room <= 0 or not self.policy.wants_proposals(seq.seq_id):
+            return []
+        return self.proposer.propose(seq.token_ids, room)
+
+    def check(self, result: StepResult, step: InFlight, failed: set[int], vocab: int | None) -> None:
+        """ProtocolError unless the result's extra tokens answer the plan's proposals."""
+        proposed = {s.seq_id: (s, d) for s, d in step.proposed}
+        seen: set[int] = set()
+        for x in result.spec_tokens:
+            if x.seq_id not in proposed or x.seq_id in failed or x.seq_id in seen:
+                raise ProtocolError(f"result {result.step_id} has speculative tokens for seq {x.seq_id}, "
+                                    "which its plan gave no proposals (or gave them once)")
+            seen.add(x.seq_id)
+            seq, d = proposed[x.seq_id]
+            if len(x.token_ids) > d:
+                raise ProtocolError(f"result {result.step_id} emits {len(x.token_ids) + 1} tokens for seq {x.seq_id} "
+                                    f"from {d} proposals")
+            if vocab is not None and x.token_ids and max(x.token_ids) >= vocab:
+                raise ProtocolError(f"result {result.step_id} has token id {max(x.token_ids)} outside the vocabulary")
+            want = len(x.token_ids) if seq.sampling.want_logprobs else 0
+            if len(x.logprobs) != want:
+                raise ProtocolError(f"result {result.step_id} has {len(x.logprobs)} log-probs for the {len(x.token_ids)} "
+                                    f"speculative tokens of seq {x.seq_id}")
+
+    def apply(self, result: StepResult, step: InFlight, updates: list[RequestUpdate], failed: set[int],
+              out: OutputProcessor) -> None:
+        """After the first tokens were applied: each proposing sequence's further tokens, its computed
+        count, blocks and cache entries, the policy and the counters."""
+        extra = {x.seq_id: x for x in result.spec_tokens}
+        by_request = {u.request_id: u for u in updates}
+        kv = out.s.kv
+        for seq, d, residency in step.proposed_at:
+            self.pending.discard(seq.seq_id)
+            if seq.seq_id in failed:
+                continue
+            x = extra.get(seq.seq_id)
+            toks = x.token_ids if x is not None else []
+            self.num_drafts += 1
+            self.num_draft_tokens += d
+            accepted = len(toks)  # every emitted token but the last was an accepted proposal
+            self.num_accepted_tokens += accepted
+            for j in range(accepted):
+                self.accepted_per_pos[j] += 1
+            self.policy.observe(seq.seq_id, d, accepted)
+            if seq.finish_reason is not None:
+                self.policy.forget(seq.seq_id)
+                continue  # ended by its first token, or aborted: the rest are dropped
+            if toks:
+                self._append(seq, toks, x.logprobs, by_request.get(seq.request.request_id), out)
+            if seq.finish_reason is not None:
+                self.policy.forget(seq.seq_id)
+                continue
+            if seq.resident and seq.residency == residency:
+                seq.num_computed_tokens = len(seq.token_ids) - 1  # the verified tokens: K/V written and kept
+                kv.rollback(seq, len(seq.token_ids))
+                kv.commit_computed(seq, seq.num_computed_tokens)
+
+    def _append(self, seq: Sequence, toks: list[int], logprobs, ru: RequestUpdate | None,
+                out: OutputProcessor) -> None:
+        r = seq.request
+        su = None
+        if ru is not None:
+            su = next((u for u in ru.seqs if u.index == seq.index), None)
+        if su is None:  # (the first token's update always exists; defensive)
+            su = SeqUpdate(seq.index, [], None, None)
+            ru = RequestUpdate(r.req.request_id, [su], False, seq.num_prompt_tokens, r.num_cached_prompt_tokens)
+        for j, tok in enumerate(toks):
+            seq.token_ids.append(tok)
+            su.new_token_ids.append(tok)
+            if logprobs:
+                lp = logprobs[j]
+                entry = TokenLogprob(tok, lp.token_logprob, lp.top_token_ids, lp.top_logprobs)
+                su.logprobs = [*(su.logprobs or []), entry]
+            if tok in r.eos_token_ids:
+                reason = FinishReason.EOS
+            elif tok in r.stop_token_ids:
+                reason = FinishReason.STOP
+            elif len(seq.token_ids) >= r.stop_len:
+                reason = FinishReason.LENGTH
+            else:
+                continue
+            su.finish_reason = reason
+            ru.finished = out._finish(seq, reason)
+            return

@@ -1,0 +1,166 @@
+"""Speculative decoding served end to end: the real Scheduler proposing n-grams and the real
+ModelRunner verifying them (no transport). Outputs must equal decoding without speculation token
+for token (greedy and seeded sampling, with stops, max_tokens, penalties and log-probs), fewer
+plans must be needed on repetitive text, the invariants must hold after every step and every
+block must be free at the end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from executor_svc.model import load_model
+from pagedserve.engine_api import GenerationRequest, RequestParams
+from pagedserve.wire import SamplingParams
+from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.scheduler_config import SchedulerConfig
+from scheduler_svc.sched.speculation import SpeculativeConfig
+from testing.executor_plans import drive, hf_greedy, make_runner
+
+NUM_BLOCKS = 48
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir):
+    return load_model(tiny_llama_dir)
+
+
+def _prompts() -> dict[str, list[int]]:
+    g = torch.Generator().manual_seed(5)
+    phrase = torch.randint(3, 500, (7,), generator=g).tolist()
+    return {"rep": phrase * 4 + phrase[:3],  # an edit-like prompt: the continuation repeats it
+            "rand": torch.randint(3, 500, (19,), generator=g).tolist(),
+            "short": phrase[:4] + phrase[:4] + phrase[:2]}
+
+
+class OracleProposer:
+    """Proposes the true continuation (from a run without speculation), cut short and with a wrong
+    token every third call, so whole acceptances, bonus tokens and rejections midway all occur."""
+
+    def __init__(self, prompts: dict[str, list[int]], outputs: dict[str, list[list[int]]], k: int) -> None:
+        self.k, self.calls = k, 0
+        self.known = [(p, outputs[rid][0]) for rid, p in prompts.items()]
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        self.calls += 1
+        for prompt, cont in self.known:
+            if tokens[:len(prompt)] == prompt:
+                at = len(tokens) - len(prompt)
+                out = list(cont[at:at + min(k, 1 + self.calls % self.k)])
+                if out and self.calls % 3 == 0:
+                    out[-1] = (out[-1] + 1) % 500
+                return out
+        return []
+
+
+def _serve(tiny_llama_dir, model, params: RequestParams, spec: SpeculativeConfig | None,
+           prompts: dict[str, list[int]], num_blocks: int = NUM_BLOCKS, max_batched: int = 256,
+           mode: str = "recompute", proposer=None):
+    runner = make_runner(tiny_llama_dir, num_blocks=num_blocks, num_cpu_blocks=32, model=model)
+    cfg = SchedulerConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=256,
+                          speculative=spec, preemption_mode=mode)
+    sched = Scheduler(cfg, num_blocks, 32, eos_token_ids=(), vocab_size=model.cfg.vocab_size)
+    if spec is not None:  # every sequence of these small batches speculates (the step rule is for CPU cost)
+        sched.spec.policy.max_batch_tokens = 256
+    if proposer is not None:
+        sched.spec.proposer = proposer
+    out: dict[str, list[list[int]]] = {rid: [] for rid in prompts}
+    lps: dict[str, list] = {rid: [] for rid in prompts}
+    for rid, p in prompts.items():
+        sched.add_request(GenerationRequest(rid, p, params))
+    plans = []
+
+    def take(plan, result):
+        plans.append(plan)
+        for upd in sched.update(result):
+            assert upd.error is None
+            for s in upd.seqs:
+                while len(out[upd.request_id]) <= s.index:
+                    out[upd.request_id].append([])
+                out[upd.request_id][s.index].extend(s.new_token_ids)
+                if s.logprobs:
+                    lps[upd.request_id].extend((x.token_id, x.logprob) for x in s.logprobs)
+        sched.check_integrity()
+
+    drive(runner, sched, take)
+    assert sched.kv.num_free_blocks == num_blocks  # nothing leaked
+    assert not sched.requests and not runner.seqs
+    return out, plans, sched, lps
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_greedy_output_equals_decoding_without_speculation_and_transformers(tiny_llama_dir, model, k):
+    params = RequestParams(max_tokens=30, sampling=GREEDY, ignore_eos=True)
+    spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3, prompt_lookup_min=1)
+    plain, plain_plans, _, _ = _serve(tiny_llama_dir, model, params, None, _prompts())
+    fast, fast_plans, sched, _ = _serve(tiny_llama_dir, model, params, spec, _prompts())
+    assert fast == plain
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    for rid, p in _prompts().items():
+        assert fast[rid] == [hf_greedy(hf, p, 30)], rid
+    assert any(plan.proposals for plan in fast_plans)
+    assert sched.spec.num_drafts > 0 and sched.spec.num_draft_tokens >= sched.spec.num_drafts
+    assert sched.spec.num_accepted_tokens == sum(sched.spec.accepted_per_pos[:k])
+    if sched.spec.num_accepted_tokens:
+        assert len(fast_plans) < len(plain_plans)  # accepted proposals save steps
+
+
+def test_seeded_sampling_with_penalties_and_logprobs_is_unchanged(tiny_llama_dir, model):
+    sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=123, repetition_penalty=1.1,
+                              presence_penalty=0.3, logprobs=2)
+    params = RequestParams(max_tokens=25, sampling=sampling, ignore_eos=True)
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+    plain, _, _, plain_lps = _serve(tiny_llama_dir, model, params, None, _prompts())
+    fast, _, sched, fast_lps = _serve(tiny_llama_dir, model, params, spec, _prompts())
+    assert fast == plain
+    assert [t for t, _ in fast_lps["rep"]] == [t for t, _ in plain_lps["rep"]]
+    assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(fast_lps["rep"], plain_lps["rep"], strict=True))
+    assert sched.spec.num_drafts > 0
+
+
+def test_no_token_past_max_tokens_or_a_stop_token(tiny_llama_dir, model):
+    prompts = _prompts()
+    plain, _, _, _ = _serve(tiny_llama_dir, model, RequestParams(max_tokens=30, sampling=GREEDY, ignore_eos=True),
+                            None, {"rep": prompts["rep"]})
+    stop_tok = plain["rep"][0][9]  # a token the greedy continuation emits at position 9
+    spec = SpeculativeConfig(num_speculative_tokens=8, prompt_lookup_max=3, prompt_lookup_min=1)
+    for params in (RequestParams(max_tokens=5, sampling=GREEDY, ignore_eos=True),
+                   RequestParams(max_tokens=30, sampling=GREEDY, ignore_eos=True, stop_token_ids=[stop_tok])):
+        a, _, _, _ = _serve(tiny_llama_dir, model, params, None, {"rep": prompts["rep"]})
+        b, _, _, _ = _serve(tiny_llama_dir, model, params, spec, {"rep": prompts["rep"]})
+        assert b == a and len(b["rep"][0]) <= params.max_tokens
+        if params.stop_token_ids:
+            assert b["rep"][0][-1] == stop_tok and stop_tok not in b["rep"][0][:-1]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_with_speculation_keeps_outputs_and_frees_every_block(tiny_llama_dir, model, mode):
+    params = RequestParams(max_tokens=24, sampling=GREEDY, ignore_eos=True)
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+    plain, _, _, _ = _serve(tiny_llama_dir, model, params, None, _prompts(), num_blocks=6, max_batched=48, mode=mode)
+    fast, _, sched, _ = _serve(tiny_llama_dir, model, params, spec, _prompts(), num_blocks=6, max_batched=48,
+                               mode=mode, proposer=OracleProposer(_prompts(), plain, 4))
+    assert fast == plain
+    assert sched.num_preemptions > 0 and sched.spec.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, top_p=0.9, seed=7, logprobs=1)],
+                         ids=["greedy", "seeded"])
+def test_accepted_proposals_save_steps_and_change_nothing(tiny_llama_dir, model, sampling):
+    """Proposals that are (mostly) right: runs of them are accepted, with the bonus token, or cut
+    at the wrong one; the output is still exactly the plain one, in far fewer plans."""
+    params = RequestParams(max_tokens=40, sampling=sampling, ignore_eos=True)
+    plain, plain_plans, _, plain_lps = _serve(tiny_llama_dir, model, params, None, _prompts())
+    spec = SpeculativeConfig(num_speculative_tokens=5)
+    fast, fast_plans, sched, fast_lps = _serve(tiny_llama_dir, model, params, spec, _prompts(),
+                                               proposer=OracleProposer(_prompts(), plain, 5))
+    assert fast == plain
+    assert [t for t, _ in fast_lps["rand"]] == [t for t, _ in plain_lps["rand"]]
+    st = sched.spec
+    assert st.num_accepted_tokens > st.num_drafts  # several accepted per step on average
+    assert st.accepted_per_pos[4] > 0 and st.num_accepted_tokens < st.num_draft_tokens  # whole runs, and cuts
+    assert len(fast_plans) < 0.6 * len(plain_plans)
