@@ -248,3 +248,30 @@ def test_a_grpc_message_larger_than_the_model_can_need_is_refused_unparsed():
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in details
     finally:
         srv.stop()
+
+
+def test_a_closed_connection_keeps_no_unread_body_until_a_collection(open_http):
+    """A body refused with 413 still arrives; the bytes uvicorn buffered for it must go with the
+    connection, not wait for the cyclic collector (the protocol and its request cycle refer to
+    each other): with the collector off, no request cycle still holds body bytes."""
+    import gc
+
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    cap = body_cap(HttpLimits(), MAX_MODEL_LEN)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(10):
+            with _connect(open_http) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (cap + 1))
+                try:
+                    sock.sendall(b"1," * (256 << 10))
+                except OSError:
+                    pass
+                assert _status(sock) == 413
+        time.sleep(0.3)  # the server sees the connections close
+        held = [c for c in gc.get_objects() if isinstance(c, RequestResponseCycle) and c.body]
+        assert not held, f"{len(held)} request cycles still hold {sum(len(c.body) for c in held)} body bytes"
+    finally:
+        gc.enable()
