@@ -38,6 +38,19 @@ def raise_open_files_limit() -> tuple[int, int]:
     return new_soft, hard
 
 
+# Descriptors a front keeps beyond its connection caps: health probes (served past the HTTP cap),
+# the links to its engine core, log files.
+CONNECTION_RESERVE = 128
+
+
+def connection_cap(configured: int, open_files: int) -> int:
+    """Connections a front serves: ``configured`` when given (> 0), else the open-files limit less
+    CONNECTION_RESERVE (at least 16; 65,536 when the limit is unknown)."""
+    if configured:
+        return configured
+    return max(16, open_files - CONNECTION_RESERVE) if open_files > 0 else 1 << 16
+
+
 def open_files_limit() -> int:
     """The current soft limit (-1: unknown)."""
     if resource is None:

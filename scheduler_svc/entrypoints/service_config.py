@@ -149,6 +149,8 @@ _GRPC_HELP = {
                    "that is closed (its calls fail)",
     "max_connection_age_s": "gRPC: seconds after which a connection gets GOAWAY, so clients reconnect and "
                             "spread over replicas; its calls in progress run to their end",
+    "max_connections": "gRPC: connections a front accepts; past it a new connection is closed at once (its calls "
+                       "fail UNAVAILABLE) (0: the open-files limit, raised to the hard limit at start, less 128)",
 }
 
 

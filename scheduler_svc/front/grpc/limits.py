@@ -17,6 +17,10 @@ so each of these is exercised against a real client in tests/unit/front/test_grp
 - ``max_connection_age_s``: a connection gets GOAWAY after it (grpc.max_connection_age_ms) so
   clients reconnect and spread over replicas; its calls in progress run to their end (no grace
   limit), new ones go over a new connection.
+- ``max_connections`` (0: the open-files limit less the descriptor reserve,
+  pagedserve/fd_limits.py): past it grpc core closes a new connection at once
+  (grpc.max_allowed_incoming_connections), so its client's calls fail UNAVAILABLE, never a
+  process out of descriptors.
 
 A client that pings more often than every 5 minutes without calls is closed after 2 strikes
 (grpc.http2.min_ping_interval_without_data_ms, grpc.http2.max_ping_strikes; grpc's defaults,
@@ -30,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from pagedserve.fd_limits import connection_cap, open_files_limit
+
 INFINITE_MS = 2**31 - 1  # grpc core's "no limit" for a millisecond argument (INT_MAX)
 MIN_PING_INTERVAL_WITHOUT_DATA_MS = 5 * 60 * 1000
 MAX_PING_STRIKES = 2
@@ -42,12 +48,14 @@ class GrpcLimits:
     message_timeout_s: int = 60  # a call's request message, from the call's start
     keepalive_s: int = 60  # ping a quiet connection; unanswered for keepalive_s / 3: closed
     max_connection_age_s: int = 3600  # GOAWAY; calls in progress finish
+    max_connections: int = 0  # 0: derived from the open-files limit
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GrpcLimits.{f.name} must be an integer >= 1 (got {value!r})")
+            low = 0 if f.name == "max_connections" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"GrpcLimits.{f.name} must be an integer >= {low} (got {value!r})")
 
 
 def server_options(limits: GrpcLimits) -> list[tuple[str, int]]:
@@ -67,6 +75,7 @@ def server_options(limits: GrpcLimits) -> list[tuple[str, int]]:
         # gate reads its message (grpc then opens it to the message's size at once); with it,
         # grpc offers 4 MiB per call up front, buffered before the gate has reserved room for it.
         ("grpc.http2.bdp_probe", 0),
+        ("grpc.max_allowed_incoming_connections", connection_cap(limits.max_connections, open_files_limit())),
     ]
 
 

@@ -15,11 +15,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from pagedserve.fd_limits import CONNECTION_RESERVE  # noqa: F401  (the HTTP front's reserve is this one)
+from pagedserve.fd_limits import connection_cap as fd_connection_cap
 from scheduler_svc.front.guards.request_size import request_bytes_for
-
-# Descriptors a front keeps beyond its connection cap: health probes (served past the cap), the
-# links to its engine core, its gRPC server's own sockets, log files.
-CONNECTION_RESERVE = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +54,4 @@ def connection_cap(limits: HttpLimits, open_files: int) -> int:
     """The connections a front serves requests on: ``--http-max-connections`` when given, else the
     open-files limit less CONNECTION_RESERVE (at least 16). A connection past it gets 503 (health
     probes excepted, up to the reserve), never a reset from a process out of descriptors."""
-    if limits.max_connections:
-        return limits.max_connections
-    return max(16, open_files - CONNECTION_RESERVE) if open_files > 0 else 1 << 16
+    return fd_connection_cap(limits.max_connections, open_files)

@@ -275,3 +275,38 @@ def test_a_closed_connection_keeps_no_unread_body_until_a_collection(open_http):
         assert not held, f"{len(held)} request cycles still hold {sum(len(c.body) for c in held)} body bytes"
     finally:
         gc.enable()
+
+
+def test_grpc_connections_past_the_cap_fail_unavailable_and_the_rest_are_served():
+    import grpc
+
+    from pagedserve.v1 import generation_pb2 as pb
+    from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+    from scheduler_svc.front.grpc.limits import GrpcLimits, server_options
+    from testing.grpc_fakes import ServerThread
+
+    assert ("grpc.max_allowed_incoming_connections", 10) in server_options(GrpcLimits(max_connections=10))
+    engine = FakeEngine(make_tokenizer(), max_model_len=64)
+    engine.ready = True
+    srv = ServerThread(engine, grpc_limits=GrpcLimits(max_connections=4))
+    req = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=2))
+
+    def call() -> grpc.StatusCode:
+        with grpc.insecure_channel(srv.address) as channel:
+            try:
+                list(pb_grpc.GenerationStub(channel).Generate(req, timeout=10))
+                return grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                return e.code()
+
+    try:
+        host, port = srv.address.split(":")
+        held = [socket.create_connection((host, int(port))) for _ in range(4)]  # a flood holding the cap
+        time.sleep(0.3)
+        assert call() == grpc.StatusCode.UNAVAILABLE  # closed at once: no descriptor left to a reset
+        for s in held:
+            s.close()
+        time.sleep(0.5)
+        assert call() == grpc.StatusCode.OK
+    finally:
+        srv.stop()
