@@ -40,6 +40,7 @@ from scheduler_svc.engine.requests import CoreRequests
 from scheduler_svc.engine.state import ExecutorSlot
 from scheduler_svc.sched.lifecycle import ProtocolError
 from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.speculative_steps import SpecCounters
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class EngineCore(CoreRequests):
                                on_drain=self._on_drain, on_dead=self._on_dead, keys=cfg.executor_link,
                                step_timeout_s=cfg.step_timeout_s, model_fingerprint=cfg.model_fingerprint)
         self._retired_preemptions = 0  # counters of schedulers of executors now gone
-        self._retired_spec = EngineStats()  # (its speculative decoding counters)
+        self._retired_spec = SpecCounters()  # (their speculative decoding counters)
         self._retired_prefix = (0, 0)
         self._last_observed = 0.0
         self.num_steps = 0  # executor steps planned, all executors (benchmarks read it)
@@ -116,7 +117,8 @@ class EngineCore(CoreRequests):
                          prefix_cache_query_tokens=self._retired_prefix[0],
                          prefix_cache_hit_tokens=self._retired_prefix[1],
                          num_migrations=self._num_migrations)
-        _add_spec(st, self._retired_spec)
+        spec = SpecCounters()
+        spec.add(self._retired_spec)
         st.num_waiting = len(self.orphans)
         for slot in self.slots.values():
             s = slot.scheduler
@@ -127,7 +129,7 @@ class EngineCore(CoreRequests):
             st.prefix_cache_query_tokens += s.prefix_cache_query_tokens
             st.prefix_cache_hit_tokens += s.prefix_cache_hit_tokens
             if s.spec is not None:
-                _add_spec(st, s.spec)
+                spec.add(s.spec.counters)
             info = slot.conn.info
             blocks = s.block_stats()
             st.executors.append(ExecutorStats(
@@ -136,6 +138,7 @@ class EngineCore(CoreRequests):
                 kv_blocks_shared=blocks["shared"], cpu_blocks_total=info.num_cpu_blocks,
                 cpu_blocks_used=blocks["cpu_used"], num_running=s.num_running,
                 num_waiting=s.num_waiting + len(slot.adds), tensor_parallel_size=info.tensor_parallel_size))
+        spec.report(st)
         return st
 
     # ------------------------------------------------------------------ executor events
@@ -346,7 +349,7 @@ class EngineCore(CoreRequests):
             s = slot.scheduler
             self._retired_preemptions += s.num_preemptions
             if s.spec is not None:
-                _add_spec(self._retired_spec, s.spec)
+                self._retired_spec.add(s.spec.counters)
             q, h = self._retired_prefix
             self._retired_prefix = (q + s.prefix_cache_query_tokens, h + s.prefix_cache_hit_tokens)
             del self.slots[slot.id]
@@ -366,20 +369,3 @@ class EngineCore(CoreRequests):
             self.metrics.observe_stats(self.stats())
 
 
-
-def _add_spec(into: EngineStats, src) -> None:
-    """Add a scheduler's speculative decoding counters (SpeculativeSteps, or an EngineStats of
-    retired ones) into ``into``."""
-    if isinstance(src, EngineStats):
-        drafts, tokens, accepted, per_pos = (src.spec_num_drafts, src.spec_num_draft_tokens,
-                                             src.spec_num_accepted_tokens, src.spec_accepted_per_pos)
-    else:
-        drafts, tokens, accepted, per_pos = (src.num_drafts, src.num_draft_tokens, src.num_accepted_tokens,
-                                             src.accepted_per_pos)
-    into.spec_num_drafts += drafts
-    into.spec_num_draft_tokens += tokens
-    into.spec_num_accepted_tokens += accepted
-    if len(into.spec_accepted_per_pos) < len(per_pos):
-        into.spec_accepted_per_pos.extend([0] * (len(per_pos) - len(into.spec_accepted_per_pos)))
-    for i, n in enumerate(per_pos):
-        into.spec_accepted_per_pos[i] += n

@@ -427,7 +427,7 @@ class Scheduler(RequestLifecycle):
         if not failed:
             self.decode_policy.observe(step, result)
         if self.spec is not None and (step.proposed_at or result.spec_tokens):
-            self.spec.check(result, step, failed, self._out.vocab_size)
+            self.spec.check(result, step, failed, self._out)
         if step.decode_steps > 1:  # (its later steps' inputs are its samples: committed with them)
             updates = self._out.process_steps(result, due, step, failed)
             return updates + self._fail_dropped(failed) if failed else updates

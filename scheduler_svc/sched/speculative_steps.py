@@ -17,13 +17,15 @@ of verified tokens go to the prefix cache.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedserve.engine_api import FinishReason, RequestUpdate, SeqUpdate, TokenLogprob
+from pagedserve.engine_api import EngineStats, RequestUpdate
 from pagedserve.wire import StepResult
 from scheduler_svc.sched.lifecycle import ProtocolError
 from scheduler_svc.sched.speculation import NgramProposer, SpeculativeConfig
 from scheduler_svc.sched.speculation_policy import SpeculationPolicy
+from scheduler_svc.sched.step_output import end_reason, token_logprob
 
 if TYPE_CHECKING:
     from scheduler_svc.sched.lifecycle import InFlight
@@ -31,14 +33,38 @@ if TYPE_CHECKING:
     from scheduler_svc.sched.step_output import OutputProcessor
 
 
+@dataclass(slots=True)
+class SpecCounters:
+    """vLLM's spec_decode counters: proposal rounds, tokens proposed, accepted, accepted by position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def count(self, proposed: int, accepted: int) -> None:
+        self.add(SpecCounters(1, proposed, accepted, [1] * accepted))
+
+    def add(self, other: SpecCounters) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per_pos = self.accepted_per_pos
+        per_pos.extend([0] * (len(other.accepted_per_pos) - len(per_pos)))
+        for i, n in enumerate(other.accepted_per_pos):
+            per_pos[i] += n
+
+    def report(self, stats: EngineStats) -> None:
+        stats.spec_num_drafts, stats.spec_num_draft_tokens = self.num_drafts, self.num_draft_tokens
+        stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos = self.num_accepted_tokens, list(self.accepted_per_pos)
+
+
 class SpeculativeSteps:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.proposer = NgramProposer(config)
         self.policy = SpeculationPolicy(config.num_speculative_tokens)
         self.pending: set[int] = set()  # seq ids whose proposals' result is in flight
-        # vLLM's counters (telemetry reads them): drafts, drafted and accepted tokens, acceptances by position
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.accepted_per_pos = [0] * config.num_speculative_tokens
+        self.counters = SpecCounters()  # (telemetry reads them, summed over the engine's schedulers)
 
     def step_speculates(self, num_running: int) -> bool:
         return self.policy.batch_speculates(num_running)
@@ -65,8 +91,9 @@ class SpeculativeSteps:
             return []
         return self.proposer.propose(seq.token_ids, room)
 
-    def check(self, result: StepResult, step: InFlight, failed: set[int], vocab: int | None) -> None:
+    def check(self, result: StepResult, step: InFlight, failed: set[int], out: OutputProcessor) -> None:
         """ProtocolError unless the result's extra tokens answer the plan's proposals."""
+        vocab = out.vocab_size
         proposed = {s.seq_id: (s, d) for s, d in step.proposed}
         seen: set[int] = set()
         for x in result.spec_tokens:
@@ -84,64 +111,57 @@ class SpeculativeSteps:
             if len(x.logprobs) != want:
                 raise ProtocolError(f"result {result.step_id} has {len(x.logprobs)} log-probs for the {len(x.token_ids)} "
                                     f"speculative tokens of seq {x.seq_id}")
+            for lp in x.logprobs:
+                if lp.seq_id != x.seq_id:
+                    raise ProtocolError(f"result {result.step_id} has log-probs of seq {lp.seq_id} among seq {x.seq_id}'s")
+                out.check_top(result.step_id, lp, seq.sampling.logprobs, "log-probs")
 
     def apply(self, result: StepResult, step: InFlight, updates: list[RequestUpdate], failed: set[int],
               out: OutputProcessor) -> None:
         """After the first tokens were applied: each proposing sequence's further tokens, its computed
-        count, blocks and cache entries, the policy and the counters."""
+        count, blocks and cache entries, the policy and the counters. A sequence whose handling
+        raises fails its own request only (``updates`` gains that)."""
         extra = {x.seq_id: x for x in result.spec_tokens}
         by_request = {u.request_id: u for u in updates}
-        kv = out.s.kv
         for seq, d, residency in step.proposed_at:
             self.pending.discard(seq.seq_id)
             if seq.seq_id in failed:
                 continue
-            x = extra.get(seq.seq_id)
-            toks = x.token_ids if x is not None else []
-            self.num_drafts += 1
-            self.num_draft_tokens += d
-            accepted = len(toks)  # every emitted token but the last was an accepted proposal
-            self.num_accepted_tokens += accepted
-            for j in range(accepted):
-                self.accepted_per_pos[j] += 1
-            self.policy.observe(seq.seq_id, d, accepted)
-            if seq.finish_reason is not None:
-                self.policy.forget(seq.seq_id)
-                continue  # ended by its first token, or aborted: the rest are dropped
-            if toks:
-                self._append(seq, toks, x.logprobs, by_request.get(seq.request.request_id), out)
-            if seq.finish_reason is not None:
-                self.policy.forget(seq.seq_id)
-                continue
-            if seq.resident and seq.residency == residency:
-                seq.num_computed_tokens = len(seq.token_ids) - 1  # the verified tokens: K/V written and kept
-                kv.rollback(seq, len(seq.token_ids))
-                kv.commit_computed(seq, seq.num_computed_tokens)
+            try:
+                self._apply_seq(seq, d, residency, extra.get(seq.seq_id), by_request, out)
+            except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
+                if seq.request.request_id in out.s.requests:
+                    updates.append(out.s.fail_request(seq.request, exc))
+
+    def _apply_seq(self, seq: Sequence, d: int, residency: int, x, by_request: dict[str, RequestUpdate],
+                   out: OutputProcessor) -> None:
+        toks = x.token_ids if x is not None else []
+        self.counters.count(d, len(toks))  # every emitted token but the last was an accepted proposal
+        self.policy.observe(seq.seq_id, d, len(toks))
+        if seq.finish_reason is None and toks:
+            self._append(seq, toks, x.logprobs, by_request.get(seq.request.request_id), out)
+        if seq.finish_reason is not None:  # ended (now or by its first token), or aborted: the rest dropped
+            self.policy.forget(seq.seq_id)
+        elif seq.resident and seq.residency == residency:
+            kv = out.s.kv
+            seq.num_computed_tokens = len(seq.token_ids) - 1  # the verified tokens: K/V written and kept
+            kv.rollback(seq, len(seq.token_ids))
+            kv.commit_computed(seq, seq.num_computed_tokens)
 
     def _append(self, seq: Sequence, toks: list[int], logprobs, ru: RequestUpdate | None,
                 out: OutputProcessor) -> None:
+        """``toks`` after the step's first token, into the update that carries that token."""
         r = seq.request
-        su = None
-        if ru is not None:
-            su = next((u for u in ru.seqs if u.index == seq.index), None)
-        if su is None:  # (the first token's update always exists; defensive)
-            su = SeqUpdate(seq.index, [], None, None)
-            ru = RequestUpdate(r.req.request_id, [su], False, seq.num_prompt_tokens, r.num_cached_prompt_tokens)
+        su = next((u for u in ru.seqs if u.index == seq.index), None) if ru is not None else None
+        if su is None:  # the first token's update is made for every sequence still running
+            raise RuntimeError(f"seq {seq.seq_id}: no update carries its first token")
         for j, tok in enumerate(toks):
             seq.token_ids.append(tok)
             su.new_token_ids.append(tok)
             if logprobs:
-                lp = logprobs[j]
-                entry = TokenLogprob(tok, lp.token_logprob, lp.top_token_ids, lp.top_logprobs)
-                su.logprobs = [*(su.logprobs or []), entry]
-            if tok in r.eos_token_ids:
-                reason = FinishReason.EOS
-            elif tok in r.stop_token_ids:
-                reason = FinishReason.STOP
-            elif len(seq.token_ids) >= r.stop_len:
-                reason = FinishReason.LENGTH
-            else:
-                continue
-            su.finish_reason = reason
-            ru.finished = out._finish(seq, reason)
-            return
+                su.logprobs = [*(su.logprobs or []), *token_logprob(logprobs[j], tok)]
+            reason = end_reason(r, seq.token_ids, tok)
+            if reason is not None:
+                su.finish_reason = reason
+                ru.finished = out.finish(seq, reason)
+                return

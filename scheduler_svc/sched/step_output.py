@@ -58,7 +58,7 @@ class OutputProcessor:
         if [c.seq_id for c in result.beam_candidates] != [s.seq_id for s in beams]:
             raise ProtocolError(f"result {rid} has beam candidates for other sequences than its plan")
         for seq, c in zip(beams, result.beam_candidates, strict=True):
-            self._check_top(rid, c, seq.sampling.beam_candidates - 1, "beam candidates")
+            self.check_top(rid, c, seq.sampling.beam_candidates - 1, "beam candidates")
         if result.prompt_logprobs:
             self._check_prompt_scores(result, step)
         return due
@@ -89,9 +89,9 @@ class OutputProcessor:
         if [x.seq_id for x in result.logprobs] != [s.seq_id for s in want]:
             raise ProtocolError(f"result {result.step_id} has log-probs for other sequences than asked for them")
         for seq, x in zip(want, result.logprobs, strict=True):
-            self._check_top(result.step_id, x, seq.sampling.logprobs, "log-probs")
+            self.check_top(result.step_id, x, seq.sampling.logprobs, "log-probs")
 
-    def _check_top(self, rid: int, x: SeqLogprobs, asked: int, what: str) -> None:
+    def check_top(self, rid: int, x: SeqLogprobs, asked: int, what: str) -> None:
         if len(x.top_token_ids) > asked + 1:  # (the sampled token may come on top of the alternatives)
             raise ProtocolError(f"result {rid} reports {len(x.top_token_ids)} {what} for seq {x.seq_id}, "
                                 f"{asked} were asked for")
@@ -113,15 +113,8 @@ class OutputProcessor:
                 toks = seq.token_ids
                 toks.append(tok)
                 r = seq.request
-                if tok in r.eos_token_ids:
-                    reason: FinishReason | None = FinishReason.EOS
-                elif tok in r.stop_token_ids:
-                    reason = FinishReason.STOP
-                elif len(toks) >= r.stop_len:
-                    reason = FinishReason.LENGTH
-                else:
-                    reason = None
-                su = SeqUpdate(seq.index, [tok], _token_logprob(lps.get(sid), tok) if lps else None, reason)
+                reason = end_reason(r, toks, tok)
+                su = SeqUpdate(seq.index, [tok], token_logprob(lps.get(sid), tok) if lps else None, reason)
                 if len(r.seqs) == 1:  # at most one token per sequence per step
                     ru = RequestUpdate(r.req.request_id, [su], False, seq.num_prompt_tokens,
                                        r.num_cached_prompt_tokens)
@@ -135,7 +128,7 @@ class OutputProcessor:
                     else:
                         ru.seqs.append(su)
                 if reason is not None:
-                    ru.finished = self._finish(seq, reason)
+                    ru.finished = self.finish(seq, reason)
             except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
                 if seq.request.request_id in self.s.requests:
                     out.append(self.s.fail_request(seq.request, exc))
@@ -168,23 +161,17 @@ class OutputProcessor:
                 new, reason = tokens[i::m], None
                 for j, tok in enumerate(new):
                     toks.append(tok)
-                    if tok in r.eos_token_ids:
-                        reason = FinishReason.EOS
-                    elif tok in r.stop_token_ids:
-                        reason = FinishReason.STOP
-                    elif len(toks) >= r.stop_len:
-                        reason = FinishReason.LENGTH
-                    else:
-                        continue
-                    del new[j + 1:]
-                    break
+                    reason = end_reason(r, toks, tok)
+                    if reason is not None:
+                        del new[j + 1:]
+                        break
                 if (computed := to_commit.get(seq.seq_id)) is not None:
                     commit(seq, min(computed, len(toks)))  # (positions past an end hold dropped tokens)
                 ru = RequestUpdate(r.req.request_id, [SeqUpdate(seq.index, new, None, reason)], False,
                                    seq.num_prompt_tokens, r.num_cached_prompt_tokens)
                 out.append(ru)
                 if reason is not None:
-                    ru.finished = self._finish(seq, reason)
+                    ru.finished = self.finish(seq, reason)
             except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
                 if seq.request.request_id in self.s.requests:
                     out.append(self.s.fail_request(seq.request, exc))
@@ -206,7 +193,8 @@ class OutputProcessor:
                                      prompt_logprobs=PromptScores(x.start, scores)))
         return out
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> bool:
+    def finish(self, seq: Sequence, reason: FinishReason) -> bool:
+        """End ``seq`` for ``reason``; True when that ends its request (released)."""
         r = seq.request
         self.s.finish_seq(seq, reason)
         if not r.live and r.forked:
@@ -292,7 +280,19 @@ class OutputProcessor:
         r.seqs = list(r.live)
 
 
-def _token_logprob(x: SeqLogprobs | None, tok: int) -> list[TokenLogprob] | None:
+def end_reason(r: Request, toks: list[int], tok: int) -> FinishReason | None:
+    """Why a sequence ends with ``tok``, just appended to its ``toks`` (None: it goes on). The one
+    check of every token the scheduler appends (one step's, several steps', speculative ones)."""
+    if tok in r.eos_token_ids:
+        return FinishReason.EOS
+    if tok in r.stop_token_ids:
+        return FinishReason.STOP
+    if len(toks) >= r.stop_len:
+        return FinishReason.LENGTH
+    return None
+
+
+def token_logprob(x: SeqLogprobs | None, tok: int) -> list[TokenLogprob] | None:
     if x is None:
         return None
     return [TokenLogprob(tok, x.token_logprob, x.top_token_ids, x.top_logprobs)]

@@ -103,9 +103,9 @@ def test_greedy_output_equals_decoding_without_speculation_and_transformers(tiny
     for rid, p in _prompts().items():
         assert fast[rid] == [hf_greedy(hf, p, 30)], rid
     assert any(plan.proposals for plan in fast_plans)
-    assert sched.spec.num_drafts > 0 and sched.spec.num_draft_tokens >= sched.spec.num_drafts
-    assert sched.spec.num_accepted_tokens == sum(sched.spec.accepted_per_pos[:k])
-    if sched.spec.num_accepted_tokens:
+    assert sched.spec.counters.num_drafts > 0 and sched.spec.counters.num_draft_tokens >= sched.spec.counters.num_drafts
+    assert sched.spec.counters.num_accepted_tokens == sum(sched.spec.counters.accepted_per_pos[:k])
+    if sched.spec.counters.num_accepted_tokens:
         assert len(fast_plans) < len(plain_plans)  # accepted proposals save steps
 
 
@@ -119,7 +119,7 @@ def test_seeded_sampling_with_penalties_and_logprobs_is_unchanged(tiny_llama_dir
     assert fast == plain
     assert [t for t, _ in fast_lps["rep"]] == [t for t, _ in plain_lps["rep"]]
     assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(fast_lps["rep"], plain_lps["rep"], strict=True))
-    assert sched.spec.num_drafts > 0
+    assert sched.spec.counters.num_drafts > 0
 
 
 def test_no_token_past_max_tokens_or_a_stop_token(tiny_llama_dir, model):
@@ -145,7 +145,7 @@ def test_preemption_with_speculation_keeps_outputs_and_frees_every_block(tiny_ll
     fast, _, sched, _ = _serve(tiny_llama_dir, model, params, spec, _prompts(), num_blocks=6, max_batched=48,
                                mode=mode, proposer=OracleProposer(_prompts(), plain, 4))
     assert fast == plain
-    assert sched.num_preemptions > 0 and sched.spec.num_accepted_tokens > 0
+    assert sched.num_preemptions > 0 and sched.spec.counters.num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, top_p=0.9, seed=7, logprobs=1)],
@@ -160,7 +160,7 @@ def test_accepted_proposals_save_steps_and_change_nothing(tiny_llama_dir, model,
                                                proposer=OracleProposer(_prompts(), plain, 5))
     assert fast == plain
     assert [t for t, _ in fast_lps["rand"]] == [t for t, _ in plain_lps["rand"]]
-    st = sched.spec
+    st = sched.spec.counters
     assert st.num_accepted_tokens > st.num_drafts  # several accepted per step on average
     assert st.accepted_per_pos[4] > 0 and st.num_accepted_tokens < st.num_draft_tokens  # whole runs, and cuts
     assert len(fast_plans) < 0.6 * len(plain_plans)

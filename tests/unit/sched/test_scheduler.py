@@ -562,17 +562,17 @@ def test_eos_ids_come_from_config_and_generation_config(tmp_path):
     assert eos_token_ids(tmp_path) == (128001, 128008, 128009)
 
 
-@pytest.mark.parametrize("where", ["_group_work", "_take_prefix_hits", "_finish", "allocate"])
+@pytest.mark.parametrize("where", ["_group_work", "_take_prefix_hits", "finish", "allocate"])
 def test_an_exception_while_handling_one_request_fails_it_alone(where, monkeypatch, caplog):
     """A bug hit by one request (while admitting, scheduling, decoding or finishing it) fails
     that request; every other request runs to its oracle output and no block leaks."""
     reqs = workload(5, count=8)
     victim = reqs[3].request_id
-    owner = {"_finish": OutputProcessor, "allocate": KVCacheManager}.get(where, Scheduler)
+    owner = {"finish": OutputProcessor, "allocate": KVCacheManager}.get(where, Scheduler)
     original = getattr(owner, where)
 
     def flaky(self, r, *args):
-        rid = r.request.request_id if where in ("_finish", "allocate") else r.request_id
+        rid = r.request.request_id if where in ("finish", "allocate") else r.request_id
         decoding = where != "allocate" or r.num_computed_tokens >= r.num_prompt_tokens
         if rid == victim and decoding:
             raise ZeroDivisionError("a bug that only this request hits")
