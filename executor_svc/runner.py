@@ -168,17 +168,26 @@ class ModelRunner:
         which would need that step's sampled token first."""
         return not plan.forks and not plan.append_tokens and not plan.proposals
 
-    def _propose(self, plan: BatchPlan) -> list[int]:
+    def _propose(self, plan: BatchPlan) -> None:
         """Speculative decoding: each proposing sequence's proposals appended to its tokens for this
-        step's forward (verification takes back what it rejects); the new-token counts to build
-        the batch with."""
-        extra = {}
+        step's forward (verification takes back what it rejects)."""
         for prop in plan.proposals:
             s = self.seqs[prop.seq_id]
             s.proposals = list(prop.token_ids)
             s.token_ids.extend(s.proposals)
-            extra[prop.seq_id] = len(s.proposals)
-        return [n + extra.get(sid, 0) for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True)]
+
+    def _build(self, plan: BatchPlan, in_flight: dict[int, SeqState] | None = None) -> Batch:
+        """The plan's batch: each scheduled sequence's new tokens, a proposing one's proposals with
+        them, and the rows verification reads."""
+        num_new = plan.num_new_tokens
+        if plan.proposals:
+            extra = {p.seq_id: len(p.token_ids) for p in plan.proposals}
+            num_new = [n + extra.get(sid, 0) for sid, n in zip(plan.scheduled_seq_ids, num_new, strict=True)]
+        batch = build_batch(self.seqs, self.kv.block_size, self.model.device, plan.scheduled_seq_ids, num_new,
+                            in_flight)
+        if plan.proposals:
+            batch.spec = speculating_rows(plan, batch, self.seqs)
+        return batch
 
     # ---------------------------------------------------------------- the three phases
 
@@ -199,11 +208,8 @@ class ModelRunner:
         try:
             with self._guard(f"applying plan {plan.step_id}"):
                 self._apply(plan)
-                num_new = self._propose(plan) if plan.proposals else plan.num_new_tokens
-                batch = (build_batch(self.seqs, self.kv.block_size, self.model.device, plan.scheduled_seq_ids,
-                                     num_new, in_flight) if plan.scheduled_seq_ids else None)
-                if plan.proposals and batch is not None:
-                    batch.spec = speculating_rows(plan, batch, self.seqs)
+                self._propose(plan)
+                batch = self._build(plan, in_flight) if plan.scheduled_seq_ids else None
         except StepFatal:
             raise
         except Exception as exc:  # noqa: BLE001  the state of what it named is unknown: refuse until reset
@@ -283,6 +289,8 @@ class ModelRunner:
                                self.decode_steps_served())
             if plan.decode_steps > 1:
                 self.checker.check_decoders(plan, self.seqs)
+            if plan.proposals:
+                self.checker.check_proposers(plan, self.seqs)
         except PlanError as exc:
             log.warning("refusing plan %d, and the plans after it until a reset: %s", plan.step_id, exc)
             self.refusing = f"plan {plan.step_id}: {exc}"
@@ -316,10 +324,10 @@ class ModelRunner:
         kept = [(sid, n) for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True)
                 if sid not in gone]
         step.plan = msgspec.structs.replace(plan, scheduled_seq_ids=[s for s, _ in kept],
-                                            num_new_tokens=[n for _, n in kept])
+                                            num_new_tokens=[n for _, n in kept],
+                                            proposals=[p for p in plan.proposals if p.seq_id not in gone])
         # The step before has completed: every token of the sequences left is on the host now.
-        step.batch = (build_batch(self.seqs, self.kv.block_size, self.model.device, step.plan.scheduled_seq_ids,
-                                  step.plan.num_new_tokens) if kept else None)
+        step.batch = self._build(step.plan) if kept else None
 
     def _apply(self, plan: BatchPlan) -> None:
         """The plan's deltas, in the documented order (the walk its check ran dry)."""

@@ -60,3 +60,17 @@ def test_greedy_keeps_proposals_while_they_are_the_argmax():
     assert _verify(Sampler(), greedy, [2, 0], rows) == [2, 0, 3]  # both accepted, then the bonus
     assert _verify(Sampler(), greedy, [2, 1], rows) == [2, 0]  # the second rejected: the target's own token
     assert _verify(Sampler(), greedy, [1, 0], rows) == [2]  # the first rejected
+
+
+def test_a_plan_proposing_for_a_constrained_sequence_is_refused(tiny_llama_dir):
+    """Verification samples without a grammar: proposals for a structured-output or beam sequence
+    would emit unconstrained tokens, so the executor refuses such a plan whole."""
+    from pagedserve.wire import BatchPlan, NewSeq, Proposal, pack_ids
+    from testing.executor_plans import make_runner
+
+    runner = make_runner(tiny_llama_dir, num_blocks=8)
+    beam = SamplingParams(temperature=0.0, beam_candidates=2)
+    plan = BatchPlan(0, [1], [1], new_seqs=[NewSeq(1, pack_ids([5, 6, 7]), 3, [0], 2, beam)],
+                     proposals=[Proposal(1, [8, 9])])
+    res = runner.execute(plan)
+    assert res.refused and "proposals: seq 1" in res.error and res.failed_seq_ids == [1]
