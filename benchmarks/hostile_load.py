@@ -10,8 +10,11 @@ repeat throughout. First alone (idle), then during each attack in turn:
 * ``ids_8mb``, ``stop_8mb``, ``tools_8mb``, ``text_8mb``: 10 concurrent clients each sending 8 MB
   bodies (a prompt of token ids, a list of stop strings, nested tools, prompt text), again and
   again;
-* ``at_cap_ids``: the same with bodies of token ids just under the body cap (decoded, then a 400);
+* ``at_cap_ids``, ``at_cap_stop``: the same with bodies just under the body cap, of token ids or
+  of stop strings (decoded in the front's parse worker, then a 400);
 * ``grpc_ids``: 10 concurrent gRPC requests of 3.9 M prompt ids;
+* ``grpc_at_cap_stop``: 10 concurrent gRPC requests of stop strings just under the model's
+  message cap (parsed in the parse worker, then refused);
 * ``held_connections``: 1,000 kept-alive connections, each ``GET /health`` then a CRLF every 2 s.
 
 Reports each benign latency (p50, p99, worst) against idle, new clients that failed (reset,
@@ -56,11 +59,23 @@ def _rss_mb(pid: int) -> float:
 
 
 def _pids(stack: Stack) -> dict[str, int]:
+    """Every process of the stack, named by what it runs: the scheduler, its fronts and engine
+    cores, each front's parse worker, the executors."""
     from benchmarks.proc_stat import children
 
     pids = {"scheduler": stack.scheduler.pid, **{n: p.pid for n, p in stack.executors.items()}}
-    for i, c in enumerate(children(stack.scheduler.pid)):
-        pids[f"scheduler-child{i}"] = c
+    todo = [stack.scheduler.pid]
+    while todo:
+        for c in children(todo.pop()):
+            todo.append(c)
+            try:
+                argv = Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")
+            except FileNotFoundError:
+                continue
+            kind = ("front" if b"scheduler_svc.entrypoints.front" in argv else "core"
+                    if b"scheduler_svc.entrypoints.core" in argv else "parse-worker"
+                    if any(b"parse_worker" in a for a in argv) else "child")
+            pids[f"{kind}-{c}"] = c
     return pids
 
 
@@ -135,7 +150,8 @@ def _attack_body(kind: str, model: str, cap: int) -> bytes:
            "stop_8mb": {"model": model, "prompt": "a", "stop": ["ab"] * 1_300_000},
            "tools_8mb": {"model": model, "messages": [{"role": "user", "content": "a"}], "tools": tools * 950},
            "text_8mb": {"model": model, "prompt": "word " * (EIGHT_MB // 5)},
-           "at_cap_ids": {"model": model, "prompt": list(range(10_000, 10_000 + cap // 8))}}[kind]
+           "at_cap_ids": {"model": model, "prompt": list(range(10_000, 10_000 + cap // 8))},
+           "at_cap_stop": {"model": model, "prompt": "a", "stop": ["ab"] * (cap // 6)}}[kind]
     return json.dumps(doc).encode()
 
 
@@ -146,10 +162,13 @@ def _attacker(kind: str, http_port: int, grpc_target: str, model: str, cap: int,
     if kind == "held_connections":
         raise_open_files_limit()
         _held_connections(http_port, connections, stop, ready)
-    elif kind == "grpc_ids":
-        # 3.9 M ids of one byte each: a message just under gRPC's 4 MiB limit, parsed, then refused.
-        req = pb.GenerateRequest(prompt_token_ids=[i % 100 for i in range(3_900_000)],
-                                 sampling=pb.SamplingParams(max_tokens=1))
+    elif kind.startswith("grpc_"):
+        if kind == "grpc_ids":  # 3.9 M ids of one byte each: just under gRPC's 4 MiB message limit
+            req = pb.GenerateRequest(prompt_token_ids=[i % 100 for i in range(3_900_000)],
+                                     sampling=pb.SamplingParams(max_tokens=1))
+        else:  # stop strings filling a message just under the model's cap: parsed, then refused
+            stops = ["ab"] * ((cap - 1024) // 4)  # 4 bytes each
+            req = pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(max_tokens=1, stop=stops))
         stub = pb_grpc.GenerationStub(grpc.insecure_channel(grpc_target, options=[
             ("grpc.max_send_message_length", 8 << 20)]))
         _count(ready)
@@ -185,7 +204,8 @@ def _held_connections(port: int, n: int, stop, ready) -> None:
         s.close()
 
 
-ATTACKS = ("ids_8mb", "stop_8mb", "tools_8mb", "text_8mb", "at_cap_ids", "grpc_ids", "held_connections")
+ATTACKS = ("ids_8mb", "stop_8mb", "tools_8mb", "text_8mb", "at_cap_ids", "at_cap_stop", "grpc_ids",
+           "grpc_at_cap_stop", "held_connections")
 
 
 def _stats(xs: list[float]) -> dict:
@@ -229,12 +249,12 @@ def run_attacks(stack: Stack, max_model_len: int, seconds: float, connections: i
     port, name = stack.http_port, stack.model_name
     cap = body_cap(HttpLimits(), max_model_len)
     ctx = mp.get_context("spawn")  # the parent holds gRPC channels: never fork it
-    pids = _pids(stack)
-    rss0 = {n: _rss_mb(p) for n, p in pids.items()}
-    rss_peak = dict(rss0)
     benign = Benign(stack)
     benign.start()
     time.sleep(seconds)
+    pids = _pids(stack)  # (after the first requests: whatever a front starts lazily is running)
+    rss0 = {n: _rss_mb(p) for n, p in pids.items()}
+    rss_peak = dict(rss0)
     print(f"after the idle phase: RSS MB {({n: round(_rss_mb(p), 1) for n, p in pids.items()})}", flush=True)
     for attack in ATTACKS:
         benign.phase = "setup"  # (attackers importing and building bodies: not counted)

@@ -46,6 +46,7 @@ from scheduler_svc.front.http.auth import ApiKeyMiddleware
 from scheduler_svc.front.http.chat_template import load_chat_template
 from scheduler_svc.front.http.serve import HttpServer, start_http_server
 from scheduler_svc.front.input.offload import return_large_allocations_to_the_os
+from scheduler_svc.front.input.parse_pool import shared_worker
 from scheduler_svc.front.streams import FrontStreams
 from scheduler_svc.telemetry.families import families_of
 from scheduler_svc.telemetry.metrics import Metrics
@@ -113,6 +114,8 @@ async def serve_front(cfg: ServiceConfig, fc: FrontConfig) -> None:
     api = await start_grpc_server(streams, tokenizer, cfg.host, cfg.port, cfg.limits, metrics,
                                   api_keys=cfg.api_keys, tls=cfg.tls, grpc_limits=cfg.grpc_limits, budget=budget,
                                   throttle=throttle, reuse_port=fc.reuse_port, logprobs_mode=cfg.logprobs_mode)
+    parser = shared_worker()
+    await parser.start()  # now, not on the first large request: its memory is there from the start
     loop = asyncio.get_running_loop()
     for c in cores:
         c.on_status_change = lambda: loop.create_task(api.update_health())
@@ -134,6 +137,7 @@ async def serve_front(cfg: ServiceConfig, fc: FrontConfig) -> None:
     if http:
         await http[1].stop(1.0)
     await core.close()
+    await parser.close()
     log.info("front %s stopped", fc.front_id)
 
 

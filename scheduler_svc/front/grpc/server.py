@@ -47,9 +47,11 @@ from scheduler_svc.front.grpc.call_gate import CallGate
 from scheduler_svc.front.grpc.limits import MAX_REQUEST_BYTES, GrpcLimits, server_options
 from scheduler_svc.front.guards.admission import CallBudget
 from scheduler_svc.front.guards.auth_throttle import AuthThrottle
+from scheduler_svc.front.guards.request_caps import RequestCaps
 from scheduler_svc.front.guards.request_size import request_bytes_for
 from scheduler_svc.front.guards.security import ApiKeys, TlsFiles
 from scheduler_svc.front.input.offload import token_ids, validate_off_loop
+from scheduler_svc.front.input.parse_pool import REFUSED, shared_worker
 from scheduler_svc.front.input.validation import (
     LOGPROBS_MODES,
     ServerLimits,
@@ -65,6 +67,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 assert SERVICE_NAME == HEALTH_SCHEDULER_READY, "readiness is reported under the service's own name"
+GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -345,8 +348,17 @@ async def start_grpc_server(
         info = engine.model_info()
         return MAX_REQUEST_BYTES if info is None else min(MAX_REQUEST_BYTES, request_bytes_for(info.max_model_len))
 
+    async def generate_precheck(raw: bytes) -> str | None:
+        """A large GenerateRequest's counts, read in the parse worker (request_caps.check_generate)."""
+        info = engine.model_info()
+        if info is None:
+            return None  # the servicer answers UNAVAILABLE
+        caps = RequestCaps.derive(limits, info, prompts=1, messages=0, tools=0)
+        status, payload = await shared_worker().run("generate", caps.to_wire(), raw)
+        return payload[1] if status == REFUSED else None
+
     gate = CallGate(grpc_limits.message_timeout_s, MAX_REQUEST_BYTES, budget or CallBudget.from_limits(limits),
-                    api_keys, throttle, metrics, message_cap)
+                    api_keys, throttle, metrics, message_cap, {GENERATE_METHOD: generate_precheck})
     servicer = GenerationServicer(engine, tokenizer, limits, metrics, logprobs_mode)
     health = health_aio.HealthServicer()
     server = grpc.aio.server(interceptors=[gate], options=[

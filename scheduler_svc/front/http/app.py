@@ -32,6 +32,7 @@ from tokenizers import Tokenizer
 from pagedserve.engine_api import EngineApi, EngineError, ErrorKind, GenerationRequest, ModelInfo
 from scheduler_svc.front.api_errors import ApiError, bad_field
 from scheduler_svc.front.guards.admission import CallBudget
+from scheduler_svc.front.guards.request_caps import RequestCaps
 from scheduler_svc.front.http import streams
 from scheduler_svc.front.http import utility_routes as extras
 from scheduler_svc.front.http.body_parser import BodyParser
@@ -84,7 +85,7 @@ class OpenAIFront:
         self.special_tokens = frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
         self.texts = TokenTexts(tokenizer)
         self.shutting_down = False
-        self.parser = BodyParser()  # JSON bodies: large ones one at a time (body_parser.py)
+        self.parser = BodyParser()  # JSON bodies: large ones in the parse worker (body_parser.py)
         self.created = int(time.time())
         # The deployment's metrics (a front asks its engine core, which sums every front's): None in a
         # process that has the whole engine, whose own registry is then served.
@@ -170,9 +171,11 @@ class OpenAIFront:
         """(arrival time, body, decoded body, model): the bounded read, the JSON, the model named.
         No body is read before a model is known, nor one over the cap (413 from its length)."""
         arrival = time.monotonic()
-        self._info()
+        info = self._info()
         body = await _read_body(request, self.body_cap(), self.http_limits.body_timeout_s)
-        req = await self.parser.decode(body, kind)
+        hl = self.http_limits
+        req = await self.parser.decode(body, kind, RequestCaps.derive(self.limits, info, hl.max_prompts,
+                                                                      hl.max_messages, hl.max_tools))
         return arrival, body, req, self._model(req.model)
 
     def _info(self) -> ModelInfo:
