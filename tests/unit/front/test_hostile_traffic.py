@@ -210,6 +210,37 @@ def test_a_grpc_message_larger_than_the_model_can_need_is_refused_unparsed():
         srv.stop()
 
 
+def test_grpc_core_refuses_a_message_longer_than_the_model_config_allows_from_its_length(tmp_path):
+    """grpc.max_receive_message_length follows the model's config (known at start): a longer
+    message is refused by grpc core from its length prefix, RESOURCE_EXHAUSTED."""
+    import grpc
+
+    from pagedserve.model_dir import max_positions
+    from pagedserve.v1 import generation_pb2 as pb
+    from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+    from scheduler_svc.front.grpc.limits import MAX_REQUEST_BYTES, max_receive_bytes
+    from scheduler_svc.front.guards.request_size import request_bytes_for
+    from testing.grpc_fakes import ServerThread
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
+    assert max_positions(tmp_path) == 4096
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": "long"}')
+    assert max_positions(tmp_path) is None
+    assert max_receive_bytes(None) == MAX_REQUEST_BYTES == max_receive_bytes(1 << 20)
+    assert max_receive_bytes(4096) == request_bytes_for(4096) < MAX_REQUEST_BYTES
+    engine = FakeEngine(make_tokenizer(), max_model_len=64)
+    engine.ready = True
+    srv = ServerThread(engine, max_message_bytes=max_receive_bytes(64))
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            req = pb.GenerateRequest(prompt_token_ids=[7] * (max_receive_bytes(64) + 10))
+            with pytest.raises(grpc.RpcError) as e:
+                list(pb_grpc.GenerationStub(channel).Generate(req, timeout=20))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in e.value.details()
+    finally:
+        srv.stop()
+
+
 def test_a_closed_connection_keeps_no_unread_body_until_a_collection(open_http):
     """A body refused with 413 still arrives; the bytes uvicorn buffered for it must go with the
     connection, not wait for the cyclic collector (the protocol and its request cycle refer to
