@@ -221,7 +221,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=4.0, help="length of the idle phase and of each attack")
     ap.add_argument("--connections", type=int, default=1000, help="held connections of the last attack")
     ap.add_argument("--quick", action="store_true", help="1 s phases, 300 held connections (run_all --quick)")
+    ap.add_argument("--attacks", default=",".join(ATTACKS), help="a comma-separated subset of " + ", ".join(ATTACKS))
     a = ap.parse_args(argv)
+    attacks = tuple(a.attacks.split(","))
+    if not set(attacks) <= set(ATTACKS):
+        ap.error(f"--attacks: unknown {sorted(set(attacks) - set(ATTACKS))}")
     if a.quick:
         a.seconds, a.connections = 1.0, 300
     raise_open_files_limit()  # this process holds the attack's sockets; the stack starts under 1024
@@ -236,12 +240,13 @@ def main(argv: list[str] | None = None) -> None:
             stack.wait_health()
             info = stack.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
             stack.model_name = info.model_name
-            print(json.dumps(run_attacks(stack, info.max_model_len, a.seconds, a.connections)))
+            print(json.dumps(run_attacks(stack, info.max_model_len, a.seconds, a.connections, attacks)))
         finally:
             stack.stop()
 
 
-def run_attacks(stack: Stack, max_model_len: int, seconds: float, connections: int) -> dict:
+def run_attacks(stack: Stack, max_model_len: int, seconds: float, connections: int,
+                attacks: tuple[str, ...] = ATTACKS) -> dict:
     import multiprocessing as mp
 
     from scheduler_svc.front.http.limits import HttpLimits, body_cap
@@ -256,7 +261,7 @@ def run_attacks(stack: Stack, max_model_len: int, seconds: float, connections: i
     rss0 = {n: _rss_mb(p) for n, p in pids.items()}
     rss_peak = dict(rss0)
     print(f"after the idle phase: RSS MB {({n: round(_rss_mb(p), 1) for n, p in pids.items()})}", flush=True)
-    for attack in ATTACKS:
+    for attack in attacks:
         benign.phase = "setup"  # (attackers importing and building bodies: not counted)
         stop, ready = ctx.Event(), ctx.Value("i", 0)
         procs = [ctx.Process(target=_attacker, args=(attack, port, f"127.0.0.1:{stack.port}", name, cap, connections,
@@ -288,7 +293,7 @@ def run_attacks(stack: Stack, max_model_len: int, seconds: float, connections: i
     idle_http, idle_grpc = _stats(benign.http.get("idle", [])), _stats(benign.grpc.get("idle", []))
     report: dict = {"idle_http": idle_http, "idle_grpc": idle_grpc, "body_cap": cap}
     ok = True
-    for attack in ATTACKS:
+    for attack in attacks:
         h, g = _stats(benign.http.get(attack, [])), _stats(benign.grpc.get(attack, []))
         fails = benign.failures.get(attack, 0)
         bound_h = max(TARGET_MIN_WORST_S, 4 * idle_http.get("p50_s", 0))

@@ -35,7 +35,7 @@ from scheduler_svc.front.guards.admission import CallBudget
 from scheduler_svc.front.guards.request_caps import RequestCaps
 from scheduler_svc.front.http import streams
 from scheduler_svc.front.http import utility_routes as extras
-from scheduler_svc.front.http.body_parser import BodyParser
+from scheduler_svc.front.http.body_parser import BUSY, BodyParser
 from scheduler_svc.front.http.budget_middleware import AdmissionMiddleware
 from scheduler_svc.front.http.chat_messages import chat_messages
 from scheduler_svc.front.http.chat_template import ChatTemplate, ChatTemplateError
@@ -169,11 +169,14 @@ class OpenAIFront:
 
     async def _admit(self, request: Request, kind: type) -> tuple[float, bytes, Any, ModelInfo]:
         """(arrival time, body, decoded body, model): the bounded read, the JSON, the model named.
-        No body is read before a model is known, nor one over the cap (413 from its length)."""
+        No body is read before a model is known, nor one over the cap (413 from its length), nor a
+        large one while the parse worker's queue is full (503)."""
         arrival = time.monotonic()
-        info = self._info()
-        body = await _read_body(request, self.body_cap(), self.http_limits.body_timeout_s)
-        hl = self.http_limits
+        info, cap, hl = self._info(), self.body_cap(), self.http_limits
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) <= cap:  # (over it, or malformed: _read_body's 413)
+            self.parser.check_room(int(length))  # 503 unread when the parse worker's queue is full
+        body = await _read_body(request, cap, hl.body_timeout_s)
         req = await self.parser.decode(body, kind, RequestCaps.derive(self.limits, info, hl.max_prompts,
                                                                       hl.max_messages, hl.max_tools))
         return arrival, body, req, self._model(req.model)
@@ -362,7 +365,7 @@ def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = (), budget:
         front._count(exc.grpc_code)
         response = _json(exc.body(), exc.status)
         response.headers.update(exc.headers or {})
-        if exc.status == 413:  # the rest of the body is never read: the connection closes after this
+        if exc.status == 413 or exc.code == BUSY:  # a body perhaps unread: the connection closes after this
             response.headers["connection"] = "close"
             trim_soon()
         return response

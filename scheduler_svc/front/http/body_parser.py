@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 LARGE_BODY_BYTES = 256 << 10  # about 4 ms of the slowest JSON to decode (one-letter strings)
 _KIND_NAMES = {kind: name for name, kind in KINDS.items()}
+BUSY = "server_busy"
 
 
 class BodyParser:
@@ -51,6 +52,15 @@ class BodyParser:
             self._worker = shared_worker()
         return self._worker
 
+    def check_room(self, content_length: int) -> None:
+        """503 (``server_busy``) before a large body is read when the worker's queue cannot take it
+        now: the client is answered and its connection closed, its body never read."""
+        if content_length > self.large_bytes:
+            try:
+                self.worker.check_room(content_length)
+            except ParserBusy as e:
+                raise _busy(e) from None
+
     async def decode(self, body: bytes, kind: type[msgspec.Struct], caps: RequestCaps) -> Any:
         """``body`` as ``kind`` (openai_types.decode: its 400s; a large one's counts within ``caps``)."""
         if len(body) <= self.large_bytes:
@@ -60,8 +70,7 @@ class BodyParser:
         try:
             status, payload = await self.worker.run(_KIND_NAMES[kind], caps.to_wire(), body)
         except ParserBusy as e:
-            raise ApiError(503, f"the server is decoding other large requests ({e}); retry shortly",
-                           code="server_busy", headers={"retry-after": str(RETRY_AFTER_S)}) from None
+            raise _busy(e) from None
         finally:
             trim_soon()  # the body's pages, and the reply's, back to the OS
         self.offloaded += 1
@@ -71,3 +80,8 @@ class BodyParser:
             raise error_from_wire(payload)
         log.error("the parse worker failed on a request body (%s); decoding it here", payload)
         return decode(body, kind)
+
+
+def _busy(e: ParserBusy) -> ApiError:
+    return ApiError(503, f"the server is decoding other large requests ({e}); retry shortly",
+                    code=BUSY, headers={"retry-after": str(RETRY_AFTER_S)})

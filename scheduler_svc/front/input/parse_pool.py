@@ -49,10 +49,15 @@ class ParseWorker:
         self.handled = 0  # requests the worker answered (tests and metrics)
         self.starts = 0
 
+    def check_room(self, size: int) -> None:
+        """ParserBusy unless a request of ``size`` bytes fits the queue now: a front asks before it
+        reads a large body, so a flood past the queue is refused unread."""
+        if self.queued + size > self.queue_bytes:
+            raise ParserBusy(f"{self.queued} bytes of large requests are already waiting to be decoded")
+
     async def run(self, kind: str, caps: list[int], body: bytes) -> tuple[int, Any]:
         """The worker's reply to one request, ``(OK | REFUSED | FAILED, payload)``; ParserBusy."""
-        if self.queued + len(body) > self.queue_bytes:
-            raise ParserBusy(f"{self.queued} bytes of large requests are already waiting to be decoded")
+        self.check_room(len(body))
         self.queued += len(body)
         try:
             try:

@@ -42,6 +42,7 @@ OK, REFUSED, FAILED = 0, 1, 2
 KINDS: dict[str, type[msgspec.Struct]] = {"completion": CompletionRequest, "chat": ChatRequest,
                                           "tokenize": TokenizeRequest, "detokenize": DetokenizeRequest}
 HEADER = struct.Struct("<I")
+WORKER_NICENESS = 10
 
 
 def handle(kind: str, caps: RequestCaps, body: bytes) -> list[Any]:
@@ -94,6 +95,9 @@ def _malloc_trim():
 
 
 def main() -> None:
+    # Behind everything else on the machine: a flood of large requests keeps this process busy, and
+    # the front, the engine and the executors serving benign requests must get the CPU first.
+    os.nice(WORKER_NICENESS)
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # a stray print, ours or a library's, must never corrupt a frame
     try:

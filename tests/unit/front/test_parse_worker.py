@@ -233,3 +233,31 @@ def test_a_large_grpc_message_is_checked_in_the_worker_before_the_front_parses_i
             assert handled() == 2
     finally:
         srv.stop()
+
+
+def test_a_large_body_is_refused_unread_while_the_worker_queue_is_full():
+    """503 with Retry-After from the Content-Length alone, and the connection closed, so a flood
+    past the queue costs the front no body reads; a small body is still served."""
+    import socket
+
+    from testing.grpc_fakes import FakeEngine, make_tokenizer
+    from testing.http_fakes import HttpThread
+
+    engine = FakeEngine(make_tokenizer(), max_model_len=4096)
+    engine.ready = True
+    srv = HttpThread(engine)
+    worker = ParseWorker()
+    srv.front.parser = BodyParser(worker=worker)
+    worker.queued = worker.queue_bytes  # as a flood holds it
+    try:
+        with socket.create_connection(("127.0.0.1", srv.server.port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (300 << 10))
+            reply = b""
+            while chunk := sock.recv(65536):  # the server closes it: the body is never read
+                reply += chunk
+        head = reply.split(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 503") and b"retry-after: 1" in head and b"connection: close" in head
+        status, _ = srv.request("POST", "/v1/completions", {"model": "tiny-test", "prompt": "hi", "max_tokens": 2})
+        assert status == 200 and worker.starts == 0
+    finally:
+        srv.stop()
