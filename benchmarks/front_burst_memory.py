@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(Path(tmp) / "model", "llama", "small")
+        # A model of 262,144 positions, so gRPC reads messages up to its own 4 MiB limit (the front
+        # derives its limit from max_position_embeddings: grpc/limits.max_receive_bytes).
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 262144}))
         port = _free_port()
         cmd = [sys.executable, "-m", "scheduler_svc", "--model", str(model), "--host", "127.0.0.1", "--port",
                str(port), "--http-port", "0", "--metrics-port", "0", "--executor-port", str(_free_port()),

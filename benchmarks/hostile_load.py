@@ -10,8 +10,11 @@ repeat throughout. First alone (idle), then during each attack in turn:
 * ``ids_8mb``, ``stop_8mb``, ``tools_8mb``, ``text_8mb``: 10 concurrent clients each sending 8 MB
   bodies (a prompt of token ids, a list of stop strings, nested tools, prompt text), again and
   again;
-* ``at_cap_ids``: the same with bodies of token ids just under the body cap (decoded, then a 400);
+* ``at_cap_ids``, ``at_cap_stop``: the same with bodies just under the body cap, of token ids or
+  of stop strings (decoded in the front's parse worker, then a 400);
 * ``grpc_ids``: 10 concurrent gRPC requests of 3.9 M prompt ids;
+* ``grpc_at_cap_stop``: 10 concurrent gRPC requests of stop strings just under the model's
+  message cap (parsed in the parse worker, then refused);
 * ``held_connections``: 1,000 kept-alive connections, each ``GET /health`` then a CRLF every 2 s.
 
 Reports each benign latency (p50, p99, worst) against idle, new clients that failed (reset,
@@ -56,11 +59,23 @@ def _rss_mb(pid: int) -> float:
 
 
 def _pids(stack: Stack) -> dict[str, int]:
+    """Every process of the stack, named by what it runs: the scheduler, its fronts and engine
+    cores, each front's parse worker, the executors."""
     from benchmarks.proc_stat import children
 
     pids = {"scheduler": stack.scheduler.pid, **{n: p.pid for n, p in stack.executors.items()}}
-    for i, c in enumerate(children(stack.scheduler.pid)):
-        pids[f"scheduler-child{i}"] = c
+    todo = [stack.scheduler.pid]
+    while todo:
+        for c in children(todo.pop()):
+            todo.append(c)
+            try:
+                argv = Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")
+            except FileNotFoundError:
+                continue
+            kind = ("front" if b"scheduler_svc.entrypoints.front" in argv else "core"
+                    if b"scheduler_svc.entrypoints.core" in argv else "parse-worker"
+                    if any(b"parse_worker" in a for a in argv) else "child")
+            pids[f"{kind}-{c}"] = c
     return pids
 
 
@@ -135,7 +150,8 @@ def _attack_body(kind: str, model: str, cap: int) -> bytes:
            "stop_8mb": {"model": model, "prompt": "a", "stop": ["ab"] * 1_300_000},
            "tools_8mb": {"model": model, "messages": [{"role": "user", "content": "a"}], "tools": tools * 950},
            "text_8mb": {"model": model, "prompt": "word " * (EIGHT_MB // 5)},
-           "at_cap_ids": {"model": model, "prompt": list(range(10_000, 10_000 + cap // 8))}}[kind]
+           "at_cap_ids": {"model": model, "prompt": list(range(10_000, 10_000 + cap // 8))},
+           "at_cap_stop": {"model": model, "prompt": "a", "stop": ["ab"] * (cap // 6)}}[kind]
     return json.dumps(doc).encode()
 
 
@@ -146,10 +162,13 @@ def _attacker(kind: str, http_port: int, grpc_target: str, model: str, cap: int,
     if kind == "held_connections":
         raise_open_files_limit()
         _held_connections(http_port, connections, stop, ready)
-    elif kind == "grpc_ids":
-        # 3.9 M ids of one byte each: a message just under gRPC's 4 MiB limit, parsed, then refused.
-        req = pb.GenerateRequest(prompt_token_ids=[i % 100 for i in range(3_900_000)],
-                                 sampling=pb.SamplingParams(max_tokens=1))
+    elif kind.startswith("grpc_"):
+        if kind == "grpc_ids":  # 3.9 M ids of one byte each: just under gRPC's 4 MiB message limit
+            req = pb.GenerateRequest(prompt_token_ids=[i % 100 for i in range(3_900_000)],
+                                     sampling=pb.SamplingParams(max_tokens=1))
+        else:  # stop strings filling a message just under the model's cap: parsed, then refused
+            stops = ["ab"] * ((cap - 1024) // 4)  # 4 bytes each
+            req = pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(max_tokens=1, stop=stops))
         stub = pb_grpc.GenerationStub(grpc.insecure_channel(grpc_target, options=[
             ("grpc.max_send_message_length", 8 << 20)]))
         _count(ready)
@@ -185,7 +204,8 @@ def _held_connections(port: int, n: int, stop, ready) -> None:
         s.close()
 
 
-ATTACKS = ("ids_8mb", "stop_8mb", "tools_8mb", "text_8mb", "at_cap_ids", "grpc_ids", "held_connections")
+ATTACKS = ("ids_8mb", "stop_8mb", "tools_8mb", "text_8mb", "at_cap_ids", "at_cap_stop", "grpc_ids",
+           "grpc_at_cap_stop", "held_connections")
 
 
 def _stats(xs: list[float]) -> dict:
@@ -201,7 +221,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=4.0, help="length of the idle phase and of each attack")
     ap.add_argument("--connections", type=int, default=1000, help="held connections of the last attack")
     ap.add_argument("--quick", action="store_true", help="1 s phases, 300 held connections (run_all --quick)")
+    ap.add_argument("--attacks", default=",".join(ATTACKS), help="a comma-separated subset of " + ", ".join(ATTACKS))
     a = ap.parse_args(argv)
+    attacks = tuple(a.attacks.split(","))
+    if not set(attacks) <= set(ATTACKS):
+        ap.error(f"--attacks: unknown {sorted(set(attacks) - set(ATTACKS))}")
     if a.quick:
         a.seconds, a.connections = 1.0, 300
     raise_open_files_limit()  # this process holds the attack's sockets; the stack starts under 1024
@@ -216,12 +240,13 @@ def main(argv: list[str] | None = None) -> None:
             stack.wait_health()
             info = stack.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
             stack.model_name = info.model_name
-            print(json.dumps(run_attacks(stack, info.max_model_len, a.seconds, a.connections)))
+            print(json.dumps(run_attacks(stack, info.max_model_len, a.seconds, a.connections, attacks)))
         finally:
             stack.stop()
 
 
-def run_attacks(stack: Stack, max_model_len: int, seconds: float, connections: int) -> dict:
+def run_attacks(stack: Stack, max_model_len: int, seconds: float, connections: int,
+                attacks: tuple[str, ...] = ATTACKS) -> dict:
     import multiprocessing as mp
 
     from scheduler_svc.front.http.limits import HttpLimits, body_cap
@@ -229,14 +254,14 @@ def run_attacks(stack: Stack, max_model_len: int, seconds: float, connections: i
     port, name = stack.http_port, stack.model_name
     cap = body_cap(HttpLimits(), max_model_len)
     ctx = mp.get_context("spawn")  # the parent holds gRPC channels: never fork it
-    pids = _pids(stack)
-    rss0 = {n: _rss_mb(p) for n, p in pids.items()}
-    rss_peak = dict(rss0)
     benign = Benign(stack)
     benign.start()
     time.sleep(seconds)
+    pids = _pids(stack)  # (after the first requests: whatever a front starts lazily is running)
+    rss0 = {n: _rss_mb(p) for n, p in pids.items()}
+    rss_peak = dict(rss0)
     print(f"after the idle phase: RSS MB {({n: round(_rss_mb(p), 1) for n, p in pids.items()})}", flush=True)
-    for attack in ATTACKS:
+    for attack in attacks:
         benign.phase = "setup"  # (attackers importing and building bodies: not counted)
         stop, ready = ctx.Event(), ctx.Value("i", 0)
         procs = [ctx.Process(target=_attacker, args=(attack, port, f"127.0.0.1:{stack.port}", name, cap, connections,
@@ -268,7 +293,7 @@ def run_attacks(stack: Stack, max_model_len: int, seconds: float, connections: i
     idle_http, idle_grpc = _stats(benign.http.get("idle", [])), _stats(benign.grpc.get("idle", []))
     report: dict = {"idle_http": idle_http, "idle_grpc": idle_grpc, "body_cap": cap}
     ok = True
-    for attack in ATTACKS:
+    for attack in attacks:
         h, g = _stats(benign.http.get(attack, [])), _stats(benign.grpc.get(attack, []))
         fails = benign.failures.get(attack, 0)
         bound_h = max(TARGET_MIN_WORST_S, 4 * idle_http.get("p50_s", 0))

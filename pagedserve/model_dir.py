@@ -98,3 +98,16 @@ def resolve_model(model: Path) -> Path:
 def has_model_config(model: Path) -> bool:
     """Whether --model is something a service can start from: a GGUF file or a directory with config.json."""
     return (model / "config.json").is_file() or is_gguf(model)
+
+
+def max_positions(model: Path) -> int | None:
+    """The longest sequence the model's config allows (config.json's ``max_position_embeddings``, a
+    GGUF's context length): no executor's max_model_len is longer. None when it says nothing usable."""
+    try:
+        if is_gguf(model):
+            value = open_gguf(model).config.get("max_position_embeddings")
+        else:
+            value = json.loads((model / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

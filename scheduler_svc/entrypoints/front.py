@@ -32,12 +32,14 @@ from pagedserve.envargs import parse_with_env
 from pagedserve.fd_limits import raise_open_files_limit
 from pagedserve.gc_tuning import tune_gc
 from pagedserve.model_dir import load_tokenizer as model_tokenizer
+from pagedserve.model_dir import max_positions
 from pagedserve.wire.key_files import load_key_pair, load_public_key
 from pagedserve.wire.keys import ClientKeys
 from scheduler_svc.entrypoints.children import EXIT_WITH_PARENT, exit_with_parent
 from scheduler_svc.entrypoints.service_config import ServiceConfig, load_config
 from scheduler_svc.front.core_link import RemoteCore
 from scheduler_svc.front.core_set import CoreSet
+from scheduler_svc.front.grpc.limits import max_receive_bytes
 from scheduler_svc.front.grpc.server import start_grpc_server
 from scheduler_svc.front.guards.admission import CallBudget
 from scheduler_svc.front.guards.auth_throttle import AuthThrottle
@@ -46,6 +48,7 @@ from scheduler_svc.front.http.auth import ApiKeyMiddleware
 from scheduler_svc.front.http.chat_template import load_chat_template
 from scheduler_svc.front.http.serve import HttpServer, start_http_server
 from scheduler_svc.front.input.offload import return_large_allocations_to_the_os
+from scheduler_svc.front.input.parse_pool import shared_worker
 from scheduler_svc.front.streams import FrontStreams
 from scheduler_svc.telemetry.families import families_of
 from scheduler_svc.telemetry.metrics import Metrics
@@ -112,7 +115,10 @@ async def serve_front(cfg: ServiceConfig, fc: FrontConfig) -> None:
     http = await start_http(cfg, streams, tokenizer, metrics, budget, throttle, fc.reuse_port, core.metrics_text)
     api = await start_grpc_server(streams, tokenizer, cfg.host, cfg.port, cfg.limits, metrics,
                                   api_keys=cfg.api_keys, tls=cfg.tls, grpc_limits=cfg.grpc_limits, budget=budget,
-                                  throttle=throttle, reuse_port=fc.reuse_port, logprobs_mode=cfg.logprobs_mode)
+                                  throttle=throttle, reuse_port=fc.reuse_port, logprobs_mode=cfg.logprobs_mode,
+                                  max_message_bytes=max_receive_bytes(max_positions(cfg.model_dir)))
+    parser = shared_worker()
+    await parser.start()  # now, not on the first large request: its memory is there from the start
     loop = asyncio.get_running_loop()
     for c in cores:
         c.on_status_change = lambda: loop.create_task(api.update_health())
@@ -134,6 +140,7 @@ async def serve_front(cfg: ServiceConfig, fc: FrontConfig) -> None:
     if http:
         await http[1].stop(1.0)
     await core.close()
+    await parser.close()
     log.info("front %s stopped", fc.front_id)
 
 

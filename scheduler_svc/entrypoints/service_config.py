@@ -122,6 +122,7 @@ _LIMIT_HELP = {
                        "are still served) (0: the open-files limit, raised to the hard limit at start, less 128)",
     "max_messages": "HTTP: most messages in one chat request",
     "max_prompts": "HTTP: most prompts in one completions request (a batch)",
+    "max_tools": "HTTP: most tools in one chat request",
     "body_timeout_s": "HTTP: seconds a client may take to send a request body (408 after)",
     "head_timeout_s": "HTTP: seconds a client may take to send a request line and headers, counted from "
                       "their first byte or, for a new connection, from connecting (408 and closed after)",

@@ -15,7 +15,11 @@ headers have arrived and, in order,
    RESOURCE_EXHAUSTED when the bytes held leave none), reads the request message, which must
    arrive whole within ``message_timeout_s`` of the call's start (DEADLINE_EXCEEDED), and keeps
    only its size, before it is parsed; a message larger than the served model can need
-   (``message_cap``, guards/request_size.py) is refused unparsed (RESOURCE_EXHAUSTED);
+   (``message_cap``, guards/request_size.py) is refused unparsed (RESOURCE_EXHAUSTED); one over
+   ``LARGE_MESSAGE_BYTES`` of a method with a ``precheck`` is parsed and its counts checked in the
+   parse worker first (input/parse_pool.py: INVALID_ARGUMENT over a cap of
+   guards/request_caps.py, UNAVAILABLE when the worker is busy), so the event loop only ever
+   parses a large message whose repeated fields are within the model's caps;
 4. runs the method's handler, and gives slot and bytes back when the call ends, however it ends.
 
 Health checks (security.OPEN_METHODS) skip 1 and 2: probes carry no key and must pass under
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -36,10 +40,13 @@ from scheduler_svc.front.guards.admission import MAX_IN_FLIGHT_BYTES, CallBudget
 from scheduler_svc.front.guards.auth_throttle import AuthThrottle, peer_of_grpc
 from scheduler_svc.front.guards.security import OPEN_METHODS, ApiKeys
 from scheduler_svc.front.input.offload import trim_soon
+from scheduler_svc.front.input.parse_pool import ParserBusy
 from scheduler_svc.telemetry.metrics import Metrics
 
 RESOURCE_EXHAUSTED, UNAUTHENTICATED = grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED
 AUTH_THROTTLED = "auth_throttled"  # the shed reason counted in metrics
+LARGE_MESSAGE_BYTES = 256 << 10  # parsed on the loop up to this: a few milliseconds at most
+Precheck = Callable[[bytes], Awaitable[str | None]]  # a message's problem, or None; ParserBusy
 
 
 class _MessageLate(Exception):
@@ -49,8 +56,10 @@ class _MessageLate(Exception):
 class CallGate(grpc.aio.ServerInterceptor):
     def __init__(self, message_timeout_s: float, max_message_bytes: int, budget: CallBudget | None = None,
                  keys: ApiKeys | None = None, throttle: AuthThrottle | None = None,
-                 metrics: Metrics | None = None, message_cap: Callable[[], int] | None = None) -> None:
+                 metrics: Metrics | None = None, message_cap: Callable[[], int] | None = None,
+                 prechecks: dict[str, Precheck] | None = None) -> None:
         self.message_timeout_s, self.max_message_bytes = message_timeout_s, max_message_bytes
+        self.prechecks = prechecks or {}  # by method: a large message's counts, checked off the loop
         self.message_cap = message_cap  # the largest request the model can need (None: max_message_bytes)
         self.budget, self.keys, self.throttle, self.metrics = budget, keys, throttle, metrics
 
@@ -62,10 +71,11 @@ class CallGate(grpc.aio.ServerInterceptor):
         authorization = _authorization(details.invocation_metadata) if guarded and self.keys is not None else None
         if handler.request_streaming:
             return self._streaming(handler, guarded, authorization)
-        return self._unary(handler, guarded, authorization)
+        return self._unary(handler, guarded, authorization, self.prechecks.get(details.method))
 
     # ------------------------------------------------------------------ handlers
-    def _unary(self, handler: grpc.RpcMethodHandler, guarded: bool, authorization: str | None):
+    def _unary(self, handler: grpc.RpcMethodHandler, guarded: bool, authorization: str | None,
+               precheck: Precheck | None):
         original = _async(handler.unary_stream or handler.unary_unary)
         deserialize = handler.request_deserializer
 
@@ -74,7 +84,7 @@ class CallGate(grpc.aio.ServerInterceptor):
             try:
                 # In a list the handler pops: no frame here keeps a prompt of megabytes alive (an
                 # abort's traceback holds these frames in a cycle until a full collection).
-                return await _respond(original, [await self._read_request(context, ticket, deserialize)], context)
+                return await _respond(original, [await self._read_request(context, ticket, deserialize, precheck)], context)
             finally:
                 if ticket is not None:
                     ticket.release()
@@ -134,7 +144,7 @@ class CallGate(grpc.aio.ServerInterceptor):
         await self._end_call(context, UNAUTHENTICATED, "missing or unknown API key: send 'authorization: Bearer <key>'")
 
     async def _read_request(self, context: grpc.aio.ServicerContext, ticket: Ticket | None,
-                            deserialize: Callable[[bytes], Any] | None) -> Any:
+                            deserialize: Callable[[bytes], Any] | None, precheck: Precheck | None = None) -> Any:
         """Step 3: room for the message, the message in time, paid for, then parsed (unless the
         handler parses its own raw bytes: ``deserialize`` None)."""
         raw, shed, waiting = None, None, ticket is not None
@@ -167,6 +177,11 @@ class CallGate(grpc.aio.ServerInterceptor):
             await self._end_call(context, RESOURCE_EXHAUSTED,
                                  f"request message: {size} bytes, at most {cap} for this model (room for a "
                                  "prompt of max_model_len tokens); refused before it was parsed")
+        if precheck is not None and len(raw) > LARGE_MESSAGE_BYTES:
+            refusal = await _precheck(precheck, raw)
+            if refusal is not None:
+                raw = None  # (the abort's traceback must not keep it)
+                await self._end_call(context, *refusal)
         if deserialize is None:
             return raw
         try:
@@ -188,6 +203,17 @@ class CallGate(grpc.aio.ServerInterceptor):
 
     def _late_message(self, what: str) -> str:
         return f"{what} did not arrive within --grpc-message-timeout-s ({self.message_timeout_s:g}s)"
+
+
+async def _precheck(precheck: Precheck, raw: bytes) -> tuple[grpc.StatusCode, str] | None:
+    """The status refusing a large message after the parse worker read it, or None."""
+    try:
+        problem = await precheck(raw)
+    except ParserBusy as e:
+        return grpc.StatusCode.UNAVAILABLE, f"the server is parsing other large requests ({e}); retry shortly"
+    finally:
+        trim_soon()
+    return None if problem is None else (grpc.StatusCode.INVALID_ARGUMENT, problem)
 
 
 def _async(behavior: Callable) -> Callable:

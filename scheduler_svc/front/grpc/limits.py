@@ -35,6 +35,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from pagedserve.fd_limits import connection_cap, open_files_limit
+from scheduler_svc.front.guards.request_size import request_bytes_for
 
 INFINITE_MS = 2**31 - 1  # grpc core's "no limit" for a millisecond argument (INT_MAX)
 MIN_PING_INTERVAL_WITHOUT_DATA_MS = 5 * 60 * 1000
@@ -82,3 +83,11 @@ def server_options(limits: GrpcLimits) -> list[tuple[str, int]]:
 # The largest request message gRPC reads (its default, stated): a prompt longer than the model could
 # ever take is rejected from its length before tokenizing (validation.py), so this bounds memory.
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+
+def max_receive_bytes(max_positions: int | None) -> int:
+    """grpc.max_receive_message_length: what a request to a model of ``max_positions`` (its config's
+    longest sequence, known at start: pagedserve/model_dir.py) can need, at most MAX_REQUEST_BYTES.
+    grpc core refuses a longer message (RESOURCE_EXHAUSTED) from its 5-byte length prefix, before
+    the rest arrives; the call gate then applies the cap of the max_model_len executors registered."""
+    return MAX_REQUEST_BYTES if max_positions is None else min(MAX_REQUEST_BYTES, request_bytes_for(max_positions))

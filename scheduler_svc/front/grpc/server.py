@@ -47,9 +47,11 @@ from scheduler_svc.front.grpc.call_gate import CallGate
 from scheduler_svc.front.grpc.limits import MAX_REQUEST_BYTES, GrpcLimits, server_options
 from scheduler_svc.front.guards.admission import CallBudget
 from scheduler_svc.front.guards.auth_throttle import AuthThrottle
+from scheduler_svc.front.guards.request_caps import RequestCaps
 from scheduler_svc.front.guards.request_size import request_bytes_for
 from scheduler_svc.front.guards.security import ApiKeys, TlsFiles
 from scheduler_svc.front.input.offload import token_ids, validate_off_loop
+from scheduler_svc.front.input.parse_pool import REFUSED, shared_worker
 from scheduler_svc.front.input.validation import (
     LOGPROBS_MODES,
     ServerLimits,
@@ -65,6 +67,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 assert SERVICE_NAME == HEALTH_SCHEDULER_READY, "readiness is reported under the service's own name"
+GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -325,6 +328,7 @@ async def start_grpc_server(
     throttle: AuthThrottle | None = None,
     reuse_port: bool = False,
     logprobs_mode: str = LOGPROBS_MODES[0],
+    max_message_bytes: int = MAX_REQUEST_BYTES,
 ) -> ApiServer:
     """Bind and start the server (port 0: a free port, see ``.port``); must run in the engine's loop.
 
@@ -335,7 +339,8 @@ async def start_grpc_server(
     ``budget`` and ``throttle``: the ones the process's fronts share (admission.py,
     auth_throttle.py); by default this server's own, from ``limits``. ``reuse_port``: other
     processes of this host (the scheduler's fronts) serve the same port (SO_REUSEPORT).
-    ``logprobs_mode``: the deployment's --logprobs-mode.
+    ``logprobs_mode``: the deployment's --logprobs-mode. ``max_message_bytes``: the largest request
+    message grpc core reads (limits.max_receive_bytes).
     """
     limits = limits or ServerLimits()
     grpc_limits = grpc_limits or GrpcLimits()
@@ -343,14 +348,23 @@ async def start_grpc_server(
         throttle = AuthThrottle(limits.auth_failure_burst, limits.auth_failure_refill_s)
     def message_cap() -> int:
         info = engine.model_info()
-        return MAX_REQUEST_BYTES if info is None else min(MAX_REQUEST_BYTES, request_bytes_for(info.max_model_len))
+        return max_message_bytes if info is None else min(max_message_bytes, request_bytes_for(info.max_model_len))
 
-    gate = CallGate(grpc_limits.message_timeout_s, MAX_REQUEST_BYTES, budget or CallBudget.from_limits(limits),
-                    api_keys, throttle, metrics, message_cap)
+    async def generate_precheck(raw: bytes) -> str | None:
+        """A large GenerateRequest's counts, read in the parse worker (request_caps.check_generate)."""
+        info = engine.model_info()
+        if info is None:
+            return None  # the servicer answers UNAVAILABLE
+        caps = RequestCaps.derive(limits, info, prompts=1, messages=0, tools=0)
+        status, payload = await shared_worker().run("generate", caps.to_wire(), raw)
+        return payload[1] if status == REFUSED else None
+
+    gate = CallGate(grpc_limits.message_timeout_s, max_message_bytes, budget or CallBudget.from_limits(limits),
+                    api_keys, throttle, metrics, message_cap, {GENERATE_METHOD: generate_precheck})
     servicer = GenerationServicer(engine, tokenizer, limits, metrics, logprobs_mode)
     health = health_aio.HealthServicer()
     server = grpc.aio.server(interceptors=[gate], options=[
-        ("grpc.so_reuseport", int(reuse_port)), ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+        ("grpc.so_reuseport", int(reuse_port)), ("grpc.max_receive_message_length", max_message_bytes),
         *server_options(grpc_limits)])
     server.add_generic_rpc_handlers((_generation_handlers(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

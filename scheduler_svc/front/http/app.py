@@ -32,9 +32,10 @@ from tokenizers import Tokenizer
 from pagedserve.engine_api import EngineApi, EngineError, ErrorKind, GenerationRequest, ModelInfo
 from scheduler_svc.front.api_errors import ApiError, bad_field
 from scheduler_svc.front.guards.admission import CallBudget
+from scheduler_svc.front.guards.request_caps import RequestCaps
 from scheduler_svc.front.http import streams
 from scheduler_svc.front.http import utility_routes as extras
-from scheduler_svc.front.http.body_parser import BodyParser
+from scheduler_svc.front.http.body_parser import BUSY, BodyParser
 from scheduler_svc.front.http.budget_middleware import AdmissionMiddleware
 from scheduler_svc.front.http.chat_messages import chat_messages
 from scheduler_svc.front.http.chat_template import ChatTemplate, ChatTemplateError
@@ -47,7 +48,7 @@ from scheduler_svc.front.http.openai_types import (
     completion_fields,
 )
 from scheduler_svc.front.http.responses import ChatRender, CompletionRender, TokenTexts, _Render
-from scheduler_svc.front.input.offload import token_ids, trim_soon, validate_off_loop
+from scheduler_svc.front.input.offload import THREAD_CHARS, token_ids, trim_soon, validate_off_loop
 from scheduler_svc.front.input.validation import (
     LOGPROBS_MODES,
     RequestFields,
@@ -84,7 +85,7 @@ class OpenAIFront:
         self.special_tokens = frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
         self.texts = TokenTexts(tokenizer)
         self.shutting_down = False
-        self.parser = BodyParser()  # JSON bodies: large ones one at a time (body_parser.py)
+        self.parser = BodyParser()  # JSON bodies: large ones in the parse worker (body_parser.py)
         self.created = int(time.time())
         # The deployment's metrics (a front asks its engine core, which sums every front's): None in a
         # process that has the whole engine, whose own registry is then served.
@@ -123,9 +124,10 @@ class OpenAIFront:
 
     async def completions(self, request: Request) -> Response:
         arrival, body, req, info = await self._admit(request, CompletionRequest)
-        fields = completion_fields(req, self.http_limits)
-        greqs, echo = await validate_off_loop(_tokenizer_work(fields, req.echo), self._completion_requests,
-                                              fields, info, req.echo)
+        # A large body's prompts are read in a worker thread (64 prompts of ids: 100 ms of Python).
+        fields = completion_fields(req, self.http_limits) if len(body) <= THREAD_CHARS else None
+        work = len(body) if fields is None else _tokenizer_work(fields, req.echo)
+        greqs, echo = await validate_off_loop(work, self._completion_requests, req, fields, info)
         _stamp(greqs, arrival, req.skip_special_tokens)
         render = CompletionRender(f"cmpl-{greqs[0].request_id}", info.model_name, _choices(greqs[0]), len(greqs),
                                   self.texts, return_token_ids=req.return_token_ids, echo=echo,
@@ -168,11 +170,16 @@ class OpenAIFront:
 
     async def _admit(self, request: Request, kind: type) -> tuple[float, bytes, Any, ModelInfo]:
         """(arrival time, body, decoded body, model): the bounded read, the JSON, the model named.
-        No body is read before a model is known, nor one over the cap (413 from its length)."""
+        No body is read before a model is known, nor one over the cap (413 from its length), nor a
+        large one while the parse worker's queue is full (503)."""
         arrival = time.monotonic()
-        self._info()
-        body = await _read_body(request, self.body_cap(), self.http_limits.body_timeout_s)
-        req = await self.parser.decode(body, kind)
+        info, cap, hl = self._info(), self.body_cap(), self.http_limits
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) <= cap:  # (over it, or malformed: _read_body's 413)
+            self.parser.check_room(int(length))  # 503 unread when the parse worker's queue is full
+        body = await _read_body(request, cap, hl.body_timeout_s)
+        req = await self.parser.decode(body, kind, RequestCaps.derive(self.limits, info, hl.max_prompts,
+                                                                      hl.max_messages, hl.max_tools))
         return arrival, body, req, self._model(req.model)
 
     def _info(self) -> ModelInfo:
@@ -191,10 +198,11 @@ class OpenAIFront:
 
     # Validating (tokenizing, rendering) a large body runs in a worker thread (validate_off_loop),
     # as on the gRPC front; so does decoding the prompts an echo repeats.
-    def _completion_requests(self, fields: list[RequestFields], info: ModelInfo, echo: bool
+    def _completion_requests(self, req: CompletionRequest, fields: list[RequestFields] | None, info: ModelInfo
                              ) -> tuple[list[GenerationRequest], list[str] | None]:
+        fields = fields if fields is not None else completion_fields(req, self.http_limits)
         greqs = self._validate(fields, info, COMPLETION_NAMES, False)
-        return greqs, [self._prompt_text(f) for f in fields] if echo else None
+        return greqs, [self._prompt_text(f) for f in fields] if req.echo else None
 
     def _chat_request(self, fields: RequestFields, messages: list[dict[str, Any]], add_generation_prompt: bool,
                       tools: ToolPlan, info: ModelInfo, names: dict[str, str]) -> list[GenerationRequest]:
@@ -291,10 +299,9 @@ def _unknown_model(name: str) -> ApiError:
 
 
 def _tokenizer_work(fields: list[RequestFields], echo: bool) -> int:
-    """How much a completions request makes the tokenizer do, in characters or ids: the text
-    prompts to encode, and the token-id prompts an echo decodes; past the threshold when a grammar
-    must be checked (validation_work). Token ids alone are checked inline as on the gRPC front, so
-    a large batch of them never queues for the worker slots that long text prompts hold."""
+    """How much a small completions request makes the tokenizer do, in characters or ids: the text
+    prompts to encode, the token-id prompts an echo decodes; past the threshold when a grammar must
+    be checked (validation_work). (A large body goes to a worker thread whatever it holds.)"""
     return sum(validation_work(f) + (len(f.prompt_token_ids) if echo and f.prompt is None else 0) for f in fields)
 
 
@@ -359,7 +366,7 @@ def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = (), budget:
         front._count(exc.grpc_code)
         response = _json(exc.body(), exc.status)
         response.headers.update(exc.headers or {})
-        if exc.status == 413:  # the rest of the body is never read: the connection closes after this
+        if exc.status == 413 or exc.code == BUSY:  # a body perhaps unread: the connection closes after this
             response.headers["connection"] = "close"
             trim_soon()
         return response

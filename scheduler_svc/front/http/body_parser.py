@@ -1,70 +1,87 @@
-"""JSON request bodies decoded without letting large ones stack up on the front's event loop.
+"""JSON request bodies decoded without holding the front's event loop.
 
-msgspec decodes at about 200 MB/s and holds the GIL for the whole call, so a worker thread
-would stall the loop just as long (measured: a 43 ms decode in ``asyncio.to_thread`` stopped
-the loop for 47 ms). What bounds a stall is therefore the size of one decode, and what bounds a
-benign request's wait is how many of them run before it:
+A small body (``LARGE_BODY_BYTES`` or less, nearly every request) is decoded at once: at most a
+few milliseconds, whatever it holds. A larger one goes to the parse worker
+(input/parse_pool.py), a process of its own, which decodes it and checks the counts inside it
+against the model's caps (guards/request_caps.py); a body over a cap is refused there (400), and
+one within them comes back as msgpack, rebuilt here in a few milliseconds at most. msgspec holds
+the GIL for a whole decode, so a worker thread would not do: a 43 ms decode in
+``asyncio.to_thread`` stopped the loop for 47 ms.
 
-* one decode is at most the body cap (``limits.body_cap``: 3 MiB at 131,072 tokens, about 15 ms
-  of token ids on the development machine);
-* a body above ``LARGE_BODY_BYTES`` is decoded only when it holds the parser's one slot, and
-  it yields once before decoding, so every task already ready (a benign request, a stream's
-  next event) runs before it: ten large bodies arriving together cost a benign request one
-  decode, not ten;
-* a front queues at most ``QUEUE_BYTES`` of large bodies waiting to be decoded; past that, or
-  after ``WAIT_S`` in the queue, a request gets 503 with ``Retry-After``, its body dropped.
-
-Small bodies (nearly all requests) are decoded at once.
+What the worker takes is bounded (parse_pool.py): past its queue of bytes, or after waiting for
+its turn, a request gets 503 with ``Retry-After``, its body dropped.
 """
 
 from __future__ import annotations
 
-import asyncio
+import logging
 from typing import Any
 
 import msgspec
 
 from scheduler_svc.front.api_errors import ApiError
+from scheduler_svc.front.guards.request_caps import RequestCaps, check_openai, error_from_wire
 from scheduler_svc.front.http.openai_types import decode
 from scheduler_svc.front.input.offload import trim_soon
+from scheduler_svc.front.input.parse_pool import (
+    OK,
+    REFUSED,
+    RETRY_AFTER_S,
+    ParserBusy,
+    ParseWorker,
+    shared_worker,
+)
+from scheduler_svc.front.input.parse_worker import KINDS
 
-LARGE_BODY_BYTES = 256 << 10
-QUEUE_BYTES = 16 << 20  # ~80 ms of decoding at 200 MB/s
-WAIT_S = 2.0
-RETRY_AFTER_S = 1
+log = logging.getLogger(__name__)
+
+LARGE_BODY_BYTES = 256 << 10  # about 4 ms of the slowest JSON to decode (one-letter strings)
+_KIND_NAMES = {kind: name for name, kind in KINDS.items()}
+BUSY = "server_busy"
 
 
 class BodyParser:
-    def __init__(self, large_bytes: int = LARGE_BODY_BYTES, queue_bytes: int = QUEUE_BYTES,
-                 wait_s: float = WAIT_S) -> None:
-        self.large_bytes, self.queue_bytes, self.wait_s = large_bytes, queue_bytes, wait_s
-        self._slot = asyncio.Lock()  # FIFO: waiters are woken in arrival order
-        self.queued = 0  # bytes of large bodies waiting or being decoded
-        self.decoded_large = 0  # (tests and metrics)
+    def __init__(self, large_bytes: int = LARGE_BODY_BYTES, worker: ParseWorker | None = None) -> None:
+        self.large_bytes = large_bytes
+        self._worker = worker  # None: the process's shared worker (parse_pool.shared_worker)
+        self.offloaded = 0  # bodies the worker decoded (tests and metrics)
 
-    async def decode(self, body: bytes, kind: type[msgspec.Struct]) -> Any:
-        """``body`` as ``kind`` (openai_types.decode: its 400s), large ones one at a time."""
+    @property
+    def worker(self) -> ParseWorker:
+        if self._worker is None:
+            self._worker = shared_worker()
+        return self._worker
+
+    def check_room(self, content_length: int) -> None:
+        """503 (``server_busy``) before a large body is read when the worker's queue cannot take it
+        now: the client is answered and its connection closed, its body never read."""
+        if content_length > self.large_bytes:
+            try:
+                self.worker.check_room(content_length)
+            except ParserBusy as e:
+                raise _busy(e) from None
+
+    async def decode(self, body: bytes, kind: type[msgspec.Struct], caps: RequestCaps) -> Any:
+        """``body`` as ``kind`` (openai_types.decode: its 400s; a large one's counts within ``caps``)."""
         if len(body) <= self.large_bytes:
-            return decode(body, kind)
-        if self.queued + len(body) > self.queue_bytes:
-            raise _busy(f"{self.queued} bytes of large request bodies are already waiting to be decoded")
-        self.queued += len(body)
+            req = decode(body, kind)
+            check_openai(req, caps)  # the same refusals, whichever path a body takes
+            return req
         try:
-            try:
-                await asyncio.wait_for(self._slot.acquire(), self.wait_s)
-            except (TimeoutError, asyncio.TimeoutError):
-                raise _busy(f"a large request body waited over {self.wait_s:g}s to be decoded") from None
-            try:
-                await asyncio.sleep(0)  # the tasks already ready run first
-                self.decoded_large += 1
-                return decode(body, kind)
-            finally:
-                self._slot.release()
-                trim_soon()  # a large decode's garbage (a refused one's, or the body's) back to the OS
+            status, payload = await self.worker.run(_KIND_NAMES[kind], caps.to_wire(), body)
+        except ParserBusy as e:
+            raise _busy(e) from None
         finally:
-            self.queued -= len(body)
+            trim_soon()  # the body's pages, and the reply's, back to the OS
+        self.offloaded += 1
+        if status == OK:
+            return msgspec.msgpack.decode(payload, type=kind)
+        if status == REFUSED:
+            raise error_from_wire(payload)
+        log.error("the parse worker failed on a request body (%s); decoding it here", payload)
+        return decode(body, kind)
 
 
-def _busy(why: str) -> ApiError:
-    return ApiError(503, f"the server is decoding other large requests ({why}); retry shortly",
-                    code="server_busy", headers={"retry-after": str(RETRY_AFTER_S)})
+def _busy(e: ParserBusy) -> ApiError:
+    return ApiError(503, f"the server is decoding other large requests ({e}); retry shortly",
+                    code=BUSY, headers={"retry-after": str(RETRY_AFTER_S)})

@@ -25,6 +25,7 @@ class HttpLimits:
     max_body_bytes: int = 0  # 0: derived from the model's max_model_len (body_cap)
     max_messages: int = 1024  # per chat request
     max_prompts: int = 64  # prompts in one completions request (a batch)
+    max_tools: int = 128  # tools in one chat request (OpenAI's own limit)
     body_timeout_s: int = 60  # to receive a whole body: a client trickling one holds a task and its buffer
     head_timeout_s: int = 20  # to send a request's line and headers (and a new connection's first request)
     keep_alive_timeout_s: int = 5  # a connection's wait for its next request, from its last response

@@ -164,6 +164,23 @@ class ChatRequest(_Request, kw_only=True):
     parallel_tool_calls: bool | None = None
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize (utility_routes.py)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /detokenize (utility_routes.py)."""
+
+    tokens: list[int]
+    model: str | None = None
+
+
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 
 

@@ -27,7 +27,7 @@ from pagedserve import __version__
 from scheduler_svc.front.api_errors import ApiError, bad_field
 from scheduler_svc.front.http.chat_messages import chat_messages
 from scheduler_svc.front.http.chat_template import ChatTemplateError
-from scheduler_svc.front.http.openai_types import ChatMessage, ChatRequest
+from scheduler_svc.front.http.openai_types import ChatRequest, DetokenizeRequest, TokenizeRequest
 from scheduler_svc.front.input.offload import token_ids, validate_off_loop
 
 
@@ -39,19 +39,6 @@ class OpenAIFront(Protocol):
     http_limits: Any
 
     async def _admit(self, request: Request, kind: type) -> tuple[float, bytes, Any, Any]: ...
-
-
-class TokenizeRequest(msgspec.Struct, kw_only=True):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
-    add_generation_prompt: bool = True
-
-
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
-    tokens: list[int]
-    model: str | None = None
 
 
 def routes(front: OpenAIFront) -> list[Route]:

@@ -1,11 +1,11 @@
 """Hostile traffic never reaches a benign request (issue #44): the body cap derived from the model,
-413 before a body is read, large bodies decoded one at a time, the raised open-files limit, and
-the connection cap answering 503 instead of a reset. The real uvicorn server of the HTTP front on
+413 before a body is read, the raised open-files limit, and
+the connection cap answering 503 instead of a reset (large bodies in the parse worker:
+test_parse_worker.py). The real uvicorn server of the HTTP front on
 loopback, over the fake engine, driven by raw sockets and threads doing what an attacker would."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import subprocess
@@ -19,7 +19,6 @@ import pytest
 from scheduler_svc.front.guards.request_size import ALLOWANCE_BYTES
 from scheduler_svc.front.http.body_parser import BodyParser
 from scheduler_svc.front.http.limits import CONNECTION_RESERVE, HttpLimits, body_cap, connection_cap
-from scheduler_svc.front.http.openai_types import CompletionRequest
 from testing.grpc_fakes import FakeEngine, make_tokenizer
 from testing.http_fakes import HttpThread
 
@@ -82,45 +81,6 @@ def test_a_chunked_body_gets_413_as_soon_as_it_passes_the_cap(http):
             sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             sent += len(chunk)
         assert _status(sock) == 413  # answered without the rest (the stream is never ended)
-
-
-def test_large_bodies_are_decoded_one_at_a_time_with_ready_tasks_between():
-    """Five large bodies and one small request arrive together: the small one is decoded before
-    the second large one (a parser that decoded them all at once, or as they came, would run all
-    five first)."""
-    body = json.dumps({"model": "m", "prompt": list(range(60_000))}).encode()  # ~400 KB
-    order: list[str] = []
-
-    async def main() -> None:
-        parser = BodyParser()
-
-        async def big(i: int) -> None:
-            await parser.decode(body, CompletionRequest)
-            order.append(f"big{i}")
-
-        async def small() -> None:
-            await parser.decode(b'{"prompt": "hi"}', CompletionRequest)
-            order.append("small")
-
-        await asyncio.gather(*(big(i) for i in range(5)), small())
-        assert parser.decoded_large == 5 and parser.queued == 0
-
-    asyncio.run(main())
-    assert order.index("small") <= 1, order
-
-
-def test_a_full_parse_queue_answers_503_with_retry_after():
-    body = json.dumps({"prompt": list(range(60_000))}).encode()
-
-    async def main() -> list:
-        parser = BodyParser(queue_bytes=2 * len(body))
-        return await asyncio.gather(*(parser.decode(body, CompletionRequest) for _ in range(3)),
-                                    return_exceptions=True)
-
-    results = asyncio.run(main())
-    errors = [r for r in results if isinstance(r, Exception)]
-    assert len(errors) == 1 and errors[0].status == 503 and errors[0].headers == {"retry-after": "1"}
-    assert all(isinstance(r, CompletionRequest) for r in results if r not in errors)
 
 
 def test_every_process_raises_its_open_files_limit_to_the_hard_limit():
@@ -246,6 +206,37 @@ def test_a_grpc_message_larger_than_the_model_can_need_is_refused_unparsed():
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"at most {cap}" in details
             code, details = code_of(cap // 2)
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in details
+    finally:
+        srv.stop()
+
+
+def test_grpc_core_refuses_a_message_longer_than_the_model_config_allows_from_its_length(tmp_path):
+    """grpc.max_receive_message_length follows the model's config (known at start): a longer
+    message is refused by grpc core from its length prefix, RESOURCE_EXHAUSTED."""
+    import grpc
+
+    from pagedserve.model_dir import max_positions
+    from pagedserve.v1 import generation_pb2 as pb
+    from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+    from scheduler_svc.front.grpc.limits import MAX_REQUEST_BYTES, max_receive_bytes
+    from scheduler_svc.front.guards.request_size import request_bytes_for
+    from testing.grpc_fakes import ServerThread
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
+    assert max_positions(tmp_path) == 4096
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": "long"}')
+    assert max_positions(tmp_path) is None
+    assert max_receive_bytes(None) == MAX_REQUEST_BYTES == max_receive_bytes(1 << 20)
+    assert max_receive_bytes(4096) == request_bytes_for(4096) < MAX_REQUEST_BYTES
+    engine = FakeEngine(make_tokenizer(), max_model_len=64)
+    engine.ready = True
+    srv = ServerThread(engine, max_message_bytes=max_receive_bytes(64))
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            req = pb.GenerateRequest(prompt_token_ids=[7] * (max_receive_bytes(64) + 10))
+            with pytest.raises(grpc.RpcError) as e:
+                list(pb_grpc.GenerationStub(channel).Generate(req, timeout=20))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in e.value.details()
     finally:
         srv.stop()
 
