@@ -51,7 +51,7 @@ static void quantize_row(const float *restrict x, int k, int8_t *restrict q, flo
         float amax = 0.0f;
         for (int j = 0; j < len; j++) {
             const float a = fabsf(x[j0 + j]);
-            amax = a > amax ? a : amax;
+            amax = a > amax || a != a ? a : amax; /* (a NaN sticks) */
         }
         int8_t *q1 = q + 2 * j0, *q2 = q1 + PS_BLK;
         if (!(amax <= 3.0e38f)) { /* NaN or inf: let it show in the outputs */
