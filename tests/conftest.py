@@ -8,6 +8,9 @@
 - ``tiny_qwen2_dir``: small Qwen2, q/k/v bias, tied embeddings.
 - ``tiny_mistral_dir``: small Mistral, untied.
 - ``tiny_llama_default_dir``: the default-size Llama (~30M params, ~125 MB on disk; slower).
+- ``tiny_gguf(arch="llama", qtype="Q4_1") -> Path``: factory of small GGUF files with every matrix
+  in one ggml type (``testing.gguf_files.write_gguf``, hidden 64 as the small checkpoints;
+  qwen2 tied), for the tests that run every CPU weight format.
 """
 
 from __future__ import annotations
@@ -53,3 +56,21 @@ def tiny_mistral_dir(tiny_checkpoint) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_default_dir(tiny_checkpoint) -> Path:
     return tiny_checkpoint("llama", "default")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory, tiny_llama_dir) -> Callable[..., Path]:
+    from gguf import GGMLQuantizationType
+
+    from testing.gguf_files import write_gguf
+
+    cache: dict[tuple[str, str], Path] = {}
+
+    def make(arch: str = "llama", qtype: str = "Q4_1") -> Path:
+        if (arch, qtype) not in cache:
+            out = tmp_path_factory.mktemp(f"gguf-{arch}-{qtype}") / f"m-{qtype}.gguf"
+            cache[arch, qtype] = write_gguf(out, tiny_llama_dir, arch, GGMLQuantizationType[qtype],
+                                            tied=arch == "qwen2", sizes=dict(hidden=64, intermediate=160))
+        return cache[arch, qtype]
+
+    return make

@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "linear_blocks.h"
 #include "linear_tiles.h"
 #include "ps_cpu.h"
 
@@ -50,7 +51,7 @@ int ps_cpu_features(void) {
     int f = 0;
 #ifdef PS_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) f |= 1;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) f |= 1;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) f |= 2;
     if ((f & 2) && __builtin_cpu_supports("avx512bf16")) f |= 4;
@@ -70,7 +71,7 @@ int ps_isa_level(int wtype) {
     const int f = ps_cpu_features();
     int best = PS_ISA_SCALAR;
     if (f & 1) best = PS_ISA_AVX2;
-    const int need = wtype == PS_W_BF16 ? 4 : wtype == PS_W_Q8 ? 8 : 0;
+    const int need = wtype == PS_W_BF16 ? 4 : wtype == PS_W_Q8 || PS_IS_BLOCKS(wtype) ? 8 : 0;
     if ((f & 2) && (f & need) == need) best = PS_ISA_AVX512;
     return best < g_limit ? best : g_limit;
 }
@@ -82,6 +83,7 @@ static inline int64_t padded(int k) { return ((int64_t)k + KPAD - 1) / KPAD * KP
 int64_t ps_linear_work_bytes(int wtype, int n, int k) {
     if (wtype == PS_W_BF16) return (int64_t)n * padded(k) * 4; /* bf16 rows, or float32 rows (AVX2, scalar) */
     if (wtype == PS_W_Q8) return ((int64_t)n * 4 + KPAD - 1) / KPAD * KPAD + (int64_t)n * padded(k);
+    if (PS_IS_BLOCKS(wtype)) return ps_blocks_work_bytes(n, k);
     return 0;
 }
 
@@ -301,6 +303,10 @@ static void *prepped_rows(int wt, void *work, int n) {
 }
 
 void ps_linear_prep(const ps_linear_t *L, const float *x, int64_t ldx, int t0, int t1, int n, void *work) {
+    if (PS_IS_BLOCKS(L->wtype)) {
+        ps_blocks_prep(L, x, ldx, t0, t1, n, work);
+        return;
+    }
     const int wt = L->wtype, k = L->k, isa = ps_isa_level(wt);
     const int64_t ldxp = padded(k);
     void *rows = prepped_rows(wt, work, n);
@@ -321,6 +327,10 @@ void ps_linear_prep(const ps_linear_t *L, const float *x, int64_t ldx, int t0, i
 void ps_linear_compute(const ps_linear_t *L, const float *x, int64_t ldx, int n, const void *work, float *y,
                        int64_t ldy, int accumulate) {
     const int wt = L->wtype, isa = ps_isa_level(wt);
+    if (PS_IS_BLOCKS(wt)) {
+        ps_blocks_compute(L, n, work, y, ldy, accumulate, isa);
+        return;
+    }
     if (wt == PS_W_F32) {
         const int rows = n > F32_WIDE_FROM ? F32_CHUNK_WIDE : F32_CHUNK;
         const int chunks = (L->m + rows - 1) / rows;
@@ -349,7 +359,7 @@ void ps_linear_region(const ps_linear_t *L, const float *x, int64_t ldx, int n, 
 }
 
 static int check_linear(const ps_linear_t *L) {
-    if (!L || !L->w || L->m < 1 || L->k < 1 || L->wtype < PS_W_F32 || L->wtype > PS_W_Q8 ||
+    if (!L || !L->w || L->m < 1 || L->k < 1 || L->wtype < PS_W_F32 || L->wtype > PS_W_Q4_1 ||
         (L->wtype == PS_W_F32 && L->ldw < L->k))
         return PS_BAD_ARG;
     if (L->wtype == PS_W_Q8 && (!L->scale || !L->wsum)) return PS_BAD_ARG;

@@ -32,6 +32,12 @@
 #define PS_W_F32 0
 #define PS_W_BF16 1
 #define PS_W_Q8 2
+/* llama.cpp's block formats, kept as the GGUF file stores them (per 32 inputs of a row a float16
+ * scale, and for Q4_1 an offset): their packed layout is in linear_blocks.h. scale and wsum
+ * are NULL, bias [mp] or NULL. */
+#define PS_W_Q8_0 3
+#define PS_W_Q4_0 4
+#define PS_W_Q4_1 5
 
 /* Instruction-set levels the kernels pick from at run time (ps_isa_level). */
 #define PS_ISA_SCALAR 0
@@ -71,6 +77,9 @@ void ps_linear_compute(const ps_linear_t *L, const float *x, int64_t ldx, int n,
 
 /* The instruction-set level the kernels of a weight type use now (the CPU's best unless limited). */
 int ps_isa_level(int wtype);
+
+/* out[i, :k] = row ids[i] of a block-format layer's weights, dequantised (embedding lookups). */
+int ps_blocks_rows(const ps_linear_t *L, const int64_t *ids, int n, float *out, int64_t ldo);
 
 /* One work unit of paged decode attention: sequence row `row` of query/out, KV heads [h0, h1).
  * scratch: ps_decode_scratch_floats() floats of the calling thread. */

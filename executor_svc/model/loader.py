@@ -3,7 +3,9 @@
 Weights are read tensor by tensor with ``safetensors`` (never pickle) and
 copied into parameters allocated once on the target device, so peak memory is
 the model plus one tensor. HF's separate q/k/v and gate/up weights are copied
-into slices of our fused projections.
+into slices of our fused projections. With ``quantization="gguf"`` a GGUF file's Q8_0/Q4_0/Q4_1
+layers keep their blocks instead (``block_weights.py``); their float parameters, allocated but
+never written, take no memory.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
@@ -19,7 +22,8 @@ from tqdm import tqdm
 from executor_svc.cpu_ops import load_cpu_ops
 from executor_svc.model.architecture import ModelConfig, UnsupportedModelError, load_model_config
 from executor_svc.model.cpu_pack import pack_for_cpu, weight_format
-from executor_svc.model.gguf_weights import gguf_tensors
+from executor_svc.model.block_weights import BlockEmbedding, BlockLinear, block_format
+from executor_svc.model.gguf_weights import gguf_blocks, gguf_tensors, hf_types
 from executor_svc.model.llama import AllReduce, LlamaForCausalLM
 from executor_svc.model.rope import RotaryEmbedding
 from executor_svc.parallel.shard import NO_SHARD, TPShard
@@ -88,14 +92,20 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     are read) and ``reduce`` its sum over ranks.
 
     An unsharded float32 or bfloat16 model on the CPU is packed for the CPU kernels
-    (``cpu_pack.py``): weights in ``dtype``, or int8 with ``quantization="int8"``, activations
-    float32. ``cpu_kernels=False`` keeps the formats but computes them with torch alone."""
+    (``cpu_pack.py``): weights in ``dtype``, or in Q8_0 blocks with ``quantization="int8"``, or
+    with ``quantization="gguf"`` (a GGUF file) the file's Q8_0/Q4_0/Q4_1 layers as stored and the
+    rest in ``dtype``; activations float32. ``cpu_kernels=False`` keeps the formats but computes
+    them with torch alone (a GGUF file is then dequantized at load)."""
     cfg = load_model_config(model_dir)
     packed = torch.device(device).type == "cpu" and shard.size == 1 and dtype in (torch.float32, torch.bfloat16)
     if quantization is not None and not packed:
         raise UnsupportedModelError(f"quantization {quantization!r}: the CPU executor's, unsharded, with "
                                     f"float32 or bfloat16 (got device {device}, dtype {dtype}, {shard.size} ranks)")
+    gguf = Path(model_dir).is_file()  # a GGUF file (config.py has checked it)
+    if quantization == "gguf" and not gguf:
+        raise UnsupportedModelError(f"quantization 'gguf' keeps a GGUF file's blocks; {model_dir} is a directory")
     fmt = weight_format(dtype, quantization) if packed else None
+    ops = load_cpu_ops() if packed and cpu_kernels else None
     # Packed formats convert from the checkpoint's own precision (a bfloat16 checkpoint loads as
     # such, halving the peak; a float32 one keeps exact norms and int8 scales).
     load_dtype = dtype
@@ -105,8 +115,9 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     model = LlamaForCausalLM(local, reduce, with_lm_head=shard.holds_lm_head).to_empty(device=device).to(load_dtype)
     params = dict(model.named_parameters())
     targets = _targets(cfg, shard)
-    if Path(model_dir).is_file():  # a GGUF file (config.py has checked it)
-        seen = _load_gguf(Path(model_dir), targets, params)
+    if gguf:
+        kept = quantization == "gguf" and ops is not None  # (without the kernels blocks would be slow)
+        seen = _load_gguf(Path(model_dir), targets, params, model if kept else None, ops)
     else:
         seen = _load_safetensors(model_dir, targets, params)
     missing = sorted(set(targets) - seen)
@@ -114,7 +125,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
         raise UnsupportedModelError(f"{model_dir}: checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
     model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, torch.device(device))
     if fmt is not None:
-        pack_for_cpu(model, fmt, load_cpu_ops() if cpu_kernels else None)
+        pack_for_cpu(model, fmt, ops)
     return model.eval()
 
 
@@ -140,13 +151,16 @@ def _load_safetensors(model_dir: str | Path, targets: dict[str, Target],
     return seen
 
 
-def _load_gguf(path: Path, targets: dict[str, Target], params: dict[str, torch.nn.Parameter]) -> set[str]:
-    """Each needed tensor dequantized (gguf_weights.py), cut to this rank's slice, copied in."""
+def _load_gguf(path: Path, targets: dict[str, Target], params: dict[str, torch.nn.Parameter],
+               model: LlamaForCausalLM | None = None, ops=None) -> set[str]:
+    """Each needed tensor dequantized (gguf_weights.py), cut to this rank's slice, copied in; with
+    ``model``, the layers whose tensors are all in one block format keep their blocks instead."""
     gguf = open_gguf(path)
+    kept = _kept_in_blocks(gguf, targets) if model is not None else set()
     seen: set[str] = set()
     with tqdm(total=len(targets), desc="dequantizing GGUF tensors", disable=path.stat().st_size < _PROGRESS_MIN_BYTES) \
             as bar:
-        for name, tensor in gguf_tensors(gguf, set(targets)):
+        for name, tensor in gguf_tensors(gguf, set(targets) - kept):
             target = targets[name]
             if target.src is not None:
                 dim, first, count = target.src
@@ -154,7 +168,44 @@ def _load_gguf(path: Path, targets: dict[str, Target], params: dict[str, torch.n
             _copy_into(params, target, name, tensor)
             seen.add(name)
             bar.update()
+    if kept:  # (after the float tensors: a layer's bias is one)
+        seen |= _install_blocks(model, gguf, targets, kept, ops)
     return seen
+
+
+def _kept_in_blocks(gguf, targets: dict[str, Target]) -> set[str]:
+    """HF names of the tensors whose layer keeps its blocks: every part of it (q, k and v of the
+    fused q/k/v, ...) stored in one block format the kernels compute on."""
+    types, parts = hf_types(gguf), {}
+    for name, target in targets.items():
+        parts.setdefault(target.param, []).append(name)
+    kept = set()
+    for param, names in parts.items():
+        formats = {block_format(types[n]) for n in names}
+        if param.endswith("_proj.weight") or param in ("embed_tokens.weight", "lm_head.weight"):
+            if len(formats) == 1 and None not in formats:
+                kept.update(names)
+    return kept
+
+
+def _install_blocks(model: LlamaForCausalLM, gguf, targets: dict[str, Target], kept: set[str], ops) -> set[str]:
+    """Replace each kept layer of ``model`` by a BlockLinear (BlockEmbedding) on its stored rows."""
+    parts: dict[str, list[tuple[int, np.ndarray]]] = {}
+    fmts: dict[str, str] = {}
+    for name, rows, qtype in gguf_blocks(gguf, kept):
+        target = targets[name]
+        parts.setdefault(target.param, []).append((target.start, rows))
+        fmts[target.param] = block_format(qtype)
+    for param, pieces in parts.items():
+        module_name = param.removesuffix(".weight")
+        old = model.get_submodule(module_name)
+        raw = np.concatenate([rows for _, rows in sorted(pieces, key=lambda p: p[0])])
+        cls = BlockEmbedding if module_name == "embed_tokens" else BlockLinear
+        bias = getattr(old, "bias", None)
+        new = cls(raw, fmts[param], old.weight.shape[1], None if bias is None else bias.data, ops)
+        parent, _, attr = module_name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, new)
+    return kept
 
 
 def _read(f, name: str, target: Target) -> torch.Tensor:

@@ -14,7 +14,8 @@ from testing.cpu_agreement import Forcer
 # order their float sums differently; in bf16 and int8 that moves an activation's rounding now
 # and then, which a wrong head, position or weight would exceed by far (errors of order 1).
 FORMATS = {"float32": ({}, torch.float32, 1e-4), "bfloat16": ({"dtype": torch.bfloat16}, torch.bfloat16, 1e-2),
-           "int8": ({"quantization": "int8"}, torch.float32, 1e-2)}
+           "int8": ({"quantization": "int8"}, torch.float32, 1e-2),
+           "Q4_1": ({"quantization": "gguf"}, torch.float32, 1e-2)}  # (Q4_1: a GGUF file's blocks)
 
 
 class _Spy:
@@ -42,9 +43,9 @@ def _prompts(n: int, vocab: int) -> list[list[int]]:
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v bias, tied embeddings
 @pytest.mark.parametrize("num_seqs", [1, 3, 20])  # 20: past the per-thread conversions (16), shared ones
-def test_stack_matches_the_modules(tiny_checkpoint, fmt, arch, num_seqs):
+def test_stack_matches_the_modules(tiny_checkpoint, tiny_gguf, fmt, arch, num_seqs):
     kwargs, kv_dtype, tol = FORMATS[fmt]
-    model = load_model(tiny_checkpoint(arch, "small"), **kwargs)
+    model = load_model(tiny_gguf(arch, fmt) if fmt.startswith("Q") else tiny_checkpoint(arch, "small"), **kwargs)
     model.decode_stack = spy = _Spy(model.decode_stack)
     prompts = _prompts(num_seqs, model.cfg.vocab_size)
     fused, modules = (Forcer(model, kv_dtype, num_seqs, 64) for _ in range(2))
@@ -66,11 +67,11 @@ def test_stack_matches_the_modules(tiny_checkpoint, fmt, arch, num_seqs):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("num_seqs", [1, 20])
-def test_stack_equals_the_modules_bit_for_bit(tiny_checkpoint, fmt, arch, num_seqs):
+def test_stack_equals_the_modules_bit_for_bit(tiny_checkpoint, tiny_gguf, fmt, arch, num_seqs):
     """On the fused attention backend the modules run the stack's own C functions (norms, rotary,
     projections, attention, SiLU): a decode step gives the same bits on either path."""
     kwargs, kv_dtype, _ = FORMATS[fmt]
-    model = load_model(tiny_checkpoint(arch, "small"), **kwargs)
+    model = load_model(tiny_gguf(arch, fmt) if fmt.startswith("Q") else tiny_checkpoint(arch, "small"), **kwargs)
     stack = model.decode_stack
     prompts = _prompts(num_seqs, model.cfg.vocab_size)
     fused, modules = Forcer(model, kv_dtype, num_seqs, 64), Forcer(model, kv_dtype, num_seqs, 64)

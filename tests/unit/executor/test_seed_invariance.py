@@ -24,7 +24,8 @@ from executor_svc.model import load_model
 
 BLOCK = 4  # small blocks: many full ones to share, many block boundaries inside chunks
 FORMATS = {"float32": ({}, torch.float32), "bfloat16": ({"dtype": torch.bfloat16}, torch.bfloat16),
-           "int8": ({"quantization": "int8"}, torch.float32)}
+           "int8": ({"quantization": "int8"}, torch.float32),
+           "Q4_1": ({"quantization": "gguf"}, torch.float32), "Q4_0": ({"quantization": "gguf"}, torch.float32)}
 
 
 @dataclass
@@ -159,9 +160,9 @@ def mix(model, kv_dtype: torch.dtype, seqs: list[Seq], rng: random.Random,
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v bias, tied embeddings
-def test_logits_are_bit_identical_however_the_steps_were_made_up(tiny_checkpoint, fmt, arch):
-    kwargs, kv_dtype = FORMATS[fmt]
-    model = load_model(tiny_checkpoint(arch, "small"), **kwargs)
+def test_logits_are_bit_identical_however_the_steps_were_made_up(tiny_checkpoint, tiny_gguf, fmt, arch):
+    kwargs, kv_dtype = FORMATS[fmt]  # (Q4_*: a GGUF file's blocks, computed as stored)
+    model = load_model(tiny_gguf(arch, fmt) if fmt.startswith("Q") else tiny_checkpoint(arch, "small"), **kwargs)
     assert model.decode_stack is not None  # the C kernels built: both CPU paths are exercised
     for trial in range(3):
         rng = random.Random(f"{fmt}-{arch}-{trial}")
