@@ -87,14 +87,14 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     """The whole model, or with ``shard`` one tensor-parallel rank's part of it (only those bytes
     are read) and ``reduce`` its sum over ranks.
 
-    An unsharded float32 or bfloat16 model on the CPU is packed for the CPU kernels
+    A float32 or bfloat16 model on the CPU (a whole one or a rank's shard) is packed for the CPU kernels
     (``cpu_pack.py``): weights in ``dtype``, or int8 with ``quantization="int8"``, activations
     float32. ``cpu_kernels=False`` keeps the formats but computes them with torch alone."""
     cfg = load_model_config(model_dir)
-    packed = torch.device(device).type == "cpu" and shard.size == 1 and dtype in (torch.float32, torch.bfloat16)
+    packed = torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
     if quantization is not None and not packed:
-        raise UnsupportedModelError(f"quantization {quantization!r}: the CPU executor's, unsharded, with "
-                                    f"float32 or bfloat16 (got device {device}, dtype {dtype}, {shard.size} ranks)")
+        raise UnsupportedModelError(f"quantization {quantization!r}: the CPU executor's, with float32 or "
+                                    f"bfloat16 (got device {device}, dtype {dtype})")
     fmt = weight_format(dtype, quantization) if packed else None
     # Packed formats convert from the checkpoint's own precision (a bfloat16 checkpoint loads as
     # such, halving the peak; a float32 one keeps exact norms and int8 scales).
