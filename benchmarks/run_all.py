@@ -46,6 +46,7 @@ INDEX = (
     Bench("step_overlap", ("--quick", "--structured"), full=("--structured",), part="--structured"),
     Bench("executor_scaling", ("--quick",)),
     Bench("speculative", ("--quick",)),
+    Bench("batch_invariance", ("--quick",)),
     Bench("tier_capacity", ("--quick", "--phases", "cost,busy,delay,intervals"),
           full=("--phases", "cost,busy,delay,intervals")),
     Bench("tier_capacity", ("--quick", "--phases", "apis"), full=("--phases", "apis"), part="apis"),

@@ -37,7 +37,7 @@ BLOCK = 16
 
 
 class _TimedAllReduce:
-    """Stands in for rank 0's model process group: the wall time spent in all-reduces (waiting
+    """Stands in for rank 0's model process group: the wall time spent in its collectives (waiting
     for the other ranks included)."""
 
     class _Done:
@@ -50,6 +50,12 @@ class _TimedAllReduce:
     def allreduce(self, tensors):
         start = time.perf_counter()
         self.pg.allreduce(tensors).wait()
+        self.seconds += time.perf_counter() - start
+        return self._Done()
+
+    def allgather(self, outputs, inputs):  # (CPU ranks sum in rank order: TPGroup.all_reduce)
+        start = time.perf_counter()
+        self.pg.allgather(outputs, inputs).wait()
         self.seconds += time.perf_counter() - start
         return self._Done()
 

@@ -12,6 +12,12 @@ into partitions (plus a reduce kernel) so the grid reaches about ``4 * num_SMs``
 partition size is ``max_seq_len / wanted_partitions`` rounded up to a multiple of 64 tokens (one
 tile round of the 4 warps) and clamped to [``MIN_PARTITION``, ``PARTITION_SIZE``]. Partitions
 never exceed ``PARTITION_SIZE`` tokens, so long contexts always spread over many blocks.
+
+Batch-invariant split (``partition_size``, :data:`INVARIANT_PARTITION` in the batch-invariant
+backend): a fixed split size, not a number of splits fitted to the grid. A sequence's context is
+cut at multiples of that size whatever else is in the launch, and one that fits in one partition
+gets the single pass's bits (the reduce kernel copies a lone partition as it is), so its result
+depends on its own length alone.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from cupy_kernels.build import (
 THREADS = 128  # PS_DECODE_THREADS / PS_PREFILL_THREADS
 SPLIT_ALWAYS_ABOVE = 8192
 MIN_PARTITION = 128
+INVARIANT_PARTITION = 256  # the fixed split size of the batch-invariant backend (a multiple of the 64-token tile round)
 LOG2E = 1.4426950408889634
 
 
@@ -64,10 +71,18 @@ def decode_partitions(num_seqs: int, blocks_per_seq: int, max_seq_len: int, num_
     return decode_split(num_seqs, blocks_per_seq, max_seq_len, num_sms)[0]
 
 
+def fixed_split(max_seq_len: int, partition_size: int) -> tuple[int, int]:
+    """(partitions, partition size) when every context is cut every ``partition_size`` tokens."""
+    if partition_size < 1 or partition_size % 64:
+        raise ValueError(f"partition_size: a positive multiple of 64 tokens, got {partition_size}")
+    return max(1, math.ceil(max_seq_len / partition_size)), partition_size
+
+
 def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                num_sms: int) -> tuple[Launch, int, int]:
-    """Validate decode arguments; return the main launch, the partitions and their size."""
+                num_sms: int, partition_size: int | None = None) -> tuple[Launch, int, int]:
+    """Validate decode arguments; return the main launch, the partitions and their size (a fixed
+    ``partition_size``, or the split rule's)."""
     _, block_size, num_kv_heads, head_size = checks.check_cache_pair(k_cache, v_cache)
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     checks.check_index("seq_lens", seq_lens, torch.int32, (None,))
@@ -78,9 +93,10 @@ def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _check_len(max_seq_len, block_tables.shape[1], block_size)
     g = group_size(q_per_kv)
     blocks_per_seq = num_kv_heads * (q_per_kv // g)
-    parts, psize = decode_split(num_seqs, blocks_per_seq, max_seq_len, num_sms)
+    parts, psize = (decode_split(num_seqs, blocks_per_seq, max_seq_len, num_sms) if partition_size is None
+                    else fixed_split(max_seq_len, partition_size))
     if parts > MAX_PARTITIONS:
-        raise ValueError(f"max_seq_len: at most {MAX_PARTITIONS * PARTITION_SIZE} tokens, got {max_seq_len}")
+        raise ValueError(f"max_seq_len: at most {MAX_PARTITIONS * psize} tokens, got {max_seq_len}")
     key = KernelKey("decode", checks.DTYPES[k_cache.dtype], head_size, block_size, g)
     return Launch(key, (blocks_per_seq, num_seqs, parts)), parts, psize
 
@@ -141,15 +157,16 @@ def _on_torch_stream(device: torch.device) -> Iterator[int]:
 def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                            scale: float, out: torch.Tensor | None = None,
-                           num_partitions: int | None = None) -> torch.Tensor:
+                           num_partitions: int | None = None, partition_size: int | None = None) -> torch.Tensor:
     """One query token per sequence: query ``[num_seqs, num_q_heads, head_size]`` -> out (same
     shape, contiguous). ``max_seq_len`` must be >= every ``seq_lens`` entry (it sizes the split).
-    ``num_partitions`` overrides the split rule (tests and benchmarks)."""
+    ``partition_size``: a fixed split size (batch-invariant); ``num_partitions`` overrides the
+    split rule (tests and benchmarks)."""
     device = _require_cuda(k_cache=k_cache, v_cache=v_cache, query=query, block_tables=block_tables,
                            seq_lens=seq_lens)
     index = device.index if device.index is not None else torch.cuda.current_device()
     launch, parts, psize = plan_decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
-                                       num_sms(index))
+                                       num_sms(index), partition_size)
     if num_partitions is not None:
         if not 1 <= num_partitions <= MAX_PARTITIONS:
             raise ValueError(f"num_partitions: must lie in [1, {MAX_PARTITIONS}], got {num_partitions}")

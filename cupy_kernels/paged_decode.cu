@@ -281,6 +281,14 @@ ps_paged_decode_reduce(T* __restrict__ out,                 // [num_seqs, num_q_
   const int warp = threadIdx.x / ps::kWarp, lane = threadIdx.x % ps::kWarp;
   const int n = min(num_parts, ps::cdiv(seq_lens[blockIdx.y], partition_size));
   const long long base = row * num_parts;
+  if (n <= 1) {
+    // One partition: its normalised output as it is, the bits a single pass writes (rescaling by its
+    // own sum would round again): a sequence's result then depends on its length, not on whether a
+    // longer neighbour split the launch.
+    for (int d = threadIdx.x; d < HEAD; d += PS_DECODE_THREADS)
+      out[row * HEAD + d] = C::from_f(n == 1 ? part_out[base * HEAD + d] : 0.f);  // (no keys: 0, as below)
+    return;
+  }
 
   float mx = ps::neg_inf();
   for (int p = threadIdx.x; p < n; p += PS_DECODE_THREADS) mx = fmaxf(mx, part_max[base + p]);

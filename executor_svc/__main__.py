@@ -23,6 +23,7 @@ import torch
 from executor_svc import threads
 from executor_svc.attention_cpu import FusedCpuAttentionBackend
 from executor_svc.backends import make_attention_backend
+from executor_svc.batch_invariance import batch_variance, numerics
 from executor_svc.config import ExecutorConfig, parse_config
 from executor_svc.decode_graphs import DecodeGraphs
 from executor_svc.grammar import GrammarBackend
@@ -86,6 +87,11 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
     backend = make_attention_backend(cfg.device, cfg.cpu_attention)
     if isinstance(backend, FusedCpuAttentionBackend) and model.dtype != torch.float32:  # (activations: float32 when packed)
         log.warning("the fused CPU decode kernel computes in float32: %s attention uses the torch path", dtype)
+    variance = batch_variance(model, backend)
+    if variance is not None:
+        if cfg.batch_invariant:
+            raise ValueError(f"--batch-invariant: this executor's results would depend on their batch: {variance}")
+        log.info("results are not batch-invariant: %s", variance)
     agree = None
     if group is not None:
         group.exchange("loaded", "1")  # every shard in place before the profiling step's collectives
@@ -117,7 +123,8 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
         architecture=model_cfg.architecture, vocab_size=model_cfg.vocab_size, block_size=cfg.block_size,
         num_device_blocks=kv.num_blocks, num_cpu_blocks=kv.num_cpu_blocks, max_model_len=max_len,
         dtype=str(dtype).removeprefix("torch."), device=cfg.device, tensor_parallel_size=cfg.tensor_parallel_size,
-        max_decode_steps=runner.decode_steps_served(), speculative=group is None)
+        max_decode_steps=runner.decode_steps_served(), speculative=group is None,
+        batch_invariant=variance is None, numerics=numerics(model, cfg.device))
     return runner, hs
 
 

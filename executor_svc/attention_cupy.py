@@ -8,6 +8,15 @@ Dispatch per step: when every sequence has exactly one new token (``max_query_le
 decode kernel runs (single pass or split context, see cupy_kernels/launchers.py); otherwise the
 prefill kernel handles the whole packed batch, decode rows included, reading each sequence's
 cached prefix straight from the block pool (chunked prefill and prefix-cache hits need no gather).
+
+Batch-invariant (``batch_invariant=True``): every query row, prefill or decode, is a decode query
+of its own over its sequence's table cut at its position, through the decode kernel at a fixed
+split size (``launchers.INVARIANT_PARTITION``). A row then reduces over its keys in one order set
+by its position alone: not by the batch's longest context (the split rule), not by whether it
+arrived in a prefill chunk, a decode step or a recompute (the two kernels order their sums
+differently), as the CPU backend does (attention_cpu.py). Prefill attention then reads the cache
+once per row instead of once per 16 rows. The CUDA executor does not claim the mode yet: its
+linear layers and norms are cuBLAS and torch reductions shaped by the step (batch_invariance.py).
 """
 
 from __future__ import annotations
@@ -21,6 +30,9 @@ from executor_svc.attention import AttentionBackend, AttentionMetadata, KVCaches
 class CupyAttentionBackend(AttentionBackend):
     name = "cupy"
 
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
+
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         if key.dtype != k_cache.dtype:
@@ -31,6 +43,10 @@ class CupyAttentionBackend(AttentionBackend):
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if query.dtype != k_cache.dtype:
             raise ValueError(f"query: dtype {query.dtype} differs from the KV cache's {k_cache.dtype}")
+        if self.batch_invariant:
+            tables, lens = _row_queries(query, meta)
+            return launchers.paged_attention_decode(query, k_cache, v_cache, tables, lens, meta.max_seq_len, scale,
+                                                    partition_size=launchers.INVARIANT_PARTITION)
         if meta.max_query_len == 1 and query.shape[0] == meta.num_seqs:
             return launchers.paged_attention_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                                     meta.max_seq_len, scale)
@@ -50,3 +66,18 @@ class CupyAttentionBackend(AttentionBackend):
     def swap(self, src_caches: KVCaches, dst_caches: KVCaches, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             cache_ops.swap_blocks(src_caches, dst_caches, pairs)
+
+
+def _row_queries(query: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block tables, context lengths) with one row per query row: row ``j`` of a sequence with
+    context ``L`` and ``q`` new tokens sees that sequence's table and its first ``L - q + j + 1``
+    keys. A pure decode step's own tables; on the device, no host sync."""
+    n = query.shape[0]
+    if meta.max_query_len == 1 and n == meta.num_seqs:
+        return meta.block_tables, meta.seq_lens
+    starts = meta.query_start_loc.to(torch.int64)
+    owner = torch.repeat_interleave(torch.arange(meta.num_seqs, device=query.device), starts[1:] - starts[:-1],
+                                    output_size=n)  # each row's sequence
+    rows = torch.arange(n, device=query.device)
+    lens = meta.seq_lens.to(torch.int64)[owner] - (starts[1:][owner] - 1 - rows)
+    return meta.block_tables.index_select(0, owner).contiguous(), lens.to(torch.int32)

@@ -77,6 +77,7 @@ class ExecutorConfig:
     enforce_eager: bool = False  # CUDA: no decode graphs (executor_svc/decode_graphs.py)
     cuda_graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES  # decode batch sizes captured as graphs
     enrollment_token_file: Path | None = None  # proves this executor may enroll its key (read at each connection)
+    batch_invariant: bool = False  # refuse to start unless results are batch-invariant (batch_invariance.py)
 
 
 def _endpoint(text: str) -> str:
@@ -165,6 +166,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "step before, so the device does not wait for that host work (default: on with "
                         "--device cuda; on CPU nothing overlaps). Outputs are the same either way; one "
                         "device only (tensor parallelism runs its steps in order)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
+                   help="refuse to start unless a token's results cannot depend on the rest of its step "
+                        "(CPU executors on their C kernels always qualify; torch attention and CUDA do not). "
+                        "VLLM_BATCH_INVARIANT=1 turns it on too; the scheduler's flag of that name requires it")
     p.add_argument("--tensor-parallel-size", default=1,
                    type=number(int, "--tensor-parallel-size", 1, low_inclusive=True, high=wire.MAX_TENSOR_PARALLEL_SIZE),
                    help="serve the model across N ranks as one executor (Megatron-style sharding; one "
@@ -262,7 +267,7 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         tensor_parallel_size=args.tensor_parallel_size, rank_env=ranks, prepare_ahead=args.prepare_ahead,
         cpu_threads=args.cpu_threads, cpu_decode_threads=args.cpu_decode_threads, quantization=quantization,
         warmup=args.warmup, decode_steps=args.decode_steps, enforce_eager=args.enforce_eager,
-        cuda_graph_sizes=args.cuda_graph_sizes)
+        cuda_graph_sizes=args.cuda_graph_sizes, batch_invariant=args.batch_invariant)
 
 
 def _graph_sizes(text: str) -> tuple[int, ...]:

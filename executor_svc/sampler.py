@@ -175,6 +175,10 @@ def _draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     return idx.clamp_(max=probs.shape[1] - 1)
 
 
+def _truncates(p: SamplingParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+
+
 def _top(logprobs_row: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
     if k <= 0:
         return [], []
@@ -240,11 +244,22 @@ class Sampler:
                 out.logprobs[i] = TokenLogprobs(float(row[tokens[r]]), ids, vals)
 
     def _random(self, logits, seqs, rows: list[int], out: SampleOutput, raw_lp: dict[int, torch.Tensor]) -> None:
+        # The inverse-CDF draw walks a row's tokens in vocabulary order, or sorted when the row itself
+        # truncates: never sorted because another row of the step does, which would draw another
+        # token for the same uniform number (a seeded row must not depend on its neighbours).
+        truncating = [i for i in rows if _truncates(seqs[i].sampling)]
+        plain = [i for i in rows if not _truncates(seqs[i].sampling)]
+        for group, sort in ((plain, False), (truncating, True)):
+            if group:
+                self._random_rows(logits, seqs, group, sort, out, raw_lp)
+
+    def _random_rows(self, logits, seqs, rows: list[int], sort: bool, out: SampleOutput,
+                     raw_lp: dict[int, torch.Tensor]) -> None:
         params = [seqs[i].sampling for i in rows]
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
         scaled = logits[rows] / temps[:, None]
         order = None
-        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        if sort:
             scaled, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
             scaled = truncate_sorted(scaled, params)
         lp = torch.log_softmax(scaled, dim=-1)

@@ -1,9 +1,11 @@
 """Command-line flags that can also come from ``PAGEDSERVE_*`` environment variables.
 
 Kubernetes passes configuration through a ConfigMap as environment variables;
-the command line still wins. This is the only place either service reads the
-environment for its flags. :func:`read_flag_file` reads the small secret files
-flags name (the cluster secret, the API keys), with the same checks for both.
+the command line still wins. A few flags also read the vLLM variable of the same
+meaning (``VLLM_ENV``), so a vLLM user's environment keeps working. This is the
+only place either service reads the environment for its flags. :func:`read_flag_file`
+reads the small secret files flags name (the cluster secret, the API keys), with
+the same checks for both.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import sys
 from pathlib import Path
 
 ENV_PREFIX = "PAGEDSERVE_"
+# vLLM's variables a vLLM user already sets, read for the flag of the same meaning when PAGEDSERVE_<FLAG> is unset.
+VLLM_ENV = {"--batch-invariant": "VLLM_BATCH_INVARIANT"}
 
 
 def env_name(option: str) -> str:
@@ -38,7 +42,10 @@ def parse_with_env(parser: argparse.ArgumentParser, argv: list[str] | None,
         longs = [o for o in action.option_strings if o.startswith("--")]
         if not longs or action.dest == "help" or any(o in given for o in action.option_strings):
             continue
-        value = environ.get(env_name(longs[0]))
+        name = env_name(longs[0])
+        if name not in environ and longs[0] in VLLM_ENV:
+            name = VLLM_ENV[longs[0]]
+        value = environ.get(name)
         if value is None:
             continue
         if action.nargs == 0:  # store_true / store_false / BooleanOptionalAction (--x / --no-x)
@@ -49,7 +56,7 @@ def parse_with_env(parser: argparse.ArgumentParser, argv: list[str] | None,
                 if negative is not None:
                     env_args.append(negative)
             else:
-                parser.error(f"{env_name(longs[0])}: expected a boolean, got {value!r}")
+                parser.error(f"{name}: expected a boolean, got {value!r}")
         else:
             env_args += [longs[0], value]
     return parser.parse_args(args + env_args)

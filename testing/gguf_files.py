@@ -148,3 +148,27 @@ def _add(writer: gguf.GGUFWriter, key: str, value: object) -> None:
         writer.add_array(key, value)
     else:
         raise TypeError(f"{key}: {type(value).__name__}")
+
+
+def gguf_to_hf_dir(gguf_path: Path, out_dir: Path) -> Path:
+    """A GGUF model as a transformers directory (config.json, float32 safetensors, tokenizer.json):
+    the weights dequantized as the executor's loader does it, for builds that read no GGUF file
+    (benchmarks comparing with an older build serve both from this directory)."""
+    from safetensors.torch import save_file
+
+    from executor_svc.model.gguf_weights import gguf_tensors
+    from pagedserve.gguf_model import GGUFModel
+    from pagedserve.gguf_tokenizer import build_tokenizer
+
+    model = GGUFModel(gguf_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = dict(model.config, architectures=[model.config.get("architectures", ["LlamaForCausalLM"])[0]],
+                  torch_dtype="float32")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
+    wanted = {exp.hf_name for exp in model.expected.values()}
+    save_file(dict(gguf_tensors(model, wanted)), str(out_dir / "model.safetensors"))
+    build_tokenizer(model).save(str(out_dir / "tokenizer.json"))
+    template = model.chat_template()
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(
+        {**({"chat_template": template} if template else {}), **model.special_tokens()}, indent=1))
+    return out_dir

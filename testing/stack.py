@@ -76,9 +76,10 @@ class Stack:
     def __init__(self, model: Path, logdir: Path, scheduler_args: list[str] | None = None,
                  secure: bool = True, api_key: str | None = None, tls_ca: Path | None = None,
                  tls_client: tuple[Path, Path] | None = None, enrollment: bool = False,
-                 soft_nofile: int | None = None) -> None:
-        """``soft_nofile``: start every process under this soft open-files limit (a login's 1024)."""
-        self.model, self.logdir = model, logdir
+                 soft_nofile: int | None = None, tree: Path | None = None) -> None:
+        """``soft_nofile``: start every process under this soft open-files limit (a login's 1024).
+        ``tree``: run the services of another checkout of this repository (an older build)."""
+        self.model, self.logdir, self.tree = model, logdir, tree
         self.soft_nofile = soft_nofile
         self.port, self.executor_port, self.http_port = free_ports(3)
         self.scheduler_args = scheduler_args or []
@@ -124,7 +125,9 @@ class Stack:
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.logdir / f"{name}.log", "wb")
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        return subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env,
+        if self.tree is not None:  # (python -m imports from the working directory first)
+            env["PYTHONPATH"] = str(self.tree)
+        return subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.tree,
                                 preexec_fn=self._limit_files if self.soft_nofile else None)
 
     def _limit_files(self) -> None:

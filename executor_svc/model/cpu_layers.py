@@ -9,7 +9,8 @@ with ``csrc/rowwise_cpu.c``, the functions the decode stack calls: each row is c
 own, in one order. With the linear layers on the C kernel at every row count
 (``weights.py``) and attention on the paged kernel for every row (``attention_cpu.py``), a
 token's activations depend only on its own context ("What a seed guarantees",
-docs/ARCHITECTURE.md).
+docs/ARCHITECTURE.md). A tensor-parallel rank's shard runs these modules for every step, decode
+included, its row-parallel sums over ranks in rank order.
 """
 
 from __future__ import annotations
@@ -42,10 +43,18 @@ class CpuRotary(RotaryEmbedding):
         return self.ops.rope_tables(positions, self.inv_freq)
 
 
+def _sum_over_ranks(y: torch.Tensor, reduce, bias: torch.Tensor | None) -> torch.Tensor:
+    """A row-parallel layer's output: this rank's partial product summed over the ranks (in rank
+    order, ``TPGroup.all_reduce``), then the bias once; unsharded, ``y`` holds its bias already."""
+    y = reduce(y) if reduce is not None else y
+    return y if bias is None else y + bias
+
+
 class CpuAttention(Attention):
     def __init__(self, cfg: ModelConfig, attn: Attention, ops: CpuOps) -> None:
-        super().__init__(cfg)
+        super().__init__(cfg, attn.reduce)
         self.qkv_proj, self.o_proj, self.ops = attn.qkv_proj, attn.o_proj, ops
+        self.o_bias = self.o_proj.take_bias() if self.reduce is not None else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -57,16 +66,16 @@ class CpuAttention(Attention):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         backend.write_kv(k, v.view(n, self.num_kv_heads, self.head_dim), cache[0], cache[1], meta)
         o = backend.forward(q.view(n, self.num_heads, self.head_dim), cache[0], cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(n, self.q_size))
+        return _sum_over_ranks(self.o_proj(o.reshape(n, self.q_size)), self.reduce, self.o_bias)
 
 
 class CpuMLP(MLP):
     def __init__(self, cfg: ModelConfig, mlp: MLP, ops: CpuOps) -> None:
-        super().__init__(cfg)
+        super().__init__(cfg, mlp.reduce)
         self.gate_up_proj, self.down_proj, self.ops = mlp.gate_up_proj, mlp.down_proj, ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        return _sum_over_ranks(self.down_proj(self.ops.silu_mul(self.gate_up_proj(x))), self.reduce, None)
 
 
 def install_cpu_layers(model: LlamaForCausalLM, ops: CpuOps) -> None:

@@ -1,14 +1,14 @@
 """Prepare a loaded model for the CPU executor: weights in one format, the fused decode path.
 
-Called by the loader for an unsharded CPU model. Each ``nn.Linear`` becomes a
+Called by the loader for a CPU model, whole or a tensor-parallel rank's shard. Each ``nn.Linear`` becomes a
 :class:`~executor_svc.model.weights.PackedLinear` (its float weight converted and freed one
 layer at a time, so the peak is the float model plus one layer), or in a block format a
 :class:`~executor_svc.model.block_weights.BlockLinear`; layers the loader already built on a
 GGUF file's blocks are kept as they are. The embedding becomes a
 :class:`~executor_svc.model.weights.PackedEmbedding` that a tied LM head shares, the RMSNorm
 weights float32, and when the C kernels load the model gets a
-:class:`~executor_svc.model.cpu_decode.DecodeStack` for pure decode steps and, for every other
-step, modules on the same C functions (:mod:`executor_svc.model.cpu_layers`).
+:class:`~executor_svc.model.cpu_decode.DecodeStack` for pure decode steps (unsharded models) and,
+for every other step, modules on the same C functions (:mod:`executor_svc.model.cpu_layers`).
 """
 
 from __future__ import annotations
@@ -57,11 +57,11 @@ def _packed(layer: nn.Module, fmt: str, ops: CpuOps | None) -> PackedLinear:
 
 
 def pack_for_cpu(model: LlamaForCausalLM, fmt: str, ops: CpuOps | None) -> LlamaForCausalLM:
-    """``model`` (unsharded, on the CPU) with every linear layer in ``fmt``; see the module doc."""
+    """``model`` (on the CPU, whole or a rank's shard) with every linear layer in ``fmt``; see the module doc."""
     if fmt not in (*FORMATS, *BLOCK_FORMATS):
         raise ValueError(f"weight format: expected one of {(*FORMATS, *BLOCK_FORMATS)}, got {fmt!r}")
-    if model.device.type != "cpu" or model.reduce is not None:
-        raise ValueError("pack_for_cpu: an unsharded model on the CPU only")
+    if model.device.type != "cpu":
+        raise ValueError("pack_for_cpu: a model on the CPU only")
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = _packed(attn.qkv_proj, fmt, ops)
@@ -82,7 +82,9 @@ def pack_for_cpu(model: LlamaForCausalLM, fmt: str, ops: CpuOps | None) -> Llama
               *(m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj))]
     model.weight_format = "+".join(sorted({m.fmt for m in layers}))
-    model.decode_stack = DecodeStack(model, ops) if ops is not None else None
+    # A tensor-parallel rank sums over ranks inside each layer, which the one-call stack cannot:
+    # its decode steps run the modules, on the same C functions.
+    model.decode_stack = DecodeStack(model, ops) if ops is not None and model.reduce is None else None
     if ops is not None:  # every step then computes a token as the decode stack does (cpu_layers.py)
         install_cpu_layers(model, ops)
         isas = {m.fmt: ops.isa(m.desc().wtype) for m in layers}

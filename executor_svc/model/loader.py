@@ -91,14 +91,15 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     """The whole model, or with ``shard`` one tensor-parallel rank's part of it (only those bytes
     are read) and ``reduce`` its sum over ranks.
 
-    An unsharded float32 or bfloat16 model on the CPU is packed for the CPU kernels
-    (``cpu_pack.py``): weights in ``dtype``, or in Q8_0 blocks with ``quantization="int8"``, or
-    with ``quantization="gguf"`` (a GGUF file) the file's Q8_0/Q4_0/Q4_1 layers as stored and the
-    rest in ``dtype``; activations float32. ``cpu_kernels=False`` keeps the formats but computes
-    them with torch alone (a GGUF file is then dequantized at load)."""
+    A float32 or bfloat16 model on the CPU (a whole one or a rank's shard) is packed for the CPU
+    kernels (``cpu_pack.py``): weights in ``dtype``, or (unsharded) in Q8_0 blocks with
+    ``quantization="int8"``, or with ``quantization="gguf"`` (a GGUF file) the file's
+    Q8_0/Q4_0/Q4_1 layers as stored and the rest in ``dtype``; activations float32.
+    ``cpu_kernels=False`` keeps the formats but computes them with torch alone (a GGUF file is
+    then dequantized at load)."""
     cfg = load_model_config(model_dir)
-    packed = torch.device(device).type == "cpu" and shard.size == 1 and dtype in (torch.float32, torch.bfloat16)
-    if quantization is not None and not packed:
+    packed = torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    if quantization is not None and not (packed and shard.size == 1):
         raise UnsupportedModelError(f"quantization {quantization!r}: the CPU executor's, unsharded, with "
                                     f"float32 or bfloat16 (got device {device}, dtype {dtype}, {shard.size} ranks)")
     gguf = Path(model_dir).is_file()  # a GGUF file (config.py has checked it)

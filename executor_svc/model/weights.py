@@ -116,6 +116,12 @@ class PackedLinear(nn.Module):
             return cls(q, bias, fmt, ops, scale, wsum)
         return cls(weight.to(torch.float32 if fmt == "float32" else torch.bfloat16), bias, fmt, ops)
 
+    def take_bias(self) -> torch.Tensor | None:
+        """Remove the bias and return it ([out] float32): a row-parallel layer of a tensor-parallel
+        rank adds it once, after the sum over ranks."""
+        bias, self.bias, self._desc = self.bias, None, None
+        return None if bias is None else bias.data[:self.out_features]
+
     def unpacked(self) -> torch.Tensor:
         """The weight as [out, in] in its format's dtype (int8 without its scales)."""
         if not self.packed:

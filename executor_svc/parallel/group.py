@@ -194,8 +194,20 @@ class TPGroup:
     # ---------------------------------------------------------------- collectives
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the ranks, in place; returns it (the model's row-parallel layers)."""
-        self.model_pg.allreduce([t]).wait()
+        """Sum ``t`` over the ranks, in place; returns it (the model's row-parallel layers).
+
+        On CPUs every rank gathers the partial products and adds them in rank order: a row's sum
+        is then the same whatever rows share the step (gloo's ring cuts the buffer by its size, so
+        with more than two ranks an element's order of additions moved with the row count), and
+        identical on every rank. NCCL keeps its all-reduce."""
+        if self.device.type == "cuda":
+            self.model_pg.allreduce([t]).wait()
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        self.model_pg.allgather([parts], [t]).wait()
+        t.copy_(parts[0])
+        for p in parts[1:]:
+            t.add_(p)
         return t
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:

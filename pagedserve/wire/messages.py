@@ -372,6 +372,11 @@ class Handshake(_Message):
     max_decode_steps: Annotated[int, Meta(ge=1, le=p.MAX_DECODE_STEPS)] = 1
     # It scores BatchPlan.proposals (speculative decoding); older executors omit it.
     speculative: bool = False
+    # Its results are batch-invariant: a token's logits depend only on its context, never on the rest
+    # of its step (executor_svc/batch_invariance.py); `numerics` names what else fixes its bits (weight
+    # format, instruction set): with --batch-invariant every executor must agree on both.
+    batch_invariant: bool = False
+    numerics: Name = ""
 
 
 class HandshakeReply(_Message):

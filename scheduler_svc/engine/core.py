@@ -56,7 +56,8 @@ class EngineCore(CoreRequests):
         self.hub = ExecutorHub(cfg.executor_endpoint, block_size=cfg.scheduler.block_size,
                                heartbeat_interval_s=cfg.heartbeat_interval_s, on_join=self._on_join,
                                on_drain=self._on_drain, on_dead=self._on_dead, keys=cfg.executor_link,
-                               step_timeout_s=cfg.step_timeout_s, model_fingerprint=cfg.model_fingerprint)
+                               step_timeout_s=cfg.step_timeout_s, model_fingerprint=cfg.model_fingerprint,
+                               batch_invariant=cfg.batch_invariant)
         self._retired_preemptions = 0  # counters of schedulers of executors now gone
         self._retired_spec = SpecCounters()  # (their speculative decoding counters)
         self._retired_prefix = (0, 0)

@@ -29,6 +29,7 @@ class EngineConfig:
     max_failed_steps: int = 3  # consecutive steps an executor fails as a whole before it is dropped
     orphan_timeout_s: float = 60.0  # how long a request whose executors all died waits for another
     model_fingerprint: str | None = None  # the served model (from --model's weights), None: the first executor's
+    batch_invariant: bool = False  # accept only executors whose results cannot depend on their batch, all alike
 
     def __post_init__(self) -> None:
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:

@@ -93,7 +93,7 @@ class ExecutorHub:
                  on_drain: Callable[[ExecutorConn], None],
                  on_dead: Callable[[ExecutorConn, str], None],
                  keys: LinkSecurity | None = None, step_timeout_s: float = 30.0,
-                 model_fingerprint: str | None = None) -> None:
+                 model_fingerprint: str | None = None, batch_invariant: bool = False) -> None:
         self.endpoint = endpoint
         self.block_size = block_size
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -115,6 +115,9 @@ class ExecutorHub:
         self.model_fingerprint = model_fingerprint
         self.model_vocab_size: int | None = None
         self.bound_port: int | None = None
+        # --batch-invariant: only executors that promise it, all computing as the first one accepted does.
+        self.batch_invariant = batch_invariant
+        self.numerics: tuple[str, str, int] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -340,6 +343,19 @@ class ExecutorHub:
                     f"{self.model_fingerprint[:12]}")
         if self.model_vocab_size is not None and hs.vocab_size != self.model_vocab_size:
             return f"vocab size {hs.vocab_size} differs from the served model's {self.model_vocab_size}"
+        return self._variance(hs) if self.batch_invariant else None
+
+    def _variance(self, hs: wire.Handshake) -> str | None:
+        """Why this executor cannot serve a --batch-invariant deployment (None: it can): its results
+        would depend on their batch, or it computes other bits than the executors already accepted
+        (a request moved between them, after a failure or a drain, would change its log-probs)."""
+        if not hs.batch_invariant:
+            return ("the scheduler runs --batch-invariant and this executor's results depend on their batch "
+                    "(its log says why: torch attention, or a CUDA device)")
+        ours = (hs.numerics, hs.dtype, hs.tensor_parallel_size)
+        if self.numerics is not None and ours != self.numerics:
+            return (f"the scheduler runs --batch-invariant and this executor computes other bits than those "
+                    f"accepted: {_describe(ours)}, not {_describe(self.numerics)}")
         return None
 
     async def _handshake(self, identity: bytes, hs: wire.Handshake) -> None:
@@ -367,6 +383,8 @@ class ExecutorHub:
             return
         self.model_fingerprint = self.model_fingerprint or hs.model_fingerprint
         self.model_vocab_size = self.model_vocab_size or hs.vocab_size
+        if self.batch_invariant:
+            self.numerics = self.numerics or (hs.numerics, hs.dtype, hs.tensor_parallel_size)
         conn = ExecutorConn(identity, hs, peer_key=key, enrolled=enrolled)
         self.conns[identity] = conn
         log.info("executor %s joined: %d device blocks, %d cpu blocks, %s/%s%s",
@@ -435,3 +453,7 @@ class ExecutorHub:
         else:
             await self._send(conn, wire.Heartbeat(time.time()))
 
+
+def _describe(numerics: tuple[str, str, int]) -> str:
+    what, dtype, ranks = numerics
+    return f"{what or 'unnamed numerics'} (KV {dtype}, {ranks} rank{'s' if ranks > 1 else ''})"

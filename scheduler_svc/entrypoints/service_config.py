@@ -92,6 +92,7 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "--max-queued-requests": (EngineConfig, "max_queued_requests"),
     "--max-migrations": (EngineConfig, "max_migrations"),
     "--async-scheduling": (EngineConfig, "async_scheduling"),
+    "--batch-invariant": (EngineConfig, "batch_invariant"),
     "--stream-interval": (EngineConfig, "stream_interval"),
     "--step-timeout": (EngineConfig, "step_timeout_s"),
     "--max-failed-steps": (EngineConfig, "max_failed_steps"),
@@ -255,6 +256,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    default=default(e, "async_scheduling"),
                    help="plan each executor's next step while it runs the current one, so it never waits "
                         "for the scheduler (--no-async-scheduling: plan, wait, update, stream, repeat)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=default(e, "batch_invariant"),
+                   help="promise every request the same log-probs whatever else shares its steps: executors "
+                        "whose results depend on their batch (torch attention, CUDA) are refused, and so is one "
+                        "that computes other bits than those accepted (weight format, instruction set, "
+                        "tensor-parallel size). VLLM_BATCH_INVARIANT=1 turns it on too. CPU executors on "
+                        "their C kernels are batch-invariant without it")
     for f in dataclasses.fields(ServerLimits):
         flag = "--" + f.name.replace("_", "-")
         zero = f.name in ServerLimits.ZERO_ALLOWED or f.name in ServerLimits.MACHINE_SIZED

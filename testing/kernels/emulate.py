@@ -71,9 +71,9 @@ class Emulator:
         return getattr(self.lib, f"k{self.index[key]}")
 
     def decode(self, query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out,
-               num_partitions: int | None = None) -> None:
+               num_partitions: int | None = None, partition_size: int | None = None) -> None:
         launch, parts, psize = plan_decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
-                                           num_sms=132)
+                                           num_sms=132, partition_size=partition_size)
         if num_partitions is not None:
             parts, psize = num_partitions, max(1, math.ceil(max_seq_len / num_partitions))
         n, h, d = query.shape

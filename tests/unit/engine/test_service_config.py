@@ -102,7 +102,7 @@ def test_every_flag_reaches_the_object_that_uses_it(model_dir, tmp_path):
     values.update({flag: str(default(cls, name) + 3) for flag, (cls, name) in FLAG_FIELDS.items()
                    if cls in (ServerLimits, HttpLimits, GrpcLimits)})
     values["--max-in-flight-bytes"] = str(64 << 20)  # at least the largest request a front accepts
-    argv = ["--model", str(model_dir), "--disable-prefix-caching", "--no-async-scheduling",
+    argv = ["--model", str(model_dir), "--disable-prefix-caching", "--no-async-scheduling", "--batch-invariant",
             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
     for flag, value in values.items():
         argv += [flag, value]
@@ -114,6 +114,18 @@ def test_every_flag_reaches_the_object_that_uses_it(model_dir, tmp_path):
         assert got != default(cls, name), f"{flag} did not reach {cls.__name__}.{name}"
         if flag in values:
             assert str(got) == values[flag], flag
+
+
+def test_vllm_batch_invariant_turns_the_mode_on_and_pagedserves_variable_wins(model_dir, capsys):
+    base = ["--model", str(model_dir)]
+    assert load_config(base, {}).engine.batch_invariant is False
+    assert load_config(base, {"VLLM_BATCH_INVARIANT": "1"}).engine.batch_invariant is True
+    assert load_config(base, {"VLLM_BATCH_INVARIANT": "0"}).engine.batch_invariant is False
+    assert load_config(base, {"VLLM_BATCH_INVARIANT": "1", "PAGEDSERVE_BATCH_INVARIANT": "0"}).engine.batch_invariant is False
+    assert load_config([*base, "--no-batch-invariant"], {"VLLM_BATCH_INVARIANT": "1"}).engine.batch_invariant is False
+    with pytest.raises(SystemExit):
+        load_config(base, {"VLLM_BATCH_INVARIANT": "maybe"})
+    assert "VLLM_BATCH_INVARIANT: expected a boolean, got 'maybe'" in capsys.readouterr().err
 
 
 def test_n_and_beam_width_limits_must_fit_a_step(model_dir, capsys):

@@ -45,6 +45,19 @@ def test_seeded_draw_same_alone_and_in_any_batch():
     assert len(tokens) > 3
 
 
+def test_a_seeded_row_draws_the_same_beside_rows_that_truncate():
+    """A row without top-k/p or min-p draws over the vocabulary in its own order whatever its
+    neighbours ask: sorted because another row truncates, the same uniform number found another
+    token (issue #43)."""
+    logits = _logits(20, seed=3)
+    params = [SamplingParams(temperature=1.0, seed=s, top_k=5 if s % 2 else 0, min_p=0.05 if s % 4 == 1 else 0.0)
+              for s in range(20)]
+    batched = Sampler().sample(logits.clone(), [Row(p) for p in params])
+    for i, p in enumerate(params):
+        alone = Sampler().sample(logits[i:i + 1].clone(), [Row(p)]).token_ids
+        assert alone == [batched.token_ids[i]], f"row {i} ({p.top_k=}, {p.min_p=})"
+
+
 def test_unseeded_rows_vary():
     logits = (_logits(1) / 3).repeat(200, 1)  # a flat distribution
     rows = [Row(SamplingParams(temperature=1.0)) for _ in range(200)]

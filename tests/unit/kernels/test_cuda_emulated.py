@@ -101,10 +101,11 @@ def _emulate_launchers(emu, monkeypatch) -> None:
 
     lock = threading.Lock()
 
-    def decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out=None):
+    def decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out=None, partition_size=None):
         out = torch.full_like(query, float("nan")) if out is None else out
         with lock:
-            emu.decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out)
+            emu.decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out,
+                       partition_size=partition_size)
         return out
 
     def prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
@@ -166,3 +167,27 @@ def test_emulated_kernels_take_per_rank_head_counts(emu, tiny_llama_dir, monkeyp
             [(2, 1), (2, 1)]
         sharded = _generate(runner)
     assert sharded == _generate(make_runner(tiny_llama_dir, cpu_attention="torch"))
+
+
+@pytest.mark.parametrize("cfg", [("bfloat16", 128, 16, 8, 2), ("float32", 64, 16, 16, 1)], ids=["bf16-gqa4", "f32-mqa"])
+def test_emulated_batch_invariant_backend_gives_a_request_its_bits_alone(emu, cfg, monkeypatch):
+    """The case make gpu-check runs on the GPU (testing/kernels/invariance.py): a request's rows alone,
+    in a batch, in other chunks and as decode steps are the same bits through the batch-invariant
+    backend, and close to the float64 reference; the default backend's differ (prefill and decode
+    kernels, the split fitted to the launch)."""
+    from cupy_kernels import launchers
+    from executor_svc.attention_cupy import CupyAttentionBackend
+    from testing.kernels import invariance as inv
+
+    dtype, head, bs, nq, nkv = cfg
+    _emulate_launchers(emu, monkeypatch)
+    monkeypatch.setattr(launchers, "INVARIANT_PARTITION", 64)  # the same splits on shorter contexts
+    seed = random.randrange(1 << 30)
+    case = inv.batch_case(nq, nkv, head, bs, DTYPES[dtype], "cpu", seed, inv.SMALL)
+    outs = inv.request_alone_and_in_a_batch(CupyAttentionBackend(batch_invariant=True), case)
+    assert inv.differences(outs) == [], f"seed {seed}"
+    ref = ref_attention(case.query, case.k_cache, case.v_cache, case.block_tables, case.ctx_lens, case.starts,
+                        inv.SCALE)
+    rows = slice(case.starts[inv.R], case.starts[inv.R] + case.q_lens[inv.R])
+    _check(outs["alone"], ref[rows], dtype, f"batch-invariant rows seed={seed}")
+    assert inv.differences(inv.request_alone_and_in_a_batch(CupyAttentionBackend(), case)) != []

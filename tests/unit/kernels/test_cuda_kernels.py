@@ -156,6 +156,25 @@ def test_backend_matches_torch_backend(mode):
     _check(outs[1], outs[0].float(), "bfloat16", f"cupy vs torch backend ({mode})")
 
 
+@pytest.mark.parametrize("cfg", [(d, h, 16, 8, 2) for d in CUDA_TYPES for h in (64, 128)] + [("bfloat16", 128, 32, 32, 1)],
+                         ids=lambda c: f"{c[0]}-h{c[1]}-b{c[2]}-q{c[3]}kv{c[4]}")
+def test_batch_invariant_backend_gives_a_request_its_bits_alone(cfg):
+    """testing/kernels/invariance.py on the GPU (the suite runs it on the emulator): a request's rows
+    alone, in a batch, in other chunks and as decode steps, bit for bit."""
+    from executor_svc.attention_cupy import CupyAttentionBackend
+    from testing.kernels import invariance as inv
+
+    dtype, head, bs, nq, nkv = cfg
+    seed = _seed()
+    case = inv.batch_case(nq, nkv, head, bs, DTYPES[dtype], "cuda", seed)
+    outs = inv.request_alone_and_in_a_batch(CupyAttentionBackend(batch_invariant=True), case)
+    assert inv.differences(outs) == [], f"seed {seed}"
+    ref = ref_attention(case.query.cpu(), case.k_cache.cpu(), case.v_cache.cpu(), case.block_tables.cpu(),
+                        case.ctx_lens, case.starts, inv.SCALE)
+    rows = slice(case.starts[inv.R], case.starts[inv.R] + case.q_lens[inv.R])
+    _check(outs["alone"].cpu(), ref[rows], dtype, f"rows seed={seed}")
+
+
 def _gpu_runner(model_dir, dtype: torch.dtype):
     from executor_svc.attention_cupy import CupyAttentionBackend
     from executor_svc.kv_cache import KVCache

@@ -46,6 +46,18 @@ def test_decode_split_rule():
         assert parts * size >= ctx and (parts == 1 or (parts - 1) * size < ctx)
 
 
+def test_a_fixed_split_size_cuts_every_context_alike_whatever_the_batch():
+    """The batch-invariant split: partitions of the given size whatever the launch holds, so a
+    sequence's cut points depend on its own length only (the split rule's follow the batch)."""
+    assert launchers.fixed_split(2048, 256) == (8, 256)
+    assert launchers.fixed_split(257, 256) == (2, 256) and launchers.fixed_split(256, 256) == (1, 256)
+    assert launchers.plan_decode(**_decode_args(), num_sms=132, partition_size=256)[1:] == (1, 256)
+    # The rule's size follows the batch: 8 and 64 sequences of 2048 tokens are cut at 256 and 512.
+    assert launchers.decode_split(8, 8, 2048, 132)[1] != launchers.decode_split(64, 8, 2048, 132)[1]
+    with pytest.raises(ValueError, match="partition_size: a positive multiple of 64"):
+        launchers.fixed_split(100, 100)
+
+
 def test_plan_decode_picks_configuration():
     launch, parts, size = launchers.plan_decode(**_decode_args(), num_sms=132)
     assert launch.key == build.KernelKey("decode", "bfloat16", 128, 16, 4)
