@@ -68,6 +68,8 @@ class GenerationRequest:
     # it runs on, after a migration too, must hold that many, so where it runs never changes where it
     # ends. None: the scheduler's own max_model_len bounds it (tests driving one scheduler).
     max_total_tokens: int | None = None
+    # The LoRA adapter it runs under (--lora-modules, or loaded at run time); None: the base model.
+    lora: str | None = None
 
 
 class TokenLogprob(msgspec.Struct, gc=False):

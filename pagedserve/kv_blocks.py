@@ -15,6 +15,12 @@ from collections.abc import Sequence as Seq
 _ROOT_HASH = b"\x00" * 32
 
 
+def chain_root(lora: str | None) -> bytes | None:
+    """The parent of a prompt's first block: the base model's (None), or for a LoRA adapter one of
+    its own, since the adapter changes every K/V: the same prompt under two adapters shares no block."""
+    return None if not lora else hashlib.sha256(b"pagedserve-lora\x00" + lora.encode()).digest()
+
+
 def hash_block(parent: bytes | None, token_ids: Seq[int], extra: bytes = b"") -> bytes:
     """Chained content hash of one full block: sha256(parent ‖ int64 tokens ‖ extra).
 

@@ -13,6 +13,11 @@ the test instead of silently giving wrong attention.
 "Sampling" is a hash of (seed, token ids so far) mod vocab: the same history
 always gives the same token, so a request's output does not depend on
 batching, preemption or pool size.
+
+LoRA: with ``lora_slots`` it holds adapters in slots as the plans load them. A sequence's
+fingerprints and samples then depend on its adapter's name too, so a prefix-cache hit across
+adapters, or a sequence run under the wrong adapter, changes what it reads or emits; replacing an
+adapter a live sequence uses is a plan error. ``failing_loras`` names adapters whose load fails.
 """
 
 from __future__ import annotations
@@ -39,23 +44,30 @@ class _Seq:
     table: list[int]
     computed: int
     sampling: SamplingParams
+    lora: str | None = None
+    lora_slot: int = -1
+    dropped: bool = False  # under a slot whose load failed: never computed again, only freed
 
 
 def _h(*parts: int) -> int:
     return zlib.crc32(array("q", parts).tobytes())
 
 
-def fingerprints(tokens: list[int]) -> list[int]:
-    out, prev = [], 0
+def _salt(lora: str | None) -> list[int]:
+    return [] if lora is None else [zlib.crc32(lora.encode()) + 1]
+
+
+def fingerprints(tokens: list[int], lora: str | None = None) -> list[int]:
+    out, prev = [], (_salt(lora) or [0])[0]
     for t in tokens:
         prev = _h(prev, t)
         out.append(prev)
     return out
 
 
-def sample_token(seq_tokens: list[int], seed: int | None, vocab: int) -> int:
-    """The fake model: deterministic in (seed, history)."""
-    return zlib.crc32(array("q", [seed or 0, *seq_tokens]).tobytes()) % vocab
+def sample_token(seq_tokens: list[int], seed: int | None, vocab: int, lora: str | None = None) -> int:
+    """The fake model: deterministic in (seed, adapter, history)."""
+    return zlib.crc32(array("q", [seed or 0, *_salt(lora), *seq_tokens]).tobytes()) % vocab
 
 
 LIKELY_TOKEN = 3
@@ -80,7 +92,8 @@ def beam_candidates(seq_tokens: list[int], k: int, vocab: int) -> tuple[list[int
 
 class FakeExecutor:
     def __init__(self, num_device_blocks: int, num_cpu_blocks: int, block_size: int,
-                 vocab_size: int = 64, through_wire: bool = True, check=None) -> None:
+                 vocab_size: int = 64, through_wire: bool = True, check=None, lora_slots: int = 0,
+                 failing_loras: frozenset[str] = frozenset()) -> None:
         self.check = check  # e.g. scheduler.check_integrity, run before every plan is applied
         self.bs = block_size
         self.vocab = vocab_size
@@ -91,6 +104,10 @@ class FakeExecutor:
         self.steps = 0
         self.tokens_computed = 0
         self.max_batch_tokens = 0
+        self.lora_slots: list[str | None] = [None] * lora_slots
+        self.failing_loras = failing_loras
+        self.failed_slots: dict[int, str] = {}  # slot -> why its last load failed
+        self.lora_loads: list[tuple[int, str]] = []  # (slot, adapter) of every load, in order
 
     # ------------------------------------------------------------------ entry
     def run(self, plan: BatchPlan) -> StepResult:
@@ -106,11 +123,31 @@ class FakeExecutor:
         return res
 
     def _apply(self, plan: BatchPlan) -> StepResult:
+        self._failures = []
         try:
             apply_deltas(plan, self.seqs, _FakeDeltas(self))
         except DeltaError as exc:  # (the walk's own rules: an unknown or already live sequence)
             raise PlanError(str(exc)) from exc
-        return self._forward(plan)
+        for s in self.seqs.values():  # (as a real executor: sequences under a slot that failed to load)
+            s.dropped = s.dropped or s.lora_slot in self.failed_slots
+        res = self._forward(plan)
+        res.lora_failures = self._failures
+        return res
+
+    def _load(self, x: wire.LoraLoad) -> None:
+        if not 0 <= x.slot < len(self.lora_slots):
+            raise PlanError(f"LoRA load into slot {x.slot}; the executor has {len(self.lora_slots)}")
+        users = [sid for sid, s in self.seqs.items() if s.lora_slot == x.slot and not s.dropped]
+        if users:
+            raise PlanError(f"LoRA slot {x.slot} reloaded with {x.name!r} under live seqs {users}")
+        self.lora_loads.append((x.slot, x.name))
+        self.failed_slots.pop(x.slot, None)
+        if x.name in self.failing_loras:
+            self.lora_slots[x.slot] = None
+            self.failed_slots[x.slot] = f"{x.path}: no such adapter"
+            self._failures.append(wire.LoraFailure(x.slot, self.failed_slots[x.slot]))
+        else:
+            self.lora_slots[x.slot] = x.name
 
     def _forward(self, plan: BatchPlan) -> StepResult:
         if len(set(plan.scheduled_seq_ids)) != len(plan.scheduled_seq_ids):
@@ -119,11 +156,17 @@ class FakeExecutor:
         self.max_batch_tokens = max(self.max_batch_tokens, sum(plan.num_new_tokens))
         for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True):
             s = self._seq(sid)
+            if s.dropped:
+                res.failed_seq_ids.append(sid)
+                continue
+            if s.lora_slot >= 0 and self.lora_slots[s.lora_slot] != s.lora:
+                raise PlanError(f"seq {sid} runs under {s.lora!r}; its slot {s.lora_slot} holds "
+                                f"{self.lora_slots[s.lora_slot]!r}")
             if n <= 0 or s.computed + n > len(s.tokens):
                 raise PlanError(f"seq {sid}: {n} new tokens from {s.computed} of {len(s.tokens)}")
             if len(s.table) * self.bs < s.computed + n:
                 raise PlanError(f"seq {sid}: table of {len(s.table)} blocks for {s.computed + n} tokens")
-            fps = fingerprints(s.tokens[: s.computed + n])
+            fps = fingerprints(s.tokens[: s.computed + n], s.lora)
             self._check_context(sid, s, fps)
             for pos in range(s.computed, s.computed + n):
                 self.dev[s.table[pos // self.bs]][pos % self.bs] = fps[pos]
@@ -139,7 +182,7 @@ class FakeExecutor:
             toks, lps = beam_candidates(s.tokens, sp.beam_candidates, self.vocab)
             res.beam_candidates.append(SeqLogprobs(sid, 0.0, toks, lps))
             return
-        tok = sample_token(s.tokens, sp.seed, self.vocab)
+        tok = sample_token(s.tokens, sp.seed, self.vocab, s.lora)
         s.tokens.append(tok)
         res.sampled_seq_ids.append(sid)
         res.sampled_token_ids.append(tok)
@@ -157,8 +200,8 @@ class FakeExecutor:
 
     def verify_all(self) -> None:
         for sid, s in self.seqs.items():
-            if s.computed:
-                self._check_context(sid, s, fingerprints(s.tokens[: s.computed]))
+            if s.computed and not s.dropped:
+                self._check_context(sid, s, fingerprints(s.tokens[: s.computed], s.lora))
 
     def _seq(self, sid: int) -> _Seq:
         s = self.seqs.get(sid)
@@ -189,14 +232,26 @@ class _FakeDeltas(DeltaTarget[_Seq]):
     def free_unknown(self, seq_id: int) -> None:
         raise PlanError(f"free of unknown seq {seq_id}")
 
+    def load_lora(self, load: wire.LoraLoad) -> None:
+        self.ex._load(load)
+
     def new_seq(self, ns: NewSeq) -> _Seq:
         for b in ns.block_ids:
             self.ex._dblk(b)
-        return _Seq(ns.tokens(), ns.num_prompt_tokens, list(ns.block_ids), ns.num_computed_tokens, ns.sampling)
+        lora = None
+        if ns.lora_slot >= 0:
+            if ns.lora_slot >= len(self.ex.lora_slots):
+                raise PlanError(f"seq {ns.seq_id} under LoRA slot {ns.lora_slot}; the executor has "
+                                f"{len(self.ex.lora_slots)}")
+            lora = self.ex.lora_slots[ns.lora_slot]
+            if lora is None and ns.lora_slot not in self.ex.failed_slots:
+                raise PlanError(f"seq {ns.seq_id} under LoRA slot {ns.lora_slot}, which holds no adapter")
+        return _Seq(ns.tokens(), ns.num_prompt_tokens, list(ns.block_ids), ns.num_computed_tokens, ns.sampling,
+                    lora, ns.lora_slot)
 
     def fork(self, p: _Seq, f: Fork) -> _Seq:
         sp = p.sampling if f.seed is None else p.sampling.with_seed(f.seed)
-        return _Seq(list(p.tokens), p.num_prompt, list(p.table), p.computed, sp)
+        return _Seq(list(p.tokens), p.num_prompt, list(p.table), p.computed, sp, p.lora, p.lora_slot)
 
     def append_token(self, s: _Seq, seq_id: int, token: int) -> _Seq:
         s.tokens.append(token)

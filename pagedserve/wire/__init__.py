@@ -16,6 +16,8 @@ from pagedserve.wire.messages import (
     Handshake,
     HandshakeReply,
     Heartbeat,
+    LoraFailure,
+    LoraLoad,
     Message,
     NewSeq,
     PromptLogprobs,
@@ -34,7 +36,7 @@ from pagedserve.wire.protocol import MAX_FRAME_BYTES, WIRE_VERSION
 
 __all__ = [
     "KIND_OF", "MAX_FRAME_BYTES", "WIRE_VERSION", "BatchPlan", "BlockUpdate", "Drain", "Envelope", "Fork",
-    "Handshake", "HandshakeReply", "Heartbeat", "Message", "NewSeq", "PromptLogprobs",
+    "Handshake", "HandshakeReply", "Heartbeat", "LoraFailure", "LoraLoad", "Message", "NewSeq", "PromptLogprobs",
     "Proposal", "Reset", "SamplingParams", "SeqLogprobs",
     "SpecTokens",
     "StepResult", "Structured", "WireError", "decode", "decode_body", "encode", "max_result_bytes", "num_packed", "pack_ids",

@@ -32,7 +32,7 @@ from pagedserve.wire.codec import Codec
 from pagedserve.wire.messages import Heartbeat, PackedTokenIds, Text, _Message
 from pagedserve.wire.packed import num_packed, pack_ids, unpacked  # noqa: F401  (the front link's helpers)
 
-TIER_VERSION = 3  # 3: the executor link's Heartbeat (it carries the sender's time)
+TIER_VERSION = 4  # 4: a request may name a LoRA adapter (GenerationRequest.lora)
 HEARTBEAT_INTERVAL_S = 0.5  # both ways; a peer silent for 5 intervals (2.5 s) is dead
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a step's updates with log-probs; a request at the largest context
 MAX_REQUEST_ID_CHARS = 512  # request ids (the front's prefix and the client's id) and front ids

@@ -16,7 +16,8 @@ Order in which an executor applies a :class:`BatchPlan` (both sides rely on it;
 ``plan_deltas.py`` applies steps 1-8, for every executor, real or simulated):
 
 1. ``swap_out``   device block -> CPU block copies (data of preempted sequences)
-2. ``free_seq_ids`` forget these sequences (finished, aborted or preempted)
+2. ``free_seq_ids`` forget these sequences (finished, aborted or preempted);
+   then ``lora_loads``, adapters into slots no sequence left uses
 3. ``new_seqs``   register sequences (their full token ids and block tables)
 4. ``forks``      child := copy of parent (tokens, block table, computed count)
 5. ``append_tokens`` append scheduler-chosen tokens (beam search)
@@ -130,7 +131,8 @@ class NewSeq(_Message):
     :meth:`tokens` unpacks them, and a length that is not a multiple of 4 is the
     receiver's to refuse). ``num_computed_tokens``
     tokens already have K/V in the cache (prefix-cache hit or swapped-in
-    blocks); ``block_ids`` is the whole block table.
+    blocks); ``block_ids`` is the whole block table. ``lora_slot``: the executor's LoRA slot whose
+    adapter the sequence runs under (-1: the base model); a fork inherits its parent's.
     """
 
     seq_id: Id
@@ -139,6 +141,7 @@ class NewSeq(_Message):
     block_ids: BlockIds
     num_computed_tokens: Count
     sampling: SamplingParams
+    lora_slot: Annotated[int, Meta(ge=-1, le=p.MAX_LORA_SLOTS - 1)] = -1
 
     @property
     def num_tokens(self) -> int:
@@ -183,6 +186,22 @@ class Proposal(_Message):
     token_ids: Annotated[list[Id], Meta(min_length=1, max_length=p.MAX_SPECULATIVE_TOKENS)]
 
 
+class LoraLoad(_Message):
+    """Load the PEFT adapter at ``path`` into LoRA slot ``slot`` (replacing what it held: no
+    sequence the executor holds uses that slot), before the plan's step runs."""
+
+    slot: Annotated[int, Meta(ge=0, le=p.MAX_LORA_SLOTS - 1)]
+    name: Name
+    path: Annotated[str, Meta(min_length=1, max_length=p.MAX_LORA_PATH_CHARS)]
+
+
+class LoraFailure(_Message):
+    """A :class:`LoraLoad` the executor could not carry out: the slot holds no adapter now."""
+
+    slot: Annotated[int, Meta(ge=0, le=p.MAX_LORA_SLOTS - 1)]
+    reason: Text
+
+
 class BatchPlan(_Message):
     """One iteration for one executor. See the module docstring for the order.
 
@@ -203,6 +222,9 @@ class BatchPlan(_Message):
     sequence listed there decodes (one new token, and it samples) and the executor scores its
     proposals in the same forward; its table holds their slots. Never in a plan of several decode
     steps.
+
+    ``lora_loads``: adapters to load, in order, after the frees (to executors whose handshake has
+    ``lora_slots``).
     """
 
     step_id: Count
@@ -219,6 +241,7 @@ class BatchPlan(_Message):
     copies: Pairs = msgspec.field(default_factory=list)  # (src_block, dst_block)
     decode_steps: Annotated[int, Meta(ge=1, le=p.MAX_DECODE_STEPS)] = 1
     proposals: Annotated[list[Proposal], Meta(max_length=p.MAX_SEQS_PER_STEP)] = msgspec.field(default_factory=list)
+    lora_loads: Annotated[list[LoraLoad], Meta(max_length=p.MAX_LORA_SLOTS)] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.scheduled_seq_ids) != len(self.num_new_tokens):
@@ -312,6 +335,9 @@ class StepResult(_Message):
         msgspec.field(default_factory=list)
     # The tokens speculating sequences (BatchPlan.proposals) emitted after their first, in plan order.
     spec_tokens: Annotated[list[SpecTokens], Meta(max_length=p.MAX_SEQS_PER_STEP)] = msgspec.field(default_factory=list)
+    # The plan's LoRA loads that failed; the sequences that run under those slots are in failed_seq_ids.
+    lora_failures: Annotated[list[LoraFailure], Meta(max_length=p.MAX_LORA_SLOTS)] = \
+        msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.sampled_seq_ids) != len(self.sampled_token_ids):
@@ -321,7 +347,8 @@ class StepResult(_Message):
 def max_result_bytes(num_scheduled: int, num_sampled: int, logprobs: int = 0, num_logprob_seqs: int = 0,
                      beam_candidates: int = 0, num_beam_seqs: int = 0, prompt_tokens_scored: int = 0,
                      prompt_logprob_entries: int = 0, num_prompt_logprob_seqs: int = 0,
-                     decode_steps: int = 1, proposed: int = 0, num_speculating: int = 0) -> int:
+                     decode_steps: int = 1, proposed: int = 0, num_speculating: int = 0,
+                     lora_loads: int = 0) -> int:
     """The largest encoded StepResult frame (envelope included) a plan can be answered with.
 
     ``num_scheduled`` sequences computed, ``num_sampled`` of them sampling; of those,
@@ -330,7 +357,8 @@ def max_result_bytes(num_scheduled: int, num_sampled: int, logprobs: int = 0, nu
     report prompt log-probs for ``prompt_tokens_scored`` prompt tokens with
     ``prompt_logprob_entries`` alternatives in all; ``decode_steps``: the plan's; ``proposed``
     tokens proposed to ``num_speculating`` sequences, each of which may come back with its
-    log-probs (counted at ``logprobs`` / ``num_logprob_seqs`` per token). A receiver refuses a larger frame before
+    log-probs (counted at ``logprobs`` / ``num_logprob_seqs`` per token); ``lora_loads``: the plan's
+    adapter loads, each of which may fail with a reason. A receiver refuses a larger frame before
     parsing it. msgpack sizes are taken at their largest: 5 bytes for an int or a container
     header, 9 for a float, 4 bytes per character of text.
     """
@@ -345,7 +373,8 @@ def max_result_bytes(num_scheduled: int, num_sampled: int, logprobs: int = 0, nu
             + 14 * (logprobs + num_logprob_seqs + beam_candidates)  # an id and a float per entry
             + prompt_logprobs + 9 * prompt_tokens_scored + 14 * prompt_logprob_entries
             + 5 + 20 * num_speculating + 5 * proposed  # spec_tokens: entries, their ids
-            + proposed * (seq_logprobs + 14 * (1 + (logprobs // max(num_logprob_seqs, 1)))))
+            + proposed * (seq_logprobs + 14 * (1 + (logprobs // max(num_logprob_seqs, 1))))
+            + 5 + lora_loads * (1 + 5 + 5 + 4 * p.MAX_TEXT_CHARS))  # lora_failures
 
 
 class Handshake(_Message):
@@ -377,6 +406,9 @@ class Handshake(_Message):
     # format, instruction set): with --batch-invariant every executor must agree on both.
     batch_invariant: bool = False
     numerics: Name = ""
+    # LoRA: adapters it computes in one step (--max-loras; 0: none) and the highest rank it takes.
+    lora_slots: Annotated[int, Meta(ge=0, le=p.MAX_LORA_SLOTS)] = 0
+    max_lora_rank: Annotated[int, Meta(ge=0, le=256)] = 0
 
 
 class HandshakeReply(_Message):

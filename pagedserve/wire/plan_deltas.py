@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
-from pagedserve.wire.messages import BatchPlan, BlockUpdate, Fork, NewSeq
+from pagedserve.wire.messages import BatchPlan, BlockUpdate, Fork, LoraLoad, NewSeq
 
 S = TypeVar("S")  # a target's per-sequence state
 Pairs = list[tuple[int, int]]
@@ -58,6 +58,9 @@ class DeltaTarget(Generic[S]):
     def swap_out(self, pairs: Pairs) -> None:
         """(device block, CPU block) copies."""
 
+    def load_lora(self, load: LoraLoad) -> None:
+        """Load an adapter into a slot (no sequence left uses it): only a target that holds adapters."""
+
     def swap_in(self, pairs: Pairs) -> None:
         """(CPU block, device block) copies."""
 
@@ -74,6 +77,8 @@ def apply_deltas(plan: BatchPlan, seqs: dict[int, S], target: DeltaTarget[S]) ->
     for sid in plan.free_seq_ids:
         if seqs.pop(sid, None) is None:
             target.free_unknown(sid)
+    for load in plan.lora_loads:
+        target.load_lora(load)
     for s in plan.new_seqs:
         if s.seq_id in seqs:
             raise DeltaError(f"new_seqs: seq {s.seq_id} already exists", s.seq_id)

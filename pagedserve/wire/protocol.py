@@ -41,6 +41,8 @@ MAX_LOGIT_BIAS = 1 << 16  # (token id, bias) pairs of one sequence's logit bias
 MAX_END_TOKEN_IDS = 1 << 12  # ids that end one sequence (its EOS ids and stop token ids)
 MAX_STRUCTURED_CHARS = 1 << 20  # characters of one structured-output spec (a JSON schema, a grammar)
 MAX_PROMPT_LOGPROB_ENTRIES = 1 << 24  # prompt-log-prob alternatives one sequence reports in one result
+MAX_LORA_SLOTS = 256  # LoRA adapters one executor computes in one step (Handshake.lora_slots)
+MAX_LORA_PATH_CHARS = 4096  # an adapter directory as the executor sees it (LoraLoad.path)
 MAX_SPECULATIVE_TOKENS = 16  # tokens proposed to one sequence in one step (BatchPlan.proposals)
 MAX_DECODE_STEPS = 64  # decode steps one plan may ask for (BatchPlan.decode_steps)
 

@@ -16,7 +16,7 @@ import time
 from typing import Protocol
 
 from pagedserve.engine_api import EngineError, ErrorKind, GenerationRequest, RequestUpdate
-from pagedserve.kv_blocks import hash_blocks
+from pagedserve.kv_blocks import chain_root, hash_blocks
 from scheduler_svc.engine.engine_config import EngineConfig
 from scheduler_svc.engine.router import Router
 from scheduler_svc.engine.state import CoreRequest, ExecutorSlot
@@ -118,7 +118,7 @@ class CoreRequests:
             why = ready[0].scheduler.why_cannot_hold(req, cr.resume)
             return f"no connected executor can hold this request: {why}"
         if req.prompt_block_hashes is None:  # (fronts hash prompts; a request from elsewhere is hashed here)
-            req.prompt_block_hashes = hash_blocks(None, req.prompt_token_ids, self.cfg.scheduler.block_size)
+            req.prompt_block_hashes = hash_blocks(chain_root(req.lora), req.prompt_token_ids, self.cfg.scheduler.block_size)
         slot = self.router.choose(fits, req.prompt_block_hashes)
         if slot is None:
             self._park(cr)

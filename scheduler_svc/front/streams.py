@@ -37,7 +37,7 @@ from pagedserve.engine_api import (
     ModelInfo,
     RequestUpdate,
 )
-from pagedserve.kv_blocks import hash_blocks
+from pagedserve.kv_blocks import chain_root, hash_blocks
 from scheduler_svc.front.output.deltas import DECODE_CASE, RequestStream
 from scheduler_svc.front.output.detokenize import standalone_token_texts
 from scheduler_svc.front.output.mailbox import Tracked
@@ -129,7 +129,7 @@ class FrontStreams:
             req.arrival_time = time.monotonic()
         if req.prompt_block_hashes is None and (info := self.core.model_info()) is not None:
             # Hashed once, here: the core's routing and every scheduler's prefix lookup use this chain.
-            req.prompt_block_hashes = hash_blocks(None, req.prompt_token_ids, info.block_size)
+            req.prompt_block_hashes = hash_blocks(chain_root(req.lora), req.prompt_token_ids, info.block_size)
         p = req.params
         stream = RequestStream(req, self.tokenizer, num_choices=max(p.n, p.beam_width),
                                standalone_texts=self.standalone_texts)

@@ -23,7 +23,7 @@ import abc
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from pagedserve.kv_blocks import hash_blocks
+from pagedserve.kv_blocks import chain_root, hash_blocks
 from scheduler_svc.sched.block_pool import Block, BlockPool
 from scheduler_svc.sched.request import Sequence
 
@@ -167,7 +167,7 @@ class KVCacheManager(KVCacheManagerBase):
         hashes = self._hashes.setdefault(seq.seq_id, [])
         have, bs = len(hashes), self.block_size
         if have < num_blocks:
-            hashes += hash_blocks(hashes[-1] if hashes else None, seq.token_ids[have * bs:num_blocks * bs], bs,
+            hashes += hash_blocks(hashes[-1] if hashes else chain_root(seq.request.req.lora), seq.token_ids[have * bs:num_blocks * bs], bs,
                                   self._extra)
         return hashes
 

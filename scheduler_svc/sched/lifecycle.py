@@ -13,13 +13,14 @@ import bisect
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 import msgspec
 
 from pagedserve.engine_api import FinishReason, GenerationRequest, RequestUpdate
-from pagedserve.wire import SamplingParams, max_result_bytes
+from pagedserve.wire import LoraLoad, SamplingParams, max_result_bytes
 from scheduler_svc.sched.kv_cache_manager import NO_HIT, KVCacheManager, KVCacheManagerBase, PrefixHit
+from scheduler_svc.sched.lora_slots import LoraSlots
 from scheduler_svc.sched.request import BeamState, MigratedRequest, Request, RequestState, Sequence
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 
@@ -48,6 +49,7 @@ class InFlight:
     decode_only: bool = False  # every sequence it computes decodes one token per step (its time says a step's)
     # Speculative decoding: (seq, proposals, its residency) for each sequence the plan gave proposals.
     proposed_at: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
+    lora_loads: int = 0  # the plan's LoRA loads (each may come back as a failure)
 
     @property
     def proposed(self) -> list[tuple[Sequence, int]]:
@@ -71,7 +73,7 @@ class InFlight:
             entries += most * s.sampling.prompt_logprobs
         return max_result_bytes(len(self.seq_ids), len(self.sampling), lp, num_lp, beams, len(self.beams),
                                 scored, entries, len(self.scoring), self.decode_steps,
-                                sum(d for _, d, _ in self.proposed_at), len(self.proposed_at))
+                                sum(d for _, d, _ in self.proposed_at), len(self.proposed_at), self.lora_loads)
 
     def forget(self, dropped: set[int]) -> None:
         """The executor dropped these sequences after an earlier step failed: this plan serves none of
@@ -98,7 +100,8 @@ class RequestLifecycle:
     """Queues and indexes of one scheduler, and every way a request enters or leaves."""
 
     def __init__(self, config: SchedulerConfig, num_device_blocks: int, num_cpu_blocks: int,
-                 eos_token_ids: Collection[int], kv_manager: KVCacheManagerBase | None = None) -> None:
+                 eos_token_ids: Collection[int], kv_manager: KVCacheManagerBase | None = None,
+                 lora_paths: Mapping[str, str] | None = None) -> None:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv: KVCacheManagerBase = kv_manager or KVCacheManager(
@@ -121,6 +124,10 @@ class RequestLifecycle:
         self.failures: list[RequestUpdate] = []  # requests failed alone while scheduling; the engine drains it
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        # LoRA: the executor's adapter slots, and where each adapter the deployment serves lives (the
+        # engine's registry: adapters loaded at run time appear in it).
+        self.lora = LoraSlots(config.lora_slots)
+        self.lora_paths: Mapping[str, str] = lora_paths if lora_paths is not None else {}
 
     # ------------------------------------------------------------------ requests in/out
     def add_request(self, req: GenerationRequest, resume: MigratedRequest | None = None) -> None:
@@ -188,6 +195,8 @@ class RequestLifecycle:
         if width > min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
             return (f"n/beam_width {width} exceeds max_num_seqs {cfg.max_num_seqs} "
                     f"or max_num_batched_tokens {cfg.max_num_batched_tokens}")
+        if req.lora and not self.lora.num_slots:
+            return f"this executor serves no LoRA adapters (its --max-loras is 0); the request names {req.lora!r}"
         need = width * -(-self.max_total_tokens(req) // cfg.block_size)
         if need > self.usable_blocks:
             return f"request needs up to {need} KV blocks; this pool has {self.usable_blocks} usable"
@@ -254,6 +263,7 @@ class RequestLifecycle:
             return
         for seq in list(r.live):
             self.finish_seq(seq, reason or FinishReason.ABORTED)
+        self.unpin_lora(r)
         if r.state is RequestState.RUNNING:
             self.running.remove(r)
         elif r.state is RequestState.WAITING:
@@ -292,6 +302,29 @@ class RequestLifecycle:
         that call dropped get no answer here, and nothing it held needs freeing any more."""
         self._stale_steps.clear()
         self._owed_frees.clear()
+        self.lora.reset()  # (it may have restarted: every adapter is loaded again when next used)
+
+    def pin_lora(self, r: Request, loads: list) -> bool:
+        """Give ``r``'s adapter a slot before it is admitted (a load for ``loads`` if the slot held
+        another); False when every slot is pinned by other adapters. A base-model request: True."""
+        name = r.req.lora
+        if not name or r.lora_slot is not None:
+            return True
+        path = self.lora_paths.get(name)
+        if path is None:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded")
+        got = self.lora.acquire(name)
+        if got is None:
+            return False
+        r.lora_slot, load = got
+        if load:
+            loads.append(LoraLoad(r.lora_slot, name, path))
+        return True
+
+    def unpin_lora(self, r: Request) -> None:
+        if r.lora_slot is not None:
+            self.lora.release(r.lora_slot)
+            r.lora_slot = None
 
     def _set_running(self, r: Request) -> None:
         r.state = RequestState.RUNNING
@@ -410,6 +443,16 @@ class RequestLifecycle:
             for s in r.live:
                 if s.resident or s.num_computed_tokens or self.kv.block_ids(s):
                     raise RuntimeError(f"waiting seq {s.seq_id} still holds executor state or blocks")
+        pins: dict[int, int] = {}
+        for r in self.requests.values():
+            if r.lora_slot is not None:
+                if r.state is RequestState.WAITING:
+                    raise RuntimeError(f"waiting request {r.request_id} pins LoRA slot {r.lora_slot}")
+                pins[r.lora_slot] = pins.get(r.lora_slot, 0) + 1
+                if self.lora.held().get(r.lora_slot) != r.req.lora:
+                    raise RuntimeError(f"request {r.request_id} runs under slot {r.lora_slot}, which holds "
+                                       f"{self.lora.held().get(r.lora_slot)!r}, not {r.req.lora!r}")
+        self.lora.check(pins)
         owed: dict[int, int] = {}  # placeholders each live sequence is owed by the plans in flight
         for step in self.in_flight:
             for s in step.sampling + step.beams:

@@ -107,6 +107,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
     stop_token_ids: frozenset[int] = frozenset()
     stop_len: int = 0  # a sequence of this many tokens is done: min(prompt + max_tokens, max_model_len)
+    lora_slot: int | None = None  # the LoRA slot it pins while admitted (lora_slots.py); None: none
     packed_prompt_ids: bytes | None = None  # (packed_tokens(): built at its first NewSeq, kept for re-sends)
 
     @property

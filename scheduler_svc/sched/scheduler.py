@@ -37,8 +37,9 @@ changes. The order an executor applies a plan in is documented in
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from pagedserve.engine_api import RequestUpdate
 from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, Proposal, StepResult
@@ -49,6 +50,8 @@ from scheduler_svc.sched.request import Request, RequestState, Sequence
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from scheduler_svc.sched.speculative_steps import SpeculativeSteps
 from scheduler_svc.sched.step_output import OutputProcessor
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -66,8 +69,8 @@ class Scheduler(RequestLifecycle):
 
     def __init__(self, config: SchedulerConfig, num_device_blocks: int, num_cpu_blocks: int,
                  eos_token_ids: Collection[int], kv_manager: KVCacheManagerBase | None = None,
-                 vocab_size: int | None = None) -> None:
-        super().__init__(config, num_device_blocks, num_cpu_blocks, eos_token_ids, kv_manager)
+                 vocab_size: int | None = None, lora_paths: Mapping[str, str] | None = None) -> None:
+        super().__init__(config, num_device_blocks, num_cpu_blocks, eos_token_ids, kv_manager, lora_paths)
         self._out = OutputProcessor(self, vocab_size)
         self.decode_policy = DecodeStepPolicy(config.decode_steps if config.speculative is None else 1)
         self.spec = SpeculativeSteps(config.speculative) if config.speculative is not None else None
@@ -89,10 +92,12 @@ class Scheduler(RequestLifecycle):
                 self._schedule_waiting(plan, budget)
         plan.free_seq_ids = self._owed_frees
         self._owed_frees = []
+        step.lora_loads = len(plan.lora_loads)
         # (each sequence computed one token: nothing but decodes, and its time is a decode step's)
         step.decode_only = (self.config.max_num_batched_tokens - budget.tokens == len(step.seq_ids)
                             == len(step.sampling)) and bool(step.sampling)
-        if not (step.seq_ids or plan.free_seq_ids or plan.swap_out or plan.swap_in or plan.new_seqs):
+        if not (step.seq_ids or plan.free_seq_ids or plan.swap_out or plan.swap_in or plan.new_seqs
+                or plan.lora_loads):
             return None
         self.in_flight.append(step)
         return plan
@@ -234,8 +239,9 @@ class Scheduler(RequestLifecycle):
                 if s.fork_parent is not None:
                     out.append(Fork(s.fork_parent, s.seq_id, s.fork_seed))
                 else:
-                    out.append(NewSeq(s.seq_id, r.packed_tokens(s), s.num_prompt_tokens,
-                                      self.kv.block_ids(s), s.num_computed_tokens, s.sampling))
+                    out.append(NewSeq(s.seq_id, r.packed_tokens(s), s.num_prompt_tokens, self.kv.block_ids(s),
+                                      s.num_computed_tokens, s.sampling,
+                                      -1 if r.lora_slot is None else r.lora_slot))
         return out
 
     def _allocate(self, work: Work, reserve: int) -> list[SlotChange] | None:
@@ -315,6 +321,7 @@ class Scheduler(RequestLifecycle):
         for seq in r.live:
             self._forget(seq)
             seq.num_computed_tokens = 0
+        self.unpin_lora(r)  # (recomputed later, perhaps under another slot)
         r.state = RequestState.WAITING
         self.waiting.appendleft(r)
 
@@ -363,15 +370,19 @@ class Scheduler(RequestLifecycle):
 
     def _admit(self, r: Request, plan: BatchPlan, budget: _Budget) -> bool:
         """Admit the head of the waiting queue with its prefix hits; False (nothing changed) if it
-        does not fit."""
+        does not fit (or its LoRA adapter has no slot: it waits at the head, in arrival order)."""
+        if not self.pin_lora(r, plan.lora_loads):
+            return False
         hit_tokens = self._take_prefix_hits(r, budget.tokens)
         if hit_tokens is None:
+            self.unpin_lora(r)  # (a load it caused stays in the plan: the slot holds that adapter now)
             return False
         work = self._group_work(r, budget)
         intros = self._intros(r) if work else []
         changes = self._allocate(work, self._watermark) if work else None
         if changes is None:
             self._unadmit(r)
+            self.unpin_lora(r)
             return False
         self.waiting.popleft()
         self._set_running(r)
@@ -423,7 +434,12 @@ class Scheduler(RequestLifecycle):
             raise RuntimeError(f"update: plan {result.step_id} was refused; take the requests back instead")
         failed = set(result.failed_seq_ids)
         due = self._out.check(result, step, failed)  # before anything changes: a bad result changes nothing
+        if len(result.lora_failures) > step.lora_loads:
+            raise ProtocolError(f"update: {len(result.lora_failures)} LoRA load failures for a plan of "
+                                f"{step.lora_loads} loads")
         self.in_flight.popleft()
+        for f in result.lora_failures:
+            self._lora_failed(f.slot, f.reason)
         if not failed:
             self.decode_policy.observe(step, result)
         if self.spec is not None and (step.proposed_at or result.spec_tokens):
@@ -452,6 +468,20 @@ class Scheduler(RequestLifecycle):
         if self.spec is not None:
             self.spec.pending.clear()  # (their results will not be applied)
         return super().take_all_requests()
+
+    def _lora_failed(self, slot: int, reason: str) -> None:
+        """The executor could not load ``slot``'s adapter: every request pinned to it fails with the
+        reason (the executor drops their sequences, in this plan and in those behind it, until the
+        slot is loaded again), and the slot is empty."""
+        name = self.lora.held().get(slot)
+        log.error("the executor could not load LoRA adapter %r into slot %d: %s", name, slot, reason)
+        doomed = [r for r in self.requests.values() if r.lora_slot == slot and r.live]
+        dropped = {s.seq_id for r in doomed for s in r.live}
+        for later in self.in_flight:
+            later.forget(set(dropped))
+        self.failures += self._out.fail([r.live[0] for r in doomed], f"LoRA adapter {name!r} could not be "
+                                                                     f"loaded: {reason}")
+        self.lora.unload(slot)
 
     def _fail_dropped(self, failed: set[int]) -> list[RequestUpdate]:
         """The executor dropped ``failed`` (its step could not serve them): the plans behind it serve

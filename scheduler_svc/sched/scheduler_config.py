@@ -40,6 +40,8 @@ class SchedulerConfig:
     decode_steps: int = 1
     # Speculative decoding (--speculative-config; None: off, and for executors that do not score proposals).
     speculative: SpeculativeConfig | None = None
+    # LoRA adapters one step may compute (--max-loras, bounded by the executor's slots; 0: none).
+    lora_slots: int = 0
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -52,6 +54,8 @@ class SchedulerConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if type(self.lora_slots) is not int or not 0 <= self.lora_slots <= wire.MAX_LORA_SLOTS:
+            raise ValueError(f"lora_slots must be in [0, {wire.MAX_LORA_SLOTS}], got {self.lora_slots!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
 
