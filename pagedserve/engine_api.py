@@ -122,6 +122,7 @@ class ErrorKind(enum.IntEnum):
     FAILED = 0  # an internal failure of this request only (INTERNAL)
     NO_EXECUTOR = 1  # no executor can take it now, or it ran out of migrations (UNAVAILABLE)
     QUEUE_FULL = 2  # more requests queued than the configured limit (RESOURCE_EXHAUSTED)
+    NOT_FOUND = 3  # it names a LoRA adapter this deployment does not serve (NOT_FOUND, 404)
 
 
 class EngineError(Exception):
@@ -145,6 +146,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()  # every end-of-sequence id, first = config.json's first
     max_request_blocks: int = 0  # KV blocks one request may hold on the roomiest executor (0: unchecked)
     max_token_chars: int = 0  # characters the longest vocabulary entry spans (0: unchecked)
+    lora_adapters: tuple[str, ...] = ()  # the LoRA adapters a request may name in its `model` field
 
 
 @dataclass(slots=True)

@@ -111,7 +111,8 @@ class EngineCore(CoreRequests):
                          max_model_len=max(s.scheduler.config.max_model_len for s in ready),
                          vocab_size=info.vocab_size, block_size=self.cfg.scheduler.block_size,
                          num_executors=len(live), eos_token_ids=self.eos_token_ids,
-                         max_request_blocks=max(s.scheduler.usable_blocks for s in ready))
+                         max_request_blocks=max(s.scheduler.usable_blocks for s in ready),
+                         lora_adapters=tuple(self.lora_paths))
 
     def stats(self) -> EngineStats:
         st = EngineStats(num_preemptions=self._retired_preemptions,
@@ -150,9 +151,11 @@ class EngineCore(CoreRequests):
             self.metrics.watch_deployment(info.model_name, lambda: self.deployment_stats())
         cfg = dataclasses.replace(self.cfg.scheduler, max_model_len=info.max_model_len,
                                   decode_steps=info.max_decode_steps,
-                                  speculative=self.cfg.scheduler.speculative if info.speculative else None)
+                                  speculative=self.cfg.scheduler.speculative if info.speculative else None,
+                                  lora_slots=min(self.cfg.max_loras, info.lora_slots) if self.cfg.enable_lora else 0)
         slot = ExecutorSlot(conn, Scheduler(cfg, info.num_device_blocks, info.num_cpu_blocks,
-                                            self.eos_token_ids, vocab_size=info.vocab_size))
+                                            self.eos_token_ids, vocab_size=info.vocab_size,
+                                            lora_paths=self.lora_paths))
         self.slots[conn.id] = slot
         slot.task = asyncio.create_task(self._run(slot), name=f"engine-{conn.id}")
         slot.task.add_done_callback(self._loop_ended)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve import wire
+from pagedserve.lora_modules import MAX_LORA_RANK, LoraModule
 from scheduler_svc.engine.executor_auth import LinkSecurity
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 
@@ -30,7 +31,22 @@ class EngineConfig:
     orphan_timeout_s: float = 60.0  # how long a request whose executors all died waits for another
     model_fingerprint: str | None = None  # the served model (from --model's weights), None: the first executor's
     batch_invariant: bool = False  # accept only executors whose results cannot depend on their batch, all alike
+    # LoRA (--enable-lora): the adapters served (checked at start), the most one step computes on an
+    # executor (bounded by its own slots) and the highest rank taken.
+    enable_lora: bool = False
+    lora_modules: tuple[LoraModule, ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if not 1 <= self.max_loras <= wire.MAX_LORA_SLOTS:
+            raise ValueError(f"--max-loras must be in [1, {wire.MAX_LORA_SLOTS}], got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(f"--max-lora-rank must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}")
+        names = [m.name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules: a name given twice in {names}")
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
             raise ValueError(f"EngineConfig.stream_interval must be an integer >= 1 (got {self.stream_interval!r})")

@@ -37,6 +37,8 @@ class CoreRequests:
         self.cfg = cfg
         self.slots: dict[str, ExecutorSlot] = {}
         self.router = Router()
+        # LoRA adapters served (name -> directory as the executors see it); every scheduler reads it.
+        self.lora_paths: dict[str, str] = {m.name: str(m.path) for m in cfg.lora_modules}
         self.requests: dict[str, CoreRequest] = {}  # every request this core holds, by its id
         self.orphans: list[CoreRequest] = []  # waiting for an executor after a failure
         self._closing = False
@@ -61,6 +63,8 @@ class CoreRequests:
                                                     f"(max_queued_requests) is {self.cfg.max_queued_requests}")
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already running in this engine core")
+        if req.lora and req.lora not in self.lora_paths:
+            raise EngineError(ErrorKind.NOT_FOUND, f"the LoRA adapter {req.lora[:200]!r} is not served here")
         if not req.arrival_time:
             req.arrival_time = time.monotonic()
         cr = CoreRequest(req, sink, resume=resume)
@@ -119,7 +123,7 @@ class CoreRequests:
             return f"no connected executor can hold this request: {why}"
         if req.prompt_block_hashes is None:  # (fronts hash prompts; a request from elsewhere is hashed here)
             req.prompt_block_hashes = hash_blocks(chain_root(req.lora), req.prompt_token_ids, self.cfg.scheduler.block_size)
-        slot = self.router.choose(fits, req.prompt_block_hashes)
+        slot = self.router.choose(fits, req.prompt_block_hashes, req.lora)
         if slot is None:
             self._park(cr)
             return None

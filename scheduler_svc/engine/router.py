@@ -11,8 +11,11 @@ Cost, for each ready executor ``e`` (documented in docs/ARCHITECTURE.md):
 
     load(e)  = running + waiting + not-yet-admitted requests on e
     hit(e)   = prompt tokens in the longest run of leading full blocks routed to e
+    holds(e) = 1 if the request names a LoRA adapter that e has in a slot, else 0
     eligible = { e : load(e) within the skew bound of the least loaded }   (pagedserve/placement.py)
-    choose     argmax over eligible of (hit(e), -load(e), free_blocks(e) - queued_blocks(e))
+    choose     argmax over eligible of (holds(e), hit(e), -load(e), free_blocks(e) - queued_blocks(e))
+
+(An adapter's prompt blocks hash under a root of their own, so hit(e) is already per adapter.)
 
 The skew guard, shared with the fronts' choice of an engine core, is what stops one hot
 prefix from swamping a single executor.
@@ -43,9 +46,10 @@ class Router:
             n += 1
         return n
 
-    def choose(self, ready: list[ExecutorSlot], hashes: list[bytes]) -> ExecutorSlot | None:
+    def choose(self, ready: list[ExecutorSlot], hashes: list[bytes], lora: str | None = None) -> ExecutorSlot | None:
         """The executor for a request among ``ready`` ones (each able to hold it); None if empty.
-        ``hashes``: the prompt's full-block hash chain (``kv_cache_manager.hash_blocks``)."""
+        ``hashes``: the prompt's full-block hash chain (``kv_cache_manager.hash_blocks``); ``lora``:
+        the adapter it names."""
         if not ready:
             return None
         loads = {s.id: _load(s) for s in ready}
@@ -53,7 +57,8 @@ class Router:
         hits = {s.id: self._hit_blocks(hashes, s.id) for s in eligible}
         # Load before free blocks: a request queued in a scheduler holds no blocks
         # yet, so free blocks alone would pile a burst onto whoever admitted first.
-        best = max(eligible, key=lambda s: (hits[s.id], -loads[s.id], _headroom(s)))
+        best = max(eligible, key=lambda s: (bool(lora) and s.scheduler.lora.holds(lora), hits[s.id], -loads[s.id],
+                                            _headroom(s)))
         self._remember(hashes, best.id)
         return best
 

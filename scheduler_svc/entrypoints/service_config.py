@@ -21,6 +21,7 @@ from typing import Any
 
 from pagedserve import wire
 from pagedserve.envargs import number, parse_with_env
+from pagedserve.lora_modules import LoraConfigError, LoraModule, inspect_adapter, parse_lora_module
 from pagedserve.model_dir import has_model_config, is_gguf, open_gguf, resolve_model
 from scheduler_svc.engine.engine_config import EngineConfig
 from scheduler_svc.engine.executor_auth import LinkSecurity
@@ -93,6 +94,10 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "--max-migrations": (EngineConfig, "max_migrations"),
     "--async-scheduling": (EngineConfig, "async_scheduling"),
     "--batch-invariant": (EngineConfig, "batch_invariant"),
+    "--enable-lora": (EngineConfig, "enable_lora"),
+    "--lora-modules": (EngineConfig, "lora_modules"),
+    "--max-loras": (EngineConfig, "max_loras"),
+    "--max-lora-rank": (EngineConfig, "max_lora_rank"),
     "--stream-interval": (EngineConfig, "stream_interval"),
     "--step-timeout": (EngineConfig, "step_timeout_s"),
     "--max-failed-steps": (EngineConfig, "max_failed_steps"),
@@ -213,6 +218,19 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (k in 1..16; the draft-model method is "
                         "not served yet). Greedy and seeded outputs are the same with it on and off")
+    p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=default(e, "enable_lora"),
+                   help="serve LoRA adapters on the base model (--lora-modules); a request names one in its "
+                        "`model` field")
+    p.add_argument("--lora-modules", nargs="+", action="extend", default=default(e, "lora_modules"),
+                   metavar="NAME=PATH",
+                   help="LoRA adapters to serve, each a PEFT directory (adapter_config.json, "
+                        "adapter_model.safetensors) that every executor can read at PATH; name=path or vLLM's JSON "
+                        "form {\"name\": ..., \"path\": ..., \"base_model_name\": ...}. Checked at start")
+    p.add_argument("--max-loras", type=number(int, "--max-loras", 0), default=default(e, "max_loras"),
+                   help="LoRA adapters one step computes on an executor (at most the executor's own --max-loras "
+                        "slots); requests for others wait, in arrival order")
+    p.add_argument("--max-lora-rank", type=number(int, "--max-lora-rank", 0), default=default(e, "max_lora_rank"),
+                   help="the highest LoRA rank an adapter may have (at most 256)")
     p.add_argument("--max-queued-requests", type=number(int, "--max-queued-requests", 0),
                    default=default(e, "max_queued_requests"),
                    help="waiting requests beyond which new ones get RESOURCE_EXHAUSTED")
@@ -404,12 +422,16 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         room = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
         if width > room:  # such a request could never be scheduled: reject the configuration, not it
             parser.error(f"{flag}: must be <= --max-num-seqs and --max-num-batched-tokens ({room}), got {width}")
+    a.lora_modules = _lora_modules(parser, a)
     keys = _executor_link(parser, a)
     host = _executor_host(parser, a, keys)
     _check_port_ranges(parser, a)
-    engine = EngineConfig(scheduler=scheduler, executor_endpoint=f"tcp://{host}:{a.executor_port}",
-                          executor_link=keys,
-                          **{k: v for k, v in _fields(EngineConfig, a).items() if k != "scheduler"})
+    try:
+        engine = EngineConfig(scheduler=scheduler, executor_endpoint=f"tcp://{host}:{a.executor_port}",
+                              executor_link=keys,
+                              **{k: v for k, v in _fields(EngineConfig, a).items() if k != "scheduler"})
+    except ValueError as exc:
+        parser.error(str(exc))
     http_limits = HttpLimits(**{f.name: getattr(a, f"http_{f.name}") for f in dataclasses.fields(HttpLimits)})
     grpc_limits = GrpcLimits(**{f.name: getattr(a, f"grpc_{f.name}") for f in dataclasses.fields(GrpcLimits)})
     limits = _sized_limits(parser, a, http_limits)
@@ -422,6 +444,18 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         front_link_host=_front_link_host(parser, a, keys),
         front_link_port=a.front_link_port, trusted_front_keys=a.trusted_front_keys,
         logprobs_mode=a.logprobs_mode, tool_calls=_tool_calls(parser, a))
+
+
+def _lora_modules(parser: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[LoraModule, ...]:
+    """--lora-modules, each adapter's files checked now: a bad one stops the service, saying why."""
+    out = []
+    for text in a.lora_modules:
+        try:
+            name, path, _base = parse_lora_module(text)  # (the JSON form's base_model_name: display only)
+            out.append(inspect_adapter(name, path, a.max_lora_rank))
+        except LoraConfigError as exc:
+            parser.error(str(exc))
+    return tuple(out)
 
 
 def _tool_calls(parser: argparse.ArgumentParser, a: argparse.Namespace) -> ToolCallOptions:

@@ -128,7 +128,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         msg = pb.ModelInfo(
             model_name=info.model_name, architecture=info.architecture, max_model_len=info.max_model_len,
             vocab_size=info.vocab_size, block_size=info.block_size, num_executors=info.num_executors,
-            limits=self._limits.to_proto(),
+            limits=self._limits.to_proto(), lora_adapters=list(info.lora_adapters),
         )
         if info.eos_token_ids:
             msg.eos_token_id = info.eos_token_ids[0]
@@ -150,6 +150,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if info is None:
             raise _ErrorStatus(grpc.StatusCode.UNAVAILABLE, "no executor has registered yet; retry later")
         arrival = time.monotonic()
+        lora = request.model if request.HasField("model") and request.model != info.model_name else None
+        if lora is not None and lora not in info.lora_adapters:
+            raise _ErrorStatus(grpc.StatusCode.NOT_FOUND, f"model: {lora[:200]!r} is neither the served model "
+                                                         f"{info.model_name!r} nor one of its LoRA adapters")
         try:
             fields = fields_from_proto(request)  # (a long prompt, or a grammar to check: in a worker thread)
             greq = await validate_off_loop(validation_work(fields), validate_request, fields, info, self._limits,
@@ -162,6 +166,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if greq.request_id in self._in_flight:
             raise _ErrorStatus(grpc.StatusCode.ALREADY_EXISTS, f"request_id {greq.request_id!r} is already running")
         greq.arrival_time = arrival
+        greq.lora = lora
         remaining = context.time_remaining()  # None: the client set no deadline
         if remaining is not None:
             greq.deadline = time.monotonic() + remaining

@@ -114,29 +114,34 @@ class OpenAIFront:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
+        """The model and its LoRA adapters (each with the model as its ``parent``, as vLLM lists them)."""
         info = self._info()
+        base = {"id": info.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve",
+                "root": info.model_name, "parent": None, "max_model_len": info.max_model_len}
+        cards = [base] + [{**base, "id": name, "root": name, "parent": info.model_name} for name in info.lora_adapters]
         wanted = request.path_params.get("model")
-        if wanted is not None and wanted != info.model_name:
-            raise _unknown_model(wanted)
-        card = {"id": info.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve",
-                "max_model_len": info.max_model_len}
-        return _json(card if wanted is not None else {"object": "list", "data": [card]})
+        if wanted is None:
+            return _json({"object": "list", "data": cards})
+        for card in cards:
+            if card["id"] == wanted:
+                return _json(card)
+        raise _unknown_model(wanted)
 
     async def completions(self, request: Request) -> Response:
-        arrival, body, req, info = await self._admit(request, CompletionRequest)
+        arrival, body, req, info, lora = await self._admit(request, CompletionRequest)
         # A large body's prompts are read in a worker thread (64 prompts of ids: 100 ms of Python).
         fields = completion_fields(req, self.http_limits) if len(body) <= THREAD_CHARS else None
         work = len(body) if fields is None else _tokenizer_work(fields, req.echo)
         greqs, echo = await validate_off_loop(work, self._completion_requests, req, fields, info)
-        _stamp(greqs, arrival, req.skip_special_tokens)
-        render = CompletionRender(f"cmpl-{greqs[0].request_id}", info.model_name, _choices(greqs[0]), len(greqs),
+        _stamp(greqs, arrival, req.skip_special_tokens, lora)
+        render = CompletionRender(f"cmpl-{greqs[0].request_id}", lora or info.model_name, _choices(greqs[0]), len(greqs),
                                   self.texts, return_token_ids=req.return_token_ids, echo=echo,
                                   prompt_ids=[g.prompt_token_ids for g in greqs] if echo else None,
                                   **_usage_options(req, greqs))
         return await self._respond(request, greqs, render, req.stream)
 
     async def chat(self, request: Request) -> Response:
-        arrival, body, req, info = await self._admit(request, ChatRequest)
+        arrival, body, req, info, lora = await self._admit(request, ChatRequest)
         messages = chat_messages(req, self.http_limits)
         fields = chat_fields(req)
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_options, self.special_tokens)
@@ -154,8 +159,8 @@ class OpenAIFront:
         work = len(body) + validation_work(RequestFields(structured=fields.structured))
         greqs = await validate_off_loop(work, self._chat_request, fields, messages, req.add_generation_prompt,
                                         tools, info, names)
-        _stamp(greqs, arrival, req.skip_special_tokens and tools.skip_special_tokens)
-        render = ChatRender(f"chatcmpl-{greqs[0].request_id}", info.model_name, _choices(greqs[0]), 1,
+        _stamp(greqs, arrival, req.skip_special_tokens and tools.skip_special_tokens, lora)
+        render = ChatRender(f"chatcmpl-{greqs[0].request_id}", lora or info.model_name, _choices(greqs[0]), 1,
                             self.texts, return_token_ids=req.return_token_ids, tools=tools,
                             **_usage_options(req, greqs))
         return await self._respond(request, greqs, render, req.stream)
@@ -168,8 +173,9 @@ class OpenAIFront:
         return body_cap(self.http_limits, info.max_model_len if info is not None else 0,
                         self.limits.max_in_flight_bytes)
 
-    async def _admit(self, request: Request, kind: type) -> tuple[float, bytes, Any, ModelInfo]:
-        """(arrival time, body, decoded body, model): the bounded read, the JSON, the model named.
+    async def _admit(self, request: Request, kind: type) -> tuple[float, bytes, Any, ModelInfo, str | None]:
+        """(arrival time, body, decoded body, model, LoRA adapter or None): the bounded read, the JSON,
+        the model named.
         No body is read before a model is known, nor one over the cap (413 from its length), nor a
         large one while the parse worker's queue is full (503)."""
         arrival = time.monotonic()
@@ -180,7 +186,7 @@ class OpenAIFront:
         body = await _read_body(request, cap, hl.body_timeout_s)
         req = await self.parser.decode(body, kind, RequestCaps.derive(self.limits, info, hl.max_prompts,
                                                                       hl.max_messages, hl.max_tools))
-        return arrival, body, req, self._model(req.model)
+        return (arrival, body, req, *self._model(req.model))
 
     def _info(self) -> ModelInfo:
         if self.shutting_down:
@@ -190,11 +196,14 @@ class OpenAIFront:
             raise ApiError(503, "no executor has registered yet; retry later", code="no_executor")
         return info
 
-    def _model(self, name: str | None) -> ModelInfo:
+    def _model(self, name: str | None) -> tuple[ModelInfo, str | None]:
+        """The model a request's ``model`` field names: the served one (no LoRA) or one of its adapters."""
         info = self._info()
-        if name is not None and name != info.model_name:
-            raise _unknown_model(name)
-        return info
+        if name is None or name == info.model_name:
+            return info, None
+        if name in info.lora_adapters:
+            return info, name
+        raise _unknown_model(name)
 
     # Validating (tokenizing, rendering) a large body runs in a worker thread (validate_off_loop),
     # as on the gRPC front; so does decoding the prompts an echo repeats.
@@ -305,11 +314,13 @@ def _tokenizer_work(fields: list[RequestFields], echo: bool) -> int:
     return sum(validation_work(f) + (len(f.prompt_token_ids) if echo and f.prompt is None else 0) for f in fields)
 
 
-def _stamp(greqs: list[GenerationRequest], arrival: float, skip_special_tokens: bool) -> None:
-    """Each request's queue time starts when its HTTP request arrived, before the body was read."""
+def _stamp(greqs: list[GenerationRequest], arrival: float, skip_special_tokens: bool, lora: str | None) -> None:
+    """Each request's queue time starts when its HTTP request arrived, before the body was read; each
+    runs under the LoRA adapter its ``model`` field named."""
     for g in greqs:
         g.arrival_time = arrival
         g.params.skip_special_tokens = skip_special_tokens
+        g.lora = lora
 
 
 def _choices(g: GenerationRequest) -> int:

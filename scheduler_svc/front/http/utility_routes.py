@@ -38,7 +38,7 @@ class OpenAIFront(Protocol):
     chat_template: Any
     http_limits: Any
 
-    async def _admit(self, request: Request, kind: type) -> tuple[float, bytes, Any, Any]: ...
+    async def _admit(self, request: Request, kind: type) -> tuple[float, bytes, Any, Any, str | None]: ...
 
 
 def routes(front: OpenAIFront) -> list[Route]:
@@ -54,7 +54,7 @@ async def version(request: Request) -> Response:
 
 
 async def tokenize(front: OpenAIFront, request: Request) -> Response:
-    _, body, req, info = await front._admit(request, TokenizeRequest)
+    _, body, req, info, _lora = await front._admit(request, TokenizeRequest)  # (an adapter shares the tokenizer)
     if (req.prompt is None) == (req.messages is None):
         raise bad_field("prompt", "exactly one of prompt and messages must be given")
     if req.prompt is not None:
@@ -80,7 +80,7 @@ def _render(front: OpenAIFront, req: TokenizeRequest) -> str:
 
 
 async def detokenize(front: OpenAIFront, request: Request) -> Response:
-    _, body, req, info = await front._admit(request, DetokenizeRequest)
+    _, body, req, info, _lora = await front._admit(request, DetokenizeRequest)
     if len(req.tokens) > info.max_model_len:
         raise bad_field("tokens", f"at most max_model_len={info.max_model_len} ids (got {len(req.tokens)})")
     for i, tok in enumerate(req.tokens):

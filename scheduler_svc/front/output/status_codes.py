@@ -36,6 +36,7 @@ STATUS_OF_KIND: dict[ErrorKind, tuple[str, int, str, str]] = {
     ErrorKind.QUEUE_FULL: ("RESOURCE_EXHAUSTED", 429, "queue_full", "request queue is full"),
     ErrorKind.NO_EXECUTOR: ("UNAVAILABLE", 503, "no_executor", "no executor available"),
     ErrorKind.FAILED: ("INTERNAL", 500, "request_failed", "request failed"),
+    ErrorKind.NOT_FOUND: ("NOT_FOUND", 404, "model_not_found", "no such model"),
 }
 
 
