@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.lora.adapter import LoraError
@@ -89,18 +88,20 @@ def add_delta(x: torch.Tensor, y: torch.Tensor, p: ProjectionSlots, batch: LoraB
     """``y`` [n, out] plus each group's ``(x_g A^T) B^T`` in its output columns, in float32 (y in place
     when it is float32)."""
     out = y if y.dtype == torch.float32 else y.to(torch.float32)
-    x2 = x.reshape(-1, x.shape[-1])
+    out2, x2 = out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1])
+    if x2.dtype != torch.float32:
+        x2 = x2.to(torch.float32)
     for slot, rows in batch.groups:
         used = p.used[slot]
         if used == 0:  # (this adapter leaves this projection of this layer alone)
             continue
         lo, hi = p.lo[slot], p.hi[slot]
-        xg = x2 if rows is None else x2.index_select(0, rows)
-        delta = F.linear(F.linear(xg.to(torch.float32), p.a[slot, :used]), p.b[slot, lo:hi, :used])
-        if rows is None:
-            out.view(-1, out.shape[-1])[:, lo:hi] += delta
+        bt = p.bt[slot, :used, lo:hi]  # (rows strided by out: BLAS takes it as it is)
+        if rows is None:  # the slot has every row: accumulate in place, no gather
+            out2[:, lo:hi].addmm_(torch.mm(x2, p.a[slot, :used].t()), bt)
         else:
-            out.view(-1, out.shape[-1])[:, lo:hi].index_add_(0, rows, delta)
+            u = torch.mm(x2.index_select(0, rows), p.a[slot, :used].t())
+            out2[:, lo:hi].index_add_(0, rows, torch.mm(u, bt))
     return out if out is y else out.to(y.dtype)
 
 

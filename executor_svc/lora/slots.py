@@ -2,10 +2,11 @@
 
 Our model fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj`` (loader.py), so an
 adapter's sub-projections share one slot entry: their A matrices are stacked along the rank axis
-(A [slots, subs * max_rank, in]: the input is read once per group) and B is block-diagonal
-(B [slots, out, subs * max_rank]: each sub's rows in its slice of the fused output, scaling
-folded in). A slot's used rank columns are packed at the front (``used``) and the outputs it
-touches form one range (``lo``, ``hi``), so a step computes ``x A[:used]^T B[lo:hi, :used]^T``
+(A [slots, subs * max_rank, in]: the input is read once per group) and B is block-diagonal,
+stored transposed (``bt`` [slots, subs * max_rank, out]: each sub's columns in its slice of the
+fused output, scaling folded in; transposed so that a slot's used block is a plain strided
+matrix for BLAS, where [out, used] of [out, max_rank] made torch copy it at every call). A slot's used rank columns are packed at the front (``used``) and the outputs it
+touches form one range (``lo``, ``hi``), so a step computes ``(x A[:used]^T) bt[:used, lo:hi]``
 and nothing for the padding. Absent sub-projections, layers and slots are zeros: an unloaded
 slot has ``used == 0`` and costs nothing.
 
@@ -37,7 +38,7 @@ class ProjectionSlots:
 
     subs: dict[str, tuple[int, int]]  # HF module -> (first output row in the fused output, rows)
     a: torch.Tensor  # [slots, subs * max_rank, in] float32
-    b: torch.Tensor  # [slots, out, subs * max_rank] float32, scaling folded in
+    bt: torch.Tensor  # [slots, subs * max_rank, out] float32: B^T, scaling folded in
     used: list[int]  # per slot: rank columns in use (0: nothing to add)
     lo: list[int]  # per slot: first output row touched
     hi: list[int]  # per slot: one past the last output row touched
@@ -52,14 +53,14 @@ class ProjectionSlots:
             start += out
         width = len(modules) * max_rank
         return cls(subs, torch.zeros(max_loras, width, n_in, device=device),
-                   torch.zeros(max_loras, start, width, device=device),
+                   torch.zeros(max_loras, width, start, device=device),
                    [0] * max_loras, [0] * max_loras, [0] * max_loras)
 
     def clear(self, slot: int) -> None:
         used = self.used[slot]
         if used:
             self.a[slot, :used].zero_()
-            self.b[slot, :, :used].zero_()
+            self.bt[slot, :used].zero_()
         self.used[slot] = self.lo[slot] = self.hi[slot] = 0
 
     def write(self, slot: int, pieces: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
@@ -72,7 +73,7 @@ class ProjectionSlots:
             a, b = pieces[module]
             r = a.shape[0]
             self.a[slot, col:col + r] = a
-            self.b[slot, start:start + rows, col:col + r] = b * scaling
+            self.bt[slot, col:col + r, start:start + rows] = b.t() * scaling
             col += r
             lo = start if lo is None else lo
             hi = start + rows
