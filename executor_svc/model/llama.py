@@ -131,6 +131,9 @@ class LlamaForCausalLM(nn.Module):
         # pure decode steps (executor_svc/model/cpu_decode.py; None: every step runs the modules).
         self.weight_format: str | None = None
         self.decode_stack = None
+        # Set by executor_svc/lora (LoraState): while its ``batch`` is set the step holds adapter tokens,
+        # whose deltas only the (wrapped) modules add, so such a step never takes the decode stack.
+        self.lora = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -155,7 +158,8 @@ class LlamaForCausalLM(nn.Module):
         if self.rotary is None:
             raise RuntimeError("model used before load_model() built its rotary embedding")
         x = self.embed_tokens(input_ids)
-        if self.decode_stack is not None and meta.max_query_len == 1 and backend.runs_decode_stack:
+        if (self.decode_stack is not None and meta.max_query_len == 1 and backend.runs_decode_stack
+                and (self.lora is None or self.lora.batch is None)):
             return self.decode_stack(x, positions, caches, meta)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, cache in zip(self.layers, caches, strict=True):

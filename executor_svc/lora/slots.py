@@ -1,0 +1,129 @@
+"""Fixed adapter slots: per layer and fused projection, every slot's A and B in one stacked tensor.
+
+Our model fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj`` (loader.py), so an
+adapter's sub-projections share one slot entry: their A matrices are stacked along the rank axis
+(A [slots, subs * max_rank, in]: the input is read once per group) and B is block-diagonal,
+stored transposed (``bt`` [slots, subs * max_rank, out]: each sub's columns in its slice of the
+fused output, scaling folded in; transposed so that a slot's used block is a plain strided
+matrix for BLAS, where [out, used] of [out, max_rank] made torch copy it at every call). A slot's used rank columns are packed at the front (``used``) and the outputs it
+touches form one range (``lo``, ``hi``), so a step computes ``(x A[:used]^T) bt[:used, lo:hi]``
+and nothing for the padding. Absent sub-projections, layers and slots are zeros: an unloaded
+slot has ``used == 0`` and costs nothing.
+
+Memory is preallocated at ``max_rank`` (as vLLM does): about
+``4 bytes x max_loras x max_rank x (subs x in + out)`` per projection and layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor_svc.lora.adapter import MAX_RANK, LoraAdapter, LoraError, module_shape
+from executor_svc.model.architecture import ModelConfig
+
+# fused projection -> (its parent module in a layer, its HF sub-projections in output order)
+FUSED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "o_proj": ("self_attn", ("o_proj",)),
+    "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
+    "down_proj": ("mlp", ("down_proj",)),
+}
+
+
+@dataclass(slots=True)
+class ProjectionSlots:
+    """One fused projection of one layer, every slot; see the module doc."""
+
+    subs: dict[str, tuple[int, int]]  # HF module -> (first output row in the fused output, rows)
+    a: torch.Tensor  # [slots, subs * max_rank, in] float32
+    bt: torch.Tensor  # [slots, subs * max_rank, out] float32: B^T, scaling folded in
+    used: list[int]  # per slot: rank columns in use (0: nothing to add)
+    lo: list[int]  # per slot: first output row touched
+    hi: list[int]  # per slot: one past the last output row touched
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, modules: tuple[str, ...], max_loras: int, max_rank: int,
+              device: torch.device) -> ProjectionSlots:
+        subs, start = {}, 0
+        for m in modules:
+            out, n_in = module_shape(cfg, m)
+            subs[m] = (start, out)
+            start += out
+        width = len(modules) * max_rank
+        return cls(subs, torch.zeros(max_loras, width, n_in, device=device),
+                   torch.zeros(max_loras, width, start, device=device),
+                   [0] * max_loras, [0] * max_loras, [0] * max_loras)
+
+    def clear(self, slot: int) -> None:
+        used = self.used[slot]
+        if used:
+            self.a[slot, :used].zero_()
+            self.bt[slot, :used].zero_()
+        self.used[slot] = self.lo[slot] = self.hi[slot] = 0
+
+    def write(self, slot: int, pieces: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
+        """Slot ``slot`` holds ``pieces`` (HF module -> (A [r, in], B [out, r])) and nothing else."""
+        self.clear(slot)
+        col, lo, hi = 0, None, 0
+        for module, (start, rows) in self.subs.items():  # (output order: lo/hi bound a range)
+            if module not in pieces:
+                continue
+            a, b = pieces[module]
+            r = a.shape[0]
+            self.a[slot, col:col + r] = a
+            self.bt[slot, col:col + r, start:start + rows] = b.t() * scaling
+            col += r
+            lo = start if lo is None else lo
+            hi = start + rows
+        self.used[slot], self.lo[slot], self.hi[slot] = col, lo or 0, hi
+
+
+class LoraSlots:
+    """``max_loras`` slots (0..max_loras-1) for adapters of rank <= ``max_rank`` on ``model``'s layers:
+    ``layers[i][fused name]`` is a :class:`ProjectionSlots`."""
+
+    def __init__(self, model, max_loras: int, max_rank: int) -> None:
+        if not isinstance(max_loras, int) or max_loras < 1:
+            raise LoraError(f"max_loras must be a positive integer, got {max_loras!r}")
+        if not isinstance(max_rank, int) or not 1 <= max_rank <= MAX_RANK:
+            raise LoraError(f"max_rank must be an integer in [1, {MAX_RANK}], got {max_rank!r}")
+        if getattr(model, "reduce", None) is not None:
+            # A rank holds a slice of each layer: adapters would have to be sharded along (column-parallel
+            # B rows, row-parallel A columns, the delta added before the sum over ranks); not done yet.
+            raise LoraError("LoRA with tensor parallelism is not supported yet: serve adapters with "
+                            "--tensor-parallel-size 1")
+        self.cfg: ModelConfig = model.cfg
+        self.max_loras, self.max_rank = max_loras, max_rank
+        device = model.device
+        self.layers: list[dict[str, ProjectionSlots]] = [
+            {name: ProjectionSlots.empty(self.cfg, subs, max_loras, max_rank, device)
+             for name, (_, subs) in FUSED.items()}
+            for _ in range(self.cfg.num_layers)]
+        self.adapters: list[LoraAdapter | None] = [None] * max_loras
+
+    def check_slot(self, slot: int) -> None:
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self.max_loras:
+            raise LoraError(f"LoRA slot {slot!r} out of range: slots are 0..{self.max_loras - 1}")
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put ``adapter`` in ``slot``, replacing what was there (checked first: a refusal changes nothing)."""
+        self.check_slot(slot)
+        if adapter.rank > self.max_rank:
+            raise LoraError(f"LoRA adapter {adapter.path}: rank r={adapter.rank} exceeds max_rank {self.max_rank}")
+        for (layer, module), (a, b) in adapter.weights.items():
+            if layer >= self.cfg.num_layers or (tuple(b.shape[:1]) + tuple(a.shape[1:])) != module_shape(self.cfg, module):
+                raise LoraError(f"LoRA adapter {adapter.path}: layer {layer} {module} does not fit this base model")
+        for i, projections in enumerate(self.layers):
+            for name, proj in projections.items():
+                pieces = {m: adapter.weights[i, m] for m in FUSED[name][1] if (i, m) in adapter.weights}
+                proj.write(slot, pieces, adapter.scaling)
+        self.adapters[slot] = adapter
+
+    def unload(self, slot: int) -> None:
+        self.check_slot(slot)
+        for projections in self.layers:
+            for proj in projections.values():
+                proj.clear(slot)
+        self.adapters[slot] = None
