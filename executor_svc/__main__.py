@@ -28,6 +28,8 @@ from executor_svc.config import ExecutorConfig, parse_config
 from executor_svc.decode_graphs import DecodeGraphs
 from executor_svc.grammar import GrammarBackend
 from executor_svc.kv_cache import KVCache
+from executor_svc.lora.manager import LoraManager
+from executor_svc.lora.served import LoraSlotsOfRunner
 from executor_svc.malloc_tuning import retain_freed_memory
 from executor_svc.model import load_model, load_model_config, model_fingerprint
 from executor_svc.model.architecture import ModelConfig
@@ -88,6 +90,9 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
     if isinstance(backend, FusedCpuAttentionBackend) and model.dtype != torch.float32:  # (activations: float32 when packed)
         log.warning("the fused CPU decode kernel computes in float32: %s attention uses the torch path", dtype)
     variance = batch_variance(model, backend)
+    if variance is None and cfg.max_loras:
+        variance = "LoRA deltas are torch matrix products over each adapter's tokens, rounded by their count"
+    model_numerics = numerics(model, cfg.device)  # (before LoRA wraps the projections it reads)
     if variance is not None:
         if cfg.batch_invariant:
             raise ValueError(f"--batch-invariant: this executor's results would depend on their batch: {variance}")
@@ -110,6 +115,9 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
         runner = FollowerRunner(model, kv, backend, group, max_model_len=max_len)
     if not isinstance(runner, FollowerRunner):  # the rank that samples constrains (structured outputs)
         runner.grammar = GrammarBackend.for_model(cfg.model_dir, model_cfg.vocab_size)
+    if cfg.max_loras:
+        runner.lora = LoraSlotsOfRunner(LoraManager(model, cfg.max_loras, cfg.max_lora_rank))
+        log.info("LoRA: %d adapter slots of rank up to %d", cfg.max_loras, cfg.max_lora_rank)
     log.info("%s: %d layers, %d KV blocks of %d tokens (%d CPU swap blocks), max length %d, %s, "
              "attention backend %s%s", model_cfg.architecture, model_cfg.num_layers, kv.num_blocks,
              cfg.block_size, kv.num_cpu_blocks, max_len, str(dtype).removeprefix("torch."), backend.name,
@@ -124,7 +132,8 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
         num_device_blocks=kv.num_blocks, num_cpu_blocks=kv.num_cpu_blocks, max_model_len=max_len,
         dtype=str(dtype).removeprefix("torch."), device=cfg.device, tensor_parallel_size=cfg.tensor_parallel_size,
         max_decode_steps=runner.decode_steps_served(), speculative=group is None,
-        batch_invariant=variance is None, numerics=numerics(model, cfg.device))
+        batch_invariant=variance is None, numerics=model_numerics,
+        lora_slots=cfg.max_loras, max_lora_rank=cfg.max_lora_rank if cfg.max_loras else 0)
     return runner, hs
 
 

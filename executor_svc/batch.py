@@ -36,6 +36,7 @@ class SeqState:
     prompt_lp_next: int = -1
     prompt_lps: list | None = None
     proposals: list[int] | None = None  # speculative decoding: this step's proposed tokens (runner.py)
+    lora_slot: int = -1  # the LoRA slot whose adapter it runs under (-1: the base model)
 
 
 @dataclass(slots=True)
@@ -64,6 +65,8 @@ class Batch:
     # the last ([len(proposals), vocab] each; the last proposal's row is its sampling row).
     spec: list[tuple[SeqState, list[int], int]] = field(default_factory=list)
     spec_logits: list = field(default_factory=list)
+    # LoRA: each token's adapter slot [num_tokens] int64 (-1: the base model); None when no token has one.
+    lora_slots: torch.Tensor | None = None
 
     @property
     def sample_seq_ids(self) -> list[int]:
@@ -101,8 +104,10 @@ def build_batch(seqs: dict[int, SeqState], block_size: int, device: torch.device
     prompt_rows: list[tuple[SeqState, int, int, int]] = []
     unwritten: list[tuple[int, int]] = []  # (first row, count): positions recomputed, K/V not written
     num_new = list(num_new)
+    seq_lora: list[int] = []
     for k, (sid, n) in enumerate(zip(seq_ids, num_new, strict=True)):
         s = seqs[sid]
+        seq_lora.append(s.lora_slot)
         begin = s.num_computed_tokens
         end = begin + n
         last = min(end + 1, s.num_prompt_tokens)  # position p scores prompt token p + 1: tokens < last
@@ -156,6 +161,7 @@ def build_batch(seqs: dict[int, SeqState], block_size: int, device: torch.device
         block_tables=torch.from_numpy(block_tables).to(dev),
         max_query_len=max(num_new), max_seq_len=max(lens),
         query_start_loc_host=starts_host, seq_lens_host=lens)
+    lora = torch.from_numpy(np.asarray(seq_lora, dtype=np.int64)[seq_of_token]) if max(seq_lora) >= 0 else None
     return Batch(ids, torch.from_numpy(positions).to(dev), meta, (starts[1:][sample_at] - 1).tolist(),
                  sample_seqs, open_rows, prompt_rows, host_positions=positions, host_slots=slots,
-                 host_tables=block_tables)
+                 host_tables=block_tables, lora_slots=lora)

@@ -78,6 +78,8 @@ class ExecutorConfig:
     cuda_graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES  # decode batch sizes captured as graphs
     enrollment_token_file: Path | None = None  # proves this executor may enroll its key (read at each connection)
     batch_invariant: bool = False  # refuse to start unless results are batch-invariant (batch_invariance.py)
+    max_loras: int = 0  # LoRA adapter slots (--enable-lora --max-loras; 0: no adapters; executor_svc/lora)
+    max_lora_rank: int = 16  # the highest adapter rank a slot holds
 
 
 def _endpoint(text: str) -> str:
@@ -154,6 +156,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run a few prefill and decode steps before registering, so the first request runs "
                         "at steady-state speed")
+    p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False,
+                   help="serve LoRA adapters: --max-loras slots, each loaded with the adapter the scheduler names "
+                        "(a PEFT directory this executor can read)")
+    p.add_argument("--max-loras", type=number(int, "--max-loras", 0), default=1,
+                   help="with --enable-lora: adapters held at once, and computed together in one step")
+    p.add_argument("--max-lora-rank", type=number(int, "--max-lora-rank", 0), default=16,
+                   help="with --enable-lora: the highest adapter rank a slot holds (at most 256; slots are sized "
+                        "for it)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: launch every decode step's kernels one by one instead of replaying a CUDA "
                         "graph captured at start (as vLLM's flag); prefill and mixed steps are always eager")
@@ -247,6 +257,13 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         parser.error(f"--quantization {args.quantization}: CPU executors with one rank and --dtype auto, float32 "
                      f"or bfloat16 only (got --device {args.device}, --tensor-parallel-size "
                      f"{args.tensor_parallel_size}, --dtype {args.dtype})")
+    if args.enable_lora and args.tensor_parallel_size > 1:
+        parser.error("--enable-lora: a tensor-parallel executor does not serve LoRA adapters yet (adapters are not "
+                     "sharded with their layers)")
+    if args.enable_lora and not 1 <= args.max_lora_rank <= 256:
+        parser.error(f"--max-lora-rank: must be in [1, 256], got {args.max_lora_rank}")
+    if args.enable_lora and args.max_loras > wire.MAX_LORA_SLOTS:
+        parser.error(f"--max-loras: at most {wire.MAX_LORA_SLOTS}, got {args.max_loras}")
     if args.prepare_ahead and args.tensor_parallel_size > 1:
         parser.error("--prepare-ahead: a tensor-parallel executor runs its steps in order (one device only)")
     model = resolve_model(Path(args.model))
@@ -267,7 +284,8 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         tensor_parallel_size=args.tensor_parallel_size, rank_env=ranks, prepare_ahead=args.prepare_ahead,
         cpu_threads=args.cpu_threads, cpu_decode_threads=args.cpu_decode_threads, quantization=quantization,
         warmup=args.warmup, decode_steps=args.decode_steps, enforce_eager=args.enforce_eager,
-        cuda_graph_sizes=args.cuda_graph_sizes, batch_invariant=args.batch_invariant)
+        cuda_graph_sizes=args.cuda_graph_sizes, batch_invariant=args.batch_invariant,
+        max_loras=args.max_loras if args.enable_lora else 0, max_lora_rank=args.max_lora_rank)
 
 
 def _graph_sizes(text: str) -> tuple[int, ...]:

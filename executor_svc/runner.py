@@ -41,6 +41,7 @@ from executor_svc.decode_graphs import DecodeGraphs
 from executor_svc.dropped import DroppedSeqs
 from executor_svc.grammar import GrammarBackend, GrammarMasks
 from executor_svc.kv_cache import KVCache
+from executor_svc.lora.served import LoraOutcome, LoraSlotsOfRunner
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.plan_check import PlanChecker, PlanError
 from executor_svc.sampler import SampleOutput, Sampler
@@ -66,6 +67,7 @@ class PreparedStep:
     plan: BatchPlan  # as applied (entries naming dropped sequences left out)
     batch: Batch | None  # None: nothing scheduled
     start: float  # when its preparation began
+    lora: LoraOutcome | None = None  # its LoRA loads that failed and the sequences dropped for them
 
 
 @dataclass(slots=True)
@@ -77,6 +79,7 @@ class LaunchedStep:
     logits: torch.Tensor | None
     start: float  # when it was launched: its model_seconds run from here (its preparation overlapped)
     masks: GrammarMasks | None = None  # the constrained rows' token masks, filled while the forward runs
+    lora: LoraOutcome | None = None
 
     def sampling_seqs(self) -> dict[int, SeqState]:
         """The sequences that get a token when this step completes (beam rows get none)."""
@@ -109,6 +112,7 @@ class ModelRunner:
         self.max_decode_steps = 1
         # Pure decode steps replayed from CUDA graphs (executor_svc/decode_graphs.py; None: eager).
         self.graphs: DecodeGraphs | None = None
+        self.lora: LoraSlotsOfRunner | None = None  # LoRA adapters (--max-loras; executor_svc/lora/served.py)
         self.keep_logits = False  # tests: keep the last step's sampled logits rows in last_logits
         self.last_logits: torch.Tensor | None = None  # [num_sampled, vocab] float32
 
@@ -117,6 +121,8 @@ class ModelRunner:
         self.seqs.clear()
         self.dropped.clear()
         self.refusing = None
+        if self.lora is not None:
+            self.lora.reset()
 
     def decode_steps_served(self) -> int:
         """The most ``BatchPlan.decode_steps`` this runner serves: 1 when it prepares plans ahead."""
@@ -208,6 +214,9 @@ class ModelRunner:
         try:
             with self._guard(f"applying plan {plan.step_id}"):
                 self._apply(plan)
+                lora = None
+                if self.lora is not None and (self.lora.failed or plan.lora_loads):
+                    plan, lora = self._lora_outcome(plan)
                 self._propose(plan)
                 batch = self._build(plan, in_flight) if plan.scheduled_seq_ids else None
         except StepFatal:
@@ -215,7 +224,7 @@ class ModelRunner:
         except Exception as exc:  # noqa: BLE001  the state of what it named is unknown: refuse until reset
             self.refusing = f"applying plan {plan.step_id} failed"
             return self._failure(plan, _named(plan), exc)
-        return PreparedStep(plan, batch, start)
+        return PreparedStep(plan, batch, start, lora)
 
     def launch(self, step: PreparedStep) -> LaunchedStep | StepResult:
         """Start the forward of a prepared step (the step before it has completed by now)."""
@@ -223,7 +232,7 @@ class ModelRunner:
         if self.dropped:
             self._refit(step)
         if step.batch is None:
-            return LaunchedStep(step.plan, None, None, start)
+            return LaunchedStep(step.plan, None, None, start, lora=step.lora)
         try:
             for row, seq, index in step.batch.in_flight_inputs:
                 if index >= len(seq.token_ids):
@@ -234,11 +243,11 @@ class ModelRunner:
         except StepFatal:
             raise
         except Exception as exc:  # noqa: BLE001  its sequences fail; the runner serves on
-            return self._failure(step.plan, step.plan.scheduled_seq_ids, exc)
+            return self._lora_report(step.lora, self._failure(step.plan, step.plan.scheduled_seq_ids, exc))
         # The grammar masks are computed while the forward runs on the device (an error in one is
         # the sampler's: it fails the step's sampling rows, not the forward's).
         masks = self._masks(step.batch) if logits is not None else None
-        return LaunchedStep(step.plan, step.batch, logits, start, masks)
+        return LaunchedStep(step.plan, step.batch, logits, start, masks, step.lora)
 
     def complete(self, step: LaunchedStep) -> StepResult:
         """Sample a launched step (waits for its forward) and report it."""
@@ -253,10 +262,15 @@ class ModelRunner:
                 raise
             except Exception as exc:  # noqa: BLE001  the sampling sequences fail; the runner serves on
                 self._sampling_failed(batch)
-                return self._failure(step.plan, [s.seq_id for s in batch.sample_seqs], exc)
+                return self._lora_report(step.lora, self._failure(step.plan, [s.seq_id for s in batch.sample_seqs],
+                                                                  exc))
             self._sampled(batch, result)
         result.model_seconds = time.perf_counter() - step.start
-        return result
+        return self._lora_report(step.lora, result)
+
+    @staticmethod
+    def _lora_report(lora: LoraOutcome | None, result: StepResult) -> StepResult:
+        return result if lora is None else lora.report(result)
 
     # ---------------------------------------------------------------- hooks (tensor parallelism)
 
@@ -331,19 +345,29 @@ class ModelRunner:
 
     def _apply(self, plan: BatchPlan) -> None:
         """The plan's deltas, in the documented order (the walk its check ran dry)."""
-        apply_deltas(plan, self.seqs, ExecutorDeltas(self.kv, self.backend, self.grammar))
+        apply_deltas(plan, self.seqs, ExecutorDeltas(self.kv, self.backend, self.grammar, self.lora, self.seqs))
+
+    def _lora_outcome(self, plan: BatchPlan) -> tuple[BatchPlan, LoraOutcome]:
+        """``plan`` without the sequences under a slot whose adapter could not be loaded (dropped:
+        never run by the base model in its place), and what its result reports of its loads."""
+        doomed = self.lora.doomed(self.seqs)
+        if doomed:
+            self._drop(doomed)
+        outcome = LoraOutcome(self.lora.take_failures(), [sid for sid in plan.scheduled_seq_ids if sid in doomed])
+        return (self.dropped.skip(plan) if doomed else plan), outcome
 
     # ---------------------------------------------------------------- forward
 
     def _forward_batch(self, plan: BatchPlan, batch: Batch) -> torch.Tensor | None:
         with torch.inference_mode():
-            if self.graphs is not None and self.graphs.serves(batch):
+            if self.graphs is not None and batch.lora_slots is None and self.graphs.serves(batch):
                 logits = self.graphs.run(batch)
             else:
                 input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.model.device)
-                hidden, step_logits = self.model.forward_with_logits(input_ids, batch.positions, self.kv.layers,
-                                                                     batch.meta, self.backend)
-                logits = self._logits(hidden, batch, step_logits)
+                with self.lora.batch(batch.lora_slots) if self.lora is not None else contextlib.nullcontext():
+                    hidden, step_logits = self.model.forward_with_logits(input_ids, batch.positions, self.kv.layers,
+                                                                         batch.meta, self.backend)
+                    logits = self._logits(hidden, batch, step_logits)
         for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True):
             self.seqs[sid].num_computed_tokens += n
         for s, first, _, count in batch.prompt_rows:  # (every rank: the next step's batch depends on it)

@@ -13,14 +13,22 @@ from executor_svc.attention import AttentionBackend
 from executor_svc.batch import SeqState
 from executor_svc.grammar import GrammarBackend, SeqGrammar, unserved
 from executor_svc.kv_cache import KVCache
+from executor_svc.lora.served import LoraSlotsOfRunner
 from pagedserve.wire import SamplingParams
-from pagedserve.wire.messages import BlockUpdate, Fork, NewSeq
-from pagedserve.wire.plan_deltas import DeltaTarget, Pairs
+from pagedserve.wire.messages import BlockUpdate, Fork, LoraLoad, NewSeq
+from pagedserve.wire.plan_deltas import DeltaError, DeltaTarget, Pairs
 
 
 class ExecutorDeltas(DeltaTarget[SeqState]):
-    def __init__(self, kv: KVCache, backend: AttentionBackend, grammar: GrammarBackend | None) -> None:
-        self.kv, self.backend, self.grammar = kv, backend, grammar
+    def __init__(self, kv: KVCache, backend: AttentionBackend, grammar: GrammarBackend | None,
+                 lora: LoraSlotsOfRunner | None = None, seqs: dict[int, SeqState] | None = None) -> None:
+        self.kv, self.backend, self.grammar, self.lora, self.seqs = kv, backend, grammar, lora, seqs or {}
+
+    def load_lora(self, load: LoraLoad) -> None:
+        if self.lora is None or load.slot >= self.lora.num_slots:
+            raise DeltaError(f"a LoRA load into slot {load.slot}: this executor has "
+                             f"{0 if self.lora is None else self.lora.num_slots} (--max-loras)")
+        self.lora.load(load, [sid for sid, s in self.seqs.items() if s.lora_slot == load.slot])
 
     def swap_out(self, pairs: Pairs) -> None:
         self.backend.swap(self.kv.layers, self.kv.cpu_layers, pairs)
@@ -32,9 +40,12 @@ class ExecutorDeltas(DeltaTarget[SeqState]):
         self.backend.copy_blocks(self.kv.layers, pairs)
 
     def new_seq(self, s: NewSeq) -> SeqState:
+        if s.lora_slot >= 0 and (self.lora is None or s.lora_slot >= self.lora.num_slots):
+            raise DeltaError(f"seq {s.seq_id} under LoRA slot {s.lora_slot}: this executor has "
+                             f"{0 if self.lora is None else self.lora.num_slots} (--max-loras)", s.seq_id)
         tokens = s.tokens()
         state = SeqState(s.seq_id, tokens, s.num_prompt_tokens, list(s.block_ids), s.num_computed_tokens, s.sampling,
-                         self._grammar_of(s.sampling, tokens[s.num_prompt_tokens:]))
+                         self._grammar_of(s.sampling, tokens[s.num_prompt_tokens:]), lora_slot=s.lora_slot)
         if s.sampling.prompt_logprobs >= 0 and len(tokens) == s.num_prompt_tokens > 1:
             state.prompt_lp_next = 1  # nothing sampled yet: its prompt is scored (again) from token 1
         return state
@@ -42,7 +53,8 @@ class ExecutorDeltas(DeltaTarget[SeqState]):
     def fork(self, p: SeqState, f: Fork) -> SeqState:
         sampling = p.sampling if f.seed is None else p.sampling.with_seed(f.seed)
         return SeqState(f.child_seq_id, list(p.token_ids), p.num_prompt_tokens, list(p.block_ids),
-                        p.num_computed_tokens, sampling, p.grammar.fork() if p.grammar is not None else None)
+                        p.num_computed_tokens, sampling, p.grammar.fork() if p.grammar is not None else None,
+                        lora_slot=p.lora_slot)
 
     def append_token(self, s: SeqState, seq_id: int, token: int) -> SeqState:
         s.token_ids.append(token)

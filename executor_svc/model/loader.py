@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from executor_svc.cpu_ops import load_cpu_ops
 from executor_svc.model.architecture import ModelConfig, UnsupportedModelError, load_model_config
-from executor_svc.model.cpu_pack import pack_for_cpu, weight_format
 from executor_svc.model.block_weights import BlockEmbedding, BlockLinear, block_format
+from executor_svc.model.cpu_pack import pack_for_cpu, weight_format
 from executor_svc.model.gguf_weights import gguf_blocks, gguf_tensors, hf_types
 from executor_svc.model.llama import AllReduce, LlamaForCausalLM
 from executor_svc.model.rope import RotaryEmbedding

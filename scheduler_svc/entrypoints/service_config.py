@@ -221,7 +221,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=default(e, "enable_lora"),
                    help="serve LoRA adapters on the base model (--lora-modules); a request names one in its "
                         "`model` field")
-    p.add_argument("--lora-modules", nargs="+", action="extend", default=default(e, "lora_modules"),
+    p.add_argument("--lora-modules", nargs="+", action=_ExtendTuple, default=default(e, "lora_modules"),
                    metavar="NAME=PATH",
                    help="LoRA adapters to serve, each a PEFT directory (adapter_config.json, "
                         "adapter_model.safetensors) that every executor can read at PATH; name=path or vLLM's JSON "
@@ -444,6 +444,13 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         front_link_host=_front_link_host(parser, a, keys),
         front_link_port=a.front_link_port, trusted_front_keys=a.trusted_front_keys,
         logprobs_mode=a.logprobs_mode, tool_calls=_tool_calls(parser, a))
+
+
+class _ExtendTuple(argparse.Action):
+    """nargs="+" collected into a tuple, given once or more (argparse's "extend" needs a list default)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, (*(getattr(namespace, self.dest) or ()), *values))
 
 
 def _lora_modules(parser: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[LoraModule, ...]:
