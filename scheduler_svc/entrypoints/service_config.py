@@ -106,7 +106,8 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     **{"--http-" + f.name.replace("_", "-"): (HttpLimits, f.name) for f in dataclasses.fields(HttpLimits)},
     **{"--grpc-" + f.name.replace("_", "-"): (GrpcLimits, f.name) for f in dataclasses.fields(GrpcLimits)},
 }
-RUNTIME_FIELDS = {(SchedulerConfig, "max_model_len"), (SchedulerConfig, "decode_steps"), (EngineConfig, "scheduler"),
+RUNTIME_FIELDS = {(SchedulerConfig, "max_model_len"), (SchedulerConfig, "decode_steps"),
+                  (SchedulerConfig, "lora_slots"), (EngineConfig, "scheduler"),
                   (EngineConfig, "executor_endpoint"), (EngineConfig, "model_fingerprint"),
                   (EngineConfig, "executor_link")}
 

@@ -21,6 +21,7 @@ from scheduler_svc.front.grpc.limits import GrpcLimits
 from scheduler_svc.front.http.limits import HttpLimits
 from scheduler_svc.front.input.validation import ServerLimits
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
+from testing.peft_files import write_peft_dir
 
 
 @pytest.fixture()
@@ -101,9 +102,11 @@ def test_every_flag_reaches_the_object_that_uses_it(model_dir, tmp_path):
               "--stream-interval": "4", "--max-failed-steps": "5", "--orphan-timeout": "12.5"}
     values.update({flag: str(default(cls, name) + 3) for flag, (cls, name) in FLAG_FIELDS.items()
                    if cls in (ServerLimits, HttpLimits, GrpcLimits)})
+    values.update({"--max-loras": "3", "--max-lora-rank": "32"})
     values["--max-in-flight-bytes"] = str(64 << 20)  # at least the largest request a front accepts
     argv = ["--model", str(model_dir), "--disable-prefix-caching", "--no-async-scheduling", "--batch-invariant",
-            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+            "--enable-lora", "--lora-modules", f"sql={write_peft_dir(tmp_path / 'sql', r=8)}"]
     for flag, value in values.items():
         argv += [flag, value]
     cfg = load_config(argv, {})

@@ -1,0 +1,88 @@
+"""--lora-modules as the scheduler reads it (pagedserve/lora_modules.py): both entry forms, and every
+bad adapter refused at start with a message naming the problem."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pagedserve.lora_modules import LoraConfigError, inspect_adapter, parse_lora_module
+from scheduler_svc.entrypoints.service_config import load_config
+from testing.peft_files import write_peft_dir
+
+
+def test_entry_forms(tmp_path):
+    assert parse_lora_module("sql=/adapters/sql") == ("sql", Path("/adapters/sql"), None)
+    name, path, base = parse_lora_module('{"name": "chat", "path": "/a/chat", "base_model_name": "SmolLM2"}')
+    assert (name, str(path), base) == ("chat", "/a/chat", "SmolLM2")
+    for bad, words in [("sql", "name=path"), ("=/x", "1 to 128"), ('{"name": "x"}', "'name' and 'path'"),
+                       ('{"name": "x", "path": "/p", "rank": 3}', "unknown field"), ("{not json", "not JSON")]:
+        with pytest.raises(LoraConfigError, match=words):
+            parse_lora_module(bad)
+
+
+def test_a_good_adapter_is_described(tmp_path):
+    m = inspect_adapter("sql", write_peft_dir(tmp_path / "sql", r=8, targets=("v_proj", "q_proj", "down_proj")), 16)
+    assert (m.rank, m.targets, m.base_model) == (8, ("q_proj", "v_proj", "down_proj"), "tiny-llama")
+
+
+def _edit_config(d, **fields):
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    cfg.update(fields)
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: d / "absent", "no such directory"),
+    (lambda d: write_peft_dir(d / "a", r=32), "rank 32 is above --max-lora-rank 16"),
+    (lambda d: _edit_config(write_peft_dir(d / "a"), target_modules=["q_proj", "lm_head"]),
+     "target module(s) ['lm_head'] are not in the base model"),
+    (lambda d: _edit_config(write_peft_dir(d / "a"), use_dora=True), "use_dora=True is not supported"),
+    (lambda d: _edit_config(write_peft_dir(d / "a"), bias="all"), "bias='all' is not supported"),
+    (lambda d: _edit_config(write_peft_dir(d / "a"), peft_type="IA3"), "peft_type 'IA3'"),
+    (lambda d: _edit_config(write_peft_dir(d / "a"), r=4), "not rank 4"),
+    (lambda d: (write_peft_dir(d / "a") / "adapter_config.json").write_text("{oops") and d / "a", "not JSON"),
+    (lambda d: (write_peft_dir(d / "a") / "adapter_model.safetensors").unlink() or d / "a",
+     "cannot read adapter_model.safetensors"),
+])
+def test_bad_adapters_are_refused_naming_the_problem(tmp_path, make, words):
+    with pytest.raises(LoraConfigError) as e:
+        inspect_adapter("x", make(tmp_path), 16)
+    assert words in str(e.value) and "'x'" in str(e.value)
+
+
+def test_truncated_and_corrupt_weights(tmp_path):
+    d = write_peft_dir(tmp_path / "a")
+    f = d / "adapter_model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:-16])
+    with pytest.raises(LoraConfigError, match="truncated"):
+        inspect_adapter("x", d, 16)
+    f.write_bytes(b"\xff" * 4)
+    with pytest.raises(LoraConfigError, match="truncated"):
+        inspect_adapter("x", d, 16)
+    f.write_bytes((10**12).to_bytes(8, "little") + b"{}")
+    with pytest.raises(LoraConfigError, match="corrupt"):
+        inspect_adapter("x", d, 16)
+
+
+def test_the_scheduler_refuses_to_start_with_a_bad_adapter(tmp_path, capsys):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    good = write_peft_dir(tmp_path / "good")
+    cfg = load_config(["--model", str(model_dir), "--enable-lora", "--lora-modules", f"good={good}"], {})
+    assert [m.name for m in cfg.engine.lora_modules] == ["good"]
+    with pytest.raises(SystemExit):
+        load_config(["--model", str(model_dir), "--lora-modules", f"good={good}"], {})
+    assert "--lora-modules needs --enable-lora" in capsys.readouterr().err
+    bad = write_peft_dir(tmp_path / "bad", r=64)
+    with pytest.raises(SystemExit):
+        load_config(["--model", str(model_dir), "--enable-lora", "--lora-modules", f"good={good}", f"bad={bad}"], {})
+    assert "rank 64 is above --max-lora-rank 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_config(["--model", str(model_dir), "--enable-lora", "--lora-modules", f"a={good}", f"a={good}"], {})
+    assert "a name given twice" in capsys.readouterr().err
