@@ -18,12 +18,9 @@ from __future__ import annotations
 
 from executor_svc.attention import AttentionBackend
 from executor_svc.attention_cpu import FusedCpuAttentionBackend
-from executor_svc.cpu_ops import W_BF16, W_F32, W_Q8
 from executor_svc.model.cpu_layers import CpuRMSNorm
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.model.weights import PackedLinear
-
-_WTYPES = {"float32": W_F32, "bfloat16": W_BF16, "int8": W_Q8}
 
 
 def _cpu_ops(model: LlamaForCausalLM):
@@ -45,11 +42,16 @@ def batch_variance(model: LlamaForCausalLM, backend: AttentionBackend) -> str | 
 
 
 def numerics(model: LlamaForCausalLM, device: str) -> str:
-    """What fixes the bits an executor computes, e.g. ``cpu float32 avx512``: executors with equal
-    numerics (and dtype and tensor-parallel size, in the handshake too) compute the same bits."""
+    """What fixes the bits an executor computes, e.g. ``cpu float32 avx512``, or for a GGUF file's
+    mixed layers ``cpu bfloat16 avx512+q4_1 avx512``: executors with equal numerics (and dtype and
+    tensor-parallel size, in the handshake too) compute the same bits."""
     ops = _cpu_ops(model)
     if ops is not None and model.weight_format is not None:
-        return f"{device} {model.weight_format} {ops.isa(_WTYPES[model.weight_format])}"
+        layers = [model.embed_tokens, *([model.lm_head] if model.lm_head is not None else []),
+                  *(m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj))]
+        kernels = sorted({f"{m.fmt} {ops.isa(m.desc().wtype)}" for m in layers if isinstance(m, PackedLinear)})
+        return f"{device} {'+'.join(kernels)}"
     if device == "cuda":
         import torch
 
