@@ -33,9 +33,15 @@ class LinearDesc(ctypes.Structure):
                 ("m", c_i32), ("k", c_i32), ("wtype", c_i32), ("reserved", c_i32)]
 
 
+class LoraDesc(ctypes.Structure):  # ps_lora_t: one projection's adapter slots (executor_svc/lora/slots.py)
+    _fields_ = [("a", c_ptr), ("bt", c_ptr), ("used", c_ptr), ("lo", c_ptr), ("hi", c_ptr), ("slots", c_i32),
+                ("rows", c_i32), ("in_", c_i32), ("out", c_i32)]
+
+
 class LayerDesc(ctypes.Structure):
     _fields_ = [("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc), ("down", LinearDesc),
-                ("ln1", c_ptr), ("ln2", c_ptr), ("k_cache", c_ptr), ("v_cache", c_ptr)]
+                ("ln1", c_ptr), ("ln2", c_ptr), ("k_cache", c_ptr), ("v_cache", c_ptr),
+                ("lora_qkv", LoraDesc), ("lora_o", LoraDesc), ("lora_gate_up", LoraDesc), ("lora_down", LoraDesc)]
 
 
 class ModelDesc(ctypes.Structure):
@@ -43,7 +49,7 @@ class ModelDesc(ctypes.Structure):
                 ("head_dim", c_i32), ("intermediate", c_i32), ("block_size", c_i32), ("kv_type", c_i32),
                 ("num_blocks", c_i64), ("eps", c_f32), ("attn_scale", c_f32),
                 ("layers", ctypes.POINTER(LayerDesc)), ("inv_freq", c_ptr), ("final_norm", c_ptr),
-                ("lm_head", LinearDesc)]
+                ("lm_head", LinearDesc), ("token_lora", c_ptr), ("lora_order", c_ptr)]
 
 
 def check_status(what: str, status: int) -> None:

@@ -34,6 +34,7 @@ typedef struct {
     ps_linear_t qkv, o, gate_up, down;
     const float *ln1, *ln2; /* [hidden] RMSNorm weights before attention and before the MLP */
     void *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] of kv_type */
+    ps_lora_t lora_qkv, lora_o, lora_gate_up, lora_down; /* LoRA adapters (a NULL: none) */
 } ps_layer_t;
 
 typedef struct {
@@ -44,6 +45,9 @@ typedef struct {
     const float *inv_freq;   /* [head_dim / 2] rotary inverse frequencies */
     const float *final_norm; /* [hidden] */
     ps_linear_t lm_head;     /* k = hidden, m = vocab; w NULL: the caller computes the logits */
+    /* LoRA: each token's adapter slot [n] (-1: the base model) and the order the tokens' deltas are
+     * computed in [n] (grouped by slot: a slot's matrices are read from cache); NULL: no adapters. */
+    const int32_t *token_lora, *lora_order;
 } ps_model_t;
 
 #define ALIGN_F 16 /* floats: every buffer of the work area starts on a 64-byte boundary */
@@ -112,6 +116,11 @@ static void store_kv(void *cache, int kv_type, int64_t at, const float *src, int
     for (int i = 0; i < count; i++) dst[i] = bf16_round(src[i]);
 }
 
+static int lora_fits(const ps_lora_t *P, int in, int out) {
+    return !P->a || (P->bt && P->used && P->lo && P->hi && P->slots >= 1 && P->rows >= 1 &&
+                     P->rows <= PS_LORA_MAX_ROWS && P->in == in && P->out == out);
+}
+
 static int check_model(const ps_model_t *M) {
     if (!M || M->num_layers < 1 || M->hidden < 1 || M->num_heads < 1 || M->num_kv_heads < 1 ||
         M->num_heads % M->num_kv_heads || M->head_dim < 2 || M->head_dim % 2 || M->intermediate < 1 ||
@@ -126,9 +135,26 @@ static int check_model(const ps_model_t *M) {
             L->gate_up.k != M->hidden || L->gate_up.m != 2 * M->intermediate || L->down.k != M->intermediate ||
             L->down.m != M->hidden || !L->ln1 || !L->ln2 || !L->k_cache || !L->v_cache)
             return PS_BAD_ARG;
+        if (M->token_lora && (!lora_fits(&L->lora_qkv, L->qkv.k, L->qkv.m) || !lora_fits(&L->lora_o, L->o.k, L->o.m) ||
+                              !lora_fits(&L->lora_gate_up, L->gate_up.k, L->gate_up.m) ||
+                              !lora_fits(&L->lora_down, L->down.k, L->down.m)))
+            return PS_BAD_ARG;
     }
     return PS_OK;
 }
+
+/* A projection's LoRA deltas, after its outputs are complete (the barrier before): tokens shared
+ * out in slot order, with the worksharing loop's barrier at the end. Every thread evaluates the
+ * same condition, so all or none enter the loop. */
+#define LORA_DELTAS(M, n, P, xin, ldx, yout, ldy)                                                      \
+    do {                                                                                               \
+        if ((M)->token_lora && (P).a) {                                                                \
+            _Pragma("omp for schedule(static)") for (int k_ = 0; k_ < (n); k_++) {                      \
+                const int t_ = (M)->lora_order ? (M)->lora_order[k_] : k_;                              \
+                ps_lora_token(&(P), (M)->token_lora[t_], (xin) + (int64_t)t_ * (ldx), (yout) + (int64_t)t_ * (ldy)); \
+            }                                                                                          \
+        }                                                                                              \
+    } while (0)
 
 /* Token loops of a stage: every thread over all tokens (private sets: no barrier), or the
  * tokens shared out (one set) with the worksharing loop's barrier at the end. */
@@ -175,6 +201,9 @@ int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positio
     const int64_t total_slots = M->num_blocks * M->block_size;
     for (int t = 0; t < n; t++)
         if (slots[t] >= total_slots) return PS_BAD_BLOCK;
+    if (M->token_lora && M->lora_order)
+        for (int k = 0; k < n; k++)
+            if (M->lora_order[k] < 0 || M->lora_order[k] >= n) return PS_BAD_ARG;
     layout_t lo;
     plan(M, n, threads, work, &lo);
     const int H = M->hidden, D = M->head_dim, half = D / 2, I = M->intermediate, priv = lo.private_sets;
@@ -200,6 +229,7 @@ int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positio
             });
             ps_linear_compute(&L->qkv, h, H, n, lw, lo.qkv, qkv_w, 0);
 #pragma omp barrier
+            LORA_DELTAS(M, n, L->lora_qkv, h, H, lo.qkv, qkv_w);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t u = 0; u < (int64_t)n * chunks; u++) {
                 const int i = (int)(u / chunks), h0 = (int)(u % chunks) * per_chunk;
@@ -211,18 +241,21 @@ int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positio
             FOR_TOKENS(priv, n, t, { ps_linear_prep(&L->o, lo.att, q_w, t, t + 1, n, lw); });
             ps_linear_compute(&L->o, lo.att, q_w, n, lw, x, H, 1);
 #pragma omp barrier
+            LORA_DELTAS(M, n, L->lora_o, lo.att, q_w, x, H);
             FOR_TOKENS(priv, n, t, {
                 ps_rms_norm(x + (int64_t)t * H, L->ln2, H, M->eps, h + (int64_t)t * H);
                 ps_linear_prep(&L->gate_up, h, H, t, t + 1, n, lw);
             });
             ps_linear_compute(&L->gate_up, h, H, n, lw, lo.gu, 2 * I, 0);
 #pragma omp barrier
+            LORA_DELTAS(M, n, L->lora_gate_up, h, H, lo.gu, 2 * I);
             FOR_TOKENS(priv, n, t, {
                 ps_silu_mul(lo.gu + (int64_t)t * 2 * I, lo.gu + (int64_t)t * 2 * I + I, I, act + (int64_t)t * I);
                 ps_linear_prep(&L->down, act, I, t, t + 1, n, lw);
             });
             ps_linear_compute(&L->down, act, I, n, lw, x, H, 1);
 #pragma omp barrier
+            LORA_DELTAS(M, n, L->lora_down, act, I, x, H);
         }
 #pragma omp for schedule(static)
         for (int t = 0; t < n; t++) ps_rms_norm(x + (int64_t)t * H, M->final_norm, H, M->eps, x + (int64_t)t * H);

@@ -142,15 +142,6 @@ static inline __attribute__((always_inline)) int one_unit(float *out, int64_t o_
     return PS_OK;
 }
 
-/* A portable build (-DPS_PORTABLE, no -march: the executor image, built on one machine and run on
- * others) still gets AVX2/AVX-512 code: GCC/clang emit one clone per target and pick one at load
- * time from the running CPU's features. */
-#if defined(PS_PORTABLE) && defined(__x86_64__) && defined(__ELF__) && \
-    ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 6) || (defined(__clang__) && __clang_major__ >= 14))
-#define PS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define PS_CLONES
-#endif
 
 /* The common head sizes and both cache types as compile-time constants: the dot products and
  * updates unroll into whole registers. Any other size takes the same code with a run-time bound. */

@@ -39,6 +39,16 @@
 #define PS_W_Q4_0 4
 #define PS_W_Q4_1 5
 
+/* A portable build (-DPS_PORTABLE, no -march: the executor image, built on one machine and run on
+ * others) still gets AVX2/AVX-512 code: GCC/clang emit one clone per target and pick one at load
+ * time from the running CPU's features. */
+#if !defined(PS_CLONES) && defined(PS_PORTABLE) && defined(__x86_64__) && defined(__ELF__) && \
+    ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 6) || (defined(__clang__) && __clang_major__ >= 14))
+#define PS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#elif !defined(PS_CLONES)
+#define PS_CLONES
+#endif
+
 /* Instruction-set levels the kernels pick from at run time (ps_isa_level). */
 #define PS_ISA_SCALAR 0
 #define PS_ISA_AVX2 1     /* AVX2 + FMA */
@@ -80,6 +90,21 @@ int ps_isa_level(int wtype);
 
 /* out[i, :k] = row ids[i] of a block-format layer's weights, dequantised (embedding lookups). */
 int ps_blocks_rows(const ps_linear_t *L, const int64_t *ids, int n, float *out, int64_t ldo);
+
+/* One projection's LoRA adapters, every slot (executor_svc/lora/slots.py): A [slots, rows, in] and
+ * B^T [slots, rows, out] float32 (scaling folded into B^T); a slot's used rank rows first, its
+ * touched outputs [lo, hi). a NULL: no adapter on this projection. */
+typedef struct {
+    const float *a, *bt;
+    const int32_t *used, *lo, *hi; /* [slots] */
+    int32_t slots, rows, in, out;
+} ps_lora_t;
+
+#define PS_LORA_MAX_ROWS 768 /* three fused sub-projections of rank 256 */
+
+/* y[lo:hi] += (x A[slot][:used]^T) B^T[slot][:used, lo:hi] for one token (nothing for slot < 0 or
+ * an empty slot); x [in], y [out]. The sums run in one order whatever else the step holds. */
+void ps_lora_token(const ps_lora_t *P, int slot, const float *x, float *y);
 
 /* One work unit of paged decode attention: sequence row `row` of query/out, KV heads [h0, h1).
  * scratch: ps_decode_scratch_floats() floats of the calling thread. */

@@ -53,11 +53,13 @@ class LoraBatch:
 
 class LoraState:
     """Shared by every wrapper of one model: the current step's batch (None outside a step or
-    when the step has no adapter tokens). The model reads it too (``LlamaForCausalLM.lora``):
-    a step with adapter tokens must not take the fused C decode stack, which bypasses the modules."""
+    when the step has no adapter tokens), and the slots. The model reads it too
+    (``LlamaForCausalLM.lora``): the fused C decode stack, which bypasses the modules, adds the
+    step's deltas itself from the same slot tensors (``csrc/lora_cpu.c``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, slots: LoraSlots | None = None) -> None:
         self.batch: LoraBatch | None = None
+        self.slots = slots
 
 
 class LoraLinear(nn.Module):
@@ -113,4 +115,5 @@ def install(model, slots: LoraSlots, state: LoraState) -> None:
         for name, (parent, _) in FUSED.items():
             owner = getattr(layer, parent)
             setattr(owner, name, LoraLinear(getattr(owner, name), projections[name], state))
+    state.slots = slots
     model.lora = state

@@ -42,6 +42,21 @@ class ProjectionSlots:
     used: list[int]  # per slot: rank columns in use (0: nothing to add)
     lo: list[int]  # per slot: first output row touched
     hi: list[int]  # per slot: one past the last output row touched
+    bounds: torch.Tensor | None = None  # [3, slots] int32 (used, lo, hi) as the C decode stack reads them
+
+    def __post_init__(self) -> None:
+        self.bounds = torch.zeros(3, len(self.used), dtype=torch.int32)
+
+    def _sync(self, slot: int) -> None:
+        self.bounds[:, slot] = torch.tensor([self.used[slot], self.lo[slot], self.hi[slot]], dtype=torch.int32)
+
+    def desc(self):
+        """The C view (``ps_lora_t``) of these slots: pointers into tensors this object keeps."""
+        from executor_svc.cpu_ops import LoraDesc
+
+        b = self.bounds
+        return LoraDesc(self.a.data_ptr(), self.bt.data_ptr(), b[0].data_ptr(), b[1].data_ptr(), b[2].data_ptr(),
+                        self.a.shape[0], self.a.shape[1], self.a.shape[2], self.bt.shape[2])
 
     @classmethod
     def empty(cls, cfg: ModelConfig, modules: tuple[str, ...], max_loras: int, max_rank: int,
@@ -62,6 +77,7 @@ class ProjectionSlots:
             self.a[slot, :used].zero_()
             self.bt[slot, :used].zero_()
         self.used[slot] = self.lo[slot] = self.hi[slot] = 0
+        self._sync(slot)
 
     def write(self, slot: int, pieces: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
         """Slot ``slot`` holds ``pieces`` (HF module -> (A [r, in], B [out, r])) and nothing else."""
@@ -78,6 +94,7 @@ class ProjectionSlots:
             lo = start if lo is None else lo
             hi = start + rows
         self.used[slot], self.lo[slot], self.hi[slot] = col, lo or 0, hi
+        self._sync(slot)
 
 
 class LoraSlots:

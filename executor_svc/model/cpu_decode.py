@@ -37,7 +37,8 @@ class DecodeStack:
 
     def _bind(self, caches: KVCaches) -> ModelDesc:
         """The C model descriptor for these KV caches (built once per cache set)."""
-        key = (id(caches), len(caches), caches[0][0].data_ptr(), caches[-1][1].data_ptr())
+        lora = getattr(self.model, "lora", None)
+        key = (id(caches), len(caches), caches[0][0].data_ptr(), caches[-1][1].data_ptr(), id(lora))
         if self._bound is not None and self._bound[0] == key:
             return self._bound[2]
         m, cfg = self.model, self.model.cfg
@@ -59,6 +60,10 @@ class DecodeStack:
             desc.gate_up, desc.down = mlp.gate_up_proj.desc(), mlp.down_proj.desc()
             desc.ln1, desc.ln2 = layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()
             desc.k_cache, desc.v_cache = k.data_ptr(), v.data_ptr()
+        if lora is not None and lora.slots is not None:  # (LoRA: the slots' tensors, fixed for the model's life)
+            for desc, projections in zip(layers, lora.slots.layers, strict=True):
+                desc.lora_qkv, desc.lora_o = projections["qkv_proj"].desc(), projections["o_proj"].desc()
+                desc.lora_gate_up, desc.lora_down = projections["gate_up_proj"].desc(), projections["down_proj"].desc()
         model = ModelDesc(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                           cfg.intermediate_size, shape[1], KV_TYPES[dtype], shape[0], cfg.rms_norm_eps,
                           m.layers[0].self_attn.scale, ctypes.cast(layers, ctypes.POINTER(LayerDesc)),
@@ -78,9 +83,11 @@ class DecodeStack:
             self.threads.record(n, most, used, period if period <= 3 * call else None)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, caches: KVCaches,
-                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 meta: AttentionMetadata, lora=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [n, hidden] float32 embeddings (overwritten) -> (final-normed hidden states [n, hidden],
-        every row's logits [n, vocab] float32, None when the model has no packed LM head)."""
+        every row's logits [n, vocab] float32, None when the model has no packed LM head). ``lora``:
+        the step's LoRA batch (executor_svc/lora/apply.py), each token's delta added after each
+        projection; None: none."""
         desc = self._bind(caches)
         n = x.shape[0]
         bt, lens, slots = meta.block_tables, meta.seq_lens, meta.slot_mapping
@@ -98,6 +105,14 @@ class DecodeStack:
         if self._work.numel() < nbytes:
             self._work = torch.empty(max(nbytes, 2 * self._work.numel()), dtype=torch.uint8)
         logits = torch.empty(n, desc.lm_head.m, dtype=torch.float32) if desc.lm_head.w else None
+        token_lora = order = None
+        if lora is not None:  # (kept alive through the call: the descriptor points into them)
+            if lora.token_slots.shape != (n,):
+                raise ValueError(f"decode stack: {lora.token_slots.shape} LoRA slots for {n} rows")
+            token_lora = lora.token_slots.to(torch.int32).contiguous()
+            order = torch.argsort(lora.token_slots, stable=True).to(torch.int32)
+        desc.token_lora = None if token_lora is None else token_lora.data_ptr()
+        desc.lora_order = None if order is None else order.data_ptr()
         call = time.perf_counter()
         check_status("decode stack", lib.ps_decode_stack(
             ctypes.byref(desc), x.data_ptr(), n, positions.data_ptr(), slots.data_ptr(), bt.data_ptr(), bt.stride(0),

@@ -158,9 +158,8 @@ class LlamaForCausalLM(nn.Module):
         if self.rotary is None:
             raise RuntimeError("model used before load_model() built its rotary embedding")
         x = self.embed_tokens(input_ids)
-        if (self.decode_stack is not None and meta.max_query_len == 1 and backend.runs_decode_stack
-                and (self.lora is None or self.lora.batch is None)):
-            return self.decode_stack(x, positions, caches, meta)
+        if self.decode_stack is not None and meta.max_query_len == 1 and backend.runs_decode_stack:
+            return self.decode_stack(x, positions, caches, meta, self.lora.batch if self.lora is not None else None)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer(x, cos, sin, cache, meta, backend)
