@@ -180,6 +180,11 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # LoRA (vLLM's lora_requests_info): the adapters of running and of waiting requests, and the most
+    # adapters one executor computes in a step.
+    lora_running: list[str] = field(default_factory=list)
+    lora_waiting: list[str] = field(default_factory=list)
+    max_lora: int = 0
 
 
 class EngineApi(Protocol):

@@ -141,7 +141,17 @@ class EngineCore(CoreRequests):
                 cpu_blocks_used=blocks["cpu_used"], num_running=s.num_running,
                 num_waiting=s.num_waiting + len(slot.adds), tensor_parallel_size=info.tensor_parallel_size))
         spec.report(st)
+        self._lora_stats(st)
         return st
+
+    def _lora_stats(self, st: EngineStats) -> None:
+        running, waiting = set(), {cr.req.lora for cr in self.orphans if cr.req.lora}
+        for slot in self.slots.values():
+            s = slot.scheduler
+            running |= {r.req.lora for q in (s.running, s.swapped) for r in q if r.req.lora}
+            waiting |= {r.req.lora for r in s.waiting if r.req.lora} | {cr.req.lora for cr in slot.adds if cr.req.lora}
+            st.max_lora = max(st.max_lora, s.lora.num_slots)
+        st.lora_running, st.lora_waiting = sorted(running), sorted(waiting)
 
     # ------------------------------------------------------------------ executor events
 

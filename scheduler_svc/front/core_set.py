@@ -178,4 +178,14 @@ def sum_stats(all_stats: list[EngineStats]) -> EngineStats:
         out.prefix_cache_hit_tokens += st.prefix_cache_hit_tokens
         out.num_migrations += st.num_migrations
         out.executors += st.executors
+        out.spec_num_drafts += st.spec_num_drafts
+        out.spec_num_draft_tokens += st.spec_num_draft_tokens
+        out.spec_num_accepted_tokens += st.spec_num_accepted_tokens
+        per_pos = out.spec_accepted_per_pos
+        per_pos += [0] * (len(st.spec_accepted_per_pos) - len(per_pos))
+        for i, n in enumerate(st.spec_accepted_per_pos):
+            per_pos[i] += n
+        out.lora_running = sorted({*out.lora_running, *st.lora_running})
+        out.lora_waiting = sorted({*out.lora_waiting, *st.lora_waiting})
+        out.max_lora = max(out.max_lora, st.max_lora)
     return out

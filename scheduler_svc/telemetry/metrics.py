@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -85,6 +86,22 @@ class BatchHistogram(Collector):
         yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=total)
 
 
+class _LoraInfo(Collector):
+    """vLLM's ``vllm:lora_requests_info``, which the inference gateway's endpoint picker reads to
+    route by adapter: one sample whose labels name the adapters of running and of waiting requests
+    (comma-separated) and the most adapters a step computes; its value is the time of the scrape."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        st = self.stats()
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                                   labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        family.add_metric([str(st.max_lora), ",".join(st.lora_running), ",".join(st.lora_waiting)], time.time())
+        yield family
+
+
 class Metrics:
     """pagedserve's metrics, registered in ``self.registry``.
 
@@ -107,6 +124,7 @@ class Metrics:
         self._last: dict[str, int] = {"pq": 0, "ph": 0, "pre": 0, "mig": 0, "sd": 0, "sdt": 0, "sa": 0}  # cumulative engine counters already counted
         self._executors: set[str] = set()
         self._states: set[str] = set()
+        self._lora_info: _LoraInfo | None = None
 
     def _engine_metrics(self, r: CollectorRegistry) -> None:
         ex = ["executor"]
@@ -216,6 +234,10 @@ class Metrics:
             total = sum(e.kv_blocks_total for e in st.executors)
             return sum(e.kv_blocks_used for e in st.executors) / total if total else 0.0
 
+        if self._lora_info is None:  # (one collector per registry, whichever executor joined first)
+            self._lora_info = _LoraInfo(stats)
+            self.registry.register(self._lora_info)
+        self._lora_info.stats = stats
         self.vllm_running.labels(model_name).set_function(lambda: stats().num_running)
         self.vllm_waiting.labels(model_name).set_function(lambda: stats().num_waiting)
         self.vllm_kv_usage.labels(model_name).set_function(kv_usage)

@@ -121,3 +121,19 @@ def test_openai_model_field_and_models_list(served):
     with pytest.raises(grpc.RpcError) as g:
         _greedy(stack, PROMPTS[0], "nope")
     assert g.value.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in g.value.details()
+
+
+def test_metrics_name_the_adapters_of_running_requests(served):
+    """vllm:lora_requests_info, as the inference gateway's endpoint picker reads it."""
+    stack, _ = served
+    req = pb.GenerateRequest(prompt_token_ids=PROMPTS[0], model="poet",
+                             sampling=pb.SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True))
+    call = stack.stub.Generate(req, timeout=120)
+    next(call)  # (running now: its first token came)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/metrics", timeout=30) as r:
+            text = r.read().decode()
+    finally:
+        call.cancel()
+    line = next(x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{"))
+    assert 'max_lora="2"' in line and 'running_lora_adapters="poet"' in line, line
