@@ -49,6 +49,28 @@ def check_name(name: str) -> str:
     return name
 
 
+def split_lora_modules(values: tuple[str, ...] | list[str]) -> list[str]:
+    """The entries of ``--lora-modules``' values: each value one entry, except that a value holding
+    several (``PAGEDSERVE_LORA_MODULES``, one environment variable) is split: a JSON list into its
+    items, else ``name=path`` entries at whitespace."""
+    out: list[str] = []
+    for v in values:
+        v = v.strip()
+        if v.startswith("["):
+            try:
+                items = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise LoraConfigError(f"--lora-modules {v[:80]!r}: not JSON ({e.msg})") from None
+            if not isinstance(items, list):
+                raise LoraConfigError(f"--lora-modules {v[:80]!r}: expected a JSON list")
+            out += [json.dumps(i) if isinstance(i, dict) else str(i) for i in items]
+        elif v.startswith("{"):
+            out.append(v)
+        else:
+            out += v.split()
+    return out
+
+
 def parse_lora_module(text: str) -> tuple[str, Path, str | None]:
     """One ``--lora-modules`` entry, ``name=path`` or vLLM's JSON form
     ``{"name": ..., "path": ..., "base_model_name": ...}`` -> (name, path, base or None)."""

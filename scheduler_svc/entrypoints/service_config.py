@@ -21,7 +21,7 @@ from typing import Any
 
 from pagedserve import wire
 from pagedserve.envargs import number, parse_with_env
-from pagedserve.lora_modules import LoraConfigError, LoraModule, inspect_adapter, parse_lora_module
+from pagedserve.lora_modules import LoraConfigError, LoraModule, inspect_adapter, parse_lora_module, split_lora_modules
 from pagedserve.model_dir import has_model_config, is_gguf, open_gguf, resolve_model
 from scheduler_svc.engine.engine_config import EngineConfig
 from scheduler_svc.engine.executor_auth import LinkSecurity
@@ -457,12 +457,12 @@ class _ExtendTuple(argparse.Action):
 def _lora_modules(parser: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[LoraModule, ...]:
     """--lora-modules, each adapter's files checked now: a bad one stops the service, saying why."""
     out = []
-    for text in a.lora_modules:
-        try:
+    try:
+        for text in split_lora_modules(a.lora_modules):
             name, path, _base = parse_lora_module(text)  # (the JSON form's base_model_name: display only)
             out.append(inspect_adapter(name, path, a.max_lora_rank))
-        except LoraConfigError as exc:
-            parser.error(str(exc))
+    except LoraConfigError as exc:
+        parser.error(str(exc))
     return tuple(out)
 
 

@@ -77,6 +77,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "cpu+fronts": ("cpu", ["fronts"]),
     "cpu+cores": ("cpu", ["engine-cores"]),  # two engine cores in the scheduler pod (test_k8s_engine_cores.py)
     "gpu+fronts+cores": ("gpu", ["fronts", "engine-cores"]),
+    "gpu+lora": ("gpu", ["lora-adapters"]),  # LoRA adapters from a read-only volume
 }
 # Several deployments (names suffixed -a, -b) behind the inference gateway: checked here by checkov,
 # the schemas and the hardening rules, the rest in test_k8s_gateway.py.
@@ -449,6 +450,25 @@ def test_every_path_a_container_is_given_lies_in_a_volume_it_mounts(rendered, va
             values = list(container_env(docs, c).values()) + [a.partition("=")[2] or a for a in c.get("args", [])]
             for path in (v for v in values if v.startswith("/")):
                 mounted(w, c, path)  # raises, naming the container and the path
+
+
+def test_lora_adapters_come_from_a_read_only_volume_both_services_mount(rendered):
+    """components/lora-adapters: the scheduler and every executor serve LoRA with as many slots, and
+    each adapter the scheduler lists lies on a read-only volume both mount."""
+    from pagedserve.lora_modules import parse_lora_module, split_lora_modules
+
+    docs = rendered["gpu+lora"]
+    sched, execs = find(docs, "Deployment", SCHED), find(docs, "Deployment", EXEC)
+    sargs, _ = parse_container(docs, container(sched))
+    eargs, _ = parse_container(docs, container(execs))
+    assert sargs.enable_lora and eargs.enable_lora and sargs.max_loras == eargs.max_loras == 4
+    assert sargs.max_lora_rank == eargs.max_lora_rank
+    paths = [str(parse_lora_module(e)[1]) for e in split_lora_modules(sargs.lora_modules)]
+    assert len(paths) == 2
+    for w in (sched, execs):
+        for path in paths:
+            volume, mount = mounted(w, container(w), path)
+            assert mount.get("readOnly") and volume["persistentVolumeClaim"]["readOnly"], (w["metadata"]["name"], path)
 
 
 def test_dockerfiles_run_as_the_uid_the_manifests_expect():

@@ -23,6 +23,21 @@ def test_entry_forms(tmp_path):
             parse_lora_module(bad)
 
 
+def test_one_environment_variable_holds_several_entries(tmp_path):
+    from pagedserve.lora_modules import split_lora_modules
+
+    assert split_lora_modules(["a=/x b=/y", '{"name": "c", "path": "/z w"}']) == \
+        ["a=/x", "b=/y", '{"name": "c", "path": "/z w"}']
+    assert split_lora_modules(['[{"name": "c", "path": "/z"}, "d=/w"]']) == ['{"name": "c", "path": "/z"}', "d=/w"]
+    good = write_peft_dir(tmp_path / "good")
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    cfg = load_config(["--model", str(model_dir)], {"PAGEDSERVE_ENABLE_LORA": "true",
+                                                    "PAGEDSERVE_LORA_MODULES": f"a={good} b={good}"})
+    assert [m.name for m in cfg.engine.lora_modules] == ["a", "b"]
+
+
 def test_a_good_adapter_is_described(tmp_path):
     m = inspect_adapter("sql", write_peft_dir(tmp_path / "sql", r=8, targets=("v_proj", "q_proj", "down_proj")), 16)
     assert (m.rank, m.targets, m.base_model) == (8, ("q_proj", "v_proj", "down_proj"), "tiny-llama")
