@@ -21,7 +21,13 @@ from typing import Any
 
 from pagedserve import wire
 from pagedserve.envargs import number, parse_with_env
-from pagedserve.lora_modules import LoraConfigError, LoraModule, inspect_adapter, parse_lora_module, split_lora_modules
+from pagedserve.lora_modules import (
+    LoraConfigError,
+    LoraModule,
+    inspect_adapter,
+    parse_lora_module,
+    split_lora_modules,
+)
 from pagedserve.model_dir import has_model_config, is_gguf, open_gguf, resolve_model
 from scheduler_svc.engine.engine_config import EngineConfig
 from scheduler_svc.engine.executor_auth import LinkSecurity
