@@ -69,7 +69,9 @@ class GenerationRequest:
     # ends. None: the scheduler's own max_model_len bounds it (tests driving one scheduler).
     max_total_tokens: int | None = None
     # The LoRA adapter it runs under (--lora-modules, or loaded at run time); None: the base model.
+    # lora_id: which load of that name (set by the engine core; 0: an adapter given at start).
     lora: str | None = None
+    lora_id: int = 0
 
 
 class TokenLogprob(msgspec.Struct, gc=False):

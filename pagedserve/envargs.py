@@ -19,7 +19,8 @@ from pathlib import Path
 
 ENV_PREFIX = "PAGEDSERVE_"
 # vLLM's variables a vLLM user already sets, read for the flag of the same meaning when PAGEDSERVE_<FLAG> is unset.
-VLLM_ENV = {"--batch-invariant": "VLLM_BATCH_INVARIANT"}
+VLLM_ENV = {"--batch-invariant": "VLLM_BATCH_INVARIANT",
+            "--allow-runtime-lora-updating": "VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
 
 
 def env_name(option: str) -> str:

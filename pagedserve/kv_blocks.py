@@ -15,10 +15,17 @@ from collections.abc import Sequence as Seq
 _ROOT_HASH = b"\x00" * 32
 
 
-def chain_root(lora: str | None) -> bytes | None:
+def lora_key(lora: str | None, lora_id: int = 0) -> str | None:
+    """What tells one LoRA adapter from another: its name, and for an adapter loaded at run time the
+    id of that load (scheduler_svc/engine/lora_registry.py); None for the base model."""
+    return None if not lora else lora if not lora_id else f"{lora}#{lora_id}"
+
+
+def chain_root(lora: str | None, lora_id: int = 0) -> bytes | None:
     """The parent of a prompt's first block: the base model's (None), or for a LoRA adapter one of
     its own, since the adapter changes every K/V: the same prompt under two adapters shares no block."""
-    return None if not lora else hashlib.sha256(b"pagedserve-lora\x00" + lora.encode()).digest()
+    key = lora_key(lora, lora_id)
+    return None if key is None else hashlib.sha256(b"pagedserve-lora\x00" + key.encode()).digest()
 
 
 def hash_block(parent: bytes | None, token_ids: Seq[int], extra: bytes = b"") -> bytes:

@@ -26,13 +26,15 @@ import msgspec
 from msgspec import Meta
 
 from pagedserve.engine_api import EngineStats, GenerationRequest, ModelInfo, RequestUpdate
+from pagedserve.lora_modules import MAX_NAME_CHARS as MAX_LORA_NAME_CHARS
 from pagedserve.wire.codec import Codec
 
 # One message family with the executor link: the same base, heartbeat, text and packed-id types.
 from pagedserve.wire.messages import Heartbeat, PackedTokenIds, Text, _Message
 from pagedserve.wire.packed import num_packed, pack_ids, unpacked  # noqa: F401  (the front link's helpers)
+from pagedserve.wire.protocol import MAX_LORA_PATH_CHARS
 
-TIER_VERSION = 4  # 4: a request may name a LoRA adapter (GenerationRequest.lora)
+TIER_VERSION = 4  # 4: LoRA adapters (GenerationRequest.lora and lora_id, LoraUpdate)
 HEARTBEAT_INTERVAL_S = 0.5  # both ways; a peer silent for 5 intervals (2.5 s) is dead
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a step's updates with log-probs; a request at the largest context
 MAX_REQUEST_ID_CHARS = 512  # request ids (the front's prefix and the client's id) and front ids
@@ -110,17 +112,29 @@ class Query(_Message):
     what: Annotated[int, Meta(ge=QUERY_STATS, le=QUERY_FAMILIES)]
 
 
+class LoraUpdate(_Message):
+    """Serve the LoRA adapter at ``path`` as ``name`` from now on, or (``path`` None) stop serving
+    ``name`` (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``). Answered by an Answer whose
+    ``error`` says why not, if it was not done."""
+
+    query_id: Annotated[int, Meta(ge=0)]
+    name: Annotated[str, Meta(min_length=1, max_length=MAX_LORA_NAME_CHARS)]
+    path: Annotated[str, Meta(min_length=1, max_length=MAX_LORA_PATH_CHARS)] | None = None
+
+
 class Answer(_Message):
     query_id: int
     stats: EngineStats | None = None
     text: str | None = None  # the Prometheus exposition of the whole deployment
     families: list[Family] | None = None  # this core's own metrics (another engine core sums them)
+    error: Text | None = None  # a LoraUpdate not done: why
+    not_found: bool = False  # (an unload of a name not served)
 
 
 Message = (FrontHello | CoreHello | Submit | Abort | FinishChoice | Heartbeat | Updates | Status | FrontMetrics
-           | Query | Answer)
+           | Query | Answer | LoraUpdate)
 KIND_OF: dict[type, int] = {FrontHello: 1, CoreHello: 2, Submit: 3, Abort: 4, FinishChoice: 5, Heartbeat: 6,
-                            Updates: 7, Status: 8, FrontMetrics: 9, Query: 10, Answer: 11}
-FROM_FRONT = (FrontHello, Submit, Abort, FinishChoice, Heartbeat, FrontMetrics, Query)
+                            Updates: 7, Status: 8, FrontMetrics: 9, Query: 10, Answer: 11, LoraUpdate: 12}
+FROM_FRONT = (FrontHello, Submit, Abort, FinishChoice, Heartbeat, FrontMetrics, Query, LoraUpdate)
 FROM_CORE = (CoreHello, Updates, Status, Heartbeat, Answer)
 TIER = Codec(TIER_VERSION, KIND_OF)

@@ -112,7 +112,7 @@ class EngineCore(CoreRequests):
                          vocab_size=info.vocab_size, block_size=self.cfg.scheduler.block_size,
                          num_executors=len(live), eos_token_ids=self.eos_token_ids,
                          max_request_blocks=max(s.scheduler.usable_blocks for s in ready),
-                         lora_adapters=tuple(self.lora_paths))
+                         lora_adapters=self.lora.names)
 
     def stats(self) -> EngineStats:
         st = EngineStats(num_preemptions=self._retired_preemptions,
@@ -165,7 +165,7 @@ class EngineCore(CoreRequests):
                                   lora_slots=min(self.cfg.max_loras, info.lora_slots) if self.cfg.enable_lora else 0)
         slot = ExecutorSlot(conn, Scheduler(cfg, info.num_device_blocks, info.num_cpu_blocks,
                                             self.eos_token_ids, vocab_size=info.vocab_size,
-                                            lora_paths=self.lora_paths))
+                                            lora_paths=self.lora.paths))
         self.slots[conn.id] = slot
         slot.task = asyncio.create_task(self._run(slot), name=f"engine-{conn.id}")
         slot.task.add_done_callback(self._loop_ended)

@@ -37,10 +37,12 @@ class EngineConfig:
     lora_modules: tuple[LoraModule, ...] = ()
     max_loras: int = 1
     max_lora_rank: int = 16
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's gate)
 
     def __post_init__(self) -> None:
-        if self.lora_modules and not self.enable_lora:
-            raise ValueError("--lora-modules needs --enable-lora")
+        if (self.lora_modules or self.allow_runtime_lora_updating) and not self.enable_lora:
+            raise ValueError(f"{'--lora-modules' if self.lora_modules else '--allow-runtime-lora-updating'} "
+                             "needs --enable-lora")
         if not 1 <= self.max_loras <= wire.MAX_LORA_SLOTS:
             raise ValueError(f"--max-loras must be in [1, {wire.MAX_LORA_SLOTS}], got {self.max_loras}")
         if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:

@@ -37,6 +37,7 @@ from pagedserve.engine_api import (
     FinishReason,
     RequestUpdate,
 )
+from pagedserve.lora_modules import LoraConfigError, inspect_adapter
 from pagedserve.ratelog import RateLimitedLog
 from pagedserve.wire import DEAD_AFTER_INTERVALS, MAX_HANDSHAKE_FRAME_BYTES, WireError
 from pagedserve.wire import front_messages as m
@@ -81,6 +82,7 @@ class FrontLink:
         self.exposition = exposition or (lambda: "")  # the deployment's metrics, for a Query
         self.own_families = own_families or list  # this core's own metrics (the first core sums the others')
         self.fronts: dict[bytes, RemoteFront] = {}
+        self._lora_tasks: set[asyncio.Task] = set()
         self.retired: list = []  # the counters of fronts gone (a counter never goes back)
         self._ctx = zmq.Context.instance()
         if keys is not None:
@@ -133,6 +135,30 @@ class FrontLink:
         status = self._status()
         for front in list(self.fronts.values()):
             self.send(front, status)
+
+    async def _lora_update(self, front: RemoteFront, msg: m.LoraUpdate) -> None:
+        """Load or unload an adapter (its files read off the loop); every front hears of the new list
+        (a Status) before this one's answer, so the name is usable there when the call returns."""
+        registry, answer = self.core.lora, m.Answer(msg.query_id)
+        if not self.core.cfg.allow_runtime_lora_updating:
+            answer.error = "loading LoRA adapters at run time is off (--allow-runtime-lora-updating)"
+        elif msg.path is None:
+            try:
+                registry.unload(msg.name)
+            except KeyError:
+                answer.error, answer.not_found = f"the LoRA adapter {msg.name!r} is not loaded", True
+        else:
+            try:
+                module = await asyncio.to_thread(inspect_adapter, msg.name, Path(msg.path), registry.max_rank)
+                registry.add(module)
+            except LoraConfigError as exc:
+                answer.error = str(exc)
+        if answer.error is None:
+            log.info("LoRA adapter %r %s", msg.name, "unloaded" if msg.path is None else f"loaded from {msg.path}")
+            status = self._status()
+            for f in list(self.fronts.values()):
+                self.send(f, status)
+        self.send(front, answer)
 
     def _status(self) -> m.Status:
         core = self.core
@@ -204,6 +230,10 @@ class FrontLink:
                 self.send(front, m.Answer(msg.query_id, families=self.own_families()))
             else:
                 self.send(front, m.Answer(msg.query_id, text=self.exposition()))
+        elif isinstance(msg, m.LoraUpdate):
+            task = asyncio.create_task(self._lora_update(front, msg))
+            self._lora_tasks.add(task)
+            task.add_done_callback(self._lora_tasks.discard)
         elif isinstance(msg, m.FrontHello):
             raise _Foreign("a second FrontHello on a live connection")
 

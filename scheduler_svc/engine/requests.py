@@ -16,8 +16,9 @@ import time
 from typing import Protocol
 
 from pagedserve.engine_api import EngineError, ErrorKind, GenerationRequest, RequestUpdate
-from pagedserve.kv_blocks import chain_root, hash_blocks
+from pagedserve.kv_blocks import chain_root, hash_blocks, lora_key
 from scheduler_svc.engine.engine_config import EngineConfig
+from scheduler_svc.engine.lora_registry import LoraRegistry
 from scheduler_svc.engine.router import Router
 from scheduler_svc.engine.state import CoreRequest, ExecutorSlot
 from scheduler_svc.sched.request import MigratedRequest
@@ -37,8 +38,8 @@ class CoreRequests:
         self.cfg = cfg
         self.slots: dict[str, ExecutorSlot] = {}
         self.router = Router()
-        # LoRA adapters served (name -> directory as the executors see it); every scheduler reads it.
-        self.lora_paths: dict[str, str] = {m.name: str(m.path) for m in cfg.lora_modules}
+        # LoRA adapters served; every scheduler reads its paths (lora_key -> directory).
+        self.lora = LoraRegistry(cfg.lora_modules, cfg.max_lora_rank)
         self.requests: dict[str, CoreRequest] = {}  # every request this core holds, by its id
         self.orphans: list[CoreRequest] = []  # waiting for an executor after a failure
         self._closing = False
@@ -63,8 +64,12 @@ class CoreRequests:
                                                     f"(max_queued_requests) is {self.cfg.max_queued_requests}")
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already running in this engine core")
-        if req.lora and req.lora not in self.lora_paths:
-            raise EngineError(ErrorKind.NOT_FOUND, f"the LoRA adapter {req.lora[:200]!r} is not served here")
+        if req.lora:
+            if req.lora not in self.lora.ids:
+                raise EngineError(ErrorKind.NOT_FOUND, f"the LoRA adapter {req.lora[:200]!r} is not served here")
+            req.lora_id = self.lora.ids[req.lora]
+            if req.lora_id:  # (a front hashes with the name alone: this load's chain is its own)
+                req.prompt_block_hashes = None
         if not req.arrival_time:
             req.arrival_time = time.monotonic()
         cr = CoreRequest(req, sink, resume=resume)
@@ -122,8 +127,9 @@ class CoreRequests:
             why = ready[0].scheduler.why_cannot_hold(req, cr.resume)
             return f"no connected executor can hold this request: {why}"
         if req.prompt_block_hashes is None:  # (fronts hash prompts; a request from elsewhere is hashed here)
-            req.prompt_block_hashes = hash_blocks(chain_root(req.lora), req.prompt_token_ids, self.cfg.scheduler.block_size)
-        slot = self.router.choose(fits, req.prompt_block_hashes, req.lora)
+            req.prompt_block_hashes = hash_blocks(chain_root(req.lora, req.lora_id), req.prompt_token_ids,
+                                                  self.cfg.scheduler.block_size)
+        slot = self.router.choose(fits, req.prompt_block_hashes, lora_key(req.lora, req.lora_id))
         if slot is None:
             self._park(cr)
             return None

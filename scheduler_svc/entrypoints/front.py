@@ -87,7 +87,7 @@ async def start_http(cfg: ServiceConfig, engine, tokenizer: Tokenizer, metrics: 
     if template is None:
         log.warning("%s has no chat template: /v1/chat/completions will refuse requests", cfg.model_dir)
     front = OpenAIFront(engine, tokenizer, template, cfg.limits, cfg.http_limits, metrics, cfg.tool_calls,
-                        cfg.logprobs_mode)
+                        cfg.logprobs_mode, lora_updates=cfg.engine.enable_lora and cfg.engine.allow_runtime_lora_updating)
     front.metrics_text = metrics_text
     middleware = []
     if cfg.api_keys is not None:  # the same keys and TLS files as the gRPC front

@@ -104,6 +104,7 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "--lora-modules": (EngineConfig, "lora_modules"),
     "--max-loras": (EngineConfig, "max_loras"),
     "--max-lora-rank": (EngineConfig, "max_lora_rank"),
+    "--allow-runtime-lora-updating": (EngineConfig, "allow_runtime_lora_updating"),
     "--stream-interval": (EngineConfig, "stream_interval"),
     "--step-timeout": (EngineConfig, "step_timeout_s"),
     "--max-failed-steps": (EngineConfig, "max_failed_steps"),
@@ -238,6 +239,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "slots); requests for others wait, in arrival order")
     p.add_argument("--max-lora-rank", type=number(int, "--max-lora-rank", 0), default=default(e, "max_lora_rank"),
                    help="the highest LoRA rank an adapter may have (at most 256)")
+    p.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction,
+                   default=default(e, "allow_runtime_lora_updating"),
+                   help="with --enable-lora: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind "
+                        "the API keys), as vLLM does with VLLM_ALLOW_RUNTIME_LORA_UPDATING, which this reads too")
     p.add_argument("--max-queued-requests", type=number(int, "--max-queued-requests", 0),
                    default=default(e, "max_queued_requests"),
                    help="waiting requests beyond which new ones get RESOURCE_EXHAUSTED")

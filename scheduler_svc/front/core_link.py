@@ -84,11 +84,15 @@ class RemoteCore:
         """The core's own metrics (another engine core sums them)."""
         return (await self._ask(m.QUERY_FAMILIES, timeout_s)).families or []
 
-    async def _ask(self, what: int, timeout_s: float) -> m.Answer:
+    async def update_lora(self, name: str, path: str | None, timeout_s: float = 30.0) -> m.Answer:
+        """Load (``path``) or unload (None) a LoRA adapter on the core; its Answer says if not done."""
+        return await self._ask(None, timeout_s, lambda qid: m.LoraUpdate(qid, name, path))
+
+    async def _ask(self, what: int | None, timeout_s: float, make=None) -> m.Answer:
         qid = next(self._queries)
         fut = self._answers[qid] = asyncio.get_running_loop().create_future()
         try:
-            self._send(m.Query(qid, what))
+            self._send(m.Query(qid, what) if make is None else make(qid))
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._answers.pop(qid, None)

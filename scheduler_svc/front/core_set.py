@@ -70,6 +70,14 @@ class CoreSet:
     def stats(self) -> EngineStats:
         return sum_stats([c.stats() for c in self.cores])
 
+    async def update_lora(self, name: str, path: str | None):
+        """The same LoRA load or unload on every engine core (each serves its own executors); the
+        first answer that says it was not done, else the first."""
+        answers = [await c.update_lora(name, path) for c in self.cores if c.connected]
+        if not answers:
+            raise EngineError(ErrorKind.NO_EXECUTOR, "no engine core is reachable; try again")
+        return next((a for a in answers if a.error is not None), answers[0])
+
     async def current_stats(self) -> EngineStats:
         return sum_stats([await c.current_stats() if c.connected else c.stats() for c in self.cores])
 

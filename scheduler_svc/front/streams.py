@@ -91,6 +91,13 @@ class FrontStreams:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
+    async def update_lora(self, name: str, path: str | None):
+        """Load (``path``) or unload (None) a LoRA adapter on the engine core(s); the core's Answer."""
+        update = getattr(self.core, "update_lora", None)
+        if update is None or not self.core.is_ready():
+            raise EngineError(ErrorKind.NO_EXECUTOR, "the engine core is not reachable; try again")
+        return await update(name, path)
+
     async def current_stats(self) -> EngineStats:
         """The engine's stats now (a remote core's last Status is up to a heartbeat old)."""
         current = getattr(self.core, "current_stats", None)

@@ -167,7 +167,7 @@ class KVCacheManager(KVCacheManagerBase):
         hashes = self._hashes.setdefault(seq.seq_id, [])
         have, bs = len(hashes), self.block_size
         if have < num_blocks:
-            hashes += hash_blocks(hashes[-1] if hashes else chain_root(seq.request.req.lora), seq.token_ids[have * bs:num_blocks * bs], bs,
+            hashes += hash_blocks(hashes[-1] if hashes else chain_root(seq.request.req.lora, seq.request.req.lora_id), seq.token_ids[have * bs:num_blocks * bs], bs,
                                   self._extra)
         return hashes
 

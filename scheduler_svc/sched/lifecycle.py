@@ -18,6 +18,7 @@ from collections.abc import Collection, Mapping
 import msgspec
 
 from pagedserve.engine_api import FinishReason, GenerationRequest, RequestUpdate
+from pagedserve.kv_blocks import lora_key
 from pagedserve.wire import LoraLoad, SamplingParams, max_result_bytes
 from scheduler_svc.sched.kv_cache_manager import NO_HIT, KVCacheManager, KVCacheManagerBase, PrefixHit
 from scheduler_svc.sched.lora_slots import LoraSlots
@@ -26,6 +27,10 @@ from scheduler_svc.sched.scheduler_config import SchedulerConfig
 
 Work = list[tuple[Sequence, int]]  # (sequence, num_new_tokens) scheduled in one step
 log = logging.getLogger(__name__)
+
+
+class LoraUnloaded(ValueError):
+    """A waiting request's LoRA adapter was unloaded: it fails with this message."""
 
 
 class ProtocolError(ValueError):
@@ -275,11 +280,15 @@ class RequestLifecycle:
 
     def fail_request(self, r: Request, exc: BaseException) -> RequestUpdate:
         """An exception while handling ``r`` fails ``r`` alone: it is released, the rest go on."""
-        log.error("request %s failed inside the scheduler; failing it alone", r.request_id,
-                  exc_info=(type(exc), exc, exc.__traceback__))
+        if isinstance(exc, LoraUnloaded):
+            log.info("request %s: %s", r.request_id, exc)
+        else:
+            log.error("request %s failed inside the scheduler; failing it alone", r.request_id,
+                      exc_info=(type(exc), exc, exc.__traceback__))
         self.release_request(r, FinishReason.ABORTED)
         return RequestUpdate(r.request_id, [], True, r.num_prompt_tokens, r.num_cached_prompt_tokens,
-                             error="internal error while scheduling it")  # (the detail is logged above)
+                             error=str(exc) if isinstance(exc, LoraUnloaded)
+                             else "internal error while scheduling it")  # (the detail is logged above)
 
     def take_all_requests(self) -> list[MigratedRequest]:
         """Remove every request and free all blocks; return what re-queues each elsewhere."""
@@ -307,18 +316,18 @@ class RequestLifecycle:
     def pin_lora(self, r: Request, loads: list) -> bool:
         """Give ``r``'s adapter a slot before it is admitted (a load for ``loads`` if the slot held
         another); False when every slot is pinned by other adapters. A base-model request: True."""
-        name = r.req.lora
-        if not name or r.lora_slot is not None:
+        key = lora_key(r.req.lora, r.req.lora_id)
+        if key is None or r.lora_slot is not None:
             return True
-        path = self.lora_paths.get(name)
+        path = self.lora_paths.get(key)
         if path is None:
-            raise ValueError(f"LoRA adapter {name!r} is not loaded")
-        got = self.lora.acquire(name)
+            raise LoraUnloaded(f"the LoRA adapter {r.req.lora!r} was unloaded before the request could start")
+        got = self.lora.acquire(key)
         if got is None:
             return False
         r.lora_slot, load = got
         if load:
-            loads.append(LoraLoad(r.lora_slot, name, path))
+            loads.append(LoraLoad(r.lora_slot, key, path))
         return True
 
     def unpin_lora(self, r: Request) -> None:
@@ -449,9 +458,10 @@ class RequestLifecycle:
                 if r.state is RequestState.WAITING:
                     raise RuntimeError(f"waiting request {r.request_id} pins LoRA slot {r.lora_slot}")
                 pins[r.lora_slot] = pins.get(r.lora_slot, 0) + 1
-                if self.lora.held().get(r.lora_slot) != r.req.lora:
+                key = lora_key(r.req.lora, r.req.lora_id)
+                if self.lora.held().get(r.lora_slot) != key:
                     raise RuntimeError(f"request {r.request_id} runs under slot {r.lora_slot}, which holds "
-                                       f"{self.lora.held().get(r.lora_slot)!r}, not {r.req.lora!r}")
+                                       f"{self.lora.held().get(r.lora_slot)!r}, not {key!r}")
         self.lora.check(pins)
         owed: dict[int, int] = {}  # placeholders each live sequence is owed by the plans in flight
         for step in self.in_flight:

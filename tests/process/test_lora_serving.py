@@ -44,8 +44,11 @@ def served(tiny_llama_dir, tmp_path_factory):
         refs[name] = [hf_greedy(merged, p, MAX_NEW) for p in PROMPTS]
     base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     refs[None] = [hf_greedy(base, p, MAX_NEW) for p in PROMPTS]
+    merged = make_adapter(tiny_llama_dir, root / "late", ["v_proj", "up_proj"], 8, 16, False, seed=20)
+    refs["late"] = [hf_greedy(merged, p, MAX_NEW) for p in PROMPTS]  # (loaded at run time, not at start)
     modules = [f"{n}={root / n}" for n in ADAPTERS]
-    s = Stack(tiny_llama_dir, root, ["--enable-lora", "--max-loras", "2", "--lora-modules", *modules], secure=False)
+    s = Stack(tiny_llama_dir, root, ["--enable-lora", "--max-loras", "2", "--lora-modules", *modules,
+                                     "--allow-runtime-lora-updating"], secure=False)
     try:
         s.start_scheduler()
         s.start_executor("ex0", "--enable-lora", "--max-loras", "2")
@@ -137,3 +140,44 @@ def test_metrics_name_the_adapters_of_running_requests(served):
         call.cancel()
     line = next(x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{"))
     assert 'max_lora="2"' in line and 'running_lora_adapters="poet"' in line, line
+
+
+def _post(stack: Stack, path: str, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(f"http://127.0.0.1:{stack.http_port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _models(stack: Stack) -> set[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/v1/models", timeout=30) as r:
+        return {c["id"] for c in json.load(r)["data"]}
+
+
+def test_adapters_load_and_unload_at_run_time_and_a_reloaded_name_is_another_adapter(served):
+    stack, refs = served
+    late = stack.logdir / "late"
+    assert _post(stack, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(late)}) == \
+        (200, "Success: LoRA adapter 'late' added successfully.")
+    assert "late" in _models(stack)  # (at once: the core told every front before it answered)
+    assert [_greedy(stack, p, "late") for p in PROMPTS] == refs["late"]
+    code, body = _post(stack, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(late)})
+    assert code == 400 and "already loaded" in body
+    code, body = _post(stack, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(late / "nope")})
+    assert code == 400 and "no such directory" in body and json.loads(body)["error"]["code"] == "invalid_lora_adapter"
+    assert _post(stack, "/v1/unload_lora_adapter", {"lora_name": "late"})[0] == 200
+    assert "late" not in _models(stack)
+    with pytest.raises(grpc.RpcError) as g:
+        _greedy(stack, PROMPTS[0], "late")
+    assert g.value.code() == grpc.StatusCode.NOT_FOUND
+    code, body = _post(stack, "/v1/unload_lora_adapter", {"lora_name": "late"})
+    assert code == 404 and json.loads(body)["error"]["code"] == "lora_not_found"
+    # The name again, other files: the executor's slot and the cached prompt of the old "late" serve
+    # nothing of the new one.
+    assert _post(stack, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(stack.logdir / "sql")})[0] == 200
+    assert [_greedy(stack, p, "late") for p in PROMPTS] == refs["sql"]
+    code, body = _post(stack, "/v1/load_lora_adapter", {"lora_name": "y", "lora_path": str(late), "extra": 1})
+    assert code == 400

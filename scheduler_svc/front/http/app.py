@@ -33,7 +33,7 @@ from pagedserve.engine_api import EngineApi, EngineError, ErrorKind, GenerationR
 from scheduler_svc.front.api_errors import ApiError, bad_field
 from scheduler_svc.front.guards.admission import CallBudget
 from scheduler_svc.front.guards.request_caps import RequestCaps
-from scheduler_svc.front.http import streams
+from scheduler_svc.front.http import lora_routes, streams
 from scheduler_svc.front.http import utility_routes as extras
 from scheduler_svc.front.http.body_parser import BUSY, BodyParser
 from scheduler_svc.front.http.budget_middleware import AdmissionMiddleware
@@ -46,6 +46,7 @@ from scheduler_svc.front.http.openai_types import (
     CompletionRequest,
     chat_fields,
     completion_fields,
+    decode,
 )
 from scheduler_svc.front.http.responses import ChatRender, CompletionRender, TokenTexts, _Render
 from scheduler_svc.front.input.offload import THREAD_CHARS, token_ids, trim_soon, validate_off_loop
@@ -78,8 +79,11 @@ class OpenAIFront:
 
     def __init__(self, engine: EngineApi, tokenizer: Tokenizer, chat_template: ChatTemplate | None,
                  limits: ServerLimits, http_limits: HttpLimits, metrics: Metrics | None = None,
-                 tool_options: ToolCallOptions = NO_AUTO_TOOLS, logprobs_mode: str = LOGPROBS_MODES[0]) -> None:
+                 tool_options: ToolCallOptions = NO_AUTO_TOOLS, logprobs_mode: str = LOGPROBS_MODES[0],
+                 lora_updates: bool = False) -> None:
+        """``lora_updates``: serve the runtime LoRA endpoints (lora_routes.py)."""
         self.engine, self.tokenizer, self.chat_template = engine, tokenizer, chat_template
+        self.lora_updates = lora_updates
         self.limits, self.http_limits, self.metrics = limits, http_limits, metrics
         self.tool_options, self.logprobs_mode = tool_options, logprobs_mode
         self.special_tokens = frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
@@ -187,6 +191,10 @@ class OpenAIFront:
         req = await self.parser.decode(body, kind, RequestCaps.derive(self.limits, info, hl.max_prompts,
                                                                       hl.max_messages, hl.max_tools))
         return (arrival, body, req, *self._model(req.model))
+
+    async def small_body(self, request: Request, kind: type, limit: int) -> Any:
+        """A small JSON body (an administrative call) read within ``limit`` bytes, as ``kind`` (its 400s)."""
+        return decode(await _read_body(request, limit, self.http_limits.body_timeout_s), kind)
 
     def _info(self) -> ModelInfo:
         if self.shutting_down:
@@ -398,6 +406,7 @@ def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = (), budget:
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat, methods=["POST"]),
         *extras.routes(front),
+        *(lora_routes.routes(front) if front.lora_updates else []),
     ]
     return _App(routes=routes, middleware=list(middleware),
                 exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error})

@@ -101,3 +101,25 @@ def test_the_scheduler_refuses_to_start_with_a_bad_adapter(tmp_path, capsys):
     with pytest.raises(SystemExit):
         load_config(["--model", str(model_dir), "--enable-lora", "--lora-modules", f"a={good}", f"a={good}"], {})
     assert "a name given twice" in capsys.readouterr().err
+
+
+def test_the_registry_gives_each_load_of_a_name_its_own_key(tmp_path):
+    from pagedserve.kv_blocks import chain_root, lora_key
+    from scheduler_svc.engine.lora_registry import LoraRegistry
+
+    a, b = write_peft_dir(tmp_path / "a"), write_peft_dir(tmp_path / "b", r=4)
+    reg = LoraRegistry((inspect_adapter("sql", a, 16),), 16)
+    assert reg.names == ("sql",) and reg.paths == {"sql": str(a)} and reg.ids == {"sql": 0}
+    reg.load("chat", str(b))
+    with pytest.raises(LoraConfigError, match="already loaded"):
+        reg.load("chat", str(a))
+    with pytest.raises(LoraConfigError, match="rank 32 is above --max-lora-rank 16"):
+        reg.load("big", str(write_peft_dir(tmp_path / "big", r=32)))
+    first = reg.ids["chat"]
+    reg.unload("chat")
+    with pytest.raises(KeyError):
+        reg.unload("chat")
+    reg.load("chat", str(a))
+    second = reg.ids["chat"]
+    assert 0 < first < second and reg.paths == {"sql": str(a), lora_key("chat", second): str(a)}
+    assert len({chain_root("chat", first), chain_root("chat", second), chain_root("sql"), chain_root(None)}) == 4

@@ -165,3 +165,19 @@ def test_an_executor_without_slots_cannot_hold_an_adapter_request_and_an_unknown
     outs = drive(sched, ex)
     assert outs[("y", 0)] == oracle(ok)
     assert [u.request_id for u in sched.failures] == ["x"]
+
+
+def test_a_waiting_request_whose_adapter_was_unloaded_fails_saying_so_and_running_ones_finish():
+    paths = dict(ADAPTERS)
+    sched, ex = make(slots=1, paths=paths)
+    first = req("r0", [1, 2, 3, 4], "a0", max_tokens=6)
+    sched.add_request(first)
+    sched.add_request(req("r1", [1, 2, 3, 5], "a1"))  # waits: the one slot is a0's while r0 runs
+    got = [t for u in sched.update(ex.run(sched.schedule())) for su in u.seqs for t in su.new_token_ids]
+    del paths["a1"]  # unloaded while r1 waits; a0 too, while r0 runs under it
+    del paths["a0"]
+    outs = drive(sched, ex)
+    assert got + outs[("r0", 0)] == oracle(first)
+    assert [(u.request_id, u.error) for u in sched.failures] == \
+        [("r1", "the LoRA adapter 'a1' was unloaded before the request could start")]
+    assert sched.num_used_blocks == 0 and not sched.requests
