@@ -106,7 +106,7 @@ def test_every_flag_reaches_the_object_that_uses_it(model_dir, tmp_path):
     values["--max-in-flight-bytes"] = str(64 << 20)  # at least the largest request a front accepts
     argv = ["--model", str(model_dir), "--disable-prefix-caching", "--no-async-scheduling", "--batch-invariant",
             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
-            "--enable-lora", "--lora-modules", f"sql={write_peft_dir(tmp_path / 'sql', r=8)}"]
+            "--enable-lora", "--allow-runtime-lora-updating", "--lora-modules", f"sql={write_peft_dir(tmp_path / 'sql', r=8)}"]
     for flag, value in values.items():
         argv += [flag, value]
     cfg = load_config(argv, {})
