@@ -55,7 +55,9 @@ class LoraSlotsOfRunner:
             raise ValueError(f"LoRA load of {load.name!r} into slot {load.slot}, which sequences {users[:8]} use")
         try:
             self.manager.load(load.slot, load.path)
-        except LoraError as exc:
+        except Exception as exc:  # noqa: BLE001  (LoraError, or anything else: this adapter fails, not the plan)
+            if not isinstance(exc, LoraError):
+                log.exception("loading LoRA adapter %r failed unexpectedly", load.name)
             self.manager.unload(load.slot)
             self.failed[load.slot] = str(exc)
             self._owed.append(wire.LoraFailure(load.slot, str(exc)[:wire.MAX_TEXT_CHARS]))

@@ -145,6 +145,8 @@ class EngineCore(CoreRequests):
         return st
 
     def _lora_stats(self, st: EngineStats) -> None:
+        if not self.cfg.enable_lora:  # (stats are read every heartbeat: no walk over the queues for nothing)
+            return
         running, waiting = set(), {cr.req.lora for cr in self.orphans if cr.req.lora}
         for slot in self.slots.values():
             s = slot.scheduler

@@ -153,6 +153,9 @@ class FrontLink:
                 registry.add(module)
             except LoraConfigError as exc:
                 answer.error = str(exc)
+            except Exception as exc:  # noqa: BLE001  a bug here answers the caller instead of leaving it to time out
+                log.exception("loading LoRA adapter %r failed unexpectedly", msg.name)
+                answer.error = f"internal error while loading the adapter ({type(exc).__name__})"
         if answer.error is None:
             log.info("LoRA adapter %r %s", msg.name, "unloaded" if msg.path is None else f"loaded from {msg.path}")
             status = self._status()
