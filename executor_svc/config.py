@@ -150,7 +150,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="CPU: int8 = linear weights rounded to int8 in blocks of 32 with a scale each "
                         "(llama.cpp's Q8_0; activations quantised the same way on the fly), ~a quarter of "
-                        "float32's bytes per step; gguf = a GGUF file's Q8_0/Q4_0/Q4_1 layers computed as "
+                        "float32's bytes per step; gguf = a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K layers computed as "
                         "stored (the default for a GGUF file with --dtype auto; an explicit --dtype "
                         "dequantizes them at load)")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,

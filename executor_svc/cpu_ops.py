@@ -20,7 +20,7 @@ from executor_svc.cpu_kernels import build_library, load_decode_kernel, open_lib
 
 log = logging.getLogger(__name__)
 
-W_F32, W_BF16, W_Q8, W_Q8_0, W_Q4_0, W_Q4_1 = 0, 1, 2, 3, 4, 5  # PS_W_* in csrc/ps_cpu.h
+W_F32, W_BF16, W_Q8, W_Q8_0, W_Q4_0, W_Q4_1, W_Q4_K = 0, 1, 2, 3, 4, 5, 6  # PS_W_* in csrc/ps_cpu.h
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 _STATUS = {1: "a block id or cache slot outside the cache", 2: "a seq_len < 1 or longer than its block table",
            3: "a work buffer too small or out of memory", 4: "a shape or type the kernel does not take"}

@@ -32,8 +32,12 @@ def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def _stored(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     if qtype not in _K_SCALES:
         return gguf.quants.quantize(w, qtype)
+    return k_quant_rows(qtype, *w.shape, rng)
+
+
+def k_quant_rows(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, cols / 256 * block bytes] uint8 of random ``qtype`` super-blocks (cols: whole ones)."""
     block, scales = _K_SCALES[qtype]
-    rows, cols = w.shape
     data = rng.integers(0, 256, size=(rows, cols // 256, block), dtype=np.uint8)
     for offset, size in scales:
         d = rng.uniform(0.5 * size, size, size=(rows, cols // 256)).astype(np.float16)

@@ -1,11 +1,11 @@
-/* Linear layers on Q8_0 / Q4_0 / Q4_1 blocks (layout and arithmetic: linear_blocks.h): the
+/* Linear layers on Q8_0 / Q4_0 / Q4_1 / Q4_K blocks (layout and arithmetic: linear_blocks.h): the
  * activations' quantisation to blocks of 32, the scalar kernel, the split of a layer into units
  * of 64 rows, and row lookups (a quantised embedding table). The AVX2 and AVX-512 kernels are
  * in linear_blocks_x86.c; linear_cpu.c routes the PS_W_Q* types here.
  *
  * At batch 1 a layer is a matrix-vector product bound by reading its weights, so these formats
- * are there to read fewer bytes: 8.5 (Q8_0), 4.5 (Q4_0) or 5 (Q4_1) bits a weight instead of 16 or
- * 32. The weights are never expanded: each thread streams its units' blocks once per call, with
+ * are there to read fewer bytes: 8.5 (Q8_0), 4.5 (Q4_0), 5 (Q4_1) or 4.6 (Q4_K) bits a weight
+ * instead of 16 or 32. The weights are never expanded: each thread streams its units' blocks once per call, with
  * every token of the call (up to 4 at a time, from L1) against each block.
  */
 #include <math.h>
@@ -108,26 +108,44 @@ static inline int32_t block_dot(int wt, const uint8_t *qb, int r, const int8_t *
     return sum;
 }
 
+/* Row r's scale of block b of a panel, and the offset a weight adds (weight = d * q + m; Q4_0:
+ * d * (q - 8), m unused). Q4_K: d * sc and -(dmin * mn), both exact. */
+static inline void block_dm(int wt, const uint8_t *panel, int b, int r, float *d, float *m) {
+    uint16_t h[2];
+    if (wt == PS_W_Q4_K) {
+        const uint8_t *sb = PS_QK_SUPER_AT(panel, b);
+        const int j = b % PS_QK_SUPER;
+        memcpy(h, sb + PS_QK_D + 2 * r, 2);
+        memcpy(h + 1, sb + PS_QK_DMIN + 2 * r, 2);
+        *d = ps_f16(h[0]) * (float)sb[PS_QK_SC + 16 * j + r];
+        *m = -(ps_f16(h[1]) * (float)sb[PS_QK_MN + 16 * j + r]);
+        return;
+    }
+    const uint8_t *qb = PS_BLK_Q(wt, panel, b) + PS_BLK_QBYTES(wt);
+    memcpy(h, qb + 2 * r, 2);
+    memcpy(h + 1, qb + 32 + 2 * r, 2);
+    *d = ps_f16(h[0]);
+    *m = wt == PS_W_Q4_1 ? ps_f16(h[1]) : 0.0f;
+}
+
 static void blocks_unit_scalar(int wt, int T, const ps_xblocks_t *x, const uint8_t *w, int nb, const ps_out_t *out) {
-    const int bb = PS_BLK_BYTES(wt), qbytes = PS_BLK_QBYTES(wt);
     for (int p = 0; p < 4; p++) {
-        const uint8_t *panel = w + (int64_t)p * nb * bb;
+        const uint8_t *panel = w + p * PS_PANEL_BYTES(wt, nb);
         for (int t = 0; t < T; t++)
             for (int r = 0; r < 16; r++) {
                 const int row = out->o0 + p * 16 + r;
                 if (row >= out->m) break;
                 float acc = 0.0f;
                 for (int b = 0; b < nb; b++) {
-                    const uint8_t *qb = panel + (int64_t)b * bb;
-                    uint16_t h[2];
-                    memcpy(h, qb + qbytes + 2 * r, 2);
-                    memcpy(h + 1, qb + qbytes + 32 + 2 * r, 2);
+                    const uint8_t *qb = PS_BLK_Q(wt, panel, b);
+                    float d, m;
+                    block_dm(wt, panel, b, r, &d, &m);
                     const int64_t xi = t * x->lds + b;
                     const int8_t *xq = x->q + t * x->ldq + b * 2 * PS_BLK;
                     int32_t isum = 254 * block_dot(wt, qb, r, xq) + block_dot(wt, qb, r, xq + PS_BLK);
                     if (wt == PS_W_Q4_0) isum -= 8 * x->s[xi];
-                    acc = fmaf((float)isum, ps_f16(h[0]) * x->dx[xi], acc);
-                    if (wt == PS_W_Q4_1) acc = fmaf(ps_f16(h[1]), x->dxs[xi], acc);
+                    acc = fmaf((float)isum, d * x->dx[xi], acc);
+                    if (wt == PS_W_Q4_1 || wt == PS_W_Q4_K) acc = fmaf(m, x->dxs[xi], acc);
                 }
                 store_one(acc, out, t, row);
             }
@@ -147,7 +165,7 @@ void ps_blocks_compute(const ps_linear_t *L, int n, const void *work, float *y, 
 #else
     (void)isa;
 #endif
-    const int64_t unit_bytes = 4 * (int64_t)nb * PS_BLK_BYTES(wt);
+    const int64_t unit_bytes = 4 * PS_PANEL_BYTES(wt, nb);
     const int units = (L->m + 63) / 64;
 #pragma omp for schedule(dynamic, 1) nowait
     for (int u = 0; u < units; u++) {
@@ -165,21 +183,21 @@ void ps_blocks_compute(const ps_linear_t *L, int n, const void *work, float *y, 
 /* ------------------------------------------------------------------ row lookups */
 
 /* out[i, :k] = row ids[i] of the layer's weights as float32 (GGUF's dequantised values: d * q,
- * d * (q - 8), d * q + m). PS_BAD_ARG for an id outside [0, m). */
+ * d * (q - 8), d * q + m, (d * sc) * q - dmin * mn). PS_BAD_ARG for an id outside [0, m). */
 int ps_blocks_rows(const ps_linear_t *L, const int64_t *ids, int n, float *out, int64_t ldo) {
     if (!L || !PS_IS_BLOCKS(L->wtype) || !L->w || L->k < 1 || n < 0 || ldo < L->k) return PS_BAD_ARG;
+    if (L->wtype == PS_W_Q4_K && L->k % (PS_BLK * PS_QK_SUPER)) return PS_BAD_ARG;
     for (int i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= L->m) return PS_BAD_ARG;
-    const int wt = L->wtype, nb = nblocks(L->k), bb = PS_BLK_BYTES(wt), qbytes = PS_BLK_QBYTES(wt);
+    const int wt = L->wtype, nb = nblocks(L->k);
     for (int i = 0; i < n; i++) {
-        const int64_t id = ids[i], p = id / 16, r = id % 16;
+        const int64_t id = ids[i], r = id % 16;
+        const uint8_t *panel = (const uint8_t *)L->w + (id / 16) * PS_PANEL_BYTES(wt, nb);
         float *o = out + i * ldo;
         for (int b = 0; b < nb; b++) {
-            const uint8_t *qb = (const uint8_t *)L->w + (p * nb + b) * bb;
-            uint16_t h[2];
-            memcpy(h, qb + qbytes + 2 * r, 2);
-            memcpy(h + 1, qb + qbytes + 32 + 2 * r, 2);
-            const float d = ps_f16(h[0]), m = wt == PS_W_Q4_1 ? ps_f16(h[1]) : 0.0f;
+            const uint8_t *qb = PS_BLK_Q(wt, panel, b);
+            float d, m;
+            block_dm(wt, panel, b, (int)r, &d, &m);
             float v[PS_BLK];
             for (int j = 0; j < PS_BLK; j++) {
                 const int vi = (j % 16) / 4, g = j % 4;

@@ -1,17 +1,24 @@
-/* Linear layers on weights in llama.cpp's 32-element block formats (Q8_0, Q4_0, Q4_1), computed
- * on the blocks: linear_blocks.c (activation quantisation, scalar kernel, dispatch, row
- * lookups) and linear_blocks_x86.c (AVX2, AVX-512 VNNI). Private to those files and the hooks
- * in linear_cpu.c.
+/* Linear layers on weights in llama.cpp's block formats (Q8_0, Q4_0, Q4_1 of 32 inputs; Q4_K of
+ * 256), computed on the blocks: linear_blocks.c (activation quantisation, scalar kernel,
+ * dispatch, row lookups) and linear_blocks_x86.c (AVX2, AVX-512 VNNI). Private to those files
+ * and the hooks in linear_cpu.c.
  *
  * Packed layout (executor_svc/model/block_weights.py writes it from a GGUF tensor's blocks):
  * rows padded to mp = ceil(m / 64) * 64, inputs to nb = ceil(k / 32) blocks. Panel p holds rows
- * 16p .. 16p + 15; its block b starts at byte (p * nb + b) * PS_BLK_BYTES(wtype):
- *   quants, in 64-byte vectors of 16 rows x 4 bytes: byte v * 64 + r * 4 + g is
+ * 16p .. 16p + 15, PS_PANEL_BYTES(wtype, nb) bytes from p * PS_PANEL_BYTES. Block b of a panel:
+ *   quants at PS_BLK_Q(wtype, panel, b), in 64-byte vectors of 16 rows x 4 bytes: byte
+ *   v * 64 + r * 4 + g is
  *     Q8_0: the int8 q of row r, input 32b + 4v + g (v < 8);
  *     Q4_*: q(32b + 4v + g) | q(32b + 16 + 4v + g) << 4, unsigned nibbles (v < 4), the pairing
- *           of GGUF's own bytes;
- *   then the 16 rows' scales d (float16), and for Q4_1 their offsets m (float16).
- * A weight is d * q (Q8_0), d * (q - 8) (Q4_0), d * q + m (Q4_1): GGUF's values, unchanged.
+ *           of Q4_0/Q4_1's own bytes;
+ *   Q8_0, Q4_0, Q4_1: the quants are followed by the 16 rows' scales d (float16), and for Q4_1
+ *     their offsets m (float16): a block is PS_BLK_BYTES.
+ *   Q4_K: 8 blocks form a super-block (k a multiple of 256): their 8 x 256 bytes of quants, then
+ *     per block the 16 rows' 6-bit scales sc (uint8, 8 x 16 bytes), then their 6-bit offsets mn
+ *     (8 x 16), then the rows' super-block scales d and dmin (float16, 16 each): 2,368 bytes for
+ *     16 x 256 weights (GGUF's Q4_K: 2,304).
+ * A weight is d * q (Q8_0), d * (q - 8) (Q4_0), d * q + m (Q4_1), (d * sc) * q - dmin * mn (Q4_K):
+ * GGUF's values, unchanged (d * sc and dmin * mn are exact in float32: 11 by 6 bits).
  *
  * Activations are quantised per token in blocks of 32, in two 8-bit parts: with d = max|x| / 127
  * and v = x / d, q1 = round(v) and q2 = round((v - q1) * 254), both in [-127, 127], so that
@@ -19,7 +26,8 @@
  * errs up to d / 2: on SmolLM2 that alone flipped 3% of the top-1 tokens of float32). Per block
  * s = sum (254 q1 + q2) and dxs = dx * s. A block's integer dot product is exact on every path;
  * it enters the float sum as
- *   acc = fma((float)isum, d_w * dx, acc), then for Q4_1 acc = fma(m, dxs, acc),
+ *   acc = fma((float)isum, d_w * dx, acc), then for Q4_1 acc = fma(m, dxs, acc)
+ *   (Q4_K: d_w = d * sc, then acc = fma(-(dmin * mn), dxs, acc)),
  * block after block in order (isum = sum w_q (254 q1 + q2), Q4_0's -8 and Q8_0 VNNI's +128
  * removed with s), so
  * every instruction set, thread count and batch composition gives the same bits. */
@@ -33,8 +41,21 @@
 
 #define PS_BLK 32
 #define PS_BLK_QBYTES(wt) ((wt) == PS_W_Q8_0 ? 512 : 256)
+/* (Q8_0, Q4_0, Q4_1: a block with its scales) */
 #define PS_BLK_BYTES(wt) ((wt) == PS_W_Q8_0 ? 544 : (wt) == PS_W_Q4_0 ? 288 : 320)
-#define PS_IS_BLOCKS(wt) ((wt) >= PS_W_Q8_0 && (wt) <= PS_W_Q4_1)
+#define PS_IS_BLOCKS(wt) ((wt) >= PS_W_Q8_0 && (wt) <= PS_W_Q4_K)
+#define PS_QK_SUPER 8     /* Q4_K: blocks per super-block */
+#define PS_QK_BYTES 2368  /* Q4_K: a panel's super-block */
+#define PS_QK_SC (8 * 256)
+#define PS_QK_MN (PS_QK_SC + 8 * 16)
+#define PS_QK_D (PS_QK_MN + 8 * 16)
+#define PS_QK_DMIN (PS_QK_D + 32)
+#define PS_PANEL_BYTES(wt, nb) \
+    ((wt) == PS_W_Q4_K ? (int64_t)((nb) / PS_QK_SUPER) * PS_QK_BYTES : (int64_t)(nb) * PS_BLK_BYTES(wt))
+/* Block b of a panel: its quants, and (Q4_K) its super-block. */
+#define PS_QK_SUPER_AT(panel, b) ((panel) + (int64_t)((b) / PS_QK_SUPER) * PS_QK_BYTES)
+#define PS_BLK_Q(wt, panel, b) \
+    ((wt) == PS_W_Q4_K ? PS_QK_SUPER_AT(panel, b) + ((b) % PS_QK_SUPER) * 256 : (panel) + (int64_t)(b) * PS_BLK_BYTES(wt))
 
 /* The quantised activations of tokens t0 .. t0 + T - 1: row t's block b at q + t * ldq + 64 b
  * (q1 then q2, 32 bytes each), its dx, s, dxs at dx/s/dxs + t * lds + b. */

@@ -1,7 +1,7 @@
 /* AVX2 and AVX-512 VNNI kernels of the block formats (layout and arithmetic: linear_blocks.h).
  *
  * A panel's 16 rows are the 16 lanes of a vector (two halves of 8 on AVX2), so a block's
- * quants load as 4 (Q4) or 8 (Q8_0) vectors of 16 rows x 4 inputs, multiplied with 4 of a
+ * quants load as 4 (Q4_0, Q4_1, Q4_K) or 8 (Q8_0) vectors of 16 rows x 4 inputs, multiplied with 4 of a
  * token's quantised inputs broadcast to every lane: no horizontal sums, and each vector loaded
  * serves every token of the call, against both 8-bit parts of its activations (linear_blocks.h).
  *   AVX-512 VNNI: vpdpbusd takes unsigned x signed bytes: Q4 nibbles are unsigned already (the
@@ -32,13 +32,13 @@
 /* Sums of one panel (16 rows) for T tokens, into res[t]. */
 TGT_512 INLINE void panel_512(const int wt, const int T, const ps_xblocks_t *x, const uint8_t *w, int nb,
                               __m512 *res) {
-    const int bb = PS_BLK_BYTES(wt), qbytes = PS_BLK_QBYTES(wt);
+    const int qbytes = PS_BLK_QBYTES(wt);
     const __m512i m4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
     __m512 f[4];
 #pragma GCC unroll 4
     for (int t = 0; t < T; t++) f[t] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (int64_t)b * bb;
+        const uint8_t *blk = PS_BLK_Q(wt, w, b);
         const int32_t *xq[4]; /* the block's q1 as 8 groups of 4, then q2 */
         __m512i a1[4], a2[4];
 #pragma GCC unroll 4
@@ -72,10 +72,21 @@ TGT_512 INLINE void panel_512(const int wt, const int T, const ps_xblocks_t *x, 
                 }
             }
         }
-        if (wt == PS_W_Q4_1) PREFETCH(blk + qbytes + PF_AHEAD);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes)));
-        const __m512 m = wt == PS_W_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes + 32)))
-                                         : d;
+        __m512 d, m;
+        if (wt == PS_W_Q4_K) { /* d * sc and -(dmin * mn): exact */
+            const uint8_t *sb = PS_QK_SUPER_AT(w, b);
+            const int j = b % PS_QK_SUPER;
+            if (!j) PREFETCH(sb + PS_QK_BYTES + PS_QK_SC); /* the next super-block's scales */
+            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + PS_QK_SC + 16 * j))));
+            const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + PS_QK_MN + 16 * j))));
+            d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + PS_QK_D))), sc);
+            m = _mm512_xor_ps(_mm512_set1_ps(-0.0f),
+                              _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + PS_QK_DMIN))), mn));
+        } else {
+            if (wt == PS_W_Q4_1) PREFETCH(blk + qbytes + PF_AHEAD);
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes)));
+            m = wt == PS_W_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes + 32))) : d;
+        }
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
             const int64_t xi = t * x->lds + b;
@@ -85,7 +96,7 @@ TGT_512 INLINE void panel_512(const int wt, const int T, const ps_xblocks_t *x, 
             if (wt == PS_W_Q8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(x->s[xi] * 128));
             if (wt == PS_W_Q4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(x->s[xi] * 8));
             f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(x->dx[xi])), f[t]);
-            if (wt == PS_W_Q4_1) f[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->dxs[xi]), f[t]);
+            if (wt == PS_W_Q4_1 || wt == PS_W_Q4_K) f[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->dxs[xi]), f[t]);
         }
     }
 #pragma GCC unroll 4
@@ -105,7 +116,7 @@ TGT_512 INLINE void unit_512_t(const int wt, const int T, const ps_xblocks_t *x,
                                const ps_out_t *out) {
     for (int p = 0; p < 4 && out->o0 + 16 * p < out->m; p++) {
         __m512 res[4];
-        panel_512(wt, T, x, w + (int64_t)p * nb * PS_BLK_BYTES(wt), nb, res);
+        panel_512(wt, T, x, w + p * PS_PANEL_BYTES(wt, nb), nb, res);
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) store16(res[t], out, t, out->o0 + 16 * p);
     }
@@ -124,7 +135,11 @@ TGT_512 INLINE void unit_512_t(const int wt, const int T, const ps_xblocks_t *x,
     case PS_W_Q4_1 * 8 + 1: fn(PS_W_Q4_1, 1, __VA_ARGS__); break;                   \
     case PS_W_Q4_1 * 8 + 2: fn(PS_W_Q4_1, 2, __VA_ARGS__); break;                   \
     case PS_W_Q4_1 * 8 + 3: fn(PS_W_Q4_1, 3, __VA_ARGS__); break;                   \
-    default: fn(PS_W_Q4_1, 4, __VA_ARGS__); break;                                  \
+    case PS_W_Q4_1 * 8 + 4: fn(PS_W_Q4_1, 4, __VA_ARGS__); break;                   \
+    case PS_W_Q4_K * 8 + 1: fn(PS_W_Q4_K, 1, __VA_ARGS__); break;                   \
+    case PS_W_Q4_K * 8 + 2: fn(PS_W_Q4_K, 2, __VA_ARGS__); break;                   \
+    case PS_W_Q4_K * 8 + 3: fn(PS_W_Q4_K, 3, __VA_ARGS__); break;                   \
+    default: fn(PS_W_Q4_K, 4, __VA_ARGS__); break;                                  \
     }
 
 TGT_512 void ps_blocks_unit_512(int wt, int T, const ps_xblocks_t *x, const uint8_t *w, int nb, const ps_out_t *out) {
@@ -136,13 +151,13 @@ TGT_512 void ps_blocks_unit_512(int wt, int T, const ps_xblocks_t *x, const uint
 /* Sums of half h (rows 8h .. 8h + 7) of one panel for T tokens, into res[t]. */
 TGT_AVX2 INLINE void half_avx2(const int wt, const int T, const ps_xblocks_t *x, const uint8_t *w, int nb, int h,
                                __m256 *res) {
-    const int bb = PS_BLK_BYTES(wt), qbytes = PS_BLK_QBYTES(wt);
+    const int qbytes = PS_BLK_QBYTES(wt);
     const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256 f[4];
 #pragma GCC unroll 4
     for (int t = 0; t < T; t++) f[t] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (int64_t)b * bb;
+        const uint8_t *blk = PS_BLK_Q(wt, w, b);
         const int32_t *xq[4]; /* the block's q1 as 8 groups of 4, then q2 */
         __m256i a1[4], a2[4];
 #pragma GCC unroll 4
@@ -187,10 +202,21 @@ TGT_AVX2 INLINE void half_avx2(const int wt, const int T, const ps_xblocks_t *x,
                 a2[t] = _mm256_madd_epi16(p2[t], ones);
             }
         }
-        if (wt == PS_W_Q4_1 && !h) PREFETCH(blk + qbytes + PF_AHEAD);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 16 * h)));
-        const __m256 m = wt == PS_W_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 32 + 16 * h)))
-                                         : d;
+        __m256 d, m;
+        if (wt == PS_W_Q4_K) { /* d * sc and -(dmin * mn): exact */
+            const uint8_t *sb = PS_QK_SUPER_AT(w, b);
+            const int j = b % PS_QK_SUPER;
+            if (!j && !h) PREFETCH(sb + PS_QK_BYTES + PS_QK_SC);
+            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + PS_QK_SC + 16 * j + 8 * h))));
+            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + PS_QK_MN + 16 * j + 8 * h))));
+            d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + PS_QK_D + 16 * h))), sc);
+            m = _mm256_xor_ps(_mm256_set1_ps(-0.0f),
+                              _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + PS_QK_DMIN + 16 * h))), mn));
+        } else {
+            if (wt == PS_W_Q4_1 && !h) PREFETCH(blk + qbytes + PF_AHEAD);
+            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 16 * h)));
+            m = wt == PS_W_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 32 + 16 * h))) : d;
+        }
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
             const int64_t xi = t * x->lds + b;
@@ -198,7 +224,7 @@ TGT_AVX2 INLINE void half_avx2(const int wt, const int T, const ps_xblocks_t *x,
                                          a2[t]);
             if (wt == PS_W_Q4_0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(x->s[xi] * 8));
             f[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x->dx[xi])), f[t]);
-            if (wt == PS_W_Q4_1) f[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->dxs[xi]), f[t]);
+            if (wt == PS_W_Q4_1 || wt == PS_W_Q4_K) f[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x->dxs[xi]), f[t]);
         }
     }
 #pragma GCC unroll 4
@@ -223,7 +249,7 @@ TGT_AVX2 INLINE void unit_avx2_t(const int wt, const int T, const ps_xblocks_t *
     for (int p = 0; p < 4 && out->o0 + 16 * p < out->m; p++)
         for (int h = 0; h < 2; h++) {
             __m256 res[4];
-            half_avx2(wt, T, x, w + (int64_t)p * nb * PS_BLK_BYTES(wt), nb, h, res);
+            half_avx2(wt, T, x, w + p * PS_PANEL_BYTES(wt, nb), nb, h, res);
 #pragma GCC unroll 4
             for (int t = 0; t < T; t++) store8(res[t], out, t, out->o0 + 16 * p + 8 * h);
         }

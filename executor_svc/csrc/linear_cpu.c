@@ -359,10 +359,11 @@ void ps_linear_region(const ps_linear_t *L, const float *x, int64_t ldx, int n, 
 }
 
 static int check_linear(const ps_linear_t *L) {
-    if (!L || !L->w || L->m < 1 || L->k < 1 || L->wtype < PS_W_F32 || L->wtype > PS_W_Q4_1 ||
+    if (!L || !L->w || L->m < 1 || L->k < 1 || L->wtype < PS_W_F32 || L->wtype > PS_W_Q4_K ||
         (L->wtype == PS_W_F32 && L->ldw < L->k))
         return PS_BAD_ARG;
     if (L->wtype == PS_W_Q8 && (!L->scale || !L->wsum)) return PS_BAD_ARG;
+    if (L->wtype == PS_W_Q4_K && L->k % 256) return PS_BAD_ARG; /* whole super-blocks */
     return PS_OK;
 }
 

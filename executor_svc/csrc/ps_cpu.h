@@ -33,11 +33,12 @@
 #define PS_W_BF16 1
 #define PS_W_Q8 2
 /* llama.cpp's block formats, kept as the GGUF file stores them (per 32 inputs of a row a float16
- * scale, and for Q4_1 an offset): their packed layout is in linear_blocks.h. scale and wsum
- * are NULL, bias [mp] or NULL. */
+ * scale, and for Q4_1 an offset; Q4_K: 6-bit scales and offsets per 32 inputs under float16 ones
+ * per 256): their packed layout is in linear_blocks.h. scale and wsum are NULL, bias [mp] or NULL. */
 #define PS_W_Q8_0 3
 #define PS_W_Q4_0 4
 #define PS_W_Q4_1 5
+#define PS_W_Q4_K 6
 
 /* A portable build (-DPS_PORTABLE, no -march: the executor image, built on one machine and run on
  * others) still gets AVX2/AVX-512 code: GCC/clang emit one clone per target and pick one at load

@@ -1,11 +1,13 @@
-"""Linear layers kept in llama.cpp's block formats (Q8_0, Q4_0, Q4_1) on the CPU.
+"""Linear layers kept in llama.cpp's block formats (Q8_0, Q4_0, Q4_1, Q4_K) on the CPU.
 
-A GGUF file's Q8_0/Q4_0/Q4_1 tensors are not dequantized: their blocks (32 inputs of a row
-with a float16 scale, and for Q4_1 an offset) are repacked, byte for byte, into the layout of
-``csrc/linear_blocks.h`` (16 rows side by side, so one vector load feeds 16 outputs), and the
-kernels of ``csrc/linear_blocks*.c`` compute on them: each token's activations are quantised to
-8-bit blocks of 32 and the dot products are integer, as llama.cpp's own CPU kernels do. A step
-then reads 8.5 (Q8_0), 4.5 (Q4_0) or 5 (Q4_1) bits per weight. ``--quantization int8`` rounds
+A GGUF file's Q8_0/Q4_0/Q4_1/Q4_K tensors are not dequantized: their blocks (32 inputs of a row
+with a float16 scale, and for Q4_1 an offset; Q4_K: 256 inputs with float16 scale and offset
+over 8 groups of 32 with 6-bit ones) are repacked into the layout of ``csrc/linear_blocks.h``
+(16 rows side by side, so one vector load feeds 16 outputs; Q4_K's packed 6-bit fields and
+nibbles spread to one byte per field and Q4_0's nibble pairing), and the kernels of
+``csrc/linear_blocks*.c`` compute on them: each token's activations are quantised to 8-bit
+blocks of 32 and the dot products are integer, as llama.cpp's own CPU kernels do. A step then
+reads 8.5 (Q8_0), 4.5 (Q4_0), 5 (Q4_1) or 4.6 (Q4_K) bits per weight. ``--quantization int8`` rounds
 float weights to Q8_0 blocks (``gguf.quants.quantize``, llama.cpp's rounding) and runs the
 same kernels.
 
@@ -25,12 +27,13 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from torch import nn
 
-from executor_svc.cpu_ops import W_Q4_0, W_Q4_1, W_Q8_0, CpuOps, LinearDesc, check_status
+from executor_svc.cpu_ops import W_Q4_0, W_Q4_1, W_Q4_K, W_Q8_0, CpuOps, LinearDesc, check_status
 from executor_svc.model.weights import UNIT, PackedLinear, _pad_rows, _pad_to
 
-BLOCK_FORMATS = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1}
-_WTYPE = {"q8_0": W_Q8_0, "q4_0": W_Q4_0, "q4_1": W_Q4_1}
+BLOCK_FORMATS = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q4_k": Q.Q4_K}
+_WTYPE = {"q8_0": W_Q8_0, "q4_0": W_Q4_0, "q4_1": W_Q4_1, "q4_k": W_Q4_K}
 BLOCK, PANEL = 32, 16
+QK_SUB = 8  # Q4_K: blocks of 32 in a super-block of 256
 
 
 def block_format(qtype: Q) -> str | None:
@@ -38,9 +41,23 @@ def block_format(qtype: Q) -> str | None:
     return next((name for name, t in BLOCK_FORMATS.items() if t == qtype), None)
 
 
+def q4_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Q4_K super-blocks [..., 144] uint8 -> (d, dmin [..., 2] float16 bytes; sc, mn [..., 8] the
+    6-bit scale and offset of each block of 32; nibbles [..., 8, 32] its quants), as ggml's
+    ``get_scale_min_k4`` and ``dequantize_row_q4_K`` read them."""
+    d, dmin, s, qs = blocks[..., 0:2], blocks[..., 2:4], blocks[..., 4:16], blocks[..., 16:144]
+    lo, hi = s[..., 0:4], s[..., 4:8]
+    sc = np.concatenate([lo & 63, (s[..., 8:12] & 15) | ((lo >> 6) << 4)], axis=-1)
+    mn = np.concatenate([hi & 63, (s[..., 8:12] >> 4) | ((hi >> 6) << 4)], axis=-1)
+    pairs = qs.reshape(*qs.shape[:-1], 4, 32)  # block 2i: low nibbles of 32 bytes, 2i + 1: high
+    nibbles = np.stack([pairs & 15, pairs >> 4], axis=-2).reshape(*qs.shape[:-1], QK_SUB, BLOCK)
+    return d, dmin, sc, mn, nibbles
+
+
 def pack_blocks(raw: np.ndarray, qtype: Q) -> torch.Tensor:
-    """GGUF rows [m, nb * block bytes] uint8 -> the kernels' layout [mp / 16, nb, panel block
-    bytes] uint8, rows padded to a multiple of 64 with zero blocks (scale 0: they add nothing)."""
+    """GGUF rows [m, nb * block bytes] uint8 -> the kernels' layout [mp / 16, panel bytes] uint8
+    (``csrc/linear_blocks.h``), rows padded to a multiple of 64 with zero blocks (scale 0: they
+    add nothing)."""
     per_block = GGML_QUANT_SIZES[qtype][1]
     m, nb = raw.shape[0], raw.shape[1] // per_block
     mp = _pad_to(m, UNIT)
@@ -53,15 +70,24 @@ def pack_blocks(raw: np.ndarray, qtype: Q) -> torch.Tensor:
         f = field.reshape(panels, PANEL, nb, groups, 4).transpose(0, 2, 3, 1, 4)
         return f.reshape(panels, nb, groups * PANEL * 4)
 
-    def scales(field: np.ndarray) -> np.ndarray:  # [mp, nb, 2] -> [panels, nb, 32]
-        return field.reshape(panels, PANEL, nb, 2).transpose(0, 2, 1, 3).reshape(panels, nb, 2 * PANEL)
+    def per_row(field: np.ndarray) -> np.ndarray:  # [mp, nb, w] -> [panels, nb, 16 * w]: row after row
+        w = field.shape[-1]
+        return field.reshape(panels, PANEL, nb, w).transpose(0, 2, 1, 3).reshape(panels, nb, PANEL * w)
 
     if qtype == Q.Q8_0:  # d, 32 int8
-        parts = [by_panel(blocks[..., 2:34], 8), scales(blocks[..., 0:2])]
+        parts = [by_panel(blocks[..., 2:34], 8), per_row(blocks[..., 0:2])]
     elif qtype == Q.Q4_0:  # d, 16 bytes of nibble pairs (j, j + 16)
-        parts = [by_panel(blocks[..., 2:18], 4), scales(blocks[..., 0:2])]
+        parts = [by_panel(blocks[..., 2:18], 4), per_row(blocks[..., 0:2])]
     elif qtype == Q.Q4_1:  # d, m, 16 bytes
-        parts = [by_panel(blocks[..., 4:20], 4), scales(blocks[..., 0:2]), scales(blocks[..., 2:4])]
+        parts = [by_panel(blocks[..., 4:20], 4), per_row(blocks[..., 0:2]), per_row(blocks[..., 2:4])]
+    elif qtype == Q.Q4_K:  # super-blocks: 8 blocks' quants paired as Q4_0's, then sc, mn, d, dmin
+        d, dmin, sc, mn, q = q4_k_fields(blocks)
+        paired = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)  # [mp, nb, 8, 16]
+        quants = paired.reshape(panels, PANEL, nb, QK_SUB, 4, 4).transpose(0, 2, 3, 4, 1, 5)
+        parts = [quants.reshape(panels, nb, QK_SUB * 256),
+                 sc.reshape(panels, PANEL, nb, QK_SUB).transpose(0, 2, 3, 1).reshape(panels, nb, QK_SUB * PANEL),
+                 mn.reshape(panels, PANEL, nb, QK_SUB).transpose(0, 2, 3, 1).reshape(panels, nb, QK_SUB * PANEL),
+                 per_row(d), per_row(dmin)]
     else:
         raise ValueError(f"block formats: {', '.join(BLOCK_FORMATS)}, got {qtype.name}")
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=-1)))
@@ -86,9 +112,11 @@ class BlockLinear(PackedLinear):
         if fmt not in BLOCK_FORMATS:
             raise ValueError(f"block format: expected one of {tuple(BLOCK_FORMATS)}, got {fmt!r}")
         qtype = BLOCK_FORMATS[fmt]
-        per_block = GGML_QUANT_SIZES[qtype][1]
-        if raw.ndim != 2 or raw.shape[1] != -(-k // BLOCK) * per_block:
-            raise ValueError(f"{fmt} rows of {k} inputs take {-(-k // BLOCK) * per_block} bytes, got {raw.shape}")
+        size, per_block = GGML_QUANT_SIZES[qtype]
+        if size > BLOCK and k % size:
+            raise ValueError(f"{fmt} rows hold whole blocks of {size} inputs; got {k} inputs")
+        if raw.ndim != 2 or raw.shape[1] != -(-k // size) * per_block:
+            raise ValueError(f"{fmt} rows of {k} inputs take {-(-k // size) * per_block} bytes, got {raw.shape}")
         self.fmt, self.ops, self.qtype = fmt, ops, qtype
         self.out_features, self.in_features = raw.shape[0], k
         self.packed = ops is not None

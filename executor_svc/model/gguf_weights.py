@@ -1,13 +1,13 @@
 """A GGUF file's tensors as the HF checkpoint's: dequantized, renamed, Q/K rows un-permuted.
 
 On the CPU (``--quantization gguf``, the default for a GGUF file with ``--dtype auto``) a linear
-layer whose tensors are all Q8_0, all Q4_0 or all Q4_1 keeps them as stored (:func:`gguf_blocks`:
+layer whose tensors are all Q8_0, all Q4_0, all Q4_1 or all Q4_K keeps them as stored (:func:`gguf_blocks`:
 the bytes, rows in HF's order) and computes on them (``block_weights.py``). Every other tensor,
 and every tensor with ``--dtype float32``/``bfloat16``, is dequantized at load with
 ``gguf.quants.dequantize`` (llama.cpp's own reference, numpy) to float32, then copied into the
 model in the executor's ``--dtype``. That is also the CUDA path: there are no CUDA kernels that
-compute on the blocks, so a quantized file takes its dequantized size in GPU memory. K-quants
-(Q4_K, Q6_K, Q5_K) are dequantized on the CPU too: no kernel computes on them yet.
+compute on the blocks, so a quantized file takes its dequantized size in GPU memory. Q5_0, Q5_1,
+Q5_K and Q6_K are dequantized on the CPU too: no kernel computes on them yet.
 
 llama.cpp's converter permutes the rows of a llama ``q_proj``/``k_proj`` (weights and biases) from
 HF's rotate-half RoPE layout to its interleaved one; :func:`unpermute` reverses that, as

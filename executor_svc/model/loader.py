@@ -3,7 +3,7 @@
 Weights are read tensor by tensor with ``safetensors`` (never pickle) and
 copied into parameters allocated once on the target device, so peak memory is
 the model plus one tensor. HF's separate q/k/v and gate/up weights are copied
-into slices of our fused projections. With ``quantization="gguf"`` a GGUF file's Q8_0/Q4_0/Q4_1
+into slices of our fused projections. With ``quantization="gguf"`` a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K
 layers keep their blocks instead (``block_weights.py``); their float parameters, allocated but
 never written, take no memory.
 """
@@ -94,7 +94,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     A float32 or bfloat16 model on the CPU (a whole one or a rank's shard) is packed for the CPU
     kernels (``cpu_pack.py``): weights in ``dtype``, or (unsharded) in Q8_0 blocks with
     ``quantization="int8"``, or with ``quantization="gguf"`` (a GGUF file) the file's
-    Q8_0/Q4_0/Q4_1 layers as stored and the rest in ``dtype``; activations float32.
+    Q8_0/Q4_0/Q4_1/Q4_K layers as stored and the rest in ``dtype``; activations float32.
     ``cpu_kernels=False`` keeps the formats but computes them with torch alone (a GGUF file is
     then dequantized at load)."""
     cfg = load_model_config(model_dir)

@@ -1,6 +1,7 @@
 """The block-format linear kernels (csrc/linear_blocks*.c) against a numpy reference on the same
 GGUF blocks (``gguf.quants``), on every instruction-set path this machine has (scalar and AVX2
-forced through ``limit_isa``), with shapes that hit every tail (rows, blocks, tokens)."""
+forced through ``limit_isa``), with shapes that hit every tail (rows, blocks, tokens). Q4_K
+blocks are random (``gguf.quants`` cannot write them; any valid block is a fair test)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,15 @@ from gguf.quants import dequantize, quantize
 
 from executor_svc.cpu_ops import ISA_NAMES, W_Q4_1, native_ops
 from executor_svc.model.block_weights import BLOCK_FORMATS, BlockEmbedding, BlockLinear, pack_blocks
+from testing.gguf_files import k_quant_rows
 
 FORMATS = list(BLOCK_FORMATS)
 # (tokens, inputs, outputs): 1-4 token tiles and their tails, 16-row panels and 64-row units
 # with tails, one block to many, inputs that are not whole blocks (int8 on any checkpoint)
 SHAPES = [(1, 64, 8), (3, 160, 13), (5, 96, 70), (17, 32, 130), (4, 512, 256), (2, 100, 40)]
+# Q4_K rows are whole super-blocks of 256 inputs
+K_SHAPES = [(1, 256, 8), (3, 512, 13), (5, 256, 70), (17, 768, 130), (4, 512, 256)]
+CASES = [(fmt, shape) for fmt in FORMATS for shape in (K_SHAPES if fmt == "q4_k" else SHAPES)]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +36,9 @@ def _isas(ops) -> list[str]:
     return order[:order.index(ops.isa(W_Q4_1)) + 1]
 
 
-def _blocks(fmt: str, w: np.ndarray) -> np.ndarray:
+def _blocks(fmt: str, w: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    if fmt == "q4_k":
+        return k_quant_rows(Q.Q4_K, *w.shape, rng)
     k = w.shape[1]
     return quantize(np.pad(w, ((0, 0), (0, -k % 32))), BLOCK_FORMATS[fmt])
 
@@ -63,11 +70,10 @@ def _case(fmt: str, shape, seed: int, bias: bool = True):
     x[0, :min(k, 7)] *= 30  # an outlier block, as real activations have
     w = rng.normal(0, 0.05, (m, k)).astype(np.float32)
     b = rng.normal(0, 1, m).astype(np.float32) if bias else None
-    return x, _blocks(fmt, w), b
+    return x, _blocks(fmt, w, rng), b
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fmt,shape", CASES)
 def test_every_path_matches_the_reference_and_gives_the_same_bits(ops, fmt, shape):
     x, raw, b = _case(fmt, shape, seed=sum(shape))
     n, k, m = shape
@@ -91,10 +97,11 @@ def test_two_part_activations_compute_as_float32_would(ops, fmt):
     """What the second 8-bit part buys: the result is that of float32 activations on the same
     weights to ~5e-5 of the largest output, where one part (llama.cpp's Q8_0 activations) errs
     by ~8e-3."""
-    x, raw, _ = _case(fmt, (4, 576, 96), seed=3, bias=False)
-    w = dequantize(raw, BLOCK_FORMATS[fmt]).reshape(raw.shape[0], -1)[:, :576].astype(np.float64)
+    k = 768 if fmt == "q4_k" else 576
+    x, raw, _ = _case(fmt, (4, k, 96), seed=3, bias=False)
+    w = dequantize(raw, BLOCK_FORMATS[fmt]).reshape(raw.shape[0], -1)[:, :k].astype(np.float64)
     exact = x.astype(np.float64) @ w.T
-    y = BlockLinear(raw, fmt, 576, None, ops)(torch.from_numpy(x)).numpy()
+    y = BlockLinear(raw, fmt, k, None, ops)(torch.from_numpy(x)).numpy()
     assert np.abs(y - exact).max() < 2e-4 * np.abs(exact).max()
 
 
@@ -102,8 +109,9 @@ def test_two_part_activations_compute_as_float32_would(ops, fmt):
 def test_a_row_gives_the_same_bits_whatever_the_rows_beside_it(ops, fmt):
     """Each token's activations are quantised on their own and every (token, row) sum runs over
     the blocks in one order: a row alone, in any group, on one thread or two, gives one result."""
-    x, raw, b = _case(fmt, (37, 96, 70), seed=5)
-    layer = BlockLinear(raw, fmt, 96, torch.from_numpy(b), ops)
+    k = 256 if fmt == "q4_k" else 96
+    x, raw, b = _case(fmt, (37, k, 70), seed=5)
+    layer = BlockLinear(raw, fmt, k, torch.from_numpy(b), ops)
     monkey = layer._torch
     layer._torch = lambda *a: pytest.fail("the torch path was used")
     xt = torch.from_numpy(x)
@@ -129,20 +137,26 @@ def test_accumulate_adds_to_the_output(ops):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_packing_keeps_every_byte_and_rows_are_ggufs_values(ops, fmt):
-    """The packed layout is a permutation of the file's bytes (plus zero padding), and a row
-    looked up (an embedding) is exactly gguf.quants' dequantized row."""
-    _, raw, _ = _case(fmt, (1, 128, 70), seed=11)
+    """The packed layout is a permutation of the file's bytes (plus zero padding; Q4_K's packed
+    fields spread to a byte each), and a row looked up (an embedding) is exactly gguf.quants'
+    dequantized row."""
+    k = 512 if fmt == "q4_k" else 128
+    _, raw, _ = _case(fmt, (1, k, 70), seed=11)
     packed = pack_blocks(raw, BLOCK_FORMATS[fmt])
-    assert packed.shape[0] == 128 // 16 and packed.numel() == 128 * raw.shape[1]  # rows padded to 128
-    flat = np.sort(packed.numpy().ravel())
-    want = np.sort(np.concatenate([raw.ravel(), np.zeros(58 * raw.shape[1], np.uint8)]))
-    assert np.array_equal(flat, want)
+    assert packed.shape[0] == 128 // 16  # rows padded to 128
+    if fmt == "q4_k":  # 2,368 bytes a panel's super-block for GGUF's 16 x 144
+        assert packed.numel() == 128 // 16 * k // 256 * 2368
+    else:
+        assert packed.numel() == 128 * raw.shape[1]
+        flat = np.sort(packed.numpy().ravel())
+        want = np.sort(np.concatenate([raw.ravel(), np.zeros(58 * raw.shape[1], np.uint8)]))
+        assert np.array_equal(flat, want)
     ids = torch.tensor([[0, 69], [17, 64]])
     table = dequantize(raw, BLOCK_FORMATS[fmt]).reshape(70, -1)
-    for layer in (BlockEmbedding(raw, fmt, 128, None, ops), BlockEmbedding(raw, fmt, 128, None, None)):
+    for layer in (BlockEmbedding(raw, fmt, k, None, ops), BlockEmbedding(raw, fmt, k, None, None)):
         assert torch.equal(layer(ids), torch.from_numpy(table[ids.numpy()])), "packed" if layer.ops else "plain"
     with pytest.raises(ValueError, match="shape or type"):
-        BlockEmbedding(raw, fmt, 128, None, ops)(torch.tensor([70]))
+        BlockEmbedding(raw, fmt, k, None, ops)(torch.tensor([70]))
 
 
 def test_the_torch_fallback_computes_the_same_weights(ops):
@@ -169,3 +183,6 @@ def test_bad_blocks_are_refused_naming_the_sizes():
         BlockLinear(raw, "q4_1", 96, None, None)
     with pytest.raises(ValueError, match="block format"):
         BlockLinear(raw, "q5_0", 64, None, None)
+    kq = k_quant_rows(Q.Q4_K, 4, 256, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="q4_k rows hold whole blocks of 256 inputs; got 200"):
+        BlockLinear(kq, "q4_k", 200, None, None)

@@ -1,8 +1,10 @@
-"""A GGUF file's Q8_0/Q4_0/Q4_1 layers stay in their blocks on the CPU (``--quantization gguf``,
+"""A GGUF file's Q8_0/Q4_0/Q4_1/Q4_K layers stay in their blocks on the CPU (``--quantization gguf``,
 the default for a GGUF ``--model`` with ``--dtype auto``): the same weights as the dequantized
 model, the file's bytes in memory, logits as float32's; other types are dequantized at load."""
 
 from __future__ import annotations
+
+from fractions import Fraction
 
 import pytest
 import torch
@@ -14,9 +16,11 @@ from executor_svc.model.block_weights import BlockEmbedding, BlockLinear
 from executor_svc.model.weights import PackedLinear
 from pagedserve.gguf_model import GGUFModel
 from testing.cpu_agreement import Forcer
+from testing.gguf_files import SIZES as K_SIZES
 from testing.gguf_files import write_gguf
 
 SIZES = dict(hidden=64, intermediate=160)
+PACKED_PER_STORED = {Q.Q4_K: Fraction(2368, 2304)}  # (its 6-bit fields spread to a byte each)
 
 
 def _linears(model) -> dict[str, PackedLinear]:
@@ -38,10 +42,12 @@ def _logits(model, prompts: list[list[int]], steps: int) -> torch.Tensor:
     return torch.stack(rows, 1)
 
 
-@pytest.mark.parametrize("arch,qtype", [("llama", Q.Q8_0), ("llama", Q.Q4_0), ("llama", Q.Q4_1), ("qwen2", Q.Q4_1)],
+@pytest.mark.parametrize("arch,qtype", [("llama", Q.Q8_0), ("llama", Q.Q4_0), ("llama", Q.Q4_1), ("qwen2", Q.Q4_1),
+                                        ("llama", Q.Q4_K), ("qwen2", Q.Q4_K)],
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_quantized_layers_keep_the_files_blocks_and_compute_as_float32(tmp_path, tiny_llama_dir, arch, qtype):
-    path = write_gguf(tmp_path / "m.gguf", tiny_llama_dir, arch, qtype, tied=arch == "qwen2", sizes=SIZES)
+    sizes = K_SIZES if qtype == Q.Q4_K else SIZES
+    path = write_gguf(tmp_path / "m.gguf", tiny_llama_dir, arch, qtype, tied=arch == "qwen2", sizes=sizes)
     ours, f32 = load_model(path, quantization="gguf"), load_model(path)
     fmt = qtype.name.lower()
     blocks, floats = _linears(ours), _linears(f32)
@@ -54,7 +60,7 @@ def test_quantized_layers_keep_the_files_blocks_and_compute_as_float32(tmp_path,
     gguf = GGUFModel(path)
     stored = sum(t.nbytes for n, t in gguf.file.tensors.items() if n.startswith("blk.") and t.ggml_type == qtype)
     held = sum(m.weight.numel() for n, m in blocks.items() if n[0].isdigit())
-    assert held == stored
+    assert held == stored * PACKED_PER_STORED.get(qtype, 1)
     vocab = ours.cfg.vocab_size
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (9, 17, 30)]
