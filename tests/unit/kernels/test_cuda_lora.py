@@ -18,7 +18,7 @@ import torch
 
 from cupy_kernels import lora
 from executor_svc.lora import LoraManager
-from executor_svc.lora.adapter import MAX_RANK
+from executor_svc.lora.adapter import MAX_RANK, LoraAdapter, module_shape
 from executor_svc.lora.apply import LoraBatch, add_delta, add_delta_kernels
 from testing.kernels.reference import rel_error
 
@@ -155,24 +155,35 @@ def test_launchers_refuse_bad_arguments():
     assert lora.MAX_R == 3 * MAX_RANK  # q/k/v at the largest rank a slot holds
 
 
+def _random_adapter(cfg, targets: list[str], r: int, seed: int) -> LoraAdapter:
+    """An adapter's weights straight into memory (no PEFT: the GPU check installs none)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(cfg.num_layers):
+        for m in targets:
+            out, n_in = module_shape(cfg, m)
+            weights[layer, m] = (torch.randn(r, n_in, generator=g) / n_in ** 0.5, torch.randn(out, r, generator=g))
+    return LoraAdapter(f"random-{seed}", r, 0.5, weights)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_apply_kernel_path_equals_torch_products(kern, tiny_llama_dir, tmp_path, dtype):
+def test_apply_kernel_path_equals_torch_products(kern, tiny_llama_dir, dtype):
     """``add_delta_kernels`` (the CUDA path) against ``add_delta`` (the torch products) on the same slots
     of a real model, every projection of every layer, four adapters and base tokens interleaved."""
-    from testing.lora_adapters import make_adapter, torch_model
+    from testing.lora_adapters import torch_model
 
     model = torch_model(tiny_llama_dir).to(kern.device)
     manager = LoraManager(model, max_loras=4, max_rank=8, kernels=kern)
     targets = [["q_proj", "v_proj"], ["k_proj", "o_proj", "up_proj"], ["gate_proj", "down_proj", "q_proj"],
                ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]]
     for slot, tg in enumerate(targets):
-        make_adapter(tiny_llama_dir, tmp_path / f"a{slot}", tg, r=[8, 3, 5, 6][slot], seed=slot)
-        manager.load(slot, str(tmp_path / f"a{slot}"))
+        manager.slots.load(slot, _random_adapter(model.cfg, tg, [8, 3, 5, 6][slot], seed=slot))
     slots = torch.tensor([3, -1, 0, 1, 2, 0, -1, 3, 1, 2, 2])
     loaded = [True] * 4
     with_k = LoraBatch.build(slots, loaded, torch.device(kern.device), with_kernels=True)
     groups = LoraBatch.build(slots, loaded, torch.device(kern.device))
     g = torch.Generator().manual_seed(7)
+    base = (slots < 0).to(kern.device)
     for layer in manager.slots.layers:
         for name, p in layer.items():
             x = torch.randn(len(slots), p.a.shape[2], generator=g).to(kern.device, DTYPES[dtype])
@@ -181,8 +192,8 @@ def test_apply_kernel_path_equals_torch_products(kern, tiny_llama_dir, tmp_path,
             got = add_delta_kernels(x, y.clone(), p, with_k, kern)
             assert got.dtype == want.dtype
             assert rel_error(got, want.double()) < TOL[dtype], name
-            base = slots < 0
-            assert torch.equal(got[base.to(got.device)], y[base.to(y.device)]), f"{name}: base tokens changed"
+            assert not torch.equal(got, y), f"{name}: no delta added"
+            assert torch.equal(got[base], y[base]), f"{name}: base tokens changed"
 
 
 def test_model_on_kernels_equals_peft(kern, tiny_llama_dir, tmp_path):
