@@ -9,9 +9,10 @@ model then has), it owns the slots, installs the wrappers and sets each step's a
         hidden, logits = model.forward_with_logits(...)
     lora.unload(0)
 
-On a tensor-parallel rank (``shard``, with the whole model's ``base_cfg``) each adapter is read whole,
-checked against the whole model, then cut to the rank's slice of every layer (lora/sharding.py).
-On CUDA the deltas run through the batched kernels (cupy_kernels/lora.cu). CUDA decode graphs replay a capture of the wrapper with no batch set: a step with adapter
+On a tensor-parallel rank (``shard``, with the whole model's ``base_cfg``) each adapter is read
+whole, checked against the whole model, then cut to the rank's slice of every layer
+(lora/sharding.py). On CUDA the deltas run through the batched kernels (cupy_kernels/lora.cu).
+CUDA decode graphs replay a capture of the wrapper with no batch set: a step with adapter
 tokens must run eagerly (the runner's choice, as for prompt logprobs).
 """
 

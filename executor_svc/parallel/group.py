@@ -210,7 +210,7 @@ class TPGroup:
             t.add_(p)
         return t
 
-    def max_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+    def control_max(self, t: torch.Tensor) -> torch.Tensor:
         """The element-wise maximum of ``t`` over the ranks, in place, on the control group (host data)."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX

@@ -48,7 +48,7 @@ def agree_lora_failures(runner: ModelRunner, group: TPGroup, plan: BatchPlan) ->
     and the ranks' batches (and collectives) would part. Every rank calls this for the same plans."""
     slots = sorted({load.slot for load in plan.lora_loads})
     failed = torch.tensor([int(s in runner.lora.failed) for s in slots], dtype=torch.int64)
-    group.max_over_ranks(failed)
+    group.control_max(failed)
     for slot, anywhere in zip(slots, failed.tolist(), strict=True):
         if anywhere and slot not in runner.lora.failed:
             runner.lora.mark_failed(slot, "the adapter could not be loaded on another tensor-parallel rank "
