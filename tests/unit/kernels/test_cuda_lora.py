@@ -33,7 +33,9 @@ LAYOUTS = {
     "gate_up": (40, (100, 100), 7, [{0: 7, 1: 7}, {1: 4}, {0: 1}]),
     "down": (300, (48,), 9, [{0: 9}, {0: 6}, {0: 3}]),
 }
-TOKEN_SLOTS = [0, -1, 1, 2, 0, 3, -1, 1, 2, 2, 0]  # slot 3 (where it exists) holds no weights for this projection
+# Tiles of 8: one slot throughout (A and B^T read once for the tile), mixed slots, no adapter at all, and a
+# last partial tile of one slot. Slot 3 (where it exists) holds no weights for this projection.
+TOKEN_SLOTS = [2] * 8 + [0, -1, 1, 2, 0, 3, -1, 1] + [-1] * 8 + [1] * 3
 
 
 class _OnGpu:
@@ -41,11 +43,11 @@ class _OnGpu:
 
     device = "cuda"
 
-    def shrink(self, *args):
-        return lora.shrink(*args)
+    def shrink(self, *args, **kw):
+        return lora.shrink(*args, **kw)
 
-    def expand(self, *args):
-        return lora.expand(*args)
+    def expand(self, *args, **kw):
+        return lora.expand(*args, **kw)
 
 
 @pytest.fixture(scope="module", params=["emulator", pytest.param("cuda", marks=GPU)])
@@ -93,9 +95,10 @@ def reference(x, y, a, bt, bounds, slots):
     return ref
 
 
+@pytest.mark.parametrize("tokens", [1, lora.TILE], ids=["per-token", "tiled"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_shrink_expand_match_reference(kern, layout, dtype):
+def test_shrink_expand_match_reference(kern, layout, dtype, tokens):
     seed = random.randrange(1 << 30)
     a, bt, bounds = make_slots(layout, seed, kern.device)
     num_slots, r, n_in = a.shape
@@ -109,14 +112,14 @@ def test_shrink_expand_match_reference(kern, layout, dtype):
     before = y.clone()
     token_slots = torch.tensor(slots, dtype=torch.int32, device=kern.device)
     t = torch.full((n, r), float("nan"), device=kern.device)
-    kern.shrink(t, x, a, bounds, token_slots)
+    kern.shrink(t, x, a, bounds, token_slots, tokens=tokens)
     for tok, s in enumerate(slots):  # t: exactly the used rows of tokens with a slot
         used = int(bounds[0, s]) if s >= 0 else 0
         if used:
             want = x[tok].double() @ a[s, :used].double().t()
             assert rel_error(t[tok, :used], want) < 1e-5, f"shrink token {tok} (seed {seed})"
     width = max(int(bounds[2, s] - bounds[1, s]) for s in set(slots) if s >= 0)
-    kern.expand(y, t, bt, bounds, token_slots, width)
+    kern.expand(y, t, bt, bounds, token_slots, width, tokens=tokens)
     ref = reference(x, before, a, bt, bounds, slots)
     touched = torch.zeros(n, out, dtype=torch.bool)
     for tok, s in enumerate(slots):
@@ -126,6 +129,27 @@ def test_shrink_expand_match_reference(kern, layout, dtype):
     assert torch.equal(y[~touched], before[~touched]), f"expand wrote outside the tokens' ranges (seed {seed})"
     assert rel_error(y[touched], ref[touched]) < TOL[dtype], f"seed {seed}"
     assert rel_error((y.double() - before.double())[touched], (ref - before.double())[touched]) < 50 * TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_token_s_delta_does_not_depend_on_its_tile(kern, dtype):
+    """Tiled or not, with neighbours of its slot or of others: a token's sums run in one order, so its
+    result is bit for bit the same (the kernels add nothing to the batch variance of the base model)."""
+    a, bt, bounds = make_slots("qkv", 5, kern.device)
+    g = torch.Generator().manual_seed(6)
+    x0 = torch.randn(1, a.shape[2], generator=g).to(kern.device, DTYPES[dtype])
+    y0 = torch.randn(1, bt.shape[2], generator=g).to(kern.device, DTYPES[dtype])
+    results = []
+    for neighbours, tokens in (([], 1), ([0] * 7, lora.TILE), ([1, -1, 2, 0, 0, 1, 2], lora.TILE), ([0] * 3, 1)):
+        slots = [0, *neighbours]
+        x = torch.cat([x0, torch.randn(len(neighbours), a.shape[2], generator=g).to(x0)])
+        y = torch.cat([y0, torch.randn(len(neighbours), bt.shape[2], generator=g).to(y0)])
+        t = torch.empty(len(slots), a.shape[1], device=kern.device)
+        ts = torch.tensor(slots, dtype=torch.int32, device=kern.device)
+        kern.shrink(t, x, a, bounds, ts, tokens=tokens)
+        kern.expand(y, t, bt, bounds, ts, tokens=tokens)
+        results.append(y[0])
+    assert all(torch.equal(r, results[0]) for r in results[1:])
 
 
 def test_launchers_refuse_bad_arguments():
@@ -152,6 +176,9 @@ def test_launchers_refuse_bad_arguments():
         lora.check_shrink(torch.empty(n, 800), x, torch.zeros(4, 800, 72), bounds, slots)
     with pytest.raises(ValueError, match="the CUDA kernels need CUDA tensors"):
         lora.shrink(t, x, a, bounds, slots)
+    with pytest.raises(ValueError, match="tokens: 1 or 8 per block, got 4"):
+        lora.expression("ps_lora_shrink", "float32", 4)
+    assert [lora.tokens_per_block(n) for n in (1, lora.TILE_FROM - 1, lora.TILE_FROM)] == [1, 1, lora.TILE]
     assert lora.MAX_R == 3 * MAX_RANK  # q/k/v at the largest rank a slot holds
 
 

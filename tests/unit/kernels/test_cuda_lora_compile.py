@@ -16,7 +16,7 @@ from testing.kernels.nvrtc import compile_source, find_library
 
 _ENTRY = re.compile(r"Function properties for (\w+)\s*\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
                     r"(\d+) bytes spill loads")
-EXPRESSIONS = [lora.expression(k, d) for k in lora.KERNELS for d in CUDA_TYPES]
+EXPRESSIONS = [lora.expression(k, d, n) for k in lora.KERNELS for d in CUDA_TYPES for n in (1, lora.TILE)]
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -50,5 +50,5 @@ def test_launcher_constants_match_the_source():
     """The launchers size grids and check R with these numbers: they must be the kernels' own."""
     src = read_source(lora.SOURCE, inline_header=False)
     for macro, value in (("PS_LORA_SHRINK_WARPS", lora.SHRINK_WARPS), ("PS_LORA_EXPAND_THREADS", lora.EXPAND_THREADS),
-                         ("PS_LORA_MAX_R", lora.MAX_R)):
+                         ("PS_LORA_MAX_R", lora.MAX_R), ("PS_LORA_TILE", lora.TILE)):
         assert re.search(rf"#define {macro} {value}\b", src), macro
