@@ -115,9 +115,11 @@ def test_shrink_expand_match_reference(kern, layout, dtype, tokens):
     kern.shrink(t, x, a, bounds, token_slots, tokens=tokens)
     for tok, s in enumerate(slots):  # t: exactly the used rows of tokens with a slot
         used = int(bounds[0, s]) if s >= 0 else 0
-        if used:
+        if used:  # (float32 sums: bounded by the size of the terms, not of their sum, which may cancel)
             want = x[tok].double() @ a[s, :used].double().t()
-            assert rel_error(t[tok, :used], want) < 1e-5, f"shrink token {tok} (seed {seed})"
+            scale = x[tok].double().abs() @ a[s, :used].double().abs().t()
+            assert bool(((t[tok, :used].double() - want).abs() <= 1e-5 * scale).all()), \
+                f"shrink token {tok} (seed {seed})"
     width = max(int(bounds[2, s] - bounds[1, s]) for s in set(slots) if s >= 0)
     kern.expand(y, t, bt, bounds, token_slots, width, tokens=tokens)
     ref = reference(x, before, a, bt, bounds, slots)
