@@ -22,7 +22,7 @@ from pathlib import Path
 from pagedserve import wire
 
 SRC_DIR = Path(__file__).resolve().parent
-SOURCES = ("paged_decode.cu", "paged_prefill.cu", "cache_ops.cu", "fused_layers.cu")
+SOURCES = ("paged_decode.cu", "paged_prefill.cu", "cache_ops.cu", "fused_layers.cu", "lora.cu")
 
 # CUDA spelling of each supported storage type (torch / numpy dtype name -> C++ type).
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}

@@ -116,7 +116,8 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
     if not isinstance(runner, FollowerRunner):  # the rank that samples constrains (structured outputs)
         runner.grammar = GrammarBackend.for_model(cfg.model_dir, model_cfg.vocab_size)
     if cfg.max_loras:
-        runner.lora = LoraSlotsOfRunner(LoraManager(model, cfg.max_loras, cfg.max_lora_rank))
+        runner.lora = LoraSlotsOfRunner(LoraManager(model, cfg.max_loras, cfg.max_lora_rank, shard=shard,
+                                                    base_cfg=model_cfg))  # (each rank: its slice of every adapter)
         log.info("LoRA: %d adapter slots of rank up to %d", cfg.max_loras, cfg.max_lora_rank)
     log.info("%s: %d layers, %d KV blocks of %d tokens (%d CPU swap blocks), max length %d, %s, "
              "attention backend %s%s", model_cfg.architecture, model_cfg.num_layers, kv.num_blocks,

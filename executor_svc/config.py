@@ -257,9 +257,6 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         parser.error(f"--quantization {args.quantization}: CPU executors with one rank and --dtype auto, float32 "
                      f"or bfloat16 only (got --device {args.device}, --tensor-parallel-size "
                      f"{args.tensor_parallel_size}, --dtype {args.dtype})")
-    if args.enable_lora and args.tensor_parallel_size > 1:
-        parser.error("--enable-lora: a tensor-parallel executor does not serve LoRA adapters yet (adapters are not "
-                     "sharded with their layers)")
     if args.enable_lora and not 1 <= args.max_lora_rank <= 256:
         parser.error(f"--max-lora-rank: must be in [1, 256], got {args.max_lora_rank}")
     if args.enable_lora and args.max_loras > wire.MAX_LORA_SLOTS:

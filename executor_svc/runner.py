@@ -214,6 +214,8 @@ class ModelRunner:
         try:
             with self._guard(f"applying plan {plan.step_id}"):
                 self._apply(plan)
+                if self.lora is not None and plan.lora_loads:
+                    self._agree_lora(plan)
                 lora = None
                 if self.lora is not None and (self.lora.failed or plan.lora_loads):
                     plan, lora = self._lora_outcome(plan)
@@ -280,6 +282,9 @@ class ModelRunner:
 
     def _publish(self, plan: BatchPlan) -> None:
         """A plan passed its check and is about to be applied (rank 0 sends it to the other ranks)."""
+
+    def _agree_lora(self, plan: BatchPlan) -> None:
+        """After a plan's LoRA loads (tensor parallelism: a load that failed on any rank fails on all)."""
 
     @contextlib.contextmanager
     def _guard(self, what: str) -> Iterator[None]:

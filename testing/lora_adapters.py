@@ -16,6 +16,7 @@ import torch
 from executor_svc.model import LlamaForCausalLM, load_model_config
 from executor_svc.model.loader import _load_safetensors, _targets
 from executor_svc.model.rope import RotaryEmbedding
+from executor_svc.parallel.shard import NO_SHARD, TPShard
 
 
 def make_adapter(base: Path, out: Path, targets: list[str], r: int = 8, alpha: float = 16,
@@ -44,11 +45,14 @@ def make_adapter(base: Path, out: Path, targets: list[str], r: int = 8, alpha: f
     return peft_model.merge_and_unload().eval()
 
 
-def torch_model(path: Path) -> LlamaForCausalLM:
-    """Our float32 model on the CPU with nn.Linear layers and torch attention (not packed)."""
+def torch_model(path: Path, shard: TPShard = NO_SHARD, reduce=None) -> LlamaForCausalLM:
+    """Our float32 model on the CPU with nn.Linear layers and torch attention (not packed); with
+    ``shard`` and ``reduce`` a tensor-parallel rank's, whose row-parallel layers take the torch path
+    the CUDA ranks take (model/llama.py, ``_row_parallel``)."""
     cfg = load_model_config(path)
-    model = LlamaForCausalLM(cfg).to_empty(device="cpu").to(torch.float32)
-    _load_safetensors(path, _targets(cfg), dict(model.named_parameters()))
+    local = shard.local_config(cfg) if shard.size > 1 else cfg
+    model = LlamaForCausalLM(local, reduce, with_lm_head=shard.holds_lm_head).to_empty(device="cpu").to(torch.float32)
+    _load_safetensors(path, _targets(cfg, shard), dict(model.named_parameters()))
     model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, torch.device("cpu"))
     return model.eval()
 

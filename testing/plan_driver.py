@@ -38,16 +38,18 @@ class PlanDriver:
         return [self.free.pop() for _ in range(n)]
 
     def add(self, sid: int, tokens: list[int], sampling: SamplingParams = GREEDY, *, computed: int = 0,
-            table: list[int] | None = None, num_prompt: int | None = None) -> None:
+            table: list[int] | None = None, num_prompt: int | None = None, lora_slot: int = -1) -> None:
         table = list(table) if table is not None else []
         need = -(-max(computed, 1) // self.bs)
         table += self.alloc(max(0, need - len(table)))
         num_prompt = len(tokens) if num_prompt is None else num_prompt
         self.seqs[sid] = DriverSeq(list(tokens), num_prompt, table, computed)
-        self.pending.append(NewSeq(sid, pack_ids(tokens), num_prompt, list(table), computed, sampling))
+        self.pending.append(NewSeq(sid, pack_ids(tokens), num_prompt, list(table), computed, sampling,
+                                   lora_slot=lora_slot))
 
-    def step(self, schedule: dict[int, int], **extra) -> StepResult:
-        """schedule: seq_id -> new tokens (clipped to what remains). extra: other BatchPlan fields."""
+    def step(self, schedule: dict[int, int], expect_ok: bool = True, **extra) -> StepResult:
+        """schedule: seq_id -> new tokens (clipped to what remains). extra: other BatchPlan fields.
+        ``expect_ok``: assert the result has no error (else the caller looks at it)."""
         updates = []
         ids, counts = [], []
         for sid, n in schedule.items():
@@ -65,9 +67,10 @@ class PlanDriver:
         self.pending = []
         self.step_id += 1
         res = self.runner.execute(plan)
-        assert res.error is None, res.error
+        assert res.error is None or not expect_ok, res.error
         for sid, n in zip(ids, counts, strict=True):
-            self.seqs[sid].computed += n
+            if sid not in res.failed_seq_ids:
+                self.seqs[sid].computed += n
         for sid, tok in zip(res.sampled_seq_ids, res.sampled_token_ids, strict=True):
             self.seqs[sid].tokens.append(tok)
             self.seqs[sid].outputs.append(tok)

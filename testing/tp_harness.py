@@ -17,7 +17,9 @@ import torch
 from executor_svc.attention import AttentionBackend
 from executor_svc.backends import make_attention_backend
 from executor_svc.kv_cache import KVCache
-from executor_svc.model import load_model
+from executor_svc.lora import LoraManager
+from executor_svc.lora.served import LoraSlotsOfRunner
+from executor_svc.model import load_model, load_model_config
 from executor_svc.parallel.group import TPGroup, make_store
 from executor_svc.parallel.runner import FollowerRunner, TensorParallelRunner
 from executor_svc.sampler import Sampler
@@ -70,18 +72,30 @@ def _count_steps(leader: TensorParallelRunner, followers: list[FollowerRunner]) 
 @contextmanager
 def tp_runner(model_dir, world: int = 2, num_blocks: int = 64, num_cpu_blocks: int = 16, block_size: int = 16,
               cpu_attention: str = "fused", backend: Callable[[], AttentionBackend] | None = None,
-              ) -> Iterator[TensorParallelRunner]:
-    """Rank 0's runner of a ``world``-rank group; the followers serve in threads until exit."""
+              lora: tuple[int, int] | None = None, packed: bool = True) -> Iterator[TensorParallelRunner]:
+    """Rank 0's runner of a ``world``-rank group; the followers serve in threads until exit.
+    ``lora``: (max_loras, max_rank) adapter slots on every rank, as ``--enable-lora`` gives them.
+    ``packed=False``: ranks on plain nn.Linear layers and torch attention (the layers' torch path, as
+    on CUDA) instead of the CPU-packed ones."""
     groups = connect_threads(world)
     make_backend = backend or (lambda: make_attention_backend("cpu", cpu_attention))
     runners = []
     for g in groups:
-        model = load_model(model_dir, shard=g.shard, reduce=g.all_reduce)
+        if packed:
+            model = load_model(model_dir, shard=g.shard, reduce=g.all_reduce)
+        else:
+            from testing.lora_adapters import torch_model
+
+            model = torch_model(model_dir, g.shard, g.all_reduce)
+            make_backend = backend or (lambda: make_attention_backend("cpu", "torch"))
         kv = KVCache(model.cfg, block_size, num_blocks, num_cpu_blocks, torch.float32)
         if g.is_leader:
             runners.append(TensorParallelRunner(model, kv, make_backend(), g, Sampler(seed=0)))
         else:
             runners.append(FollowerRunner(model, kv, make_backend(), g))
+        if lora is not None:
+            manager = LoraManager(model, *lora, shard=g.shard, base_cfg=load_model_config(model_dir))
+            runners[-1].lora = LoraSlotsOfRunner(manager)
     errors: list[BaseException] = []
 
     def follow(r: FollowerRunner) -> None:

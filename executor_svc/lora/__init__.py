@@ -2,7 +2,9 @@
 
 - ``adapter.py``: read and validate one PEFT adapter directory (``load_adapter``, ``LoraError``).
 - ``slots.py``: the fixed slots' stacked A/B tensors per layer and fused projection.
-- ``apply.py``: the wrapper that adds each token's adapter delta to a projection.
+- ``apply.py``: the wrapper that adds each token's adapter delta to a projection (torch products on CPU,
+  the batched kernels of ``cupy_kernels/lora.cu`` on CUDA).
+- ``sharding.py``: a tensor-parallel rank's slice of an adapter.
 - ``manager.py``: ``LoraManager``, what the runner calls.
 """
 

@@ -9,7 +9,9 @@ model then has), it owns the slots, installs the wrappers and sets each step's a
         hidden, logits = model.forward_with_logits(...)
     lora.unload(0)
 
-Tensor-parallel ranks are refused (LoraError) until adapters are sharded with their layers.
+On a tensor-parallel rank (``shard``, with the whole model's ``base_cfg``) each adapter is read
+whole, checked against the whole model, then cut to the rank's slice of every layer
+(lora/sharding.py). On CUDA the deltas run through the batched kernels (cupy_kernels/lora.cu).
 CUDA decode graphs replay a capture of the wrapper with no batch set: a step with adapter
 tokens must run eagerly (the runner's choice, as for prompt logprobs).
 """
@@ -23,14 +25,23 @@ import torch
 
 from executor_svc.lora.adapter import LoraError, load_adapter
 from executor_svc.lora.apply import LoraBatch, LoraState, install
+from executor_svc.lora.sharding import shard_adapter
 from executor_svc.lora.slots import LoraSlots
+from executor_svc.model.architecture import ModelConfig
+from executor_svc.parallel.shard import NO_SHARD, TPShard
 
 
 class LoraManager:
-    def __init__(self, model, max_loras: int, max_rank: int) -> None:
+    def __init__(self, model, max_loras: int, max_rank: int, *, shard: TPShard = NO_SHARD,
+                 base_cfg: ModelConfig | None = None, kernels=None) -> None:
         self.model = model
-        self.slots = LoraSlots(model, max_loras, max_rank)  # (validates the arguments and refuses TP)
-        self.state = LoraState()
+        if shard.size > 1 and base_cfg is None:
+            raise LoraError("a tensor-parallel rank's LoraManager needs the whole model's config (base_cfg)")
+        if shard.size == 1 and getattr(model, "reduce", None) is not None:
+            raise LoraError("this model is a tensor-parallel rank's: give LoraManager its shard")
+        self.shard, self.base_cfg = shard, base_cfg if base_cfg is not None else model.cfg
+        self.slots = LoraSlots(model, max_loras, max_rank)  # (validates the arguments)
+        self.state = LoraState(kernels=kernels)  # (kernels None: install picks the CUDA kernels on CUDA)
         install(model, self.slots, self.state)
         self._paths: dict[int, str] = {}
 
@@ -47,7 +58,7 @@ class LoraManager:
         slot keeps what it had. Not during a step (the slot tensors are written in place)."""
         self.slots.check_slot(slot)
         self._not_in_step("load")
-        adapter = load_adapter(path, self.model.cfg, self.slots.max_rank)
+        adapter = shard_adapter(load_adapter(path, self.base_cfg, self.slots.max_rank), self.shard, self.base_cfg)
         self.slots.load(slot, adapter)
         self._paths[slot] = str(path)
 
@@ -68,7 +79,8 @@ class LoraManager:
         ``token_slots[i]`` (-1: the base model). A slot holding no adapter is a LoraError."""
         self._not_in_step("batch")
         loaded = [a is not None for a in self.slots.adapters]
-        step = LoraBatch.build(torch.as_tensor(token_slots), loaded, self.model.device)
+        step = LoraBatch.build(torch.as_tensor(token_slots), loaded, self.model.device,
+                               with_kernels=self.state.kernels is not None)
         self.state.batch = step
         try:
             yield step

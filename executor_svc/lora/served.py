@@ -58,13 +58,18 @@ class LoraSlotsOfRunner:
         except Exception as exc:  # noqa: BLE001  (LoraError, or anything else: this adapter fails, not the plan)
             if not isinstance(exc, LoraError):
                 log.exception("loading LoRA adapter %r failed unexpectedly", load.name)
-            self.manager.unload(load.slot)
-            self.failed[load.slot] = str(exc)
-            self._owed.append(wire.LoraFailure(load.slot, str(exc)[:wire.MAX_TEXT_CHARS]))
+            self.mark_failed(load.slot, str(exc))
             log.error("LoRA adapter %r could not be loaded into slot %d: %s", load.name, load.slot, exc)
             return
         self.failed.pop(load.slot, None)
         log.info("LoRA adapter %r loaded into slot %d from %s", load.name, load.slot, load.path)
+
+    def mark_failed(self, slot: int, reason: str) -> None:
+        """Slot ``slot`` holds no adapter, for ``reason``: its sequences are dropped until it loads again
+        (also a load that succeeded here but failed on another tensor-parallel rank)."""
+        self.manager.unload(slot)
+        self.failed[slot] = reason
+        self._owed.append(wire.LoraFailure(slot, reason[:wire.MAX_TEXT_CHARS]))
 
     def doomed(self, seqs: dict) -> set[int]:
         """The sequences of ``seqs`` under a slot whose last load failed."""

@@ -43,12 +43,16 @@ class ProjectionSlots:
     lo: list[int]  # per slot: first output row touched
     hi: list[int]  # per slot: one past the last output row touched
     bounds: torch.Tensor | None = None  # [3, slots] int32 (used, lo, hi) as the C decode stack reads them
+    device_bounds: torch.Tensor | None = None  # the same on the slots' device (the CUDA kernels'); on CPU: bounds
 
     def __post_init__(self) -> None:
         self.bounds = torch.zeros(3, len(self.used), dtype=torch.int32)
+        self.device_bounds = self.bounds if self.a.device.type == "cpu" else self.bounds.to(self.a.device)
 
     def _sync(self, slot: int) -> None:
         self.bounds[:, slot] = torch.tensor([self.used[slot], self.lo[slot], self.hi[slot]], dtype=torch.int32)
+        if self.device_bounds is not self.bounds:  # (loads run between steps, on the compute stream)
+            self.device_bounds.copy_(self.bounds)
 
     def desc(self):
         """The C view (``ps_lora_t``) of these slots: pointers into tensors this object keeps."""
@@ -99,18 +103,14 @@ class ProjectionSlots:
 
 class LoraSlots:
     """``max_loras`` slots (0..max_loras-1) for adapters of rank <= ``max_rank`` on ``model``'s layers:
-    ``layers[i][fused name]`` is a :class:`ProjectionSlots`."""
+    ``layers[i][fused name]`` is a :class:`ProjectionSlots`. On a tensor-parallel rank ``model.cfg``
+    is the rank's own, and so are the slots' shapes: adapters arrive already sharded."""
 
     def __init__(self, model, max_loras: int, max_rank: int) -> None:
         if not isinstance(max_loras, int) or max_loras < 1:
             raise LoraError(f"max_loras must be a positive integer, got {max_loras!r}")
         if not isinstance(max_rank, int) or not 1 <= max_rank <= MAX_RANK:
             raise LoraError(f"max_rank must be an integer in [1, {MAX_RANK}], got {max_rank!r}")
-        if getattr(model, "reduce", None) is not None:
-            # A rank holds a slice of each layer: adapters would have to be sharded along (column-parallel
-            # B rows, row-parallel A columns, the delta added before the sum over ranks); not done yet.
-            raise LoraError("LoRA with tensor parallelism is not supported yet: serve adapters with "
-                            "--tensor-parallel-size 1")
         self.cfg: ModelConfig = model.cfg
         self.max_loras, self.max_rank = max_loras, max_rank
         device = model.device

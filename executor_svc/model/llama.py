@@ -52,7 +52,11 @@ def _row_parallel(layer: nn.Linear, x: torch.Tensor, reduce: AllReduce | None) -
     products summed over ranks, then the (replicated) bias once."""
     if reduce is None:
         return layer(x)
-    y = reduce(F.linear(x, layer.weight))  # [n, out] float, complete after the sum
+    y = F.linear(x, layer.weight)  # [n, out] this rank's partial product
+    add_lora = getattr(layer, "add_lora", None)  # a LoRA wrapper (executor_svc/lora/apply.py)
+    if add_lora is not None:
+        y = add_lora(x, y)  # (x holds this rank's input columns, the adapter's A likewise: a partial delta)
+    y = reduce(y)  # complete after the sum
     return y if layer.bias is None else y + layer.bias
 
 

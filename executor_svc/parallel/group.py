@@ -210,6 +210,13 @@ class TPGroup:
             t.add_(p)
         return t
 
+    def control_max(self, t: torch.Tensor) -> torch.Tensor:
+        """The element-wise maximum of ``t`` over the ranks, in place, on the control group (host data)."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.ctl_pg.allreduce([t], opts).wait()
+        return t
+
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``t`` into every rank's (same shape and dtype), on the control group."""
         opts = dist.BroadcastOptions()

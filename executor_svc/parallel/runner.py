@@ -42,6 +42,19 @@ from pagedserve import wire
 from pagedserve.wire import BatchPlan, StepResult
 
 
+def agree_lora_failures(runner: ModelRunner, group: TPGroup, plan: BatchPlan) -> None:
+    """After a plan's LoRA loads, every rank learns which of them failed on any rank and fails them too:
+    a slot loaded on some ranks only would run its sequences on some ranks and drop them on others,
+    and the ranks' batches (and collectives) would part. Every rank calls this for the same plans."""
+    slots = sorted({load.slot for load in plan.lora_loads})
+    failed = torch.tensor([int(s in runner.lora.failed) for s in slots], dtype=torch.int64)
+    group.control_max(failed)
+    for slot, anywhere in zip(slots, failed.tolist(), strict=True):
+        if anywhere and slot not in runner.lora.failed:
+            runner.lora.mark_failed(slot, "the adapter could not be loaded on another tensor-parallel rank "
+                                          "(its log says why)")
+
+
 class TensorParallelRunner(ModelRunner):
     """Rank 0 of the group, for the worker exactly a ModelRunner."""
 
@@ -69,6 +82,9 @@ class TensorParallelRunner(ModelRunner):
 
     def _guard(self, what: str):
         return self.group.fatal_on_error(what)
+
+    def _agree_lora(self, plan: BatchPlan) -> None:
+        agree_lora_failures(self, self.group, plan)
 
     def _sampled(self, batch: Batch, result: StepResult) -> None:
         rows = batch.token_seqs()
@@ -123,6 +139,9 @@ class FollowerRunner(ModelRunner):
 
     def _guard(self, what: str):
         return self.group.fatal_on_error(what)
+
+    def _agree_lora(self, plan: BatchPlan) -> None:
+        agree_lora_failures(self, self.group, plan)
 
     def _sample(self, batch: Batch, logits: torch.Tensor | None, result: StepResult,
                 masks: GrammarMasks | None = None) -> None:

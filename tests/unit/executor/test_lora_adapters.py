@@ -220,8 +220,14 @@ def test_manager_arguments_and_slots(tiny_llama_dir, model_manager, good):
             pass
 
 
-def test_tensor_parallel_rank_is_refused(tiny_llama_dir):
+def test_tensor_parallel_rank_needs_its_shard(tiny_llama_dir):
+    """A rank's slots are its slice of each layer: a manager that does not know which is refused
+    (adapters would be checked against the wrong shapes); tests/unit/executor/test_tp_lora.py serves them."""
+    from executor_svc.parallel.shard import TPShard
+
     model = torch_model(tiny_llama_dir)
     model.reduce = lambda t: t  # what a tensor-parallel rank's model holds
-    with pytest.raises(LoraError, match="LoRA with tensor parallelism is not supported"):
+    with pytest.raises(LoraError, match="tensor-parallel rank's: give LoraManager its shard"):
         LoraManager(model, max_loras=2, max_rank=8)
+    with pytest.raises(LoraError, match="needs the whole model's config \\(base_cfg\\)"):
+        LoraManager(model, max_loras=2, max_rank=8, shard=TPShard(0, 2))
