@@ -110,6 +110,33 @@ def ensure_gguf(model: Path, outtype: str, cache: Path) -> Path:
     return out
 
 
+class LlamaServerExited(RuntimeError):
+    pass
+
+
+def llama_server_ready(binary: Path, gguf: Path, *args) -> LlamaServer:
+    """A llama-server that is up. Its weight repacking, on by default, crashed it at load on some
+    CPUs (llama.cpp 0.3.36, Q4_1 and Q8_0 files on a Sapphire Rapids VM with AMX: a segmentation
+    fault); such a file then runs with ``--no-repack``, as a user would run it, and the report
+    says so (``llamacpp_no_repack``)."""
+    server = LlamaServer(binary, gguf, *args)
+    try:
+        server.wait_ready()
+        return server
+    except LlamaServerExited:
+        if gguf in NO_REPACK:
+            raise
+    print(f"llama-server crashed loading {gguf.name} (log {server.log}); again with --no-repack", flush=True)
+    NO_REPACK.add(gguf)
+    server = LlamaServer(binary, gguf, *args)
+    server.wait_ready()
+    return server
+
+
+# Files whose llama-server crashed while repacking its weights at load, and then ran with --no-repack.
+NO_REPACK: set[Path] = set()
+
+
 class LlamaServer:
     def __init__(self, binary: Path, gguf: Path, threads: int, slots: int, ctx_per_slot: int, kv: str) -> None:
         self.port = free_ports(1)[0]
@@ -117,6 +144,8 @@ class LlamaServer:
         argv = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
                 "-c", str(slots * ctx_per_slot), "-ctk", kv, "-ctv", kv, "--host", "127.0.0.1",
                 "--port", str(self.port), "--threads-http", str(slots + 4)]
+        if gguf in NO_REPACK:
+            argv.append("--no-repack")
         self.proc = subprocess.Popen(argv, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT,
                                      preexec_fn=_die_with_parent)
 
@@ -128,7 +157,7 @@ class LlamaServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited early; log {self.log}")
+                raise LlamaServerExited(f"llama-server exited early ({self.proc.returncode}); log {self.log}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -264,6 +293,7 @@ def run(args) -> dict:
     result["bandwidth_gbs_runs"] = [round(b / 1e9, 2) for b in bws]
     result["load_average_end"] = round(os.getloadavg()[0], 2)
     result["pagedserve_runs_retried"] = len(retries)
+    result["llamacpp_no_repack"] = sorted(f for f in fmts if ggufs.get(f) in NO_REPACK)
     return result
 
 
@@ -277,10 +307,10 @@ def _side_by_side_rep(binary: Path, gguf: Path, model: Path, fmt: str, args, lev
     percent over a minute here."""
     flags, kv = _flags(args, fmt)
     stack = PagedServe(gguf if args.gguf is not None else model, flags, args.threads, args.kv_cache_memory)
-    server = LlamaServer(binary, gguf, args.threads, max(levels), args.prompt_len + args.max_tokens + 64, kv)
+    server = None
     try:
+        server = llama_server_ready(binary, gguf, args.threads, max(levels), args.prompt_len + args.max_tokens + 64, kv)
         stack.wait_ready()
-        server.wait_ready()
         first = run_in_subprocess(stack.url, 1, 1, args.prompt_len, args.max_tokens, vocab, 7 + rep).requests[0]
         run_in_subprocess(server.url, 1, 1, args.prompt_len, args.max_tokens, vocab, 7 + rep)  # its first, as ours
         order = [("pagedserve", stack.url), ("llama.cpp", server.url)]
@@ -290,14 +320,16 @@ def _side_by_side_rep(binary: Path, gguf: Path, model: Path, fmt: str, args, lev
                 loads[(system, c)] = _loads(url, [c], args, vocab, 100 * rep)[c]
         return loads, first.seconds
     except Exception:
-        print(f"a run failed; pagedserve's logs in {stack.logdir}, llama-server's {server.log}:", flush=True)
+        print(f"a run failed; pagedserve's logs in {stack.logdir}, llama-server's "
+              f"{server.log if server else 'above'}:", flush=True)
         stack.stop()
         for name in ("scheduler", "executor"):
             print((stack.logdir / f"{name}.log").read_text()[-3000:], flush=True)
         raise
     finally:
         stack.stop()
-        server.stop()
+        if server is not None:
+            server.stop()
 
 
 def _median_run(rs: list[LoadResult]) -> LoadResult:
