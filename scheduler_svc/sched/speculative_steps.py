@@ -138,6 +138,11 @@ class SpeculativeSteps:
         toks = x.token_ids if x is not None else []
         self.counters.count(d, len(toks))  # every emitted token but the last was an accepted proposal
         self.policy.observe(seq.seq_id, d, len(toks))
+        r = seq.request
+        r.spec_proposed += d
+        r.spec_accepted += len(toks)
+        if (ru := by_request.get(r.request_id)) is not None:  # (the usage's totals, on the update of this step)
+            ru.spec_proposed_tokens, ru.spec_accepted_tokens = r.spec_proposed, r.spec_accepted
         if seq.finish_reason is None and toks:
             self._append(seq, toks, x.logprobs, by_request.get(seq.request.request_id), out)
         if seq.finish_reason is not None:  # ended (now or by its first token), or aborted: the rest dropped
