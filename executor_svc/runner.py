@@ -46,9 +46,10 @@ from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.plan_check import PlanChecker, PlanError
 from executor_svc.sampler import SampleOutput, Sampler
 from executor_svc.seq_deltas import ExecutorDeltas
+from executor_svc.speculative.draft import DraftModel
 from executor_svc.speculative.verify import report_spec_tokens, speculating_rows, verify_proposals
 from executor_svc.step_report import report_samples, score_prompt
-from pagedserve.wire import MAX_TEXT_CHARS, BatchPlan, StepResult
+from pagedserve.wire import MAX_TEXT_CHARS, BatchPlan, Proposal, StepResult
 from pagedserve.wire.plan_deltas import apply_deltas
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ class ModelRunner:
         # Pure decode steps replayed from CUDA graphs (executor_svc/decode_graphs.py; None: eager).
         self.graphs: DecodeGraphs | None = None
         self.lora: LoraSlotsOfRunner | None = None  # LoRA adapters (--max-loras; executor_svc/lora/served.py)
+        self.draft: DraftModel | None = None  # speculative decoding's draft model (--speculative-model)
         self.keep_logits = False  # tests: keep the last step's sampled logits rows in last_logits
         self.last_logits: torch.Tensor | None = None  # [num_sampled, vocab] float32
 
@@ -172,15 +174,37 @@ class ModelRunner:
         """Whether ``plan`` may be prepared while the step before it is in flight: not when it
         copies or extends a sequence's tokens (forks, beam search's appended tokens, proposals),
         which would need that step's sampled token first."""
-        return not plan.forks and not plan.append_tokens and not plan.proposals
+        return not plan.forks and not plan.append_tokens and not plan.proposals and not plan.draft_proposals
 
     def _propose(self, plan: BatchPlan) -> None:
         """Speculative decoding: each proposing sequence's proposals appended to its tokens for this
         step's forward (verification takes back what it rejects)."""
+        drafted = {d.seq_id for d in plan.draft_proposals}
         for prop in plan.proposals:
             s = self.seqs[prop.seq_id]
-            s.proposals = list(prop.token_ids)
+            s.proposals = list(prop.token_ids)  # (a draft's: placeholders until launch drafts them)
+            s.drafted = prop.seq_id in drafted
             s.token_ids.extend(s.proposals)
+
+    def _drafted(self, plan: BatchPlan) -> BatchPlan:
+        """A plan whose ``draft_proposals`` are proposals too, of placeholder tokens (0) the draft
+        replaces at launch: checking, applying, dropping and batching them is then the n-gram path's."""
+        if self.draft is None:
+            raise PlanError("draft_proposals: this executor holds no draft model (--speculative-model)")
+        if {d.seq_id for d in plan.draft_proposals} & {p.seq_id for p in plan.proposals}:
+            raise PlanError("draft_proposals: a sequence has both proposals and draft proposals")
+        return msgspec.structs.replace(plan, proposals=[
+            *plan.proposals, *(Proposal(d.seq_id, [0] * d.num_tokens) for d in plan.draft_proposals)])
+
+    def _draft(self, batch: Batch) -> None:
+        """The draft's proposals of this step's drafting sequences, into their tokens and the batch."""
+        todo = [(s, len(props)) for s, props, _ in batch.spec if s.drafted]
+        if not todo:
+            return
+        self.draft.propose(todo)
+        for s, props, row in batch.spec:
+            if s.drafted:
+                batch.token_ids[row + 1:row + 1 + len(props)] = props
 
     def _build(self, plan: BatchPlan, in_flight: dict[int, SeqState] | None = None) -> Batch:
         """The plan's batch: each scheduled sequence's new tokens, a proposing one's proposals with
@@ -206,6 +230,11 @@ class ModelRunner:
         if self.refusing is not None:
             return StepResult(step_id=plan.step_id, refused=True,
                               error=_text(f"discarded: a plan before it was refused ({self.refusing})"))
+        if plan.draft_proposals:
+            try:
+                plan = self._drafted(plan)
+            except PlanError as exc:
+                return self._refuse(plan, exc)
         sent, plan = plan, self.dropped.skip(plan)
         in_flight = after.sampling_seqs() if after is not None else {}
         if check and (refused := self._check(plan, in_flight)) is not None:
@@ -239,6 +268,8 @@ class ModelRunner:
                     raise RuntimeError(f"seq {seq.seq_id}: the token the previous step was to sample is missing")
                 step.batch.token_ids[row] = seq.token_ids[index]
             with self._guard(f"the forward of step {step.plan.step_id}"):
+                if self.draft is not None and step.batch.spec:
+                    self._draft(step.batch)
                 logits = self._forward_batch(step.plan, step.batch)
         except StepFatal:
             raise
@@ -306,11 +337,14 @@ class ModelRunner:
             if plan.proposals:
                 self.checker.check_proposers(plan, self.seqs)
         except PlanError as exc:
-            log.warning("refusing plan %d, and the plans after it until a reset: %s", plan.step_id, exc)
-            self.refusing = f"plan {plan.step_id}: {exc}"
-            return StepResult(step_id=plan.step_id, refused=True, error=_text(f"invalid plan: {exc}"),
-                              failed_seq_ids=[] if exc.seq_id is None else [exc.seq_id])
+            return self._refuse(plan, exc)
         return None
+
+    def _refuse(self, plan: BatchPlan, exc: PlanError) -> StepResult:
+        log.warning("refusing plan %d, and the plans after it until a reset: %s", plan.step_id, exc)
+        self.refusing = f"plan {plan.step_id}: {exc}"
+        return StepResult(step_id=plan.step_id, refused=True, error=_text(f"invalid plan: {exc}"),
+                          failed_seq_ids=[] if exc.seq_id is None else [exc.seq_id])
 
     def _failure(self, plan: BatchPlan, seq_ids: Iterable[int], exc: Exception) -> StepResult:
         """A phase raised: these sequences are dropped and reported failed; the runner serves on."""
@@ -345,7 +379,8 @@ class ModelRunner:
 
     def _apply(self, plan: BatchPlan) -> None:
         """The plan's deltas, in the documented order (the walk its check ran dry)."""
-        apply_deltas(plan, self.seqs, ExecutorDeltas(self.kv, self.backend, self.grammar, self.lora, self.seqs))
+        apply_deltas(plan, self.seqs, ExecutorDeltas(self.kv, self.backend, self.grammar, self.lora, self.seqs,
+                                                     self.draft.kv if self.draft is not None else None))
 
     def _lora_outcome(self, plan: BatchPlan) -> tuple[BatchPlan, LoraOutcome]:
         """``plan`` without the sequences under a slot whose adapter could not be loaded (dropped:

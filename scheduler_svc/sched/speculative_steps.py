@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedserve.engine_api import EngineStats, RequestUpdate
-from pagedserve.wire import StepResult
+from pagedserve.wire import BatchPlan, DraftProposal, Proposal, StepResult
 from scheduler_svc.sched.lifecycle import ProtocolError
-from scheduler_svc.sched.speculation import NgramProposer, SpeculativeConfig
+from scheduler_svc.sched.speculation import DraftProposer, NgramProposer, SpeculativeConfig
 from scheduler_svc.sched.speculation_policy import SpeculationPolicy
 from scheduler_svc.sched.step_output import end_reason, token_logprob
 
@@ -61,10 +61,18 @@ class SpecCounters:
 
 class SpeculativeSteps:
     def __init__(self, config: SpeculativeConfig) -> None:
-        self.proposer = NgramProposer(config)
+        self.draft = config.model is not None  # proposals made by the executor's draft model
+        self.proposer = DraftProposer(config) if self.draft else NgramProposer(config)
         self.policy = SpeculationPolicy(config.num_speculative_tokens)
         self.pending: set[int] = set()  # seq ids whose proposals' result is in flight
         self.counters = SpecCounters()  # (telemetry reads them, summed over the engine's schedulers)
+
+    def put(self, plan: BatchPlan, seq_id: int, props: list[int]) -> None:
+        """``props`` (from :meth:`propose`) into the plan: the tokens, or the draft's count."""
+        if self.draft:
+            plan.draft_proposals.append(DraftProposal(seq_id, len(props)))
+        else:
+            plan.proposals.append(Proposal(seq_id, props))
 
     def step_speculates(self, num_running: int) -> bool:
         return self.policy.batch_speculates(num_running)
