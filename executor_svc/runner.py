@@ -47,9 +47,10 @@ from executor_svc.plan_check import PlanChecker, PlanError
 from executor_svc.sampler import SampleOutput, Sampler
 from executor_svc.seq_deltas import ExecutorDeltas
 from executor_svc.speculative.draft import DraftModel
+from executor_svc.speculative.plan import append_proposals, draft_into, with_draft_placeholders
 from executor_svc.speculative.verify import report_spec_tokens, speculating_rows, verify_proposals
 from executor_svc.step_report import report_samples, score_prompt
-from pagedserve.wire import MAX_TEXT_CHARS, BatchPlan, Proposal, StepResult
+from pagedserve.wire import MAX_TEXT_CHARS, BatchPlan, StepResult
 from pagedserve.wire.plan_deltas import apply_deltas
 
 log = logging.getLogger(__name__)
@@ -176,36 +177,6 @@ class ModelRunner:
         which would need that step's sampled token first."""
         return not plan.forks and not plan.append_tokens and not plan.proposals and not plan.draft_proposals
 
-    def _propose(self, plan: BatchPlan) -> None:
-        """Speculative decoding: each proposing sequence's proposals appended to its tokens for this
-        step's forward (verification takes back what it rejects)."""
-        drafted = {d.seq_id for d in plan.draft_proposals}
-        for prop in plan.proposals:
-            s = self.seqs[prop.seq_id]
-            s.proposals = list(prop.token_ids)  # (a draft's: placeholders until launch drafts them)
-            s.drafted = prop.seq_id in drafted
-            s.token_ids.extend(s.proposals)
-
-    def _drafted(self, plan: BatchPlan) -> BatchPlan:
-        """A plan whose ``draft_proposals`` are proposals too, of placeholder tokens (0) the draft
-        replaces at launch: checking, applying, dropping and batching them is then the n-gram path's."""
-        if self.draft is None:
-            raise PlanError("draft_proposals: this executor holds no draft model (--speculative-model)")
-        if {d.seq_id for d in plan.draft_proposals} & {p.seq_id for p in plan.proposals}:
-            raise PlanError("draft_proposals: a sequence has both proposals and draft proposals")
-        return msgspec.structs.replace(plan, proposals=[
-            *plan.proposals, *(Proposal(d.seq_id, [0] * d.num_tokens) for d in plan.draft_proposals)])
-
-    def _draft(self, batch: Batch) -> None:
-        """The draft's proposals of this step's drafting sequences, into their tokens and the batch."""
-        todo = [(s, len(props)) for s, props, _ in batch.spec if s.drafted]
-        if not todo:
-            return
-        self.draft.propose(todo)
-        for s, props, row in batch.spec:
-            if s.drafted:
-                batch.token_ids[row + 1:row + 1 + len(props)] = props
-
     def _build(self, plan: BatchPlan, in_flight: dict[int, SeqState] | None = None) -> Batch:
         """The plan's batch: each scheduled sequence's new tokens, a proposing one's proposals with
         them, and the rows verification reads."""
@@ -232,7 +203,7 @@ class ModelRunner:
                               error=_text(f"discarded: a plan before it was refused ({self.refusing})"))
         if plan.draft_proposals:
             try:
-                plan = self._drafted(plan)
+                plan = with_draft_placeholders(plan, self.draft)
             except PlanError as exc:
                 return self._refuse(plan, exc)
         sent, plan = plan, self.dropped.skip(plan)
@@ -246,7 +217,7 @@ class ModelRunner:
                 lora = None
                 if self.lora is not None and (self.lora.failed or plan.lora_loads):
                     plan, lora = self._lora_outcome(plan)
-                self._propose(plan)
+                append_proposals(plan, self.seqs)
                 batch = self._build(plan, in_flight) if plan.scheduled_seq_ids else None
         except StepFatal:
             raise
@@ -269,7 +240,7 @@ class ModelRunner:
                 step.batch.token_ids[row] = seq.token_ids[index]
             with self._guard(f"the forward of step {step.plan.step_id}"):
                 if self.draft is not None and step.batch.spec:
-                    self._draft(step.batch)
+                    draft_into(self.draft, step.batch)
                 logits = self._forward_batch(step.plan, step.batch)
         except StepFatal:
             raise

@@ -27,6 +27,7 @@ from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.sampler import Sampler, draw_token
 from pagedserve.wire import GREEDY_TEMPERATURE_EPS, SamplingParams
 
+SHORT_BACKLOG = 4  # tokens a sequence's draft catches up on one decode step at a time (more: one chunk)
 DRAFT_SALT = 0x5D2AF7  # the seeded stream of the draft's own draws (another than the target's)
 
 
@@ -49,19 +50,25 @@ class DraftModel:
         tokens at the end of ``s.token_ids`` (the runner appended them for the step's batch)."""
         base = {s.seq_id: len(s.token_ids) - k for s, k in todo}  # committed tokens
         views: dict[int, SeqState] = {}
+        drafted = {s.seq_id: 0 for s, _ in todo}
         for s, _ in todo:  # the draft's view: the same tokens and table, its own computed count
             views[s.seq_id] = SeqState(s.seq_id, s.token_ids, s.num_prompt_tokens, s.block_ids,
                                        min(s.draft_computed, base[s.seq_id] - 1), s.sampling)
             s.draft_q = [] if s.sampling.temperature >= GREEDY_TEMPERATURE_EPS else None
-        for j in range(max(k for _, k in todo)):
-            active = [s for s, k in todo if k > j]
+        while active := [s for s, k in todo if drafted[s.seq_id] < k]:
+            # Each forward takes a sequence's whole backlog as one chunk when it is long (a prompt),
+            # else one token: a short backlog (the last accepted proposal and the bonus token) then
+            # runs as decode steps, which the fused CPU decode stack serves far cheaper than a chunk.
             ids = [s.seq_id for s in active]
-            num_new = [base[s.seq_id] + j - views[s.seq_id].num_computed_tokens for s in active]
+            backlog = [base[sid] + drafted[sid] - views[sid].num_computed_tokens for sid in ids]
+            num_new = [n if n > SHORT_BACKLOG else 1 for n in backlog]
             logits = self._forward(views, ids, num_new)
             for i, s in enumerate(active):
-                at = base[s.seq_id] + j
-                s.token_ids[at] = s.proposals[j] = self._draw(logits[i], s, at)
-                views[s.seq_id].num_computed_tokens = at
+                views[s.seq_id].num_computed_tokens += num_new[i]
+                if num_new[i] == backlog[i]:  # caught up: this row drafts the next token
+                    at = base[s.seq_id] + drafted[s.seq_id]
+                    s.token_ids[at] = s.proposals[drafted[s.seq_id]] = self._draw(logits[i], s, at)
+                    drafted[s.seq_id] += 1
         for s, k in todo:
             s.draft_computed = base[s.seq_id] + k - 1  # (the last draft token's K/V was never needed)
 
