@@ -142,3 +142,90 @@ def test_no_token_past_max_tokens_or_a_stop_token(tiny_llama_dir, model):
         a, _, _, _ = _serve(tiny_llama_dir, model, params, prompts=prompts)
         b, _, _, _ = _serve(tiny_llama_dir, model, params, model, 8, prompts=prompts)
         assert b == a and len(b["rep"]) <= params.max_tokens
+
+
+def _sched(model, num_blocks: int = NUM_BLOCKS) -> Scheduler:
+    spec = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=4)
+    cfg = SchedulerConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
+                          speculative=spec)
+    sched = Scheduler(cfg, num_blocks, 32, eos_token_ids=(), vocab_size=model.cfg.vocab_size)
+    sched.spec.policy.max_batch_tokens = 256
+    return sched
+
+
+def test_a_failing_draft_fails_its_steps_requests_and_leaks_nothing(tiny_llama_dir, model, random_draft):
+    """The draft runs in the step's launch: when it raises, the step's sequences fail (as for a
+    failed forward), their blocks come back, and the runner serves the next requests."""
+    runner = with_draft(make_runner(tiny_llama_dir, num_blocks=NUM_BLOCKS, num_cpu_blocks=32, model=model),
+                        random_draft)
+    sched = _sched(model)
+    params = RequestParams(max_tokens=12, sampling=GREEDY, ignore_eos=True)
+    real = runner.draft.propose
+    calls = {"n": 0}
+
+    def flaky(todo):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("draft exploded")
+        real(todo)
+
+    runner.draft.propose = flaky
+    errors, done = [], {}
+    for rid, p in _prompts().items():
+        sched.add_request(GenerationRequest(rid, p, params))
+
+    def take(plan, result):
+        for upd in sched.update(result):
+            if upd.error is not None:
+                errors.append(upd.request_id)
+            if upd.finished:
+                done[upd.request_id] = upd.error is None
+        sched.check_integrity()
+
+    drive(runner, sched, take)
+    assert set(errors) == set(done) == set(_prompts()) and not any(done.values())  # one batch: all failed
+    assert sched.kv.num_free_blocks == NUM_BLOCKS and not sched.requests and not runner.seqs
+    sched.add_request(GenerationRequest("after", _prompts()["rand"], params))
+    out = []
+    drive(runner, sched, lambda plan, result: [out.extend(s.new_token_ids) for u in sched.update(result)
+                                               for s in u.seqs])
+    assert len(out) == 12 and sched.kv.num_free_blocks == NUM_BLOCKS
+    assert calls["n"] > 2  # the runner drafted again after the failure
+
+
+def test_aborts_while_proposals_are_in_flight_leak_nothing(tiny_llama_dir, model, random_draft):
+    runner = with_draft(make_runner(tiny_llama_dir, num_blocks=NUM_BLOCKS, num_cpu_blocks=32, model=model),
+                        random_draft)
+    sched = _sched(model)
+    params = RequestParams(max_tokens=40, sampling=SamplingParams(temperature=0.8, seed=3), ignore_eos=True)
+    for rid, p in _prompts().items():
+        sched.add_request(GenerationRequest(rid, p, params))
+    aborted = 0
+    for _ in range(200):
+        plan = sched.schedule()
+        if plan is None:
+            if not sched.has_work():
+                break
+            continue
+        result = runner.execute(plan)
+        if plan.draft_proposals and sched.requests:  # abort one request between the plan and its result
+            sched.abort_request(sorted(sched.requests)[0])
+            aborted += 1
+        sched.update(result)
+        sched.check_integrity()
+    assert aborted == len(_prompts())
+    assert not sched.requests and sched.kv.num_free_blocks == NUM_BLOCKS and not runner.seqs
+
+
+def test_draft_proposals_to_an_executor_without_a_draft_are_refused(tiny_llama_dir, model):
+    runner = make_runner(tiny_llama_dir, num_blocks=NUM_BLOCKS, num_cpu_blocks=32, model=model)
+    sched = _sched(model)
+    sched.add_request(GenerationRequest("a", _prompts()["rep"], RequestParams(max_tokens=8, sampling=GREEDY)))
+    result = None
+    for _ in range(5):
+        plan = sched.schedule()
+        result = runner.execute(plan)
+        if plan.draft_proposals:
+            break
+        sched.update(result)
+    assert result.refused and "holds no draft model (--speculative-model)" in result.error
