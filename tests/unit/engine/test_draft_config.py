@@ -133,3 +133,22 @@ def test_a_draft_on_one_side_of_the_link_only_is_refused_naming_it():
     for spec in (None, ngram):
         (reply,) = run(_replies(spec, [_hs("drafty", "smol-draft", 512)]))
         assert not reply.accepted and "names no draft model" in reply.reason
+
+
+def test_the_executor_counts_both_models_bytes_per_block_and_names_its_draft(tiny_llama_dir, draft_dir, capsys):
+    from executor_svc.__main__ import build_runner
+    from executor_svc.kv_cache import bytes_per_block
+
+    base = ["--model", str(tiny_llama_dir), "--scheduler", "tcp://127.0.0.1:1", "--kv-cache-memory", "4MiB",
+            "--swap-space", "1MiB", "--no-warmup"]
+    plain, plain_hs = build_runner(parse_config(base, {}))
+    runner, hs = build_runner(parse_config([*base, "--speculative-model", str(draft_dir)], {}))
+    per = (bytes_per_block(runner.model.cfg, 16, runner.kv.dtype)
+           + bytes_per_block(runner.draft.model.cfg, 16, runner.kv.dtype))
+    assert hs.num_device_blocks == (4 << 20) // per < plain_hs.num_device_blocks
+    assert hs.num_cpu_blocks == (1 << 20) // per
+    assert runner.draft.kv.num_blocks == runner.kv.num_blocks and runner.draft.kv.num_cpu_blocks == hs.num_cpu_blocks
+    assert (hs.draft_model, hs.draft_vocab_size) == (draft_dir.resolve().name, 512) and not plain_hs.draft_model
+    with pytest.raises(ValueError, match="less than one block of the model and its draft model"):
+        build_runner(parse_config([*base[:-5], "--kv-cache-memory", "1KiB", "--speculative-model", str(draft_dir)],
+                                  {}))
