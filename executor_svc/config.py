@@ -23,6 +23,7 @@ from pathlib import Path
 from executor_svc.graph_buckets import DEFAULT_SIZES as DEFAULT_GRAPH_SIZES
 from executor_svc.graph_buckets import parse_sizes
 from pagedserve import wire
+from pagedserve.draft_model import check_draft
 from pagedserve.envargs import number, parse_bytes, parse_with_env
 from pagedserve.model_dir import is_gguf, resolve_model
 from pagedserve.wire.enrollment import read_tokens
@@ -80,6 +81,7 @@ class ExecutorConfig:
     batch_invariant: bool = False  # refuse to start unless results are batch-invariant (batch_invariance.py)
     max_loras: int = 0  # LoRA adapter slots (--enable-lora --max-loras; 0: no adapters; executor_svc/lora)
     max_lora_rank: int = 16  # the highest adapter rank a slot holds
+    speculative_model: Path | None = None  # a draft model for speculative decoding (executor_svc/speculative/draft.py)
 
 
 def _endpoint(text: str) -> str:
@@ -164,6 +166,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lora-rank", type=number(int, "--max-lora-rank", 0), default=16,
                    help="with --enable-lora: the highest adapter rank a slot holds (at most 256; slots are sized "
                         "for it)")
+    p.add_argument("--speculative-model", type=Path, default=None,
+                   help="a draft model for speculative decoding (a directory or GGUF file, with the model's tokenizer): "
+                        "it proposes the tokens the model verifies, on KV pools of its own with the same blocks; the "
+                        "scheduler's --speculative-config must name it ({\"model\": DIR, ...})")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: launch every decode step's kernels one by one instead of replaying a CUDA "
                         "graph captured at start (as vLLM's flag); prefill and mixed steps are always eager")
@@ -264,6 +270,14 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
     if args.prepare_ahead and args.tensor_parallel_size > 1:
         parser.error("--prepare-ahead: a tensor-parallel executor runs its steps in order (one device only)")
     model = resolve_model(Path(args.model))
+    if args.speculative_model is not None:
+        if args.tensor_parallel_size > 1:
+            parser.error("--speculative-model: a tensor-parallel executor does not speculate (its ranks take one token "
+                         "per sequence per step)")
+        try:  # a draft that cannot serve the model stops the executor here, naming it
+            check_draft(args.speculative_model, model)
+        except ValueError as exc:
+            parser.error(f"--speculative-model: {exc}")
     quantization = args.quantization
     if quantization == "gguf" and not is_gguf(model):
         parser.error(f"--quantization gguf: keeps a GGUF file's blocks, but --model {args.model} is not a GGUF file")
@@ -282,7 +296,8 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         cpu_threads=args.cpu_threads, cpu_decode_threads=args.cpu_decode_threads, quantization=quantization,
         warmup=args.warmup, decode_steps=args.decode_steps, enforce_eager=args.enforce_eager,
         cuda_graph_sizes=args.cuda_graph_sizes, batch_invariant=args.batch_invariant,
-        max_loras=args.max_loras if args.enable_lora else 0, max_lora_rank=args.max_lora_rank)
+        max_loras=args.max_loras if args.enable_lora else 0, max_lora_rank=args.max_lora_rank,
+        speculative_model=resolve_model(args.speculative_model) if args.speculative_model is not None else None)
 
 
 def _graph_sizes(text: str) -> tuple[int, ...]:

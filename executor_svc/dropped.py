@@ -51,7 +51,9 @@ class DroppedSeqs:
             free_seq_ids=[sid for sid in plan.free_seq_ids if sid not in freed] if freed else plan.free_seq_ids,
             forks=forks, append_tokens=[(sid, t) for sid, t in plan.append_tokens if sid not in ids],
             block_updates=[u for u in plan.block_updates if u.seq_id not in ids],
-            new_seqs=[s for s in plan.new_seqs if s.seq_id not in ids])
+            new_seqs=[s for s in plan.new_seqs if s.seq_id not in ids],
+            proposals=[p for p in plan.proposals if p.seq_id not in ids],
+            draft_proposals=[d for d in plan.draft_proposals if d.seq_id not in ids])
 
     def fork_closure(self, plan: BatchPlan) -> set[int]:
         """The children ``plan`` (already applied) forked from dropped sequences: dropped now too."""

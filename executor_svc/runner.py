@@ -46,6 +46,8 @@ from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.plan_check import PlanChecker, PlanError
 from executor_svc.sampler import SampleOutput, Sampler
 from executor_svc.seq_deltas import ExecutorDeltas
+from executor_svc.speculative.draft import DraftModel
+from executor_svc.speculative.plan import append_proposals, draft_into, with_draft_placeholders
 from executor_svc.speculative.verify import report_spec_tokens, speculating_rows, verify_proposals
 from executor_svc.step_report import report_samples, score_prompt
 from pagedserve.wire import MAX_TEXT_CHARS, BatchPlan, StepResult
@@ -113,6 +115,7 @@ class ModelRunner:
         # Pure decode steps replayed from CUDA graphs (executor_svc/decode_graphs.py; None: eager).
         self.graphs: DecodeGraphs | None = None
         self.lora: LoraSlotsOfRunner | None = None  # LoRA adapters (--max-loras; executor_svc/lora/served.py)
+        self.draft: DraftModel | None = None  # speculative decoding's draft model (--speculative-model)
         self.keep_logits = False  # tests: keep the last step's sampled logits rows in last_logits
         self.last_logits: torch.Tensor | None = None  # [num_sampled, vocab] float32
 
@@ -172,15 +175,7 @@ class ModelRunner:
         """Whether ``plan`` may be prepared while the step before it is in flight: not when it
         copies or extends a sequence's tokens (forks, beam search's appended tokens, proposals),
         which would need that step's sampled token first."""
-        return not plan.forks and not plan.append_tokens and not plan.proposals
-
-    def _propose(self, plan: BatchPlan) -> None:
-        """Speculative decoding: each proposing sequence's proposals appended to its tokens for this
-        step's forward (verification takes back what it rejects)."""
-        for prop in plan.proposals:
-            s = self.seqs[prop.seq_id]
-            s.proposals = list(prop.token_ids)
-            s.token_ids.extend(s.proposals)
+        return not plan.forks and not plan.append_tokens and not plan.proposals and not plan.draft_proposals
 
     def _build(self, plan: BatchPlan, in_flight: dict[int, SeqState] | None = None) -> Batch:
         """The plan's batch: each scheduled sequence's new tokens, a proposing one's proposals with
@@ -206,6 +201,11 @@ class ModelRunner:
         if self.refusing is not None:
             return StepResult(step_id=plan.step_id, refused=True,
                               error=_text(f"discarded: a plan before it was refused ({self.refusing})"))
+        if plan.draft_proposals:
+            try:
+                plan = with_draft_placeholders(plan, self.draft)
+            except PlanError as exc:
+                return self._refuse(plan, exc)
         sent, plan = plan, self.dropped.skip(plan)
         in_flight = after.sampling_seqs() if after is not None else {}
         if check and (refused := self._check(plan, in_flight)) is not None:
@@ -219,7 +219,7 @@ class ModelRunner:
                 lora = None
                 if self.lora is not None and (self.lora.failed or plan.lora_loads):
                     plan, lora = self._lora_outcome(plan)
-                self._propose(plan)
+                append_proposals(plan, self.seqs)
                 batch = self._build(plan, in_flight) if plan.scheduled_seq_ids else None
         except StepFatal:
             raise
@@ -241,6 +241,8 @@ class ModelRunner:
                     raise RuntimeError(f"seq {seq.seq_id}: the token the previous step was to sample is missing")
                 step.batch.token_ids[row] = seq.token_ids[index]
             with self._guard(f"the forward of step {step.plan.step_id}"):
+                if self.draft is not None and step.batch.spec:
+                    draft_into(self.draft, step.batch)
                 logits = self._forward_batch(step.plan, step.batch)
         except StepFatal:
             raise
@@ -311,11 +313,14 @@ class ModelRunner:
             if plan.proposals:
                 self.checker.check_proposers(plan, self.seqs)
         except PlanError as exc:
-            log.warning("refusing plan %d, and the plans after it until a reset: %s", plan.step_id, exc)
-            self.refusing = f"plan {plan.step_id}: {exc}"
-            return StepResult(step_id=plan.step_id, refused=True, error=_text(f"invalid plan: {exc}"),
-                              failed_seq_ids=[] if exc.seq_id is None else [exc.seq_id])
+            return self._refuse(plan, exc)
         return None
+
+    def _refuse(self, plan: BatchPlan, exc: PlanError) -> StepResult:
+        log.warning("refusing plan %d, and the plans after it until a reset: %s", plan.step_id, exc)
+        self.refusing = f"plan {plan.step_id}: {exc}"
+        return StepResult(step_id=plan.step_id, refused=True, error=_text(f"invalid plan: {exc}"),
+                          failed_seq_ids=[] if exc.seq_id is None else [exc.seq_id])
 
     def _failure(self, plan: BatchPlan, seq_ids: Iterable[int], exc: Exception) -> StepResult:
         """A phase raised: these sequences are dropped and reported failed; the runner serves on."""
@@ -350,7 +355,8 @@ class ModelRunner:
 
     def _apply(self, plan: BatchPlan) -> None:
         """The plan's deltas, in the documented order (the walk its check ran dry)."""
-        apply_deltas(plan, self.seqs, ExecutorDeltas(self.kv, self.backend, self.grammar, self.lora, self.seqs))
+        apply_deltas(plan, self.seqs, ExecutorDeltas(self.kv, self.backend, self.grammar, self.lora, self.seqs,
+                                                     self.draft.kv if self.draft is not None else None))
 
     def _lora_outcome(self, plan: BatchPlan) -> tuple[BatchPlan, LoraOutcome]:
         """``plan`` without the sequences under a slot whose adapter could not be loaded (dropped:

@@ -175,6 +175,21 @@ def _draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     return idx.clamp_(max=probs.shape[1] - 1)
 
 
+def draw_token(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF draw of one token from probs [vocab] (unnormalised is fine) with uniform ``u``."""
+    return int(_draw(probs[None], [u])[0])
+
+
+def token_logprobs(row: torch.Tensor, probs: torch.Tensor, p: SamplingParams, tok: int) -> TokenLogprobs | None:
+    """The log-probs a sampled row reports for ``tok`` (None unless asked): the raw logits' log_softmax,
+    or in processed mode the log of the distribution drawn from (``probs``), as :meth:`Sampler.sample`."""
+    if not p.want_logprobs:
+        return None
+    lp = torch.log(probs) if p.processed_logprobs else torch.log_softmax(row.to(torch.float32), dim=-1)
+    ids, vals = _top(lp, p.logprobs)
+    return TokenLogprobs(float(lp[tok]), ids, vals)
+
+
 def _truncates(p: SamplingParams) -> bool:
     return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
 
@@ -191,11 +206,29 @@ class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)  # for unseeded sequences only
 
-    def _uniform(self, s: SampleInput) -> float:
+    def uniform(self, s: SampleInput, salt: int = 0) -> float:
+        """The uniform of ``s``'s next output position; ``salt`` picks another stream of the same
+        seed (speculative decoding draws the draft's token and its acceptance with their own)."""
         seed = s.sampling.seed
         if seed is None:
             return self._rng.random()
-        return seeded_uniform(seed, len(s.token_ids) - s.num_prompt_tokens)
+        return seeded_uniform(seed ^ salt, len(s.token_ids) - s.num_prompt_tokens)
+
+    @torch.inference_mode()
+    def probs(self, row: torch.Tensor, s: SampleInput) -> torch.Tensor:
+        """The distribution a sampled (temperature > 0) row draws its token from: logits [vocab]
+        (not modified) through the same penalties, bias, min_tokens, temperature and truncation as
+        :meth:`sample` (no grammar: speculation excludes structured outputs) -> probs [vocab] float32."""
+        logits = row[None].clone()
+        apply_penalties(logits, [s])
+        apply_logit_bias(logits, [s], [0])
+        apply_min_tokens(logits, [s], [0])
+        p = s.sampling
+        scaled = logits[0] / p.temperature
+        if _truncates(p):
+            ordered, order = torch.sort(scaled, descending=True, stable=True)
+            scaled = torch.empty_like(scaled).scatter_(0, order, truncate_sorted(ordered[None], [p])[0])
+        return torch.softmax(scaled, dim=-1)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: Sequence[SampleInput], masks: TokenMasks | None = None
@@ -263,7 +296,7 @@ class Sampler:
             scaled, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
             scaled = truncate_sorted(scaled, params)
         lp = torch.log_softmax(scaled, dim=-1)
-        cols = _draw(lp.exp(), [self._uniform(seqs[i]) for i in rows])
+        cols = _draw(lp.exp(), [self.uniform(seqs[i]) for i in rows])
         tokens = cols if order is None else order.gather(1, cols[:, None])[:, 0]
         token_list = tokens.tolist()
         for r, i in enumerate(rows):

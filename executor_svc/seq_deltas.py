@@ -21,8 +21,11 @@ from pagedserve.wire.plan_deltas import DeltaError, DeltaTarget, Pairs
 
 class ExecutorDeltas(DeltaTarget[SeqState]):
     def __init__(self, kv: KVCache, backend: AttentionBackend, grammar: GrammarBackend | None,
-                 lora: LoraSlotsOfRunner | None = None, seqs: dict[int, SeqState] | None = None) -> None:
+                 lora: LoraSlotsOfRunner | None = None, seqs: dict[int, SeqState] | None = None,
+                 draft_kv: KVCache | None = None) -> None:
         self.kv, self.backend, self.grammar, self.lora, self.seqs = kv, backend, grammar, lora, seqs or {}
+        # A draft model's pools (speculative decoding): the same block ids, so every move is made in both.
+        self.pools = [kv] if draft_kv is None else [kv, draft_kv]
 
     def load_lora(self, load: LoraLoad) -> None:
         if self.lora is None or load.slot >= self.lora.num_slots:
@@ -31,13 +34,16 @@ class ExecutorDeltas(DeltaTarget[SeqState]):
         self.lora.load(load, [sid for sid, s in self.seqs.items() if s.lora_slot == load.slot])
 
     def swap_out(self, pairs: Pairs) -> None:
-        self.backend.swap(self.kv.layers, self.kv.cpu_layers, pairs)
+        for kv in self.pools:
+            self.backend.swap(kv.layers, kv.cpu_layers, pairs)
 
     def swap_in(self, pairs: Pairs) -> None:
-        self.backend.swap(self.kv.cpu_layers, self.kv.layers, pairs)
+        for kv in self.pools:
+            self.backend.swap(kv.cpu_layers, kv.layers, pairs)
 
     def copy_blocks(self, pairs: Pairs) -> None:
-        self.backend.copy_blocks(self.kv.layers, pairs)
+        for kv in self.pools:
+            self.backend.copy_blocks(kv.layers, pairs)
 
     def new_seq(self, s: NewSeq) -> SeqState:
         if s.lora_slot >= 0 and (self.lora is None or s.lora_slot >= self.lora.num_slots):

@@ -103,6 +103,10 @@ class Usage(msgspec.Struct, gc=False):
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
+    # Speculative decoding, when the request was speculated (0 otherwise): tokens proposed to it
+    # and, of those, accepted by the target model.
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class RequestOutput(msgspec.Struct, gc=False):
@@ -224,3 +228,7 @@ class RequestUpdate(msgspec.Struct, array_like=True, gc=False):  # built per tok
     error: str | None = None  # set when it failed (a generic message: details are logged); it is freed
     error_kind: ErrorKind = ErrorKind.FAILED  # with error: what the client is told
     prompt_logprobs: PromptScores | None = None  # prompt tokens a step scored (the request asked)
+    # Speculative decoding: the request's totals so far (tokens proposed, accepted), on each update of
+    # a step that verified its proposals; 0 when none (the front keeps the latest for the usage).
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0

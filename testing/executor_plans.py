@@ -26,6 +26,16 @@ def make_runner(model_dir, num_blocks: int = 64, num_cpu_blocks: int = 16, block
     return ModelRunner(model, kv, make_attention_backend("cpu", cpu_attention), Sampler(seed=0))
 
 
+def with_draft(runner: ModelRunner, draft_model, name: str = "draft", cpu_attention: str = "fused") -> ModelRunner:
+    """``runner`` given a draft model (speculative decoding): its own pools with the runner's block counts."""
+    from executor_svc.speculative.draft import DraftModel
+
+    kv = runner.kv
+    draft_kv = KVCache(draft_model.cfg, kv.block_size, kv.num_blocks, kv.num_cpu_blocks, torch.float32)
+    runner.draft = DraftModel(draft_model, draft_kv, make_attention_backend("cpu", cpu_attention), runner.sampler, name)
+    return runner
+
+
 def drive(runner, sched, on_result: Callable[[BatchPlan, StepResult], None], max_steps: int = 1000) -> None:
     """The real Scheduler's plans run by ``runner`` with no transport until it has no work left;
     ``on_result(plan, result)`` takes each result into ``sched`` (and whatever the test keeps)."""

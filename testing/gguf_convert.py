@@ -71,3 +71,46 @@ def to_safetensors(src: Path, out_dir: Path) -> Path:
     save_file(dict(gguf_tensors(model, wanted)), str(out_dir / "model.safetensors"))
     (out_dir / "config.json").write_text(json.dumps(model.config | {"torch_dtype": "float32"}, indent=1))
     return out_dir
+
+
+def layer_subset(src: Path, dst: Path, layers: list[int]) -> Path:
+    """A self-speculation draft: ``src`` with only the blocks ``layers`` (in that order, renumbered
+    0..n-1), its embedding, final norm and LM head; every tensor in its own ggml type (bytes
+    copied), metadata as in ``src`` but the block count. Same tokenizer and vocabulary, so it drafts
+    for ``src`` (benchmarks/speculative.py). Skipping middle layers keeps far more of the model's
+    predictions than cutting the last ones (the final norm and LM head expect a last layer's output)."""
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    count_key = f"{arch}.block_count"
+    total = int(reader.fields[count_key].contents())
+    if not layers or len(set(layers)) != len(layers) or not all(0 <= i < total for i in layers):
+        raise ValueError(f"layer_subset: distinct layer indices in 0..{total - 1}, got {layers}")
+    new_index = {old: new for new, old in enumerate(layers)}
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        value = len(layers) if field.name == count_key else field.contents()
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub)
+    tensors = []
+    for t in reader.tensors:
+        name = t.name
+        if name.startswith("blk."):
+            _, index, rest = name.split(".", 2)
+            if int(index) not in new_index:
+                continue
+            name = f"blk.{new_index[int(index)]}.{rest}"
+        tensors.append((name, t))
+    for name, t in sorted(tensors, key=lambda nt: _order(nt[0])):
+        writer.add_tensor(name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def _order(name: str) -> tuple[int, str]:
+    """Global tensors first, then blocks by their (new) index."""
+    return (int(name.split(".")[1]) + 1, name) if name.startswith("blk.") else (0, name)

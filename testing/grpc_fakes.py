@@ -78,6 +78,7 @@ class FakeEngine:
         self.mode = "ok"
         self.completions = ["Hello world, the end."]
         self.token_delay = 0.0
+        self.spec_usage = (0, 0)  # the final usage's speculative decoding totals (proposed, accepted)
         self.requests: list[GenerationRequest] = []
         self.closed: list[tuple[str, bool]] = []  # (request_id, finished normally)
         self.closed_event = threading.Event()
@@ -131,7 +132,8 @@ class FakeEngine:
             deltas = [self._advance(i, seqs[i], detoks[i], produced, running, p) for i in sorted(running)]
             usage = None
             if not running:
-                usage = Usage(len(req.prompt_token_ids), sum(produced), cached_prompt_tokens=3)
+                usage = Usage(len(req.prompt_token_ids), sum(produced), cached_prompt_tokens=3,
+                              spec_proposed_tokens=self.spec_usage[0], spec_accepted_tokens=self.spec_usage[1])
             out = RequestOutput(req.request_id, deltas, usage=usage, finished=usage is not None)
             if p.sampling.prompt_logprobs >= 0 and sum(produced) == len(deltas):  # the first output
                 k = p.sampling.prompt_logprobs

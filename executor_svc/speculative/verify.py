@@ -16,6 +16,15 @@ plain decoding would have drawn at that position:
 * seeded: the sampler's uniform depends on (seed, output position) only, one per emitted token,
   so a seeded request emits the same tokens with speculation on and off.
 
+A draft model's proposals (``draft.py``) on sampled rows carry the draft's distribution q: there
+the walk is rejection sampling proper (Leviathan et al. 2023): proposal d at position j is accepted
+with probability min(1, p(d) / q(d)), p the target's distribution as the sampler processes it;
+on rejection the position emits a draw from norm(max(0, p - q)) and the walk ends; when all are
+accepted the last row samples the bonus token plainly. Every emitted token is then distributed
+as p (the point-mass case above is q = one-hot). Seeded rows draw acceptance and residual from
+(seed, position) streams, so a seeded request is reproducible. Greedy draft rows take the walk
+above (the draft proposed its argmax). Log-probs are always the target's.
+
 The first emitted token is reported like any sampled token; the others in ``StepResult.spec_tokens``.
 """
 
@@ -24,8 +33,44 @@ from __future__ import annotations
 import torch
 
 from executor_svc.batch import Batch, SeqState
-from executor_svc.sampler import SampleOutput, Sampler, TokenLogprobs
+from executor_svc.sampler import SampleOutput, Sampler, TokenLogprobs, draw_token, token_logprobs
 from pagedserve.wire import BatchPlan, SeqLogprobs, SpecTokens, StepResult
+
+
+ACCEPT_SALT = 0xACCE97  # the seeded stream of the p/q acceptance tests
+
+
+def rejection_step(p: torch.Tensor, q: torch.Tensor, d: int, u_accept: float, u_resid: float) -> tuple[int, bool]:
+    """One position of rejection sampling: proposal ``d`` drawn from q [vocab], the target's p
+    [vocab]. Accept d with probability min(1, p(d) / q(d)); else draw from norm(max(0, p - q))
+    (p itself if that is empty, which only rounding allows). -> (token, accepted)."""
+    if u_accept * float(q[d]) < float(p[d]):  # (u < p/q without dividing; q(d) > 0: d was drawn from q)
+        return d, True
+    resid = (p - q).clamp_min_(0.0)
+    if not float(resid.sum()) > 0.0:
+        resid = p
+    return draw_token(resid, u_resid), False
+
+
+def _draft_walk(sampler: Sampler, s: SeqState, props: list[int], rows: list[torch.Tensor]
+                ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """A sampled row's draft proposals through :func:`rejection_step`, then the bonus token; the
+    tokens are appended to ``s.token_ids`` as they are emitted (the caller takes them back)."""
+    emitted: list[int] = []
+    lps: list[TokenLogprobs | None] = []
+    for j, d in enumerate(props):
+        p = sampler.probs(rows[j], s)
+        tok, accepted = rejection_step(p, s.draft_q[j], d, sampler.uniform(s, ACCEPT_SALT), sampler.uniform(s))
+        emitted.append(tok)
+        lps.append(token_logprobs(rows[j], p, s.sampling, tok))
+        s.token_ids.append(tok)
+        if not accepted:
+            return emitted, lps
+    o = sampler.sample(rows[len(props)][None].clone(), [s])
+    emitted.append(o.token_ids[0])
+    lps.append(o.logprobs[0])
+    s.token_ids.append(o.token_ids[0])
+    return emitted, lps
 
 
 def speculating_rows(plan: BatchPlan, batch: Batch, seqs: dict[int, SeqState]) -> list[tuple[SeqState, list[int], int]]:
@@ -49,17 +94,22 @@ def verify_proposals(sampler: Sampler, batch: Batch, last_rows: list[torch.Tenso
     for (s, props, _), early, last in zip(batch.spec, batch.spec_logits, last_rows, strict=True):
         del s.token_ids[len(s.token_ids) - len(props):]  # back to the committed tokens
         rows = [*early, last]
-        emitted: list[int] = []
-        lps: list[TokenLogprobs | None] = []
-        for j, row in enumerate(rows):
-            o = sampler.sample(row[None].clone(), [s])
-            tok = o.token_ids[0]
-            emitted.append(tok)
-            lps.append(o.logprobs[0])
-            s.token_ids.append(tok)
-            if j == len(props) or tok != props[j]:
-                break
+        if s.draft_q is not None:
+            emitted, lps = _draft_walk(sampler, s, props, rows)
+        else:
+            emitted, lps = [], []
+            for j, row in enumerate(rows):
+                o = sampler.sample(row[None].clone(), [s])
+                tok = o.token_ids[0]
+                emitted.append(tok)
+                lps.append(o.logprobs[0])
+                s.token_ids.append(tok)
+                if j == len(props) or tok != props[j]:
+                    break
         del s.token_ids[len(s.token_ids) - len(emitted):]
+        if s.drafted:  # the draft's K/V holds the committed tokens and the accepted proposals at most
+            s.draft_computed = min(s.draft_computed, len(s.token_ids) + len(emitted) - 1)
+            s.drafted, s.draft_q = False, None
         i = index[s.seq_id]
         out.token_ids[i], out.logprobs[i] = emitted[0], lps[0]
         extras[s.seq_id] = (emitted[1:], lps[1:])

@@ -12,6 +12,7 @@ from pagedserve.wire.messages import (
     BatchPlan,
     BlockUpdate,
     Drain,
+    DraftProposal,
     Fork,
     Handshake,
     HandshakeReply,
@@ -35,7 +36,8 @@ from pagedserve.wire.protocol import *  # noqa: F403  (the constants, each defin
 from pagedserve.wire.protocol import MAX_FRAME_BYTES, WIRE_VERSION
 
 __all__ = [
-    "KIND_OF", "MAX_FRAME_BYTES", "WIRE_VERSION", "BatchPlan", "BlockUpdate", "Drain", "Envelope", "Fork",
+    "KIND_OF", "MAX_FRAME_BYTES", "WIRE_VERSION", "BatchPlan", "BlockUpdate", "Drain", "DraftProposal", "Envelope",
+    "Fork",
     "Handshake", "HandshakeReply", "Heartbeat", "LoraFailure", "LoraLoad", "Message", "NewSeq", "PromptLogprobs",
     "Proposal", "Reset", "SamplingParams", "SeqLogprobs",
     "SpecTokens",

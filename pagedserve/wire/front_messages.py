@@ -34,7 +34,7 @@ from pagedserve.wire.messages import Heartbeat, PackedTokenIds, Text, _Message
 from pagedserve.wire.packed import num_packed, pack_ids, unpacked  # noqa: F401  (the front link's helpers)
 from pagedserve.wire.protocol import MAX_LORA_PATH_CHARS
 
-TIER_VERSION = 4  # 4: LoRA adapters (GenerationRequest.lora and lora_id, LoraUpdate)
+TIER_VERSION = 5  # 5: per-request speculative acceptance (RequestUpdate.spec_*); 4: LoRA adapters
 HEARTBEAT_INTERVAL_S = 0.5  # both ways; a peer silent for 5 intervals (2.5 s) is dead
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a step's updates with log-probs; a request at the largest context
 MAX_REQUEST_ID_CHARS = 512  # request ids (the front's prefix and the client's id) and front ids

@@ -186,6 +186,15 @@ class Proposal(_Message):
     token_ids: Annotated[list[Id], Meta(min_length=1, max_length=p.MAX_SPECULATIVE_TOKENS)]
 
 
+class DraftProposal(_Message):
+    """Speculative decoding by a draft model: the executor's draft proposes ``num_tokens`` tokens to
+    follow a decoding sequence's last token, in the step that verifies them (as a :class:`Proposal`
+    the scheduler would have sent); the sequence's table holds their slots."""
+
+    seq_id: Id
+    num_tokens: Annotated[int, Meta(ge=1, le=p.MAX_SPECULATIVE_TOKENS)]
+
+
 class LoraLoad(_Message):
     """Load the PEFT adapter at ``path`` into LoRA slot ``slot`` (replacing what it held: no
     sequence the executor holds uses that slot), before the plan's step runs."""
@@ -221,7 +230,8 @@ class BatchPlan(_Message):
     ``proposals``: speculative decoding (to executors whose handshake says ``speculative``): a
     sequence listed there decodes (one new token, and it samples) and the executor scores its
     proposals in the same forward; its table holds their slots. Never in a plan of several decode
-    steps.
+    steps. ``draft_proposals``: the same, the proposals made by the executor's draft model (to
+    executors whose handshake names a ``draft_model``); a sequence is in one of the two lists at most.
 
     ``lora_loads``: adapters to load, in order, after the frees (to executors whose handshake has
     ``lora_slots``).
@@ -242,6 +252,8 @@ class BatchPlan(_Message):
     decode_steps: Annotated[int, Meta(ge=1, le=p.MAX_DECODE_STEPS)] = 1
     proposals: Annotated[list[Proposal], Meta(max_length=p.MAX_SEQS_PER_STEP)] = msgspec.field(default_factory=list)
     lora_loads: Annotated[list[LoraLoad], Meta(max_length=p.MAX_LORA_SLOTS)] = msgspec.field(default_factory=list)
+    draft_proposals: Annotated[list[DraftProposal], Meta(max_length=p.MAX_SEQS_PER_STEP)] = \
+        msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.scheduled_seq_ids) != len(self.num_new_tokens):
@@ -409,6 +421,11 @@ class Handshake(_Message):
     # LoRA: adapters it computes in one step (--max-loras; 0: none) and the highest rank it takes.
     lora_slots: Annotated[int, Meta(ge=0, le=p.MAX_LORA_SLOTS)] = 0
     max_lora_rank: Annotated[int, Meta(ge=0, le=256)] = 0
+    # Speculative decoding by a draft model (--speculative-model): its name (its directory's) and its
+    # vocabulary size; "" when it holds none. Its block pools share the target's block ids, so
+    # num_device_blocks and num_cpu_blocks already count both models' bytes per block.
+    draft_model: Name = ""
+    draft_vocab_size: Annotated[int, Meta(ge=0, le=p.MAX_INT32)] = 0
 
 
 class HandshakeReply(_Message):

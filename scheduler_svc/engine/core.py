@@ -26,7 +26,9 @@ import dataclasses
 import logging
 import time
 from collections.abc import Collection
+from pathlib import Path
 
+from pagedserve.draft_model import draft_name
 from pagedserve.engine_api import (
     EngineStats,
     ErrorKind,
@@ -58,6 +60,8 @@ class EngineCore(CoreRequests):
                                on_drain=self._on_drain, on_dead=self._on_dead, keys=cfg.executor_link,
                                step_timeout_s=cfg.step_timeout_s, model_fingerprint=cfg.model_fingerprint,
                                batch_invariant=cfg.batch_invariant)
+        spec = cfg.scheduler.speculative
+        self.hub.draft_model = draft_name(Path(spec.model)) if spec is not None and spec.model is not None else None
         self._retired_preemptions = 0  # counters of schedulers of executors now gone
         self._retired_spec = SpecCounters()  # (their speculative decoding counters)
         self._retired_prefix = (0, 0)

@@ -118,6 +118,9 @@ class ExecutorHub:
         # --batch-invariant: only executors that promise it, all computing as the first one accepted does.
         self.batch_invariant = batch_invariant
         self.numerics: tuple[str, str, int] | None = None
+        # Speculative decoding by a draft model: the draft every executor must hold (its name), or None:
+        # then none may hold one (its blocks' memory would be spent on nothing).
+        self.draft_model: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -343,7 +346,28 @@ class ExecutorHub:
                     f"{self.model_fingerprint[:12]}")
         if self.model_vocab_size is not None and hs.vocab_size != self.model_vocab_size:
             return f"vocab size {hs.vocab_size} differs from the served model's {self.model_vocab_size}"
+        if (reason := self._draft_rejection(hs)) is not None:
+            return reason
         return self._variance(hs) if self.batch_invariant else None
+
+    def _draft_rejection(self, hs: wire.Handshake) -> str | None:
+        """Why this executor's draft model (or its lack of one) does not fit the scheduler's
+        --speculative-config (None: it fits)."""
+        if self.draft_model is None:
+            if hs.draft_model:
+                return (f"it holds draft model {hs.draft_model!r} (--speculative-model) and the scheduler's "
+                        f"--speculative-config names no draft model")
+            return None
+        if not hs.draft_model:
+            return (f"the scheduler's --speculative-config names draft model {self.draft_model!r} and this executor "
+                    f"holds none (start it with --speculative-model)")
+        if hs.draft_model != self.draft_model:
+            return f"draft model {hs.draft_model!r}, the scheduler's --speculative-config names {self.draft_model!r}"
+        if hs.draft_vocab_size != hs.vocab_size:
+            return f"draft model {hs.draft_model!r} has a vocabulary of {hs.draft_vocab_size}, the model {hs.vocab_size}"
+        if not hs.speculative:
+            return f"draft model {hs.draft_model!r} on an executor that does not speculate (tensor parallelism)"
+        return None
 
     def _variance(self, hs: wire.Handshake) -> str | None:
         """Why this executor cannot serve a --batch-invariant deployment (None: it can): its results

@@ -28,6 +28,7 @@ from pagedserve.lora_modules import (
     parse_lora_module,
     split_lora_modules,
 )
+from pagedserve.draft_model import check_draft
 from pagedserve.model_dir import has_model_config, is_gguf, open_gguf, resolve_model
 from scheduler_svc.engine.engine_config import EngineConfig
 from scheduler_svc.engine.executor_auth import LinkSecurity
@@ -224,8 +225,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="do not reuse KV blocks across requests with a common prefix")
     p.add_argument("--speculative-config", type=_speculative, default=default(s, "speculative"), dest="speculative",
                    help="speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (k in 1..16; the draft-model method is "
-                        "not served yet). Greedy and seeded outputs are the same with it on and off")
+                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}, or a draft model: {\"model\": DIR, "
+                        "\"num_speculative_tokens\": 4} (every executor started with --speculative-model DIR; k in "
+                        "1..16). Greedy outputs are the same with it on and off")
     p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=default(e, "enable_lora"),
                    help="serve LoRA adapters on the base model (--lora-modules); a request names one in its "
                         "`model` field")
@@ -430,6 +432,11 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         except ValueError as e:
             parser.error(f"--model: {e}")
     scheduler = SchedulerConfig(**_fields(SchedulerConfig, a))
+    if scheduler.speculative is not None and scheduler.speculative.model is not None:
+        try:  # a draft that cannot serve the model stops the service here, naming it
+            check_draft(Path(scheduler.speculative.model), a.model)
+        except ValueError as exc:
+            parser.error(f"--speculative-config: {exc}")
     for flag, width in (("--max-n", a.max_n), ("--max-beam-width", a.max_beam_width)):
         room = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
         if width > room:  # such a request could never be scheduled: reject the configuration, not it

@@ -100,6 +100,8 @@ class Request:
     live: list[Sequence] = field(default_factory=list)  # unfinished ones, in index order
     state: RequestState = RequestState.WAITING
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first admission (usage)
+    spec_proposed: int = 0  # speculative decoding: tokens proposed to its sequences (usage)
+    spec_accepted: int = 0  # of those, accepted
     forked: bool = True  # False while an n > 1 request still prefills its one shared prompt
     beam: BeamState | None = None
     emitted_seqs: int = 0  # seqs already reported finished (so "finished" is sent once)

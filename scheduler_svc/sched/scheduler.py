@@ -42,7 +42,7 @@ import time
 from collections.abc import Collection, Mapping
 
 from pagedserve.engine_api import RequestUpdate
-from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, Proposal, StepResult
+from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, StepResult
 from scheduler_svc.sched.decode_steps import DecodeStepPolicy
 from scheduler_svc.sched.kv_cache_manager import NO_CHANGE, KVCacheManagerBase, SlotChange
 from scheduler_svc.sched.lifecycle import InFlight, ProtocolError, RequestLifecycle, Work, seeded
@@ -133,7 +133,7 @@ class Scheduler(RequestLifecycle):
                              if spec is not None and n == 1 and total - c == 1 and not seq.num_placeholders else None)
                     ch = allocate(seq, k + len(props)) if props else allocate(seq, k)
                     if ch is not None and props:
-                        plan.proposals.append(Proposal(seq.seq_id, props))
+                        spec.put(plan, seq.seq_id, props)
                         self._step.proposed_at.append((seq, len(props), seq.residency))
                         spec.pending.add(seq.seq_id)
                         budget.tokens -= len(props)

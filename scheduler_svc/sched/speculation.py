@@ -1,11 +1,12 @@
-"""Speculative decoding: the ``--speculative-config`` knob and the n-gram (prompt lookup) proposer.
+"""Speculative decoding: the ``--speculative-config`` knob, the n-gram (prompt lookup) proposer and
+the draft model's stand-in.
 
-Proposals are made here, in the scheduler, because it already holds every sequence's prompt and
-output tokens: an n-gram lookup costs microseconds and needs no model, so making it where the
-tokens live keeps the executor stateless about speculation (the plan would carry the proposals,
-and the executor only scores them). A draft model or EAGLE heads need the executor's weights and
-hidden states, so those proposers would live in the executor instead, behind the same
-``propose(tokens) -> proposals`` shape.
+N-gram proposals are made here, in the scheduler, because it already holds every sequence's prompt
+and output tokens: a lookup costs microseconds and needs no model, so making it where the tokens
+live keeps the executor stateless about speculation (the plan carries the proposals, and the
+executor only scores them). A draft model needs weights, so its proposals are made in the executor
+(``executor_svc/speculative/draft.py``); the scheduler only decides who proposes and how many
+(:class:`DraftProposer`), and reserves their slots exactly as for n-gram proposals.
 """
 
 from __future__ import annotations
@@ -15,24 +16,32 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SPECULATIVE_METHODS = ("ngram",)  # the draft-model method is not built yet
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS = 1, 16
 MAX_PROMPT_LOOKUP = 64  # longer n-grams cost lookup time and almost never match better
-_KNOWN_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_NGRAM_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_DRAFT_KEYS = ("method", "model", "num_speculative_tokens")
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """vLLM's ``--speculative-config`` fields that pagedserve understands (the n-gram method)."""
+    """vLLM's ``--speculative-config`` fields that pagedserve understands: the n-gram method, or a
+    draft model (``model``: its directory, which every executor loads with --speculative-model)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str | None = None  # the draft model (method "draft_model")
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"method: must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(f"model: the draft_model method needs a draft model directory, and only it takes one "
+                             f"(method {self.method!r}, model {self.model!r})")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"model: must be a directory path, got {self.model!r}")
         _int_in("num_speculative_tokens", self.num_speculative_tokens,
                 MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS)
         _int_in("prompt_lookup_min", self.prompt_lookup_min, 1, MAX_PROMPT_LOOKUP)
@@ -52,11 +61,13 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
         raise ValueError(f"not a JSON object: {e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"not a JSON object: {text!r}")
-    if "model" in raw and "method" not in raw:
-        raise ValueError("model: the draft-model method is not supported yet; use {\"method\": \"ngram\", ...}")
-    unknown = sorted(set(raw) - set(_KNOWN_KEYS))
+    if "model" in raw and raw.setdefault("method", "draft_model") == "draft_model":  # (vLLM infers the method)
+        known = _DRAFT_KEYS
+    else:
+        known = _NGRAM_KEYS
+    unknown = sorted(set(raw) - set(known))
     if unknown:
-        raise ValueError(f"unknown field(s) {unknown}; known: {list(_KNOWN_KEYS)}")
+        raise ValueError(f"unknown field(s) {unknown} for method {raw.get('method', 'ngram')!r}; known: {list(known)}")
     # vLLM: when only one lookup bound is given, the other equals it
     if "prompt_lookup_min" in raw and "prompt_lookup_max" not in raw:
         raw["prompt_lookup_max"] = raw["prompt_lookup_min"]
@@ -90,3 +101,17 @@ class NgramProposer:
                 start = int(hits[-1]) + n
                 return seq[start:start + k].tolist()
         return []
+
+
+class DraftProposer:
+    """The draft-model method on the scheduler's side: every eligible sequence may propose up to k
+    tokens; the executor's draft makes them. ``propose`` answers with placeholders (-1), one per
+    token the plan asks the draft for (``BatchPlan.draft_proposals``)."""
+
+    PLACEHOLDER = -1
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+
+    def propose(self, tokens: list[int] | np.ndarray, k: int | None = None) -> list[int]:
+        return [self.PLACEHOLDER] * (self.k if k is None else k)

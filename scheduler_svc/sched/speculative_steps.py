@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedserve.engine_api import EngineStats, RequestUpdate
-from pagedserve.wire import StepResult
+from pagedserve.wire import BatchPlan, DraftProposal, Proposal, StepResult
 from scheduler_svc.sched.lifecycle import ProtocolError
-from scheduler_svc.sched.speculation import NgramProposer, SpeculativeConfig
+from scheduler_svc.sched.speculation import DraftProposer, NgramProposer, SpeculativeConfig
 from scheduler_svc.sched.speculation_policy import SpeculationPolicy
 from scheduler_svc.sched.step_output import end_reason, token_logprob
 
@@ -61,10 +61,18 @@ class SpecCounters:
 
 class SpeculativeSteps:
     def __init__(self, config: SpeculativeConfig) -> None:
-        self.proposer = NgramProposer(config)
+        self.draft = config.model is not None  # proposals made by the executor's draft model
+        self.proposer = DraftProposer(config) if self.draft else NgramProposer(config)
         self.policy = SpeculationPolicy(config.num_speculative_tokens)
         self.pending: set[int] = set()  # seq ids whose proposals' result is in flight
         self.counters = SpecCounters()  # (telemetry reads them, summed over the engine's schedulers)
+
+    def put(self, plan: BatchPlan, seq_id: int, props: list[int]) -> None:
+        """``props`` (from :meth:`propose`) into the plan: the tokens, or the draft's count."""
+        if self.draft:
+            plan.draft_proposals.append(DraftProposal(seq_id, len(props)))
+        else:
+            plan.proposals.append(Proposal(seq_id, props))
 
     def step_speculates(self, num_running: int) -> bool:
         return self.policy.batch_speculates(num_running)
@@ -138,6 +146,11 @@ class SpeculativeSteps:
         toks = x.token_ids if x is not None else []
         self.counters.count(d, len(toks))  # every emitted token but the last was an accepted proposal
         self.policy.observe(seq.seq_id, d, len(toks))
+        r = seq.request
+        r.spec_proposed += d
+        r.spec_accepted += len(toks)
+        if (ru := by_request.get(r.request_id)) is not None:  # (the usage's totals, on the update of this step)
+            ru.spec_proposed_tokens, ru.spec_accepted_tokens = r.spec_proposed, r.spec_accepted
         if seq.finish_reason is None and toks:
             self._append(seq, toks, x.logprobs, by_request.get(seq.request.request_id), out)
         if seq.finish_reason is not None:  # ended (now or by its first token), or aborted: the rest dropped

@@ -218,6 +218,8 @@ def _response(out: RequestOutput) -> pb.GenerateResponse:
         msg.usage.prompt_tokens = out.usage.prompt_tokens
         msg.usage.completion_tokens = out.usage.completion_tokens
         msg.usage.cached_prompt_tokens = out.usage.cached_prompt_tokens
+        msg.usage.spec_proposed_tokens = out.usage.spec_proposed_tokens
+        msg.usage.spec_accepted_tokens = out.usage.spec_accepted_tokens
     return msg
 
 

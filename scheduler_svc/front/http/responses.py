@@ -100,8 +100,13 @@ class _Render:
         done = [u for u in self.usage if u is not None]
         prompt = sum(u.prompt_tokens for u in done)
         completion = sum(u.completion_tokens for u in done)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        body = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(u.cached_prompt_tokens for u in done)}}
+        proposed = sum(u.spec_proposed_tokens for u in done)
+        if proposed:  # an extension (vLLM's usage has none): only where the request was speculated
+            body["speculative_decoding"] = {"proposed_tokens": proposed,
+                                            "accepted_tokens": sum(u.spec_accepted_tokens for u in done)}
+        return body
 
     def _usage_so_far(self) -> dict[str, int]:
         prompt, completion = sum(self.prompt_tokens), sum(self.completion_tokens)

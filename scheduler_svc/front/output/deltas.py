@@ -45,6 +45,7 @@ class RequestStream:
     finish: dict[int, FinishReason] = field(default_factory=dict)
     outputs: dict[int, list[int]] = field(default_factory=dict)  # tokens streamed per choice
     cached_prompt_tokens: int = 0
+    spec_tokens: tuple[int, int] = (0, 0)  # speculative decoding: (proposed, accepted), the latest totals
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -97,12 +98,16 @@ class RequestStream:
                 streamed.append(ids[0])
                 if update.num_cached_prompt_tokens:
                     self.cached_prompt_tokens = update.num_cached_prompt_tokens
+                if update.spec_proposed_tokens:
+                    self.spec_tokens = (update.spec_proposed_tokens, update.spec_accepted_tokens)
                 self.last_token_at = now or time.monotonic()
                 return RequestOutput(self.req.request_id, [ChoiceDelta(0, text, ids)]), DECODE_CASE
         if update.prompt_logprobs is not None:
             self._take_scores(update.prompt_logprobs)
         if update.num_cached_prompt_tokens:
             self.cached_prompt_tokens = update.num_cached_prompt_tokens
+        if update.spec_proposed_tokens:
+            self.spec_tokens = (update.spec_proposed_tokens, update.spec_accepted_tokens)
         choices: list[ChoiceDelta] = []
         stopped: list[int] = []
         finish = self.finish
@@ -194,7 +199,8 @@ class RequestStream:
         if done:
             usage = Usage(prompt_tokens=len(self.req.prompt_token_ids),
                           completion_tokens=sum(len(v) for v in self.outputs.values()),
-                          cached_prompt_tokens=self.cached_prompt_tokens)
+                          cached_prompt_tokens=self.cached_prompt_tokens,
+                          spec_proposed_tokens=self.spec_tokens[0], spec_accepted_tokens=self.spec_tokens[1])
         return RequestOutput(self.req.request_id, choices, usage, finished=done)
 
 

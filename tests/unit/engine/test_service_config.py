@@ -355,7 +355,8 @@ def test_the_fronts_share_the_machine_sized_caps(model_dir):
     ('{"method": "eagle"}', "method: must be one of"),
     ('{"method": "ngram", "num_speculative_tokens": 17}', "num_speculative_tokens: must be an integer in 1..16"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens: must be an integer in 1..16"),
-    ('{"model": "/models/draft"}', "draft-model method is not supported yet"),
+    ('{"model": "/models/draft"}', "draft model /models/draft: no config.json"),
+    ('{"model": "/models/draft", "prompt_lookup_min": 2}', "unknown field(s) ['prompt_lookup_min']"),
     ("ngram", "not a JSON object"),
 ])
 def test_a_bad_speculative_config_is_refused_at_start_naming_the_field(model_dir, capsys, value, message):

@@ -67,6 +67,7 @@ def _serve(tiny_llama_dir, model, params: RequestParams, spec: SpeculativeConfig
         sched.spec.proposer = proposer
     out: dict[str, list[list[int]]] = {rid: [] for rid in prompts}
     lps: dict[str, list] = {rid: [] for rid in prompts}
+    spec_usage: dict[str, tuple[int, int]] = {}  # the latest totals each request's updates carried
     for rid, p in prompts.items():
         sched.add_request(GenerationRequest(rid, p, params))
     plans = []
@@ -75,6 +76,10 @@ def _serve(tiny_llama_dir, model, params: RequestParams, spec: SpeculativeConfig
         plans.append(plan)
         for upd in sched.update(result):
             assert upd.error is None
+            if upd.spec_proposed_tokens:
+                assert upd.spec_accepted_tokens <= upd.spec_proposed_tokens
+                assert upd.spec_proposed_tokens >= spec_usage.get(upd.request_id, (0, 0))[0]  # running totals
+                spec_usage[upd.request_id] = (upd.spec_proposed_tokens, upd.spec_accepted_tokens)
             for s in upd.seqs:
                 while len(out[upd.request_id]) <= s.index:
                     out[upd.request_id].append([])
@@ -86,6 +91,11 @@ def _serve(tiny_llama_dir, model, params: RequestParams, spec: SpeculativeConfig
     drive(runner, sched, take)
     assert sched.kv.num_free_blocks == num_blocks  # nothing leaked
     assert not sched.requests and not runner.seqs
+    if spec is not None:  # the requests' usage totals add up to the engine's counters
+        assert sum(p for p, _ in spec_usage.values()) == sched.spec.counters.num_draft_tokens
+        assert sum(a for _, a in spec_usage.values()) == sched.spec.counters.num_accepted_tokens
+    else:
+        assert not spec_usage
     return out, plans, sched, lps
 
 

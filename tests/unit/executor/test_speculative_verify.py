@@ -74,3 +74,54 @@ def test_a_plan_proposing_for_a_constrained_sequence_is_refused(tiny_llama_dir):
                      proposals=[Proposal(1, [8, 9])])
     res = runner.execute(plan)
     assert res.refused and "proposals: seq 1" in res.error and res.failed_seq_ids == [1]
+
+
+Q0 = torch.tensor([0.5, 0.3, 0.1, 0.1])  # a draft's distribution at the first position (far from P0)
+Q1 = torch.tensor([0.1, 0.1, 0.1, 0.7])
+
+
+def _verify_draft(sampler: Sampler, sampling: SamplingParams, proposals: list[int], qs: list[torch.Tensor],
+                  rows: list[torch.Tensor]):
+    s = SeqState(0, [1, 2, 3] + proposals, 3, [0], 3, sampling)
+    s.proposals, s.drafted, s.draft_q, s.draft_computed = list(proposals), True, list(qs), 3 + len(proposals) - 1
+    batch = SimpleNamespace(spec=[(s, proposals, 0)], spec_logits=[torch.stack(rows[:-1])])
+    out = SampleOutput([None], [None], [None])
+    extras = verify_proposals(sampler, batch, [rows[-1].clone()], out, {0: 0})
+    toks = [out.token_ids[0], *extras[0][0]]
+    assert s.token_ids == [1, 2, 3] and s.draft_q is None and not s.drafted
+    assert s.draft_computed == 3 + min(len(toks) - 1, len(proposals) - 1)  # committed + accepted drafts
+    return toks
+
+
+def test_draft_proposals_with_their_distribution_follow_the_target_by_the_p_over_q_rule():
+    """Proposals drawn from q: accepted with min(1, p/q), else the residual norm(max(0, p - q)) is
+    drawn; each emitted token follows the target (chi-square), and the acceptance rate of the first
+    proposal is sum_x min(p(x), q(x)) (0.6 here, where a point-mass rule would give sum q p = 0.18)."""
+    sampler = Sampler(seed=99)
+    sampling = SamplingParams(temperature=1.0)
+    gen = torch.Generator().manual_seed(3)
+    first, second, third = torch.zeros(4), torch.zeros(4), torch.zeros(4)
+    accepted = 0
+    n = 8000
+    for _ in range(n):
+        d0 = int(torch.multinomial(Q0, 1, generator=gen))
+        d1 = int(torch.multinomial(Q1, 1, generator=gen))
+        toks = _verify_draft(sampler, sampling, [d0, d1], [Q0, Q1], [P0.log(), P1.log(), P0.log()])
+        first[toks[0]] += 1
+        if len(toks) > 1:  # the first proposal was accepted (else its correction ends the step)
+            assert toks[0] == d0
+            accepted += 1
+            second[toks[1]] += 1
+            if len(toks) == 3:
+                third[toks[2]] += 1  # the bonus token, from the last row
+    assert _chi2(first, P0) < CHI2_DF3_P001, first
+    assert _chi2(second, P1) < CHI2_DF3_P001, second
+    assert _chi2(third, P0) < CHI2_DF3_P001, third
+    assert abs(accepted / n - float(torch.minimum(P0, Q0).sum())) < 0.02
+
+
+def test_seeded_draft_verification_is_reproducible():
+    sampling = SamplingParams(temperature=1.0, seed=5)
+    runs = [[_verify_draft(Sampler(seed=s), sampling, [1, 3], [Q0, Q1], [P0.log(), P1.log(), P0.log()])
+             for _ in range(3)] for s in (1, 2)]
+    assert runs[0] == runs[1]  # the seed's streams, not the sampler's generator, decide

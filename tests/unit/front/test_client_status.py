@@ -33,7 +33,7 @@ def test_every_kind_has_a_status():
 def test_the_kind_travels_as_the_same_ints_on_the_tier_link():
     assert [int(k) for k in (ErrorKind.FAILED, ErrorKind.NO_EXECUTOR, ErrorKind.QUEUE_FULL)] == [0, 1, 2]
     raw = msgspec.msgpack.encode(RequestUpdate("r", [], True, 3, error="full", error_kind=ErrorKind.QUEUE_FULL))
-    assert msgspec.msgpack.decode(raw) == ["r", [], True, 3, 0, "full", 2, None]  # positional, a plain int
+    assert msgspec.msgpack.decode(raw) == ["r", [], True, 3, 0, "full", 2, None, 0, 0]  # positional, a plain int
     back = msgspec.msgpack.decode(raw, type=RequestUpdate)
     assert back.error_kind is ErrorKind.QUEUE_FULL
     assert client_status(EngineError(back.error_kind, back.error), "r").http_status == 429

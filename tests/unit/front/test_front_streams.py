@@ -186,3 +186,20 @@ def test_a_token_that_arrives_after_an_abort_is_not_streamed():
     assert out.finished and out.choices[0].finish_reason == FinishReason.ABORTED
     late, _ = t.stream.apply(RequestUpdate("r", [SeqUpdate(0, _ids(" more")[:1])], False, 2), 1.0)  # one token
     assert late.choices == [] and t.stream.outputs[0] == _ids("two words")
+
+
+@pytest.mark.parametrize("per_update", [1, 3])
+def test_usage_keeps_the_latest_speculative_totals(per_update):
+    """The core puts a request's totals on the updates of the steps that verified its proposals
+    (one token each when all were rejected: the decode case must keep them too)."""
+    front, t, _ = _front(Metrics())
+    ids = _ids(TEXT)
+    for at in range(0, len(ids), per_update):
+        last = at + per_update >= len(ids)
+        totals = (3 * (at + 1), at + 1) if at < len(ids) // 2 else (0, 0)  # later steps did not speculate
+        front.stream_now([RequestUpdate("r", [SeqUpdate(0, ids[at:at + per_update], None,
+                                                        FinishReason.LENGTH if last else None)], last, 2, 0,
+                                        spec_proposed_tokens=totals[0], spec_accepted_tokens=totals[1])])
+    usage = t.outbox[-1].usage
+    want = max(at for at in range(0, len(ids), per_update) if at < len(ids) // 2) + 1
+    assert (usage.spec_proposed_tokens, usage.spec_accepted_tokens) == (3 * want, want)

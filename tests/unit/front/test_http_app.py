@@ -69,6 +69,16 @@ def test_completion_text_usage_and_finish_reason(fake):
     assert r.usage.completion_tokens == len(make_tokenizer().encode(FULL, add_special_tokens=False).ids) + 1
     assert r.usage.prompt_tokens_details.cached_tokens == 3  # from the engine's usage
     assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+    assert "speculative_decoding" not in r.usage.model_dump()  # only where the request was speculated
+
+
+def test_usage_reports_speculative_acceptance_beside_prompt_tokens_details(fake):
+    fake.engine.spec_usage = (12, 7)
+    r = fake.client().completions.create(model=MODEL, prompt="Hello", max_tokens=50)
+    assert r.usage.model_dump()["speculative_decoding"] == {"proposed_tokens": 12, "accepted_tokens": 7}
+    chunks = list(fake.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                         stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.model_dump()["speculative_decoding"] == {"proposed_tokens": 12, "accepted_tokens": 7}
 
 
 def test_length_finish_and_default_max_tokens_per_endpoint(fake):

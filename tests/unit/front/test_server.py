@@ -168,6 +168,7 @@ def test_streaming_deltas_concatenate_and_usage_is_last(stub, engine):
     usage = responses[-1].usage
     assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) == (
         len(tok.encode("Hi").ids), len(choices[0][1]) + len(choices[1][1]), 3)
+    assert (usage.spec_proposed_tokens, usage.spec_accepted_tokens) == (0, 0)  # not speculated
     lp = responses[0].choices[0].logprobs[0]
     assert lp.token_id == responses[0].choices[0].token_ids[0] and len(lp.top_logprobs) == 2
     assert len(responses) > 5  # really streamed, one message per step
@@ -354,3 +355,11 @@ def test_structured_outputs_and_prompt_logprobs_over_grpc(stub, engine):
     assert [p.token_id for p in first[1:]] == ids[1:] and not first[0].HasField("logprob")
     assert first[1].logprob == pytest.approx(-1.0) and len(first[1].top_logprobs) == 1
     assert all(not r.prompt_logprobs for r in responses[1:])  # on the first message only
+
+
+def test_final_usage_reports_speculative_acceptance(stub, engine):
+    engine.spec_usage = (9, 4)
+    responses = generate(stub, prompt="Hi", sampling={"max_tokens": 40})
+    assert all(not r.HasField("usage") for r in responses[:-1])
+    usage = responses[-1].usage
+    assert (usage.spec_proposed_tokens, usage.spec_accepted_tokens) == (9, 4)

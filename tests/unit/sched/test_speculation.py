@@ -21,13 +21,23 @@ def test_parse_accepts_vllm_ngram_form():
     ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_max"),
     ('{"method": "ngram", "prompt_lookup_min": 0}', "prompt_lookup_min"),
     ('{"method": "ngram", "lookahead": 2}', "lookahead"),
-    ('{"model": "/some/draft", "num_speculative_tokens": 4}', "model"),
+    ('{"model": "/some/draft", "prompt_lookup_max": 2}', "prompt_lookup_max"),  # an n-gram field
+    ('{"method": "ngram", "model": "/some/draft"}', "model"),
+    ('{"method": "draft_model", "num_speculative_tokens": 4}', "model"),
+    ('{"model": "", "num_speculative_tokens": 4}', "model"),
+    ('{"model": "/some/draft", "num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('[1, 2]', "JSON object"),
     ('{method: ngram}', "JSON object"),
 ])
 def test_parse_rejects_bad_input_naming_the_field(text, field):
     with pytest.raises(ValueError, match=field):
         parse_speculative_config(text)
+
+
+def test_parse_accepts_vllm_draft_model_form():
+    cfg = parse_speculative_config('{"model": "/models/draft", "num_speculative_tokens": 3}')
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", "/models/draft", 3)
+    assert parse_speculative_config('{"method": "draft_model", "model": "/d"}').model == "/d"
 
 
 def test_k_limits_name_the_range():

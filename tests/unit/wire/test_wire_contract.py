@@ -103,7 +103,9 @@ GOOD_SEQ = [1, b"\x02\x00\x00\x00", 1, [4], 0, [1.0, 1.0, 0, 0.0, None, 1.0, 0.0
     (bytes([0x94, wire.WIRE_VERSION, 4, 1]) + b"\x9b\x01\x90\x90" + b"\x91" * 5000 + b"\xc0", "RecursionError"),
     (b"\x93\x02\x01" + b"\x91" * 1000, "not a frame"),  # the review's 1,003-byte frame
     (_frame(GOOD_PLAN, kind=42), "unknown message kind 42"),
-    (_frame(GOOD_PLAN + [[], []]), "at most length 14"),
+    (_frame(GOOD_PLAN + [[], []]), "at most length 15"),
+    (_frame(GOOD_PLAN[:14] + [[[1, 17]]]), r"plan\.draft_proposals\[0\]"),  # more than 16 draft tokens
+    (_frame(GOOD_PLAN[:14] + [[[1, 0]]]), r"plan\.draft_proposals\[0\]"),
     (_frame([1, [1, "x"], [1, 1]] + GOOD_PLAN[3:]), r"plan\.scheduled_seq_ids\[1\]"),
     (_frame([1, [1, 2], [1]] + GOOD_PLAN[3:]), "differ in length"),
     (_frame(GOOD_PLAN[:6] + [[[1, 2, 3]]] + GOOD_PLAN[7:]), r"plan\.append_tokens\[0\]"),
