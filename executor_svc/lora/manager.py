@@ -27,9 +27,10 @@ from executor_svc.lora.slots import LoraSlots
 
 
 class LoraManager:
-    def __init__(self, model, max_loras: int, max_rank: int) -> None:
+    def __init__(self, model, max_loras: int, max_rank: int, dtype: torch.dtype = torch.float32) -> None:
+        """``dtype``: the slots' tensors, float32 or bfloat16 (slots.py)."""
         self.model = model
-        self.slots = LoraSlots(model, max_loras, max_rank)  # (validates the arguments and refuses TP)
+        self.slots = LoraSlots(model, max_loras, max_rank, dtype)  # (validates the arguments and refuses TP)
         self.state = LoraState()
         install(model, self.slots, self.state)
         self._paths: dict[int, str] = {}
