@@ -80,6 +80,8 @@ class ExecutorConfig:
     batch_invariant: bool = False  # refuse to start unless results are batch-invariant (batch_invariance.py)
     max_loras: int = 0  # LoRA adapter slots (--enable-lora --max-loras; 0: no adapters; executor_svc/lora)
     max_lora_rank: int = 16  # the highest adapter rank a slot holds
+    lora_dtype: str = "float32"  # the slots' tensors: "float32" (exact against PEFT) or "bfloat16" (half the bytes)
+    max_cpu_loras: int = 0  # parsed adapters kept in host memory (LRU; executor_svc/lora/cache.py); 0: none
 
 
 def _endpoint(text: str) -> str:
@@ -164,6 +166,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lora-rank", type=number(int, "--max-lora-rank", 0), default=16,
                    help="with --enable-lora: the highest adapter rank a slot holds (at most 256; slots are sized "
                         "for it)")
+    p.add_argument("--lora-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="with --enable-lora: what the adapter slots hold. bfloat16 halves the bytes a CPU decode "
+                        "step reads (weights rounded once, sums in float32); float32 is exact against PEFT's "
+                        "float32 products. auto: bfloat16 on CPU, float32 on CUDA (whose torch products would "
+                        "widen bfloat16 slots at every step)")
+    p.add_argument("--max-cpu-loras", type=number(int, "--max-cpu-loras", 0), default=None,
+                   help="with --enable-lora: parsed, checked adapters kept in host memory (least recently used "
+                        "dropped first), so a slot loads an adapter seen recently without reading its files "
+                        "again; at least --max-loras (the default)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: launch every decode step's kernels one by one instead of replaying a CUDA "
                         "graph captured at start (as vLLM's flag); prefill and mixed steps are always eager")
@@ -264,6 +275,10 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         parser.error(f"--max-lora-rank: must be in [1, 256], got {args.max_lora_rank}")
     if args.enable_lora and args.max_loras > wire.MAX_LORA_SLOTS:
         parser.error(f"--max-loras: at most {wire.MAX_LORA_SLOTS}, got {args.max_loras}")
+    max_cpu_loras = args.max_loras if args.max_cpu_loras is None else args.max_cpu_loras
+    if args.enable_lora and max_cpu_loras < args.max_loras:
+        parser.error(f"--max-cpu-loras ({max_cpu_loras}) must be >= --max-loras ({args.max_loras}): every adapter "
+                     f"in a slot is kept in host memory too")
     if args.prepare_ahead and args.tensor_parallel_size > 1:
         parser.error("--prepare-ahead: a tensor-parallel executor runs its steps in order (one device only)")
     model = resolve_model(Path(args.model))
@@ -285,7 +300,9 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         cpu_threads=args.cpu_threads, cpu_decode_threads=args.cpu_decode_threads, quantization=quantization,
         warmup=args.warmup, decode_steps=args.decode_steps, enforce_eager=args.enforce_eager,
         cuda_graph_sizes=args.cuda_graph_sizes, batch_invariant=args.batch_invariant,
-        max_loras=args.max_loras if args.enable_lora else 0, max_lora_rank=args.max_lora_rank)
+        max_loras=args.max_loras if args.enable_lora else 0, max_lora_rank=args.max_lora_rank,
+        lora_dtype=args.lora_dtype if args.lora_dtype != "auto" else "bfloat16" if args.device == "cpu" else "float32",
+        max_cpu_loras=max_cpu_loras if args.enable_lora else 0)
 
 
 def _graph_sizes(text: str) -> tuple[int, ...]:
