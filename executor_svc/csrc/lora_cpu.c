@@ -112,7 +112,8 @@ INLINE void tile(const ps_lora_t *P, int slot, const float *const *x, float *con
     const char *A = (const char *)P->a + (int64_t)slot * P->rows * P->in * esize;
     const char *Bt = (const char *)P->bt + (int64_t)slot * P->rows * P->out * esize;
     int used = 0;
-    for (int s = 0; s < PS_LORA_MAX_SEGS && seg[4 * s + 1] > seg[4 * s]; s++) used = seg[4 * s + 1];
+    for (int s = 0; s < PS_LORA_MAX_SEGS && seg[4 * s + 1] > seg[4 * s]; s++)
+        used = seg[4 * s + 1] > used ? seg[4 * s + 1] : used; /* (every segment's rows get their u) */
     float u[PS_LORA_TILE][PS_LORA_MAX_ROWS];
     tile_dots(A, bf16, P->in, used, x, NT, u);
     for (int s = 0; s < PS_LORA_MAX_SEGS && seg[4 * s + 1] > seg[4 * s]; s++)
