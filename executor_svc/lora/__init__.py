@@ -3,6 +3,7 @@
 - ``adapter.py``: read and validate one PEFT adapter directory (``load_adapter``, ``LoraError``).
 - ``slots.py``: the fixed slots' stacked A/B tensors per layer and fused projection.
 - ``apply.py``: the wrapper that adds each token's adapter delta to a projection.
+- ``cache.py``: adapters kept parsed in host memory (``--max-cpu-loras``), least recently used first out.
 - ``manager.py``: ``LoraManager``, what the runner calls.
 """
 

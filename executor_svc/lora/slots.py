@@ -14,7 +14,8 @@ The slot tensors are float32 (exact against PEFT's float32 products) or bfloat16
 half the bytes the fused decode stack reads per step (csrc/lora_cpu.c widens them exactly and
 sums in float32; the torch products of prefill steps widen them too, so both paths compute
 with the same values). bfloat16 slots round A and B^T (its scaling folded in) once, when written:
-a rounding PEFT's float32 products do not make, so float32 is the default.
+a rounding PEFT's float32 products do not make, so float32 is this class's default (the
+executor's ``--lora-dtype auto`` picks bfloat16 on CPU).
 
 Each slot also records its sub-projections' segments (``segs``: rank rows and the output columns
 they touch) so that the decode kernel reads only the non-zero blocks of the block-diagonal B.
