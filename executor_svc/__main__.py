@@ -156,9 +156,10 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
         log.info("speculative decoding: draft model %s, %d layers, its KV pools beside the model's",
                  runner.draft.name, draft.cfg.num_layers)
     if cfg.max_loras:
-        runner.lora = LoraSlotsOfRunner(LoraManager(model, cfg.max_loras, cfg.max_lora_rank, shard=shard,
-                                                    base_cfg=model_cfg))  # (each rank: its slice of every adapter)
-        log.info("LoRA: %d adapter slots of rank up to %d", cfg.max_loras, cfg.max_lora_rank)
+        runner.lora = LoraSlotsOfRunner(LoraManager(model, cfg.max_loras, cfg.max_lora_rank, getattr(torch, cfg.lora_dtype),
+                                                    cfg.max_cpu_loras, shard=shard, base_cfg=model_cfg))
+        log.info("LoRA: %d adapter slots of rank up to %d in %s, %d adapters kept in host memory", cfg.max_loras,
+                 cfg.max_lora_rank, cfg.lora_dtype, cfg.max_cpu_loras)  # (each TP rank: its slice of every adapter)
     log.info("%s: %d layers, %d KV blocks of %d tokens (%d CPU swap blocks), max length %d, %s, "
              "attention backend %s%s", model_cfg.architecture, model_cfg.num_layers, kv.num_blocks,
              cfg.block_size, kv.num_cpu_blocks, max_len, str(dtype).removeprefix("torch."), backend.name,

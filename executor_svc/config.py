@@ -82,6 +82,8 @@ class ExecutorConfig:
     max_loras: int = 0  # LoRA adapter slots (--enable-lora --max-loras; 0: no adapters; executor_svc/lora)
     max_lora_rank: int = 16  # the highest adapter rank a slot holds
     speculative_model: Path | None = None  # a draft model for speculative decoding (executor_svc/speculative/draft.py)
+    lora_dtype: str = "float32"  # the slots' tensors: "float32" (exact against PEFT) or "bfloat16" (half the bytes)
+    max_cpu_loras: int = 0  # parsed adapters kept in host memory (LRU; executor_svc/lora/cache.py); 0: none
 
 
 def _endpoint(text: str) -> str:
@@ -170,6 +172,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="a draft model for speculative decoding (a directory or GGUF file, with the model's tokenizer): "
                         "it proposes the tokens the model verifies, on KV pools of its own with the same blocks; the "
                         "scheduler's --speculative-config must name it ({\"model\": DIR, ...})")
+    p.add_argument("--lora-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="with --enable-lora: what the adapter slots hold. bfloat16 halves the bytes a CPU decode "
+                        "step reads (weights rounded once, sums in float32); float32 is exact against PEFT's "
+                        "float32 products. auto: bfloat16 on CPU, float32 on CUDA (whose torch products would "
+                        "widen bfloat16 slots at every step)")
+    p.add_argument("--max-cpu-loras", type=number(int, "--max-cpu-loras", 0), default=None,
+                   help="with --enable-lora: parsed, checked adapters kept in host memory (least recently used "
+                        "dropped first), so a slot loads an adapter seen recently without reading its files "
+                        "again; at least --max-loras (the default)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: launch every decode step's kernels one by one instead of replaying a CUDA "
                         "graph captured at start (as vLLM's flag); prefill and mixed steps are always eager")
@@ -267,6 +278,13 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         parser.error(f"--max-lora-rank: must be in [1, 256], got {args.max_lora_rank}")
     if args.enable_lora and args.max_loras > wire.MAX_LORA_SLOTS:
         parser.error(f"--max-loras: at most {wire.MAX_LORA_SLOTS}, got {args.max_loras}")
+    max_cpu_loras = args.max_loras if args.max_cpu_loras is None else args.max_cpu_loras
+    if args.enable_lora and max_cpu_loras < args.max_loras:
+        parser.error(f"--max-cpu-loras ({max_cpu_loras}) must be >= --max-loras ({args.max_loras}): every adapter "
+                     f"in a slot is kept in host memory too")
+    if args.enable_lora and args.lora_dtype == "bfloat16" and args.device != "cpu":
+        parser.error(f"--lora-dtype bfloat16: the CUDA LoRA kernels read float32 slots (--device {args.device}); "
+                     f"use float32 or auto")
     if args.prepare_ahead and args.tensor_parallel_size > 1:
         parser.error("--prepare-ahead: a tensor-parallel executor runs its steps in order (one device only)")
     model = resolve_model(Path(args.model))
@@ -297,7 +315,9 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         warmup=args.warmup, decode_steps=args.decode_steps, enforce_eager=args.enforce_eager,
         cuda_graph_sizes=args.cuda_graph_sizes, batch_invariant=args.batch_invariant,
         max_loras=args.max_loras if args.enable_lora else 0, max_lora_rank=args.max_lora_rank,
-        speculative_model=resolve_model(args.speculative_model) if args.speculative_model is not None else None)
+        speculative_model=resolve_model(args.speculative_model) if args.speculative_model is not None else None,
+        lora_dtype=args.lora_dtype if args.lora_dtype != "auto" else "bfloat16" if args.device == "cpu" else "float32",
+        max_cpu_loras=max_cpu_loras if args.enable_lora else 0)
 
 
 def _graph_sizes(text: str) -> tuple[int, ...]:

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 LIB_PREFIX = "pagedserve_cpu"
-ABI_VERSION = 4  # ps_abi_version() in paged_decode_cpu.c
+ABI_VERSION = 5  # ps_abi_version() in paged_decode_cpu.c
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11")
 # Never -ffast-math: it would let the compiler assume no NaN/inf, and the softmax must propagate
 # them like torch's SDPA does. The source spells out the partial sums it wants vectorised instead.

@@ -34,8 +34,8 @@ class LinearDesc(ctypes.Structure):
 
 
 class LoraDesc(ctypes.Structure):  # ps_lora_t: one projection's adapter slots (executor_svc/lora/slots.py)
-    _fields_ = [("a", c_ptr), ("bt", c_ptr), ("used", c_ptr), ("lo", c_ptr), ("hi", c_ptr), ("slots", c_i32),
-                ("rows", c_i32), ("in_", c_i32), ("out", c_i32)]
+    _fields_ = [("a", c_ptr), ("bt", c_ptr), ("segs", c_ptr), ("slots", c_i32), ("rows", c_i32), ("in_", c_i32),
+                ("out", c_i32), ("dtype", c_i32), ("reserved", c_i32)]
 
 
 class LayerDesc(ctypes.Structure):

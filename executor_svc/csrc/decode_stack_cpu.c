@@ -57,6 +57,7 @@ static inline int64_t up(int64_t v) { return (v + ALIGN_F - 1) / ALIGN_F * ALIGN
 
 typedef struct {
     float *qkv, *att, *gu, *cos, *sin, *attn_scratch, *sets;
+    int32_t *lora_tiles; /* [n, 2]: ps_lora_tiles of the step */
     int64_t attn_scratch_floats, set_floats, h_off, act_off, work_off;
     int chunks, private_sets;
 } layout_t;
@@ -83,15 +84,18 @@ static int64_t plan(const ps_model_t *M, int n, int threads, float *base, layout
     lo->act_off = up((int64_t)n * M->hidden);
     lo->work_off = lo->act_off + up((int64_t)n * M->intermediate);
     lo->set_floats = lo->work_off + up((lin + 3) / 4);
-    const int64_t sizes[7] = {up(n * qkv_w), up(n * q_w), up((int64_t)n * 2 * M->intermediate),
+    const int64_t sizes[8] = {up(n * qkv_w), up(n * q_w), up((int64_t)n * 2 * M->intermediate),
                               up((int64_t)n * M->head_dim / 2), up((int64_t)n * M->head_dim / 2),
-                              lo->attn_scratch_floats * threads, lo->set_floats * (lo->private_sets ? threads : 1)};
-    float **slots[7] = {&lo->qkv, &lo->att, &lo->gu, &lo->cos, &lo->sin, &lo->attn_scratch, &lo->sets};
+                              lo->attn_scratch_floats * threads, lo->set_floats * (lo->private_sets ? threads : 1),
+                              up(2 * (int64_t)n)};
+    float *tiles = NULL;
+    float **slots[8] = {&lo->qkv, &lo->att, &lo->gu, &lo->cos, &lo->sin, &lo->attn_scratch, &lo->sets, &tiles};
     int64_t off = 0;
-    for (int i = 0; i < 7; i++) {
+    for (int i = 0; i < 8; i++) {
         if (base) *slots[i] = base + off;
         off += sizes[i];
     }
+    lo->lora_tiles = (int32_t *)tiles; /* (int32 and float are both 4 bytes) */
     return off;
 }
 
@@ -116,11 +120,6 @@ static void store_kv(void *cache, int kv_type, int64_t at, const float *src, int
     for (int i = 0; i < count; i++) dst[i] = bf16_round(src[i]);
 }
 
-static int lora_fits(const ps_lora_t *P, int in, int out) {
-    return !P->a || (P->bt && P->used && P->lo && P->hi && P->slots >= 1 && P->rows >= 1 &&
-                     P->rows <= PS_LORA_MAX_ROWS && P->in == in && P->out == out);
-}
-
 static int check_model(const ps_model_t *M) {
     if (!M || M->num_layers < 1 || M->hidden < 1 || M->num_heads < 1 || M->num_kv_heads < 1 ||
         M->num_heads % M->num_kv_heads || M->head_dim < 2 || M->head_dim % 2 || M->intermediate < 1 ||
@@ -135,23 +134,25 @@ static int check_model(const ps_model_t *M) {
             L->gate_up.k != M->hidden || L->gate_up.m != 2 * M->intermediate || L->down.k != M->intermediate ||
             L->down.m != M->hidden || !L->ln1 || !L->ln2 || !L->k_cache || !L->v_cache)
             return PS_BAD_ARG;
-        if (M->token_lora && (!lora_fits(&L->lora_qkv, L->qkv.k, L->qkv.m) || !lora_fits(&L->lora_o, L->o.k, L->o.m) ||
-                              !lora_fits(&L->lora_gate_up, L->gate_up.k, L->gate_up.m) ||
-                              !lora_fits(&L->lora_down, L->down.k, L->down.m)))
+        if (M->token_lora && (ps_lora_check(&L->lora_qkv, L->qkv.k, L->qkv.m) ||
+                              ps_lora_check(&L->lora_o, L->o.k, L->o.m) ||
+                              ps_lora_check(&L->lora_gate_up, L->gate_up.k, L->gate_up.m) ||
+                              ps_lora_check(&L->lora_down, L->down.k, L->down.m)))
             return PS_BAD_ARG;
     }
     return PS_OK;
 }
 
-/* A projection's LoRA deltas, after its outputs are complete (the barrier before): tokens shared
- * out in slot order, with the worksharing loop's barrier at the end. Every thread evaluates the
- * same condition, so all or none enter the loop. */
-#define LORA_DELTAS(M, n, P, xin, ldx, yout, ldy)                                                      \
+/* A projection's LoRA deltas, after its outputs are complete (the barrier before): the step's
+ * tiles (tokens of one slot, ps_lora_tiles) shared out, with the worksharing loop's barrier at the
+ * end. Every thread evaluates the same condition, so all or none enter the loop. */
+#define LORA_DELTAS(M, ntiles, tiles, P, xin, ldx, yout, ldy)                                          \
     do {                                                                                               \
-        if ((M)->token_lora && (P).a) {                                                                \
-            _Pragma("omp for schedule(static)") for (int k_ = 0; k_ < (n); k_++) {                      \
-                const int t_ = (M)->lora_order ? (M)->lora_order[k_] : k_;                              \
-                ps_lora_token(&(P), (M)->token_lora[t_], (xin) + (int64_t)t_ * (ldx), (yout) + (int64_t)t_ * (ldy)); \
+        if ((ntiles) > 0 && (P).a) {                                                                   \
+            _Pragma("omp for schedule(static)") for (int k_ = 0; k_ < (ntiles); k_++) {                 \
+                const int32_t *toks_ = (M)->lora_order + (tiles)[2 * k_];                               \
+                ps_lora_tile(&(P), (M)->token_lora[toks_[0]], toks_, (tiles)[2 * k_ + 1], (xin), (ldx),  \
+                             (yout), (ldy));                                                           \
             }                                                                                          \
         }                                                                                              \
     } while (0)
@@ -201,11 +202,14 @@ int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positio
     const int64_t total_slots = M->num_blocks * M->block_size;
     for (int t = 0; t < n; t++)
         if (slots[t] >= total_slots) return PS_BAD_BLOCK;
-    if (M->token_lora && M->lora_order)
+    if (M->token_lora && !M->lora_order) return PS_BAD_ARG;
+    if (M->token_lora)
         for (int k = 0; k < n; k++)
             if (M->lora_order[k] < 0 || M->lora_order[k] >= n) return PS_BAD_ARG;
     layout_t lo;
     plan(M, n, threads, work, &lo);
+    const int ntiles = M->token_lora ? ps_lora_tiles(M->token_lora, M->lora_order, n, lo.lora_tiles) : 0;
+    const int32_t *tiles = lo.lora_tiles;
     const int H = M->hidden, D = M->head_dim, half = D / 2, I = M->intermediate, priv = lo.private_sets;
     const int q_w = M->num_heads * D, qkv_w = q_w + 2 * M->num_kv_heads * D;
     const int chunks = lo.chunks, per_chunk = (M->num_kv_heads + chunks - 1) / chunks;
@@ -229,7 +233,7 @@ int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positio
             });
             ps_linear_compute(&L->qkv, h, H, n, lw, lo.qkv, qkv_w, 0);
 #pragma omp barrier
-            LORA_DELTAS(M, n, L->lora_qkv, h, H, lo.qkv, qkv_w);
+            LORA_DELTAS(M, ntiles, tiles, L->lora_qkv, h, H, lo.qkv, qkv_w);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t u = 0; u < (int64_t)n * chunks; u++) {
                 const int i = (int)(u / chunks), h0 = (int)(u % chunks) * per_chunk;
@@ -241,21 +245,21 @@ int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positio
             FOR_TOKENS(priv, n, t, { ps_linear_prep(&L->o, lo.att, q_w, t, t + 1, n, lw); });
             ps_linear_compute(&L->o, lo.att, q_w, n, lw, x, H, 1);
 #pragma omp barrier
-            LORA_DELTAS(M, n, L->lora_o, lo.att, q_w, x, H);
+            LORA_DELTAS(M, ntiles, tiles, L->lora_o, lo.att, q_w, x, H);
             FOR_TOKENS(priv, n, t, {
                 ps_rms_norm(x + (int64_t)t * H, L->ln2, H, M->eps, h + (int64_t)t * H);
                 ps_linear_prep(&L->gate_up, h, H, t, t + 1, n, lw);
             });
             ps_linear_compute(&L->gate_up, h, H, n, lw, lo.gu, 2 * I, 0);
 #pragma omp barrier
-            LORA_DELTAS(M, n, L->lora_gate_up, h, H, lo.gu, 2 * I);
+            LORA_DELTAS(M, ntiles, tiles, L->lora_gate_up, h, H, lo.gu, 2 * I);
             FOR_TOKENS(priv, n, t, {
                 ps_silu_mul(lo.gu + (int64_t)t * 2 * I, lo.gu + (int64_t)t * 2 * I + I, I, act + (int64_t)t * I);
                 ps_linear_prep(&L->down, act, I, t, t + 1, n, lw);
             });
             ps_linear_compute(&L->down, act, I, n, lw, x, H, 1);
 #pragma omp barrier
-            LORA_DELTAS(M, n, L->lora_down, act, I, x, H);
+            LORA_DELTAS(M, ntiles, tiles, L->lora_down, act, I, x, H);
         }
 #pragma omp for schedule(static)
         for (int t = 0; t < n; t++) ps_rms_norm(x + (int64_t)t * H, M->final_norm, H, M->eps, x + (int64_t)t * H);

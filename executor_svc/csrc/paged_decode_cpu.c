@@ -22,7 +22,7 @@
 #include "ps_cpu.h"
 
 /* Bumped whenever a C signature changes; checked by the loader. */
-int ps_abi_version(void) { return 4; }
+int ps_abi_version(void) { return 5; }
 
 /* A K/V element as float32: the cache holds float32, or bfloat16 (the upper half of a float32). */
 static inline float kv_at(const void *p, int64_t i, const int bf16) {

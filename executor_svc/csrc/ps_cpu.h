@@ -93,19 +93,36 @@ int ps_isa_level(int wtype);
 int ps_blocks_rows(const ps_linear_t *L, const int64_t *ids, int n, float *out, int64_t ldo);
 
 /* One projection's LoRA adapters, every slot (executor_svc/lora/slots.py): A [slots, rows, in] and
- * B^T [slots, rows, out] float32 (scaling folded into B^T); a slot's used rank rows first, its
- * touched outputs [lo, hi). a NULL: no adapter on this projection. */
+ * B^T [slots, rows, out], float32 or bfloat16 (dtype; scaling folded into B^T). segs [slots,
+ * PS_LORA_MAX_SEGS, 4]: per sub-projection of a slot (q/k/v, gate/up) its rank rows [r0, r1) and
+ * the outputs [c0, c1) they touch; a segment with r1 == r0 ends the list (an empty slot has none).
+ * a NULL: no adapter on this projection. */
 typedef struct {
-    const float *a, *bt;
-    const int32_t *used, *lo, *hi; /* [slots] */
-    int32_t slots, rows, in, out;
+    const void *a, *bt;
+    const int32_t *segs;
+    int32_t slots, rows, in, out, dtype, reserved;
 } ps_lora_t;
 
+#define PS_LORA_F32 0
+#define PS_LORA_BF16 1
 #define PS_LORA_MAX_ROWS 768 /* three fused sub-projections of rank 256 */
+#define PS_LORA_MAX_SEGS 3
+#define PS_LORA_TILE 3 /* tokens of one slot computed together (each weight loaded once for them; 4 measured slower) */
 
-/* y[lo:hi] += (x A[slot][:used]^T) B^T[slot][:used, lo:hi] for one token (nothing for slot < 0 or
- * an empty slot); x [in], y [out]. The sums run in one order whatever else the step holds. */
-void ps_lora_token(const ps_lora_t *P, int slot, const float *x, float *y);
+/* PS_OK when P (NULL a: no adapter) fits a projection of `in` inputs and `out` outputs and its
+ * segments stay inside its tensors; else PS_BAD_ARG. */
+int ps_lora_check(const ps_lora_t *P, int in, int out);
+
+/* Cuts the tokens, in `order` (grouped by slot), into tiles of at most PS_LORA_TILE tokens of one
+ * slot: tiles[2 i] = first position in order, tiles[2 i + 1] = count; tokens of slot -1 (the base
+ * model) get none. Returns the number of tiles (at most n). */
+int ps_lora_tiles(const int32_t *token_lora, const int32_t *order, int n, int32_t *tiles);
+
+/* For each of the nt (<= PS_LORA_TILE) tokens: y[tok] += (x[tok] A[slot]^T) B^T[slot] over the
+ * slot's segments; x rows ldx apart, y rows ldy apart. A token's sums run in one order whatever
+ * else its tile or step holds. */
+void ps_lora_tile(const ps_lora_t *P, int slot, const int32_t *tokens, int nt, const float *x, int64_t ldx,
+                  float *y, int64_t ldy);
 
 /* One work unit of paged decode attention: sequence row `row` of query/out, KV heads [h0, h1).
  * scratch: ps_decode_scratch_floats() floats of the calling thread. */

@@ -4,6 +4,7 @@
 - ``slots.py``: the fixed slots' stacked A/B tensors per layer and fused projection.
 - ``apply.py``: the wrapper that adds each token's adapter delta to a projection (torch products on CPU,
   the batched kernels of ``cupy_kernels/lora.cu`` on CUDA).
+- ``cache.py``: adapters kept parsed in host memory (``--max-cpu-loras``), least recently used first out.
 - ``sharding.py``: a tensor-parallel rank's slice of an adapter.
 - ``manager.py``: ``LoraManager``, what the runner calls.
 """

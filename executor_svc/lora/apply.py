@@ -119,11 +119,13 @@ def add_delta(x: torch.Tensor, y: torch.Tensor, p: ProjectionSlots, batch: LoraB
         if used == 0:  # (this adapter leaves this projection of this layer alone)
             continue
         lo, hi = p.lo[slot], p.hi[slot]
-        bt = p.bt[slot, :used, lo:hi]  # (rows strided by out: BLAS takes it as it is)
+        a, bt = p.a[slot, :used], p.bt[slot, :used, lo:hi]  # (bt's rows strided by out: BLAS takes it as it is)
+        if a.dtype != torch.float32:  # bfloat16 slots: widened exactly, the decode kernel's values
+            a, bt = a.float(), bt.float()
         if rows is None:  # the slot has every row: accumulate in place, no gather
-            out2[:, lo:hi].addmm_(torch.mm(x2, p.a[slot, :used].t()), bt)
+            out2[:, lo:hi].addmm_(torch.mm(x2, a.t()), bt)
         else:
-            u = torch.mm(x2.index_select(0, rows), p.a[slot, :used].t())
+            u = torch.mm(x2.index_select(0, rows), a.t())
             out2[:, lo:hi].index_add_(0, rows, torch.mm(u, bt))
     return out if out is y else out.to(y.dtype)
 

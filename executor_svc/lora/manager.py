@@ -3,8 +3,8 @@
 Built once on a loaded model (after CPU packing: the wrappers go around whatever modules the
 model then has), it owns the slots, installs the wrappers and sets each step's adapters::
 
-    lora = LoraManager(model, max_loras=4, max_rank=16)
-    lora.load(0, "/adapters/sql")          # LoraError naming the problem; nothing half-loaded
+    lora = LoraManager(model, max_loras=4, max_rank=16, max_cpu_loras=8)
+    lora.load(0, "/adapters/sql", key="sql")  # LoraError naming the problem; nothing half-loaded
     with lora.batch(token_slots):          # [num_tokens] int64, -1 = base model
         hidden, logits = model.forward_with_logits(...)
     lora.unload(0)
@@ -25,6 +25,7 @@ import torch
 
 from executor_svc.lora.adapter import LoraError, load_adapter
 from executor_svc.lora.apply import LoraBatch, LoraState, install
+from executor_svc.lora.cache import AdapterCache
 from executor_svc.lora.sharding import shard_adapter
 from executor_svc.lora.slots import LoraSlots
 from executor_svc.model.architecture import ModelConfig
@@ -32,15 +33,23 @@ from executor_svc.parallel.shard import NO_SHARD, TPShard
 
 
 class LoraManager:
-    def __init__(self, model, max_loras: int, max_rank: int, *, shard: TPShard = NO_SHARD,
-                 base_cfg: ModelConfig | None = None, kernels=None) -> None:
+    def __init__(self, model, max_loras: int, max_rank: int, dtype: torch.dtype = torch.float32,
+                 max_cpu_loras: int = 0, *, shard: TPShard = NO_SHARD, base_cfg: ModelConfig | None = None,
+                 kernels=None) -> None:
+        """``dtype``: the slots' tensors (slots.py); ``max_cpu_loras``: adapters kept parsed in host
+        memory (cache.py), 0 or at least ``max_loras``; ``shard``/``base_cfg``: a tensor-parallel rank
+        and the whole model's config (each rank keeps its slice of every adapter); ``kernels``: the
+        batched delta kernels (None: the CUDA ones on CUDA, torch products on CPU)."""
+        if isinstance(max_cpu_loras, int) and 0 < max_cpu_loras < max_loras:
+            raise LoraError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras}) (or 0: none kept)")
         self.model = model
         if shard.size > 1 and base_cfg is None:
             raise LoraError("a tensor-parallel rank's LoraManager needs the whole model's config (base_cfg)")
         if shard.size == 1 and getattr(model, "reduce", None) is not None:
             raise LoraError("this model is a tensor-parallel rank's: give LoraManager its shard")
         self.shard, self.base_cfg = shard, base_cfg if base_cfg is not None else model.cfg
-        self.slots = LoraSlots(model, max_loras, max_rank)  # (validates the arguments)
+        self.cache = AdapterCache(max_cpu_loras)
+        self.slots = LoraSlots(model, max_loras, max_rank, dtype)  # (validates the arguments)
         self.state = LoraState(kernels=kernels)  # (kernels None: install picks the CUDA kernels on CUDA)
         install(model, self.slots, self.state)
         self._paths: dict[int, str] = {}
@@ -53,14 +62,23 @@ class LoraManager:
     def max_rank(self) -> int:
         return self.slots.max_rank
 
-    def load(self, slot: int, path: str) -> None:
+    def load(self, slot: int, path: str, key: str | None = None) -> bool:
         """Load the PEFT adapter at ``path`` into ``slot``, replacing what it held; on LoraError the
-        slot keeps what it had. Not during a step (the slot tensors are written in place)."""
+        slot keeps what it had. Not during a step (the slot tensors are written in place).
+        ``key``: what tells this adapter from others (the plan's ``LoraLoad.name``): with one, the
+        adapter is kept in host memory and taken from there next time; None: read, not kept.
+        Returns whether it came from memory."""
         self.slots.check_slot(slot)
         self._not_in_step("load")
-        adapter = shard_adapter(load_adapter(path, self.base_cfg, self.slots.max_rank), self.shard, self.base_cfg)
+        path = str(path)
+        read = lambda: shard_adapter(load_adapter(path, self.base_cfg, self.slots.max_rank),  # noqa: E731
+                                     self.shard, self.base_cfg)
+        adapter, hit = self.cache.get(key, path, read) if key is not None else (read(), False)
         self.slots.load(slot, adapter)
-        self._paths[slot] = str(path)
+        if key is not None:
+            self.cache.put(key, path, adapter)
+        self._paths[slot] = path
+        return hit
 
     def unload(self, slot: int) -> None:
         """Empty ``slot`` (an empty one stays empty)."""

@@ -54,7 +54,7 @@ class LoraSlotsOfRunner:
         if users:
             raise ValueError(f"LoRA load of {load.name!r} into slot {load.slot}, which sequences {users[:8]} use")
         try:
-            self.manager.load(load.slot, load.path)
+            hit = self.manager.load(load.slot, load.path, key=load.name)
         except Exception as exc:  # noqa: BLE001  (LoraError, or anything else: this adapter fails, not the plan)
             if not isinstance(exc, LoraError):
                 log.exception("loading LoRA adapter %r failed unexpectedly", load.name)
@@ -62,7 +62,8 @@ class LoraSlotsOfRunner:
             log.error("LoRA adapter %r could not be loaded into slot %d: %s", load.name, load.slot, exc)
             return
         self.failed.pop(load.slot, None)
-        log.info("LoRA adapter %r loaded into slot %d from %s", load.name, load.slot, load.path)
+        log.info("LoRA adapter %r loaded into slot %d from %s", load.name, load.slot,
+                 "host memory" if hit else load.path)
 
     def mark_failed(self, slot: int, reason: str) -> None:
         """Slot ``slot`` holds no adapter, for ``reason``: its sequences are dropped until it loads again
@@ -84,8 +85,11 @@ class LoraSlotsOfRunner:
         return self.manager.batch(token_slots if token_slots is not None else torch.empty(0, dtype=torch.int64))
 
     def reset(self) -> None:
-        """The scheduler forgot every sequence here: it loads each adapter again when next used."""
+        """The scheduler forgot every sequence here: it loads each adapter again when next used, from
+        its files (a scheduler started again numbers its loads at run time from 1 again: a kept
+        ``name#id`` might now mean other files)."""
         for slot in range(self.num_slots):
             self.manager.unload(slot)
+        self.manager.cache.clear()
         self.failed.clear()
         self._owed.clear()

@@ -37,6 +37,9 @@ class EngineConfig:
     lora_modules: tuple[LoraModule, ...] = ()
     max_loras: int = 1
     max_lora_rank: int = 16
+    # vLLM's adapters kept in host memory: accepted (and checked) as vllm serve takes it; each
+    # executor's own --max-cpu-loras sizes its cache (None: --max-loras)
+    max_cpu_loras: int | None = None
     allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's gate)
 
     def __post_init__(self) -> None:
@@ -45,6 +48,8 @@ class EngineConfig:
                              "needs --enable-lora")
         if not 1 <= self.max_loras <= wire.MAX_LORA_SLOTS:
             raise ValueError(f"--max-loras must be in [1, {wire.MAX_LORA_SLOTS}], got {self.max_loras}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras})")
         if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
             raise ValueError(f"--max-lora-rank must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}")
         names = [m.name for m in self.lora_modules]

@@ -105,6 +105,7 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "--lora-modules": (EngineConfig, "lora_modules"),
     "--max-loras": (EngineConfig, "max_loras"),
     "--max-lora-rank": (EngineConfig, "max_lora_rank"),
+    "--max-cpu-loras": (EngineConfig, "max_cpu_loras"),
     "--allow-runtime-lora-updating": (EngineConfig, "allow_runtime_lora_updating"),
     "--stream-interval": (EngineConfig, "stream_interval"),
     "--step-timeout": (EngineConfig, "step_timeout_s"),
@@ -241,6 +242,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         "slots); requests for others wait, in arrival order")
     p.add_argument("--max-lora-rank", type=number(int, "--max-lora-rank", 0), default=default(e, "max_lora_rank"),
                    help="the highest LoRA rank an adapter may have (at most 256)")
+    p.add_argument("--max-cpu-loras", type=number(int, "--max-cpu-loras", 0), default=default(e, "max_cpu_loras"),
+                   help="vLLM's LoRA adapters kept in host memory: at least --max-loras. Checked here; each "
+                        "executor's own --max-cpu-loras sizes its cache")
     p.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction,
                    default=default(e, "allow_runtime_lora_updating"),
                    help="with --enable-lora: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind "

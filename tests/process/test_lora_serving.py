@@ -51,7 +51,7 @@ def served(tiny_llama_dir, tmp_path_factory):
                                      "--allow-runtime-lora-updating"], secure=False)
     try:
         s.start_scheduler()
-        s.start_executor("ex0", "--enable-lora", "--max-loras", "2")
+        s.start_executor("ex0", "--enable-lora", "--max-loras", "2", "--lora-dtype", "float32")  # (exact: PEFT in float32)
         s.wait_health()
         yield s, refs
     finally:

@@ -103,6 +103,18 @@ def test_the_scheduler_refuses_to_start_with_a_bad_adapter(tmp_path, capsys):
     assert "a name given twice" in capsys.readouterr().err
 
 
+def test_max_cpu_loras_is_taken_as_vllm_serve_takes_it_and_bounded_by_max_loras(tmp_path, capsys):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    base = ["--model", str(model_dir), "--enable-lora", "--max-loras", "4"]
+    assert load_config(base, {}).engine.max_cpu_loras is None  # (each executor's default: its --max-loras)
+    assert load_config([*base, "--max-cpu-loras", "4"], {}).engine.max_cpu_loras == 4
+    with pytest.raises(SystemExit):
+        load_config([*base, "--max-cpu-loras", "3"], {})
+    assert "--max-cpu-loras (3) must be >= --max-loras (4)" in capsys.readouterr().err
+
+
 def test_the_registry_gives_each_load_of_a_name_its_own_key(tmp_path):
     from pagedserve.kv_blocks import chain_root, lora_key
     from scheduler_svc.engine.lora_registry import LoraRegistry

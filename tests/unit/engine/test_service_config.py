@@ -102,7 +102,7 @@ def test_every_flag_reaches_the_object_that_uses_it(model_dir, tmp_path):
               "--stream-interval": "4", "--max-failed-steps": "5", "--orphan-timeout": "12.5"}
     values.update({flag: str(default(cls, name) + 3) for flag, (cls, name) in FLAG_FIELDS.items()
                    if cls in (ServerLimits, HttpLimits, GrpcLimits)})
-    values.update({"--max-loras": "3", "--max-lora-rank": "32"})
+    values.update({"--max-loras": "3", "--max-lora-rank": "32", "--max-cpu-loras": "5"})
     values["--max-in-flight-bytes"] = str(64 << 20)  # at least the largest request a front accepts
     argv = ["--model", str(model_dir), "--disable-prefix-caching", "--no-async-scheduling", "--batch-invariant",
             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',

@@ -101,6 +101,24 @@ def test_adapter_decode_steps_take_the_fused_decode_stack_and_equal_the_modules(
         assert torch.equal(fused[i].argmax(-1), refs[1][i].argmax(-1))
 
 
+def test_bfloat16_slots_hold_a_bfloat16_adapter_exactly(tiny_llama_dir, refs):
+    """bfloat16 slots (--lora-dtype bfloat16): an adapter stored in bfloat16 with scaling 1 loses
+    nothing, so its logits are PEFT's; the decode steps (C kernel) and the modules' torch products
+    read the same rounded weights."""
+    model = load_model(tiny_llama_dir)
+    stack = model.decode_stack
+    manager = LoraManager(model, max_loras=2, max_rank=16, dtype=torch.bfloat16)
+    assert manager.slots.layers[0]["gate_up_proj"].a.dtype == torch.bfloat16
+    manager.load(1, str(refs[0][2]))  # ADAPTERS[2]: bfloat16 file, alpha / r = 1
+    i = SLOTS.index(2)
+    fused = forced_logits(model, manager, "fused", [1], [PROMPTS[i]], [CONTS[i]])[0]
+    torch.testing.assert_close(fused, refs[1][i], rtol=1e-5, atol=1e-4)
+    model.decode_stack = None
+    modules = forced_logits(model, manager, "fused", [1], [PROMPTS[i]], [CONTS[i]])[0]
+    model.decode_stack = stack
+    torch.testing.assert_close(fused, modules, rtol=1e-5, atol=5e-5)
+
+
 def test_load_replace_unload_and_failed_load_changes_nothing(tiny_llama_dir, refs, tmp_path):
     model = load_model(tiny_llama_dir)
     manager = LoraManager(model, max_loras=2, max_rank=16)

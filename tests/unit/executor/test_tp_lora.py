@@ -117,10 +117,10 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank(setup):
         follower = runner.followers[0]
         real = follower.lora.manager.load
 
-        def flaky(slot, where):  # the volume lost the file on rank 1's node only
+        def flaky(slot, where, key=None):  # the volume lost the file on rank 1's node only
             if slot == 1:
                 raise LoraError(f"LoRA adapter {where}: adapter_config.json not found")
-            real(slot, where)
+            return real(slot, where, key)
 
         follower.lora.manager.load = flaky
         drv = PlanDriver(runner)
