@@ -93,6 +93,17 @@ def nvrtc_options() -> tuple[str, ...]:
     return tuple(opts)
 
 
+def nvrtc_functions(source_name: str, exprs: dict, device_index: int) -> dict:
+    """``exprs`` (key -> a kernel's C++ template-id in ``source_name``) compiled together by NVRTC on
+    one device: key -> kernel function. CuPy is imported here: it exists only on GPU machines."""
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        mod = cupy.RawModule(code=read_source(source_name), options=nvrtc_options(),
+                             name_expressions=list(exprs.values()))
+        return {k: mod.get_function(e) for k, e in exprs.items()}
+
+
 def cuda_include_dir() -> str | None:
     """Where cuda_fp16.h / cuda_bf16.h live: NVRTC (13.x) has no built-in copy of them."""
     roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from cupy_kernels import checks
-from cupy_kernels.build import CUDA_TYPES, nvrtc_options, read_source
+from cupy_kernels.build import CUDA_TYPES, nvrtc_functions
 from cupy_kernels.launchers import _on_torch_stream, _ptr, _require_cuda
 
 SOURCE = "fused_layers.cu"
@@ -83,14 +83,8 @@ def _functions(dtype: str, device_index: int) -> dict[str, object]:
     """The three kernels of a dtype on a device, compiled by NVRTC on first use."""
     fns = _MODULES.get((dtype, device_index))
     if fns is None:
-        import cupy  # deferred: CuPy exists only on GPU machines
-
         exprs = {k: expression(k, dtype) for k in KERNELS}
-        with cupy.cuda.Device(device_index):
-            mod = cupy.RawModule(code=read_source(SOURCE), options=nvrtc_options(),
-                                 name_expressions=list(exprs.values()))
-            fns = {k: mod.get_function(e) for k, e in exprs.items()}
-        _MODULES[(dtype, device_index)] = fns
+        fns = _MODULES[(dtype, device_index)] = nvrtc_functions(SOURCE, exprs, device_index)
     return fns
 
 

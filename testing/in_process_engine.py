@@ -60,3 +60,34 @@ class Engine(FrontStreams):
         self.core.on_readiness_change = hook
 
 
+
+
+async def handshake_replies(cfg: EngineConfig, handshakes: list) -> list:
+    """Each handshake sent over its own DEALER socket to an engine started on ``cfg`` (a
+    ``tcp://127.0.0.1:0`` executor endpoint), and the hub's replies, in order. Every connection is kept
+    open until all have answered: an accepted executor stays live while the next one joins."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    from pagedserve import wire
+    from testing.grpc_fakes import make_tokenizer
+
+    engine = Engine(cfg, make_tokenizer(), eos_token_ids=())
+    await engine.start()
+    ctx = zmq.asyncio.Context()
+    socks, out = [], []
+    try:
+        for hs in handshakes:
+            sock = ctx.socket(zmq.DEALER)
+            sock.connect(f"tcp://127.0.0.1:{engine.hub.bound_port}")
+            socks.append(sock)
+            await sock.send(wire.encode(hs))
+            out.append(wire.decode(await asyncio.wait_for(sock.recv(), 10)))
+    finally:
+        for sock in socks:
+            sock.close(0)
+        await engine.shutdown(0)
+        ctx.term()
+    return out

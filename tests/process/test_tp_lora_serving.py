@@ -49,7 +49,7 @@ def test_a_tensor_parallel_executor_serves_adapters_equal_to_peft_merged(tiny_ch
                                     *(f"{n}={tmp_path / n}" for n in ADAPTERS)], secure=False)
     try:
         s.start_scheduler()
-        s.start_executor("tp", "--tensor-parallel-size", "2", "--enable-lora", "--max-loras", "2")
+        s.start_executor("tp", "--tensor-parallel-size", "2", "--enable-lora", "--max-loras", "2", "--lora-dtype", "float32")
         s.wait_health()
         got, threads = {}, []
         for name in [None, *ADAPTERS]:  # three adapters over two slots: a slot is reloaded while serving

@@ -6,17 +6,11 @@ may join and why not.
 
 from __future__ import annotations
 
-import asyncio
-
-import zmq
-import zmq.asyncio
-
 from pagedserve import wire
 from scheduler_svc.engine.engine_config import EngineConfig
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.fake_engine import run
-from testing.grpc_fakes import make_tokenizer
-from testing.in_process_engine import Engine
+from testing.in_process_engine import handshake_replies
 
 
 def _hs(name: str, invariant: bool = True, numerics: str = "cpu float32 avx512", ranks: int = 1,
@@ -28,23 +22,7 @@ def _hs(name: str, invariant: bool = True, numerics: str = "cpu float32 avx512",
 async def _replies(batch_invariant: bool, handshakes: list[wire.Handshake]) -> list[wire.HandshakeReply]:
     cfg = EngineConfig(scheduler=SchedulerConfig(), executor_endpoint="tcp://127.0.0.1:0", heartbeat_interval_s=0.2,
                        batch_invariant=batch_invariant)
-    engine = Engine(cfg, make_tokenizer(), eos_token_ids=())
-    await engine.start()
-    ctx = zmq.asyncio.Context()
-    socks, out = [], []
-    try:
-        for hs in handshakes:  # one connection each, kept open: an accepted executor stays live
-            sock = ctx.socket(zmq.DEALER)
-            sock.connect(f"tcp://127.0.0.1:{engine.hub.bound_port}")
-            socks.append(sock)
-            await sock.send(wire.encode(hs))
-            out.append(wire.decode(await asyncio.wait_for(sock.recv(), 10)))
-    finally:
-        for sock in socks:
-            sock.close(0)
-        await engine.shutdown(0)
-        ctx.term()
-    return out
+    return await handshake_replies(cfg, handshakes)
 
 
 def test_the_mode_admits_only_executors_that_promise_it_and_compute_alike():

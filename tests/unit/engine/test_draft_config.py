@@ -4,13 +4,10 @@ the executor link only (the handshake is refused, saying which side lacks it).""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from executor_svc.config import parse_config
 from pagedserve import wire
@@ -20,8 +17,7 @@ from scheduler_svc.entrypoints.service_config import load_config
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from scheduler_svc.sched.speculation import SpeculativeConfig
 from testing.fake_engine import run
-from testing.grpc_fakes import make_tokenizer
-from testing.in_process_engine import Engine
+from testing.in_process_engine import handshake_replies
 
 
 @pytest.fixture(scope="module")
@@ -102,23 +98,7 @@ def _hs(name: str, draft: str = "", draft_vocab: int = 0, speculative: bool = Tr
 async def _replies(spec: SpeculativeConfig | None, handshakes: list[wire.Handshake]) -> list[wire.HandshakeReply]:
     cfg = EngineConfig(scheduler=SchedulerConfig(speculative=spec), executor_endpoint="tcp://127.0.0.1:0",
                        heartbeat_interval_s=0.2)
-    engine = Engine(cfg, make_tokenizer(), eos_token_ids=())
-    await engine.start()
-    ctx = zmq.asyncio.Context()
-    socks, out = [], []
-    try:
-        for hs in handshakes:
-            sock = ctx.socket(zmq.DEALER)
-            sock.connect(f"tcp://127.0.0.1:{engine.hub.bound_port}")
-            socks.append(sock)
-            await sock.send(wire.encode(hs))
-            out.append(wire.decode(await asyncio.wait_for(sock.recv(), 10)))
-    finally:
-        for sock in socks:
-            sock.close(0)
-        await engine.shutdown(0)
-        ctx.term()
-    return out
+    return await handshake_replies(cfg, handshakes)
 
 
 def test_a_draft_on_one_side_of_the_link_only_is_refused_naming_it():

@@ -4,18 +4,13 @@ launcher's name expressions (as CuPy's RawModule asks on a GPU machine)."""
 
 from __future__ import annotations
 
-import re
-import subprocess
-
 import pytest
 
 from cupy_kernels import fused_layers
 from cupy_kernels.build import CUDA_TYPES, nvrtc_options, read_source
-from testing.kernels.nvcc import find_nvcc
+from testing.kernels.nvcc import compile_expressions
 from testing.kernels.nvrtc import compile_source, find_library
 
-_ENTRY = re.compile(r"Function properties for (\w+)\s*\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
-                    r"(\d+) bytes spill loads")
 # cosf/sinf keep a small stack frame for their exact range reduction of huge angles (|x| > 1e5
 # rad, a branch never taken at real positions); anything else on the stack is a defect.
 ROPE_FRAME_BYTES = 32
@@ -24,21 +19,9 @@ EXPRESSIONS = [fused_layers.expression(k, d) for k in fused_layers.KERNELS for d
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_fused_kernels_compile_without_spills(tmp_path, arch):
-    nvcc = find_nvcc()
-    assert nvcc is not None, "nvcc not found on PATH or in /usr/local/cuda/bin: it is part of the toolchain"
-    (tmp_path / "fused.cu").write_text(read_source(fused_layers.SOURCE))
-    unit = tmp_path / "unit.cu"
-    unit.write_text('#include "fused.cu"\nvoid* ps_instances[] = {\n'
-                    + "".join(f"    (void*)&{e},\n" for e in EXPRESSIONS) + "};\n")
-    proc = subprocess.run([nvcc, "-cubin", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v", "-I", str(tmp_path),
-                           "-o", str(tmp_path / "unit.cubin"), str(unit)], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, f"nvcc failed ({arch}):\n{proc.stderr[-4000:]}"
-    entries = _ENTRY.findall(proc.stderr)
-    assert len(entries) == len(EXPRESSIONS), f"ptxas reported {len(entries)} kernels:\n{proc.stderr[-2000:]}"
-    for name, stack, stores, loads in entries:
-        allowed = ROPE_FRAME_BYTES if "rope_and_cache" in name else 0
-        assert int(stack) <= allowed and stores == loads == "0", f"{name}: stack {stack} B, spills {stores}/{loads}"
+    for k in compile_expressions(fused_layers.SOURCE, EXPRESSIONS, arch, tmp_path):
+        allowed = ROPE_FRAME_BYTES if "rope_and_cache" in k.name else 0
+        assert k.stack <= allowed and k.spill_stores == k.spill_loads == 0, k
 
 
 def test_nvrtc_compiles_the_launchers_name_expressions():

@@ -5,36 +5,21 @@ then NVRTC itself with the launchers' name expressions (as CuPy's RawModule asks
 from __future__ import annotations
 
 import re
-import subprocess
 
 import pytest
 
 from cupy_kernels import lora
 from cupy_kernels.build import CUDA_TYPES, nvrtc_options, read_source
-from testing.kernels.nvcc import find_nvcc
+from testing.kernels.nvcc import compile_expressions
 from testing.kernels.nvrtc import compile_source, find_library
 
-_ENTRY = re.compile(r"Function properties for (\w+)\s*\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
-                    r"(\d+) bytes spill loads")
 EXPRESSIONS = [lora.expression(k, d, n) for k in lora.KERNELS for d in CUDA_TYPES for n in (1, lora.TILE)]
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_lora_kernels_compile_without_spills(tmp_path, arch):
-    nvcc = find_nvcc()
-    assert nvcc is not None, "nvcc not found on PATH or in /usr/local/cuda/bin: it is part of the toolchain"
-    (tmp_path / "lora.cu").write_text(read_source(lora.SOURCE))
-    unit = tmp_path / "unit.cu"
-    unit.write_text('#include "lora.cu"\nvoid* ps_instances[] = {\n'
-                    + "".join(f"    (void*)&{e},\n" for e in EXPRESSIONS) + "};\n")
-    proc = subprocess.run([nvcc, "-cubin", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v", "-I", str(tmp_path),
-                           "-o", str(tmp_path / "unit.cubin"), str(unit)], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, f"nvcc failed ({arch}):\n{proc.stderr[-4000:]}"
-    entries = _ENTRY.findall(proc.stderr)
-    assert len(entries) == len(EXPRESSIONS), f"ptxas reported {len(entries)} kernels:\n{proc.stderr[-2000:]}"
-    for name, stack, stores, loads in entries:
-        assert stack == stores == loads == "0", f"{name}: stack {stack} B, spills {stores}/{loads}"
+    for k in compile_expressions(lora.SOURCE, EXPRESSIONS, arch, tmp_path):
+        assert k.stack == k.spill_stores == k.spill_loads == 0, k
 
 
 def test_nvrtc_compiles_the_lora_name_expressions():
