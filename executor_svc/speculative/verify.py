@@ -36,7 +36,6 @@ from executor_svc.batch import Batch, SeqState
 from executor_svc.sampler import SampleOutput, Sampler, TokenLogprobs, draw_token, token_logprobs
 from pagedserve.wire import BatchPlan, SeqLogprobs, SpecTokens, StepResult
 
-
 ACCEPT_SALT = 0xACCE97  # the seeded stream of the p/q acceptance tests
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve import wire
+from pagedserve.draft_model import check_draft
 from pagedserve.envargs import number, parse_with_env
 from pagedserve.lora_modules import (
     LoraConfigError,
@@ -28,7 +29,6 @@ from pagedserve.lora_modules import (
     parse_lora_module,
     split_lora_modules,
 )
-from pagedserve.draft_model import check_draft
 from pagedserve.model_dir import has_model_config, is_gguf, open_gguf, resolve_model
 from scheduler_svc.engine.engine_config import EngineConfig
 from scheduler_svc.engine.executor_auth import LinkSecurity
