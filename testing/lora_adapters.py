@@ -73,3 +73,33 @@ def forced_logits(model, manager, attention: str, slots: list[int], prompts: lis
         with manager.batch(slots):
             rows.append(forcer.step(seqs, [[c[k]] for c in conts]))
     return torch.stack(rows, dim=1)
+
+
+
+def greedy_tokens(stack, prompt: list[int], model: str | None, max_new: int) -> list[int]:
+    """``prompt`` under adapter ``model`` (None: the base model) through a stack's gRPC API, greedy with
+    ``max_new`` tokens, EOS ignored: the token ids (raises grpc.RpcError as the call does)."""
+    from pagedserve.v1 import generation_pb2 as pb
+
+    req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
+        max_tokens=max_new, temperature=0.0, ignore_eos=True))
+    if model is not None:
+        req.model = model
+    return [t for resp in stack.stub.Generate(req, timeout=120) for c in resp.choices for t in c.token_ids]
+
+
+def served_greedy(stack, prompts: list[list[int]], names: list[str | None], max_new: int) -> dict:
+    """Every prompt under every adapter name (None: the base model) at once, as :func:`greedy_tokens`:
+    {(name, prompt index): token ids}."""
+    import threading
+
+    got, threads = {}, []
+    for name in names:
+        for i, prompt in enumerate(prompts):
+            t = threading.Thread(target=lambda n=name, i=i, p=prompt: got.__setitem__(
+                (n, i), greedy_tokens(stack, p, n, max_new)))
+            threads.append(t)
+            t.start()
+    for t in threads:
+        t.join()
+    return got

@@ -9,7 +9,6 @@ adapter only, and no block is leaked at the end."""
 from __future__ import annotations
 
 import json
-import threading
 import urllib.error
 import urllib.request
 
@@ -19,7 +18,7 @@ import torch
 
 from pagedserve.v1 import generation_pb2 as pb
 from testing.executor_plans import hf_greedy
-from testing.lora_adapters import make_adapter
+from testing.lora_adapters import greedy_tokens, make_adapter, served_greedy
 from testing.stack import Stack
 
 pytestmark = pytest.mark.slow
@@ -58,28 +57,9 @@ def served(tiny_llama_dir, tmp_path_factory):
         s.stop()
 
 
-def _greedy(stack: Stack, prompt: list[int], model: str | None) -> list[int]:
-    req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
-                                                                                 ignore_eos=True))
-    if model is not None:
-        req.model = model
-    out = []
-    for resp in stack.stub.Generate(req, timeout=120):
-        for c in resp.choices:
-            out += c.token_ids
-    return out
-
-
 def test_adapters_and_the_base_model_served_together_each_equal_to_peft_merged(served):
     stack, refs = served
-    got, threads = {}, []
-    for name in [None, *ADAPTERS]:
-        for i, prompt in enumerate(PROMPTS):
-            t = threading.Thread(target=lambda n=name, i=i, p=prompt: got.__setitem__((n, i), _greedy(stack, p, n)))
-            threads.append(t)
-            t.start()
-    for t in threads:
-        t.join()
+    got = served_greedy(stack, PROMPTS, [None, *ADAPTERS], MAX_NEW)
     for (name, i), tokens in got.items():
         assert tokens == refs[name][i], (name, i)
     assert len({tuple(refs[n][0]) for n in refs}) == len(refs)  # every adapter changes the output
@@ -122,7 +102,7 @@ def test_openai_model_field_and_models_list(served):
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 404 and json.load(e.value)["error"]["code"] == "model_not_found"
     with pytest.raises(grpc.RpcError) as g:
-        _greedy(stack, PROMPTS[0], "nope")
+        greedy_tokens(stack, PROMPTS[0], "nope", MAX_NEW)
     assert g.value.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in g.value.details()
 
 
@@ -163,7 +143,7 @@ def test_adapters_load_and_unload_at_run_time_and_a_reloaded_name_is_another_ada
     assert _post(stack, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(late)}) == \
         (200, "Success: LoRA adapter 'late' added successfully.")
     assert "late" in _models(stack)  # (at once: the core told every front before it answered)
-    assert [_greedy(stack, p, "late") for p in PROMPTS] == refs["late"]
+    assert [greedy_tokens(stack, p, "late", MAX_NEW) for p in PROMPTS] == refs["late"]
     code, body = _post(stack, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(late)})
     assert code == 400 and "already loaded" in body
     code, body = _post(stack, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(late / "nope")})
@@ -171,13 +151,13 @@ def test_adapters_load_and_unload_at_run_time_and_a_reloaded_name_is_another_ada
     assert _post(stack, "/v1/unload_lora_adapter", {"lora_name": "late"})[0] == 200
     assert "late" not in _models(stack)
     with pytest.raises(grpc.RpcError) as g:
-        _greedy(stack, PROMPTS[0], "late")
+        greedy_tokens(stack, PROMPTS[0], "late", MAX_NEW)
     assert g.value.code() == grpc.StatusCode.NOT_FOUND
     code, body = _post(stack, "/v1/unload_lora_adapter", {"lora_name": "late"})
     assert code == 404 and json.loads(body)["error"]["code"] == "lora_not_found"
     # The name again, other files: the executor's slot and the cached prompt of the old "late" serve
     # nothing of the new one.
     assert _post(stack, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(stack.logdir / "sql")})[0] == 200
-    assert [_greedy(stack, p, "late") for p in PROMPTS] == refs["sql"]
+    assert [greedy_tokens(stack, p, "late", MAX_NEW) for p in PROMPTS] == refs["sql"]
     code, body = _post(stack, "/v1/load_lora_adapter", {"lora_name": "y", "lora_path": str(late), "extra": 1})
     assert code == 400

@@ -6,14 +6,11 @@ rank holding its slice (executor_svc/lora/sharding.py); no block is held at the 
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-from pagedserve.v1 import generation_pb2 as pb
 from testing.executor_plans import hf_greedy
-from testing.lora_adapters import make_adapter
+from testing.lora_adapters import make_adapter, served_greedy
 from testing.stack import Stack
 
 pytestmark = pytest.mark.slow
@@ -25,14 +22,6 @@ ADAPTERS = {  # name -> (targets, r, alpha)
 }
 PROMPTS = [[5, 17, 99, 3, 250, 31, 7, 41, 8, 12, 300, 2, 77, 19, 45, 6, 90], [40, 41, 42, 43, 44, 45, 46]]
 MAX_NEW = 10
-
-
-def _greedy(stack: Stack, prompt: list[int], model: str | None) -> list[int]:
-    req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
-                                                                                 ignore_eos=True))
-    if model is not None:
-        req.model = model
-    return [t for resp in stack.stub.Generate(req, timeout=120) for c in resp.choices for t in c.token_ids]
 
 
 def test_a_tensor_parallel_executor_serves_adapters_equal_to_peft_merged(tiny_checkpoint, tmp_path):
@@ -51,14 +40,8 @@ def test_a_tensor_parallel_executor_serves_adapters_equal_to_peft_merged(tiny_ch
         s.start_scheduler()
         s.start_executor("tp", "--tensor-parallel-size", "2", "--enable-lora", "--max-loras", "2", "--lora-dtype", "float32")
         s.wait_health()
-        got, threads = {}, []
-        for name in [None, *ADAPTERS]:  # three adapters over two slots: a slot is reloaded while serving
-            for i, prompt in enumerate(PROMPTS):
-                t = threading.Thread(target=lambda n=name, i=i, p=prompt: got.__setitem__((n, i), _greedy(s, p, n)))
-                threads.append(t)
-                t.start()
-        for t in threads:
-            t.join()
+        # three adapters over two slots: a slot is reloaded while serving
+        got = served_greedy(s, PROMPTS, [None, *ADAPTERS], MAX_NEW)
         for (name, i), tokens in got.items():
             assert tokens == refs[name][i], (name, i)
         assert len({tuple(refs[n][0]) for n in refs}) == len(refs)  # every adapter changes the output
