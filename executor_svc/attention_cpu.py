@@ -65,12 +65,20 @@ class FusedCpuAttentionBackend(TorchAttentionBackend):
             seqs = torch.tensor(decode, dtype=torch.int64)
             seq_lens = meta.seq_lens.to(torch.int32).contiguous()  # a no-op for the runner's metadata
         else:
-            q_lens = torch.tensor([starts[i + 1] - starts[i] for i in range(n_seqs)], dtype=torch.int64)
-            owner = torch.repeat_interleave(torch.arange(n_seqs), q_lens)  # each row's sequence
-            ends = torch.tensor(starts[1:], dtype=torch.int64)[owner]  # one past its sequence's last row
-            rows = torch.arange(starts[-1], dtype=torch.int64)
-            seq_lens = (torch.tensor(lens, dtype=torch.int64)[owner] - (ends - 1 - rows)).to(torch.int32)
-            tables = tables.index_select(0, owner).contiguous()
-            seqs = rows
+            tables, seq_lens = per_row_tables(tables, starts, lens)
+            rows = seqs = torch.arange(starts[-1], dtype=torch.int64)
         self._step = (meta, rows, seqs, tables, seq_lens)
         return rows, seqs, tables, seq_lens
+
+
+def per_row_tables(tables: torch.Tensor, starts: list[int], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block-table row and one context length per query row (int32 [rows, width], [rows]):
+    row ``j`` of a sequence with context ``L`` and ``q`` new tokens sees the first ``L - q + j + 1``
+    keys. ``tables`` [num_seqs, width] int32, ``starts`` the query start of each sequence and the end."""
+    n_seqs = len(starts) - 1
+    q_lens = torch.tensor([starts[i + 1] - starts[i] for i in range(n_seqs)], dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(n_seqs), q_lens)  # each row's sequence
+    ends = torch.tensor(starts[1:], dtype=torch.int64)[owner]  # one past its sequence's last row
+    rows = torch.arange(starts[-1], dtype=torch.int64)
+    seq_lens = (torch.tensor(lens, dtype=torch.int64)[owner] - (ends - 1 - rows)).to(torch.int32)
+    return tables.index_select(0, owner).contiguous(), seq_lens

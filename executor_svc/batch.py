@@ -71,6 +71,7 @@ class Batch:
     # the last ([len(proposals), vocab] each; the last proposal's row is its sampling row).
     spec: list[tuple[SeqState, list[int], int]] = field(default_factory=list)
     spec_logits: list = field(default_factory=list)
+    every_row_scored: bool = False  # a verification whose every row's logits are read (runner._build)
     # LoRA: each token's adapter slot [num_tokens] int64 (-1: the base model); None when no token has one.
     lora_slots: torch.Tensor | None = None
 

@@ -77,7 +77,7 @@ class CpuOps:
         lib.ps_stack_work_bytes.argtypes = [ctypes.POINTER(ModelDesc), c_i32, c_i32]
         lib.ps_stack_work_bytes.restype = c_i64
         lib.ps_decode_stack.argtypes = [ctypes.POINTER(ModelDesc), c_ptr, c_i32, c_ptr, c_ptr, c_ptr, c_i64, c_i32,
-                                        c_ptr, c_ptr, c_ptr, c_i64, c_i32]
+                                        c_ptr, c_ptr, c_ptr, c_i64, c_i32, c_i32]
         lib.ps_decode_stack.restype = c_i32
         lib.ps_read_sum.argtypes = [c_ptr, c_i64, c_i32]
         lib.ps_read_sum.restype = ctypes.c_double

@@ -188,6 +188,9 @@ class ModelRunner:
                             in_flight)
         if plan.proposals:
             batch.spec = speculating_rows(plan, batch, self.seqs)
+            # (rows scored: each sequence's sampling row, and a speculating one's rows before it)
+            batch.every_row_scored = (len(batch.logits_rows) + sum(len(p) for _, p, _ in batch.spec)
+                                      == len(batch.token_ids))
         return batch
 
     # ---------------------------------------------------------------- the three phases
@@ -377,7 +380,8 @@ class ModelRunner:
                 input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.model.device)
                 with self.lora.batch(batch.lora_slots) if self.lora is not None else contextlib.nullcontext():
                     hidden, step_logits = self.model.forward_with_logits(input_ids, batch.positions, self.kv.layers,
-                                                                         batch.meta, self.backend)
+                                                                         batch.meta, self.backend,
+                                                                         batch.every_row_scored)
                     logits = self._logits(hidden, batch, step_logits)
         for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True):
             self.seqs[sid].num_computed_tokens += n
@@ -401,6 +405,8 @@ class ModelRunner:
         if len(rows_list) == hidden.shape[0] and rows_list[-1] == len(rows_list) - 1:  # every row samples
             return step_logits if step_logits is not None else self.model.compute_logits(hidden)  # (no gather)
         rows = torch.tensor(rows_list, dtype=torch.int64, device=hidden.device)
+        if step_logits is not None:
+            return step_logits.index_select(0, rows)
         return self.model.compute_logits(hidden.index_select(0, rows))
 
     def _masks(self, batch: Batch | None) -> GrammarMasks | None:

@@ -14,6 +14,10 @@
  * cores the executor shares with the scheduler, a thread the OS preempts stalls the others at
  * the next barrier, so fewer barriers is also steadier.
  *
+ * A speculative verification runs here too: a sequence's k + 1 new tokens are k + 1 rows, each a
+ * decode query over the sequence's table cut at its own position (store_first, below), so
+ * verifying costs a decode step of k + 1 more rows instead of the per-operator path.
+ *
  * The norms, rotary and SiLU are rowwise_cpu.c's, the projections linear_cpu.c's and attention
  * paged_decode_cpu.c's, the functions the per-operator path of other steps calls: a token's
  * result does not depend on which path ran it ("What a seed guarantees", docs/ARCHITECTURE.md).
@@ -168,10 +172,9 @@ static int check_model(const ps_model_t *M) {
         }                                                                             \
     } while (0)
 
-/* One attention unit: rotary and K/V store for KV heads [h0, h1) of token i, then attention. */
-static int attention_unit(const ps_model_t *M, const ps_layer_t *L, const layout_t *lo, int i, int h0, int h1,
-                          const int64_t *slots, const int32_t *block_tables, int64_t bt_row, int max_blocks,
-                          const int32_t *seq_lens, float *scratch) {
+/* Rotary and K/V store for KV heads [h0, h1) of token i. */
+static void rope_store_unit(const ps_model_t *M, const ps_layer_t *L, const layout_t *lo, int i, int h0, int h1,
+                            const int64_t *slots) {
     const int D = M->head_dim, half = D / 2, G = M->num_heads / M->num_kv_heads;
     const int q_w = M->num_heads * D, kv_w = M->num_kv_heads * D, qkv_w = q_w + 2 * kv_w;
     float *row = lo->qkv + (int64_t)i * qkv_w;
@@ -183,18 +186,30 @@ static int attention_unit(const ps_model_t *M, const ps_layer_t *L, const layout
         store_kv(L->k_cache, M->kv_type, at, row + q_w + (int64_t)h0 * D, (h1 - h0) * D);
         store_kv(L->v_cache, M->kv_type, at, row + q_w + kv_w + (int64_t)h0 * D, (h1 - h0) * D);
     }
-    return ps_paged_decode_unit(lo->att + (int64_t)i * q_w, D, row, D, L->k_cache, L->v_cache, M->kv_type,
-                                block_tables + (int64_t)i * bt_row, seq_lens[i], max_blocks, h0, h1, M->num_heads,
-                                M->num_kv_heads, D, M->block_size, M->num_blocks, M->attn_scale, scratch);
+}
+
+/* Attention of KV heads [h0, h1) of token i over its table cut at seq_lens[i]. */
+static int attend_unit(const ps_model_t *M, const ps_layer_t *L, const layout_t *lo, int i, int h0, int h1,
+                       const int32_t *block_tables, int64_t bt_row, int max_blocks, const int32_t *seq_lens,
+                       float *scratch) {
+    const int D = M->head_dim, q_w = M->num_heads * D, qkv_w = q_w + 2 * M->num_kv_heads * D;
+    return ps_paged_decode_unit(lo->att + (int64_t)i * q_w, D, lo->qkv + (int64_t)i * qkv_w, D, L->k_cache,
+                                L->v_cache, M->kv_type, block_tables + (int64_t)i * bt_row, seq_lens[i], max_blocks,
+                                h0, h1, M->num_heads, M->num_kv_heads, D, M->block_size, M->num_blocks,
+                                M->attn_scale, scratch);
 }
 
 /* x [n, hidden]: the tokens' embeddings in, the final-normed hidden states out. positions [n]
  * (rotary), slots [n] (cache slot of each new K/V; < 0: not written), block_tables
  * [n, bt_row] with max_blocks valid columns, seq_lens [n] (context including the new token).
- * logits [n, lm_head.m]: written when the model has an LM head (else may be NULL). */
+ * logits [n, lm_head.m]: written when the model has an LM head (else may be NULL).
+ * store_first: some rows read K/V that other rows of the step write (several new tokens of one
+ * sequence, as a speculative verification has: each row its own decode query over its table cut
+ * at its position). Then every row's K/V is stored before any row attends, one barrier more per
+ * layer; otherwise each unit stores and attends at once. The arithmetic is the same either way. */
 int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positions, const int64_t *slots,
                     const int32_t *block_tables, int64_t bt_row, int max_blocks, const int32_t *seq_lens,
-                    float *logits, void *work, int64_t work_bytes, int num_threads) {
+                    float *logits, void *work, int64_t work_bytes, int num_threads, int store_first) {
     const int threads = num_threads > 0 ? num_threads : 1;
     if (check_model(M) != PS_OK || n < 0 || (M->lm_head.w && !logits)) return PS_BAD_ARG;
     if (work_bytes < ps_stack_work_bytes(M, n, threads)) return PS_NO_MEMORY;
@@ -234,12 +249,20 @@ int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positio
             ps_linear_compute(&L->qkv, h, H, n, lw, lo.qkv, qkv_w, 0);
 #pragma omp barrier
             LORA_DELTAS(M, ntiles, tiles, L->lora_qkv, h, H, lo.qkv, qkv_w);
+            if (store_first) {
+#pragma omp for schedule(static)
+                for (int64_t u = 0; u < (int64_t)n * chunks; u++) {
+                    const int i = (int)(u / chunks), h0 = (int)(u % chunks) * per_chunk;
+                    rope_store_unit(M, L, &lo, i, h0, h0 + per_chunk < M->num_kv_heads ? h0 + per_chunk
+                                                                                       : M->num_kv_heads, slots);
+                }  /* (the worksharing loop's barrier: every K/V stored before any row attends) */
+            }
 #pragma omp for schedule(dynamic, 1)
             for (int64_t u = 0; u < (int64_t)n * chunks; u++) {
                 const int i = (int)(u / chunks), h0 = (int)(u % chunks) * per_chunk;
                 const int h1 = h0 + per_chunk < M->num_kv_heads ? h0 + per_chunk : M->num_kv_heads;
-                const int st = attention_unit(M, L, &lo, i, h0, h1, slots, block_tables, bt_row, max_blocks,
-                                              seq_lens, scratch);
+                if (!store_first) rope_store_unit(M, L, &lo, i, h0, h1, slots);
+                const int st = attend_unit(M, L, &lo, i, h0, h1, block_tables, bt_row, max_blocks, seq_lens, scratch);
                 mine = mine != PS_OK ? mine : st;
             }
             FOR_TOKENS(priv, n, t, { ps_linear_prep(&L->o, lo.att, q_w, t, t + 1, n, lw); });

@@ -1,7 +1,9 @@
 """The CPU fast path of a decode step: the whole decoder stack in one C call.
 
 ``LlamaForCausalLM.forward_with_logits`` hands a step to :class:`DecodeStack` when every
-sequence adds exactly one token (pure decode), the model was packed for the CPU (``cpu_pack.py``)
+sequence adds exactly one token (pure decode), or when every row's logits are wanted (a speculative
+verification: a sequence's new tokens become rows of their own, each a decode query over the
+sequence's table cut at its position), the model was packed for the CPU (``cpu_pack.py``)
 and the attention backend is one whose kernel the stack runs (``runs_decode_stack``: the fused CPU
 backend). The C side (``csrc/decode_stack_cpu.c``) runs norms,
 projections, rotary, the KV write, paged attention and the MLP of every layer in one OpenMP
@@ -20,6 +22,7 @@ import time
 import torch
 
 from executor_svc.attention import AttentionMetadata, KVCaches
+from executor_svc.attention_cpu import per_row_tables
 from executor_svc.cpu_kernels import KV_TYPES
 from executor_svc.cpu_ops import CpuOps, LayerDesc, ModelDesc, check_status
 from executor_svc.step_threads import StepThreads
@@ -91,6 +94,10 @@ class DecodeStack:
         desc = self._bind(caches)
         n = x.shape[0]
         bt, lens, slots = meta.block_tables, meta.seq_lens, meta.slot_mapping
+        store_first = meta.max_query_len > 1  # rows of one sequence read each other's K/V (a verification)
+        if store_first:
+            starts = meta.query_start_loc_host or meta.query_start_loc.tolist()
+            bt, lens = per_row_tables(bt.to(torch.int32), starts, meta.seq_lens_host or meta.seq_lens.tolist())
         if not (x.dtype == torch.float32 and x.is_contiguous() and positions.dtype == slots.dtype == torch.int64
                 and positions.is_contiguous() and slots.is_contiguous() and positions.shape == slots.shape == (n,)
                 and bt.dtype == lens.dtype == torch.int32 and bt.dim() == 2 and bt.stride(1) == 1
@@ -117,6 +124,6 @@ class DecodeStack:
         check_status("decode stack", lib.ps_decode_stack(
             ctypes.byref(desc), x.data_ptr(), n, positions.data_ptr(), slots.data_ptr(), bt.data_ptr(), bt.stride(0),
             bt.shape[1], lens.data_ptr(), None if logits is None else logits.data_ptr(), self._work.data_ptr(),
-            self._work.numel(), threads))
+            self._work.numel(), threads, int(store_first)))
         self._last = (n, most, threads, start, time.perf_counter() - call)
         return x, logits

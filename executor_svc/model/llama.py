@@ -154,15 +154,18 @@ class LlamaForCausalLM(nn.Module):
         return self.forward_with_logits(input_ids, positions, caches, meta, backend)[0]
 
     def forward_with_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: KVCaches,
-                            meta: AttentionMetadata, backend: AttentionBackend
+                            meta: AttentionMetadata, backend: AttentionBackend, every_row_scored: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward`, and every row's logits [num_tokens, vocab] float32 when the step computed
         them on its way (the fused decode stack runs the LM head in its C call); else None, and
-        :meth:`compute_logits` computes the rows wanted."""
+        :meth:`compute_logits` computes the rows wanted. ``every_row_scored``: the caller wants
+        every row's logits (a speculative verification), so the decode stack, which computes them
+        all, runs the step even where sequences add several tokens."""
         if self.rotary is None:
             raise RuntimeError("model used before load_model() built its rotary embedding")
         x = self.embed_tokens(input_ids)
-        if self.decode_stack is not None and meta.max_query_len == 1 and backend.runs_decode_stack:
+        if (self.decode_stack is not None and backend.runs_decode_stack
+                and (meta.max_query_len == 1 or every_row_scored)):
             return self.decode_stack(x, positions, caches, meta, self.lora.batch if self.lora is not None else None)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, cache in zip(self.layers, caches, strict=True):

@@ -90,6 +90,48 @@ def test_stack_equals_the_modules_bit_for_bit(tiny_checkpoint, tiny_gguf, fmt, a
         tokens = ref.argmax(-1)
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_verification_step_runs_the_stack_and_equals_the_modules_bit_for_bit(tiny_checkpoint, tiny_gguf, fmt, arch):
+    """Sequences adding several tokens at once, every row scored (a speculative verification, k + 1
+    rows each; beside them one plain decode row): the stack runs it in one call, each row a decode
+    query over its sequence's table cut at its position, and every row's logits are the modules'
+    bits, the rows' K/V written into the cache the same way (the next step agrees too)."""
+    kwargs, kv_dtype, _ = FORMATS[fmt]
+    model = load_model(tiny_gguf(arch, fmt) if fmt.startswith("Q") else tiny_checkpoint(arch, "small"), **kwargs)
+    stack = spy = _Spy(model.decode_stack)
+    prompts = _prompts(4, model.cfg.vocab_size)
+    fused, modules = Forcer(model, kv_dtype, 4, 96), Forcer(model, kv_dtype, 4, 96)
+    for forcer in (fused, modules):
+        for i, p in enumerate(prompts):
+            forcer.step([i], [p])
+    g = torch.Generator().manual_seed(7)
+    seqs = [0, 1, 2, 3]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(8)  # (rows of one sequence on several threads at once)
+    for new in ([5, 1, 3, 2], [1, 4, 1, 5], [8, 8, 8, 8]):  # rows per sequence: a verification of k = new - 1
+        tokens = [torch.randint(1, model.cfg.vocab_size, (n,), generator=g).tolist() for n in new]
+        ids = torch.tensor([t for ts in tokens for t in ts])
+        outs = []
+        for forcer, runs_stack in ((fused, True), (modules, False)):
+            meta, positions = forcer._meta(seqs, new)
+            model.decode_stack = spy if runs_stack else None
+            try:
+                with torch.inference_mode():
+                    hidden, logits = model.forward_with_logits(ids, positions, forcer.kv.layers, meta, forcer.backend,
+                                                               every_row_scored=True)
+            finally:
+                model.decode_stack = stack
+            outs.append(logits if logits is not None else model.compute_logits(hidden))
+        assert spy.calls[-1] == sum(new)  # one C call, a row per new token
+        ours, ref = outs
+        assert torch.equal(ours, ref), f"{fmt} {arch}: differ by up to {float((ours - ref).abs().max())}"
+    torch.set_num_threads(threads)
+    last_rows = torch.tensor(new).cumsum(0) - 1
+    after = [[int(t)] for t in ref.argmax(-1)[last_rows]]  # each sequence's last row
+    assert torch.equal(fused.step(seqs, after), modules.step(seqs, after))  # the caches hold the same K/V
+
+
 def test_a_block_id_outside_the_cache_is_refused(tiny_llama_dir):
     model = load_model(tiny_llama_dir)
     forcer = Forcer(model, torch.float32, 1, 32)
