@@ -108,7 +108,8 @@ class Scheduler(RequestLifecycle):
         self._preempted = False
         running, allocate, bs = self.running, self.kv.allocate, self.config.block_size
         ids, nums = plan.scheduled_seq_ids, plan.num_new_tokens
-        spec = self.spec if self.spec is not None and self.spec.step_speculates(len(running)) else None
+        spec_room = self.spec.proposal_room(len(running)) if self.spec is not None else 0
+        spec = self.spec if spec_room > 0 else None
         pending = self.spec.pending if self.spec is not None else ()
         sampling, to_commit = self._step.sampling, self._step.to_commit
         i = 0
@@ -129,7 +130,7 @@ class Scheduler(RequestLifecycle):
                     n = total - c if total - c <= budget.tokens else budget.tokens
                     # k decode steps write k positions and sample k placeholders.
                     k = steps if steps > 1 else n
-                    props = (spec.propose(r, seq, total, budget.tokens - 1)
+                    props = (spec.propose(r, seq, total, min(budget.tokens - 1, spec_room))
                              if spec is not None and n == 1 and total - c == 1 and not seq.num_placeholders else None)
                     ch = allocate(seq, k + len(props)) if props else allocate(seq, k)
                     if ch is not None and props:
@@ -137,6 +138,7 @@ class Scheduler(RequestLifecycle):
                         self._step.proposed_at.append((seq, len(props), seq.residency))
                         spec.pending.add(seq.seq_id)
                         budget.tokens -= len(props)
+                        spec_room -= len(props)
                     if ch is not None:
                         if ch is not NO_CHANGE:
                             self._emit_change(seq, ch, plan)

@@ -16,11 +16,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from scheduler_svc.sched.speculation_policy import DEFAULT_MAX_VERIFIED_TOKENS
+
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS = 1, 16
 MAX_PROMPT_LOOKUP = 64  # longer n-grams cost lookup time and almost never match better
-_NGRAM_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
-_DRAFT_KEYS = ("method", "model", "num_speculative_tokens")
+_NGRAM_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_verified_tokens")
+_DRAFT_KEYS = ("method", "model", "num_speculative_tokens", "max_verified_tokens")
+MAX_VERIFIED_TOKENS = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +36,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     model: str | None = None  # the draft model (method "draft_model")
+    # pagedserve's: positions a step verifies at most, its sequences' own and their proposals
+    # (speculation_policy.py); a batch of this many sequences does not speculate.
+    max_verified_tokens: int = DEFAULT_MAX_VERIFIED_TOKENS
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -46,6 +52,7 @@ class SpeculativeConfig:
                 MIN_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS)
         _int_in("prompt_lookup_min", self.prompt_lookup_min, 1, MAX_PROMPT_LOOKUP)
         _int_in("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, MAX_PROMPT_LOOKUP)
+        _int_in("max_verified_tokens", self.max_verified_tokens, 2, MAX_VERIFIED_TOKENS)
 
 
 def _int_in(name: str, value: object, low: int, high: int) -> None:

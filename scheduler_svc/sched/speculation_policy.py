@@ -9,11 +9,14 @@ compute, where every position costs its share. So:
   ``min_acceptance`` it stops proposing for a back-off of steps that doubles each time it fails
   again (up to ``max_backoff``), then probes with one proposal round. Text that starts repeating
   later (an edit after a preamble) is found again by the probes.
-* per step: no sequence proposes when more than ``max_batch_tokens`` positions would be verified
-  (the decoding sequences times k + 1). A verification forward runs the chunked-prefill path,
-  which on a CPU costs more per token than the fused decode step: on SmolLM2, 1 stream
-  speculating ran 2.26x faster than plain decoding, 4 streams 0.88x (benchmarks/speculative.py),
-  so 12 positions: at k = 4, one or two sequences.
+* per step: at most ``max_verified_tokens`` positions are verified (one per decoding sequence,
+  plus the proposals). Sequences propose in scheduling order while the budget has room, so a
+  batch of that many sequences or more does not speculate at all. On a CPU a verification runs in
+  the fused decode step (each proposal a row of its own), where a step's cost grows with its rows
+  once the weights' read is shared by enough of them: on SmolLM2 (Q4_1, 2 threads) 20 rows cost
+  ~1.9x a step of 4, 80 rows ~2.7x a step of 16. The default, 32, lets 1-6 streams propose at k = 4
+  and a batch of 16 spend 16 more positions on its first proposing sequences
+  (benchmarks/speculative.py; docs/PERF.md). ``--speculative-config``'s ``max_verified_tokens`` sets it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _EMA_WEIGHT = 0.3  # of the newest step: a few steps of rejections are enough to stop
+DEFAULT_MAX_VERIFIED_TOKENS = 32
 
 
 @dataclass(slots=True)
@@ -31,17 +35,18 @@ class _SeqAcceptance:
 
 
 class SpeculationPolicy:
-    def __init__(self, k: int, min_acceptance: float = 0.25, max_batch_tokens: int = 12,
+    def __init__(self, k: int, min_acceptance: float = 0.25, max_verified_tokens: int = DEFAULT_MAX_VERIFIED_TOKENS,
                  first_backoff: int = 8, max_backoff: int = 256) -> None:
         if not 0.0 <= min_acceptance < 1.0:
             raise ValueError(f"min_acceptance: must be in [0, 1), got {min_acceptance}")
-        self.k, self.min_acceptance, self.max_batch_tokens = k, min_acceptance, max_batch_tokens
+        self.k, self.min_acceptance, self.max_verified_tokens = k, min_acceptance, max_verified_tokens
         self.first_backoff, self.max_backoff = first_backoff, max_backoff
         self._seqs: dict[int, _SeqAcceptance] = {}
 
-    def batch_speculates(self, num_decoding: int) -> bool:
-        """Whether this step proposes at all, for ``num_decoding`` sequences in it."""
-        return num_decoding * (self.k + 1) <= self.max_batch_tokens
+    def proposal_room(self, num_decoding: int) -> int:
+        """How many proposed tokens this step may verify in all, beside ``num_decoding`` sequences'
+        own (0: it does not speculate)."""
+        return max(0, self.max_verified_tokens - num_decoding)
 
     def may_propose(self, seq_id: int) -> bool:
         """Whether the sequence is not paused (counts nothing down)."""

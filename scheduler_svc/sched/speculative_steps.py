@@ -63,7 +63,7 @@ class SpeculativeSteps:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.draft = config.model is not None  # proposals made by the executor's draft model
         self.proposer = DraftProposer(config) if self.draft else NgramProposer(config)
-        self.policy = SpeculationPolicy(config.num_speculative_tokens)
+        self.policy = SpeculationPolicy(config.num_speculative_tokens, max_verified_tokens=config.max_verified_tokens)
         self.pending: set[int] = set()  # seq ids whose proposals' result is in flight
         self.counters = SpecCounters()  # (telemetry reads them, summed over the engine's schedulers)
 
@@ -74,8 +74,9 @@ class SpeculativeSteps:
         else:
             plan.proposals.append(Proposal(seq_id, props))
 
-    def step_speculates(self, num_running: int) -> bool:
-        return self.policy.batch_speculates(num_running)
+    def proposal_room(self, num_running: int) -> int:
+        """Proposed tokens this step may carry in all (the policy's per-step budget)."""
+        return self.policy.proposal_room(num_running)
 
     def waits(self, r: Request, seq: Sequence) -> bool:
         """Whether a sequence whose last token is still in flight (asynchronous scheduling) should wait

@@ -53,7 +53,7 @@ def _serve(tiny_llama_dir, model, params: RequestParams, draft=None, k: int = 4,
                           speculative=spec, preemption_mode=mode)
     sched = Scheduler(cfg, num_blocks, 32, eos_token_ids=(), vocab_size=model.cfg.vocab_size)
     if spec is not None:
-        sched.spec.policy.max_batch_tokens = 256  # every sequence of these small batches speculates
+        sched.spec.policy.max_verified_tokens = 256  # every sequence of these small batches speculates
     out: dict[str, list[int]] = {rid: [] for rid in prompts}
     lps: dict[str, list] = {rid: [] for rid in prompts}
     for rid, p in prompts.items():
@@ -149,7 +149,7 @@ def _sched(model, num_blocks: int = NUM_BLOCKS) -> Scheduler:
     cfg = SchedulerConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
                           speculative=spec)
     sched = Scheduler(cfg, num_blocks, 32, eos_token_ids=(), vocab_size=model.cfg.vocab_size)
-    sched.spec.policy.max_batch_tokens = 256
+    sched.spec.policy.max_verified_tokens = 256
     return sched
 
 

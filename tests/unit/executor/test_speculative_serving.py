@@ -56,13 +56,13 @@ class OracleProposer:
 
 def _serve(tiny_llama_dir, model, params: RequestParams, spec: SpeculativeConfig | None,
            prompts: dict[str, list[int]], num_blocks: int = NUM_BLOCKS, max_batched: int = 256,
-           mode: str = "recompute", proposer=None):
+           mode: str = "recompute", proposer=None, verified: int = 256):
     runner = make_runner(tiny_llama_dir, num_blocks=num_blocks, num_cpu_blocks=32, model=model)
     cfg = SchedulerConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=256,
                           speculative=spec, preemption_mode=mode)
     sched = Scheduler(cfg, num_blocks, 32, eos_token_ids=(), vocab_size=model.cfg.vocab_size)
-    if spec is not None:  # every sequence of these small batches speculates (the step rule is for CPU cost)
-        sched.spec.policy.max_batch_tokens = 256
+    if spec is not None:  # (256: every sequence of these small batches speculates; the default is for CPU cost)
+        sched.spec.policy.max_verified_tokens = verified
     if proposer is not None:
         sched.spec.proposer = proposer
     out: dict[str, list[list[int]]] = {rid: [] for rid in prompts}
@@ -107,8 +107,19 @@ def test_greedy_output_equals_decoding_without_speculation_and_transformers(tiny
     params = RequestParams(max_tokens=30, sampling=GREEDY, ignore_eos=True)
     spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3, prompt_lookup_min=1)
     plain, plain_plans, _, _ = _serve(tiny_llama_dir, model, params, None, _prompts())
-    fast, fast_plans, sched, _ = _serve(tiny_llama_dir, model, params, spec, _prompts())
+    stack, widths = model.decode_stack, []  # (the widest query of each step the fused C stack ran)
+
+    def spy(x, positions, caches, meta, lora=None):
+        widths.append(meta.max_query_len)
+        return stack(x, positions, caches, meta, lora)
+
+    model.decode_stack = spy
+    try:
+        fast, fast_plans, sched, _ = _serve(tiny_llama_dir, model, params, spec, _prompts())
+    finally:
+        model.decode_stack = stack
     assert fast == plain
+    assert max(widths) > 1  # verifications ran in the one C call, their rows decode queries of their own
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     for rid, p in _prompts().items():
         assert fast[rid] == [hf_greedy(hf, p, 30)], rid
@@ -117,6 +128,21 @@ def test_greedy_output_equals_decoding_without_speculation_and_transformers(tiny
     assert sched.spec.counters.num_accepted_tokens == sum(sched.spec.counters.accepted_per_pos[:k])
     if sched.spec.counters.num_accepted_tokens:
         assert len(fast_plans) < len(plain_plans)  # accepted proposals save steps
+
+
+def test_a_step_verifies_at_most_its_budget_shared_in_scheduling_order(tiny_llama_dir, model):
+    params = RequestParams(max_tokens=30, sampling=GREEDY, ignore_eos=True)
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+    plain, _, _, _ = _serve(tiny_llama_dir, model, params, None, _prompts())
+    fast, plans, _, _ = _serve(tiny_llama_dir, model, params, spec, _prompts(), verified=6)
+    assert fast == plain
+    proposing = [p for p in plans if p.proposals]
+    assert proposing
+    for p in proposing:  # three decoding sequences leave room for 3 proposed tokens, not 3 x 4
+        decoding = sum(1 for n in p.num_new_tokens if n == 1)
+        assert decoding + sum(len(x.token_ids) for x in p.proposals) <= 6
+    assert any(len(p.proposals) == 1 and len(p.proposals[0].token_ids) == 3 for p in proposing
+               if len(p.scheduled_seq_ids) == 3)  # the first proposing sequence took the room
 
 
 def test_seeded_sampling_with_penalties_and_logprobs_is_unchanged(tiny_llama_dir, model):

@@ -28,6 +28,8 @@ def test_parse_accepts_vllm_ngram_form():
     ('{"model": "/some/draft", "num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('[1, 2]', "JSON object"),
     ('{method: ngram}', "JSON object"),
+    ('{"method": "ngram", "max_verified_tokens": 1}', "max_verified_tokens"),
+    ('{"model": "/some/draft", "max_verified_tokens": "32"}', "max_verified_tokens"),
 ])
 def test_parse_rejects_bad_input_naming_the_field(text, field):
     with pytest.raises(ValueError, match=field):
@@ -38,6 +40,12 @@ def test_parse_accepts_vllm_draft_model_form():
     cfg = parse_speculative_config('{"model": "/models/draft", "num_speculative_tokens": 3}')
     assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", "/models/draft", 3)
     assert parse_speculative_config('{"method": "draft_model", "model": "/d"}').model == "/d"
+
+
+def test_the_verified_positions_budget_is_configurable():
+    assert parse_speculative_config('{"method": "ngram"}').max_verified_tokens == 32
+    assert parse_speculative_config('{"method": "ngram", "max_verified_tokens": 8}').max_verified_tokens == 8
+    assert parse_speculative_config('{"model": "/d", "max_verified_tokens": 64}').max_verified_tokens == 64
 
 
 def test_k_limits_name_the_range():

@@ -47,10 +47,10 @@ def test_sequences_are_independent_and_forgotten():
     assert p.wants_proposals(1) and p.acceptance(1) == 1.0
 
 
-@pytest.mark.parametrize("n, k, budget, want", [(1, 4, 256, True), (51, 4, 256, True), (52, 4, 256, False),
-                                                  (16, 15, 256, True), (17, 15, 256, False)])
-def test_a_large_batch_does_not_speculate(n, k, budget, want):
-    assert SpeculationPolicy(k=k, max_batch_tokens=budget).batch_speculates(n) is want
+@pytest.mark.parametrize("n, budget, room", [(1, 32, 31), (16, 32, 16), (31, 32, 1), (32, 32, 0), (40, 32, 0),
+                                              (4, 256, 252)])
+def test_a_step_verifies_at_most_its_budget_and_a_large_batch_none(n, budget, room):
+    assert SpeculationPolicy(k=4, max_verified_tokens=budget).proposal_room(n) == room
 
 
 def test_bad_threshold_is_named():
