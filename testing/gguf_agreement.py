@@ -8,7 +8,9 @@ forcing) to
 
 * ours: our model with W rounded as F, on the CPU kernels (the fused decode stack, every prompt
   one decode batch): the file itself for its own format (``--quantization gguf``: the blocks as
-  stored), a copy of the file converted to F (``testing/gguf_convert.py``) for Q8_0 and Q4_0,
+  stored), a copy of the file converted to F (``testing/gguf_convert.py``) for Q8_0, Q4_0 and
+  Q4_K (Q4_K where a matrix's rows are whole super-blocks, float32 elsewhere: on SmolLM2, whose
+  hidden size is 576, the MLP's down projections),
   and for ``int8`` W saved as safetensors and loaded with ``--quantization int8``;
 * rounding: transformers in float32 on W rounded as F (the converted file; for int8 the Q8_0
   one, the same rounding): what the format itself costs, the activations kept float32.
@@ -44,7 +46,7 @@ CHATS = [
     "Explain what a prime number is.", "Write a short thank-you note to a teacher.",
     "Why do leaves change color in autumn?", "What is the tallest mountain in the world?",
 ]
-FORMATS = ("q4_1", "q8_0", "q4_0", "int8")
+FORMATS = ("q4_1", "q8_0", "q4_0", "q4_k", "int8")
 
 
 @dataclass(slots=True)

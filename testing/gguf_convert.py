@@ -2,7 +2,9 @@
 checkpoint: the same model, other bytes.
 
 ``convert(src, dst, qtype)`` dequantizes every matrix of ``src`` (``gguf.quants``) and stores it
-as ``qtype`` (F32, F16, BF16, or a format ``gguf.quants.quantize`` writes: Q8_0, Q4_0, Q4_1),
+as ``qtype`` (F32, F16, BF16, a format ``gguf.quants.quantize`` writes: Q8_0, Q4_0, Q4_1, or Q4_K
+through ``testing/q4_k_quantize.py``, where a matrix whose rows are not whole 256-weight
+super-blocks stays F32, as llama.cpp falls back to another type for those),
 with every metadata key (tokenizer, chat template, ...) copied as it is typed in ``src`` and
 ``general.file_type`` set to match. Vectors (norms) stay as stored. The benchmarks use it to
 give pagedserve and llama.cpp one model in several formats (SmolLM2's Q4_1 file as F32, BF16 and
@@ -22,8 +24,10 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
+from testing.q4_k_quantize import QK_K, quantize_q4_k
+
 # llama.cpp's LLAMA_FTYPE of a file whose matrices are all of one type
-FILE_TYPES = {Q.F32: 0, Q.F16: 1, Q.Q4_0: 2, Q.Q4_1: 3, Q.Q8_0: 7, Q.BF16: 32}
+FILE_TYPES = {Q.F32: 0, Q.F16: 1, Q.Q4_0: 2, Q.Q4_1: 3, Q.Q8_0: 7, Q.Q4_K: 15, Q.BF16: 32}
 
 
 def convert(src: Path, dst: Path, qtype: Q) -> Path:
@@ -44,8 +48,10 @@ def convert(src: Path, dst: Path, qtype: Q) -> Path:
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)  # (rows of bytes, as read)
             continue
         w = np.asarray(dequantize(np.array(t.data), t.tensor_type), dtype=np.float32).reshape(rows, int(t.shape[0]))
-        if qtype == Q.F32:
+        if qtype == Q.F32 or (qtype == Q.Q4_K and w.shape[1] % QK_K):
             writer.add_tensor(t.name, w)
+        elif qtype == Q.Q4_K:
+            writer.add_tensor(t.name, quantize_q4_k(w), raw_dtype=qtype)
         elif qtype == Q.F16:
             writer.add_tensor(t.name, w.astype(np.float16))
         else:
