@@ -10,7 +10,13 @@ import random
 import pytest
 import torch
 
-from cupy_kernels.build import KernelKey, group_size, mma_prefill_supported, prefill_mma_tokens, prefill_tokens
+from cupy_kernels.build import (
+    KernelKey,
+    group_size,
+    mma_prefill_supported,
+    prefill_mma_tokens,
+    prefill_tokens,
+)
 from testing.kernels.cases import make_case
 from testing.kernels.reference import ref_attention, ref_copy_blocks, ref_reshape_and_cache, rel_error
 

@@ -46,7 +46,7 @@ def test_emulated_mma_places_every_element():
         a[w, i, k] = 1
         b[w, k, j] = 2
     d = mma_probe.emulated(a, b, torch.zeros(16 * 8, 16, 8))
-    ref = (a.float() @ b.float())
+    ref = a.float() @ b.float()
     assert torch.equal(d, ref)
 
 
@@ -101,7 +101,7 @@ def test_emulated_mma_prefill_ragged_chunks_over_cached_prefixes(emu, cfg):
                 max(qs), max(ctx), SCALE, out, kernel="mma")
     err = rel_error(out, ref)
     assert err < TOL[dtype], f"mma prefill: relative error {err:.3g} >= {TOL[dtype]} (seed {seed})"
-    for i, (lo, hi) in enumerate(zip(case.starts, case.starts[1:])):  # every sequence, not just the total
+    for i, (lo, hi) in enumerate(zip(case.starts[:-1], case.starts[1:], strict=True)):  # every sequence, not just the total
         seq_err = rel_error(out[lo:hi], ref[lo:hi])
         assert seq_err < TOL[dtype], f"sequence {i}: relative error {seq_err:.3g} (seed {seed})"
 
