@@ -22,7 +22,8 @@ from pathlib import Path
 from pagedserve import wire
 
 SRC_DIR = Path(__file__).resolve().parent
-SOURCES = ("paged_decode.cu", "paged_prefill.cu", "cache_ops.cu", "fused_layers.cu", "lora.cu")
+SOURCES = ("paged_decode.cu", "paged_prefill.cu", "paged_prefill_mma.cu", "cache_ops.cu", "fused_layers.cu",
+           "lora.cu")
 
 # CUDA spelling of each supported storage type (torch / numpy dtype name -> C++ type).
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -30,6 +31,9 @@ HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)  # 16 and 32: the tiny test models
 BLOCK_SIZES = wire.BLOCK_SIZES  # every block size the services accept
 MAX_GROUP = 8  # q heads handled by one thread block (bounded by registers, see paged_decode.cu)
 PREFILL_ROWS = 16  # (query token, q head) rows per prefill thread block
+MMA_ROWS = 64  # rows per block of the tensor-core prefill kernel (4 warps x one m16 tile)
+MMA_DTYPES = ("float16", "bfloat16")  # mma.sync operand types; float32 keeps the SIMT kernel
+MMA_HEAD_SIZES = (16, 32, 64, 80, 96, 128)  # 256: O + Q + S fragments overflow the registers
 PARTITION_SIZE = 512  # tokens per partition of the split decode kernel
 MAX_PARTITIONS = 1024  # PS_MAX_PARTS in paged_decode.cu
 
@@ -46,11 +50,20 @@ def prefill_tokens(group: int) -> int:
     return max(1, PREFILL_ROWS // group)
 
 
+def prefill_mma_tokens(group: int) -> int:
+    """Query tokens per tensor-core prefill block (tokens * group <= MMA_ROWS)."""
+    return max(1, MMA_ROWS // group)
+
+
+def mma_prefill_supported(dtype: str, head_size: int) -> bool:
+    return dtype in MMA_DTYPES and head_size in MMA_HEAD_SIZES
+
+
 @dataclass(frozen=True, slots=True)
 class KernelKey:
     """One compiled configuration; also the compile-cache key."""
 
-    kind: str  # "decode" | "decode_reduce" | "prefill" | "cache_ops"
+    kind: str  # "decode" | "decode_reduce" | "prefill" | "prefill_mma" | "cache_ops"
     dtype: str = "float32"  # key of CUDA_TYPES
     head_size: int = 0
     block_size: int = 0
@@ -64,15 +77,16 @@ class KernelKey:
             return f"ps_paged_decode<{t}, {self.head_size}, {self.block_size}, {self.group}>"
         if self.kind == "decode_reduce":
             return f"ps_paged_decode_reduce<{t}, {self.head_size}>"
-        if self.kind == "prefill":
-            return (f"ps_paged_prefill<{t}, {self.head_size}, {self.block_size}, {self.group}, "
-                    f"{self.tokens}>")
+        if self.kind in ("prefill", "prefill_mma"):
+            name = "ps_paged_prefill" if self.kind == "prefill" else "ps_paged_prefill_mma"
+            return f"{name}<{t}, {self.head_size}, {self.block_size}, {self.group}, {self.tokens}>"
         raise ValueError(f"kernel kind: no template expression for {self.kind!r}")
 
     @property
     def source(self) -> str:
         return {"decode": "paged_decode.cu", "decode_reduce": "paged_decode.cu",
-                "prefill": "paged_prefill.cu", "cache_ops": "cache_ops.cu"}[self.kind]
+                "prefill": "paged_prefill.cu", "prefill_mma": "paged_prefill_mma.cu",
+                "cache_ops": "cache_ops.cu"}[self.kind]
 
 
 @functools.cache

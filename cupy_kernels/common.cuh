@@ -51,6 +51,10 @@ template <> struct Cvt<__half> {
   }
   static __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
   static __device__ __forceinline__ __half from_f(float x) { return __float2half_rn(x); }
+  // Two floats rounded into one 32-bit register, lo in the low half (an mma operand or a pair store).
+  static __device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    return static_cast<unsigned>(__half_as_ushort(from_f(lo))) | (static_cast<unsigned>(__half_as_ushort(from_f(hi))) << 16);
+  }
 };
 
 template <> struct Cvt<__nv_bfloat16> {
@@ -70,6 +74,10 @@ template <> struct Cvt<__nv_bfloat16> {
   }
   static __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
   static __device__ __forceinline__ __nv_bfloat16 from_f(float x) { return __float2bfloat16_rn(x); }
+  static __device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    return static_cast<unsigned>(__bfloat16_as_ushort(from_f(lo)))
+           | (static_cast<unsigned>(__bfloat16_as_ushort(from_f(hi))) << 16);
+  }
 };
 
 __device__ __forceinline__ uint4 ldg16(const void* p) {
@@ -88,6 +96,33 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
+}
+
+// d += a b on the tensor cores: mma.sync.aligned.m16n8k16.row.col.f32.T.T.f32, one warp, every lane
+// holding its fragment registers in the PTX ISA's layout (described with the emulator's version in
+// testing/kernels/emu/simt.h). Needs sm_80+. Under the SIMT emulator the same call is a warp-collective
+// C++ function, so kernel sources stay identical.
+template <typename T> struct MmaName;
+template <> struct MmaName<__half> { static constexpr bool kBf16 = false; };
+template <> struct MmaName<__nv_bfloat16> { static constexpr bool kBf16 = true; };
+
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+#ifdef PS_EMULATOR
+  emu::mma_m16n8k16<MmaName<T>::kBf16>(d, a, b);
+#else
+  if constexpr (MmaName<T>::kBf16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#endif
 }
 
 }  // namespace ps

@@ -18,6 +18,12 @@ backend): a fixed split size, not a number of splits fitted to the grid. A seque
 cut at multiples of that size whatever else is in the launch, and one that fits in one partition
 gets the single pass's bits (the reduce kernel copies a lone partition as it is), so its result
 depends on its own length alone.
+
+Prefill kernel choice (``kernel``): ``"auto"`` runs the tensor-core kernel (paged_prefill_mma.cu)
+for f16/bf16 at the head sizes it takes (``build.MMA_HEAD_SIZES``) and the SIMT kernel
+(paged_prefill.cu) otherwise (float32, head 256); ``"simt"`` forces the SIMT kernel (benchmarks
+compare the two), ``"mma"`` insists on the tensor cores. The batch-invariant backend never runs a
+prefill kernel (every row is a decode query), so the choice cannot touch its guarantee.
 """
 
 from __future__ import annotations
@@ -34,14 +40,18 @@ import torch
 from cupy_kernels import checks
 from cupy_kernels.build import (
     MAX_PARTITIONS,
+    MMA_HEAD_SIZES,
     PARTITION_SIZE,
     KernelKey,
     get_function,
     group_size,
+    mma_prefill_supported,
+    prefill_mma_tokens,
     prefill_tokens,
 )
 
-THREADS = 128  # PS_DECODE_THREADS / PS_PREFILL_THREADS
+THREADS = 128  # PS_DECODE_THREADS / PS_PREFILL_THREADS / PS_MMA_THREADS
+PREFILL_KERNELS = ("auto", "mma", "simt")
 SPLIT_ALWAYS_ABOVE = 8192
 MIN_PARTITION = 128
 INVARIANT_PARTITION = 256  # the fixed split size of the batch-invariant backend (a multiple of the 64-token tile round)
@@ -103,7 +113,10 @@ def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def plan_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                 max_query_len: int, max_seq_len: int) -> Launch:
+                 max_query_len: int, max_seq_len: int, kernel: str = "auto") -> Launch:
+    """Validate prefill arguments; the launch of the tensor-core or the SIMT kernel (``kernel``)."""
+    if kernel not in PREFILL_KERNELS:
+        raise ValueError(f"kernel: one of {PREFILL_KERNELS}, got {kernel!r}")
     _, block_size, num_kv_heads, head_size = checks.check_cache_pair(k_cache, v_cache)
     checks.check_index("seq_lens", seq_lens, torch.int32, (None,))
     num_seqs = seq_lens.shape[0]
@@ -115,8 +128,17 @@ def plan_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if not 0 <= max_query_len <= query.shape[0]:
         raise ValueError(f"max_query_len: must lie in [0, {query.shape[0]}] (query rows), got {max_query_len}")
     g = group_size(q_per_kv)
-    qt = prefill_tokens(g)
-    key = KernelKey("prefill", checks.DTYPES[k_cache.dtype], head_size, block_size, g, qt)
+    dtype = checks.DTYPES[k_cache.dtype]
+    mma = mma_prefill_supported(dtype, head_size)
+    if kernel == "mma" and not mma:
+        raise ValueError(f"kernel: the tensor-core prefill takes float16/bfloat16 and head sizes "
+                         f"{MMA_HEAD_SIZES}, got {dtype} head {head_size}")
+    if mma and kernel != "simt":
+        qt = prefill_mma_tokens(g)
+        key = KernelKey("prefill_mma", dtype, head_size, block_size, g, qt)
+    else:
+        qt = prefill_tokens(g)
+        key = KernelKey("prefill", dtype, head_size, block_size, g, qt)
     return Launch(key, (num_kv_heads * (q_per_kv // g), num_seqs, max(1, math.ceil(max_query_len / qt))))
 
 
@@ -141,6 +163,12 @@ def _ptr(t: torch.Tensor) -> np.uint64:
 @functools.cache
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def has_mma(device_index: int) -> bool:
+    """mma.sync m16n8k16 with bf16 operands needs compute capability 8.0 (Ampere) or newer."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
 @contextlib.contextmanager
@@ -198,13 +226,17 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def paged_attention_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                            scale: float, out: torch.Tensor | None = None, kernel: str = "auto") -> torch.Tensor:
     """Packed query ``[num_tokens, num_q_heads, head_size]`` (sequence i owns rows
-    ``query_start_loc[i]:query_start_loc[i+1]``) -> out, causal over each sequence's cache."""
+    ``query_start_loc[i]:query_start_loc[i+1]``) -> out, causal over each sequence's cache.
+    ``kernel``: "auto" (tensor cores where they apply), "simt" or "mma" (see the module notes)."""
     device = _require_cuda(k_cache=k_cache, v_cache=v_cache, query=query, block_tables=block_tables,
                            seq_lens=seq_lens, query_start_loc=query_start_loc)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if kernel == "auto" and not has_mma(index):
+        kernel = "simt"
     launch = plan_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                          max_query_len, max_seq_len)
+                          max_query_len, max_seq_len, kernel)
     out = _out_like(query, out)
     if query.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out

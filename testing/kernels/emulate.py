@@ -44,7 +44,7 @@ extern "C" void k{i}(unsigned gx, unsigned gy, void* out, const void* po, const 
   emu::launch(dim3{{gx, gy, 1}}, {THREADS}, [&] {{ {key.expression()}(({t}*)out, (const float*)po,
       (const float*)pm, (const float*)ps, sl, np, psz); }});
 }}"""
-    if key.kind == "prefill":
+    if key.kind in ("prefill", "prefill_mma"):
         return f"""
 extern "C" void k{i}(unsigned gx, unsigned gy, unsigned gz, void* out, const void* q, const void* k,
     const void* v, const int* bt, const int* sl, const int* qsl, long long qs, int nkv, int qpk, int mb,
@@ -89,9 +89,9 @@ class Emulator:
             self._fn(rkey)(h, n, *_ptrs(out, po, pm, ps, seq_lens), parts, psize)
 
     def prefill(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                max_seq_len, scale, out) -> None:
+                max_seq_len, scale, out, kernel: str = "auto") -> None:
         launch = plan_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                              max_query_len, max_seq_len)
+                              max_query_len, max_seq_len, kernel)
         self._fn(launch.key)(*launch.grid, *_ptrs(out, query, k_cache, v_cache, block_tables, seq_lens,
                                                   query_start_loc), ctypes.c_longlong(query.stride(0)),
                              k_cache.shape[2], query.shape[1] // k_cache.shape[2], block_tables.shape[1],

@@ -21,10 +21,12 @@ inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return
 inline float2 make_float2(float a, float b) { return {a, b}; }
 
 namespace emu {
+struct MmaSlot { unsigned a[4], b[2]; };  // one lane's A and B fragment registers
 struct Block {
   std::unique_ptr<std::barrier<>> block;
   std::vector<std::unique_ptr<std::barrier<>>> warps;
   std::vector<unsigned long long> xchg;  // [warps * 32] shuffle exchange slots
+  std::vector<MmaSlot> mma;              // [warps * 32] mma fragment exchange slots
 };
 inline thread_local dim3 tidx, bidx;
 inline thread_local Block* blk = nullptr;
@@ -45,6 +47,7 @@ void launch(dim3 grid, unsigned threads, F&& body) {
         b.block = std::make_unique<std::barrier<>>(threads);
         for (unsigned w = 0; w < threads / 32; ++w) b.warps.push_back(std::make_unique<std::barrier<>>(32));
         b.xchg.assign(threads, 0);
+        b.mma.assign(threads, MmaSlot{});
         std::vector<std::thread> pool;
         for (unsigned t = 0; t < threads; ++t)
           pool.emplace_back([&, t] {
@@ -112,3 +115,47 @@ inline __nv_bfloat16 __float2bfloat16_rn(float v) {
   u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
   return __nv_bfloat16{static_cast<unsigned short>(u >> 16)};
 }
+inline unsigned short __half_as_ushort(__half h) { return h.x; }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { return b.x; }
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 as a warp-collective call: D = A B + C
+// with A 16x16 (row-major), B 16x8 (column-major), C and D 16x8 float32. Every lane hands in its
+// fragment registers laid out as the PTX ISA documents them (gid = lane / 4, t = lane % 4; a
+// register's low 16 bits hold the element of lower column or k):
+//   A: a[0] = (gid, 2t..2t+1), a[1] = (gid + 8, 2t..), a[2] = (gid, 2t + 8..), a[3] = (gid + 8, 2t + 8..)
+//   B: b[0] = (k 2t..2t+1, n gid), b[1] = (k 2t + 8..2t + 9, n gid)
+//   C/D: d[0..1] = (gid, 2t..2t+1), d[2..3] = (gid + 8, 2t..2t+1)
+// The fragments meet in the per-warp exchange slots between two warp barriers; each lane then
+// computes its own four outputs. Products of f16/bf16 values are exact in float32; they are summed in
+// float32 in k order onto C.
+namespace emu {
+inline float mma_elem(unsigned word, int high, bool bf16) {
+  const unsigned short h = static_cast<unsigned short>(high ? word >> 16 : word & 0xffffu);
+  return bf16 ? __bfloat162float(__nv_bfloat16{h}) : __half2float(__half{h});
+}
+
+template <bool BF16>
+inline void mma_m16n8k16(float* d, const unsigned* a, const unsigned* b) {
+  const int base = warp() * 32, me = lane();
+  MmaSlot& mine = blk->mma[base + me];
+  for (int i = 0; i < 4; ++i) mine.a[i] = a[i];
+  mine.b[0] = b[0];
+  mine.b[1] = b[1];
+  __syncwarp();
+  const MmaSlot* s = &blk->mma[base];
+  auto A = [&](int row, int col) {  // the lane and register that hold A[row][col]
+    return mma_elem(s[(row % 8) * 4 + (col % 8) / 2].a[(row >= 8) + 2 * (col >= 8)], col & 1, BF16);
+  };
+  auto B = [&](int k, int n) { return mma_elem(s[n * 4 + (k % 8) / 2].b[k >= 8], k & 1, BF16); };
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = me / 4 + 8 * (i >= 2), col = 2 * (me % 4) + (i & 1);
+    float acc = d[i];
+    for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
+    out[i] = acc;
+  }
+  __syncwarp();  // every lane has read the slots before any lane's next mma overwrites them
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+}  // namespace emu
+#define PS_EMULATOR 1

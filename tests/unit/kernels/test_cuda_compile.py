@@ -22,9 +22,12 @@ from cupy_kernels.build import (
     BLOCK_SIZES,
     CUDA_TYPES,
     HEAD_SIZES,
+    MMA_DTYPES,
+    MMA_HEAD_SIZES,
     SOURCES,
     KernelKey,
     nvrtc_options,
+    prefill_mma_tokens,
     prefill_tokens,
     read_source,
 )
@@ -46,7 +49,12 @@ def representative_keys() -> dict[str, list[KernelKey]]:
         decode.append(KernelKey("decode", dtype, head, bs, g_dec))
         prefill.append(KernelKey("prefill", dtype, head, bs, g_pre, prefill_tokens(g_pre)))
         reduce.append(KernelKey("decode_reduce", dtype, head))
-    return {"paged_decode.cu": decode + reduce, "paged_prefill.cu": prefill, "cache_ops.cu": []}
+    # Tensor-core prefill: every (f16/bf16, head size) pair, group sizes cycled (64 / g tokens a tile).
+    mma = [KernelKey("prefill_mma", dtype, head, BLOCK_SIZES[i % len(BLOCK_SIZES)], g, prefill_mma_tokens(g))
+           for i, (dtype, head) in enumerate(itertools.product(MMA_DTYPES, MMA_HEAD_SIZES))
+           for g in [GROUPS[i % len(GROUPS)]]]
+    return {"paged_decode.cu": decode + reduce, "paged_prefill.cu": prefill, "paged_prefill_mma.cu": mma,
+            "cache_ops.cu": []}
 
 
 def _compile(nvcc: str, workdir: Path, source: str, keys: list[KernelKey], arch: str) -> tuple[str, str]:
@@ -121,6 +129,7 @@ def test_nvrtc_compiles_every_name_expression():
     # One instantiation per kernel and dtype: nvcc above covers the rest of the grid.
     subset = {src: [k for k in keys if k.head_size in (80, 128) and (k.head_size == 128) == (k.dtype != "float32")]
               for src, keys in representative_keys().items()}
+    subset["paged_prefill_mma.cu"] = [k for k in representative_keys()["paged_prefill_mma.cu"] if k.head_size in (64, 128)]
     with ThreadPoolExecutor(max_workers=3) as pool:
         results = list(pool.map(run, subset.items()))
     for source, exprs, res in results:

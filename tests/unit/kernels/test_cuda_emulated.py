@@ -10,7 +10,13 @@ import random
 import pytest
 import torch
 
-from cupy_kernels.build import KernelKey, group_size, prefill_tokens
+from cupy_kernels.build import (
+    KernelKey,
+    group_size,
+    mma_prefill_supported,
+    prefill_mma_tokens,
+    prefill_tokens,
+)
 from testing.kernels.cases import make_case
 from testing.kernels.reference import ref_attention, ref_copy_blocks, ref_reshape_and_cache, rel_error
 
@@ -32,6 +38,8 @@ def emu():
         g = group_size(q // kv)
         keys += [KernelKey("decode", d, h, b, g), KernelKey("decode_reduce", d, h),
                  KernelKey("prefill", d, h, b, g, prefill_tokens(g))]
+        if mma_prefill_supported(d, h):
+            keys.append(KernelKey("prefill_mma", d, h, b, g, prefill_mma_tokens(g)))
     return Emulator(keys)
 
 
@@ -63,10 +71,11 @@ def test_emulated_prefill_chunks(emu, cfg):
     case = make_case(ctx, qs, nq, nkv, head, bs, DTYPES[dtype], "cpu", seed=seed)
     ref_reshape_and_cache(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
     ref = ref_attention(case.query, case.k_cache, case.v_cache, case.block_tables, ctx, case.starts, SCALE)
-    out = torch.full_like(case.query, float("nan"))
-    emu.prefill(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.query_start_loc,
-                max(qs), max(ctx), SCALE, out)
-    _check(out, ref, dtype, f"prefill seed={seed}")
+    for kernel in ("simt", "auto") if mma_prefill_supported(dtype, head) else ("auto",):  # auto: tensor cores
+        out = torch.full_like(case.query, float("nan"))
+        emu.prefill(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                    case.query_start_loc, max(qs), max(ctx), SCALE, out, kernel=kernel)
+        _check(out, ref, dtype, f"prefill ({kernel}) seed={seed}")
 
 
 def test_emulated_reshape_and_cache_skips_negative_slots(emu):
@@ -109,11 +118,11 @@ def _emulate_launchers(emu, monkeypatch) -> None:
         return out
 
     def prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                max_seq_len, scale, out=None):
+                max_seq_len, scale, out=None, kernel="auto"):
         out = torch.full_like(query, float("nan")) if out is None else out
         with lock:
             emu.prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                        max_seq_len, scale, out)
+                        max_seq_len, scale, out, kernel=kernel)
         return out
 
     def reshape_and_cache(*args):

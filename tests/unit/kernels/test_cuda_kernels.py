@@ -15,7 +15,16 @@ import random
 import pytest
 import torch
 
-from cupy_kernels.build import CUDA_TYPES, HEAD_SIZES, KernelKey, group_size, precompile, prefill_tokens
+from cupy_kernels.build import (
+    CUDA_TYPES,
+    HEAD_SIZES,
+    KernelKey,
+    group_size,
+    mma_prefill_supported,
+    precompile,
+    prefill_mma_tokens,
+    prefill_tokens,
+)
 from testing.kernels.cases import make_case
 from testing.kernels.reference import ref_attention, ref_copy_blocks, ref_reshape_and_cache, rel_error
 
@@ -46,6 +55,8 @@ def _compile_all():
         g = group_size(q // kv)
         keys += [KernelKey("decode", d, h, b, g), KernelKey("decode_reduce", d, h),
                  KernelKey("prefill", d, h, b, g, prefill_tokens(g))]
+        if mma_prefill_supported(d, h):
+            keys.append(KernelKey("prefill_mma", d, h, b, g, prefill_mma_tokens(g)))
     precompile([*keys, KernelKey("cache_ops")], torch.cuda.current_device())
 
 
@@ -85,10 +96,31 @@ def test_prefill_chunks_over_cached_prefix(cfg):
     case = make_case(ctx, qs, nq, nkv, head, bs, DTYPES[dtype], "cuda", seed=(seed := _seed()))
     ref_reshape_and_cache(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
     ref = ref_attention(case.query, case.k_cache, case.v_cache, case.block_tables, ctx, case.starts, SCALE)
-    out = torch.full_like(case.query, float("nan"))
-    paged_attention_prefill(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                            case.query_start_loc, max(qs), max(ctx), SCALE, out=out)
-    _check(out, ref, dtype, f"prefill seed={seed}")
+    # auto: the tensor-core kernel where it applies (f16/bf16, head <= 128); simt: the SIMT kernel
+    for kernel in ("auto", "simt") if mma_prefill_supported(dtype, head) else ("auto",):
+        out = torch.full_like(case.query, float("nan"))
+        paged_attention_prefill(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                case.query_start_loc, max(qs), max(ctx), SCALE, out=out, kernel=kernel)
+        _check(out, ref, dtype, f"prefill ({kernel}) seed={seed}")
+
+
+@pytest.mark.parametrize("cfg", [("bfloat16", 128, 16, 32, 8), ("float16", 64, 32, 8, 8), ("bfloat16", 96, 16, 14, 2)],
+                         ids=lambda c: f"{c[0]}-h{c[1]}-b{c[2]}-q{c[3]}kv{c[4]}")
+def test_prefill_long_prompts_tensor_cores_and_simt(cfg):
+    """Prompts of many 64-token K/V tiles (a fresh 1000-token prompt, a 200-token chunk over a
+    313-token prefix, a prompt ending mid-tile): the tensor-core kernel and the SIMT kernel."""
+    from cupy_kernels.launchers import paged_attention_prefill
+
+    dtype, head, bs, nq, nkv = cfg
+    ctx, qs = [1000, 513, 130], [1000, 200, 130]
+    case = make_case(ctx, qs, nq, nkv, head, bs, DTYPES[dtype], "cuda", seed=(seed := _seed()))
+    ref_reshape_and_cache(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
+    ref = ref_attention(case.query, case.k_cache, case.v_cache, case.block_tables, ctx, case.starts, SCALE)
+    for kernel in ("mma", "simt"):
+        out = torch.full_like(case.query, float("nan"))
+        paged_attention_prefill(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                case.query_start_loc, max(qs), max(ctx), SCALE, out=out, kernel=kernel)
+        _check(out, ref, dtype, f"prefill ({kernel}) seed={seed}")
 
 
 @pytest.mark.parametrize("dtype", list(CUDA_TYPES))

@@ -104,7 +104,7 @@ def test_query_slice_of_fused_projection_is_accepted():
 def test_plan_prefill_grid_and_checks():
     case = make_case([20, 7], [4, 7], 12, 4, 80, 8, torch.float16, "cpu", seed=2, poison=False)
     launch = launchers.plan_prefill(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                    case.query_start_loc, 7, 20)
+                                    case.query_start_loc, 7, 20, kernel="simt")
     assert launch.key == build.KernelKey("prefill", "float16", 80, 8, 3, 5)
     assert launch.grid == (4, 2, 2)
     with pytest.raises(ValueError, match="^query_start_loc"):
@@ -113,6 +113,27 @@ def test_plan_prefill_grid_and_checks():
     with pytest.raises(ValueError, match="^max_query_len"):
         launchers.plan_prefill(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
                                case.query_start_loc, 12, 20)
+
+
+def test_plan_prefill_picks_the_tensor_cores_for_half_types():
+    """f16/bf16 at heads up to 128 take the 64-row mma kernel (64 // group tokens a tile); float32
+    and head 256 keep the SIMT kernel, and asking for the tensor cores there is an error."""
+    def plan(dtype, head, nq, nkv, kernel="auto", max_q=7):
+        case = make_case([20, 7], [4, 7], nq, nkv, head, 8, dtype, "cpu", seed=2, poison=False)
+        return launchers.plan_prefill(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                      case.query_start_loc, max_q, 20, kernel=kernel)
+
+    assert plan(torch.float16, 80, 12, 4).key == build.KernelKey("prefill_mma", "float16", 80, 8, 3, 21)
+    launch = plan(torch.bfloat16, 128, 8, 2, max_q=7)
+    assert launch.key == build.KernelKey("prefill_mma", "bfloat16", 128, 8, 4, 16) and launch.grid == (2, 2, 1)
+    assert plan(torch.bfloat16, 16, 4, 4).grid == (4, 2, 1)  # 64 tokens a tile
+    assert plan(torch.float32, 128, 8, 2).key.kind == "prefill"
+    assert plan(torch.bfloat16, 256, 8, 2).key.kind == "prefill"
+    assert plan(torch.bfloat16, 128, 8, 2, kernel="simt").key.kind == "prefill"
+    with pytest.raises(ValueError, match="^kernel: the tensor-core prefill"):
+        plan(torch.float32, 128, 8, 2, kernel="mma")
+    with pytest.raises(ValueError, match="^kernel: one of"):
+        plan(torch.bfloat16, 128, 8, 2, kernel="tc")
 
 
 def test_launchers_refuse_cpu_tensors_before_touching_cupy():
