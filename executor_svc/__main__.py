@@ -86,7 +86,7 @@ def load_draft(cfg: ExecutorConfig, model, dtype: torch.dtype):
                          f"model has {model.cfg.vocab_size}")
     quantization = "gguf" if cfg.device == "cpu" and is_gguf(cfg.speculative_model) and cfg.dtype == "auto" else None
     return load_model(cfg.speculative_model, cfg.device, dtype, quantization=quantization,
-                      cpu_kernels=cfg.cpu_attention != "torch")
+                      cpu_kernels=cfg.cpu_attention != "torch", fused_layers=cfg.fused_layers)
 
 
 def draft_pools(target, draft, block_size: int, device_bytes: int, cpu_bytes: int, dtype: torch.dtype,
@@ -111,7 +111,8 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
         log.warning("computing in %s on CPU: expect it to be much slower than float32", dtype)
     device = group.device if group is not None else cfg.device
     model = load_model(cfg.model_dir, device, dtype, shard, group.all_reduce if group is not None else None,
-                       quantization=cfg.quantization, cpu_kernels=cfg.cpu_attention != "torch")
+                       quantization=cfg.quantization, cpu_kernels=cfg.cpu_attention != "torch",
+                       fused_layers=cfg.fused_layers)
     if model.decode_stack is not None:
         model.decode_stack.threads.enabled = cfg.cpu_decode_threads == "adaptive"
     backend = make_attention_backend(cfg.device, cfg.cpu_attention)

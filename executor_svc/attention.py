@@ -52,6 +52,10 @@ class AttentionBackend(ABC):
     # Pure decode steps may run the model's fused decode stack (executor_svc/model/cpu_decode.py),
     # which computes this backend's attention inside the same C call.
     runs_decode_stack: bool = False
+    # The model may write a step's K/V into this backend's caches itself, instead of calling write_kv
+    # (the fused RoPE + cache-write kernel, executor_svc/model/cuda_layers.py): the caches are the
+    # contract's layout, slots the metadata's, and write_kv does nothing more than store them.
+    fused_kv_write: bool = False
 
     @abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

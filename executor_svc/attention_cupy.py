@@ -29,6 +29,7 @@ from executor_svc.attention import AttentionBackend, AttentionMetadata, KVCaches
 
 class CupyAttentionBackend(AttentionBackend):
     name = "cupy"
+    fused_kv_write = True  # write_kv is reshape_and_cache into the contract's layout, nothing more
 
     def __init__(self, batch_invariant: bool = False) -> None:
         self.batch_invariant = batch_invariant

@@ -84,6 +84,7 @@ class ExecutorConfig:
     speculative_model: Path | None = None  # a draft model for speculative decoding (executor_svc/speculative/draft.py)
     lora_dtype: str = "float32"  # the slots' tensors: "float32" (exact against PEFT) or "bfloat16" (half the bytes)
     max_cpu_loras: int = 0  # parsed adapters kept in host memory (LRU; executor_svc/lora/cache.py); 0: none
+    fused_layers: bool = True  # CUDA: decoder layers on the fused kernels (executor_svc/model/cuda_layers.py)
 
 
 def _endpoint(text: str) -> str:
@@ -188,6 +189,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="CUDA: decode batch sizes captured as graphs, comma-separated (default 1,2,4,8 and "
                         "every multiple of 8 to 256); a step of n sequences replays the smallest size >= n, "
                         "a larger one runs eagerly")
+    p.add_argument("--fused-layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: run each decoder layer's norms (with the residual add), RoPE (with the KV-cache "
+                        "write) and SiLU-and-mul as fused kernels, three launches where the torch ops take about "
+                        "thirty; --no-fused-layers runs the torch ops (for comparison, or as a fallback)")
     p.add_argument("--prepare-ahead", action=argparse.BooleanOptionalAction, default=None,
                    help="check and apply each queued plan and build its batch while the device runs the "
                         "step before, so the device does not wait for that host work (default: on with "
@@ -317,7 +322,7 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
         max_loras=args.max_loras if args.enable_lora else 0, max_lora_rank=args.max_lora_rank,
         speculative_model=resolve_model(args.speculative_model) if args.speculative_model is not None else None,
         lora_dtype=args.lora_dtype if args.lora_dtype != "auto" else "bfloat16" if args.device == "cpu" else "float32",
-        max_cpu_loras=max_cpu_loras if args.enable_lora else 0)
+        max_cpu_loras=max_cpu_loras if args.enable_lora else 0, fused_layers=args.fused_layers)
 
 
 def _graph_sizes(text: str) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from executor_svc.lora.adapter import LoraAdapter, module_shape
 from executor_svc.model import LlamaForCausalLM, load_model_config
 from executor_svc.model.loader import _load_safetensors, _targets
 from executor_svc.model.rope import RotaryEmbedding
@@ -43,6 +44,17 @@ def make_adapter(base: Path, out: Path, targets: list[str], r: int = 8, alpha: f
         file = out / "adapter_model.safetensors"
         save_file({k: v.to(torch.bfloat16) for k, v in load_file(file).items()}, file, metadata={"format": "pt"})
     return peft_model.merge_and_unload().eval()
+
+
+def random_adapter(cfg, targets: list[str], r: int, seed: int) -> LoraAdapter:
+    """An adapter's weights straight into memory (no PEFT: the GPU check installs none)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(cfg.num_layers):
+        for m in targets:
+            out, n_in = module_shape(cfg, m)
+            weights[layer, m] = (torch.randn(r, n_in, generator=g) / n_in ** 0.5, torch.randn(out, r, generator=g))
+    return LoraAdapter(f"random-{seed}", r, 0.5, weights)
 
 
 def torch_model(path: Path, shard: TPShard = NO_SHARD, reduce=None) -> LlamaForCausalLM:

@@ -138,6 +138,9 @@ class LlamaForCausalLM(nn.Module):
         # Set by executor_svc/lora (LoraState): while its ``batch`` is set the step holds adapter tokens,
         # whose deltas only the (wrapped) modules add, so such a step never takes the decode stack.
         self.lora = None
+        # Set by cuda_layers.install (CUDA, unless --no-fused-layers): the layers on the fused kernels,
+        # taken with a backend that lets the model write K/V itself (``fused_kv_write``).
+        self.fused_layers = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -167,6 +170,8 @@ class LlamaForCausalLM(nn.Module):
         if (self.decode_stack is not None and backend.runs_decode_stack
                 and (meta.max_query_len == 1 or every_row_scored)):
             return self.decode_stack(x, positions, caches, meta, self.lora.batch if self.lora is not None else None)
+        if self.fused_layers is not None and backend.fused_kv_write:
+            return self.fused_layers.forward(self, x, positions, caches, meta, backend), None
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer(x, cos, sin, cache, meta, backend)

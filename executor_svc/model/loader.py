@@ -23,6 +23,7 @@ from executor_svc.cpu_ops import load_cpu_ops
 from executor_svc.model.architecture import ModelConfig, UnsupportedModelError, load_model_config
 from executor_svc.model.block_weights import BlockEmbedding, BlockLinear, block_format
 from executor_svc.model.cpu_pack import pack_for_cpu, weight_format
+from executor_svc.model.cuda_layers import install as install_fused_layers
 from executor_svc.model.gguf_weights import gguf_blocks, gguf_tensors, hf_types
 from executor_svc.model.llama import AllReduce, LlamaForCausalLM
 from executor_svc.model.rope import RotaryEmbedding
@@ -87,7 +88,7 @@ def _targets(cfg: ModelConfig, shard: TPShard = NO_SHARD) -> dict[str, Target]:
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                shard: TPShard = NO_SHARD, reduce: AllReduce | None = None, quantization: str | None = None,
-               cpu_kernels: bool = True) -> LlamaForCausalLM:
+               cpu_kernels: bool = True, fused_layers: bool = True) -> LlamaForCausalLM:
     """The whole model, or with ``shard`` one tensor-parallel rank's part of it (only those bytes
     are read) and ``reduce`` its sum over ranks.
 
@@ -96,7 +97,8 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     ``quantization="int8"``, or with ``quantization="gguf"`` (a GGUF file) the file's
     Q8_0/Q4_0/Q4_1/Q4_K layers as stored and the rest in ``dtype``; activations float32.
     ``cpu_kernels=False`` keeps the formats but computes them with torch alone (a GGUF file is
-    then dequantized at load)."""
+    then dequantized at load). On CUDA the layers run on the fused kernels unless ``fused_layers`` is
+    False (``cuda_layers.install`` decides)."""
     cfg = load_model_config(model_dir)
     packed = torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
     if quantization is not None and not (packed and shard.size == 1):
@@ -127,6 +129,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, torch.device(device))
     if fmt is not None:
         pack_for_cpu(model, fmt, ops)
+    install_fused_layers(model, fused_layers)
     return model.eval()
 
 

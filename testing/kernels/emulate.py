@@ -15,6 +15,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -114,6 +116,42 @@ class Emulator:
         pair_t = torch.tensor(pairs, dtype=torch.int64)
         vecs = flat[0][0].numel() * flat[0].element_size() // 16
         self.lib.copy_blocks(len(flat), len(pairs), *_ptrs(ptrs, pair_t), ctypes.c_longlong(vecs))
+
+
+def emulate_launchers(emu: Emulator, monkeypatch) -> Counter:
+    """The CuPy backend's launchers run the kernels' source on the SIMT emulator (one at a time:
+    tensor-parallel ranks call them from several threads). Returns the count of calls per launcher
+    (``decode``, ``prefill``, ``reshape_and_cache``)."""
+    from cupy_kernels import cache_ops, launchers
+
+    lock, calls = threading.Lock(), Counter()
+
+    def decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out=None, partition_size=None):
+        out = torch.full_like(query, float("nan")) if out is None else out
+        with lock:
+            calls["decode"] += 1
+            emu.decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out,
+                       partition_size=partition_size)
+        return out
+
+    def prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                max_seq_len, scale, out=None, kernel="auto"):
+        out = torch.full_like(query, float("nan")) if out is None else out
+        with lock:
+            calls["prefill"] += 1
+            emu.prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+                        max_seq_len, scale, out, kernel=kernel)
+        return out
+
+    def reshape_and_cache(*args):
+        with lock:
+            calls["reshape_and_cache"] += 1
+            emu.reshape_and_cache(*args)
+
+    monkeypatch.setattr(launchers, "paged_attention_decode", decode)
+    monkeypatch.setattr(launchers, "paged_attention_prefill", prefill)
+    monkeypatch.setattr(cache_ops, "reshape_and_cache", reshape_and_cache)
+    return calls
 
 
 def _cache_ops_wrappers() -> str:

@@ -18,6 +18,7 @@ from cupy_kernels.build import (
     prefill_tokens,
 )
 from testing.kernels.cases import make_case
+from testing.kernels.emulate import emulate_launchers
 from testing.kernels.reference import ref_attention, ref_copy_blocks, ref_reshape_and_cache, rel_error
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -101,39 +102,6 @@ def test_emulated_copy_blocks(emu):
         assert torch.equal(k, ek) and torch.equal(v, ev)
 
 
-def _emulate_launchers(emu, monkeypatch) -> None:
-    """The CuPy backend's launchers run the kernels' source on the SIMT emulator (one at a time:
-    tensor-parallel ranks call them from several threads)."""
-    import threading
-
-    from cupy_kernels import cache_ops, launchers
-
-    lock = threading.Lock()
-
-    def decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out=None, partition_size=None):
-        out = torch.full_like(query, float("nan")) if out is None else out
-        with lock:
-            emu.decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out,
-                       partition_size=partition_size)
-        return out
-
-    def prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                max_seq_len, scale, out=None, kernel="auto"):
-        out = torch.full_like(query, float("nan")) if out is None else out
-        with lock:
-            emu.prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                        max_seq_len, scale, out, kernel=kernel)
-        return out
-
-    def reshape_and_cache(*args):
-        with lock:
-            emu.reshape_and_cache(*args)
-
-    monkeypatch.setattr(launchers, "paged_attention_decode", decode)
-    monkeypatch.setattr(launchers, "paged_attention_prefill", prefill)
-    monkeypatch.setattr(cache_ops, "reshape_and_cache", reshape_and_cache)
-
-
 PROMPTS = [[(5 * i + 2) % 300 + 1 for i in range(n)] for n in (11, 4, 19)]
 
 
@@ -153,7 +121,7 @@ def test_emulated_backend_generates_like_the_torch_backend(emu, tiny_llama_dir, 
     from executor_svc.attention_cupy import CupyAttentionBackend
     from testing.executor_plans import make_runner
 
-    _emulate_launchers(emu, monkeypatch)
+    emulate_launchers(emu, monkeypatch)
     outputs = []
     for cupy_backend in (True, False):
         runner = make_runner(tiny_llama_dir)
@@ -170,7 +138,7 @@ def test_emulated_kernels_take_per_rank_head_counts(emu, tiny_llama_dir, monkeyp
     from testing.executor_plans import make_runner
     from testing.tp_harness import tp_runner
 
-    _emulate_launchers(emu, monkeypatch)
+    emulate_launchers(emu, monkeypatch)
     with tp_runner(tiny_llama_dir, backend=CupyAttentionBackend) as runner:
         assert [(r.model.cfg.num_heads, r.kv.layers[0][0].shape[2]) for r in [runner, *runner.followers]] == \
             [(2, 1), (2, 1)]
@@ -189,7 +157,7 @@ def test_emulated_batch_invariant_backend_gives_a_request_its_bits_alone(emu, cf
     from testing.kernels import invariance as inv
 
     dtype, head, bs, nq, nkv = cfg
-    _emulate_launchers(emu, monkeypatch)
+    emulate_launchers(emu, monkeypatch)
     monkeypatch.setattr(launchers, "INVARIANT_PARTITION", 64)  # the same splits on shorter contexts
     seed = random.randrange(1 << 30)
     case = inv.batch_case(nq, nkv, head, bs, DTYPES[dtype], "cpu", seed, inv.SMALL)

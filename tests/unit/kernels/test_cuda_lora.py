@@ -18,9 +18,10 @@ import torch
 
 from cupy_kernels import lora
 from executor_svc.lora import LoraManager
-from executor_svc.lora.adapter import MAX_RANK, LoraAdapter, module_shape
+from executor_svc.lora.adapter import MAX_RANK
 from executor_svc.lora.apply import LoraBatch, add_delta, add_delta_kernels
 from testing.kernels.reference import rel_error
+from testing.lora_adapters import random_adapter
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
@@ -184,17 +185,6 @@ def test_launchers_refuse_bad_arguments():
     assert lora.MAX_R == 3 * MAX_RANK  # q/k/v at the largest rank a slot holds
 
 
-def _random_adapter(cfg, targets: list[str], r: int, seed: int) -> LoraAdapter:
-    """An adapter's weights straight into memory (no PEFT: the GPU check installs none)."""
-    g = torch.Generator().manual_seed(seed)
-    weights = {}
-    for layer in range(cfg.num_layers):
-        for m in targets:
-            out, n_in = module_shape(cfg, m)
-            weights[layer, m] = (torch.randn(r, n_in, generator=g) / n_in ** 0.5, torch.randn(out, r, generator=g))
-    return LoraAdapter(f"random-{seed}", r, 0.5, weights)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_apply_kernel_path_equals_torch_products(kern, tiny_llama_dir, dtype):
     """``add_delta_kernels`` (the CUDA path) against ``add_delta`` (the torch products) on the same slots
@@ -206,7 +196,7 @@ def test_apply_kernel_path_equals_torch_products(kern, tiny_llama_dir, dtype):
     targets = [["q_proj", "v_proj"], ["k_proj", "o_proj", "up_proj"], ["gate_proj", "down_proj", "q_proj"],
                ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]]
     for slot, tg in enumerate(targets):
-        manager.slots.load(slot, _random_adapter(model.cfg, tg, [8, 3, 5, 6][slot], seed=slot))
+        manager.slots.load(slot, random_adapter(model.cfg, tg, [8, 3, 5, 6][slot], seed=slot))
     slots = torch.tensor([3, -1, 0, 1, 2, 0, -1, 3, 1, 2, 2])
     loaded = [True] * 4
     with_k = LoraBatch.build(slots, loaded, torch.device(kern.device), with_kernels=True)
