@@ -15,7 +15,13 @@ from collections import Counter
 import pytest
 import torch
 
-from cupy_kernels.build import KernelKey, group_size, prefill_tokens
+from cupy_kernels.build import (
+    KernelKey,
+    group_size,
+    mma_prefill_supported,
+    prefill_mma_tokens,
+    prefill_tokens,
+)
 from executor_svc.model.cuda_layers import install
 from testing.kernels.reference import rel_error
 from testing.lora_adapters import torch_model
@@ -73,7 +79,9 @@ def where(request):
         g = group_size(2)  # the tiny model: 4 q / 2 KV heads of 16, blocks of 16
         w.attention = Emulator([k for d in DTYPES for k in (
             KernelKey("decode", d, 16, 16, g), KernelKey("decode_reduce", d, 16),
-            KernelKey("prefill", d, 16, 16, g, prefill_tokens(g)))])
+            KernelKey("prefill", d, 16, 16, g, prefill_tokens(g)))] +
+            # (16-bit prefills take the tensor-core kernel, as on the GPU)
+            [KernelKey("prefill_mma", d, 16, 16, g, prefill_mma_tokens(g)) for d in DTYPES if mma_prefill_supported(d, 16)])
         w.fused = FusedEmulator()
     return w
 
