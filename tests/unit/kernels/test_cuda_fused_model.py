@@ -71,18 +71,24 @@ class _Where:
 @pytest.fixture(scope="module", params=["emulator", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not _HAVE_GPU, reason="needs a CUDA GPU and CuPy (run make gpu-check)")])])
 def where(request):
-    w = _Where(request.param)
-    if w.name == "emulator":
-        from testing.kernels.emulate import Emulator
-        from testing.kernels.emulate_fused import FusedEmulator
+    return request.getfixturevalue("emulated") if request.param == "emulator" else _Where("cuda")
 
-        g = group_size(2)  # the tiny model: 4 q / 2 KV heads of 16, blocks of 16
-        w.attention = Emulator([k for d in DTYPES for k in (
-            KernelKey("decode", d, 16, 16, g), KernelKey("decode_reduce", d, 16),
-            KernelKey("prefill", d, 16, 16, g, prefill_tokens(g)))] +
-            # (16-bit prefills take the tensor-core kernel, as on the GPU)
-            [KernelKey("prefill_mma", d, 16, 16, g, prefill_mma_tokens(g)) for d in DTYPES if mma_prefill_supported(d, 16)])
-        w.fused = FusedEmulator()
+
+@pytest.fixture(scope="module")
+def emulated():
+    """The kernels' sources on the SIMT emulator; alone, for the tests whose harness builds host-tensor
+    metadata (the Forcer) or runs several ranks, which only the CPU stand-in can serve."""
+    from testing.kernels.emulate import Emulator
+    from testing.kernels.emulate_fused import FusedEmulator
+
+    w = _Where("emulator")
+    g = group_size(2)  # the tiny model: 4 q / 2 KV heads of 16, blocks of 16
+    w.attention = Emulator([k for d in DTYPES for k in (
+        KernelKey("decode", d, 16, 16, g), KernelKey("decode_reduce", d, 16),
+        KernelKey("prefill", d, 16, 16, g, prefill_tokens(g)))] +
+        # (16-bit prefills take the tensor-core kernel, as on the GPU)
+        [KernelKey("prefill_mma", d, 16, 16, g, prefill_mma_tokens(g)) for d in DTYPES if mma_prefill_supported(d, 16)])
+    w.fused = FusedEmulator()
     return w
 
 
@@ -222,18 +228,16 @@ class _Locked:
         return call
 
 
-def test_tensor_parallel_ranks_compose_with_the_fused_layers(where, tiny_llama_dir, monkeypatch):
+def test_tensor_parallel_ranks_compose_with_the_fused_layers(emulated, tiny_llama_dir, monkeypatch):
     """Two ranks (2 q / 1 KV heads and half the MLP each), each on the fused layers: the row-parallel
     sums land in the residual stream as the eager modules' do; the tokens are one eager runner's."""
-    if where.name != "emulator":
-        pytest.skip("one GPU: the ranks' kernels run on the emulator")
     import testing.lora_adapters
     from executor_svc.attention_cupy import CupyAttentionBackend
     from testing.tp_harness import tp_runner
 
-    where.patch(monkeypatch)
-    want = _serve(_runner(_model(tiny_llama_dir, where, torch.float32, fused=False)[0]))[0]
-    kernels, plain = _Locked(where.fused), testing.lora_adapters.torch_model
+    emulated.patch(monkeypatch)
+    want = _serve(_runner(_model(tiny_llama_dir, emulated, torch.float32, fused=False)[0]))[0]
+    kernels, plain = _Locked(emulated.fused), testing.lora_adapters.torch_model
 
     def fused_model(*args, **kwargs):
         model = plain(*args, **kwargs)
@@ -251,7 +255,7 @@ def test_tensor_parallel_ranks_compose_with_the_fused_layers(where, tiny_llama_d
     assert kernels.calls["rope_and_cache"] > 0
 
 
-def test_lora_deltas_reach_the_fused_layers_before_rope(where, tiny_llama_dir, monkeypatch):
+def test_lora_deltas_reach_the_fused_layers_before_rope(emulated, tiny_llama_dir, monkeypatch):
     """Adapters on q/k/v (added inside the merged projection, before RoPE rotates q and k), o, gate/up
     and down, two slots and base tokens in one batch: the fused layers' logits are the eager modules'
     (an adapter's k delta added after RoPE, or lost, would move them), and the adapters do change them."""
@@ -260,10 +264,8 @@ def test_lora_deltas_reach_the_fused_layers_before_rope(where, tiny_llama_dir, m
     from testing.cpu_agreement import Forcer
     from testing.lora_adapters import random_adapter
 
-    if where.name != "emulator":
-        pytest.skip("the Forcer's metadata is host tensors; the GPU twin of the layers is the runner's test above")
-    where.patch(monkeypatch)
-    model, kernels = _model(tiny_llama_dir, where, torch.float32, fused=True)
+    emulated.patch(monkeypatch)
+    model, kernels = _model(tiny_llama_dir, emulated, torch.float32, fused=True)
     fused = model.fused_layers
     manager = LoraManager(model, max_loras=2, max_rank=8)
     manager.slots.load(0, random_adapter(model.cfg, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -348,7 +350,7 @@ class _Launches:
         return self.ops
 
 
-def test_a_fused_decode_layer_launches_nine_kernels(where, tiny_llama_dir, monkeypatch):
+def test_a_fused_decode_layer_launches_nine_kernels(emulated, tiny_llama_dir, monkeypatch):
     """A bfloat16 decode step's launches per decoder layer (a 2-layer forward's minus a 1-layer one's):
     the four projections' GEMMs, the attention kernel, two add_rms_norm, rope_and_cache and
     silu_and_mul on the fused layers; the eager modules' chains of small ops take 36 (RMSNorm 8 each in
@@ -357,18 +359,16 @@ def test_a_fused_decode_layer_launches_nine_kernels(where, tiny_llama_dir, monke
     from executor_svc.attention_cupy import CupyAttentionBackend
     from testing.cpu_agreement import Forcer
 
-    if where.name != "emulator":
-        pytest.skip("counted on the CPU (the Forcer's metadata is host tensors)")
-    where.patch(monkeypatch)
+    emulated.patch(monkeypatch)
     launches = _Launches()
     for module, name in ((launchers, "paged_attention_decode"), (launchers, "paged_attention_prefill"),
                          (cache_ops, "reshape_and_cache")):
         monkeypatch.setattr(module, name, launches.kernel(name, getattr(module, name)))
     per_layer = {}
     for fused in (False, True):
-        model = _model(tiny_llama_dir, where, torch.bfloat16, fused=False)[0]
+        model = _model(tiny_llama_dir, emulated, torch.bfloat16, fused=False)[0]
         if fused:
-            install(model, kernels=type("K", (), {n: staticmethod(launches.kernel(n, getattr(where.fused, n)))
+            install(model, kernels=type("K", (), {n: staticmethod(launches.kernel(n, getattr(emulated.fused, n)))
                                                   for n in ("add_rms_norm", "silu_and_mul", "rope_and_cache")})())
         forcer = Forcer(model, torch.bfloat16, 3, 32, "torch")
         forcer.backend = CupyAttentionBackend()
