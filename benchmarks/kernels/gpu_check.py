@@ -45,8 +45,12 @@ TARGET_BUSY = 0.85
 
 
 def gpu_test_files() -> list[str]:
-    """Test files that carry GPU tests (collecting only these keeps unrelated imports out)."""
-    return sorted(str(p) for p in Path("tests").rglob("test_*.py") if "mark.gpu" in p.read_text())
+    """Test files that carry GPU tests, marked in the file or through a fixture of their folder's
+    conftest.py (collecting only these keeps unrelated imports out)."""
+    def marks(p: Path) -> bool:
+        return p.is_file() and "mark.gpu" in p.read_text()
+
+    return sorted(str(p) for p in Path("tests").rglob("test_*.py") if marks(p) or marks(p.parent / "conftest.py"))
 
 
 def run_gpu_tests(timeout_s: int) -> dict:

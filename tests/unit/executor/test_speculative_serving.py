@@ -11,12 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from executor_svc.model import load_model
-from pagedserve.engine_api import GenerationRequest, RequestParams
+from pagedserve.engine_api import RequestParams
 from pagedserve.wire import SamplingParams
-from scheduler_svc.sched.scheduler import Scheduler
-from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from scheduler_svc.sched.speculation import SpeculativeConfig
-from testing.executor_plans import drive, hf_greedy, make_runner
+from testing.executor_plans import hf_greedy, make_runner
+from testing.speculative_serving import OracleProposer, serve
 
 NUM_BLOCKS = 48
 
@@ -34,69 +33,13 @@ def _prompts() -> dict[str, list[int]]:
             "short": phrase[:4] + phrase[:4] + phrase[:2]}
 
 
-class OracleProposer:
-    """Proposes the true continuation (from a run without speculation), cut short and with a wrong
-    token every third call, so whole acceptances, bonus tokens and rejections midway all occur."""
-
-    def __init__(self, prompts: dict[str, list[int]], outputs: dict[str, list[list[int]]], k: int) -> None:
-        self.k, self.calls = k, 0
-        self.known = [(p, outputs[rid][0]) for rid, p in prompts.items()]
-
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        self.calls += 1
-        for prompt, cont in self.known:
-            if tokens[:len(prompt)] == prompt:
-                at = len(tokens) - len(prompt)
-                out = list(cont[at:at + min(k, 1 + self.calls % self.k)])
-                if out and self.calls % 3 == 0:
-                    out[-1] = (out[-1] + 1) % 500
-                return out
-        return []
-
-
 def _serve(tiny_llama_dir, model, params: RequestParams, spec: SpeculativeConfig | None,
            prompts: dict[str, list[int]], num_blocks: int = NUM_BLOCKS, max_batched: int = 256,
            mode: str = "recompute", proposer=None, verified: int = 256):
     runner = make_runner(tiny_llama_dir, num_blocks=num_blocks, num_cpu_blocks=32, model=model)
-    cfg = SchedulerConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=256,
-                          speculative=spec, preemption_mode=mode)
-    sched = Scheduler(cfg, num_blocks, 32, eos_token_ids=(), vocab_size=model.cfg.vocab_size)
-    if spec is not None:  # (256: every sequence of these small batches speculates; the default is for CPU cost)
-        sched.spec.policy.max_verified_tokens = verified
-    if proposer is not None:
-        sched.spec.proposer = proposer
-    out: dict[str, list[list[int]]] = {rid: [] for rid in prompts}
-    lps: dict[str, list] = {rid: [] for rid in prompts}
-    spec_usage: dict[str, tuple[int, int]] = {}  # the latest totals each request's updates carried
-    for rid, p in prompts.items():
-        sched.add_request(GenerationRequest(rid, p, params))
-    plans = []
-
-    def take(plan, result):
-        plans.append(plan)
-        for upd in sched.update(result):
-            assert upd.error is None
-            if upd.spec_proposed_tokens:
-                assert upd.spec_accepted_tokens <= upd.spec_proposed_tokens
-                assert upd.spec_proposed_tokens >= spec_usage.get(upd.request_id, (0, 0))[0]  # running totals
-                spec_usage[upd.request_id] = (upd.spec_proposed_tokens, upd.spec_accepted_tokens)
-            for s in upd.seqs:
-                while len(out[upd.request_id]) <= s.index:
-                    out[upd.request_id].append([])
-                out[upd.request_id][s.index].extend(s.new_token_ids)
-                if s.logprobs:
-                    lps[upd.request_id].extend((x.token_id, x.logprob) for x in s.logprobs)
-        sched.check_integrity()
-
-    drive(runner, sched, take)
-    assert sched.kv.num_free_blocks == num_blocks  # nothing leaked
-    assert not sched.requests and not runner.seqs
-    if spec is not None:  # the requests' usage totals add up to the engine's counters
-        assert sum(p for p, _ in spec_usage.values()) == sched.spec.counters.num_draft_tokens
-        assert sum(a for _, a in spec_usage.values()) == sched.spec.counters.num_accepted_tokens
-    else:
-        assert not spec_usage
-    return out, plans, sched, lps
+    s = serve(runner, params, spec, prompts, num_cpu_blocks=32, max_batched=max_batched, mode=mode,
+              proposer=proposer, verified=verified)
+    return s.outputs, s.plans, s.sched, s.logprobs
 
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -9,121 +9,21 @@ the one the backend's write_kv writes, and the backend's write must not run at a
 
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter
 
 import pytest
 import torch
 
-from cupy_kernels.build import (
-    KernelKey,
-    group_size,
-    mma_prefill_supported,
-    prefill_mma_tokens,
-    prefill_tokens,
-)
 from executor_svc.model.cuda_layers import install
+from testing.kernels.cuda_site import DTYPES
+from testing.kernels.cuda_site import cuda_model as _model
+from testing.kernels.cuda_site import cupy_runner as _runner
 from testing.kernels.reference import rel_error
 from testing.lora_adapters import torch_model
 from testing.plan_driver import PlanDriver
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 PROMPTS = [[(5 * i + 2) % 300 + 1 for i in range(n)] for n in (11, 4, 19)]
-_HAVE_GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
-
-
-class Counted:
-    """``fn`` with its calls counted in ``calls[name]``."""
-
-    def __init__(self, fn, calls: Counter, name: str) -> None:
-        self.fn, self.calls, self.name = fn, calls, name
-
-    def __call__(self, *args, **kwargs):
-        self.calls[self.name] += 1
-        return self.fn(*args, **kwargs)
-
-
-class _Where:
-    """Where the kernels run: ``emulator`` (the CPU, launchers patched) or ``cuda``."""
-
-    def __init__(self, name: str) -> None:
-        self.name, self.device = name, "cpu" if name == "emulator" else "cuda"
-        self.fused = None  # the fused kernels' object (None on CUDA: cuda_layers picks the launchers)
-        self.attention = None
-
-    def patch(self, monkeypatch) -> Counter:
-        """Launcher calls by name (attention and the backend's cache write), counted on either side."""
-        from cupy_kernels import cache_ops, launchers
-
-        if self.name == "emulator":
-            from testing.kernels.emulate import emulate_launchers
-
-            return emulate_launchers(self.attention, monkeypatch)
-        calls = Counter()
-        for module, name, short in ((launchers, "paged_attention_decode", "decode"),
-                                    (launchers, "paged_attention_prefill", "prefill"),
-                                    (cache_ops, "reshape_and_cache", "reshape_and_cache")):
-            monkeypatch.setattr(module, name, Counted(getattr(module, name), calls, short))
-        return calls
-
-
-@pytest.fixture(scope="module", params=["emulator", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not _HAVE_GPU, reason="needs a CUDA GPU and CuPy (run make gpu-check)")])])
-def where(request):
-    return request.getfixturevalue("emulated") if request.param == "emulator" else _Where("cuda")
-
-
-@pytest.fixture(scope="module")
-def emulated():
-    """The kernels' sources on the SIMT emulator; alone, for the tests whose harness builds host-tensor
-    metadata (the Forcer) or runs several ranks, which only the CPU stand-in can serve."""
-    from testing.kernels.emulate import Emulator
-    from testing.kernels.emulate_fused import FusedEmulator
-
-    w = _Where("emulator")
-    g = group_size(2)  # the tiny model: 4 q / 2 KV heads of 16, blocks of 16
-    w.attention = Emulator([k for d in DTYPES for k in (
-        KernelKey("decode", d, 16, 16, g), KernelKey("decode_reduce", d, 16),
-        KernelKey("prefill", d, 16, 16, g, prefill_tokens(g)))] +
-        # (16-bit prefills take the tensor-core kernel, as on the GPU)
-        [KernelKey("prefill_mma", d, 16, 16, g, prefill_mma_tokens(g)) for d in DTYPES if mma_prefill_supported(d, 16)])
-    w.fused = FusedEmulator()
-    return w
-
-
-class CountedKernels:
-    """The fused kernels' object, each call counted by name."""
-
-    def __init__(self, kernels) -> None:
-        self.kernels, self.calls = kernels, Counter()
-
-    def __getattr__(self, name: str):
-        return Counted(getattr(self.kernels, name), self.calls, name)
-
-
-def _model(model_dir, where: _Where, dtype: torch.dtype, fused: bool):
-    from executor_svc.model.cuda_layers import cuda_kernels
-
-    model = torch_model(model_dir).to(where.device, dtype)
-    model.rotary.inv_freq = model.rotary.inv_freq.to(where.device)
-    kernels = None
-    if fused:
-        kernels = CountedKernels(where.fused if where.fused is not None else cuda_kernels())
-        install(model, kernels=kernels)
-    return model, kernels
-
-
-def _runner(model):
-    from executor_svc.attention_cupy import CupyAttentionBackend
-    from executor_svc.kv_cache import KVCache
-    from executor_svc.runner import ModelRunner
-    from executor_svc.sampler import Sampler
-
-    kv = KVCache(model.cfg, 16, 48, 0, model.dtype, model.device)
-    runner = ModelRunner(model, kv, CupyAttentionBackend(), Sampler(seed=0))
-    runner.keep_logits = True
-    return runner
 
 
 def _serve(runner, max_new: int = 5, chunk: int = 7) -> tuple[list[list[int]], list[torch.Tensor]]:
