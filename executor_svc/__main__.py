@@ -174,7 +174,7 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
         architecture=model_cfg.architecture, vocab_size=model_cfg.vocab_size, block_size=cfg.block_size,
         num_device_blocks=kv.num_blocks, num_cpu_blocks=kv.num_cpu_blocks, max_model_len=max_len,
         dtype=str(dtype).removeprefix("torch."), device=cfg.device, tensor_parallel_size=cfg.tensor_parallel_size,
-        max_decode_steps=runner.decode_steps_served(), speculative=group is None,
+        max_decode_steps=runner.decode_steps_served(), speculative=True,
         batch_invariant=variance is None, numerics=model_numerics,
         lora_slots=cfg.max_loras, max_lora_rank=cfg.max_lora_rank if cfg.max_loras else 0,
         draft_model=runner.draft.name if getattr(runner, "draft", None) is not None else "",

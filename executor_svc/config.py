@@ -295,8 +295,8 @@ def parse_config(argv: list[str] | None = None, environ: dict[str, str] | None =
     model = resolve_model(Path(args.model))
     if args.speculative_model is not None:
         if args.tensor_parallel_size > 1:
-            parser.error("--speculative-model: a tensor-parallel executor does not speculate (its ranks take one token "
-                         "per sequence per step)")
+            parser.error("--speculative-model: a tensor-parallel executor verifies n-gram proposals only (a draft "
+                         "model would run on rank 0 alone, its tokens needed by every rank before the forward)")
         try:  # a draft that cannot serve the model stops the executor here, naming it
             check_draft(args.speculative_model, model)
         except ValueError as exc:

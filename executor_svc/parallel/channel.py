@@ -17,6 +17,11 @@ order, a length both sides know. Followers append them as the leader did; a row 
 :data:`DROPPED` (-1, never a token id) failed alone on the leader (its grammar cannot be served):
 its sequence is dropped on every rank. ``status`` is ``FAILED`` when sampling raised on the leader
 (the step is then reported as failed and nothing is appended anywhere).
+
+After those, a step that verified speculative proposals sends what each speculating sequence
+emitted after its first token, as int64 ``[SPEC_TOKENS, n_1, t_1..., n_2, t_2..., ...]``: per
+speculating sequence in batch order, its count and that many tokens padded with 0 to its number of
+proposals (it emits at most that many beyond the first), a length both sides know from the plan.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 from executor_svc.parallel.group import TPGroup
 from pagedserve import wire
 
-PLAN, RESET, TICK, STOP, TOKENS = 1, 2, 3, 4, 5
+PLAN, RESET, TICK, STOP, TOKENS, SPEC_TOKENS = 1, 2, 3, 4, 5, 6
 OK, FAILED = 0, 1
 DROPPED = -1  # a row's token when the leader dropped its sequence instead
 TICK_S = 1.0
@@ -53,6 +58,17 @@ class PlanChannel:
                 raise RuntimeError(f"sampled {len(body)} tokens for {count} sampling rows")
             self.group.broadcast(torch.tensor([TOKENS, status, *body], dtype=torch.int64))
 
+    def send_spec_tokens(self, emitted: list[list[int]], widths: list[int]) -> None:
+        """Each speculating sequence's tokens after its first (``emitted[i]``, at most ``widths[i]``:
+        its proposals)."""
+        body: list[int] = []
+        with self.group.fatal_on_error("sending speculative tokens"):
+            for toks, width in zip(emitted, widths, strict=True):
+                if len(toks) > width:  # the followers read exactly width: a bug, and fatal
+                    raise RuntimeError(f"{len(toks)} speculative tokens from {width} proposals")
+                body += [len(toks), *toks, *[0] * (width - len(toks))]
+            self.group.broadcast(torch.tensor([SPEC_TOKENS, *body], dtype=torch.int64))
+
     # ---------------------------------------------------------------- followers
 
     def recv(self) -> tuple[int, bytes]:
@@ -76,3 +92,18 @@ class PlanChannel:
             if msg[1] == OK and count and min(msg[2:]) < DROPPED:
                 raise RuntimeError(f"corrupt sampled token {min(msg[2:])}")
         return msg[2:] if msg[1] == OK else None
+
+    def recv_spec_tokens(self, widths: list[int]) -> list[list[int]]:
+        """What :meth:`send_spec_tokens` sent for sequences of ``widths`` proposals."""
+        with self.group.fatal_on_error("waiting for speculative tokens"):
+            msg = self.group.broadcast(torch.zeros(1 + sum(1 + w for w in widths), dtype=torch.int64)).tolist()
+            if msg[0] != SPEC_TOKENS:
+                raise RuntimeError(f"expected speculative tokens, got header {msg[0]}")
+            out, at = [], 1
+            for width in widths:
+                n = msg[at]
+                if not 0 <= n <= width or min(msg[at + 1:at + 1 + n], default=0) < 0:
+                    raise RuntimeError(f"corrupt speculative tokens {msg[at:at + 1 + width]}")
+                out.append(msg[at + 1:at + 1 + n])
+                at += 1 + width
+        return out

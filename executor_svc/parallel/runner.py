@@ -7,7 +7,9 @@ plan against its sequence state (a refused plan never leaves rank 0), sends it t
 of the sequence state and its own KV shard, and runs its shard of the forward; the row-parallel
 layers' all-reduces keep the ranks in lockstep. Rank 0 alone computes logits and samples, then
 sends the sampled tokens so each follower appends exactly what the leader appended (no rank
-relies on drawing the same random numbers).
+relies on drawing the same random numbers). A step that verified speculative (n-gram) proposals
+sends, after those, the tokens each speculating sequence kept beyond its first, so every rank
+takes back the same rejected proposals (a draft model is not served under tensor parallelism).
 
 The step is ``ModelRunner``'s, in the same three phases, on every rank; the ranks only hook into
 them. The leader holds the channel for a whole step (``_stepping``), sends the plan once it
@@ -94,6 +96,10 @@ class TensorParallelRunner(ModelRunner):
             sampled = dict(zip(result.sampled_seq_ids, result.sampled_token_ids, strict=True))
             tokens = [sampled.get(s.seq_id, DROPPED) for s in rows]
         self.channel.send_tokens(OK, tokens, len(rows))
+        if batch.spec:  # what verification kept beyond each speculating sequence's first token
+            emitted = {x.seq_id: x.token_ids for x in result.spec_tokens}
+            self.channel.send_spec_tokens([emitted.get(s.seq_id, []) for s, _, _ in batch.spec],
+                                          [len(props) for _, props, _ in batch.spec])
 
     def _sampling_failed(self, batch: Batch) -> None:
         self.channel.send_tokens(FAILED, [], len(batch.token_seqs()))  # the followers drop the same rows
@@ -151,10 +157,19 @@ class FollowerRunner(ModelRunner):
         tokens = self.channel.recv_tokens(len(rows))
         if tokens is None:
             raise RuntimeError("rank 0's sampler failed")
+        for s, props, _ in batch.spec:  # back to the committed tokens, as verification does on rank 0
+            del s.token_ids[len(s.token_ids) - len(props):]
+            s.proposals = None
         dropped = [s.seq_id for s, tok in zip(rows, tokens, strict=True) if tok == DROPPED]
         for s, tok in zip(rows, tokens, strict=True):
             if tok != DROPPED:
                 s.token_ids.append(tok)
+        if batch.spec:  # then the tokens each speculating sequence kept after its first
+            emitted = self.channel.recv_spec_tokens([len(props) for _, props, _ in batch.spec])
+            for (s, _, _), toks in zip(batch.spec, emitted, strict=True):
+                if s.seq_id not in dropped:
+                    s.token_ids.extend(toks)
+                    s.num_computed_tokens = len(s.token_ids) - 1  # (the verified tokens' K/V, as on rank 0)
         if dropped:  # they failed alone on rank 0
             self._drop(dropped)
 

@@ -366,7 +366,7 @@ class ExecutorHub:
         if hs.draft_vocab_size != hs.vocab_size:
             return f"draft model {hs.draft_model!r} has a vocabulary of {hs.draft_vocab_size}, the model {hs.vocab_size}"
         if not hs.speculative:
-            return f"draft model {hs.draft_model!r} on an executor that does not speculate (tensor parallelism)"
+            return f"draft model {hs.draft_model!r} on an executor that does not speculate"
         return None
 
     def _variance(self, hs: wire.Handshake) -> str | None:

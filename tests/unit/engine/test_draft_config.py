@@ -87,7 +87,7 @@ def test_a_tensor_parallel_executor_refuses_a_draft(tiny_llama_dir, draft_dir, c
     with pytest.raises(SystemExit):
         parse_config(["--model", str(tiny_llama_dir), "--scheduler", "tcp://127.0.0.1:5556",
                       "--speculative-model", str(draft_dir), "--tensor-parallel-size", "2"], {})
-    assert "--speculative-model: a tensor-parallel executor does not speculate" in capsys.readouterr().err
+    assert "--speculative-model: a tensor-parallel executor verifies n-gram proposals only" in capsys.readouterr().err
 
 
 def _hs(name: str, draft: str = "", draft_vocab: int = 0, speculative: bool = True) -> wire.Handshake:
@@ -104,7 +104,7 @@ async def _replies(spec: SpeculativeConfig | None, handshakes: list[wire.Handsha
 def test_a_draft_on_one_side_of_the_link_only_is_refused_naming_it():
     draft = SpeculativeConfig(method="draft_model", model="/models/smol-draft", num_speculative_tokens=3)
     replies = run(_replies(draft, [_hs("none"), _hs("other", "other-draft", 512), _hs("small-vocab", "smol-draft", 500),
-                                   _hs("tp", "smol-draft", 512, speculative=False), _hs("ok", "smol-draft", 512)]))
+                                   _hs("no-spec", "smol-draft", 512, speculative=False), _hs("ok", "smol-draft", 512)]))
     assert [r.accepted for r in replies] == [False, False, False, False, True]
     assert "names draft model 'smol-draft' and this executor holds none" in replies[0].reason
     assert "draft model 'other-draft', the scheduler's --speculative-config names 'smol-draft'" in replies[1].reason

@@ -1,6 +1,6 @@
 """Tensor parallelism is exact: a 2-rank group (gloo over loopback, ranks as threads) against
 transformers, token for token, through chunked prefill, prefix-cache hits, swapping, forks with
-copy-on-write, n > 1, beam search and preemption by recompute and by swap.
+copy-on-write, n > 1, beam search, preemption by recompute and by swap, and speculative verification.
 
 The all-reduce sums partial products in another order than one matmul does, so logits are
 compared with a tolerance and greedy tokens exactly.
@@ -16,6 +16,7 @@ from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
 from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
+from scheduler_svc.sched.speculation import SpeculativeConfig
 from testing.executor_plans import (
     PlanDriver,
     check_fork_with_copy_on_write,
@@ -26,6 +27,7 @@ from testing.executor_plans import (
     serve_requests,
 )
 from testing.plan_driver import GREEDY
+from testing.speculative_serving import OracleProposer, serve
 from testing.tp_harness import tp_runner
 
 REL_TOL = 1e-4
@@ -167,3 +169,21 @@ def test_four_ranks_with_a_replicated_kv_head(tiny_checkpoint):
         drv.run_until(8, chunk=10)
     for sid, p in prompts.items():
         assert drv.seqs[sid].outputs == hf_greedy(hf, p, 8)
+
+
+def test_speculative_verification_keeps_every_rank_on_the_leader_s_tokens(llama):
+    """n-gram proposals verified by a 2-rank group: rank 0 verifies, and each follower takes back the
+    same rejected proposals (its next steps' K/V shard depends on it). Greedy outputs equal
+    transformers', through whole acceptances, bonus tokens and rejections midway."""
+    path, hf = llama
+    prompts = {f"r{i}": _prompt(n, 30 + i) for i, n in enumerate([15, 22])}
+    want = {rid: [hf_greedy(hf, p, 16)] for rid, p in prompts.items()}
+    params = RequestParams(max_tokens=16, sampling=SamplingParams(temperature=0.0), ignore_eos=True)
+    with tp_runner(path) as runner:
+        served = serve(runner, params, SpeculativeConfig(num_speculative_tokens=4), prompts, num_cpu_blocks=16,
+                       proposer=OracleProposer(prompts, want, 4))
+        runner.settle()
+        assert all(not f.seqs for f in runner.followers)
+    assert served.outputs == want
+    st = served.sched.spec.counters
+    assert st.num_drafts < st.num_accepted_tokens < st.num_draft_tokens
