@@ -110,14 +110,14 @@ class PlanChecker:
     def check_proposers(self, plan: BatchPlan, seqs: dict) -> None:
         """After :meth:`check` passed a plan with proposals: PlanError unless each proposing sequence
         (``seqs``: seq_id -> the runner's SeqState, new ones included) is verified by the plain
-        sampler: no beam candidates or grammar, whose tokens it would not constrain."""
+        sampler: no beam candidates (a constrained one is verified under its grammar)."""
         arriving = {n.seq_id: n.sampling for n in plan.new_seqs}
         for prop in plan.proposals:
             s = seqs.get(prop.seq_id)
             sp = s.sampling if s is not None else arriving.get(prop.seq_id)
-            if sp is not None and (sp.beam_candidates or sp.structured is not None):
-                raise PlanError(f"proposals: seq {prop.seq_id} has beam candidates or structured output, which "
-                                "speculative decoding does not verify", prop.seq_id)
+            if sp is not None and sp.beam_candidates:
+                raise PlanError(f"proposals: seq {prop.seq_id} has beam candidates, which speculative decoding "
+                                "does not verify", prop.seq_id)
 
     def _scheduled(self, plan: BatchPlan, shadow) -> None:
         if len(set(plan.scheduled_seq_ids)) != len(plan.scheduled_seq_ids):

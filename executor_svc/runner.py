@@ -428,7 +428,7 @@ class ModelRunner:
         index = {s.seq_id: i for i, s in enumerate(seqs)}
         last_rows = [logits[index[s.seq_id]].clone() for s, _, _ in batch.spec]  # (the sampler edits logits)
         out = self.sampler.sample(logits, seqs, masks)  # (speculating rows: replaced below)
-        extras = verify_proposals(self.sampler, batch, last_rows, out, index)
+        extras = verify_proposals(self.sampler, batch, last_rows, out, index, self.grammar, frozenset(failed))
         self._report(seqs, out, result, failed)
         report_spec_tokens(batch, extras, result)
 

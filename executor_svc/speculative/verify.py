@@ -25,6 +25,11 @@ as p (the point-mass case above is q = one-hot). Seeded rows draw acceptance and
 (seed, position) streams, so a seeded request is reproducible. Greedy draft rows take the walk
 above (the draft proposed its argmax). Log-probs are always the target's.
 
+A constrained sequence (structured outputs) walks under its grammar: each position's row is masked
+by the grammar's state after the tokens emitted before it (a fork of the sequence's matcher, so
+the sequence's own grammar takes only what is reported), so a proposal the grammar rejects has no
+probability and is cut there, and every emitted token is one plain constrained decoding could emit.
+
 The first emitted token is reported like any sampled token; the others in ``StepResult.spec_tokens``.
 """
 
@@ -33,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from executor_svc.batch import Batch, SeqState
+from executor_svc.grammar import GrammarBackend, SeqGrammar
 from executor_svc.sampler import SampleOutput, Sampler, TokenLogprobs, draw_token, token_logprobs
 from pagedserve.wire import BatchPlan, SeqLogprobs, SpecTokens, StepResult
 
@@ -51,21 +57,45 @@ def rejection_step(p: torch.Tensor, q: torch.Tensor, d: int, u_accept: float, u_
     return draw_token(resid, u_resid), False
 
 
-def _draft_walk(sampler: Sampler, s: SeqState, props: list[int], rows: list[torch.Tensor]
-                ) -> tuple[list[int], list[TokenLogprobs | None]]:
+class WalkGrammar:
+    """A constrained sequence's grammar along its verification walk: a fork of its state, which
+    masks each position's row and takes each emitted token (the sequence's own grammar takes them
+    when they are reported). ``grammar`` is read by :meth:`GrammarBackend.masks`."""
+
+    def __init__(self, backend: GrammarBackend, grammar: SeqGrammar) -> None:
+        self.backend, self.grammar = backend, grammar.fork()
+
+    def masked(self, row: torch.Tensor) -> torch.Tensor:
+        """A copy of ``row`` [vocab] with what the grammar forbids here at -inf."""
+        out = row[None].clone()
+        masks = self.backend.masks([self])
+        if masks is not None:
+            masks.apply(out)
+        return out[0]
+
+    def accept(self, token_id: int) -> None:
+        self.grammar.accept(token_id)
+
+
+def _draft_walk(sampler: Sampler, s: SeqState, props: list[int], rows: list[torch.Tensor],
+                walk: WalkGrammar | None) -> tuple[list[int], list[TokenLogprobs | None]]:
     """A sampled row's draft proposals through :func:`rejection_step`, then the bonus token; the
     tokens are appended to ``s.token_ids`` as they are emitted (the caller takes them back)."""
     emitted: list[int] = []
     lps: list[TokenLogprobs | None] = []
     for j, d in enumerate(props):
-        p = sampler.probs(rows[j], s)
+        row = rows[j] if walk is None else walk.masked(rows[j])
+        p = sampler.probs(row, s)
         tok, accepted = rejection_step(p, s.draft_q[j], d, sampler.uniform(s, ACCEPT_SALT), sampler.uniform(s))
         emitted.append(tok)
-        lps.append(token_logprobs(rows[j], p, s.sampling, tok))
+        lps.append(token_logprobs(row, p, s.sampling, tok))
         s.token_ids.append(tok)
+        if walk is not None:
+            walk.accept(tok)
         if not accepted:
             return emitted, lps
-    o = sampler.sample(rows[len(props)][None].clone(), [s])
+    last = rows[len(props)]
+    o = sampler.sample((last if walk is None else walk.masked(last))[None].clone(), [s])
     emitted.append(o.token_ids[0])
     lps.append(o.logprobs[0])
     s.token_ids.append(o.token_ids[0])
@@ -85,24 +115,31 @@ def speculating_rows(plan: BatchPlan, batch: Batch, seqs: dict[int, SeqState]) -
 
 
 def verify_proposals(sampler: Sampler, batch: Batch, last_rows: list[torch.Tensor], out: SampleOutput,
-                     index: dict[int, int]) -> dict[int, tuple[list[int], list[TokenLogprobs | None]]]:
+                     index: dict[int, int], grammar: GrammarBackend | None = None,
+                     unserved: frozenset[int] = frozenset()) -> dict[int, tuple[list[int], list[TokenLogprobs | None]]]:
     """Each speculating sequence's emitted tokens: the first goes into ``out`` at its sampling row,
     the rest are returned (seq_id -> tokens, their log-probs). The sequences' tokens are left as
-    they were before the proposals; the caller appends what is emitted."""
+    they were before the proposals; the caller appends what is emitted. ``unserved``: the sampling
+    rows whose grammar cannot be served (they fail; their walk is not constrained)."""
     extras = {}
     for (s, props, _), early, last in zip(batch.spec, batch.spec_logits, last_rows, strict=True):
         del s.token_ids[len(s.token_ids) - len(props):]  # back to the committed tokens
         rows = [*early, last]
+        walk = None
+        if s.grammar is not None and grammar is not None and index[s.seq_id] not in unserved:
+            walk = WalkGrammar(grammar, s.grammar)
         if s.draft_q is not None:
-            emitted, lps = _draft_walk(sampler, s, props, rows)
+            emitted, lps = _draft_walk(sampler, s, props, rows, walk)
         else:
             emitted, lps = [], []
             for j, row in enumerate(rows):
-                o = sampler.sample(row[None].clone(), [s])
+                o = sampler.sample((row if walk is None else walk.masked(row))[None].clone(), [s])
                 tok = o.token_ids[0]
                 emitted.append(tok)
                 lps.append(o.logprobs[0])
                 s.token_ids.append(tok)
+                if walk is not None:
+                    walk.accept(tok)
                 if j == len(props) or tok != props[j]:
                     break
         del s.token_ids[len(s.token_ids) - len(emitted):]
@@ -125,6 +162,9 @@ def report_spec_tokens(batch: Batch, extras: dict[int, tuple[list[int], list[Tok
             continue
         toks, lps = extras[s.seq_id]
         s.token_ids.extend(toks)
+        if s.grammar is not None:  # (the first token's was taken with the step's samples)
+            for tok in toks:
+                s.grammar.accept(tok)
         s.num_computed_tokens = len(s.token_ids) - 1
         result.spec_tokens.append(SpecTokens(s.seq_id, toks, [
             SeqLogprobs(s.seq_id, lp.token_logprob, lp.top_token_ids, lp.top_logprobs) for lp in lps if lp is not None]))

@@ -13,7 +13,7 @@ from __future__ import annotations
 # before its body is read, naming both versions. TAG is the step id of a plan or a
 # result (0 for every other kind): a receiver checks it against what it sent before
 # it parses the body.
-WIRE_VERSION = 7  # 7: draft-model speculation (BatchPlan.draft_proposals, Handshake.draft_model); 6: LoRA loads and slots (BatchPlan.lora_loads, NewSeq.lora_slot), speculative proposals
+WIRE_VERSION = 8  # 8: proposals for constrained sequences (verified under their grammars) and to tensor-parallel executors; 7: draft-model speculation (BatchPlan.draft_proposals, Handshake.draft_model); 6: LoRA loads and slots (BatchPlan.lora_loads, NewSeq.lora_slot), speculative proposals
 
 # Message kinds (the second element of every frame).
 KIND_HANDSHAKE = 1

@@ -3,7 +3,8 @@ result does to it (the plan side is a few lines in ``scheduler.py``).
 
 A sequence proposes when its last token is known (no sample of it in flight: with asynchronous
 scheduling a proposing sequence skips the plan after its own, since how many tokens it gets is
-unknown until the result), it decodes plainly (one sequence, no beams, no structured output),
+unknown until the result), it decodes as one sequence (no beams, not one of n; a constrained one
+is verified under its grammar),
 the policy lets it (``speculation_policy.py``) and the n-gram lookup finds something, never more
 than fit before its length limit. Its plan decodes its last token as usual and carries the
 proposals; its table and the step's token budget hold their slots.
@@ -82,8 +83,7 @@ class SpeculativeSteps:
         """Whether a sequence whose last token is still in flight (asynchronous scheduling) should wait
         for it instead of decoding it blind: when it would propose, which needs that token, and its
         known tokens already end in a repeated n-gram (else it pipelines as usual)."""
-        sp = seq.sampling
-        if sp.structured is not None or sp.beam_candidates > 0 or r.req.params.n > 1 or seq.num_placeholders > 1:
+        if self._excluded(r, seq) or seq.num_placeholders > 1:
             return False
         if not self.policy.may_propose(seq.seq_id):
             return False
@@ -92,13 +92,17 @@ class SpeculativeSteps:
     def propose(self, r: Request, seq: Sequence, total: int, room_tokens: int) -> list[int]:
         """Proposals for ``seq`` (its ``total`` tokens all known, the last one to decode now), at most
         ``room_tokens`` of them (the step's token budget left after its own token)."""
-        sp = seq.sampling
-        if sp.structured is not None or sp.beam_candidates > 0 or r.req.params.n > 1:
+        if self._excluded(r, seq):
             return []
         room = min(self.proposer.k, r.stop_len - total - 1, room_tokens)
         if room <= 0 or not self.policy.wants_proposals(seq.seq_id):
             return []
         return self.proposer.propose(seq.token_ids, room)
+
+    def _excluded(self, r: Request, seq: Sequence) -> bool:
+        """Decodes without speculation: beams and n > 1 (their forks share blocks a rollback would
+        have to unshare)."""
+        return seq.sampling.beam_candidates > 0 or r.req.params.n > 1
 
     def check(self, result: StepResult, step: InFlight, failed: set[int], out: OutputProcessor) -> None:
         """ProtocolError unless the result's extra tokens answer the plan's proposals."""

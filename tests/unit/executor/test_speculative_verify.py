@@ -62,9 +62,10 @@ def test_greedy_keeps_proposals_while_they_are_the_argmax():
     assert _verify(Sampler(), greedy, [1, 0], rows) == [2]  # the first rejected
 
 
-def test_a_plan_proposing_for_a_constrained_sequence_is_refused(tiny_llama_dir):
-    """Verification samples without a grammar: proposals for a structured-output or beam sequence
-    would emit unconstrained tokens, so the executor refuses such a plan whole."""
+def test_a_plan_proposing_for_a_beam_sequence_is_refused(tiny_llama_dir):
+    """Verification samples one token per position: proposals for a beam sequence (which scores
+    candidates instead) cannot be verified, so the executor refuses such a plan whole. (A constrained
+    sequence's are verified under its grammar: test_speculative_structured.py.)"""
     from pagedserve.wire import BatchPlan, NewSeq, Proposal, pack_ids
     from testing.executor_plans import make_runner
 
