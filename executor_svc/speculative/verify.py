@@ -88,7 +88,7 @@ def _draft_walk(sampler: Sampler, s: SeqState, props: list[int], rows: list[torc
         p = sampler.probs(row, s)
         tok, accepted = rejection_step(p, s.draft_q[j], d, sampler.uniform(s, ACCEPT_SALT), sampler.uniform(s))
         emitted.append(tok)
-        lps.append(token_logprobs(row, p, s.sampling, tok))
+        lps.append(token_logprobs(rows[j], p, s.sampling, tok))  # (raw mode: unmasked, as plain decoding)
         s.token_ids.append(tok)
         if walk is not None:
             walk.accept(tok)
@@ -136,7 +136,9 @@ def verify_proposals(sampler: Sampler, batch: Batch, last_rows: list[torch.Tenso
                 o = sampler.sample((row if walk is None else walk.masked(row))[None].clone(), [s])
                 tok = o.token_ids[0]
                 emitted.append(tok)
-                lps.append(o.logprobs[0])
+                raw = walk is not None and s.sampling.want_logprobs and not s.sampling.processed_logprobs
+                # (raw log-probs are the model's own, unmasked, as plain decoding reports them)
+                lps.append(token_logprobs(row, row, s.sampling, tok) if raw else o.logprobs[0])
                 s.token_ids.append(tok)
                 if walk is not None:
                     walk.accept(tok)

@@ -18,6 +18,7 @@ from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from scheduler_svc.sched.speculation import SpeculativeConfig
 from testing.executor_plans import drive, hf_greedy, make_runner, with_draft
+from testing.speculative_serving import serve
 
 NUM_BLOCKS = 48
 GREEDY = SamplingParams(temperature=0.0)
@@ -43,38 +44,14 @@ def _prompts() -> dict[str, list[int]]:
 
 def _serve(tiny_llama_dir, model, params: RequestParams, draft=None, k: int = 4, num_blocks: int = NUM_BLOCKS,
            max_batched: int = 256, mode: str = "recompute", prompts=None):
-    prompts = prompts or _prompts()
     runner = make_runner(tiny_llama_dir, num_blocks=num_blocks, num_cpu_blocks=32, model=model)
     spec = None
     if draft is not None:
         with_draft(runner, draft)
         spec = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=k)
-    cfg = SchedulerConfig(block_size=16, max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=256,
-                          speculative=spec, preemption_mode=mode)
-    sched = Scheduler(cfg, num_blocks, 32, eos_token_ids=(), vocab_size=model.cfg.vocab_size)
-    if spec is not None:
-        sched.spec.policy.max_verified_tokens = 256  # every sequence of these small batches speculates
-    out: dict[str, list[int]] = {rid: [] for rid in prompts}
-    lps: dict[str, list] = {rid: [] for rid in prompts}
-    for rid, p in prompts.items():
-        sched.add_request(GenerationRequest(rid, p, params))
-    plans = []
-
-    def take(plan, result):
-        plans.append(plan)
-        assert not plan.proposals  # the draft's proposals only
-        for upd in sched.update(result):
-            assert upd.error is None
-            for s in upd.seqs:
-                out[upd.request_id].extend(s.new_token_ids)
-                if s.logprobs:
-                    lps[upd.request_id].extend((x.token_id, x.logprob) for x in s.logprobs)
-        sched.check_integrity()
-
-    drive(runner, sched, take)
-    assert sched.kv.num_free_blocks == num_blocks  # nothing leaked
-    assert not sched.requests and not runner.seqs
-    return out, plans, sched, lps
+    s = serve(runner, params, spec, prompts or _prompts(), num_cpu_blocks=32, max_batched=max_batched, mode=mode)
+    assert not any(plan.proposals for plan in s.plans)  # the draft's proposals only
+    return {rid: choices[0] for rid, choices in s.outputs.items()}, s.plans, s.sched, s.logprobs
 
 
 @pytest.mark.parametrize("k", [1, 3, 7])

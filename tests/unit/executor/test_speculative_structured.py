@@ -52,7 +52,7 @@ def _serve(tiny_llama_dir, model, backend, sampling: SamplingParams, spec=None, 
 
 
 def _sampling(kind: str, seeded: bool) -> SamplingParams:
-    extra = dict(temperature=0.9, top_p=0.95, seed=11, logprobs=1) if seeded else dict(temperature=0.0)
+    extra = dict(temperature=0.9, top_p=0.95, seed=11, logprobs=1, want_logprobs=True) if seeded else dict(temperature=0.0)
     return SamplingParams(**extra, structured=SPECS[kind], end_token_ids=[EOS])
 
 
@@ -64,7 +64,8 @@ def test_constrained_outputs_are_unchanged_by_right_and_wrong_proposals(tiny_lla
     fast = _serve(tiny_llama_dir, model, backend, sampling, SpeculativeConfig(num_speculative_tokens=K),
                   OracleProposer(_prompts(), plain.outputs, K))
     assert fast.outputs == plain.outputs
-    assert fast.logprobs == plain.logprobs or not seeded
+    assert fast.logprobs == plain.logprobs  # (raw: the model's own log-probs, unmasked, on both)
+    assert all(fast.logprobs.values()) == seeded
     st = fast.sched.spec.counters
     assert st.num_drafts > 0 and 0 < st.num_accepted_tokens < st.num_draft_tokens
     assert len(fast.plans) < len(plain.plans)
