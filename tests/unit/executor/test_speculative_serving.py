@@ -73,6 +73,24 @@ def test_greedy_output_equals_decoding_without_speculation_and_transformers(tiny
         assert len(fast_plans) < len(plain_plans)  # accepted proposals save steps
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_greedy_output_of_the_other_families_equals_decoding_without_speculation_and_transformers(tiny_checkpoint,
+                                                                                                 arch):
+    """qwen2 (biased q/k/v projections) and mistral, as llama above: the verification rows are decode
+    rows of the fused stack, so the outputs are plain decoding's and transformers'."""
+    path = tiny_checkpoint(arch, "small")
+    family = load_model(path)
+    params = RequestParams(max_tokens=24, sampling=GREEDY, ignore_eos=True)
+    plain = _serve(path, family, params, None, _prompts())[0]
+    fast, _, sched, _ = _serve(path, family, params, SpeculativeConfig(num_speculative_tokens=4), _prompts(),
+                               proposer=OracleProposer(_prompts(), plain, 4))
+    assert fast == plain
+    assert sched.spec.counters.num_accepted_tokens > 0
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for rid, p in _prompts().items():
+        assert fast[rid] == [hf_greedy(hf, p, 24)], rid
+
+
 def test_a_step_verifies_at_most_its_budget_shared_in_scheduling_order(tiny_llama_dir, model):
     params = RequestParams(max_tokens=30, sampling=GREEDY, ignore_eos=True)
     spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
