@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from executor_svc.batch import Batch, SeqState
-from executor_svc.grammar import GrammarBackend, SeqGrammar
+from executor_svc.grammar import GrammarBackend, GrammarMasks, SeqGrammar
 from executor_svc.sampler import SampleOutput, Sampler, TokenLogprobs, draw_token, token_logprobs
 from pagedserve.wire import BatchPlan, SeqLogprobs, SpecTokens, StepResult
 
@@ -65,16 +65,25 @@ class WalkGrammar:
     def __init__(self, backend: GrammarBackend, grammar: SeqGrammar) -> None:
         self.backend, self.grammar = backend, grammar.fork()
 
+    def masks(self) -> GrammarMasks | None:
+        """The mask of the walk's next position, as the one row of a sample."""
+        return self.backend.masks([self])
+
     def masked(self, row: torch.Tensor) -> torch.Tensor:
         """A copy of ``row`` [vocab] with what the grammar forbids here at -inf."""
         out = row[None].clone()
-        masks = self.backend.masks([self])
-        if masks is not None:
+        if (masks := self.masks()) is not None:
             masks.apply(out)
         return out[0]
 
     def accept(self, token_id: int) -> None:
         self.grammar.accept(token_id)
+
+
+def _sample_row(sampler: Sampler, row: torch.Tensor, s: SeqState, walk: WalkGrammar | None) -> SampleOutput:
+    """One position sampled as plain decoding samples it: the sampler applies the walk's mask, after
+    taking raw log-probs from the unmasked logits."""
+    return sampler.sample(row[None].clone(), [s], walk.masks() if walk is not None else None)
 
 
 def _draft_walk(sampler: Sampler, s: SeqState, props: list[int], rows: list[torch.Tensor],
@@ -94,8 +103,7 @@ def _draft_walk(sampler: Sampler, s: SeqState, props: list[int], rows: list[torc
             walk.accept(tok)
         if not accepted:
             return emitted, lps
-    last = rows[len(props)]
-    o = sampler.sample((last if walk is None else walk.masked(last))[None].clone(), [s])
+    o = _sample_row(sampler, rows[len(props)], s, walk)
     emitted.append(o.token_ids[0])
     lps.append(o.logprobs[0])
     s.token_ids.append(o.token_ids[0])
@@ -133,12 +141,10 @@ def verify_proposals(sampler: Sampler, batch: Batch, last_rows: list[torch.Tenso
         else:
             emitted, lps = [], []
             for j, row in enumerate(rows):
-                o = sampler.sample((row if walk is None else walk.masked(row))[None].clone(), [s])
+                o = _sample_row(sampler, row, s, walk)
                 tok = o.token_ids[0]
                 emitted.append(tok)
-                raw = walk is not None and s.sampling.want_logprobs and not s.sampling.processed_logprobs
-                # (raw log-probs are the model's own, unmasked, as plain decoding reports them)
-                lps.append(token_logprobs(row, row, s.sampling, tok) if raw else o.logprobs[0])
+                lps.append(o.logprobs[0])
                 s.token_ids.append(tok)
                 if walk is not None:
                     walk.accept(tok)
