@@ -62,3 +62,17 @@ def write_shaped_llama(out_dir: str | Path, shape: str, dtype: torch.dtype = tor
                     p + "post_attention_layernorm.weight": ones(hidden)}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def write_word_tokenizer(model_dir: str | Path, vocab_size: int) -> Path:
+    """A word-level ``tokenizer.json`` with one word per id of the model's vocabulary ("w3", "w4",
+    ...; ids 0-2 are <unk>, <s>, </s>), so that the scheduler can serve a shaped model: any id the
+    random weights pick detokenizes. Returns the file."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = Path(model_dir) / "tokenizer.json"
+    tok.save(str(path))
+    return path

@@ -13,7 +13,9 @@
 4. whole executor steps on a 1.1B-shaped Llama written at run time
    (benchmarks/kernels/executor_steps.py): decode steps at 1/64/256 sequences with CUDA graphs
    off and on, whether graphs keep the greedy tokens, and a 16 x 1024 prefill step against
-   transformers' forward.
+   transformers' forward;
+5. the whole stack on that model (testing/stack_throughput.py): a scheduler process and an
+   executor process, greedy gRPC streams of 128 tokens at 1, 64 and 256 streams, tokens per second.
 
 Results go to ``--out`` (default ``$OUT``, else ``build/gpu_check/``) as ``gpu_check.json`` and
 ``gpu_check.md`` (ready for docs/PERF.md); the table is printed last. Exit status 1 if a test
@@ -42,6 +44,10 @@ TARGET_FRAC_OF_READ = 0.85  # at batch 64, context 2048
 TARGET_PREFILL_VS_SDPA = 1.2
 TARGET_STEP_MS = {1: 1.0, 64: 1.5}
 TARGET_BUSY = 0.85
+TARGET_STACK_TOK_S = {1: 400, 64: 25_000}
+# The executor of the stack: the model's bfloat16 weights, CUDA graphs on (the default); half the GPU,
+# since this process keeps what its own timings allocated.
+STACK_EXECUTOR_ARGS = ("--device", "cuda", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5")
 
 
 def gpu_test_files() -> list[str]:
@@ -96,16 +102,26 @@ def run_prefill() -> list:
 
 
 def run_executor_steps(report: dict) -> None:
-    """Section 4 into ``report``; a failing part is reported as an error and the rest still run."""
+    """Sections 4 and 5 into ``report``; a failing part is reported as an error and the rest still run."""
     import tempfile
 
+    import torch
+
     from benchmarks.kernels import executor_steps
+    from testing import stack_throughput
+    from testing.shaped_models import SHAPES, write_word_tokenizer
+
+    def stack(model_dir: Path) -> list[dict]:
+        torch.cuda.empty_cache()  # the executor process sizes its KV cache from what is free
+        write_word_tokenizer(model_dir, SHAPES[MODEL_NAME]["vocab_size"])
+        return stack_throughput.measure(model_dir, list(STACK_EXECUTOR_ARGS), model_name=MODEL_NAME)
 
     with tempfile.TemporaryDirectory() as d:
         model_dir = executor_steps.write_model(Path(d))
         for key, fn in (("decode_step", executor_steps.decode_steps),
                         ("graphs_greedy_equal", executor_steps.graphs_greedy_equal),
-                        ("prefill_step", executor_steps.prefill_step)):
+                        ("prefill_step", executor_steps.prefill_step),
+                        ("stack", stack)):
             try:
                 report[key] = fn(model_dir)
             except Exception as exc:  # noqa: BLE001
@@ -165,6 +181,11 @@ def verdicts(report: dict, rows: list, prefill: list) -> list[str]:
     if "tok_s" in step:
         out.append(_bar(step["tok_s"] > step["hf_tok_s"], f"prefill step 16 x 1024: {step['tok_s']} tok/s against "
                                                           f"transformers' {step['hf_tok_s']}"))
+    for row in report.get("stack", []) if isinstance(report.get("stack"), list) else []:
+        target = TARGET_STACK_TOK_S.get(row["streams"])
+        if target is not None:
+            out.append(_bar(row["tok_s"] >= target, f"whole stack {MODEL_NAME}, {row['streams']} streams: "
+                                                    f"{row['tok_s']:.0f} tok/s (target >= {target})"))
     return out
 
 
