@@ -69,14 +69,15 @@ gpu-check:
 	bash benchmarks/kernels/gpu_check.sh
 
 # The wheels a bare GPU machine without a package index lacks (its image has CUDA torch, CuPy,
-# transformers, grpcio, numpy; not these), for its Python 3.12, downloaded here into an ignored
-# folder that travels with the tree: gpu_check.sh installs them from there when it is present.
+# transformers, an older grpcio), for its Python 3.12, listed in benchmarks/kernels/device-wheels.txt
+# and downloaded here into an ignored folder that travels with the tree: gpu_check.sh installs from
+# there the ones the machine lacks.
 GPU_WHEELS := .whl
 GPU_WHEEL_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
 gpu-wheels: setup
 	mkdir -p $(GPU_WHEELS)
 	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-	  $(GPU_WHEEL_PLATFORMS) -d $(GPU_WHEELS) 'pyzmq==27.3.0' 'msgspec==0.23.0' 'gguf==0.19.0'
+	  $(GPU_WHEEL_PLATFORMS) -d $(GPU_WHEELS) -r benchmarks/kernels/device-wheels.txt
 
 clean:
 	rm -rf .venv .venv-tools models build .pytest_cache .hypothesis $(GPU_WHEELS)

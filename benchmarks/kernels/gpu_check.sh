@@ -9,7 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then  # `make gpu-wheels`: no package index needed
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/pagedserve-site .whl/*.whl
+  mapfile -t wheels < <("$PY" benchmarks/kernels/device_wheels.py .whl)  # only those the machine lacks
+  if [ ${#wheels[@]} -gt 0 ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/pagedserve-site "${wheels[@]}"
+  fi
   export PYTHONPATH="/tmp/pagedserve-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if ! "$PY" -c "import cupy, torch, zmq; assert torch.cuda.is_available()" 2>/dev/null; then
