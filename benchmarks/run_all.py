@@ -51,6 +51,7 @@ INDEX = (
           full=("--phases", "cost,busy,delay,intervals")),
     Bench("tier_capacity", ("--quick", "--phases", "apis"), full=("--phases", "apis"), part="apis"),
     Bench("front_burst_memory", ("--calls", "20")),
+    Bench("stack_ceiling", ("--streams", "1,64", "--repeats", "1", "--tokens", "32")),
     Bench("hostile_load", ("--quick",)),
     Bench("executor_cpu", ("--batch-sizes", "1,16", "--decode-steps", "8", "--profile-steps", "2")),
     Bench("executor_cpu", ("attention", "--seqs", "16"), full=("attention",), part="attention"),
