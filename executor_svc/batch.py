@@ -74,6 +74,20 @@ class Batch:
     every_row_scored: bool = False  # a verification whose every row's logits are read (runner._build)
     # LoRA: each token's adapter slot [num_tokens] int64 (-1: the base model); None when no token has one.
     lora_slots: torch.Tensor | None = None
+    device: torch.device | None = None  # where the forward runs; positions and meta stay on the host until place()
+    placed: bool = False
+
+    def place(self) -> Batch:
+        """Positions and the metadata's tensors on the forward's device, for an eager forward. Built on
+        the host and moved on first use only: a decode step that a CUDA graph replays reads the host
+        arrays into its static inputs (one copy in all), so it copies nothing here."""
+        if not self.placed and self.device is not None and self.device.type != "cpu":
+            dev, m = self.device, self.meta
+            self.positions = self.positions.to(dev)
+            m.slot_mapping, m.query_start_loc = m.slot_mapping.to(dev), m.query_start_loc.to(dev)
+            m.seq_lens, m.block_tables = m.seq_lens.to(dev), m.block_tables.to(dev)
+        self.placed = True
+        return self
 
     @property
     def sample_seq_ids(self) -> list[int]:
@@ -159,16 +173,11 @@ def build_batch(seqs: dict[int, SeqState], block_size: int, device: torch.device
     slots = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
     for row, count in unwritten:
         slots[row:row + count] = -1
-    starts_host = starts.tolist()
-    dev = device
     meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots).to(dev),
-        query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(dev),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-        block_tables=torch.from_numpy(block_tables).to(dev),
-        max_query_len=max(num_new), max_seq_len=max(lens),
-        query_start_loc_host=starts_host, seq_lens_host=lens)
+        slot_mapping=torch.from_numpy(slots), query_start_loc=torch.from_numpy(starts.astype(np.int32)),
+        seq_lens=torch.from_numpy(np.asarray(lens, dtype=np.int32)), block_tables=torch.from_numpy(block_tables),
+        max_query_len=max(num_new), max_seq_len=max(lens), query_start_loc_host=starts.tolist(), seq_lens_host=lens)
     lora = torch.from_numpy(np.asarray(seq_lora, dtype=np.int64)[seq_of_token]) if max(seq_lora) >= 0 else None
-    return Batch(ids, torch.from_numpy(positions).to(dev), meta, (starts[1:][sample_at] - 1).tolist(),
+    return Batch(ids, torch.from_numpy(positions), meta, (starts[1:][sample_at] - 1).tolist(),
                  sample_seqs, open_rows, prompt_rows, host_positions=positions, host_slots=slots,
-                 host_tables=block_tables, lora_slots=lora)
+                 host_tables=block_tables, lora_slots=lora, device=device)

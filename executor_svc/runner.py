@@ -377,6 +377,7 @@ class ModelRunner:
             if self.graphs is not None and batch.lora_slots is None and self.graphs.serves(batch):
                 logits = self.graphs.run(batch)
             else:
+                batch.place()
                 input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.model.device)
                 with self.lora.batch(batch.lora_slots) if self.lora is not None else contextlib.nullcontext():
                     hidden, step_logits = self.model.forward_with_logits(input_ids, batch.positions, self.kv.layers,

@@ -74,7 +74,7 @@ class DraftModel:
 
     def _forward(self, views: dict[int, SeqState], ids: list[int], num_new: list[int]) -> torch.Tensor:
         """One draft forward of ``num_new`` tokens per sequence -> their last rows' logits [n, vocab]."""
-        batch = build_batch(views, self.kv.block_size, self.model.device, ids, num_new)
+        batch = build_batch(views, self.kv.block_size, self.model.device, ids, num_new).place()
         with torch.inference_mode():
             input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.model.device)
             hidden, step_logits = self.model.forward_with_logits(input_ids, batch.positions, self.kv.layers,

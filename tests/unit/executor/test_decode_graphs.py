@@ -80,6 +80,23 @@ def test_replayed_decode_equals_eager(tiny_llama_dir, model, cpu_attention, exac
     assert g.padded_rows > 0  # 7 -> bucket 8, 5 -> 8, 3 -> 4
 
 
+def test_a_replayed_step_copies_only_its_static_inputs(tiny_llama_dir, model, monkeypatch):
+    """A step's layout is built on the host; only an eager forward places it on the device (one
+    copy per tensor): the steps the graphs replay move nothing but their one static-input copy."""
+    from executor_svc.batch import Batch
+
+    placed = []
+    place = Batch.place
+    monkeypatch.setattr(Batch, "place", lambda self: (placed.append(self.meta.num_seqs), place(self))[1])
+    graphed = _runner(tiny_llama_dir, model)
+    _, logits = _serve(graphed, PROMPTS, 5)
+    assert placed == [len(PROMPTS)]  # the one prefill step
+    assert graphed.graphs.replays == len(logits) - 1
+    placed.clear()
+    _, logits = _serve(_runner(tiny_llama_dir, model, sizes=None), PROMPTS, 5)
+    assert placed == [len(PROMPTS)] * len(logits)
+
+
 def test_seeded_sampling_is_unchanged_by_replay(tiny_llama_dir, model):
     sampling = SamplingParams(temperature=0.9, top_p=0.9, seed=11)
     out_e, _ = _serve(_runner(tiny_llama_dir, model, sizes=None), PROMPTS[:3], 6, sampling)
