@@ -37,6 +37,7 @@ from executor_svc.batch import Batch
 from executor_svc.graph_buckets import DEFAULT_SIZES, bucket_for
 from executor_svc.kv_cache import KVCache
 from executor_svc.model.llama import LlamaForCausalLM
+from executor_svc.token_chain import Chain
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +59,19 @@ class StaticInputs:
     """The decode inputs of every graph: one device buffer, typed views into it, a host mirror.
 
     Fields are laid out with the block tables last, so a bucket of ``size`` rows needs the
-    buffer's prefix up to table row ``size``: one copy moves exactly what the step uses. The
-    host mirror is rewritten by the next step only after this step's logits were sampled (the
-    runner completes a step before it launches the next), so the asynchronous copy has read it.
+    buffer's prefix up to table row ``size``: one copy moves exactly what the step uses. Two host
+    mirrors take turns: a step prepared ahead may be launched before the step before it has run
+    (``token_chain.py``), and the mirror it writes is the one whose copy the step two back made,
+    which has run by then (waited for on its event, should it not have).
+
+    ``chain_src``: a row whose input token is one the step before samples on the device holds that
+    token's row in it (-1: the token is in ``input_ids``).
     """
 
     def __init__(self, max_seqs: int, width: int, device: torch.device) -> None:
         spec = [("input_ids", np.int64, (max_seqs,)), ("positions", np.int64, (max_seqs,)),
-                ("slot_mapping", np.int64, (max_seqs,)), ("seq_lens", np.int32, (max_seqs,)),
+                ("slot_mapping", np.int64, (max_seqs,)), ("chain_src", np.int64, (max_seqs,)),
+                ("seq_lens", np.int32, (max_seqs,)),
                 ("query_start_loc", np.int32, (max_seqs + 1,)), ("block_tables", np.int32, (max_seqs, width))]
         self.fields: dict[str, _Field] = {}
         offset = 0
@@ -74,20 +80,32 @@ class StaticInputs:
             self.fields[name] = f
             offset += -(-f.nbytes // 16) * 16  # every view 16-byte aligned (the kernels' vector loads)
         self.width = width
-        pin = device.type == "cuda"
-        self.host = torch.zeros(offset, dtype=torch.uint8, pin_memory=pin)
+        self.gpu = device.type == "cuda"
+        self.hosts = [torch.zeros(offset, dtype=torch.uint8, pin_memory=self.gpu) for _ in range(2)]
+        self.copied: list[torch.cuda.Event | None] = [None, None]  # each mirror's last copy (GPU)
+        self.turn = 0
         self.device_buffer = torch.zeros(offset, dtype=torch.uint8, device=device)
-        raw = self.host.numpy()
-        self.h = {n: raw[f.offset:f.offset + f.nbytes].view(f.dtype).reshape(f.shape) for n, f in self.fields.items()}
+        self.mirrors = [{n: raw[f.offset:f.offset + f.nbytes].view(f.dtype).reshape(f.shape)
+                         for n, f in self.fields.items()} for raw in (h.numpy() for h in self.hosts)]
         self.d = {n: self.device_buffer[f.offset:f.offset + f.nbytes].view(_TORCH[f.dtype]).view(f.shape)
                   for n, f in self.fields.items()}
-        self.h["query_start_loc"][:] = np.arange(max_seqs + 1)  # one token per row, every step
+        for h in self.mirrors:
+            h["query_start_loc"][:] = np.arange(max_seqs + 1)  # one token per row, every step
         self.copies = 0  # host-to-device copies made (tests: one per step)
 
-    def fill(self, batch: Batch | None, size: int) -> None:
+    @property
+    def h(self) -> dict[str, np.ndarray]:
+        """The host mirror the last fill wrote."""
+        return self.mirrors[self.turn]
+
+    def fill(self, batch: Batch | None, size: int, chain: Chain | None = None) -> None:
         """Write a decode batch's rows, then padding up to ``size``, and copy them to the device.
-        ``batch`` None: padding only (capture)."""
-        h, n = self.h, 0 if batch is None else batch.meta.num_seqs
+        ``batch`` None: padding only (capture). ``chain``: the rows whose token the step before
+        samples on the device, written into ``input_ids`` there after the copy."""
+        self.turn ^= 1
+        if (event := self.copied[self.turn]) is not None:
+            event.synchronize()  # (the step two back: done in practice)
+        h, n = self.mirrors[self.turn], 0 if batch is None else batch.meta.num_seqs
         if batch is not None:
             tables = batch.host_tables
             h["input_ids"][:n] = batch.token_ids
@@ -101,10 +119,19 @@ class StaticInputs:
         h["slot_mapping"][n:size] = -1  # padding writes no KV
         h["seq_lens"][n:size] = 1  # and reads slot 0 of block 0, which always exists
         h["block_tables"][n:size] = 0
+        h["chain_src"][:size] = -1
+        if chain is not None:
+            h["chain_src"][chain.rows] = chain.src
         tables = self.fields["block_tables"]
         end = tables.offset + size * self.width * tables.dtype.itemsize
-        self.device_buffer[:end].copy_(self.host[:end], non_blocking=True)
+        self.device_buffer[:end].copy_(self.hosts[self.turn][:end], non_blocking=True)
+        if self.gpu:
+            self.copied[self.turn] = torch.cuda.Event()
+            self.copied[self.turn].record()
         self.copies += 1
+        if chain is not None and chain.rows:
+            ids, src = self.d["input_ids"][:size], self.d["chain_src"][:size]
+            ids.copy_(torch.where(src >= 0, chain.tokens.index_select(0, src.clamp(min=0)), ids))
 
     def meta(self, size: int, max_seq_len: int) -> AttentionMetadata:
         """The metadata of a bucket: views of the first ``size`` rows. ``max_seq_len`` is fixed (the
@@ -152,13 +179,14 @@ class DecodeGraphs:
             for size in reversed(self.sizes):
                 self._graphs[size] = self._record(size)
 
-    def run(self, batch: Batch) -> torch.Tensor:
-        """The step's logits ``[n, vocab]`` float32 (views of the graph's output until the next step)."""
+    def run(self, batch: Batch, chain: Chain | None = None) -> torch.Tensor:
+        """The step's logits ``[n, vocab]`` float32 (views of the graph's output until the next step);
+        ``chain``: input tokens the step before samples on the device (``token_chain.py``)."""
         n = batch.meta.num_seqs
         size = bucket_for(n, self.sizes)
         if size is None or size not in self._graphs:
             raise RuntimeError(f"decode graphs: no captured bucket for {n} sequences (capture_all() runs at start)")
-        self.inputs.fill(batch, size)
+        self.inputs.fill(batch, size, chain)
         graph, out = self._graphs[size]
         if graph is None:
             out = self._forward(size)  # the CPU twin: the same buffers, padding and metadata, eagerly

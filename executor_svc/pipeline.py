@@ -24,6 +24,12 @@ runner would have skipped them: the other sequences of k+1 are served.
 On a GPU, step 2 runs while the device computes step k. On CPU nothing overlaps (the
 forward runs in step 1), so the executor prepares ahead only on CUDA devices
 (``ModelRunner.prepare_ahead``); the tests run it on CPU for its exactness.
+
+Where step k's every row is greedy, steps 3 and 4 swap (``chain``): step k's tokens are taken on
+the device at its launch, step k+1 is launched with its open rows filled there, and step k
+completes while step k+1 runs, so the device does not wait for the host between them
+(executor_svc/token_chain.py). A sequence that step k's completion drops then ran in step k+1:
+that step reports nothing of it.
 """
 
 from __future__ import annotations
@@ -33,9 +39,12 @@ from pagedserve.wire import BatchPlan, StepResult
 
 
 class StepPipeline:
-    def __init__(self, runner: ModelRunner, ahead: bool = True) -> None:
-        self.runner, self.ahead = runner, ahead
+    def __init__(self, runner: ModelRunner, ahead: bool = True, chain: bool = True) -> None:
+        """``chain`` (with ``ahead``): greedy tokens stay on the device as the next step's inputs,
+        and that step is launched before the one in flight completes (executor_svc/token_chain.py)."""
+        self.runner, self.ahead, self.chain = runner, ahead, ahead and chain
         self.in_flight: LaunchedStep | None = None  # launched, not yet completed (never without ahead)
+        self.chained = 0  # steps launched before the step before them completed
 
     def push(self, plan: BatchPlan) -> list[StepResult]:
         """Start ``plan``; the results completed meanwhile (the step before it), oldest first.
@@ -46,12 +55,20 @@ class StepPipeline:
         if self.in_flight is not None and not runner.can_prepare_ahead(plan):
             done.append(self.finish())
         prepared = runner.prepare(plan, self.in_flight)
+        launched = None
         if self.in_flight is not None:
+            if self.chain and not isinstance(prepared, StepResult):
+                launched = runner.launch_chained(prepared, self.in_flight)
             done.append(self.finish())
+            if isinstance(launched, LaunchedStep) and done[-1].failed_seq_ids:
+                launched.leave_out = frozenset(done[-1].failed_seq_ids)
         if isinstance(prepared, StepResult):  # refused or failed while being prepared
             done.append(prepared)
             return done
-        launched = runner.launch(prepared)
+        if launched is None:
+            launched = runner.launch(prepared, tokens_on_device=self.chain)
+        else:
+            self.chained += 1
         if isinstance(launched, StepResult):
             done.append(launched)
         else:

@@ -50,6 +50,7 @@ from executor_svc.speculative.draft import DraftModel
 from executor_svc.speculative.plan import append_proposals, draft_into, with_draft_placeholders
 from executor_svc.speculative.verify import report_spec_tokens, speculating_rows, verify_proposals
 from executor_svc.step_report import report_samples, score_prompt
+from executor_svc.token_chain import Chain, DeviceTokens, greedy_on_device
 from pagedserve.wire import MAX_TEXT_CHARS, BatchPlan, StepResult
 from pagedserve.wire.plan_deltas import apply_deltas
 
@@ -82,6 +83,9 @@ class LaunchedStep:
     start: float  # when it was launched: its model_seconds run from here (its preparation overlapped)
     masks: GrammarMasks | None = None  # the constrained rows' token masks, filled while the forward runs
     lora: LoraOutcome | None = None
+    tokens: DeviceTokens | None = None  # its greedy tokens taken on the device (token_chain.py)
+    chained: bool = False  # launched before the step before it completed
+    leave_out: frozenset[int] = frozenset()  # sequences that step's completion failed: they report nothing here
 
     def sampling_seqs(self) -> dict[int, SeqState]:
         """The sequences that get a token when this step completes (beam rows get none)."""
@@ -231,22 +235,44 @@ class ModelRunner:
             return self._failure(plan, _named(plan), exc)
         return PreparedStep(plan, batch, start, lora)
 
-    def launch(self, step: PreparedStep) -> LaunchedStep | StepResult:
-        """Start the forward of a prepared step (the step before it has completed by now)."""
-        start = time.perf_counter()
+    def launch(self, step: PreparedStep, tokens_on_device: bool = False) -> LaunchedStep | StepResult:
+        """Start the forward of a prepared step (the step before it has completed by now).
+        ``tokens_on_device``: take the step's tokens on the device where every row is greedy, so
+        that the step after it can be launched before it completes (:meth:`launch_chained`)."""
         if self.dropped:
             self._refit(step)
+        return self._launch(step, None, tokens_on_device)
+
+    def launch_chained(self, step: PreparedStep, before: LaunchedStep) -> LaunchedStep | StepResult | None:
+        """Start ``step`` before ``before`` (the step in flight) completes: its inputs that are
+        ``before``'s tokens are filled on the device (token_chain.py). None where that cannot be
+        (``before`` took no tokens on the device, a sequence was dropped since, a draft drafts):
+        then ``before`` completes first and ``step`` is launched as usual."""
+        if (before.tokens is None or step.batch is None or self.dropped or before.batch is None
+                or (self.draft is not None and step.batch.spec)):
+            return None
+        chain = Chain.of(step.batch, before.batch, before.tokens)
+        if chain is None:
+            return None
+        launched = self._launch(step, chain, True)
+        if isinstance(launched, LaunchedStep):
+            launched.chained = True
+        return launched
+
+    def _launch(self, step: PreparedStep, chain: Chain | None, tokens_on_device: bool) -> LaunchedStep | StepResult:
+        start = time.perf_counter()
         if step.batch is None:
             return LaunchedStep(step.plan, None, None, start, lora=step.lora)
         try:
-            for row, seq, index in step.batch.in_flight_inputs:
-                if index >= len(seq.token_ids):
-                    raise RuntimeError(f"seq {seq.seq_id}: the token the previous step was to sample is missing")
-                step.batch.token_ids[row] = seq.token_ids[index]
+            if chain is None:
+                for row, seq, index in step.batch.in_flight_inputs:
+                    if index >= len(seq.token_ids):
+                        raise RuntimeError(f"seq {seq.seq_id}: the token the previous step was to sample is missing")
+                    step.batch.token_ids[row] = seq.token_ids[index]
             with self._guard(f"the forward of step {step.plan.step_id}"):
                 if self.draft is not None and step.batch.spec:
                     draft_into(self.draft, step.batch)
-                logits = self._forward_batch(step.plan, step.batch)
+                logits = self._forward_batch(step.plan, step.batch, chain)
         except StepFatal:
             raise
         except Exception as exc:  # noqa: BLE001  its sequences fail; the runner serves on
@@ -254,7 +280,12 @@ class ModelRunner:
         # The grammar masks are computed while the forward runs on the device (an error in one is
         # the sampler's: it fails the step's sampling rows, not the forward's).
         masks = self._masks(step.batch) if logits is not None else None
-        return LaunchedStep(step.plan, step.batch, logits, start, masks, step.lora)
+        launched = LaunchedStep(step.plan, step.batch, logits, start, masks, step.lora)
+        if tokens_on_device and logits is not None and masks is None:
+            launched.tokens = greedy_on_device(step.batch, logits)
+            if launched.tokens is not None and self.keep_logits:
+                launched.logits = logits.clone()  # (a graph's output is rewritten by the step launched next)
+        return launched
 
     def complete(self, step: LaunchedStep) -> StepResult:
         """Sample a launched step (waits for its forward) and report it."""
@@ -262,9 +293,14 @@ class ModelRunner:
         batch = step.batch
         if batch is not None:
             result.prompt_logprobs = batch.prompt_scores
+        if batch is not None and step.leave_out:
+            self._leave_out(step)
         if batch is not None and batch.logits_rows:
             try:
-                self._sample(batch, step.logits, result, step.masks)
+                if step.tokens is not None:  # greedy, taken on the device at launch
+                    self._report_device_tokens(step, result)
+                else:
+                    self._sample(batch, step.logits, result, step.masks)
             except StepFatal:
                 raise
             except Exception as exc:  # noqa: BLE001  the sampling sequences fail; the runner serves on
@@ -372,13 +408,15 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- forward
 
-    def _forward_batch(self, plan: BatchPlan, batch: Batch) -> torch.Tensor | None:
+    def _forward_batch(self, plan: BatchPlan, batch: Batch, chain: Chain | None = None) -> torch.Tensor | None:
         with torch.inference_mode():
             if self.graphs is not None and batch.lora_slots is None and self.graphs.serves(batch):
-                logits = self.graphs.run(batch)
+                logits = self.graphs.run(batch, chain)
             else:
                 batch.place()
                 input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.model.device)
+                if chain is not None:
+                    chain.fill(input_ids)
                 with self.lora.batch(batch.lora_slots) if self.lora is not None else contextlib.nullcontext():
                     hidden, step_logits = self.model.forward_with_logits(input_ids, batch.positions, self.kv.layers,
                                                                          batch.meta, self.backend,
@@ -432,6 +470,27 @@ class ModelRunner:
         extras = verify_proposals(self.sampler, batch, last_rows, out, index, self.grammar, frozenset(failed))
         self._report(seqs, out, result, failed)
         report_spec_tokens(batch, extras, result)
+
+    def _report_device_tokens(self, step: LaunchedStep, result: StepResult) -> None:
+        if self.keep_logits:
+            self.last_logits = step.logits
+        seqs = step.batch.sample_seqs
+        self._report(seqs, SampleOutput(step.tokens.tolist(), [None] * len(seqs), [None] * len(seqs)), result)
+
+    def _leave_out(self, step: LaunchedStep) -> None:
+        """``step`` was launched before the step before it completed, and that completion failed
+        sequences ``step`` also runs: their rows ran, but report nothing (the scheduler knows them
+        failed). Their K/V went to blocks the scheduler frees with them."""
+        batch, gone = step.batch, step.leave_out
+        keep = [i for i, s in enumerate(batch.sample_seqs) if s.seq_id not in gone]
+        if len(keep) == len(batch.sample_seqs):
+            return
+        batch.sample_seqs = [batch.sample_seqs[i] for i in keep]
+        batch.logits_rows = [batch.logits_rows[i] for i in keep]
+        if step.tokens is not None:
+            step.tokens = step.tokens.rows(keep)
+        elif step.logits is not None:
+            step.logits = step.logits.index_select(0, torch.tensor(keep, dtype=torch.int64, device=step.logits.device))
 
     def _report(self, seqs: list[SeqState], out: SampleOutput, result: StepResult,
                 failed: dict[int, str] | None = None) -> None:

@@ -85,6 +85,17 @@ def seeded_uniform(seed: int, position: int) -> float:
     return (z >> 11) * (1.0 / (1 << 53))
 
 
+def samples_the_argmax(s: SampleInput) -> bool:
+    """Whether :meth:`Sampler.sample` returns this row's argmax, nothing else read of it: greedy,
+    no penalty, bias or end tokens held back by ``min_tokens``, no log-probs, no beam (structured
+    rows are the caller's to exclude: their masks come from the runner)."""
+    p = s.sampling
+    return (p.temperature < GREEDY_TEMPERATURE_EPS and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0 and not p.logit_bias and not p.want_logprobs and p.beam_candidates <= 0
+            and p.structured is None
+            and (p.min_tokens <= len(s.token_ids) - s.num_prompt_tokens or not p.end_token_ids))
+
+
 def apply_penalties(logits: torch.Tensor, seqs: Sequence[SampleInput]) -> None:
     """In place on logits [num_rows, vocab]; rows without penalties are untouched."""
     vocab = logits.shape[1]

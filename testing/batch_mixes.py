@@ -162,16 +162,18 @@ class _Executor:
         if self.pipe is not None:
             launch = runner.launch
 
-            def counted(step):
+            def counted(step, *args, **kwargs):
                 stats.launched_ahead += bool(step.batch is not None and step.batch.in_flight_inputs)
-                return launch(step)
+                return launch(step, *args, **kwargs)
             runner.launch = counted
 
     def _record_rows(self, runner: ModelRunner, out: Outputs) -> None:
-        """Every logits row the sampler gets, by context (before it edits them in place)."""
+        """Every logits row sampled, by context: those the sampler gets (before it edits them in
+        place), and those of greedy steps whose tokens were taken on the device (token_chain.py)."""
         sample = type(runner.sampler).sample.__get__(runner.sampler)
+        report = type(runner)._report_device_tokens.__get__(runner)
 
-        def recorded(logits, seqs, masks=None):
+        def record(logits, seqs) -> None:
             for i, s in enumerate(seqs):
                 seq = self.sched.seqs.get(s.seq_id)
                 if seq is not None:
@@ -179,8 +181,16 @@ class _Executor:
                     row = logits[i].clone()
                     old = out.rows.setdefault(key, row)
                     assert torch.equal(old, row), f"{key[:2]}: a context scored twice got other logits"
+
+        def recorded(logits, seqs, masks=None):
+            record(logits, seqs)
             return sample(logits, seqs, masks)
+
+        def recorded_on_device(step, result):
+            record(step.logits, step.batch.sample_seqs)
+            return report(step, result)
         runner.sampler.sample = recorded
+        runner._report_device_tokens = recorded_on_device
 
     def step(self) -> list[StepResult] | None:
         """Plan and run what it can; [] when it waits; None when it has nothing left."""
@@ -202,6 +212,7 @@ class _Executor:
         self.stats.preemptions += self.sched.num_preemptions
         self.stats.cache_hit_tokens += self.sched.prefix_cache_hit_tokens
         self.runner.__dict__.pop("launch", None)  # (the wrappers)
+        self.runner.__dict__.pop("_report_device_tokens", None)
         self.runner.sampler.__dict__.pop("sample", None)
 
 

@@ -173,3 +173,46 @@ def test_captured_graphs_give_the_eager_greedy_tokens_on_a_gpu(tiny_llama_dir, d
         outputs.append(_serve(runner, PROMPTS, 10, stagger=True)[0])
     assert outputs[1] == outputs[0]
     assert runner.graphs.replays > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _HAVE_GPU, reason="needs a CUDA GPU and CuPy (run make gpu-check)")
+def test_chained_replays_give_the_sequential_greedy_tokens_on_a_gpu(tiny_llama_dir):
+    """Plans prepared ahead with greedy tokens kept on the device (token_chain.py): each step is
+    launched before the one before it completes, its open rows filled on the device behind the
+    static-input copy, the two host mirrors taking turns; tokens equal to one step at a time, eager."""
+    from executor_svc.attention_cupy import CupyAttentionBackend
+    from executor_svc.kv_cache import KVCache
+    from executor_svc.pipeline import StepPipeline
+    from executor_svc.runner import ModelRunner
+    from executor_svc.sampler import Sampler
+    from pagedserve.engine_api import GenerationRequest, RequestParams
+    from scheduler_svc.sched.scheduler import Scheduler
+    from scheduler_svc.sched.scheduler_config import SchedulerConfig
+    from testing.executor_plans import apply_result
+
+    gpu_model = load_model(tiny_llama_dir, "cuda", torch.bfloat16)
+    outputs, chained = [], 0
+    for pipelined in (False, True):
+        kv = KVCache(gpu_model.cfg, 16, 64, 0, torch.bfloat16, "cuda")
+        runner = ModelRunner(gpu_model, kv, CupyAttentionBackend(), Sampler(seed=0))
+        if pipelined:
+            runner.graphs = DecodeGraphs(gpu_model, kv, runner.backend, runner.max_model_len, (1, 2, 4, 8))
+            runner.graphs.capture_all()
+        sched = Scheduler(SchedulerConfig(block_size=16, max_model_len=256), 64, 0, eos_token_ids=())
+        out = {f"r{i}": [] for i in range(len(PROMPTS))}
+        for i, p in enumerate(PROMPTS):
+            sched.add_request(GenerationRequest(f"r{i}", p, RequestParams(max_tokens=6 + 2 * i, ignore_eos=True,
+                                                                          sampling=SamplingParams(temperature=0.0))))
+        pipe = StepPipeline(runner, ahead=pipelined)
+        for _ in range(500):
+            if not sched.has_work() and pipe.in_flight is None:
+                break
+            plan = sched.schedule() if len(sched.in_flight) < (2 if pipelined else 1) else None
+            results = pipe.push(plan) if plan is not None else [pipe.finish()] if pipe.in_flight else []
+            for result in results:
+                apply_result(sched, result, out)
+        outputs.append(out)
+        chained = pipe.chained
+    assert outputs[1] == outputs[0]
+    assert chained > 5 and runner.graphs.replays > 5

@@ -32,17 +32,19 @@ def _prompts() -> dict[str, list[int]]:
 
 
 class Counting:
-    """Counts the launches whose inputs included a token still being sampled."""
+    """Counts the launches whose inputs included a token still being sampled, and those of them
+    that took it on the device (chained: launched before the step sampling it completed)."""
 
     def __init__(self, runner) -> None:
-        self.ahead = 0
-        launch = runner.launch
+        self.ahead = self.chained = 0
+        launch = runner._launch
 
-        def counted(step):
+        def counted(step, chain, *args):
             self.ahead += bool(step.batch is not None and step.batch.in_flight_inputs)
-            return launch(step)
+            self.chained += chain is not None
+            return launch(step, chain, *args)
 
-        runner.launch = counted
+        runner._launch = counted
 
 
 def serve_pipelined(runner, sched: Scheduler, reqs: dict) -> dict[str, list[list[int]]]:
@@ -78,6 +80,7 @@ def test_greedy_outputs_under_preemption_equal_transformers(tiny_llama_dir, mode
     out = serve_pipelined(runner, sched, {rid: GenerationRequest(rid, p, params) for rid, p in prompts.items()})
     assert sched.num_preemptions > 0
     assert counting.ahead > 10  # most decode steps took a token that was still being sampled
+    assert counting.chained > 10  # (greedy: most of them took it on the device)
     for rid, p in prompts.items():
         assert out[rid] == [hf_greedy(hf, p, 24)], rid
     assert sched.block_stats()["used"] == 0
@@ -87,7 +90,9 @@ def test_greedy_outputs_under_preemption_equal_transformers(tiny_llama_dir, mode
     dict(n=3, sampling=SamplingParams(temperature=0.9, top_k=40, seed=7)),  # forks: prepared after the step
     dict(beam_width=3, sampling=SamplingParams(temperature=0.0)),  # appended tokens: the same
     dict(sampling=SamplingParams(temperature=1.0, seed=3, repetition_penalty=1.3, logprobs=2)),
-], ids=["n3-seeded", "beam", "penalties-logprobs"])
+    dict(sampling=SamplingParams(temperature=0.0, want_logprobs=True, logprobs=2)),  # greedy, sampled on the host
+    dict(sampling=SamplingParams(temperature=0.0, min_tokens=5, end_token_ids=[7, 9])),  # end tokens held back
+], ids=["n3-seeded", "beam", "penalties-logprobs", "greedy-logprobs", "greedy-min-tokens"])
 def test_sampled_choices_beams_and_penalties_equal_the_sequential_runner(tiny_llama_dir, model, sampling):
     prompt = _prompts()["r1"]
 
@@ -101,6 +106,30 @@ def test_sampled_choices_beams_and_penalties_equal_the_sequential_runner(tiny_ll
     assert serve(True) == serve(False)
 
 
+def test_greedy_tokens_chained_through_decode_graphs_equal_the_sequential_runner(tiny_llama_dir, model):
+    """Chained steps replayed from the decode graphs (their CPU twin): the open rows are written into
+    the static inputs behind the one copy, and the tokens are the plain runner's."""
+    from executor_svc.decode_graphs import DecodeGraphs
+
+    prompts = _prompts()
+
+    def serve(pipelined: bool):
+        runner = make_runner(tiny_llama_dir, num_blocks=48, model=model)
+        counting = Counting(runner)
+        if pipelined:
+            runner.graphs = DecodeGraphs(runner.model, runner.kv, runner.backend, 256, (1, 2, 4, 8), capture=False)
+            runner.graphs.capture_all()
+        sched = Scheduler(SchedulerConfig(block_size=16, max_model_len=256), 48, 8, eos_token_ids=())
+        reqs = {rid: GenerationRequest(rid, p, RequestParams(max_tokens=10 + i, sampling=GREEDY, ignore_eos=True))
+                for i, (rid, p) in enumerate(prompts.items())}
+        return (serve_pipelined if pipelined else serve_requests)(runner, sched, reqs), runner, counting
+
+    (out, runner, counting), (want, _, _) = serve(True), serve(False)
+    assert out == want
+    assert counting.chained > 10 and runner.graphs.replays > 10
+    assert runner.graphs.inputs.copies == runner.graphs.replays + len(runner.graphs.sizes)  # one copy a step
+
+
 def _decode_plans(runner, n: int = 3) -> None:
     """Two sequences prefilled, their first tokens sampled (the runner holds their state)."""
     plan = BatchPlan(0, [1, 2], [n, n], new_seqs=[NewSeq(sid, pack_ids(range(10 + sid, 10 + sid + n)), n, [sid], 0, GREEDY)
@@ -108,29 +137,38 @@ def _decode_plans(runner, n: int = 3) -> None:
     assert runner.execute(plan).error is None
 
 
-def test_a_failed_step_leaves_only_its_sequences_out_of_the_step_prepared_on_it(tiny_llama_dir, model, monkeypatch):
-    """Step 1's sampler fails for seqs 1 and 2 after step 2 (which also admits seq 3) was prepared
-    on it: step 2 runs without them and serves seq 3, exactly as the sequential runner does."""
+@pytest.mark.parametrize("fault,chain", [("sampler", False), ("report", False), ("report", True)])
+def test_a_failed_step_leaves_only_its_sequences_out_of_the_step_prepared_on_it(tiny_llama_dir, model, monkeypatch,
+                                                                                fault, chain):
+    """Step 1's sampling fails for seqs 1 and 2 after step 2 (which also admits seq 3) was prepared
+    on it: step 2 serves seq 3 only, exactly as the sequential runner does. Unchained, step 2 is
+    launched without them; chained (step 1's greedy tokens on the device, step 2 launched before
+    step 1 completes), their rows ran in step 2 and it reports nothing of them."""
+    import executor_svc.runner as runner_module
+
     def run(pipelined: bool) -> list:
         runner = make_runner(tiny_llama_dir, num_blocks=8, model=model)
         _decode_plans(runner)
-        sample, calls = runner.sampler.sample, []
+        target, name = (runner.sampler, "sample") if fault == "sampler" else (runner_module, "report_samples")
+        real, calls = getattr(target, name), []
 
         def fails_once(*args):
             calls.append(1)
             if len(calls) == 1:
                 raise RuntimeError("device fault")
-            return sample(*args)
+            return real(*args)
 
-        monkeypatch.setattr(runner.sampler, "sample", fails_once)
+        monkeypatch.setattr(target, name, fails_once)
         plans = [BatchPlan(1, [1, 2], [1, 1]),
                  BatchPlan(2, [1, 2, 3], [1, 1, 4], new_seqs=[NewSeq(3, pack_ids([5, 6, 7, 8]), 4, [3], 0, GREEDY)]),
                  BatchPlan(3, [3], [1], free_seq_ids=[1, 2])]
         if pipelined:
-            pipe = StepPipeline(runner)
+            pipe = StepPipeline(runner, chain=chain)
             results = [r for p in plans for r in pipe.push(p)] + [pipe.finish()]
+            assert pipe.chained == (2 if chain else 0)  # steps 2 and 3, each on the tokens of the one before
         else:
             results = [runner.execute(p) for p in plans]
+        monkeypatch.undo()
         assert not runner.dropped and set(runner.seqs) == {3}
         return [(r.step_id, r.failed_seq_ids, r.sampled_seq_ids, r.sampled_token_ids) for r in results]
 
