@@ -30,7 +30,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -49,49 +48,14 @@ from executor_svc.seq_deltas import ExecutorDeltas
 from executor_svc.speculative.draft import DraftModel
 from executor_svc.speculative.plan import append_proposals, draft_into, with_draft_placeholders
 from executor_svc.speculative.verify import report_spec_tokens, speculating_rows, verify_proposals
-from executor_svc.step_report import report_samples, score_prompt
-from executor_svc.token_chain import Chain, DeviceTokens, greedy_on_device
+from executor_svc.step_report import report_samples, sampling_logits
+from executor_svc.steps import LaunchedStep, PreparedStep, StepFatal
+from executor_svc.token_chain import Chain, greedy_on_device, leave_out
 from pagedserve.wire import MAX_TEXT_CHARS, BatchPlan, StepResult
 from pagedserve.wire.plan_deltas import apply_deltas
 
 log = logging.getLogger(__name__)
 __all__ = ["Batch", "LaunchedStep", "ModelRunner", "PreparedStep", "SeqState", "StepFatal"]
-
-
-class StepFatal(RuntimeError):
-    """An error the runner must not survive (a broken tensor-parallel group): no phase turns it
-    into a failed step; it ends the process."""
-
-
-@dataclass(slots=True)
-class PreparedStep:
-    """A plan checked and applied, its batch built: what ``ModelRunner.launch`` starts."""
-
-    plan: BatchPlan  # as applied (entries naming dropped sequences left out)
-    batch: Batch | None  # None: nothing scheduled
-    start: float  # when its preparation began
-    lora: LoraOutcome | None = None  # its LoRA loads that failed and the sequences dropped for them
-
-
-@dataclass(slots=True)
-class LaunchedStep:
-    """A step whose forward has been started (on a GPU it may still be running)."""
-
-    plan: BatchPlan
-    batch: Batch | None
-    logits: torch.Tensor | None
-    start: float  # when it was launched: its model_seconds run from here (its preparation overlapped)
-    masks: GrammarMasks | None = None  # the constrained rows' token masks, filled while the forward runs
-    lora: LoraOutcome | None = None
-    tokens: DeviceTokens | None = None  # its greedy tokens taken on the device (token_chain.py)
-    chained: bool = False  # launched before the step before it completed
-    leave_out: frozenset[int] = frozenset()  # sequences that step's completion failed: they report nothing here
-
-    def sampling_seqs(self) -> dict[int, SeqState]:
-        """The sequences that get a token when this step completes (beam rows get none)."""
-        if self.batch is None or self.logits is None:
-            return {}
-        return {s.seq_id: s for s in self.batch.token_seqs()}
 
 
 class ModelRunner:
@@ -294,7 +258,7 @@ class ModelRunner:
         if batch is not None:
             result.prompt_logprobs = batch.prompt_scores
         if batch is not None and step.leave_out:
-            self._leave_out(step)
+            leave_out(step)
         if batch is not None and batch.logits_rows:
             try:
                 if step.tokens is not None:  # greedy, taken on the device at launch
@@ -429,24 +393,9 @@ class ModelRunner:
         return logits
 
     def _logits(self, hidden: torch.Tensor, batch: Batch, step_logits: torch.Tensor | None) -> torch.Tensor | None:
-        """hidden [num_tokens, hidden] -> logits [num_sampling_rows, vocab] float32 (None if none);
-        the prompt tokens the batch scores, into ``batch.prompt_scores``. ``step_logits``: every
-        row's logits when the forward computed them (the fused CPU decode step)."""
-        for s, first, row, count in batch.prompt_rows:
-            batch.prompt_scores.append(score_prompt(self.model, hidden, s, first, row, count))
-        for _seq, props, row in batch.spec:  # rows scoring the last token and all proposals but the last
-            rows = slice(row, row + len(props))
-            batch.spec_logits.append(step_logits[rows] if step_logits is not None
-                                     else self.model.compute_logits(hidden[rows]))
-        rows_list = batch.logits_rows
-        if not rows_list:
-            return None
-        if len(rows_list) == hidden.shape[0] and rows_list[-1] == len(rows_list) - 1:  # every row samples
-            return step_logits if step_logits is not None else self.model.compute_logits(hidden)  # (no gather)
-        rows = torch.tensor(rows_list, dtype=torch.int64, device=hidden.device)
-        if step_logits is not None:
-            return step_logits.index_select(0, rows)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        """The sampling rows' logits (``step_report.sampling_logits``; tensor-parallel followers,
+        which hold no LM head, have none)."""
+        return sampling_logits(self.model, hidden, batch, step_logits)
 
     def _masks(self, batch: Batch | None) -> GrammarMasks | None:
         if batch is None or not any(s.grammar is not None for s in batch.sample_seqs):
@@ -476,21 +425,6 @@ class ModelRunner:
             self.last_logits = step.logits
         seqs = step.batch.sample_seqs
         self._report(seqs, SampleOutput(step.tokens.tolist(), [None] * len(seqs), [None] * len(seqs)), result)
-
-    def _leave_out(self, step: LaunchedStep) -> None:
-        """``step`` was launched before the step before it completed, and that completion failed
-        sequences ``step`` also runs: their rows ran, but report nothing (the scheduler knows them
-        failed). Their K/V went to blocks the scheduler frees with them."""
-        batch, gone = step.batch, step.leave_out
-        keep = [i for i, s in enumerate(batch.sample_seqs) if s.seq_id not in gone]
-        if len(keep) == len(batch.sample_seqs):
-            return
-        batch.sample_seqs = [batch.sample_seqs[i] for i in keep]
-        batch.logits_rows = [batch.logits_rows[i] for i in keep]
-        if step.tokens is not None:
-            step.tokens = step.tokens.rows(keep)
-        elif step.logits is not None:
-            step.logits = step.logits.index_select(0, torch.tensor(keep, dtype=torch.int64, device=step.logits.device))
 
     def _report(self, seqs: list[SeqState], out: SampleOutput, result: StepResult,
                 failed: dict[int, str] | None = None) -> None:

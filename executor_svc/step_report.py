@@ -1,4 +1,5 @@
-"""What a step reports besides its forward: its sampled tokens and the prompt tokens it scores.
+"""What a step reports besides its forward: its sampling rows' logits, its sampled tokens and the
+prompt tokens it scores.
 
 Kept apart from the runner's phases (``runner.py``): these turn the sampler's output and the
 model's hidden states into the ``StepResult``'s entries, and append each sampled token to its
@@ -11,7 +12,7 @@ import logging
 
 import torch
 
-from executor_svc.batch import SeqState
+from executor_svc.batch import Batch, SeqState
 from executor_svc.grammar import GrammarBackend
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.sampler import SampleOutput
@@ -40,6 +41,28 @@ def score_prompt(model: LlamaForCausalLM, hidden: torch.Tensor, s: SeqState, fir
             top_ids += ids.flatten().tolist()
             top_vals += vals.flatten().tolist()
     return PromptLogprobs(s.seq_id, first, lps, top_ids, top_vals)
+
+
+def sampling_logits(model: LlamaForCausalLM, hidden: torch.Tensor, batch: Batch,
+                    step_logits: torch.Tensor | None) -> torch.Tensor | None:
+    """A forward's hidden states [num_tokens, hidden] -> the logits of its sampling rows [rows, vocab]
+    float32 (None if none); the prompt tokens the batch scores, into ``batch.prompt_scores``, and a
+    speculating sequence's rows, into ``batch.spec_logits``. ``step_logits``: every row's logits when
+    the forward computed them (the fused CPU decode step)."""
+    for s, first, row, count in batch.prompt_rows:
+        batch.prompt_scores.append(score_prompt(model, hidden, s, first, row, count))
+    for _seq, props, row in batch.spec:  # rows scoring the last token and all proposals but the last
+        rows = slice(row, row + len(props))
+        batch.spec_logits.append(step_logits[rows] if step_logits is not None else model.compute_logits(hidden[rows]))
+    rows_list = batch.logits_rows
+    if not rows_list:
+        return None
+    if len(rows_list) == hidden.shape[0] and rows_list[-1] == len(rows_list) - 1:  # every row samples
+        return step_logits if step_logits is not None else model.compute_logits(hidden)  # (no gather)
+    rows = torch.tensor(rows_list, dtype=torch.int64, device=hidden.device)
+    if step_logits is not None:
+        return step_logits.index_select(0, rows)
+    return model.compute_logits(hidden.index_select(0, rows))
 
 
 def report_samples(seqs: list[SeqState], out: SampleOutput, result: StepResult, failed: dict[int, str],

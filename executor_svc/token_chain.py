@@ -84,3 +84,19 @@ class Chain:
             return
         index = torch.tensor([self.rows, self.src], dtype=torch.int64).to(input_ids.device)
         input_ids.index_copy_(0, index[0], self.tokens.index_select(0, index[1]))
+
+
+def leave_out(step) -> None:
+    """``step`` (a runner's ``LaunchedStep``) was launched before the step before it completed, and
+    that completion failed sequences ``step`` also runs (``step.leave_out``): their rows ran, but
+    report nothing (the scheduler knows them failed). Their K/V went to blocks freed with them."""
+    batch, gone = step.batch, step.leave_out
+    keep = [i for i, s in enumerate(batch.sample_seqs) if s.seq_id not in gone]
+    if len(keep) == len(batch.sample_seqs):
+        return
+    batch.sample_seqs = [batch.sample_seqs[i] for i in keep]
+    batch.logits_rows = [batch.logits_rows[i] for i in keep]
+    if step.tokens is not None:
+        step.tokens = step.tokens.rows(keep)
+    elif step.logits is not None:
+        step.logits = step.logits.index_select(0, torch.tensor(keep, dtype=torch.int64, device=step.logits.device))
