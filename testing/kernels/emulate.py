@@ -121,16 +121,17 @@ class Emulator:
         self.lib.copy_blocks(len(flat), len(pairs), *_ptrs(ptrs, pair_t), ctypes.c_longlong(vecs))
 
 
-def emulate_launchers(emu: Emulator, monkeypatch) -> Counter:
+def emulate_launchers(emu: Emulator, monkeypatch, decode_variant: str = "auto") -> Counter:
     """The CuPy backend's launchers run the kernels' source on the SIMT emulator (one at a time:
-    tensor-parallel ranks call them from several threads). Returns the count of calls per launcher
-    (``decode``, ``prefill``, ``reshape_and_cache``)."""
+    tensor-parallel ranks call them from several threads); decode runs ``decode_variant`` unless a
+    caller names one. Returns the count of calls per launcher (``decode``, ``prefill``,
+    ``reshape_and_cache``)."""
     from cupy_kernels import cache_ops, launchers
 
     lock, calls = threading.Lock(), Counter()
 
     def decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out=None, partition_size=None,
-               variant="auto"):
+               variant=decode_variant):
         out = torch.full_like(query, float("nan")) if out is None else out
         with lock:
             calls["decode"] += 1
