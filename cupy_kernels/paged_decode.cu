@@ -54,10 +54,10 @@ struct DecodeShape {
   static constexpr int TILE = NT * TPW;                     // tokens per warp per tile
   static constexpr int NW = WARPS;
   static constexpr int THREADS = WARPS * kWarp;
-  // Floats a lane keeps live (q, accumulators, the K and V tile, twice when pipelined, logits).
-  // Small enough -> ask for 16 resident warps per SM (<= 128 registers, enough loads in flight),
-  // else 8.
-  static constexpr int LIVE = 2 * G * CPL * VEC + 8 * NT * CPL * (PIPE ? 2 : 1) + NT * G;
+  // Floats a lane keeps live (q, accumulators, the K and V tile, logits; pipelined: a second tile
+  // plus the next tiles' block-table entries and row offsets). Small enough -> ask for 16 resident
+  // warps per SM (<= 128 registers, enough loads in flight), else 8.
+  static constexpr int LIVE = 2 * G * CPL * VEC + 8 * NT * CPL + NT * G + (PIPE ? 8 * NT * CPL + 3 * NT : 0);
   static constexpr int MIN_BLOCKS = cmax(1, (LIVE <= 112 ? 4 : 2) * 4 / WARPS);
   static_assert(HEAD % VEC == 0, "head size must be a multiple of 16 bytes");
   static_assert(G >= 1 && G <= 8, "at most 8 q heads per thread block");
