@@ -40,15 +40,17 @@ MAX_PARTITIONS = 1024  # PS_MAX_PARTS in paged_decode.cu
 
 @dataclass(frozen=True, slots=True)
 class DecodeKernel:
-    """Template parameters of one decode-kernel variant (paged_decode.cu: WARPS, NTX, PIPE)."""
+    """Template parameters of one decode-kernel variant (paged_decode.cu: WARPS, TILEH, PIPE)."""
 
     warps: int = 4  # warps per thread block
-    nt_mul: int = 1  # multiplies the tokens a lane loads per tile
+    tile_halves: int = 2  # tokens a lane loads per tile, in halves of the default rule's
     pipeline: bool = False  # next tile's K/V loads issued before this tile's compute
 
 
 # "base" is the kernel the launcher's "auto" runs; the others wait for a GPU measurement.
-DECODE_KERNELS = {"base": DecodeKernel(), "pipe": DecodeKernel(pipeline=True), "nt2": DecodeKernel(nt_mul=2),
+# pipe_half: the pipelined tile halved, so its two tiles take the registers of one (16 warps per SM).
+DECODE_KERNELS = {"base": DecodeKernel(), "pipe": DecodeKernel(pipeline=True),
+                  "pipe_half": DecodeKernel(tile_halves=1, pipeline=True), "nt2": DecodeKernel(tile_halves=4),
                   "w8": DecodeKernel(warps=8), "pipe_w8": DecodeKernel(warps=8, pipeline=True)}
 SHARED_BYTES = 48 * 1024  # static shared memory per block
 
@@ -109,7 +111,7 @@ class KernelKey:
                 return f"ps_paged_decode<{args}>"  # the template's defaults
             v = DECODE_KERNELS[self.variant]
             warps = decode_warps(self.variant, self.group, self.head_size)
-            return f"ps_paged_decode<{args}, {warps}, {v.nt_mul}, {str(v.pipeline).lower()}>"
+            return f"ps_paged_decode<{args}, {warps}, {v.tile_halves}, {str(v.pipeline).lower()}>"
         if self.kind == "decode_reduce":
             return f"ps_paged_decode_reduce<{t}, {self.head_size}>"
         if self.kind in ("prefill", "prefill_mma"):

@@ -12,7 +12,9 @@
 //
 // Variants (template parameters after G; the defaults are the kernel the launcher's "auto" runs):
 //   WARPS  warps per block (4 or 8: 8 gives a small grid more loads in flight per block);
-//   NTX    multiplies the tokens per lane per tile (more independent loads per lane);
+//   TILEH  the tokens per lane per tile in halves of the default rule's (2): 4 doubles them (more
+//          independent loads per lane), 1 halves them (fewer registers, so a pipelined kernel keeps
+//          16 warps per SM);
 //   PIPE   software pipelining: the K/V loads of the warp's next tile and the block-table entries
 //          of the tile after it are issued before the current tile's dot products, softmax and V
 //          accumulation, so memory latency overlaps compute instead of following it.
@@ -43,14 +45,14 @@ __host__ __device__ constexpr int pick_lpt(int chunks, int vec, int g, int budge
   return lpt;
 }
 
-template <typename T, int HEAD, int G, int WARPS = 4, int NTX = 1, bool PIPE = false>
+template <typename T, int HEAD, int G, int WARPS = 4, int TILEH = 2, bool PIPE = false>
 struct DecodeShape {
   static constexpr int VEC = Cvt<T>::kVec;                 // elements per 16-byte vector
   static constexpr int CHUNKS = HEAD / VEC;                 // vectors per head row
   static constexpr int LPT = pick_lpt(CHUNKS, VEC, G, PS_DECODE_QBUDGET);  // lanes per token
   static constexpr int CPL = cdiv(CHUNKS, LPT);             // vectors per lane per token
   static constexpr int TPW = kWarp / LPT;                   // tokens a warp reads per step
-  static constexpr int NT = cmax(1, cmin(8 * NTX / CPL, PS_DECODE_NTG * NTX / G)); // tokens per lane per tile
+  static constexpr int NT = cmax(1, cmin(4 * TILEH / CPL, PS_DECODE_NTG * TILEH / (2 * G))); // tokens per lane per tile
   static constexpr int TILE = NT * TPW;                     // tokens per warp per tile
   static constexpr int NW = WARPS;
   static constexpr int THREADS = WARPS * kWarp;
@@ -74,8 +76,8 @@ struct DecodeTile {
 
 }  // namespace ps
 
-template <typename T, int HEAD, int BS, int G, int WARPS = 4, int NTX = 1, bool PIPE = false>
-__global__ void __launch_bounds__(WARPS * ps::kWarp, ps::DecodeShape<T, HEAD, G, WARPS, NTX, PIPE>::MIN_BLOCKS)
+template <typename T, int HEAD, int BS, int G, int WARPS = 4, int TILEH = 2, bool PIPE = false>
+__global__ void __launch_bounds__(WARPS * ps::kWarp, ps::DecodeShape<T, HEAD, G, WARPS, TILEH, PIPE>::MIN_BLOCKS)
 ps_paged_decode(T* __restrict__ out,              // [num_seqs, num_q_heads, HEAD] (num_parts == 1)
                 float* __restrict__ part_out,     // [num_seqs, num_q_heads, num_parts, HEAD]
                 float* __restrict__ part_max,     // [num_seqs, num_q_heads, num_parts] (log2 units)
@@ -87,7 +89,7 @@ ps_paged_decode(T* __restrict__ out,              // [num_seqs, num_q_heads, HEA
                 const int* __restrict__ seq_lens,      // [num_seqs]
                 long long q_stride, int num_kv_heads, int q_per_kv, int max_blocks,
                 int partition_size, float scale_log2) {
-  using S = ps::DecodeShape<T, HEAD, G, WARPS, NTX, PIPE>;
+  using S = ps::DecodeShape<T, HEAD, G, WARPS, TILEH, PIPE>;
   using C = ps::Cvt<T>;
   constexpr int NW = S::NW, LPT = S::LPT, CPL = S::CPL, VEC = S::VEC, NT = S::NT, TPW = S::TPW;
   __shared__ float sm_m[NW][G];

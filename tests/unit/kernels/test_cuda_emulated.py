@@ -34,8 +34,8 @@ SCALE = 0.107
 # Decode variants (launchers.DECODE_VARIANTS) beside "base", each on the Llama-like config (index 2)
 # and two others, so that every config meets two kernel variants (the emulator runs a CUDA thread as
 # a CPU thread: the full grid per variant would cost minutes); the split-rule variants on one config.
-VARIANT_CONFIGS = {"pipe": (2, 0, 4), "nt2": (2, 1, 3), "w8": (2, 3, 5), "pipe_w8": (2, 1, 5), "split8": (2,),
-                   "pipe_split8": (0,)}
+VARIANT_CONFIGS = {"pipe": (2, 0, 4), "pipe_half": (2, 0, 4), "nt2": (2, 1, 3), "w8": (2, 3, 5), "pipe_w8": (2, 1, 5),
+                   "split8": (2,), "pipe_split8": (0,)}
 VARIANT_CASES = [(v, CONFIGS[i]) for v, idx in VARIANT_CONFIGS.items() for i in idx]
 
 
@@ -75,26 +75,31 @@ def test_emulated_decode_single_and_split(emu, cfg):
 
 
 def _unpipelined(variant: str) -> str | None:
-    """The variant that runs ``variant``'s kernel without the software pipeline, same split rule."""
+    """The variant that runs ``variant``'s kernel without the software pipeline and with the same split
+    rule, if there is one (pipe -> base, pipe_w8 -> w8, pipe_split8 -> split8; pipe_half has none)."""
     spec = DECODE_VARIANTS[variant]
     kernel = DECODE_KERNELS[spec.kernel]
     if not kernel.pipeline:
         return None
     plain = dataclasses.replace(kernel, pipeline=False)
-    return next(v for v, s in DECODE_VARIANTS.items() if DECODE_KERNELS[s.kernel] == plain and s.split == spec.split)
+    return next((v for v, s in DECODE_VARIANTS.items() if DECODE_KERNELS[s.kernel] == plain and s.split == spec.split),
+                None)
 
 
 def test_every_decode_variant_is_emulated():
-    """A variant added to launchers.DECODE_VARIANTS gets configs here, or this fails."""
+    """A variant added to launchers.DECODE_VARIANTS gets configs here, or this fails; the pipelined ones
+    that have a twin are held to its bits."""
     assert set(VARIANT_CONFIGS) == set(DECODE_VARIANTS) - {"base"}
+    assert {v: _unpipelined(v) for v in DECODE_VARIANTS if _unpipelined(v)} == \
+        {"pipe": "base", "pipe_w8": "w8", "pipe_split8": "split8"}
 
 
 @pytest.mark.parametrize("variant, cfg", VARIANT_CASES, ids=[f"{v}-{IDS[CONFIGS.index(c)]}" for v, c in VARIANT_CASES])
 def test_emulated_decode_variants(emu, variant, cfg):
     """Every decode variant against the float64 reference, on contexts spanning several tile rounds
     of its warps: single pass, a forced split and the variant's own split rule. Pipelining moves
-    loads, not arithmetic: a pipelined variant gives its unpipelined twin's bits (single pass: the
-    longest run of tiles per warp)."""
+    loads, not arithmetic: a pipelined variant gives its unpipelined twin's bits where it has one
+    (single pass: the longest run of tiles per warp)."""
     dtype, head, bs, nq, nkv = cfg
     ctx = [1, bs + 1, 70, 300]
     seed = random.randrange(1 << 30)

@@ -69,15 +69,17 @@ def test_plan_decode_variants():
     assert launchers.plan_decode(**_decode_args(), num_sms=132, variant="base") == auto
     assert auto[0].key.variant == "base" and auto[0].key.threads == 128
     pipe, parts, size = launchers.plan_decode(**_decode_args(), num_sms=132, variant="pipe")
-    assert pipe.key.expression() == "ps_paged_decode<__nv_bfloat16, 128, 16, 4, 4, 1, true>"
+    assert pipe.key.expression() == "ps_paged_decode<__nv_bfloat16, 128, 16, 4, 4, 2, true>"
     assert (pipe.grid, parts, size) == (auto[0].grid, *auto[1:])
     w8 = launchers.plan_decode(**_decode_args(), num_sms=132, variant="w8")[0].key
-    assert w8.threads == 256 and w8.expression().endswith(", 8, 1, false>")
-    assert launchers.plan_decode(**_decode_args(), num_sms=132, variant="nt2")[0].key.expression().endswith(", 4, 2, false>")
+    assert w8.threads == 256 and w8.expression().endswith(", 8, 2, false>")
+    assert launchers.plan_decode(**_decode_args(), num_sms=132, variant="nt2")[0].key.expression().endswith(", 4, 4, false>")
+    assert launchers.plan_decode(**_decode_args(), num_sms=132, variant="pipe_half")[0].key.expression().endswith(
+        ", 4, 1, true>")
     split8 = launchers.plan_decode(**_decode_args(), num_sms=132, variant="split8")
     assert split8[0].key == auto[0].key and split8[1:] == (2, 32)  # the base kernel, its own split
     big = build.KernelKey("decode", "float32", 256, 16, 8, variant="pipe_w8")
-    assert big.threads == 128 and big.expression() == "ps_paged_decode<float, 256, 16, 8, 4, 1, true>"
+    assert big.threads == 128 and big.expression() == "ps_paged_decode<float, 256, 16, 8, 4, 2, true>"
     assert build.KernelKey("decode", "float32", 128, 16, 8, variant="w8").threads == 256
     with pytest.raises(ValueError, match="variant: 'auto' or one of"):
         launchers.plan_decode(**_decode_args(), num_sms=132, variant="fast")
