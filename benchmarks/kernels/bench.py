@@ -244,3 +244,37 @@ def markdown(rows: list[DecodeRow], read_gbs: float, device: str) -> str:
     if wrong:
         lines += ["", "Variants not timed, output off the default's: " + "; ".join(wrong)]
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.kernels.bench``: the decode rows alone, every variant timed (a short GPU
+    session's way to pick the decode variant without the rest of make gpu-check)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels.bench", description=main.__doc__.split("\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--out", help="also write the rows here as JSON")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench: no CUDA device visible to torch", flush=True)
+        return 2
+    read_gbs = read_bandwidth_gbs()
+    rows = []
+    for batch in args.batches:
+        for ctx in args.contexts:
+            rows.append(decode_row(batch, ctx, read_gbs))
+            torch.cuda.empty_cache()
+            print(f"  batch {batch:3d} context {ctx:5d}: auto {rows[-1].kernel_us:.1f} us, best "
+                  f"{rows[-1].best_variant} {rows[-1].best_us:.1f} us", flush=True)
+    print(markdown(rows, read_gbs, torch.cuda.get_device_name()))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"read_bandwidth_gbs": read_gbs, "decode": [r.as_dict() for r in rows]},
+                                             indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
