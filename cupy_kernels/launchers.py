@@ -16,8 +16,9 @@ never exceed ``PARTITION_SIZE`` tokens, so long contexts always spread over many
 Decode variants (``variant``, :data:`DECODE_VARIANTS`): a kernel configuration of paged_decode.cu
 (``build.DECODE_KERNELS``: software pipelining, more tokens per lane, 8 warps) and the split rule's
 parameters (blocks per SM aimed at, smallest partition). ``"auto"`` is ``"base"``: today's kernel and
-rule. It stays the default until a GPU run (``make gpu-check`` times every variant per shape) shows
-a variant faster; the others are measured, never chosen, until then. A fixed ``partition_size``
+rule. It stays the default until a GPU run (``make gpu-check``, or ``python -m benchmarks.kernels.bench``
+alone, times every variant per shape) shows a variant faster; until then the others are measured,
+never chosen. A fixed ``partition_size``
 overrides the variant's split rule; every variant reduces a sequence's keys in an order set by its
 own length and the split alone, so any variant keeps the batch-invariant guarantee (the backend runs
 "auto").
