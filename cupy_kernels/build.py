@@ -38,6 +38,30 @@ PARTITION_SIZE = 512  # tokens per partition of the split decode kernel
 MAX_PARTITIONS = 1024  # PS_MAX_PARTS in paged_decode.cu
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeKernel:
+    """Template parameters of one decode-kernel variant (paged_decode.cu: WARPS, TILEH, PIPE)."""
+
+    warps: int = 4  # warps per thread block
+    tile_halves: int = 2  # tokens a lane loads per tile, in halves of the default rule's
+    pipeline: bool = False  # next tile's K/V loads issued before this tile's compute
+
+
+# "base" is the kernel the launcher's "auto" runs; the others wait for a GPU measurement.
+# pipe_half: the pipelined tile halved, so its two tiles take the registers of one (16 warps per SM).
+DECODE_KERNELS = {"base": DecodeKernel(), "pipe": DecodeKernel(pipeline=True),
+                  "pipe_half": DecodeKernel(tile_halves=1, pipeline=True), "nt2": DecodeKernel(tile_halves=4),
+                  "w8": DecodeKernel(warps=8), "pipe_w8": DecodeKernel(warps=8, pipeline=True)}
+SHARED_BYTES = 48 * 1024  # static shared memory per block
+
+
+def decode_warps(kernel: str, group: int, head_size: int) -> int:
+    """Warps the decode kernel ``kernel`` runs with: its own, unless the end-of-kernel merge of that
+    many warps (per warp: G x (head + 2) floats of shared memory) would not fit, then 4."""
+    warps = DECODE_KERNELS[kernel].warps
+    return warps if warps * group * (head_size + 2) * 4 <= SHARED_BYTES else 4
+
+
 def group_size(q_per_kv: int) -> int:
     """q heads per thread block: the largest divisor of q_per_kv that is at most MAX_GROUP."""
     if q_per_kv <= 0:
@@ -69,12 +93,25 @@ class KernelKey:
     block_size: int = 0
     group: int = 0  # q heads per block (decode, prefill)
     tokens: int = 0  # query tokens per block (prefill)
+    variant: str = "base"  # decode: a key of DECODE_KERNELS
+
+    @property
+    def threads(self) -> int:
+        """Threads per block of the launch."""
+        return 32 * decode_warps(self.variant, self.group, self.head_size) if self.kind == "decode" else 128
 
     def expression(self) -> str:
         """The C++ name of the kernel (a template-id for the templated kernels)."""
         t = CUDA_TYPES[self.dtype]
         if self.kind == "decode":
-            return f"ps_paged_decode<{t}, {self.head_size}, {self.block_size}, {self.group}>"
+            if self.variant not in DECODE_KERNELS:
+                raise ValueError(f"decode kernel variant: one of {tuple(DECODE_KERNELS)}, got {self.variant!r}")
+            args = f"{t}, {self.head_size}, {self.block_size}, {self.group}"
+            if self.variant == "base":
+                return f"ps_paged_decode<{args}>"  # the template's defaults
+            v = DECODE_KERNELS[self.variant]
+            warps = decode_warps(self.variant, self.group, self.head_size)
+            return f"ps_paged_decode<{args}, {warps}, {v.tile_halves}, {str(v.pipeline).lower()}>"
         if self.kind == "decode_reduce":
             return f"ps_paged_decode_reduce<{t}, {self.head_size}>"
         if self.kind in ("prefill", "prefill_mma"):

@@ -13,6 +13,16 @@ partition size is ``max_seq_len / wanted_partitions`` rounded up to a multiple o
 tile round of the 4 warps) and clamped to [``MIN_PARTITION``, ``PARTITION_SIZE``]. Partitions
 never exceed ``PARTITION_SIZE`` tokens, so long contexts always spread over many blocks.
 
+Decode variants (``variant``, :data:`DECODE_VARIANTS`): a kernel configuration of paged_decode.cu
+(``build.DECODE_KERNELS``: software pipelining, more tokens per lane, 8 warps) and the split rule's
+parameters (blocks per SM aimed at, smallest partition). ``"auto"`` is ``"base"``: today's kernel and
+rule. It stays the default until a GPU run (``make gpu-check``, or ``python -m benchmarks.kernels.bench``
+alone, times every variant per shape) shows a variant faster; until then the others are measured,
+never chosen. A fixed ``partition_size``
+overrides the variant's split rule; every variant reduces a sequence's keys in an order set by its
+own length and the split alone, so any variant keeps the batch-invariant guarantee (the backend runs
+"auto").
+
 Batch-invariant split (``partition_size``, :data:`INVARIANT_PARTITION` in the batch-invariant
 backend): a fixed split size, not a number of splits fitted to the grid. A sequence's context is
 cut at multiples of that size whatever else is in the launch, and one that fits in one partition
@@ -32,13 +42,14 @@ import contextlib
 import functools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from cupy_kernels import checks
 from cupy_kernels.build import (
+    DECODE_KERNELS,
     MAX_PARTITIONS,
     MMA_HEAD_SIZES,
     PARTITION_SIZE,
@@ -50,7 +61,7 @@ from cupy_kernels.build import (
     prefill_tokens,
 )
 
-THREADS = 128  # PS_DECODE_THREADS / PS_PREFILL_THREADS / PS_MMA_THREADS
+THREADS = 128  # PS_DECODE_THREADS / PS_PREFILL_THREADS / PS_MMA_THREADS (a decode variant's: its key's threads)
 PREFILL_KERNELS = ("auto", "mma", "simt")
 SPLIT_ALWAYS_ABOVE = 8192
 MIN_PARTITION = 128
@@ -64,21 +75,52 @@ class Launch:
     grid: tuple[int, int, int]
 
 
-def decode_split(num_seqs: int, blocks_per_seq: int, max_seq_len: int, num_sms: int) -> tuple[int, int]:
-    """(partitions, partition size in tokens) for the decode kernel; (1, _) = single pass."""
+@dataclass(frozen=True, slots=True)
+class DecodeVariant:
+    """A decode kernel configuration and the split rule it runs with (see :func:`decode_split`)."""
+
+    kernel: str = "base"  # a key of build.DECODE_KERNELS
+    split: dict = field(default_factory=dict)  # keyword arguments of decode_split
+
+
+DECODE_VARIANTS = {name: DecodeVariant(name) for name in DECODE_KERNELS} | {
+    # Twice the blocks per SM and partitions down to 32 tokens: batch 1 x 2048 gets ~4 blocks per SM
+    # (512 blocks on 132 SMs) where the base rule, held at 128-token partitions, gets one.
+    "split8": DecodeVariant("base", {"blocks_per_sm": 8, "min_partition": 32}),
+    "pipe_split8": DecodeVariant("pipe", {"blocks_per_sm": 8, "min_partition": 32}),
+}
+
+
+def decode_variant(variant: str) -> DecodeVariant:
+    """``"auto"`` (today: ``"base"``) or a name of :data:`DECODE_VARIANTS`."""
+    if variant == "auto":
+        return DECODE_VARIANTS["base"]
+    if variant not in DECODE_VARIANTS:
+        raise ValueError(f"variant: 'auto' or one of {tuple(DECODE_VARIANTS)}, got {variant!r}")
+    return DECODE_VARIANTS[variant]
+
+
+def decode_split(num_seqs: int, blocks_per_seq: int, max_seq_len: int, num_sms: int, blocks_per_sm: int = 4,
+                 min_partition: int = MIN_PARTITION) -> tuple[int, int]:
+    """(partitions, partition size in tokens) for the decode kernel; (1, _) = single pass. The grid
+    aims at ``blocks_per_sm * num_sms`` blocks; partitions are multiples of min(64, ``min_partition``)
+    tokens and at least ``min_partition``."""
+    if blocks_per_sm < 1 or min_partition < 1:
+        raise ValueError(f"blocks_per_sm and min_partition: >= 1, got {blocks_per_sm}, {min_partition}")
     base = max(1, num_seqs * blocks_per_seq)
-    target = 4 * num_sms
-    if (base >= target and max_seq_len <= SPLIT_ALWAYS_ABOVE) or max_seq_len <= MIN_PARTITION:
+    target = blocks_per_sm * num_sms
+    if (base >= target and max_seq_len <= SPLIT_ALWAYS_ABOVE) or max_seq_len <= min_partition:
         return 1, max(1, max_seq_len)
     wanted = math.ceil(target / base)
-    size = 64 * math.ceil(math.ceil(max_seq_len / wanted) / 64)
-    size = min(PARTITION_SIZE, max(MIN_PARTITION, size))
+    granule = min(64, min_partition)
+    size = granule * math.ceil(math.ceil(max_seq_len / wanted) / granule)
+    size = min(PARTITION_SIZE, max(min_partition, size))
     parts = math.ceil(max_seq_len / size)
     return (1, max_seq_len) if parts == 1 else (parts, size)
 
 
-def decode_partitions(num_seqs: int, blocks_per_seq: int, max_seq_len: int, num_sms: int) -> int:
-    return decode_split(num_seqs, blocks_per_seq, max_seq_len, num_sms)[0]
+def decode_partitions(num_seqs: int, blocks_per_seq: int, max_seq_len: int, num_sms: int, **split) -> int:
+    return decode_split(num_seqs, blocks_per_seq, max_seq_len, num_sms, **split)[0]
 
 
 def fixed_split(max_seq_len: int, partition_size: int) -> tuple[int, int]:
@@ -90,9 +132,10 @@ def fixed_split(max_seq_len: int, partition_size: int) -> tuple[int, int]:
 
 def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                num_sms: int, partition_size: int | None = None) -> tuple[Launch, int, int]:
+                num_sms: int, partition_size: int | None = None, variant: str = "auto") -> tuple[Launch, int, int]:
     """Validate decode arguments; return the main launch, the partitions and their size (a fixed
-    ``partition_size``, or the split rule's)."""
+    ``partition_size``, or the split rule of ``variant``)."""
+    var = decode_variant(variant)
     _, block_size, num_kv_heads, head_size = checks.check_cache_pair(k_cache, v_cache)
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     checks.check_index("seq_lens", seq_lens, torch.int32, (None,))
@@ -103,11 +146,11 @@ def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _check_len(max_seq_len, block_tables.shape[1], block_size)
     g = group_size(q_per_kv)
     blocks_per_seq = num_kv_heads * (q_per_kv // g)
-    parts, psize = (decode_split(num_seqs, blocks_per_seq, max_seq_len, num_sms) if partition_size is None
-                    else fixed_split(max_seq_len, partition_size))
+    parts, psize = (decode_split(num_seqs, blocks_per_seq, max_seq_len, num_sms, **var.split)
+                    if partition_size is None else fixed_split(max_seq_len, partition_size))
     if parts > MAX_PARTITIONS:
         raise ValueError(f"max_seq_len: at most {MAX_PARTITIONS * psize} tokens, got {max_seq_len}")
-    key = KernelKey("decode", checks.DTYPES[k_cache.dtype], head_size, block_size, g)
+    key = KernelKey("decode", checks.DTYPES[k_cache.dtype], head_size, block_size, g, variant=var.kernel)
     return Launch(key, (blocks_per_seq, num_seqs, parts)), parts, psize
 
 
@@ -185,16 +228,17 @@ def _on_torch_stream(device: torch.device) -> Iterator[int]:
 def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                            scale: float, out: torch.Tensor | None = None,
-                           num_partitions: int | None = None, partition_size: int | None = None) -> torch.Tensor:
+                           num_partitions: int | None = None, partition_size: int | None = None,
+                           variant: str = "auto") -> torch.Tensor:
     """One query token per sequence: query ``[num_seqs, num_q_heads, head_size]`` -> out (same
     shape, contiguous). ``max_seq_len`` must be >= every ``seq_lens`` entry (it sizes the split).
     ``partition_size``: a fixed split size (batch-invariant); ``num_partitions`` overrides the
-    split rule (tests and benchmarks)."""
+    split rule (tests and benchmarks); ``variant``: the kernel and split rule (module notes)."""
     device = _require_cuda(k_cache=k_cache, v_cache=v_cache, query=query, block_tables=block_tables,
                            seq_lens=seq_lens)
     index = device.index if device.index is not None else torch.cuda.current_device()
     launch, parts, psize = plan_decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
-                                       num_sms(index), partition_size)
+                                       num_sms(index), partition_size, variant)
     if num_partitions is not None:
         if not 1 <= num_partitions <= MAX_PARTITIONS:
             raise ValueError(f"num_partitions: must lie in [1, {MAX_PARTITIONS}], got {num_partitions}")
@@ -210,7 +254,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     with _on_torch_stream(device) as dev:
         fn = get_function(launch.key, dev)
         grid = (launch.grid[0], launch.grid[1], parts)
-        fn(grid, (THREADS,), (
+        fn(grid, (launch.key.threads,), (
             _ptr(out), _ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(query), _ptr(k_cache),
             _ptr(v_cache), _ptr(block_tables), _ptr(seq_lens), np.int64(query.stride(0)),
             np.int32(k_cache.shape[2]), np.int32(num_q_heads // k_cache.shape[2]),

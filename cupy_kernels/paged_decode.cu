@@ -1,14 +1,25 @@
 // Paged attention for decode: one query token per sequence over its block table.
 //
-// Grid (num_kv_heads * q_per_kv / G, num_seqs, num_parts), 128 threads. A thread block owns one
-// KV head of one sequence (one context partition of it when split) and G of the q heads that
+// Grid (num_kv_heads * q_per_kv / G, num_seqs, num_parts), 32 * WARPS threads. A thread block owns
+// one KV head of one sequence (one context partition of it when split) and G of the q heads that
 // share that KV head, so each K/V row is read from memory once for the whole group.
 //
 // Inside a warp, lanes form token groups of LPT lanes; a group reads one token's head row as
 // 16-byte vectors (CPL vectors per lane, coalesced: LPT*16 contiguous bytes per token per load)
-// and keeps its own online-softmax state. A warp walks tiles of TILE tokens, the 4 warps
+// and keeps its own online-softmax state. A warp walks tiles of TILE tokens, the warps
 // interleave tiles, and token groups and warps are merged once at the end. q is held in
 // registers pre-scaled by scale*log2(e), so the softmax uses exp2.
+//
+// Variants (template parameters after G; the defaults are the kernel the launcher's "auto" runs):
+//   WARPS  warps per block (4 or 8: 8 gives a small grid more loads in flight per block);
+//   TILEH  the tokens per lane per tile in halves of the default rule's (2): 4 doubles them (more
+//          independent loads per lane), 1 halves them (fewer registers, so a pipelined kernel keeps
+//          16 warps per SM);
+//   PIPE   software pipelining: the K/V loads of the warp's next tile and the block-table entries
+//          of the tile after it are issued before the current tile's dot products, softmax and V
+//          accumulation, so memory latency overlaps compute instead of following it.
+// Every variant reduces a token's contribution in the same per-tile way; they differ in which
+// tokens a lane/warp sums together, so their results differ in the last bits, not in accuracy.
 //
 // num_parts == 1: the whole context, the output is written directly.
 // num_parts  > 1: partition z covers tokens [z*P, (z+1)*P); each writes a normalised partial
@@ -21,7 +32,7 @@
 #ifndef PS_DECODE_NTG
 #define PS_DECODE_NTG 16  // bound on (tokens per lane per tile) * G: logits held per lane
 #endif
-#define PS_DECODE_THREADS 128
+#define PS_DECODE_THREADS 128  // the reduce kernel, and the main kernel's default (4 warps)
 #define PS_MAX_PARTS 1024
 
 namespace ps {
@@ -34,28 +45,39 @@ __host__ __device__ constexpr int pick_lpt(int chunks, int vec, int g, int budge
   return lpt;
 }
 
-template <typename T, int HEAD, int G>
+template <typename T, int HEAD, int G, int WARPS = 4, int TILEH = 2, bool PIPE = false>
 struct DecodeShape {
   static constexpr int VEC = Cvt<T>::kVec;                 // elements per 16-byte vector
   static constexpr int CHUNKS = HEAD / VEC;                 // vectors per head row
   static constexpr int LPT = pick_lpt(CHUNKS, VEC, G, PS_DECODE_QBUDGET);  // lanes per token
   static constexpr int CPL = cdiv(CHUNKS, LPT);             // vectors per lane per token
   static constexpr int TPW = kWarp / LPT;                   // tokens a warp reads per step
-  static constexpr int NT = cmax(1, cmin(8 / CPL, PS_DECODE_NTG / G)); // tokens per lane per tile
+  static constexpr int NT = cmax(1, cmin(4 * TILEH / CPL, PS_DECODE_NTG * TILEH / (2 * G))); // tokens per lane per tile
   static constexpr int TILE = NT * TPW;                     // tokens per warp per tile
-  static constexpr int NW = PS_DECODE_THREADS / kWarp;
-  // Floats a lane keeps live (q, accumulators, the K and V tile, logits). Small enough -> ask for
-  // 4 resident blocks (<= 128 registers, 16 warps per SM to keep loads in flight), else 2.
-  static constexpr int LIVE = 2 * G * CPL * VEC + 8 * NT * CPL + NT * G;
-  static constexpr int MIN_BLOCKS = LIVE <= 112 ? 4 : 2;
+  static constexpr int NW = WARPS;
+  static constexpr int THREADS = WARPS * kWarp;
+  // Floats a lane keeps live (q, accumulators, the K and V tile, logits; pipelined: a second tile
+  // plus the next tiles' block-table entries and row offsets). Small enough -> ask for 16 resident
+  // warps per SM (<= 128 registers, enough loads in flight), else 8.
+  static constexpr int LIVE = 2 * G * CPL * VEC + 8 * NT * CPL + NT * G + (PIPE ? 8 * NT * CPL + 3 * NT : 0);
+  static constexpr int MIN_BLOCKS = cmax(1, (LIVE <= 112 ? 4 : 2) * 4 / WARPS);
   static_assert(HEAD % VEC == 0, "head size must be a multiple of 16 bytes");
   static_assert(G >= 1 && G <= 8, "at most 8 q heads per thread block");
+  static_assert(WARPS == 4 || WARPS == 8, "4 or 8 warps per block");
+  static_assert(NW * G * (HEAD + 2) * 4 <= 48 * 1024, "the warp merge's shared memory exceeds 48 KiB");
+};
+
+// One warp tile in registers: per token slot, whether it is in range, and this lane's K and V vectors.
+template <int NT, int CPL>
+struct DecodeTile {
+  bool valid[NT];
+  uint4 k[NT][CPL], v[NT][CPL];
 };
 
 }  // namespace ps
 
-template <typename T, int HEAD, int BS, int G>
-__global__ void __launch_bounds__(PS_DECODE_THREADS, ps::DecodeShape<T, HEAD, G>::MIN_BLOCKS)
+template <typename T, int HEAD, int BS, int G, int WARPS = 4, int TILEH = 2, bool PIPE = false>
+__global__ void __launch_bounds__(WARPS * ps::kWarp, ps::DecodeShape<T, HEAD, G, WARPS, TILEH, PIPE>::MIN_BLOCKS)
 ps_paged_decode(T* __restrict__ out,              // [num_seqs, num_q_heads, HEAD] (num_parts == 1)
                 float* __restrict__ part_out,     // [num_seqs, num_q_heads, num_parts, HEAD]
                 float* __restrict__ part_max,     // [num_seqs, num_q_heads, num_parts] (log2 units)
@@ -67,7 +89,7 @@ ps_paged_decode(T* __restrict__ out,              // [num_seqs, num_q_heads, HEA
                 const int* __restrict__ seq_lens,      // [num_seqs]
                 long long q_stride, int num_kv_heads, int q_per_kv, int max_blocks,
                 int partition_size, float scale_log2) {
-  using S = ps::DecodeShape<T, HEAD, G>;
+  using S = ps::DecodeShape<T, HEAD, G, WARPS, TILEH, PIPE>;
   using C = ps::Cvt<T>;
   constexpr int NW = S::NW, LPT = S::LPT, CPL = S::CPL, VEC = S::VEC, NT = S::NT, TPW = S::TPW;
   __shared__ float sm_m[NW][G];
@@ -119,30 +141,38 @@ ps_paged_decode(T* __restrict__ out,              // [num_seqs, num_q_heads, HEA
   const int* bt = block_tables + static_cast<long long>(seq) * max_blocks;
   const long long lane_off = static_cast<long long>(kvh) * HEAD + gl * VEC;
 
-  for (int base = start + warp * S::TILE; base < end; base += NW * S::TILE) {
-    long long off[NT];
-    bool valid[NT];
-    uint4 kr[NT][CPL];
+  using Tile = ps::DecodeTile<NT, CPL>;
+
+  // Block-table entries of the tokens this lane reads in the tile at `base` (0 past the end).
+  auto load_blocks = [&](int base, int (&blk)[NT]) {
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
       const int t = base + i * TPW + tg;
-      valid[i] = t < end;
-      off[i] = valid[i] ? static_cast<long long>(__ldg(bt + t / BS)) * blk_stride
-                              + (t % BS) * row_stride + lane_off
-                        : 0;
+      blk[i] = t < end ? __ldg(bt + t / BS) : 0;
+    }
+  };
+  // The tile's K and V vectors of this lane (zeros past the end: no memory traffic).
+  auto load_kv = [&](int base, const int (&blk)[NT], Tile& tile) {
+    long long off[NT];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      const int t = base + i * TPW + tg;
+      tile.valid[i] = t < end;
+      off[i] = tile.valid[i] ? static_cast<long long>(blk[i]) * blk_stride + (t % BS) * row_stride + lane_off : 0;
 #pragma unroll
       for (int j = 0; j < CPL; ++j)
-        kr[i][j] = (valid[i] && gl + j * LPT < S::CHUNKS) ? ps::ldg16(k_cache + off[i] + j * LPT * VEC)
-                                                          : ps::zero16();
+        tile.k[i][j] = (tile.valid[i] && gl + j * LPT < S::CHUNKS) ? ps::ldg16(k_cache + off[i] + j * LPT * VEC)
+                                                                   : ps::zero16();
     }
-    uint4 vr[NT][CPL];
 #pragma unroll
     for (int i = 0; i < NT; ++i)
 #pragma unroll
       for (int j = 0; j < CPL; ++j)
-        vr[i][j] = (valid[i] && gl + j * LPT < S::CHUNKS) ? ps::ldg16(v_cache + off[i] + j * LPT * VEC)
-                                                          : ps::zero16();
-
+        tile.v[i][j] = (tile.valid[i] && gl + j * LPT < S::CHUNKS) ? ps::ldg16(v_cache + off[i] + j * LPT * VEC)
+                                                                   : ps::zero16();
+  };
+  // Logits, the online-softmax update and the V accumulation of one loaded tile.
+  auto consume = [&](const Tile& tile) {
     float s[NT][G];
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
@@ -151,7 +181,7 @@ ps_paged_decode(T* __restrict__ out,              // [num_seqs, num_q_heads, HEA
 #pragma unroll
       for (int j = 0; j < CPL; ++j) {
         float kf[VEC];
-        C::unpack(kr[i][j], kf);
+        C::unpack(tile.k[i][j], kf);
 #pragma unroll
         for (int g = 0; g < G; ++g)
 #pragma unroll
@@ -161,7 +191,7 @@ ps_paged_decode(T* __restrict__ out,              // [num_seqs, num_q_heads, HEA
       for (int g = 0; g < G; ++g) {
 #pragma unroll
         for (int o = LPT / 2; o > 0; o >>= 1) s[i][g] += __shfl_xor_sync(0xffffffffu, s[i][g], o);
-        if (!valid[i]) s[i][g] = ps::neg_inf();
+        if (!tile.valid[i]) s[i][g] = ps::neg_inf();
       }
     }
 
@@ -191,12 +221,38 @@ ps_paged_decode(T* __restrict__ out,              // [num_seqs, num_q_heads, HEA
 #pragma unroll
       for (int j = 0; j < CPL; ++j) {
         float vf[VEC];
-        C::unpack(vr[i][j], vf);
+        C::unpack(tile.v[i][j], vf);
 #pragma unroll
         for (int g = 0; g < G; ++g)
 #pragma unroll
           for (int e = 0; e < VEC; ++e) acc[g][j][e] = fmaf(s[i][g], vf[e], acc[g][j][e]);
       }
+  };
+
+  constexpr int STEP = NW * S::TILE;  // tokens between a warp's consecutive tiles
+  if constexpr (PIPE) {
+    // Three stages in flight: block-table entries two tiles ahead, K/V one tile ahead, compute.
+    int base = start + warp * S::TILE;
+    int blk[NT];
+    Tile cur;
+    load_blocks(base, blk);
+    load_kv(base, blk, cur);
+    load_blocks(base + STEP, blk);
+    for (; base < end; base += STEP) {
+      Tile next;
+      load_kv(base + STEP, blk, next);
+      load_blocks(base + 2 * STEP, blk);
+      consume(cur);
+      cur = next;
+    }
+  } else {
+    for (int base = start + warp * S::TILE; base < end; base += STEP) {
+      int blk[NT];
+      Tile tile;
+      load_blocks(base, blk);
+      load_kv(base, blk, tile);
+      consume(tile);
+    }
   }
 
   // Merge the token groups of this warp (lanes differing in the bits above LPT).
@@ -236,7 +292,7 @@ ps_paged_decode(T* __restrict__ out,              // [num_seqs, num_q_heads, HEA
   __syncthreads();
 
   // Merge the warps; each thread finishes some (head, dim) outputs.
-  for (int idx = threadIdx.x; idx < G * HEAD; idx += PS_DECODE_THREADS) {
+  for (int idx = threadIdx.x; idx < G * HEAD; idx += S::THREADS) {
     const int g = idx / HEAD, d = idx % HEAD;
     float mx = sm_m[0][g];
 #pragma unroll

@@ -84,7 +84,8 @@ def run_bench() -> tuple[float, list]:
         for ctx in CONTEXTS:
             rows.append(decode_row(batch, ctx, read_gbs))
             torch.cuda.empty_cache()  # the row's caches are gone; give their memory back
-            print(f"  batch {batch:3d} context {ctx:5d}: {rows[-1].kernel_us:8.1f} us", flush=True)
+            print(f"  batch {batch:3d} context {ctx:5d}: {rows[-1].kernel_us:8.1f} us (best variant "
+                  f"{rows[-1].best_variant}: {rows[-1].best_us:.1f} us)", flush=True)
     return read_gbs, rows
 
 
@@ -156,7 +157,8 @@ def verdicts(report: dict, rows: list, prefill: list) -> list[str]:
         target = TARGET_DECODE_VS_SDPA.get((r.batch, r.context))
         if target is not None:
             out.append(_bar(r.vs_sdpa <= target, f"decode attention {r.batch} x {r.context}: {r.vs_sdpa:.2f}x SDPA "
-                                                 f"(target <= {target}x)"))
+                                                 f"(target <= {target}x; best variant {r.best_variant} "
+                                                 f"{r.best_us / r.sdpa_us:.2f}x)"))
         if (r.batch, r.context) == (64, 2048):
             out.append(_bar(r.frac_of_read >= TARGET_FRAC_OF_READ,
                             f"decode attention 64 x 2048: {100 * r.frac_of_read:.0f}% of read bandwidth "

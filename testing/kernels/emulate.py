@@ -36,7 +36,7 @@ def _wrapper(i: int, key: KernelKey) -> str:
 extern "C" void k{i}(unsigned gx, unsigned gy, unsigned gz, void* out, void* po, void* pm, void* ps,
     const void* q, const void* k, const void* v, const int* bt, const int* sl, long long qs, int nkv,
     int qpk, int mb, int psz, float sc) {{
-  emu::launch(dim3{{gx, gy, gz}}, {THREADS}, [&] {{ {key.expression()}(({t}*)out, (float*)po, (float*)pm,
+  emu::launch(dim3{{gx, gy, gz}}, {key.threads}, [&] {{ {key.expression()}(({t}*)out, (float*)po, (float*)pm,
       (float*)ps, (const {t}*)q, (const {t}*)k, (const {t}*)v, bt, sl, qs, nkv, qpk, mb, psz, sc); }});
 }}"""
     if key.kind == "decode_reduce":
@@ -73,9 +73,11 @@ class Emulator:
         return getattr(self.lib, f"k{self.index[key]}")
 
     def decode(self, query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out,
-               num_partitions: int | None = None, partition_size: int | None = None) -> None:
+               num_partitions: int | None = None, partition_size: int | None = None, variant: str = "auto",
+               num_sms: int = 132) -> tuple[int, int]:
+        """Runs the launchers' plan; returns the (partitions, partition size) it ran with."""
         launch, parts, psize = plan_decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
-                                           num_sms=132, partition_size=partition_size)
+                                           num_sms=num_sms, partition_size=partition_size, variant=variant)
         if num_partitions is not None:
             parts, psize = num_partitions, max(1, math.ceil(max_seq_len / num_partitions))
         n, h, d = query.shape
@@ -89,6 +91,7 @@ class Emulator:
         if parts > 1:
             rkey = KernelKey("decode_reduce", launch.key.dtype, d)
             self._fn(rkey)(h, n, *_ptrs(out, po, pm, ps, seq_lens), parts, psize)
+        return parts, psize
 
     def prefill(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
                 max_seq_len, scale, out, kernel: str = "auto") -> None:
@@ -118,20 +121,22 @@ class Emulator:
         self.lib.copy_blocks(len(flat), len(pairs), *_ptrs(ptrs, pair_t), ctypes.c_longlong(vecs))
 
 
-def emulate_launchers(emu: Emulator, monkeypatch) -> Counter:
+def emulate_launchers(emu: Emulator, monkeypatch, decode_variant: str = "auto") -> Counter:
     """The CuPy backend's launchers run the kernels' source on the SIMT emulator (one at a time:
-    tensor-parallel ranks call them from several threads). Returns the count of calls per launcher
-    (``decode``, ``prefill``, ``reshape_and_cache``)."""
+    tensor-parallel ranks call them from several threads); decode runs ``decode_variant`` unless a
+    caller names one. Returns the count of calls per launcher (``decode``, ``prefill``,
+    ``reshape_and_cache``)."""
     from cupy_kernels import cache_ops, launchers
 
     lock, calls = threading.Lock(), Counter()
 
-    def decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out=None, partition_size=None):
+    def decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out=None, partition_size=None,
+               variant=decode_variant):
         out = torch.full_like(query, float("nan")) if out is None else out
         with lock:
             calls["decode"] += 1
             emu.decode(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, out,
-                       partition_size=partition_size)
+                       partition_size=partition_size, variant=variant)
         return out
 
     def prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,

@@ -3,13 +3,15 @@
 Compiles every .cu file with ``nvcc -cubin -Xptxas -v`` for sm_80 and sm_90 over a representative
 set of template instantiations (every dtype and head size, every block size, q-head groups from
 MHA to MQA), from the exact text NVRTC compiles at run time (common.cuh pasted in), and fails on
-a compile error, a register spill or a stack frame. Units compile in parallel. The same
-instantiations then go through NVRTC itself (ctypes, the nvidia-cuda-nvrtc wheel) with CuPy's
+a compile error, a register spill or a stack frame. Every decode kernel variant
+(``build.DECODE_KERNELS``) compiles over the same instantiations as the base kernel, each variant its
+own unit. Units compile in parallel. The same instantiations then go through NVRTC itself (ctypes, the nvidia-cuda-nvrtc wheel) with CuPy's
 kind of request: the run-time options and one name expression per kernel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import subprocess
@@ -21,6 +23,7 @@ import pytest
 from cupy_kernels.build import (
     BLOCK_SIZES,
     CUDA_TYPES,
+    DECODE_KERNELS,
     HEAD_SIZES,
     MMA_DTYPES,
     MMA_HEAD_SIZES,
@@ -57,18 +60,25 @@ def representative_keys() -> dict[str, list[KernelKey]]:
             "cache_ops.cu": []}
 
 
-def _compile(nvcc: str, workdir: Path, source: str, keys: list[KernelKey], arch: str) -> tuple[str, str]:
+def variant_keys() -> dict[str, list[KernelKey]]:
+    """Each decode kernel variant but "base" over the base kernel's representative instantiations
+    (the 8-warp variants meet the shared-memory fallback at head 256 x group 8)."""
+    base = [k for k in representative_keys()["paged_decode.cu"] if k.kind == "decode"]
+    return {v: [dataclasses.replace(k, variant=v) for k in base] for v in DECODE_KERNELS if v != "base"}
+
+
+def _compile(nvcc: str, workdir: Path, source: str, keys: list[KernelKey], arch: str, tag: str = "") -> tuple[str, str]:
     src = workdir / f"nvrtc_{source}"  # the NVRTC text: header pasted, no include path needed
     if not src.exists():
         src.write_text(read_source(source))
-    unit = workdir / f"unit_{arch}_{source}"
+    unit = workdir / f"unit_{arch}_{tag}{source}"
     unit.write_text(_unit_text(src.name, keys))
     proc = subprocess.run([nvcc, "-cubin", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v", "-I", str(workdir),
                            "-o", str(unit.with_suffix(".cubin")), str(unit)],
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         pytest.fail(f"nvcc failed for {source} ({arch}):\n{proc.stderr[-4000:]}")
-    return f"{source} {arch}", proc.stderr
+    return f"{source} {tag}{arch}", proc.stderr
 
 
 def _unit_text(include: str, keys: list[KernelKey]) -> str:
@@ -98,7 +108,10 @@ def test_sources_use_no_host_headers():
 def test_kernels_compile_without_spills(tmp_path):
     nvcc = find_nvcc()
     assert nvcc is not None, "nvcc not found on PATH or in /usr/local/cuda/bin: it is part of the toolchain"
-    jobs = [(src, keys, arch) for src, keys in representative_keys().items() for arch in ARCHS]
+    jobs = [(src, keys, arch, "") for src, keys in representative_keys().items() for arch in ARCHS]
+    jobs += [("paged_decode.cu", keys, arch, f"{v}_") for v, keys in variant_keys().items() for arch in ARCHS]
+    for src in {j[0] for j in jobs}:  # written once, before the threads race to it
+        (tmp_path / f"nvrtc_{src}").write_text(read_source(src))
     with ThreadPoolExecutor(max_workers=4) as pool:
         reports = list(pool.map(lambda j: _compile(nvcc, tmp_path, *j), jobs))
     problems, seen = [], 0
@@ -109,6 +122,7 @@ def test_kernels_compile_without_spills(tmp_path):
                      for name, st, ss, sl, regs in rows if st or ss or sl]
     expected = sum(max(1, len(keys)) if src != "cache_ops.cu" else 2
                    for src, keys in representative_keys().items()) * len(ARCHS)
+    expected += sum(len(keys) for keys in variant_keys().values()) * len(ARCHS)
     assert seen == expected, f"ptxas reported {seen} kernels, expected {expected}"
     assert not problems, "register spills / local memory:\n" + "\n".join(problems)
 
@@ -130,6 +144,9 @@ def test_nvrtc_compiles_every_name_expression():
     subset = {src: [k for k in keys if k.head_size in (80, 128) and (k.head_size == 128) == (k.dtype != "float32")]
               for src, keys in representative_keys().items()}
     subset["paged_prefill_mma.cu"] = [k for k in representative_keys()["paged_prefill_mma.cu"] if k.head_size in (64, 128)]
+    # Every decode variant at the Llama-3-8B shape and at a float32 one (explicit template arguments)
+    subset["paged_decode.cu"] += [KernelKey("decode", d, h, 16, g, variant=v) for v in DECODE_KERNELS if v != "base"
+                                  for d, h, g in (("bfloat16", 128, 4), ("float32", 80, 3))]
     with ThreadPoolExecutor(max_workers=3) as pool:
         results = list(pool.map(run, subset.items()))
     for source, exprs, res in results:

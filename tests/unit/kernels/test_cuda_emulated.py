@@ -5,18 +5,21 @@ unwritten cache slots are poisoned with NaN, inputs are fresh random numbers."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from cupy_kernels.build import (
+    DECODE_KERNELS,
     KernelKey,
     group_size,
     mma_prefill_supported,
     prefill_mma_tokens,
     prefill_tokens,
 )
+from cupy_kernels.launchers import DECODE_VARIANTS
 from testing.kernels.cases import make_case
 from testing.kernels.emulate import emulate_launchers
 from testing.kernels.reference import ref_attention, ref_copy_blocks, ref_reshape_and_cache, rel_error
@@ -28,6 +31,12 @@ CONFIGS = [("float32", 80, 8, 12, 4), ("float16", 256, 32, 4, 4), ("bfloat16", 1
            ("float32", 64, 16, 16, 1), ("bfloat16", 96, 8, 14, 2), ("float32", 16, 16, 4, 2)]  # last: the tiny model
 IDS = [f"{d}-h{h}-b{b}-q{q}kv{kv}" for d, h, b, q, kv in CONFIGS]
 SCALE = 0.107
+# Decode variants (launchers.DECODE_VARIANTS) beside "base", each on the Llama-like config (index 2)
+# and two others, so that every config meets two kernel variants (the emulator runs a CUDA thread as
+# a CPU thread: the full grid per variant would cost minutes); the split-rule variants on one config.
+VARIANT_CONFIGS = {"pipe": (2, 0, 4), "pipe_half": (2, 0, 4), "nt2": (2, 1, 3), "w8": (2, 3, 5), "pipe_w8": (2, 1, 5),
+                   "split8": (2,), "pipe_split8": (0,)}
+VARIANT_CASES = [(v, CONFIGS[i]) for v, idx in VARIANT_CONFIGS.items() for i in idx]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +48,7 @@ def emu():
         g = group_size(q // kv)
         keys += [KernelKey("decode", d, h, b, g), KernelKey("decode_reduce", d, h),
                  KernelKey("prefill", d, h, b, g, prefill_tokens(g))]
+        keys += [KernelKey("decode", d, h, b, g, variant=v) for v in DECODE_KERNELS]
         if mma_prefill_supported(d, h):
             keys.append(KernelKey("prefill_mma", d, h, b, g, prefill_mma_tokens(g)))
     return Emulator(keys)
@@ -62,6 +72,54 @@ def test_emulated_decode_single_and_split(emu, cfg):
         emu.decode(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, max(ctx), SCALE,
                    out, num_partitions=parts)
         _check(out, ref, dtype, f"decode partitions={parts} seed={seed}")
+
+
+def _unpipelined(variant: str) -> str | None:
+    """The variant that runs ``variant``'s kernel without the software pipeline and with the same split
+    rule, if there is one (pipe -> base, pipe_w8 -> w8, pipe_split8 -> split8; pipe_half has none)."""
+    spec = DECODE_VARIANTS[variant]
+    kernel = DECODE_KERNELS[spec.kernel]
+    if not kernel.pipeline:
+        return None
+    plain = dataclasses.replace(kernel, pipeline=False)
+    return next((v for v, s in DECODE_VARIANTS.items() if DECODE_KERNELS[s.kernel] == plain and s.split == spec.split),
+                None)
+
+
+def test_every_decode_variant_is_emulated():
+    """A variant added to launchers.DECODE_VARIANTS gets configs here, or this fails; the pipelined ones
+    that have a twin are held to its bits."""
+    assert set(VARIANT_CONFIGS) == set(DECODE_VARIANTS) - {"base"}
+    assert {v: _unpipelined(v) for v in DECODE_VARIANTS if _unpipelined(v)} == \
+        {"pipe": "base", "pipe_w8": "w8", "pipe_split8": "split8"}
+
+
+@pytest.mark.parametrize("variant, cfg", VARIANT_CASES, ids=[f"{v}-{IDS[CONFIGS.index(c)]}" for v, c in VARIANT_CASES])
+def test_emulated_decode_variants(emu, variant, cfg):
+    """Every decode variant against the float64 reference, on contexts spanning several tile rounds
+    of its warps: single pass and the variant's own split rule (which splits these: 32-token
+    partitions for the split-rule variants, 128 for the rest). Pipelining moves loads, not
+    arithmetic: a pipelined variant gives its unpipelined twin's bits where it has one (single pass:
+    the longest run of tiles per warp)."""
+    dtype, head, bs, nq, nkv = cfg
+    ctx = [1, bs + 1, 70, 300]
+    seed = random.randrange(1 << 30)
+    case = make_case(ctx, [1] * len(ctx), nq, nkv, head, bs, DTYPES[dtype], "cpu", seed=seed)
+    emu.reshape_and_cache(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
+    ref = ref_attention(case.query, case.k_cache, case.v_cache, case.block_tables, ctx, case.starts, SCALE)
+    twin = _unpipelined(variant)
+    for parts in (1, None):  # None: the variant's split rule
+        outs = []
+        for v in (variant, twin) if twin and parts == 1 else (variant,):
+            out = torch.full_like(case.query, float("nan"))
+            ran = emu.decode(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, max(ctx),
+                             SCALE, out, num_partitions=parts, variant=v)
+            outs.append(out)
+        _check(outs[0], ref, dtype, f"decode {variant} partitions={parts} ran={ran} seed={seed}")
+        if parts is None:
+            assert ran == ((10, 32) if DECODE_VARIANTS[variant].split else (3, 128)), f"split {ran}"
+        if len(outs) == 2:
+            assert torch.equal(outs[0], outs[1]), f"{variant} differs from {twin} (partitions={parts} seed={seed})"
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
@@ -146,18 +204,20 @@ def test_emulated_kernels_take_per_rank_head_counts(emu, tiny_llama_dir, monkeyp
     assert sharded == _generate(make_runner(tiny_llama_dir, cpu_attention="torch"))
 
 
-@pytest.mark.parametrize("cfg", [("bfloat16", 128, 16, 8, 2), ("float32", 64, 16, 16, 1)], ids=["bf16-gqa4", "f32-mqa"])
-def test_emulated_batch_invariant_backend_gives_a_request_its_bits_alone(emu, cfg, monkeypatch):
+@pytest.mark.parametrize("cfg, variant", [(("bfloat16", 128, 16, 8, 2), "auto"), (("float32", 64, 16, 16, 1), "auto"),
+                                          (("bfloat16", 128, 16, 8, 2), "pipe_w8")],
+                         ids=["bf16-gqa4", "f32-mqa", "bf16-gqa4-pipe_w8"])
+def test_emulated_batch_invariant_backend_gives_a_request_its_bits_alone(emu, cfg, variant, monkeypatch):
     """The case make gpu-check runs on the GPU (testing/kernels/invariance.py): a request's rows alone,
     in a batch, in other chunks and as decode steps are the same bits through the batch-invariant
     backend, and close to the float64 reference; the default backend's differ (prefill and decode
-    kernels, the split fitted to the launch)."""
+    kernels, the split fitted to the launch). A decode variant (8 warps, pipelined) keeps it too."""
     from cupy_kernels import launchers
     from executor_svc.attention_cupy import CupyAttentionBackend
     from testing.kernels import invariance as inv
 
     dtype, head, bs, nq, nkv = cfg
-    emulate_launchers(emu, monkeypatch)
+    emulate_launchers(emu, monkeypatch, decode_variant=variant)
     monkeypatch.setattr(launchers, "INVARIANT_PARTITION", 64)  # the same splits on shorter contexts
     seed = random.randrange(1 << 30)
     case = inv.batch_case(nq, nkv, head, bs, DTYPES[dtype], "cpu", seed, inv.SMALL)

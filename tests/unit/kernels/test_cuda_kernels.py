@@ -17,6 +17,7 @@ import torch
 
 from cupy_kernels.build import (
     CUDA_TYPES,
+    DECODE_KERNELS,
     HEAD_SIZES,
     KernelKey,
     group_size,
@@ -25,6 +26,7 @@ from cupy_kernels.build import (
     prefill_mma_tokens,
     prefill_tokens,
 )
+from cupy_kernels.launchers import DECODE_VARIANTS
 from testing.kernels.cases import make_case
 from testing.kernels.reference import ref_attention, ref_copy_blocks, ref_reshape_and_cache, rel_error
 
@@ -43,6 +45,9 @@ CONFIGS = [(d, h, 16, 8, 2) for d in CUDA_TYPES for h in HEAD_SIZES] + [
 ]
 IDS = [f"{d}-h{h}-b{b}-q{q}kv{kv}" for d, h, b, q, kv in CONFIGS]
 SCALE = 0.0883
+# Decode variants (launchers.DECODE_VARIANTS): the Llama-3-8B shape, odd head / group / block, head 256
+# with group 8 (the 8-warp kernels fall back to 4 warps there). Few: each adds 5 kernels to compile.
+VARIANT_CONFIGS = [("bfloat16", 128, 16, 32, 8), ("float32", 80, 8, 12, 4), ("float16", 256, 32, 16, 2)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,6 +62,9 @@ def _compile_all():
                  KernelKey("prefill", d, h, b, g, prefill_tokens(g))]
         if mma_prefill_supported(d, h):
             keys.append(KernelKey("prefill_mma", d, h, b, g, prefill_mma_tokens(g)))
+    for d, h, b, q, kv in VARIANT_CONFIGS:
+        keys += [KernelKey("decode", d, h, b, group_size(q // kv), variant=v) for v in DECODE_KERNELS]
+        keys.append(KernelKey("decode_reduce", d, h))
     precompile([*keys, KernelKey("cache_ops")], torch.cuda.current_device())
 
 
@@ -84,6 +92,25 @@ def test_decode_single_and_split(cfg):
         paged_attention_decode(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
                                max(ctx), SCALE, out=out, num_partitions=parts)
         _check(out, ref, dtype, f"decode partitions={parts} seed={seed}")
+
+
+@pytest.mark.parametrize("variant", [v for v in DECODE_VARIANTS if v != "base"])
+@pytest.mark.parametrize("cfg", VARIANT_CONFIGS, ids=lambda c: f"{c[0]}-h{c[1]}-b{c[2]}-q{c[3]}kv{c[4]}")
+def test_decode_variants_match_reference(cfg, variant):
+    """Every decode variant (make gpu-check times them) against the float64 reference: contexts over
+    many tiles of every warp, single pass, a forced split and the variant's own split rule."""
+    from cupy_kernels.launchers import paged_attention_decode
+
+    dtype, head, bs, nq, nkv = cfg
+    ctx = [1, bs - 1, bs + 1, 3 * bs + 5, 700, 1100, 2900]
+    case = make_case(ctx, [1] * len(ctx), nq, nkv, head, bs, DTYPES[dtype], "cuda", seed=(seed := _seed()))
+    ref_reshape_and_cache(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
+    ref = ref_attention(case.query, case.k_cache, case.v_cache, case.block_tables, ctx, case.starts, SCALE)
+    for parts in (1, 3, None):
+        out = torch.full_like(case.query, float("nan"))
+        paged_attention_decode(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                               max(ctx), SCALE, out=out, num_partitions=parts, variant=variant)
+        _check(out, ref, dtype, f"decode {variant} partitions={parts} seed={seed}")
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)

@@ -46,6 +46,47 @@ def test_decode_split_rule():
         assert parts * size >= ctx and (parts == 1 or (parts - 1) * size < ctx)
 
 
+def test_decode_split_rule_parameters():
+    """A variant's rule: more blocks per SM and shorter partitions give a small batch more blocks; the
+    defaults are the base rule."""
+    sms, split = 132, launchers.decode_split
+    assert split(1, 8, 2048, sms, blocks_per_sm=8, min_partition=32) == (64, 32)  # 512 blocks, not 128
+    assert split(8, 8, 8192, sms, blocks_per_sm=8, min_partition=32) == (16, 512)  # held at PARTITION_SIZE
+    assert split(64, 8, 2048, sms, blocks_per_sm=8) == (4, 512)
+    assert split(1, 8, 100, sms, min_partition=32) == (4, 32)  # short contexts split too
+    assert split(1, 8, 2048, sms, blocks_per_sm=4, min_partition=128) == split(1, 8, 2048, sms)
+    for seqs, ctx in [(1, 777), (3, 5000), (64, 8192), (200, 300), (1, 33)]:
+        parts, size = split(seqs, 8, ctx, sms, blocks_per_sm=8, min_partition=32)
+        assert parts * size >= ctx and (parts == 1 or ((parts - 1) * size < ctx and size % 32 == 0))
+    with pytest.raises(ValueError, match="blocks_per_sm"):
+        split(1, 8, 2048, sms, blocks_per_sm=0)
+
+
+def test_plan_decode_variants():
+    """"auto" is today's kernel and rule; a named variant runs its kernel (explicit template arguments)
+    with its split rule; 8 warps fall back to 4 where their merge would overflow shared memory."""
+    auto = launchers.plan_decode(**_decode_args(), num_sms=132)
+    assert launchers.plan_decode(**_decode_args(), num_sms=132, variant="base") == auto
+    assert auto[0].key.variant == "base" and auto[0].key.threads == 128
+    pipe, parts, size = launchers.plan_decode(**_decode_args(), num_sms=132, variant="pipe")
+    assert pipe.key.expression() == "ps_paged_decode<__nv_bfloat16, 128, 16, 4, 4, 2, true>"
+    assert (pipe.grid, parts, size) == (auto[0].grid, *auto[1:])
+    w8 = launchers.plan_decode(**_decode_args(), num_sms=132, variant="w8")[0].key
+    assert w8.threads == 256 and w8.expression().endswith(", 8, 2, false>")
+    assert launchers.plan_decode(**_decode_args(), num_sms=132, variant="nt2")[0].key.expression().endswith(", 4, 4, false>")
+    assert launchers.plan_decode(**_decode_args(), num_sms=132, variant="pipe_half")[0].key.expression().endswith(
+        ", 4, 1, true>")
+    split8 = launchers.plan_decode(**_decode_args(), num_sms=132, variant="split8")
+    assert split8[0].key == auto[0].key and split8[1:] == (2, 32)  # the base kernel, its own split
+    big = build.KernelKey("decode", "float32", 256, 16, 8, variant="pipe_w8")
+    assert big.threads == 128 and big.expression() == "ps_paged_decode<float, 256, 16, 8, 4, 2, true>"
+    assert build.KernelKey("decode", "float32", 128, 16, 8, variant="w8").threads == 256
+    with pytest.raises(ValueError, match="variant: 'auto' or one of"):
+        launchers.plan_decode(**_decode_args(), num_sms=132, variant="fast")
+    with pytest.raises(ValueError, match="decode kernel variant"):
+        build.KernelKey("decode", "float32", 128, 16, 8, variant="fast").expression()
+
+
 def test_a_fixed_split_size_cuts_every_context_alike_whatever_the_batch():
     """The batch-invariant split: partitions of the given size whatever the launch holds, so a
     sequence's cut points depend on its own length only (the split rule's follow the batch)."""

@@ -1,0 +1,44 @@
+"""CPU tests of the decode benchmark's variant bookkeeping (benchmarks/kernels/bench.py): which
+variants get timed, which are rejected for a wrong output, the fastest, and the table make gpu-check
+writes. The GPU run cannot be rehearsed here, so its Python is."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.kernels import bench
+from cupy_kernels.launchers import DECODE_VARIANTS
+
+
+def test_time_variants_checks_outputs_and_times_the_rest(monkeypatch):
+    want = torch.randn(4, 32, 128)
+    out = torch.empty_like(want)
+    ran = []
+
+    def ours(variant: str = "auto", rotate: bool = True) -> None:
+        ran.append((variant, rotate))
+        out.copy_(torch.zeros_like(want) if variant == "nt2" else want + 1e-3 * (variant != "auto"))
+
+    fake_us = {name: 10.0 + i for i, name in enumerate(DECODE_VARIANTS)} | {"pipe": 5.0}
+    monkeypatch.setattr(bench, "time_us", lambda fn: (fn(), fake_us[ran[-1][0]])[1])
+    times, wrong = bench._time_variants(ours, out, auto_us=11.5)
+    assert times["base"] == 11.5  # "auto" is base: its time is not taken twice
+    assert ("base", False) not in ran and ("auto", False) in ran  # checks run on one fixed table set
+    assert "nt2" not in times and wrong == ["nt2 (rel. error 1 against auto)"]
+    assert set(times) == set(DECODE_VARIANTS) - {"nt2"}
+    assert bench.fastest(times) == "pipe"
+    assert bench.fastest({}) == "" and bench.fastest({"base": 3.0, "pipe": 3.0}) == "base"
+
+
+def test_decode_row_dict_and_markdown_carry_every_variant():
+    rows = [bench.DecodeRow(64, 2048, 2, 10 ** 8, 40.0, 32.0, 2500.0, 0.6, 1.25, {"base": 40.0, "pipe": 30.0},
+                            {"base": 2, "pipe": 2}, ["nt2 (rel. error 1 against auto)"], "pipe"),
+            bench.DecodeRow(1, 2048, 16, 10 ** 6, 8.0, 5.0, 125.0, 0.03, 1.6)]  # variants not timed
+    d = rows[0].as_dict()
+    assert d["variants_us"] == {"base": 40.0, "pipe": 30.0} and d["best_us"] == 30.0 and d["best_variant"] == "pipe"
+    assert rows[1].best_us == 8.0
+    table = bench.markdown(rows, 4000.0, "H200")
+    assert "| 64 | 2048 | 2 | 100.0 | 40.0 | 32.0 | 2500 | 60% | 1.25x | pipe (30.0) | 0.94x |" in table
+    assert "| 1 | 2048 | 16 | 1.0 | 8.0 | 5.0 | 125 | 3% | 1.60x | - (8.0) | 1.60x |" in table
+    assert "| batch | context | base | pipe |" in table and "| 64 | 2048 | 40.0 | 30.0 |" in table
+    assert "64 x 2048: nt2 (rel. error 1 against auto)" in table
