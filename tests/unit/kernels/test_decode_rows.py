@@ -1,4 +1,4 @@
-"""CPU tests of the decode benchmark's variant bookkeeping (benchmarks/kernels/bench.py): which
+"""CPU tests of the decode benchmark's variant bookkeeping (testing/kernels/decode_rows.py): which
 variants get timed, which are rejected for a wrong output, the fastest, and the table make gpu-check
 writes. The GPU run cannot be rehearsed here, so its Python is."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.kernels import bench
 from cupy_kernels.launchers import DECODE_VARIANTS
+from testing.kernels import decode_rows as bench
 
 
-def test_time_variants_checks_outputs_and_times_the_rest(monkeypatch):
+def test_time_variants_checks_outputs_and_times_the_rest():
     want = torch.randn(4, 32, 128)
     out = torch.empty_like(want)
     ran = []
@@ -20,8 +20,7 @@ def test_time_variants_checks_outputs_and_times_the_rest(monkeypatch):
         out.copy_(torch.zeros_like(want) if variant == "nt2" else want + 1e-3 * (variant != "auto"))
 
     fake_us = {name: 10.0 + i for i, name in enumerate(DECODE_VARIANTS)} | {"pipe": 5.0}
-    monkeypatch.setattr(bench, "time_us", lambda fn: (fn(), fake_us[ran[-1][0]])[1])
-    times, wrong = bench._time_variants(ours, out, auto_us=11.5)
+    times, wrong = bench.time_variants(ours, out, 11.5, lambda fn: (fn(), fake_us[ran[-1][0]])[1])
     assert times["base"] == 11.5  # "auto" is base: its time is not taken twice
     assert ("base", False) not in ran and ("auto", False) in ran  # checks run on one fixed table set
     assert "nt2" not in times and wrong == ["nt2 (rel. error 1 against auto)"]
