@@ -1,7 +1,9 @@
 """Whole executor steps on a GPU, on a model of a real model's shape (``make gpu-check``).
 
 * :func:`decode_steps`: wall and GPU-busy milliseconds per decode step (testing/device_idle.py:
-  the wall without the profiler), at 1, 64 and 256 sequences, CUDA graphs off and on;
+  the wall without the profiler), at 1, 64 and 256 sequences, CUDA graphs off and on, each plan
+  prepared while the step before runs (``--prepare-ahead``, the executor's default on CUDA: greedy
+  steps chained on the device, executor_svc/token_chain.py);
 * :func:`graphs_greedy_equal`: greedy tokens with graphs replayed equal the eager ones;
 * :func:`prefill_step`: one prefill step of 16 prompts x 1024 tokens through ``ModelRunner``
   against transformers' forward (SDPA attention) over the same weights, in tokens per second.
@@ -35,9 +37,9 @@ def decode_steps(model_dir: Path, steps: int = 20) -> list[dict]:
     for seqs in DECODE_SEQS:
         for graphs in (False, True):
             try:
-                m = measure(model_dir, "cuda", seqs=seqs, prompt=128, steps=steps, graphs=graphs)
-                rows.append({"model": MODEL, "seqs": seqs, "graphs": graphs, "wall_ms": m["wall_ms_per_step"],
-                             "busy_ms": m["busy_ms_per_step"]})
+                m = measure(model_dir, "cuda", seqs=seqs, prompt=128, steps=steps, graphs=graphs, prepare_ahead=True)
+                rows.append({"model": MODEL, "seqs": seqs, "graphs": graphs, "prepare_ahead": True,
+                             "wall_ms": m["wall_ms_per_step"], "busy_ms": m["busy_ms_per_step"]})
             except Exception as exc:  # noqa: BLE001  report it; the other rows still matter
                 rows.append({"model": MODEL, "seqs": seqs, "graphs": graphs, "error": f"{type(exc).__name__}: {exc}"})
             torch.cuda.empty_cache()
