@@ -256,7 +256,9 @@ def test_sigterm_stops_admitting_aborts_leftovers_after_the_grace_and_exits(tiny
         got = threading.Event()
 
         def run() -> None:
-            req = pb.GenerateRequest(prompt_token_ids=list(range(3, 40)), sampling=_greedy(1500))
+            # As long as the model allows (4096 positions): a faster machine, or a scheduler slow to take
+            # the signal under load, must not let it finish within the grace period.
+            req = pb.GenerateRequest(prompt_token_ids=list(range(3, 40)), sampling=_greedy(4000))
             for resp in s.stub.Generate(req, timeout=60):
                 got.set()
                 finish.extend(c.finish_reason for c in resp.choices if c.finish_reason)

@@ -294,11 +294,11 @@ def test_a_decode_step_that_fails_fails_the_plans_sequences_and_the_runner_serve
     assert res.sampled_seq_ids == [2]
     forward, calls = runner._forward_batch, []
 
-    def second_step_fails(plan, batch):
+    def second_step_fails(plan, batch, *chain):
         calls.append(plan.scheduled_seq_ids)
         if len(calls) == 2:
             raise RuntimeError("boom")
-        return forward(plan, batch)
+        return forward(plan, batch, *chain)
 
     monkeypatch.setattr(runner, "_forward_batch", second_step_fails)
     res = runner.execute(BatchPlan(3, [1, 2], [1, 1], decode_steps=3))
