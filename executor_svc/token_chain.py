@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.batch import Batch
-from executor_svc.sampler import samples_the_argmax
+from executor_svc.sampler import greedy_ids, samples_the_argmax
 
 
 @dataclass(slots=True)
@@ -46,7 +46,7 @@ def greedy_on_device(batch: Batch, logits: torch.Tensor) -> DeviceTokens | None:
     if batch.spec or batch.prompt_rows or not all(s.grammar is None and samples_the_argmax(s)
                                                   for s in batch.sample_seqs):
         return None
-    tokens = torch.argmax(logits, dim=-1)
+    tokens = greedy_ids(logits)
     if tokens.device.type != "cuda":
         return DeviceTokens(tokens, tokens)
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

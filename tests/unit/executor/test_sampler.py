@@ -224,3 +224,15 @@ def test_raw_logprobs_are_the_models_own_and_processed_ones_what_was_drawn_from(
     assert raw.logprobs[0].top_token_ids == torch.topk(model, 4).indices.tolist()  # truncation hides nothing
     assert len(processed.logprobs[0].top_token_ids) == 3  # top-k left three
     assert processed.logprobs[0].token_logprob > raw.logprobs[0].token_logprob
+
+
+def test_greedy_ids_are_the_argmax_lowest_id_first_nan_included():
+    from executor_svc.sampler import greedy_ids
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (300, 513), generator=g).float()  # many ties
+    x[7, 100] = float("nan")
+    x[9] = 2.5  # a whole row tied
+    x[11, -1] = float("inf")
+    assert torch.equal(greedy_ids(x), torch.argmax(x, dim=-1))
+    assert greedy_ids(x)[9] == 0 and greedy_ids(x)[7] == 100 and greedy_ids(x)[11] == 512
