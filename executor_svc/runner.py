@@ -212,16 +212,10 @@ class ModelRunner:
         ``before``'s tokens are filled on the device (token_chain.py). None where that cannot be
         (``before`` took no tokens on the device, a sequence was dropped since, a draft drafts):
         then ``before`` completes first and ``step`` is launched as usual."""
-        if (before.tokens is None or step.batch is None or self.dropped or before.batch is None
-                or (self.draft is not None and step.batch.spec)):
+        if before.tokens is None or step.batch is None or self.dropped or (self.draft is not None and step.batch.spec):
             return None
-        chain = Chain.of(step.batch, before.batch, before.tokens)
-        if chain is None:
-            return None
-        launched = self._launch(step, chain, True)
-        if isinstance(launched, LaunchedStep):
-            launched.chained = True
-        return launched
+        chain = Chain.of(step.batch, before.batch, before.tokens)  # (tokens were taken: before has a batch)
+        return None if chain is None else self._launch(step, chain, True)
 
     def _launch(self, step: PreparedStep, chain: Chain | None, tokens_on_device: bool) -> LaunchedStep | StepResult:
         start = time.perf_counter()
@@ -245,7 +239,7 @@ class ModelRunner:
         # the sampler's: it fails the step's sampling rows, not the forward's).
         masks = self._masks(step.batch) if logits is not None else None
         launched = LaunchedStep(step.plan, step.batch, logits, start, masks, step.lora)
-        if tokens_on_device and logits is not None and masks is None:
+        if tokens_on_device and logits is not None:  # (a constrained row keeps the step on the host sampler)
             launched.tokens = greedy_on_device(step.batch, logits)
             if launched.tokens is not None and self.keep_logits:
                 launched.logits = logits.clone()  # (a graph's output is rewritten by the step launched next)

@@ -40,7 +40,6 @@ class LaunchedStep:
     masks: GrammarMasks | None = None  # the constrained rows' token masks, filled while the forward runs
     lora: LoraOutcome | None = None
     tokens: DeviceTokens | None = None  # its greedy tokens taken on the device (token_chain.py)
-    chained: bool = False  # launched before the step before it completed
     leave_out: frozenset[int] = frozenset()  # sequences that step's completion failed: they report nothing here
 
     def sampling_seqs(self) -> dict[int, SeqState]:
