@@ -15,6 +15,7 @@ On the CPU the same code serves a small shaped model (``--device cpu``): what th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import statistics
 import tempfile
@@ -28,7 +29,9 @@ PROMPT = 128
 def _client(conn, target: str) -> None:
     """A client process: for each trace it is sent, says it is ready, waits for "go", streams the
     trace and sends back (first send, last token, tokens, errors); perf_counter is one clock for
-    every process. None ends it."""
+    every process. None ends it. Whatever it raises goes back as the round's error."""
+    import traceback
+
     from pagedserve.bench.loadgen import run_requests
     from pagedserve.v1 import generation_pb2 as pb
 
@@ -36,9 +39,13 @@ def _client(conn, target: str) -> None:
     while (trace := conn.recv()) is not None:
         conn.send("ready")
         conn.recv()
-        results, _ = asyncio.run(run_requests(target, trace, sampling, progress=False, timeout_s=600.0))
-        conn.send((min(r.send_time for r in results), max(r.end_time for r in results),
-                   sum(r.output_tokens for r in results), sorted({r.error for r in results if not r.ok and r.error})))
+        try:
+            results, _ = asyncio.run(run_requests(target, trace, sampling, progress=False, timeout_s=600.0))
+            conn.send((min(r.send_time for r in results), max(r.end_time for r in results),
+                       sum(r.output_tokens for r in results),
+                       sorted({r.error for r in results if not r.ok and r.error})))
+        except Exception:  # noqa: BLE001  the parent raises it with the round
+            conn.send((0.0, 0.0, 0, [f"client process: {traceback.format_exc(limit=3)}"]))
 
 
 class Clients:
@@ -78,7 +85,8 @@ class Clients:
 
     def close(self) -> None:
         for p in self.pipes:
-            p.send(None)
+            with contextlib.suppress(OSError):  # (a client that died has closed its end)
+                p.send(None)
         for proc in self.procs:
             proc.join(10)
             if proc.is_alive():
