@@ -34,6 +34,8 @@ def readme_index() -> dict[str, str]:
 
 def readme_support_files() -> set[str]:
     rows = _rows(_section((BENCH / "README.md").read_text(), "Support modules"))
+    for row in rows:
+        assert len(row) == 2 and all(row), f"a support row names a file and what it is: {row}"
     return {name for row in rows for name in re.findall(r"`([\w/]+\.(?:py|sh))`", row[0])}
 
 
