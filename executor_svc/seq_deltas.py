@@ -9,6 +9,8 @@ executor performs. The plan was checked as a whole first (``plan_check.py``).
 
 from __future__ import annotations
 
+from array import array
+
 from executor_svc.attention import AttentionBackend
 from executor_svc.batch import SeqState
 from executor_svc.grammar import GrammarBackend, SeqGrammar, unserved
@@ -50,7 +52,7 @@ class ExecutorDeltas(DeltaTarget[SeqState]):
             raise DeltaError(f"seq {s.seq_id} under LoRA slot {s.lora_slot}: this executor has "
                              f"{0 if self.lora is None else self.lora.num_slots} (--max-loras)", s.seq_id)
         tokens = s.tokens()
-        state = SeqState(s.seq_id, tokens, s.num_prompt_tokens, list(s.block_ids), s.num_computed_tokens, s.sampling,
+        state = SeqState(s.seq_id, tokens, s.num_prompt_tokens, array("i", s.block_ids), s.num_computed_tokens, s.sampling,
                          self._grammar_of(s.sampling, tokens[s.num_prompt_tokens:]), lora_slot=s.lora_slot)
         if s.sampling.prompt_logprobs >= 0 and len(tokens) == s.num_prompt_tokens > 1:
             state.prompt_lp_next = 1  # nothing sampled yet: its prompt is scored (again) from token 1
@@ -58,7 +60,7 @@ class ExecutorDeltas(DeltaTarget[SeqState]):
 
     def fork(self, p: SeqState, f: Fork) -> SeqState:
         sampling = p.sampling if f.seed is None else p.sampling.with_seed(f.seed)
-        return SeqState(f.child_seq_id, list(p.token_ids), p.num_prompt_tokens, list(p.block_ids),
+        return SeqState(f.child_seq_id, list(p.token_ids), p.num_prompt_tokens, array("i", p.block_ids),
                         p.num_computed_tokens, sampling, p.grammar.fork() if p.grammar is not None else None,
                         lora_slot=p.lora_slot)
 

@@ -118,7 +118,7 @@ def test_state_follows_the_deltas(runner):
     res = runner.execute(BatchPlan(1, [2], [1], forks=[Fork(1, 2, seed=5)],
                                    block_updates=[BlockUpdate(2, 0, [3])], free_seq_ids=[]))
     child = runner.seqs[2]
-    assert child.block_ids == [3] and child.sampling.seed == 5 and runner.seqs[1].block_ids == [0]
+    assert list(child.block_ids) == [3] and child.sampling.seed == 5 and list(runner.seqs[1].block_ids) == [0]
     runner.reset()
     assert runner.seqs == {}
 
@@ -180,7 +180,7 @@ def _reference_batch(runner, seq_ids, num_new):
     for sid, n in zip(seq_ids, num_new, strict=True):
         s = runner.seqs[sid]
         begin, end = s.num_computed_tokens, s.num_computed_tokens + n
-        table = s.block_ids[: -(-end // bs)]
+        table = list(s.block_ids[: -(-end // bs)])
         for p in range(begin, end):
             ids.append(s.token_ids[p])
             pos.append(p)
