@@ -10,7 +10,8 @@ time inside the model's forward and LM head (there is no separate device).
 The wall time comes from steps run without the profiler (it adds milliseconds of
 host work per step); the busy time from as many steps run under it right after.
 ``graphs``: decode steps replay CUDA graphs (executor_svc/decode_graphs.py; on
-CPU their eager twin).
+CPU their eager twin). ``build_ms_per_step``: the part of the host work that lays out the batch
+(``ModelRunner._build``: ``build_batch`` and a speculating batch's rows), from the wall run.
 
 ``benchmarks/device_idle.py`` is its command line; ``make gpu-check`` runs it on the GPU
 (benchmarks/kernels/gpu_check.py); the tests check it on the CPU.
@@ -128,8 +129,20 @@ def measure(model_dir: Path, device: str = "cpu", seqs: int = 64, prompt: int = 
     def run_steps() -> float:
         return pipelined(steps) if prepare_ahead else sum(step() for _ in range(steps))
 
+    build_s = 0.0
+    build = runner._build
+
+    def timed_build(*a, **k):  # host work alone, so no device sync
+        nonlocal build_s
+        t = time.perf_counter()
+        out = build(*a, **k)
+        build_s += time.perf_counter() - t
+        return out
+
+    runner._build = timed_build
     if device == "cuda":
         wall = run_steps()  # without the profiler, which adds host work to every step
+        runner._build = build
         with torch.profiler.profile(activities=activities) as prof:
             run_steps()
     else:  # the model's compute, its layers and the LM head, timed around its calls
@@ -143,4 +156,5 @@ def measure(model_dir: Path, device: str = "cpu", seqs: int = 64, prompt: int = 
     return {"device": device, "seqs": seqs, "prompt": prompt, "steps": steps, "prepare_ahead": prepare_ahead,
             "graphs": graphs, "replays": runner.graphs.replays if runner.graphs is not None else 0,
             "wall_ms_per_step": round(1e3 * wall / steps, 3), "busy_ms_per_step": round(1e3 * busy / steps, 3),
-            "idle_ms_per_step": round(1e3 * (wall - busy) / steps, 3), "idle_frac": round(1 - busy / wall, 4)}
+            "idle_ms_per_step": round(1e3 * (wall - busy) / steps, 3), "idle_frac": round(1 - busy / wall, 4),
+            "build_ms_per_step": round(1e3 * build_s / steps, 3)}

@@ -28,6 +28,24 @@ def test_host_work_counts_as_idle_and_the_forward_as_busy(tiny_llama_dir, prepar
     assert slow["idle_ms_per_step"] - base["idle_ms_per_step"] >= 15 and slow["busy_ms_per_step"] > 0
 
 
+def test_the_batch_layout_time_is_its_own_figure_within_the_idle_time(tiny_llama_dir, monkeypatch):
+    """``build_ms_per_step`` times the runner's batch layout alone: 10 ms added inside build_batch
+    shows up there, and it stays part of the idle (host) time."""
+    import executor_svc.runner as runner_mod
+
+    def run() -> dict:
+        return measure(tiny_llama_dir, "cpu", seqs=4, prompt=16, steps=3, warmup=2)
+
+    run()
+    base = run()
+    assert 0 < base["build_ms_per_step"] < base["wall_ms_per_step"]
+    build = runner_mod.build_batch
+    monkeypatch.setattr(runner_mod, "build_batch", lambda *a, **k: (time.sleep(0.01), build(*a, **k))[1])
+    slow = run()
+    assert slow["build_ms_per_step"] - base["build_ms_per_step"] >= 8
+    assert slow["idle_ms_per_step"] >= slow["build_ms_per_step"] * 0.9
+
+
 def test_busy_time_is_the_union_of_kernel_intervals():
     class E:
         def __init__(self, s, e):
