@@ -39,7 +39,8 @@ def decode_steps(model_dir: Path, steps: int = 20) -> list[dict]:
             try:
                 m = measure(model_dir, "cuda", seqs=seqs, prompt=128, steps=steps, graphs=graphs, prepare_ahead=True)
                 rows.append({"model": MODEL, "seqs": seqs, "graphs": graphs, "prepare_ahead": True,
-                             "wall_ms": m["wall_ms_per_step"], "busy_ms": m["busy_ms_per_step"]})
+                             "wall_ms": m["wall_ms_per_step"], "busy_ms": m["busy_ms_per_step"],
+                             "build_ms": m["build_ms_per_step"]})
             except Exception as exc:  # noqa: BLE001  report it; the other rows still matter
                 rows.append({"model": MODEL, "seqs": seqs, "graphs": graphs, "error": f"{type(exc).__name__}: {exc}"})
             torch.cuda.empty_cache()

@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     idle_lines = [
         (f"Executor, 64 sequences decoding (default tiny model), {how}: {idle['wall_ms_per_step']} ms per step, "
-         f"GPU busy {idle['busy_ms_per_step']} ms, idle {idle['idle_ms_per_step']} ms ({100 * idle['idle_frac']:.0f}%)"
+         f"GPU busy {idle['busy_ms_per_step']} ms, idle {idle['idle_ms_per_step']} ms ({100 * idle['idle_frac']:.0f}%), "
+         f"batch layout {idle['build_ms_per_step']} ms of host work"
          if "error" not in idle else f"device idle ({how}): {idle['error']}")
         for how, idle in (("one plan at a time", report["device_idle"]),
                           ("each plan prepared ahead", report["device_idle_prepare_ahead"]))]
