@@ -8,7 +8,7 @@ Decoding is in two stages, so that a receiver can judge a frame before paying fo
    it has registered) is refused here, and the scheduler checks a result's tag and
    size against the plan it answers before going on;
 2. :func:`decode_body` parses the body typed (msgspec): each field is checked
-   against its declaration in :mod:`pagedserve.wire.messages` while it is parsed,
+   against its declaration (:mod:`pagedserve.wire.messages`, ``link_messages``) while it is parsed,
    so a malformed body stops at its first wrong element.
 
 Every problem, whatever raised it (a msgspec error, a ``RecursionError`` on a frame

@@ -30,9 +30,10 @@ from pagedserve.lora_modules import MAX_NAME_CHARS as MAX_LORA_NAME_CHARS
 from pagedserve.wire.codec import Codec
 
 # One message family with the executor link: the same base, heartbeat, text and packed-id types.
-from pagedserve.wire.messages import Heartbeat, PackedTokenIds, Text, _Message
+from pagedserve.wire.link_messages import Heartbeat
 from pagedserve.wire.packed import num_packed, pack_ids, unpacked  # noqa: F401  (the front link's helpers)
 from pagedserve.wire.protocol import MAX_LORA_PATH_CHARS
+from pagedserve.wire.schema import PackedTokenIds, Text, WireMessage
 
 TIER_VERSION = 5  # 5: per-request speculative acceptance (RequestUpdate.spec_*); 4: LoRA adapters
 HEARTBEAT_INTERVAL_S = 0.5  # both ways; a peer silent for 5 intervals (2.5 s) is dead
@@ -43,18 +44,18 @@ Id = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)]
 Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
 
 
-class FrontHello(_Message):
+class FrontHello(WireMessage):
     front_id: Id  # unique among the core's fronts; its requests' ids start with it
     tier_version: int
 
 
-class CoreHello(_Message):
+class CoreHello(WireMessage):
     accepted: bool
     reason: Text = ""
     heartbeat_interval_s: Seconds = HEARTBEAT_INTERVAL_S
 
 
-class Submit(_Message):
+class Submit(WireMessage):
     """A request, validated and tokenized, its prompt hashed, under the id the front gives it.
     Times are relative: the front's clock is not the core's. The prompt's token ids travel packed in
     ``prompt_ids``; the request's own ``prompt_token_ids`` is empty on the link."""
@@ -69,20 +70,20 @@ class Submit(_Message):
     resume_finished: list[int | None] = msgspec.field(default_factory=list)
 
 
-class Abort(_Message):
+class Abort(WireMessage):
     request_id: Id
 
 
-class FinishChoice(_Message):
+class FinishChoice(WireMessage):
     request_id: Id
     index: Annotated[int, Meta(ge=0, le=1 << 16)]
 
 
-class Updates(_Message):
+class Updates(WireMessage):
     updates: list[RequestUpdate]
 
 
-class Status(_Message):
+class Status(WireMessage):
     """The core's state as its fronts show it (sent every heartbeat and when readiness changes)."""
 
     ready: bool
@@ -95,7 +96,7 @@ Sample = tuple[str, list[tuple[str, str]], float]  # (sample name, labels, value
 Family = tuple[str, str, str, list[Sample]]  # (name, type, documentation, samples), as prometheus_client has them
 
 
-class FrontMetrics(_Message):
+class FrontMetrics(WireMessage):
     """A front's own metrics (counters and histograms cumulative); the core sums its fronts'."""
 
     families: Annotated[list[Family], Meta(max_length=10_000)]
@@ -104,7 +105,7 @@ class FrontMetrics(_Message):
 QUERY_STATS, QUERY_METRICS, QUERY_FAMILIES = 1, 2, 3
 
 
-class Query(_Message):
+class Query(WireMessage):
     """Ask the core for something fresher than its last Status: its stats, the deployment's metrics,
     or its own metrics (the first engine core asks the others, and exposes the sum)."""
 
@@ -112,7 +113,7 @@ class Query(_Message):
     what: Annotated[int, Meta(ge=QUERY_STATS, le=QUERY_FAMILIES)]
 
 
-class LoraUpdate(_Message):
+class LoraUpdate(WireMessage):
     """Serve the LoRA adapter at ``path`` as ``name`` from now on, or (``path`` None) stop serving
     ``name`` (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``). Answered by an Answer whose
     ``error`` says why not, if it was not done."""
@@ -122,7 +123,7 @@ class LoraUpdate(_Message):
     path: Annotated[str, Meta(min_length=1, max_length=MAX_LORA_PATH_CHARS)] | None = None
 
 
-class Answer(_Message):
+class Answer(WireMessage):
     query_id: int
     stats: EngineStats | None = None
     text: str | None = None  # the Prometheus exposition of the whole deployment

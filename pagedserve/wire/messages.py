@@ -1,10 +1,8 @@
-"""The messages between the scheduler and its executors, each declared once.
-
-Every message is a ``msgspec.Struct`` with ``array_like=True``: it travels as a
-positional msgpack array whose element order is the field order below, so the
-declaration *is* the schema (a change of order or meaning bumps
-``WIRE_VERSION``). The ``Meta`` bounds are checked when a frame is decoded
-(never on construction): they are what a peer may send, not policy.
+"""A step's messages between the scheduler and its executors, each declared once: the plan
+(``BatchPlan`` and its parts) and its answer (``StepResult`` and its parts), and the union of
+every message the link carries. The link's own messages (handshake, heartbeat, drain, reset) are
+in ``link_messages.py``; the field types and the message base, with how a declaration is the
+schema, in ``schema.py``.
 
 Plans are deltas (as in vLLM v1): a sequence's token ids, sampling parameters
 and block table travel once per residency on an executor (``NewSeq``); after
@@ -38,34 +36,30 @@ import msgspec
 from msgspec import Meta
 
 from pagedserve.wire import protocol as p
+from pagedserve.wire.link_messages import Drain, Handshake, HandshakeReply, Heartbeat, Reset
 from pagedserve.wire.packed import num_packed, unpacked
-
-# Bounded scalar and container types (checked when decoding).
-Id = Annotated[int, Meta(ge=0, le=p.MAX_INT32)]
-Count = Annotated[int, Meta(ge=0, le=p.MAX_INT32)]
-Seed = Annotated[int, Meta(ge=0, le=p.MAX_SEED)]
-Ids = Annotated[list[Id], Meta(max_length=p.MAX_SEQS_PER_STEP)]
-Counts = Annotated[list[Count], Meta(max_length=p.MAX_SEQS_PER_STEP)]
-# A sequence's tokens as little-endian uint32s (pagedserve/wire/packed.py): a prompt of 131K ids
-# decodes as one copy instead of 131K int objects built while the receiver holds the GIL.
-PackedTokenIds = Annotated[bytes, Meta(max_length=4 * p.MAX_SEQ_TOKENS)]
-BlockIds = Annotated[list[Id], Meta(max_length=p.MAX_SEQ_TOKENS)]
-Pairs = Annotated[list[tuple[Id, Id]], Meta(max_length=p.MAX_BLOCK_PAIRS)]
-TopIds = Annotated[list[Id], Meta(max_length=p.MAX_TOP_LOGPROBS)]
-TopValues = Annotated[list[float], Meta(max_length=p.MAX_TOP_LOGPROBS)]
-Name = Annotated[str, Meta(max_length=p.MAX_ID_CHARS)]
-Text = Annotated[str, Meta(max_length=p.MAX_TEXT_CHARS)]
-_FLOAT_MAX = 1.7976931348623157e308  # an upper bound that refuses inf (and NaN)
-Finite = Annotated[float, Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]
-NonNegative = Annotated[float, Meta(ge=0.0, le=_FLOAT_MAX)]
-Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
-
-
-class _Message(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
-    """Base of every wire message: positional, no extra elements, not GC-tracked (acyclic)."""
+from pagedserve.wire.schema import (
+    BlockIds,
+    Count,
+    Counts,
+    Finite,
+    Id,
+    Ids,
+    Name,
+    NonNegative,
+    PackedTokenIds,
+    Pairs,
+    Positive,
+    Probability,
+    Seed,
+    Text,
+    TopIds,
+    TopValues,
+    WireMessage,
+)
 
 
-class Structured(_Message):
+class Structured(WireMessage):
     """A constraint on a sequence's output: ``kind`` is one of ``protocol.STRUCTURED_*``, which says
     what ``spec`` holds (a JSON schema, a regex, a JSON list of choices, a GBNF grammar). The
     executor compiles it (cached by spec) and masks every sampled token with it."""
@@ -74,7 +68,7 @@ class Structured(_Message):
     spec: Annotated[str, Meta(max_length=p.MAX_STRUCTURED_CHARS)]
 
 
-class SamplingParams(_Message):
+class SamplingParams(WireMessage):
     """What an executor needs to turn logits into a token for one sequence.
 
     Request-level knobs (max_tokens, stop strings, n, beam width) stay in the
@@ -104,7 +98,7 @@ class SamplingParams(_Message):
     top_k: Count = 0  # 0 = off
     min_p: Probability = 0.0
     seed: Seed | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=_FLOAT_MAX)] = 1.0  # HF: prompt + output
+    repetition_penalty: Positive = 1.0  # HF: prompt + output
     presence_penalty: Finite = 0.0  # OpenAI semantics, over output tokens
     frequency_penalty: Finite = 0.0  # OpenAI semantics, over output tokens
     want_logprobs: bool = False
@@ -123,7 +117,7 @@ class SamplingParams(_Message):
         return msgspec.structs.replace(self, seed=seed)
 
 
-class NewSeq(_Message):
+class NewSeq(WireMessage):
     """A sequence's full state, sent once when it becomes resident.
 
     ``token_ids`` holds every known token (prompt, then outputs generated so far;
@@ -153,7 +147,7 @@ class NewSeq(_Message):
         return unpacked(self.token_ids).tolist()
 
 
-class Fork(_Message):
+class Fork(WireMessage):
     """Child becomes a copy of parent (tokens, block table, computed count).
 
     ``seed`` replaces the child's sampling seed (parallel sampling gives
@@ -165,7 +159,7 @@ class Fork(_Message):
     seed: Seed | None = None
 
 
-class BlockUpdate(_Message):
+class BlockUpdate(WireMessage):
     """Set ``block_table[start:] = block_ids`` for one sequence.
 
     Appending a block is ``start == len(table)``; a copy-on-write replacement
@@ -177,7 +171,7 @@ class BlockUpdate(_Message):
     block_ids: BlockIds
 
 
-class Proposal(_Message):
+class Proposal(WireMessage):
     """Speculative decoding: tokens proposed to follow a decoding sequence's last token. The
     executor scores the last token and these in one forward and reports the tokens the target
     model emits (``StepResult.spec_tokens``): the proposals it accepts, then its own next token."""
@@ -186,7 +180,7 @@ class Proposal(_Message):
     token_ids: Annotated[list[Id], Meta(min_length=1, max_length=p.MAX_SPECULATIVE_TOKENS)]
 
 
-class DraftProposal(_Message):
+class DraftProposal(WireMessage):
     """Speculative decoding by a draft model: the executor's draft proposes ``num_tokens`` tokens to
     follow a decoding sequence's last token, in the step that verifies them (as a :class:`Proposal`
     the scheduler would have sent); the sequence's table holds their slots."""
@@ -195,7 +189,7 @@ class DraftProposal(_Message):
     num_tokens: Annotated[int, Meta(ge=1, le=p.MAX_SPECULATIVE_TOKENS)]
 
 
-class LoraLoad(_Message):
+class LoraLoad(WireMessage):
     """Load the PEFT adapter at ``path`` into LoRA slot ``slot`` (replacing what it held: no
     sequence the executor holds uses that slot), before the plan's step runs."""
 
@@ -204,14 +198,14 @@ class LoraLoad(_Message):
     path: Annotated[str, Meta(min_length=1, max_length=p.MAX_LORA_PATH_CHARS)]
 
 
-class LoraFailure(_Message):
+class LoraFailure(WireMessage):
     """A :class:`LoraLoad` the executor could not carry out: the slot holds no adapter now."""
 
     slot: Annotated[int, Meta(ge=0, le=p.MAX_LORA_SLOTS - 1)]
     reason: Text
 
 
-class BatchPlan(_Message):
+class BatchPlan(WireMessage):
     """One iteration for one executor. See the module docstring for the order.
 
     ``scheduled_seq_ids[i]`` computes ``num_new_tokens[i]`` tokens starting
@@ -260,7 +254,7 @@ class BatchPlan(_Message):
             raise ValueError("scheduled_seq_ids and num_new_tokens differ in length")
 
 
-class SeqLogprobs(_Message):
+class SeqLogprobs(WireMessage):
     """Log-probs for one sampled token: its own and the top alternatives."""
 
     seq_id: Id
@@ -273,7 +267,7 @@ class SeqLogprobs(_Message):
             raise ValueError("top_token_ids and top_logprobs differ in length")
 
 
-class SpecTokens(_Message):
+class SpecTokens(WireMessage):
     """Tokens a speculating sequence emitted after its first one (which is in ``sampled_token_ids``),
     in order, with their log-probs when the sequence asks for them (one entry per token)."""
 
@@ -283,7 +277,7 @@ class SpecTokens(_Message):
         msgspec.field(default_factory=list)
 
 
-class PromptLogprobs(_Message):
+class PromptLogprobs(WireMessage):
     """Prompt tokens a step scored for one sequence (``SamplingParams.prompt_logprobs``): tokens
     ``start .. start + len(token_logprobs) - 1`` of its prompt, each token's log-prob given the
     tokens before it, and each position's top alternatives, ``top_token_ids`` / ``top_logprobs``
@@ -301,7 +295,7 @@ class PromptLogprobs(_Message):
             raise ValueError("top_token_ids and top_logprobs differ in length")
 
 
-class StepResult(_Message):
+class StepResult(WireMessage):
     """What the executor did with one plan: the one answer every plan gets, in plan order.
 
     Three outcomes, each with one handling on the scheduler (docs/ARCHITECTURE.md,
@@ -387,79 +381,6 @@ def max_result_bytes(num_scheduled: int, num_sampled: int, logprobs: int = 0, nu
             + 5 + 20 * num_speculating + 5 * proposed  # spec_tokens: entries, their ids
             + proposed * (seq_logprobs + 14 * (1 + (logprobs // max(num_logprob_seqs, 1))))
             + 5 + lora_loads * (1 + 5 + 5 + 4 * p.MAX_TEXT_CHARS))  # lora_failures
-
-
-class Handshake(_Message):
-    """First message of an executor: who it is and what its KV cache holds."""
-
-    executor_id: Annotated[str, Meta(min_length=1, max_length=p.MAX_ID_CHARS)]
-    wire_version: int
-    model_fingerprint: Name  # sha256 over config.json and weight names/shapes/dtypes
-    model_name: Name
-    architecture: Name
-    vocab_size: Annotated[int, Meta(ge=1, le=p.MAX_INT32)]
-    block_size: Annotated[int, Meta(ge=1, le=1024)]
-    num_device_blocks: Count
-    num_cpu_blocks: Count
-    max_model_len: Annotated[int, Meta(ge=1, le=p.MAX_SEQ_TOKENS)]
-    dtype: Name
-    device: Name
-    # Ranks serving this model as one executor (tensor parallelism); older executors omit it.
-    tensor_parallel_size: Annotated[int, Meta(ge=1, le=p.MAX_TENSOR_PARALLEL_SIZE)] = 1
-    # An enrollment token's HMAC over the link's keys and executor_id (pagedserve/wire/enrollment.py),
-    # for an executor whose key the scheduler does not list; empty otherwise.
-    enrollment_proof: Annotated[bytes, Meta(max_length=64)] = b""
-    # The most BatchPlan.decode_steps it serves (1: one step per plan).
-    max_decode_steps: Annotated[int, Meta(ge=1, le=p.MAX_DECODE_STEPS)] = 1
-    # It scores BatchPlan.proposals (speculative decoding); older executors omit it.
-    speculative: bool = False
-    # Its results are batch-invariant: a token's logits depend only on its context, never on the rest
-    # of its step (executor_svc/batch_invariance.py); `numerics` names what else fixes its bits (weight
-    # format, instruction set): with --batch-invariant every executor must agree on both.
-    batch_invariant: bool = False
-    numerics: Name = ""
-    # LoRA: adapters it computes in one step (--max-loras; 0: none) and the highest rank it takes.
-    lora_slots: Annotated[int, Meta(ge=0, le=p.MAX_LORA_SLOTS)] = 0
-    max_lora_rank: Annotated[int, Meta(ge=0, le=256)] = 0
-    # Speculative decoding by a draft model (--speculative-model): its name (its directory's) and its
-    # vocabulary size; "" when it holds none. Its block pools share the target's block ids, so
-    # num_device_blocks and num_cpu_blocks already count both models' bytes per block.
-    draft_model: Name = ""
-    draft_vocab_size: Annotated[int, Meta(ge=0, le=p.MAX_INT32)] = 0
-
-
-class HandshakeReply(_Message):
-    """The answer to a Handshake. ``redirect_port`` (not accepted, no reason needed): this port is the
-    executor link of the engine core that is to schedule this executor (several engine cores: the
-    port it dialled is their directory); dial it, on the same host, and handshake there. When that
-    core goes silent, dial the directory again."""
-
-    accepted: bool
-    reason: Text = ""
-    heartbeat_interval_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = p.DEFAULT_HEARTBEAT_INTERVAL_S
-    redirect_port: Annotated[int, Meta(ge=0, le=65535)] = 0
-
-
-class Heartbeat(_Message):
-    sent_at: Finite  # sender's time.time(), for logging skew only
-
-
-class Drain(_Message):
-    """Executor -> scheduler: stop routing new work here; finish or migrate."""
-
-    grace_seconds: NonNegative
-
-
-class Reset(_Message):
-    """Scheduler -> executor: forget every sequence and stop refusing plans.
-
-    Sent after a refused plan: the scheduler has taken that executor's requests back
-    (they resume from their tokens, here or elsewhere, as after a migration). Every
-    plan sent before the Reset is still answered, in order; the plans after it start
-    from an empty sequence state.
-    """
-
-    reason: Text = ""
 
 
 Message = Handshake | HandshakeReply | Heartbeat | BatchPlan | StepResult | Drain | Reset

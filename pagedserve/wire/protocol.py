@@ -1,7 +1,7 @@
 """Protocol constants both services rely on; each exists here once.
 
 Neither ``scheduler_svc`` nor ``executor_svc`` owns the wire between them: the
-messages (:mod:`pagedserve.wire.messages`), their codec
+messages (:mod:`pagedserve.wire.messages`, :mod:`pagedserve.wire.link_messages`), their codec
 (:mod:`pagedserve.wire.codec`) and these numbers live in the neutral
 ``pagedserve`` package that both import.
 """
