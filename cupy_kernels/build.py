@@ -53,6 +53,10 @@ DECODE_KERNELS = {"base": DecodeKernel(), "pipe": DecodeKernel(pipeline=True),
                   "pipe_half": DecodeKernel(tile_halves=1, pipeline=True), "nt2": DecodeKernel(tile_halves=4),
                   "w8": DecodeKernel(warps=8), "pipe_w8": DecodeKernel(warps=8, pipeline=True)}
 SHARED_BYTES = 48 * 1024  # static shared memory per block
+# Tensor-core prefill kernels (paged_prefill_mma.cu's PIPE): "base" loads each K/V tile, then computes
+# on it; "pipe" fetches the next tile with cp.async while computing on this one. The launcher's
+# "auto" runs "base" until a GPU run (make gpu-check's prefill rows) shows "pipe" faster.
+PREFILL_MMA_KERNELS = ("base", "pipe")
 
 
 def decode_warps(kernel: str, group: int, head_size: int) -> int:
@@ -93,7 +97,7 @@ class KernelKey:
     block_size: int = 0
     group: int = 0  # q heads per block (decode, prefill)
     tokens: int = 0  # query tokens per block (prefill)
-    variant: str = "base"  # decode: a key of DECODE_KERNELS
+    variant: str = "base"  # decode: a key of DECODE_KERNELS; prefill_mma: one of PREFILL_MMA_KERNELS
 
     @property
     def threads(self) -> int:
@@ -116,7 +120,12 @@ class KernelKey:
             return f"ps_paged_decode_reduce<{t}, {self.head_size}>"
         if self.kind in ("prefill", "prefill_mma"):
             name = "ps_paged_prefill" if self.kind == "prefill" else "ps_paged_prefill_mma"
-            return f"{name}<{t}, {self.head_size}, {self.block_size}, {self.group}, {self.tokens}>"
+            args = f"{t}, {self.head_size}, {self.block_size}, {self.group}, {self.tokens}"
+            if self.kind == "prefill_mma" and self.variant != "base":
+                if self.variant not in PREFILL_MMA_KERNELS:
+                    raise ValueError(f"prefill_mma kernel variant: one of {PREFILL_MMA_KERNELS}, got {self.variant!r}")
+                return f"{name}<{args}, true>"
+            return f"{name}<{args}>"
         raise ValueError(f"kernel kind: no template expression for {self.kind!r}")
 
     @property

@@ -125,4 +125,39 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[
 #endif
 }
 
+// cp.async (sm_80+): 16 bytes from global to shared memory without a register round trip, issued
+// now and landed when the thread waits for its group (``valid`` false: 16 zero bytes, nothing read).
+// The emulator defers each copy to the wait that covers it, so a tile read before its wait reads the
+// previous contents there too.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+#ifdef PS_EMULATOR
+  emu::cp_async16(smem, gmem, valid);
+#else
+  unsigned dst;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(dst) : "l"(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+#endif
+}
+
+// Closes the group of this thread's copies issued since the last commit.
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef PS_EMULATOR
+  emu::cp_async_commit();
+#else
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most N of this thread's committed groups (the newest) are still in flight. Other
+// threads' copies are visible only after a __syncthreads() that follows their waits.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifdef PS_EMULATOR
+  emu::cp_async_wait(N);
+#else
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 }  // namespace ps

@@ -32,7 +32,8 @@ depends on its own length alone.
 Prefill kernel choice (``kernel``): ``"auto"`` runs the tensor-core kernel (paged_prefill_mma.cu)
 for f16/bf16 at the head sizes it takes (``build.MMA_HEAD_SIZES``) and the SIMT kernel
 (paged_prefill.cu) otherwise (float32, head 256); ``"simt"`` forces the SIMT kernel (benchmarks
-compare the two), ``"mma"`` insists on the tensor cores. The batch-invariant backend never runs a
+compare the two), ``"mma"`` insists on the tensor cores, ``"mma_pipe"`` on their cp.async-pipelined
+kernel (``build.PREFILL_MMA_KERNELS``: measured by gpu-check, not chosen by "auto" until it wins there). The batch-invariant backend never runs a
 prefill kernel (every row is a decode query), so the choice cannot touch its guarantee.
 """
 
@@ -62,7 +63,7 @@ from cupy_kernels.build import (
 )
 
 THREADS = 128  # PS_DECODE_THREADS / PS_PREFILL_THREADS / PS_MMA_THREADS (a decode variant's: its key's threads)
-PREFILL_KERNELS = ("auto", "mma", "simt")
+PREFILL_KERNELS = ("auto", "mma", "mma_pipe", "simt")
 SPLIT_ALWAYS_ABOVE = 8192
 MIN_PARTITION = 128
 INVARIANT_PARTITION = 256  # the fixed split size of the batch-invariant backend (a multiple of the 64-token tile round)
@@ -173,12 +174,13 @@ def plan_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     g = group_size(q_per_kv)
     dtype = checks.DTYPES[k_cache.dtype]
     mma = mma_prefill_supported(dtype, head_size)
-    if kernel == "mma" and not mma:
+    if kernel in ("mma", "mma_pipe") and not mma:
         raise ValueError(f"kernel: the tensor-core prefill takes float16/bfloat16 and head sizes "
                          f"{MMA_HEAD_SIZES}, got {dtype} head {head_size}")
     if mma and kernel != "simt":
         qt = prefill_mma_tokens(g)
-        key = KernelKey("prefill_mma", dtype, head_size, block_size, g, qt)
+        key = KernelKey("prefill_mma", dtype, head_size, block_size, g, qt,
+                        variant="pipe" if kernel == "mma_pipe" else "base")
     else:
         qt = prefill_tokens(g)
         key = KernelKey("prefill", dtype, head_size, block_size, g, qt)
@@ -273,7 +275,7 @@ def paged_attention_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             scale: float, out: torch.Tensor | None = None, kernel: str = "auto") -> torch.Tensor:
     """Packed query ``[num_tokens, num_q_heads, head_size]`` (sequence i owns rows
     ``query_start_loc[i]:query_start_loc[i+1]``) -> out, causal over each sequence's cache.
-    ``kernel``: "auto" (tensor cores where they apply), "simt" or "mma" (see the module notes)."""
+    ``kernel``: "auto" (tensor cores where they apply), "simt", "mma" or "mma_pipe" (see the module notes)."""
     device = _require_cuda(k_cache=k_cache, v_cache=v_cache, query=query, block_tables=block_tables,
                            seq_lens=seq_lens, query_start_loc=query_start_loc)
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -15,6 +15,10 @@
 // product) and accumulates O += P V with mma. Causal masking only on the tiles that reach a row's
 // position; a warp skips the tiles and 8/16-token slices past its last row. The row sum l is kept
 // per lane (its columns only) and reduced over the 4 lanes of a row once, before O / l.
+//
+// PIPE (the "mma_pipe" kernel): two shared-memory stages; the next K/V tile is fetched with cp.async
+// while the warps compute on this one, as FlashAttention-2 does. Two stages of 64-token tiles fit the
+// 48 KB of static shared memory only up to head 80, so larger heads pipeline 32-token tiles.
 #include "common.cuh"
 
 #define PS_MMA_THREADS 128
@@ -24,11 +28,13 @@
 
 namespace ps {
 
-template <int HEAD, int G, int QT>
+template <int HEAD, int G, int QT, bool PIPE>
 struct MmaPrefillShape {
   static constexpr int NW = PS_MMA_THREADS / kWarp;
   static constexpr int ROWS = 16 * NW;        // one m16 tile per warp
-  static constexpr int KT = 64;               // context tokens per K/V tile
+  static constexpr int STAGES = PIPE ? 2 : 1;
+  // context tokens per K/V tile: 64, unless two stages of them overflow static shared memory
+  static constexpr int KT = STAGES * 2 * 64 * (HEAD + 8) * 2 <= 48 * 1024 ? 64 : 32;
   static constexpr int KSTEPS = HEAD / 16;    // k16 steps of Q K^T
   static constexpr int NT = KT / 8;           // n8 tiles of S
   static constexpr int DT = HEAD / 8;         // n8 tiles of O
@@ -41,7 +47,7 @@ struct MmaPrefillShape {
 
 }  // namespace ps
 
-template <typename T, int HEAD, int BS, int G, int QT>
+template <typename T, int HEAD, int BS, int G, int QT, bool PIPE = false>
 __global__ void __launch_bounds__(PS_MMA_THREADS, PS_MMA_MIN_BLOCKS)
 ps_paged_prefill_mma(T* __restrict__ out,                   // [num_tokens, num_q_heads, HEAD] contiguous
                      const T* __restrict__ query,           // [num_tokens, num_q_heads, HEAD], row stride q_stride
@@ -51,11 +57,11 @@ ps_paged_prefill_mma(T* __restrict__ out,                   // [num_tokens, num_
                      const int* __restrict__ seq_lens,      // [num_seqs]
                      const int* __restrict__ query_start_loc,  // [num_seqs + 1]
                      long long q_stride, int num_kv_heads, int q_per_kv, int max_blocks, float scale_log2) {
-  using S = ps::MmaPrefillShape<HEAD, G, QT>;
+  using S = ps::MmaPrefillShape<HEAD, G, QT, PIPE>;
   using C = ps::Cvt<T>;
   constexpr int KT = S::KT, NT = S::NT, DT = S::DT, KSTEPS = S::KSTEPS, STRIDE = S::STRIDE;
-  __shared__ __align__(16) unsigned short sk[KT * STRIDE];  // [KT][STRIDE] raw f16/bf16 bits
-  __shared__ __align__(16) unsigned short sv[KT * STRIDE];
+  __shared__ __align__(16) unsigned short sk_all[S::STAGES * KT * STRIDE];  // [STAGES][KT][STRIDE] f16/bf16 bits
+  __shared__ __align__(16) unsigned short sv_all[S::STAGES * KT * STRIDE];
 
   const int groups_per_kv = q_per_kv / G;
   const int kvh = blockIdx.x / groups_per_kv;
@@ -108,23 +114,54 @@ ps_paged_prefill_mma(T* __restrict__ out,                   // [num_tokens, num_
   const long long row_stride = static_cast<long long>(num_kv_heads) * HEAD;
   const long long blk_stride = row_stride * BS;
   const int* bt = block_tables + static_cast<long long>(seq) * max_blocks;
-
-  for (int kv0 = 0; kv0 < kv_end; kv0 += KT) {
-    __syncthreads();  // every warp is done with the previous tile
+  // Where context token t's 8-element chunk c lies in either cache.
+  auto kv_offset = [&](int t, int c) {
+    return static_cast<long long>(__ldg(bt + t / BS)) * blk_stride + (t % BS) * row_stride
+           + static_cast<long long>(kvh) * HEAD + c * 8;
+  };
+  // PIPE: the tile at kv0 into its stage (kv0 / KT) % 2, in flight until a wait covers its group.
+  auto fetch_async = [&](int kv0) {
+    unsigned short* skd = sk_all + ((kv0 / KT) & 1) * KT * STRIDE;
+    unsigned short* svd = sv_all + ((kv0 / KT) & 1) * KT * STRIDE;
     for (int idx = threadIdx.x; idx < KT * S::CHUNKS; idx += PS_MMA_THREADS) {
       const int tt = idx / S::CHUNKS, c = idx % S::CHUNKS, t = kv0 + tt;
-      uint4 kq = ps::zero16(), vq = ps::zero16();  // past kv_end: zeros (finite scores, masked)
-      if (t < kv_end) {
-        const long long off = static_cast<long long>(__ldg(bt + t / BS)) * blk_stride + (t % BS) * row_stride
-                              + static_cast<long long>(kvh) * HEAD + c * 8;
-        kq = ps::ldg16(k_cache + off);
-        vq = ps::ldg16(v_cache + off);
+      const bool in = t < kv_end;  // past kv_end: zeros (finite scores, masked)
+      const long long off = in ? kv_offset(t, c) : 0;
+      ps::cp_async16(skd + tt * STRIDE + c * 8, k_cache + off, in);
+      ps::cp_async16(svd + tt * STRIDE + c * 8, v_cache + off, in);
+    }
+    ps::cp_async_commit();
+  };
+  if constexpr (PIPE) {
+    if (kv_end > 0) fetch_async(0);
+  }
+
+  for (int kv0 = 0; kv0 < kv_end; kv0 += KT) {
+    __syncthreads();  // every warp is done with the previous tile (PIPE: with the stage fetched next)
+    if constexpr (PIPE) {
+      if (kv0 + KT < kv_end) {
+        fetch_async(kv0 + KT);
+        ps::cp_async_wait<1>();  // this tile's group has landed; the next one's stays in flight
+      } else {
+        ps::cp_async_wait<0>();
       }
-      *reinterpret_cast<uint4*>(sk + tt * STRIDE + c * 8) = kq;
-      *reinterpret_cast<uint4*>(sv + tt * STRIDE + c * 8) = vq;
+    } else {
+      for (int idx = threadIdx.x; idx < KT * S::CHUNKS; idx += PS_MMA_THREADS) {
+        const int tt = idx / S::CHUNKS, c = idx % S::CHUNKS, t = kv0 + tt;
+        uint4 kq = ps::zero16(), vq = ps::zero16();  // past kv_end: zeros (finite scores, masked)
+        if (t < kv_end) {
+          const long long off = kv_offset(t, c);
+          kq = ps::ldg16(k_cache + off);
+          vq = ps::ldg16(v_cache + off);
+        }
+        *reinterpret_cast<uint4*>(sk_all + tt * STRIDE + c * 8) = kq;
+        *reinterpret_cast<uint4*>(sv_all + tt * STRIDE + c * 8) = vq;
+      }
     }
     __syncthreads();
     if (kv0 > wlast) continue;  // warp-uniform: the whole tile lies past the warp's rows
+    const unsigned short* sk = sk_all + (PIPE ? ((kv0 / KT) & 1) * KT * STRIDE : 0);
+    const unsigned short* sv = sv_all + (PIPE ? ((kv0 / KT) & 1) * KT * STRIDE : 0);
 
     // S = Q K^T: B fragment (k = dim, n = token) = two consecutive dims of one K row.
     float s[NT][4];

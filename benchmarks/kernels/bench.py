@@ -96,6 +96,7 @@ class PrefillRow:
     ours_ms: float  # the launcher's default kernel (tensor cores for f16/bf16)
     sdpa_ms: float
     simt_ms: float  # the SIMT prefill kernel on the same problem (kernel="simt")
+    pipe_ms: float  # the tensor-core kernel with cp.async-pipelined K/V tiles (kernel="mma_pipe")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -122,12 +123,12 @@ def prefill_row(batch: int, tokens: int, num_q_heads: int = 32, num_kv_heads: in
         return time_us(lambda: paged_attention_prefill(query, k_cache, v_cache, tables, seq_lens, starts, tokens,
                                                        tokens, scale, out=out, kernel=kernel))
 
-    ours_us, simt_us = ours("auto"), ours("simt")
+    ours_us, simt_us, pipe_us = ours("auto"), ours("simt"), ours("mma_pipe")
     q = query.view(batch, tokens, num_q_heads, head).transpose(1, 2)
     k = torch.randn(batch, num_kv_heads, tokens, head, device="cuda").to(dtype)
     v = torch.randn_like(k)
     sdpa_us = time_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True))
-    return PrefillRow(f"{batch}x{tokens}", ours_us / 1e3, sdpa_us / 1e3, simt_us / 1e3)
+    return PrefillRow(f"{batch}x{tokens}", ours_us / 1e3, sdpa_us / 1e3, simt_us / 1e3, pipe_us / 1e3)
 
 
 def decode_row(batch: int, context: int, read_gbs: float, num_q_heads: int = 32, num_kv_heads: int = 8,

@@ -157,5 +157,32 @@ inline void mma_m16n8k16(float* d, const unsigned* a, const unsigned* b) {
   __syncwarp();  // every lane has read the slots before any lane's next mma overwrites them
   for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
+
+// cp.async as the hardware may order it: a thread's copies land only when its cp.async.wait_group lets
+// them (every group but the N newest), never at a barrier, so a kernel that reads a stage before
+// waiting for it reads what was there before (and its test fails). The source is read at issue: the
+// kernels never write what they copy. Each emulated thread is an OS thread of one block, so the
+// thread-local queues start empty for every block.
+struct AsyncCopy { void* dst; uint4 data; };
+inline thread_local std::vector<std::vector<AsyncCopy>> async_groups;
+inline thread_local std::vector<AsyncCopy> async_open;
+
+inline void cp_async16(void* smem, const void* gmem, bool valid) {
+  uint4 v{0u, 0u, 0u, 0u};
+  if (valid) std::memcpy(&v, gmem, 16);
+  async_open.push_back({smem, v});
+}
+
+inline void cp_async_commit() {
+  async_groups.push_back(std::move(async_open));
+  async_open.clear();
+}
+
+inline void cp_async_wait(int newest_in_flight) {
+  while (async_groups.size() > static_cast<size_t>(newest_in_flight)) {
+    for (const AsyncCopy& c : async_groups.front()) std::memcpy(c.dst, &c.data, 16);
+    async_groups.erase(async_groups.begin());
+  }
+}
 }  // namespace emu
 #define PS_EMULATOR 1

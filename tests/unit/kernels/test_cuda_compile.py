@@ -5,7 +5,8 @@ set of template instantiations (every dtype and head size, every block size, q-h
 MHA to MQA), from the exact text NVRTC compiles at run time (common.cuh pasted in), and fails on
 a compile error, a register spill or a stack frame. Every decode kernel variant
 (``build.DECODE_KERNELS``) compiles over the same instantiations as the base kernel, each variant its
-own unit. Units compile in parallel. The same instantiations then go through NVRTC itself (ctypes, the nvidia-cuda-nvrtc wheel) with CuPy's
+own unit, and so does the cp.async-pipelined tensor-core prefill (``build.PREFILL_MMA_KERNELS``).
+Units compile in parallel. The same instantiations then go through NVRTC itself (ctypes, the nvidia-cuda-nvrtc wheel) with CuPy's
 kind of request: the run-time options and one name expression per kernel.
 """
 
@@ -27,6 +28,7 @@ from cupy_kernels.build import (
     HEAD_SIZES,
     MMA_DTYPES,
     MMA_HEAD_SIZES,
+    PREFILL_MMA_KERNELS,
     SOURCES,
     KernelKey,
     nvrtc_options,
@@ -60,11 +62,17 @@ def representative_keys() -> dict[str, list[KernelKey]]:
             "cache_ops.cu": []}
 
 
-def variant_keys() -> dict[str, list[KernelKey]]:
-    """Each decode kernel variant but "base" over the base kernel's representative instantiations
-    (the 8-warp variants meet the shared-memory fallback at head 256 x group 8)."""
-    base = [k for k in representative_keys()["paged_decode.cu"] if k.kind == "decode"]
-    return {v: [dataclasses.replace(k, variant=v) for k in base] for v in DECODE_KERNELS if v != "base"}
+def variant_keys() -> dict[tuple[str, str], list[KernelKey]]:
+    """(source, variant) -> each kernel variant but "base" over the base kernel's representative
+    instantiations: the decode variants (the 8-warp ones meet the shared-memory fallback at head 256 x
+    group 8) and the pipelined tensor-core prefill (64-token stages to head 80, 32-token ones above)."""
+    keys = representative_keys()
+    decode = [k for k in keys["paged_decode.cu"] if k.kind == "decode"]
+    out = {("paged_decode.cu", v): [dataclasses.replace(k, variant=v) for k in decode]
+           for v in DECODE_KERNELS if v != "base"}
+    out |= {("paged_prefill_mma.cu", v): [dataclasses.replace(k, variant=v) for k in keys["paged_prefill_mma.cu"]]
+            for v in PREFILL_MMA_KERNELS if v != "base"}
+    return out
 
 
 def _compile(nvcc: str, workdir: Path, source: str, keys: list[KernelKey], arch: str, tag: str = "") -> tuple[str, str]:
@@ -109,7 +117,7 @@ def test_kernels_compile_without_spills(tmp_path):
     nvcc = find_nvcc()
     assert nvcc is not None, "nvcc not found on PATH or in /usr/local/cuda/bin: it is part of the toolchain"
     jobs = [(src, keys, arch, "") for src, keys in representative_keys().items() for arch in ARCHS]
-    jobs += [("paged_decode.cu", keys, arch, f"{v}_") for v, keys in variant_keys().items() for arch in ARCHS]
+    jobs += [(src, keys, arch, f"{v}_") for (src, v), keys in variant_keys().items() for arch in ARCHS]
     for src in {j[0] for j in jobs}:  # written once, before the threads race to it
         (tmp_path / f"nvrtc_{src}").write_text(read_source(src))
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -143,7 +151,9 @@ def test_nvrtc_compiles_every_name_expression():
     # One instantiation per kernel and dtype: nvcc above covers the rest of the grid.
     subset = {src: [k for k in keys if k.head_size in (80, 128) and (k.head_size == 128) == (k.dtype != "float32")]
               for src, keys in representative_keys().items()}
-    subset["paged_prefill_mma.cu"] = [k for k in representative_keys()["paged_prefill_mma.cu"] if k.head_size in (64, 128)]
+    subset["paged_prefill_mma.cu"] = [dataclasses.replace(k, variant=v)
+                                      for k in representative_keys()["paged_prefill_mma.cu"] if k.head_size in (64, 128)
+                                      for v in PREFILL_MMA_KERNELS]
     # Every decode variant at the Llama-3-8B shape and at a float32 one (explicit template arguments)
     subset["paged_decode.cu"] += [KernelKey("decode", d, h, 16, g, variant=v) for v in DECODE_KERNELS if v != "base"
                                   for d, h, g in (("bfloat16", 128, 4), ("float32", 80, 3))]

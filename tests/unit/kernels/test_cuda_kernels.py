@@ -61,7 +61,7 @@ def _compile_all():
         keys += [KernelKey("decode", d, h, b, g), KernelKey("decode_reduce", d, h),
                  KernelKey("prefill", d, h, b, g, prefill_tokens(g))]
         if mma_prefill_supported(d, h):
-            keys.append(KernelKey("prefill_mma", d, h, b, g, prefill_mma_tokens(g)))
+            keys += [KernelKey("prefill_mma", d, h, b, g, prefill_mma_tokens(g), variant=v) for v in ("base", "pipe")]
     for d, h, b, q, kv in VARIANT_CONFIGS:
         keys += [KernelKey("decode", d, h, b, group_size(q // kv), variant=v) for v in DECODE_KERNELS]
         keys.append(KernelKey("decode_reduce", d, h))
@@ -123,8 +123,9 @@ def test_prefill_chunks_over_cached_prefix(cfg):
     case = make_case(ctx, qs, nq, nkv, head, bs, DTYPES[dtype], "cuda", seed=(seed := _seed()))
     ref_reshape_and_cache(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
     ref = ref_attention(case.query, case.k_cache, case.v_cache, case.block_tables, ctx, case.starts, SCALE)
-    # auto: the tensor-core kernel where it applies (f16/bf16, head <= 128); simt: the SIMT kernel
-    for kernel in ("auto", "simt") if mma_prefill_supported(dtype, head) else ("auto",):
+    # auto: the tensor-core kernel where it applies (f16/bf16, head <= 128); simt: the SIMT kernel;
+    # mma_pipe: the tensor cores with cp.async-pipelined K/V tiles
+    for kernel in ("auto", "simt", "mma_pipe") if mma_prefill_supported(dtype, head) else ("auto",):
         out = torch.full_like(case.query, float("nan"))
         paged_attention_prefill(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
                                 case.query_start_loc, max(qs), max(ctx), SCALE, out=out, kernel=kernel)
@@ -135,7 +136,8 @@ def test_prefill_chunks_over_cached_prefix(cfg):
                          ids=lambda c: f"{c[0]}-h{c[1]}-b{c[2]}-q{c[3]}kv{c[4]}")
 def test_prefill_long_prompts_tensor_cores_and_simt(cfg):
     """Prompts of many 64-token K/V tiles (a fresh 1000-token prompt, a 200-token chunk over a
-    313-token prefix, a prompt ending mid-tile): the tensor-core kernel and the SIMT kernel."""
+    313-token prefix, a prompt ending mid-tile): the tensor-core kernels (plain and pipelined) and the
+    SIMT kernel."""
     from cupy_kernels.launchers import paged_attention_prefill
 
     dtype, head, bs, nq, nkv = cfg
@@ -143,7 +145,7 @@ def test_prefill_long_prompts_tensor_cores_and_simt(cfg):
     case = make_case(ctx, qs, nq, nkv, head, bs, DTYPES[dtype], "cuda", seed=(seed := _seed()))
     ref_reshape_and_cache(case.key, case.value, case.k_cache, case.v_cache, case.slot_mapping)
     ref = ref_attention(case.query, case.k_cache, case.v_cache, case.block_tables, ctx, case.starts, SCALE)
-    for kernel in ("mma", "simt"):
+    for kernel in ("mma", "mma_pipe", "simt"):
         out = torch.full_like(case.query, float("nan"))
         paged_attention_prefill(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
                                 case.query_start_loc, max(qs), max(ctx), SCALE, out=out, kernel=kernel)

@@ -68,11 +68,14 @@ TOL = {"float16": 2e-3, "bfloat16": 1e-2}  # as the SIMT prefill's tests
 SCALE = 0.107
 
 
-def _mma_keys():
-    from cupy_kernels.build import KernelKey, group_size, prefill_mma_tokens
+KERNELS = ("mma", "mma_pipe")  # the launcher's names of build.PREFILL_MMA_KERNELS
 
-    return [KernelKey("prefill_mma", d, h, b, g, prefill_mma_tokens(g))
-            for d, h, b, q, kv in MMA_CONFIGS for g in [group_size(q // kv)]]
+
+def _mma_keys():
+    from cupy_kernels.build import PREFILL_MMA_KERNELS, KernelKey, group_size, prefill_mma_tokens
+
+    return [KernelKey("prefill_mma", d, h, b, g, prefill_mma_tokens(g), variant=v)
+            for d, h, b, q, kv in MMA_CONFIGS for g in [group_size(q // kv)] for v in PREFILL_MMA_KERNELS]
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +85,14 @@ def emu():
     return Emulator(_mma_keys())
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("cfg", MMA_CONFIGS, ids=MMA_IDS)
-def test_emulated_mma_prefill_ragged_chunks_over_cached_prefixes(emu, cfg):
+def test_emulated_mma_prefill_ragged_chunks_over_cached_prefixes(emu, cfg, kernel):
     """Several sequences in one launch: a fresh prompt of two K/V tiles, a chunk of 37 over a
     113-token prefix (query tiles across KV block boundaries, a partial last K/V tile, three tiles
-    of context), a single row, a fresh prompt ending mid-block, a chunk right after one block."""
+    of context), a single row, a fresh prompt ending mid-block, a chunk right after one block.
+    ``mma_pipe``: the same over two shared-memory stages (the emulator lands a cp.async only at the
+    wait that covers it, so a stage read before its wait fails here)."""
     from testing.kernels.cases import make_case
     from testing.kernels.reference import ref_attention, ref_reshape_and_cache, rel_error
 
@@ -98,15 +104,16 @@ def test_emulated_mma_prefill_ragged_chunks_over_cached_prefixes(emu, cfg):
     ref = ref_attention(case.query, case.k_cache, case.v_cache, case.block_tables, ctx, case.starts, SCALE)
     out = torch.full_like(case.query, float("nan"))
     emu.prefill(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.query_start_loc,
-                max(qs), max(ctx), SCALE, out, kernel="mma")
+                max(qs), max(ctx), SCALE, out, kernel=kernel)
     err = rel_error(out, ref)
-    assert err < TOL[dtype], f"mma prefill: relative error {err:.3g} >= {TOL[dtype]} (seed {seed})"
+    assert err < TOL[dtype], f"{kernel} prefill: relative error {err:.3g} >= {TOL[dtype]} (seed {seed})"
     for i, (lo, hi) in enumerate(zip(case.starts[:-1], case.starts[1:], strict=True)):  # every sequence, not just the total
         seq_err = rel_error(out[lo:hi], ref[lo:hi])
         assert seq_err < TOL[dtype], f"sequence {i}: relative error {seq_err:.3g} (seed {seed})"
 
 
-def test_emulated_mma_prefill_writes_only_its_rows(emu):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_emulated_mma_prefill_writes_only_its_rows(emu, kernel):
     """Rows of a query buffer past query_start_loc's last entry stay untouched (the 64-row tile's
     unused rows are never stored), and a packed query with a larger row stride (a slice of a
     fused QKV projection) is read through the stride."""
@@ -125,6 +132,6 @@ def test_emulated_mma_prefill_writes_only_its_rows(emu):
     ref = ref_attention(case.query, case.k_cache, case.v_cache, case.block_tables, ctx, case.starts, SCALE)
     out = torch.full((n + 3, nq, head), float("nan"), dtype=DTYPES[dtype])
     emu.prefill(query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.query_start_loc,
-                max(qs), max(ctx), SCALE, out, kernel="mma")
+                max(qs), max(ctx), SCALE, out, kernel=kernel)
     assert rel_error(out[:n], ref) < TOL[dtype], f"seed {seed}"
     assert out[n:].isnan().all()
