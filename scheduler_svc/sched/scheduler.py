@@ -45,8 +45,9 @@ from pagedserve.engine_api import RequestUpdate
 from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, StepResult
 from scheduler_svc.sched.decode_steps import DecodeStepPolicy
 from scheduler_svc.sched.in_flight import InFlight, ProtocolError
+from scheduler_svc.sched.introspection import Introspection
 from scheduler_svc.sched.kv_cache_manager import NO_CHANGE, KVCacheManagerBase, SlotChange
-from scheduler_svc.sched.lifecycle import RequestLifecycle, Work, seeded
+from scheduler_svc.sched.lifecycle import Work, seeded
 from scheduler_svc.sched.request import Request, RequestState, Sequence
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from scheduler_svc.sched.speculative_steps import SpeculativeSteps
@@ -61,7 +62,7 @@ class _Budget:
     seqs: int
 
 
-class Scheduler(RequestLifecycle):
+class Scheduler(Introspection):
     """Budgets, preemption and plan building for one KV pool.
 
     ``kv_manager`` replaces the paged :class:`KVCacheManager` (e.g. with a
