@@ -37,23 +37,20 @@ changes. The order an executor applies a plan in is documented in
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Collection, Mapping
 
-from pagedserve.engine_api import RequestUpdate
-from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, StepResult
+from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq
 from scheduler_svc.sched.decode_steps import DecodeStepPolicy
-from scheduler_svc.sched.in_flight import InFlight, ProtocolError
+from scheduler_svc.sched.in_flight import InFlight
 from scheduler_svc.sched.introspection import Introspection
 from scheduler_svc.sched.kv_cache_manager import NO_CHANGE, KVCacheManagerBase, SlotChange
 from scheduler_svc.sched.lifecycle import Work, seeded
 from scheduler_svc.sched.request import Request, RequestState, Sequence
+from scheduler_svc.sched.result_handling import ResultHandling
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from scheduler_svc.sched.speculative_steps import SpeculativeSteps
 from scheduler_svc.sched.step_output import OutputProcessor
-
-log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -62,7 +59,7 @@ class _Budget:
     seqs: int
 
 
-class Scheduler(Introspection):
+class Scheduler(ResultHandling, Introspection):
     """Budgets, preemption and plan building for one KV pool.
 
     ``kv_manager`` replaces the paged :class:`KVCacheManager` (e.g. with a
@@ -416,88 +413,10 @@ class Scheduler(Introspection):
         step.to_commit[:] = [x for x in step.to_commit if x[0].seq_id not in mine]
         self.failures.append(self.fail_request(r, exc))
 
-    # ------------------------------------------------------------------ update
-    def update(self, result: StepResult) -> list[RequestUpdate]:
-        """Apply the result of the oldest plan in flight; returns per-request news.
-
-        ProtocolError (a ValueError) for a result that does not answer that plan, checked before
-        anything changes: the executor broke the contract, and the engine drops it. A refused plan
-        is not a result to apply: the engine takes every request back first (``take_all_requests``),
-        after which the answers to the plans it had in flight are ignored here.
-        """
-        if result.step_id in self._stale_steps:  # a plan dropped by take_all_requests
-            self._stale_steps.discard(result.step_id)
-            return []
-        if not self.in_flight:
-            raise ProtocolError(f"update: no plan in flight (result for step {result.step_id})")
-        step = self.in_flight[0]
-        if result.step_id != step.step_id:
-            raise ProtocolError(f"update: result for step {result.step_id}, the oldest plan in flight is "
-                                f"{step.step_id}")
-        if result.refused:
-            raise RuntimeError(f"update: plan {result.step_id} was refused; take the requests back instead")
-        failed = set(result.failed_seq_ids)
-        due = self._out.check(result, step, failed)  # before anything changes: a bad result changes nothing
-        if len(result.lora_failures) > step.lora_loads:
-            raise ProtocolError(f"update: {len(result.lora_failures)} LoRA load failures for a plan of "
-                                f"{step.lora_loads} loads")
-        self.in_flight.popleft()
-        for f in result.lora_failures:
-            self._lora_failed(f.slot, f.reason)
-        if not failed:
-            self.decode_policy.observe(step, result)
-        if self.spec is not None and (step.proposed_at or result.spec_tokens):
-            self.spec.check(result, step, failed, self._out)
-        if step.decode_steps > 1:  # (its later steps' inputs are its samples: committed with them)
-            updates = self._out.process_steps(result, due, step, failed)
-            return updates + self._fail_dropped(failed) if failed else updates
-        commit = self.kv.commit_computed
-        for seq, residency, computed in step.to_commit:  # computed now: safe to share via the cache
-            if seq.finish_reason is None and seq.residency == residency and seq.seq_id not in failed:
-                commit(seq, computed)  # (before the samples: a sequence they finish frees its blocks)
-        if not failed:
-            updates = self._out.process(result, step.sampling, step.beams)
-            if step.proposed_at:
-                self.spec.apply(result, step, updates, failed, self._out)
-            return updates
-        for s in step.sampling + step.beams:
-            if s.seq_id in failed:
-                s.num_placeholders -= 1  # its sample never comes
-        updates = self._out.process(result, due, [s for s in step.beams if s.seq_id not in failed])
-        if step.proposed_at:
-            self.spec.apply(result, step, updates, failed, self._out)
-        return updates + self._fail_dropped(failed)
-
     def take_all_requests(self):
         if self.spec is not None:
             self.spec.pending.clear()  # (their results will not be applied)
         return super().take_all_requests()
-
-    def _lora_failed(self, slot: int, reason: str) -> None:
-        """The executor could not load ``slot``'s adapter: every request pinned to it fails with the
-        reason (the executor drops their sequences, in this plan and in those behind it, until the
-        slot is loaded again), and the slot is empty."""
-        name = self.lora.held().get(slot)
-        log.error("the executor could not load LoRA adapter %r into slot %d: %s", name, slot, reason)
-        doomed = [r for r in self.requests.values() if r.lora_slot == slot and r.live]
-        dropped = {s.seq_id for r in doomed for s in r.live}
-        for later in self.in_flight:
-            later.forget(set(dropped))
-        self.failures += self._out.fail([r.live[0] for r in doomed], f"LoRA adapter {name!r} could not be "
-                                                                     f"loaded: {reason}")
-        self.lora.unload(slot)
-
-    def _fail_dropped(self, failed: set[int]) -> list[RequestUpdate]:
-        """The executor dropped ``failed`` (its step could not serve them): the plans behind it serve
-        none of them, and the requests that own them fail."""
-        dropped = set(failed)
-        for later in self.in_flight:
-            later.forget(dropped)
-        return self._out.fail([self.seqs[i] for i in failed if i in self.seqs], "the executor failed its step")
-
-    def fail_seqs(self, seq_ids: list[int], error: str) -> list[RequestUpdate]:
-        """Fail the requests that own these sequences (those still here)."""
-        return self._out.fail([self.seqs[i] for i in seq_ids if i in self.seqs], error)
 
 
 def _awaits_result(r: Request) -> bool:
