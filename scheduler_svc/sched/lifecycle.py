@@ -26,7 +26,6 @@ from scheduler_svc.sched.lora_slots import LoraSlots
 from scheduler_svc.sched.request import BeamState, MigratedRequest, Request, RequestState, Sequence
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 
-Work = list[tuple[Sequence, int]]  # (sequence, num_new_tokens) scheduled in one step
 log = logging.getLogger(__name__)
 
 
