@@ -5,7 +5,7 @@ then its choices forked; a beam group's sequences all reaching their last token 
 ``NewSeq``/``Fork`` that introduce its sequences to the executor, the blocks for all of them
 allocated check-then-commit, and the entries emitted into the plan and its ``InFlight`` record;
 and, when the request fails alone, all of that taken back out. The running, swapped and waiting
-phases of ``schedule()`` (``scheduler.py``) all go through these.
+phases of ``schedule()`` (``scheduler.py``, ``preemption.py``) all go through these.
 
 A plan carries each sequence's state once per residency (``NewSeq``, or a ``Fork`` of a resident
 parent); after that only ids, token counts and block changes. The order an executor applies a

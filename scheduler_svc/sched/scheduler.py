@@ -43,15 +43,16 @@ from scheduler_svc.sched.decode_steps import DecodeStepPolicy
 from scheduler_svc.sched.in_flight import InFlight
 from scheduler_svc.sched.introspection import Introspection
 from scheduler_svc.sched.kv_cache_manager import NO_CHANGE, KVCacheManagerBase
-from scheduler_svc.sched.plan_building import PlanBuilding, StepBudget
-from scheduler_svc.sched.request import Request, RequestState
+from scheduler_svc.sched.plan_building import StepBudget
+from scheduler_svc.sched.preemption import Preemption, awaits_result
+from scheduler_svc.sched.request import Request
 from scheduler_svc.sched.result_handling import ResultHandling
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from scheduler_svc.sched.speculative_steps import SpeculativeSteps
 from scheduler_svc.sched.step_output import OutputProcessor
 
 
-class Scheduler(PlanBuilding, ResultHandling, Introspection):
+class Scheduler(Preemption, ResultHandling, Introspection):
     """Budgets, preemption and plan building for one KV pool.
 
     ``kv_manager`` replaces the paged :class:`KVCacheManager` (e.g. with a
@@ -154,75 +155,6 @@ class Scheduler(PlanBuilding, ResultHandling, Introspection):
                 self._isolate(r, plan, exc)  # r left `running`: the next request is at index i now
         return self._preempted
 
-    def _schedule_with_preemption(self, r: Request, plan: BatchPlan, budget: StepBudget) -> bool:
-        """Schedule ``r``, preempting the latest arrivals while blocks are short.
-
-        Returns False when ``r`` itself had to be preempted.
-        """
-        work = self._group_work(r, budget)
-        if not work:
-            return True
-        intros = self._intros(r)
-        changes = self._allocate(work, 0)
-        while changes is None:
-            victim = self.running[-1]
-            self._preempt(victim, plan)
-            self._preempted = True
-            if victim is r:
-                return False
-            changes = self._allocate(work, 0)
-        self._emit(work, changes, intros, plan, budget)
-        return True
-
-    def _preempt(self, r: Request, plan: BatchPlan) -> None:
-        """Take the whole request off the device: swap (if asked and room) or recompute."""
-        self.running.remove(r)
-        self.num_preemptions += 1
-        pairs = None
-        if self.config.preemption_mode == "swap":
-            pairs = self.kv.swap_out(r.live)
-        if pairs is not None:
-            plan.swap_out.extend(pairs)
-            r.state = RequestState.SWAPPED
-            self.swapped.appendleft(r)
-            for seq in r.live:
-                if seq.resident:
-                    self._owed_frees.append(seq.seq_id)
-                seq.forget_executor_state()
-            return
-        for seq in r.live:
-            self._forget(seq)
-            seq.num_computed_tokens = 0
-        self.unpin_lora(r)  # (recomputed later, perhaps under another slot)
-        r.state = RequestState.WAITING
-        self.waiting.appendleft(r)
-
-    def _schedule_swapped(self, plan: BatchPlan, budget: StepBudget) -> None:
-        while self.swapped and budget.tokens > 0:
-            r = self.swapped[0]
-            if _awaits_result(r):
-                return
-            try:
-                if not self._swap_in(r, plan, budget):
-                    return
-            except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
-                self._isolate(r, plan, exc)
-
-    def _swap_in(self, r: Request, plan: BatchPlan, budget: StepBudget) -> bool:
-        pairs = self.kv.swap_in(r.live, reserve=self._watermark)
-        if pairs is None:
-            return False
-        self.swapped.popleft()
-        plan.swap_in.extend(pairs)
-        self._set_running(r)
-        work = self._group_work(r, budget)
-        if work:
-            intros = self._intros(r)
-            changes = self._allocate(work, self._watermark)
-            if changes is not None:
-                self._emit(work, changes, intros, plan, budget)
-        return True
-
     def _schedule_waiting(self, plan: BatchPlan, budget: StepBudget) -> None:
         cfg = self.config
         if not self.waiting or len(self.running) >= cfg.max_num_seqs:
@@ -230,7 +162,7 @@ class Scheduler(PlanBuilding, ResultHandling, Introspection):
         num_live = sum(_footprint(r) for r in self.running)
         while self.waiting and budget.tokens > 0:
             r = self.waiting[0]
-            if num_live + _footprint(r) > cfg.max_num_seqs or _awaits_result(r):
+            if num_live + _footprint(r) > cfg.max_num_seqs or awaits_result(r):
                 return
             try:
                 if not self._admit(r, plan, budget):
@@ -269,11 +201,6 @@ class Scheduler(PlanBuilding, ResultHandling, Introspection):
         if self.spec is not None:
             self.spec.pending.clear()  # (their results will not be applied)
         return super().take_all_requests()
-
-
-def _awaits_result(r: Request) -> bool:
-    """A preempted request whose sample is still in flight: (re)admit it once that result came."""
-    return any(s.num_placeholders for s in r.live)
 
 
 def _footprint(r: Request) -> int:
