@@ -1,11 +1,11 @@
-"""A scheduler's requests: intake, the one release path, migration.
+"""A scheduler's requests: intake, the one release path, migration, LoRA slot pins.
 
-:class:`RequestLifecycle` holds the queues and the request/sequence indexes
-and everything that adds or removes requests, including what the prefix cache
-gives a request being admitted and how a failed admission is undone; the step
-planning that uses them lives in :mod:`scheduler_svc.sched.scheduler` (``Scheduler``
-subclasses this), the counters and ``check_integrity()`` in
-:mod:`scheduler_svc.sched.introspection`.
+:class:`RequestLifecycle` holds the queues and the request/sequence indexes and
+everything that adds or removes requests (queued, finished, aborted, failed
+alone, taken away to another scheduler). The mixins that ``Scheduler`` is made
+of all build on it: planning a step (``plan_building.py``, ``preemption.py``,
+``admission.py``, ``scheduler.py``), applying its result (``result_handling.py``)
+and the read-only counters and checks (``introspection.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pagedserve.engine_api import FinishReason, GenerationRequest, RequestUpdate
 from pagedserve.kv_blocks import lora_key
 from pagedserve.wire import LoraLoad, SamplingParams
 from scheduler_svc.sched.in_flight import InFlight
-from scheduler_svc.sched.kv_cache_manager import NO_HIT, KVCacheManager, KVCacheManagerBase, PrefixHit
+from scheduler_svc.sched.kv_cache_manager import KVCacheManager, KVCacheManagerBase
 from scheduler_svc.sched.lora_slots import LoraSlots
 from scheduler_svc.sched.request import BeamState, MigratedRequest, Request, RequestState, Sequence
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
@@ -31,12 +31,6 @@ log = logging.getLogger(__name__)
 
 class LoraUnloaded(ValueError):
     """A waiting request's LoRA adapter was unloaded: it fails with this message."""
-
-
-def takes_prefix_hits(req: GenerationRequest) -> bool:
-    """A request whose prompt is scored computes all of it, as in vLLM: the executor would run a
-    hit's positions again to score them, work no step's token budget counts."""
-    return req.params.sampling.prompt_logprobs < 0
 
 
 class RequestLifecycle:
@@ -279,61 +273,6 @@ class RequestLifecycle:
             self.running.append(r)
         else:
             bisect.insort(self.running, r, key=lambda x: x.arrival)
-
-    # ------------------------------------------------------------------ prefix hits at admission
-    def _take_prefix_hits(self, r: Request, max_tokens: int) -> list[int] | None:
-        """Give each seq of ``r`` (being admitted) its cached prefix blocks, check-then-commit per
-        seq; None (nothing changed) when they, or a first chunk of up to ``max_tokens`` after
-        them, cannot fit."""
-        hits = []
-        known = r.req.prompt_block_hashes or ()  # every seq of r starts with the prompt
-        takes_hits = takes_prefix_hits(r.req)
-        for seq in r.live:
-            hit = self.kv.lookup_prefix(seq, known) if takes_hits else NO_HIT
-            if hit.blocks and len(r.live) == 1 and not self._first_chunk_fits(r, seq, hit, max_tokens):
-                self._unadmit(r)
-                return None
-            if self.kv.allocate(seq, 0, hit) is None:
-                self._unadmit(r)
-                return None
-            seq.num_computed_tokens = hit.num_tokens
-            hits.append(hit.num_tokens)
-        return hits
-
-    def _first_chunk_fits(self, r: Request, seq: Sequence, hit: PrefixHit, max_tokens: int) -> bool:
-        """Whether a one-sequence request's hits plus what ``Scheduler._group_work`` would compute
-        first fit with the watermark kept: the check ``Scheduler._allocate`` makes after the hits
-        are taken, made before. A request waiting at the head of the queue is retried every
-        step, and taking then returning its hits costs two refcount changes per hit block (a
-        preempted 32K-token request: ~2K blocks, milliseconds per step). True when it cannot
-        tell (an n > 1 request whose hits cover its shared prefill: it forks its choices next)."""
-        target = self._prefill_target(r, seq)
-        if target <= hit.num_tokens:
-            return True
-        n = min(target - hit.num_tokens, max_tokens)
-        return self.kv.blocks_needed(seq, n, hit) + self._watermark <= self.kv.num_free_blocks
-
-    @staticmethod
-    def _prefill_target(r: Request, seq: Sequence) -> int:
-        """The tokens of ``seq`` its request computes before anything else: all of them, or for
-        an n > 1 request not forked yet all but the last prompt token (computed once, then shared
-        by the choices it forks into)."""
-        return seq.num_tokens if r.forked else seq.num_tokens - 1
-
-    def _unadmit(self, r: Request) -> None:
-        """Undo a failed admission: hit blocks go back to the cache, nothing was sent."""
-        for seq in r.live:
-            self.kv.free(seq)
-            seq.residency += 1
-            seq.num_computed_tokens = 0
-            seq.forget_executor_state()  # choices forked during the attempt get NewSeq later
-
-    def _count_prefix(self, r: Request, hits: list[int]) -> None:
-        for seq, h in zip(r.live[: len(hits)], hits, strict=True):  # choices forked at admission share the hit
-            self.prefix_cache_query_tokens += seq.num_tokens
-            self.prefix_cache_hit_tokens += h
-        if r.emitted_seqs == 0 and not r.num_cached_prompt_tokens and hits:
-            r.num_cached_prompt_tokens = min(hits[0], r.num_prompt_tokens)
 
 
 def seeded(sp: SamplingParams, i: int) -> SamplingParams:

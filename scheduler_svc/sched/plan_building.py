@@ -73,6 +73,13 @@ class PlanBuilding(RequestLifecycle):
                 left -= k
         return chunks or None
 
+    @staticmethod
+    def _prefill_target(r: Request, seq: Sequence) -> int:
+        """The tokens of ``seq`` its request computes before anything else: all of them, or for
+        an n > 1 request not forked yet all but the last prompt token (computed once, then shared
+        by the choices it forks into)."""
+        return seq.num_tokens if r.forked else seq.num_tokens - 1
+
     def _fork_choices(self, r: Request) -> None:
         """n > 1: the prompt (minus its last token) is computed once; share it n ways."""
         seq0 = r.live[0]

@@ -35,24 +35,23 @@ What one request puts into a plan (its work within the budget, the ``NewSeq`` or
 
 from __future__ import annotations
 
-import time
 from collections.abc import Collection, Mapping
 
 from pagedserve.wire import BatchPlan
+from scheduler_svc.sched.admission import Admission
 from scheduler_svc.sched.decode_steps import DecodeStepPolicy
 from scheduler_svc.sched.in_flight import InFlight
 from scheduler_svc.sched.introspection import Introspection
 from scheduler_svc.sched.kv_cache_manager import NO_CHANGE, KVCacheManagerBase
 from scheduler_svc.sched.plan_building import StepBudget
-from scheduler_svc.sched.preemption import Preemption, awaits_result
-from scheduler_svc.sched.request import Request
+from scheduler_svc.sched.preemption import Preemption
 from scheduler_svc.sched.result_handling import ResultHandling
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from scheduler_svc.sched.speculative_steps import SpeculativeSteps
 from scheduler_svc.sched.step_output import OutputProcessor
 
 
-class Scheduler(Preemption, ResultHandling, Introspection):
+class Scheduler(Preemption, Admission, ResultHandling, Introspection):
     """Budgets, preemption and plan building for one KV pool.
 
     ``kv_manager`` replaces the paged :class:`KVCacheManager` (e.g. with a
@@ -155,55 +154,7 @@ class Scheduler(Preemption, ResultHandling, Introspection):
                 self._isolate(r, plan, exc)  # r left `running`: the next request is at index i now
         return self._preempted
 
-    def _schedule_waiting(self, plan: BatchPlan, budget: StepBudget) -> None:
-        cfg = self.config
-        if not self.waiting or len(self.running) >= cfg.max_num_seqs:
-            return  # (full: every running request holds at least one sequence; skips the O(running) sum)
-        num_live = sum(_footprint(r) for r in self.running)
-        while self.waiting and budget.tokens > 0:
-            r = self.waiting[0]
-            if num_live + _footprint(r) > cfg.max_num_seqs or awaits_result(r):
-                return
-            try:
-                if not self._admit(r, plan, budget):
-                    return
-            except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
-                self._isolate(r, plan, exc)
-                continue
-            num_live += _footprint(r)
-
-    def _admit(self, r: Request, plan: BatchPlan, budget: StepBudget) -> bool:
-        """Admit the head of the waiting queue with its prefix hits; False (nothing changed) if it
-        does not fit (or its LoRA adapter has no slot: it waits at the head, in arrival order)."""
-        if not self.pin_lora(r, plan.lora_loads):
-            return False
-        hit_tokens = self._take_prefix_hits(r, budget.tokens)
-        if hit_tokens is None:
-            self.unpin_lora(r)  # (a load it caused stays in the plan: the slot holds that adapter now)
-            return False
-        work = self._group_work(r, budget)
-        intros = self._intros(r) if work else []
-        changes = self._allocate(work, self._watermark) if work else None
-        if changes is None:
-            self._unadmit(r)
-            self.unpin_lora(r)
-            return False
-        self.waiting.popleft()
-        self._set_running(r)
-        if r.req.first_scheduled_at is None:  # not after preemption or migration
-            r.req.first_scheduled_at = time.monotonic()
-            self.first_scheduled.append(r.req)
-        self._emit(work, changes, intros, plan, budget)  # type: ignore[arg-type]
-        self._count_prefix(r, hit_tokens)
-        return True
-
     def take_all_requests(self):
         if self.spec is not None:
             self.spec.pending.clear()  # (their results will not be applied)
         return super().take_all_requests()
-
-
-def _footprint(r: Request) -> int:
-    """Sequences a request may hold at once (beams and choices count before they exist)."""
-    p = r.req.params
-    return max(len(r.live), p.beam_width if r.beam is not None else (p.n if not r.forked else 1))
