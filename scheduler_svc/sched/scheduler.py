@@ -28,9 +28,18 @@ Each ``schedule()``:
 3. if nothing is swapped: waiting requests are admitted FCFS with their
    prefix-cache hits, within the token, sequence and watermark budgets.
 
-What one request puts into a plan (its work within the budget, the ``NewSeq`` or
-``Fork`` that introduces a sequence, its block changes) is built in
-:mod:`scheduler_svc.sched.plan_building`.
+:class:`Scheduler` is ``schedule()`` and step 1's loop (a decoding sequence is
+planned inline there: it runs for every running sequence every step) over
+mixins, one piece of the step each:
+
+- ``plan_building.py``: one request's work within the budget and the plan
+  entries that carry it (all three steps go through it);
+- ``preemption.py``: preemption by swap or recompute (1), swap-in (2);
+- ``admission.py``: admission with prefix-cache hits (3);
+- ``result_handling.py``: ``update()``, a result applied to its plan;
+- ``introspection.py``: the counters and ``check_integrity()``;
+- ``lifecycle.py``, under all of them: the queues and indexes, intake, the
+  one release path, migration.
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ from scheduler_svc.sched.step_output import OutputProcessor
 
 
 class Scheduler(Preemption, Admission, ResultHandling, Introspection):
-    """Budgets, preemption and plan building for one KV pool.
+    """One KV pool's scheduler: the step model above, made of the mixins listed there.
 
     ``kv_manager`` replaces the paged :class:`KVCacheManager` (e.g. with a
     contiguous-reservation baseline implementing ``KVCacheManagerBase``).
