@@ -40,7 +40,7 @@ from scheduler_svc.engine.engine_config import EngineConfig
 from scheduler_svc.engine.executor_link import ExecutorConn, ExecutorHub, ExecutorLost
 from scheduler_svc.engine.requests import CoreRequests
 from scheduler_svc.engine.state import ExecutorSlot
-from scheduler_svc.sched.lifecycle import ProtocolError
+from scheduler_svc.sched.in_flight import ProtocolError
 from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.sched.speculative_steps import SpecCounters
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 from pagedserve.wire import StepResult
 
 if TYPE_CHECKING:
-    from scheduler_svc.sched.lifecycle import InFlight, RequestLifecycle
+    from scheduler_svc.sched.in_flight import InFlight
+    from scheduler_svc.sched.lifecycle import RequestLifecycle
 
 # A plan of several decode steps lasts at most about this long: at the ~1 ms of CPU a plan costs over
 # the serving path, several steps where steps are a few milliseconds, one where a step is this long.

@@ -1,16 +1,16 @@
-"""A scheduler's requests: intake, the one release path, migration, counters.
+"""A scheduler's requests: intake, the one release path, migration, LoRA slot pins.
 
-:class:`RequestLifecycle` holds the queues and the request/sequence indexes
-and everything that adds or removes requests, including what the prefix cache
-gives a request being admitted and how a failed admission is undone; the step
-planning that uses them lives in :mod:`scheduler_svc.sched.scheduler` (``Scheduler``
-subclasses this).
+:class:`RequestLifecycle` holds the queues and the request/sequence indexes and
+everything that adds or removes requests (queued, finished, aborted, failed
+alone, taken away to another scheduler). The mixins that ``Scheduler`` is made
+of all build on it: planning a step (``plan_building.py``, ``preemption.py``,
+``admission.py``, ``scheduler.py``), applying its result (``result_handling.py``)
+and the read-only counters and checks (``introspection.py``).
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import logging
 from collections import deque
 from collections.abc import Collection, Mapping
@@ -19,86 +19,18 @@ import msgspec
 
 from pagedserve.engine_api import FinishReason, GenerationRequest, RequestUpdate
 from pagedserve.kv_blocks import lora_key
-from pagedserve.wire import LoraLoad, SamplingParams, max_result_bytes
-from scheduler_svc.sched.kv_cache_manager import NO_HIT, KVCacheManager, KVCacheManagerBase, PrefixHit
+from pagedserve.wire import LoraLoad, SamplingParams
+from scheduler_svc.sched.in_flight import InFlight
+from scheduler_svc.sched.kv_cache_manager import KVCacheManager, KVCacheManagerBase
 from scheduler_svc.sched.lora_slots import LoraSlots
 from scheduler_svc.sched.request import BeamState, MigratedRequest, Request, RequestState, Sequence
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 
-Work = list[tuple[Sequence, int]]  # (sequence, num_new_tokens) scheduled in one step
 log = logging.getLogger(__name__)
 
 
 class LoraUnloaded(ValueError):
     """A waiting request's LoRA adapter was unloaded: it fails with this message."""
-
-
-class ProtocolError(ValueError):
-    """A result that does not answer its plan: the executor, not a request, is at fault."""
-
-
-@dataclasses.dataclass(slots=True)
-class InFlight:
-    """A plan sent and not yet answered: what its result must be checked and applied against."""
-
-    step_id: int
-    seq_ids: list[int]  # the sequences it computes (the plan's list)
-    sampling: list[Sequence]  # sequences it samples for, in plan order (each holds a placeholder)
-    beams: list[Sequence]  # beam sequences it reports candidates for (each holds a placeholder)
-    to_commit: list[tuple[Sequence, int, int]]  # (seq, residency, computed count) filling a block
-    forks: list = dataclasses.field(default_factory=list)  # the plan's Fork entries
-    # Sequences whose prompt tokens it may score (SamplingParams.prompt_logprobs): (seq, the most it
-    # can score: every prompt token before the end of this step's chunk, token 0 never).
-    scoring: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
-    decode_steps: int = 1  # the plan's: each sequence of ``sampling`` gets this many tokens
-    decode_only: bool = False  # every sequence it computes decodes one token per step (its time says a step's)
-    # Speculative decoding: (seq, proposals, its residency) for each sequence the plan gave proposals.
-    proposed_at: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
-    lora_loads: int = 0  # the plan's LoRA loads (each may come back as a failure)
-
-    @property
-    def proposed(self) -> list[tuple[Sequence, int]]:
-        return [(s, d) for s, d, _ in self.proposed_at]
-
-    def max_result_bytes(self) -> int:
-        """The largest result frame this plan can be answered with (its sequences, their log-probs,
-        the prompt scores of the chunks it computes)."""
-        lp = num_lp = 0
-        for s in self.sampling:
-            sp = s.sampling
-            if sp.want_logprobs:
-                num_lp += 1
-                lp += sp.logprobs
-        beams = 0
-        for s in self.beams:
-            beams += s.sampling.beam_candidates
-        scored = entries = 0
-        for s, most in self.scoring:
-            scored += most
-            entries += most * s.sampling.prompt_logprobs
-        return max_result_bytes(len(self.seq_ids), len(self.sampling), lp, num_lp, beams, len(self.beams),
-                                scored, entries, len(self.scoring), self.decode_steps,
-                                sum(d for _, d, _ in self.proposed_at), len(self.proposed_at), self.lora_loads)
-
-    def forget(self, dropped: set[int]) -> None:
-        """The executor dropped these sequences after an earlier step failed: this plan serves none of
-        them, nor the children it forks from them (``dropped`` gains those)."""
-        for f in self.forks:
-            if f.parent_seq_id in dropped:
-                dropped.add(f.child_seq_id)
-        for due in (self.sampling, self.beams):
-            if any(s.seq_id in dropped for s in due):
-                for s in due:
-                    if s.seq_id in dropped:
-                        s.num_placeholders -= 1
-                due[:] = [s for s in due if s.seq_id not in dropped]
-        self.to_commit[:] = [x for x in self.to_commit if x[0].seq_id not in dropped]
-
-
-def takes_prefix_hits(req: GenerationRequest) -> bool:
-    """A request whose prompt is scored computes all of it, as in vLLM: the executor would run a
-    hit's positions again to score them, work no step's token budget counts."""
-    return req.params.sampling.prompt_logprobs < 0
 
 
 class RequestLifecycle:
@@ -341,138 +273,6 @@ class RequestLifecycle:
             self.running.append(r)
         else:
             bisect.insort(self.running, r, key=lambda x: x.arrival)
-
-    # ------------------------------------------------------------------ prefix hits at admission
-    def _take_prefix_hits(self, r: Request, max_tokens: int) -> list[int] | None:
-        """Give each seq of ``r`` (being admitted) its cached prefix blocks, check-then-commit per
-        seq; None (nothing changed) when they, or a first chunk of up to ``max_tokens`` after
-        them, cannot fit."""
-        hits = []
-        known = r.req.prompt_block_hashes or ()  # every seq of r starts with the prompt
-        takes_hits = takes_prefix_hits(r.req)
-        for seq in r.live:
-            hit = self.kv.lookup_prefix(seq, known) if takes_hits else NO_HIT
-            if hit.blocks and len(r.live) == 1 and not self._first_chunk_fits(r, seq, hit, max_tokens):
-                self._unadmit(r)
-                return None
-            if self.kv.allocate(seq, 0, hit) is None:
-                self._unadmit(r)
-                return None
-            seq.num_computed_tokens = hit.num_tokens
-            hits.append(hit.num_tokens)
-        return hits
-
-    def _first_chunk_fits(self, r: Request, seq: Sequence, hit: PrefixHit, max_tokens: int) -> bool:
-        """Whether a one-sequence request's hits plus what ``Scheduler._group_work`` would compute
-        first fit with the watermark kept: the check ``Scheduler._allocate`` makes after the hits
-        are taken, made before. A request waiting at the head of the queue is retried every
-        step, and taking then returning its hits costs two refcount changes per hit block (a
-        preempted 32K-token request: ~2K blocks, milliseconds per step). True when it cannot
-        tell (an n > 1 request whose hits cover its shared prefill: it forks its choices next)."""
-        target = self._prefill_target(r, seq)
-        if target <= hit.num_tokens:
-            return True
-        n = min(target - hit.num_tokens, max_tokens)
-        return self.kv.blocks_needed(seq, n, hit) + self._watermark <= self.kv.num_free_blocks
-
-    @staticmethod
-    def _prefill_target(r: Request, seq: Sequence) -> int:
-        """The tokens of ``seq`` its request computes before anything else: all of them, or for
-        an n > 1 request not forked yet all but the last prompt token (computed once, then shared
-        by the choices it forks into)."""
-        return seq.num_tokens if r.forked else seq.num_tokens - 1
-
-    def _unadmit(self, r: Request) -> None:
-        """Undo a failed admission: hit blocks go back to the cache, nothing was sent."""
-        for seq in r.live:
-            self.kv.free(seq)
-            seq.residency += 1
-            seq.num_computed_tokens = 0
-            seq.forget_executor_state()  # choices forked during the attempt get NewSeq later
-
-    def _count_prefix(self, r: Request, hits: list[int]) -> None:
-        for seq, h in zip(r.live[: len(hits)], hits, strict=True):  # choices forked at admission share the hit
-            self.prefix_cache_query_tokens += seq.num_tokens
-            self.prefix_cache_hit_tokens += h
-        if r.emitted_seqs == 0 and not r.num_cached_prompt_tokens and hits:
-            r.num_cached_prompt_tokens = min(hits[0], r.num_prompt_tokens)
-
-    # ------------------------------------------------------------------ introspection
-    def has_work(self) -> bool:
-        return bool(self.requests or self._owed_frees)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_swapped(self) -> int:
-        return len(self.swapped)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.kv.num_free_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.kv.stats().get("used", self.kv.num_device_blocks - self.kv.num_free_blocks)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return self.kv.stats().get("cached", 0)
-
-    @property
-    def num_shared_blocks(self) -> int:
-        return self.kv.stats().get("shared", 0)
-
-    @property
-    def num_cpu_used_blocks(self) -> int:
-        return self.kv.stats().get("cpu_used", 0)
-
-    def block_stats(self) -> dict[str, int]:
-        """used / cached / shared device blocks and cpu_used (counters: GetStats reads them)."""
-        return self.kv.stats()
-
-    def check_integrity(self) -> None:
-        """RuntimeError unless queues, sequences and the KV pools agree."""
-        self.kv.check_integrity()
-        queued = {id(r) for q in (self.waiting, self.running, self.swapped) for r in q}
-        if len(queued) != len(self.requests) or any(id(r) not in queued for r in self.requests.values()):
-            raise RuntimeError("every request must sit in exactly one queue")
-        if [r.arrival for r in self.running] != sorted(r.arrival for r in self.running):
-            raise RuntimeError("running queue is not in arrival order")
-        live = {s.seq_id for r in self.requests.values() for s in r.live}
-        if live != set(self.seqs):
-            raise RuntimeError("live sequence index disagrees with the requests")
-        for r in self.waiting:
-            for s in r.live:
-                if s.resident or s.num_computed_tokens or self.kv.block_ids(s):
-                    raise RuntimeError(f"waiting seq {s.seq_id} still holds executor state or blocks")
-        pins: dict[int, int] = {}
-        for r in self.requests.values():
-            if r.lora_slot is not None:
-                if r.state is RequestState.WAITING:
-                    raise RuntimeError(f"waiting request {r.request_id} pins LoRA slot {r.lora_slot}")
-                pins[r.lora_slot] = pins.get(r.lora_slot, 0) + 1
-                key = lora_key(r.req.lora, r.req.lora_id)
-                if self.lora.held().get(r.lora_slot) != key:
-                    raise RuntimeError(f"request {r.request_id} runs under slot {r.lora_slot}, which holds "
-                                       f"{self.lora.held().get(r.lora_slot)!r}, not {key!r}")
-        self.lora.check(pins)
-        owed: dict[int, int] = {}  # placeholders each live sequence is owed by the plans in flight
-        for step in self.in_flight:
-            for s in step.sampling + step.beams:
-                if s.finish_reason is None:
-                    owed[s.seq_id] = owed.get(s.seq_id, 0) + step.decode_steps
-        for s in self.seqs.values():
-            if s.num_placeholders != owed.get(s.seq_id, 0):
-                raise RuntimeError(f"seq {s.seq_id} holds {s.num_placeholders} placeholders; the plans in flight "
-                                   f"owe it {owed.get(s.seq_id, 0)} samples")
-
 
 
 def seeded(sp: SamplingParams, i: int) -> SamplingParams:

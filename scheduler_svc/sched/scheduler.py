@@ -28,40 +28,40 @@ Each ``schedule()``:
 3. if nothing is swapped: waiting requests are admitted FCFS with their
    prefix-cache hits, within the token, sequence and watermark budgets.
 
-A plan carries each sequence's state once per residency (``NewSeq``, or a
-``Fork`` of a resident parent); after that only ids, token counts and block
-changes. The order an executor applies a plan in is documented in
-``pagedserve/wire/messages.py``.
+:class:`Scheduler` is ``schedule()`` and step 1's loop (a decoding sequence is
+planned inline there: it runs for every running sequence every step) over
+mixins, one piece of the step each:
+
+- ``plan_building.py``: one request's work within the budget and the plan
+  entries that carry it (all three steps go through it);
+- ``preemption.py``: preemption by swap or recompute (1), swap-in (2);
+- ``admission.py``: admission with prefix-cache hits (3);
+- ``result_handling.py``: ``update()``, a result applied to its plan;
+- ``introspection.py``: the counters and ``check_integrity()``;
+- ``lifecycle.py``, under all of them: the queues and indexes, intake, the
+  one release path, migration.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import time
 from collections.abc import Collection, Mapping
 
-from pagedserve.engine_api import RequestUpdate
-from pagedserve.wire import BatchPlan, BlockUpdate, Fork, NewSeq, StepResult
+from pagedserve.wire import BatchPlan
+from scheduler_svc.sched.admission import Admission
 from scheduler_svc.sched.decode_steps import DecodeStepPolicy
-from scheduler_svc.sched.kv_cache_manager import NO_CHANGE, KVCacheManagerBase, SlotChange
-from scheduler_svc.sched.lifecycle import InFlight, ProtocolError, RequestLifecycle, Work, seeded
-from scheduler_svc.sched.request import Request, RequestState, Sequence
+from scheduler_svc.sched.in_flight import InFlight
+from scheduler_svc.sched.introspection import Introspection
+from scheduler_svc.sched.kv_cache_manager import NO_CHANGE, KVCacheManagerBase
+from scheduler_svc.sched.plan_building import StepBudget
+from scheduler_svc.sched.preemption import Preemption
+from scheduler_svc.sched.result_handling import ResultHandling
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from scheduler_svc.sched.speculative_steps import SpeculativeSteps
 from scheduler_svc.sched.step_output import OutputProcessor
 
-log = logging.getLogger(__name__)
 
-
-@dataclasses.dataclass(slots=True)
-class _Budget:
-    tokens: int
-    seqs: int
-
-
-class Scheduler(RequestLifecycle):
-    """Budgets, preemption and plan building for one KV pool.
+class Scheduler(Preemption, Admission, ResultHandling, Introspection):
+    """One KV pool's scheduler: the step model above, made of the mixins listed there.
 
     ``kv_manager`` replaces the paged :class:`KVCacheManager` (e.g. with a
     contiguous-reservation baseline implementing ``KVCacheManagerBase``).
@@ -80,7 +80,7 @@ class Scheduler(RequestLifecycle):
         """Build the next plan, or None when there is nothing to run or tell."""
         self._step_id += 1
         plan = BatchPlan(self._step_id)
-        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        budget = StepBudget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         step = self._step = InFlight(self._step_id, plan.scheduled_seq_ids, [], [], [], plan.forks)
         steps = self.decode_policy.choose(self)
         preempted = self._schedule_running(plan, budget, steps)
@@ -102,7 +102,7 @@ class Scheduler(RequestLifecycle):
         self.in_flight.append(step)
         return plan
 
-    def _schedule_running(self, plan: BatchPlan, budget: _Budget, steps: int = 1) -> bool:
+    def _schedule_running(self, plan: BatchPlan, budget: StepBudget, steps: int = 1) -> bool:
         """Running requests oldest first (each decoding ``steps`` tokens when more than 1: the decode
         policy found every one decoding, with room); returns whether anyone was preempted."""
         self._preempted = False
@@ -163,347 +163,7 @@ class Scheduler(RequestLifecycle):
                 self._isolate(r, plan, exc)  # r left `running`: the next request is at index i now
         return self._preempted
 
-    def _schedule_with_preemption(self, r: Request, plan: BatchPlan, budget: _Budget) -> bool:
-        """Schedule ``r``, preempting the latest arrivals while blocks are short.
-
-        Returns False when ``r`` itself had to be preempted.
-        """
-        work = self._group_work(r, budget)
-        if not work:
-            return True
-        intros = self._intros(r)
-        changes = self._allocate(work, 0)
-        while changes is None:
-            victim = self.running[-1]
-            self._preempt(victim, plan)
-            self._preempted = True
-            if victim is r:
-                return False
-            changes = self._allocate(work, 0)
-        self._emit(work, changes, intros, plan, budget)
-        return True
-
-    def _group_work(self, r: Request, budget: _Budget) -> Work | None:
-        """What ``r`` computes this step within ``budget``: None if it does not fit, [] if it
-        waits for a result in flight (beam search chooses its next tokens from it; a sequence
-        whose last token is in flight ends by length)."""
-        if r.beam is not None and any(s.num_placeholders for s in r.live):
-            return []
-        if not r.forked:
-            seq0 = r.live[0]
-            target = self._prefill_target(r, seq0)  # all but the last prompt token, once; then fork
-            if seq0.num_computed_tokens < target:
-                return [(seq0, min(target - seq0.num_computed_tokens, budget.tokens))]
-            if r.req.params.n > budget.seqs:
-                return None
-            self._fork_choices(r)
-        live = [s for s in r.live if not (s.num_placeholders and s.num_tokens >= r.stop_len)]
-        if len(live) == 1:
-            seq = live[0]
-            n = seq.num_tokens - seq.num_computed_tokens
-            return [(seq, n if n <= budget.tokens else budget.tokens)]
-        work = [(s, s.num_tokens - s.num_computed_tokens) for s in live]
-        if len(work) > budget.seqs:
-            return None
-        if sum(n for _, n in work) <= budget.tokens:
-            return work
-        # Chunk the group's prefill (e.g. after recompute) so that no sequence reaches its
-        # last token before all can: beams must sample in the same step.
-        left, chunks = budget.tokens, []
-        for s, n in work:
-            k = min(n - 1, left)
-            if k > 0:
-                chunks.append((s, k))
-                left -= k
-        return chunks or None
-
-    def _fork_choices(self, r: Request) -> None:
-        """n > 1: the prompt (minus its last token) is computed once; share it n ways."""
-        seq0 = r.live[0]
-        sp = r.req.params.sampling
-        children = []
-        for i in range(1, r.req.params.n):
-            child = self.new_seq(r, i, list(seq0.token_ids), seeded(sp, i))
-            child.num_computed_tokens = seq0.num_computed_tokens
-            child.fork_parent = seq0.seq_id
-            child.fork_seed = child.sampling.seed
-            children.append(child)
-        self.kv.fork_many(seq0, children)  # (one pass over the prompt's blocks for all of them)
-        r.forked = True
-
-    def _intros(self, r: Request) -> list:
-        """NewSeq/Fork entries owed for non-resident seqs, snapshotted before allocation."""
-        out: list = []
-        for s in r.live:
-            if not s.resident:
-                if s.num_placeholders:
-                    raise RuntimeError(f"seq {s.seq_id} introduced to the executor with a sample in flight")
-                if s.fork_parent is not None:
-                    out.append(Fork(s.fork_parent, s.seq_id, s.fork_seed))
-                else:
-                    out.append(NewSeq(s.seq_id, r.packed_tokens(s), s.num_prompt_tokens, self.kv.block_ids(s),
-                                      s.num_computed_tokens, s.sampling,
-                                      -1 if r.lora_slot is None else r.lora_slot))
-        return out
-
-    def _allocate(self, work: Work, reserve: int) -> list[SlotChange] | None:
-        """Check-then-commit for a whole request (its sequences move together)."""
-        kv = self.kv
-        if len(work) == 1 and not reserve:
-            ch = kv.allocate(work[0][0], work[0][1])
-            return None if ch is None else [ch]
-        if sum(kv.blocks_needed(s, n) for s, n in work) + reserve > kv.num_free_blocks:
-            return None
-        changes = [kv.allocate(s, n) for s, n in work]
-        if any(ch is None for ch in changes):
-            raise RuntimeError("allocation failed after blocks_needed said it fits")
-        return changes  # type: ignore[return-value]
-
-    def _emit(self, work: Work, changes: list[SlotChange], intros: list, plan: BatchPlan,
-              budget: _Budget) -> None:
-        for x in intros:
-            (plan.forks if type(x) is Fork else plan.new_seqs).append(x)
-            seq = self.seqs[x.child_seq_id if type(x) is Fork else x.seq_id]
-            seq.resident = True
-            seq.fork_parent = None
-        ids, nums, bs = plan.scheduled_seq_ids, plan.num_new_tokens, self.config.block_size
-        step = self._step
-        total = 0
-        for (seq, n), ch in zip(work, changes, strict=True):
-            if ch is not NO_CHANGE:
-                self._emit_change(seq, ch, plan)
-            if seq.owed_tokens:
-                plan.append_tokens.extend((seq.seq_id, t) for t in seq.owed_tokens)
-                seq.owed_tokens.clear()
-            ids.append(seq.seq_id)
-            nums.append(n)
-            c = seq.num_computed_tokens
-            seq.num_computed_tokens = c + n
-            if c < seq.num_prompt_tokens:
-                self._note_scoring(seq, c, n)
-            if c + n == seq.num_tokens:  # it samples (or reports beam candidates)
-                seq.num_placeholders += 1
-                (step.sampling if seq.request.beam is None else step.beams).append(seq)
-            if (c + n) // bs != c // bs:
-                step.to_commit.append((seq, seq.residency, c + n))
-            total += n
-        budget.tokens -= total
-        budget.seqs -= len(work)
-
-    def _note_scoring(self, seq: Sequence, c: int, n: int) -> None:
-        """A chunk of ``seq``'s prompt from ``c``: if its prompt is scored, the step's result may carry
-        the scores of every prompt token before the chunk's end (the executor may run a hit's
-        positions again), and its bound must allow them."""
-        if seq.sampling.prompt_logprobs >= 0 and not seq.num_output_tokens:
-            self._step.scoring.append((seq, min(c + n, seq.num_prompt_tokens - 1)))
-
-    @staticmethod
-    def _emit_change(seq: Sequence, ch: SlotChange, plan: BatchPlan) -> None:
-        if ch.block_ids:
-            plan.block_updates.append(BlockUpdate(seq.seq_id, ch.start, ch.block_ids))
-        if ch.copy is not None:
-            plan.copies.append(ch.copy)
-
-    def _preempt(self, r: Request, plan: BatchPlan) -> None:
-        """Take the whole request off the device: swap (if asked and room) or recompute."""
-        self.running.remove(r)
-        self.num_preemptions += 1
-        pairs = None
-        if self.config.preemption_mode == "swap":
-            pairs = self.kv.swap_out(r.live)
-        if pairs is not None:
-            plan.swap_out.extend(pairs)
-            r.state = RequestState.SWAPPED
-            self.swapped.appendleft(r)
-            for seq in r.live:
-                if seq.resident:
-                    self._owed_frees.append(seq.seq_id)
-                seq.forget_executor_state()
-            return
-        for seq in r.live:
-            self._forget(seq)
-            seq.num_computed_tokens = 0
-        self.unpin_lora(r)  # (recomputed later, perhaps under another slot)
-        r.state = RequestState.WAITING
-        self.waiting.appendleft(r)
-
-    def _schedule_swapped(self, plan: BatchPlan, budget: _Budget) -> None:
-        while self.swapped and budget.tokens > 0:
-            r = self.swapped[0]
-            if _awaits_result(r):
-                return
-            try:
-                if not self._swap_in(r, plan, budget):
-                    return
-            except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
-                self._isolate(r, plan, exc)
-
-    def _swap_in(self, r: Request, plan: BatchPlan, budget: _Budget) -> bool:
-        pairs = self.kv.swap_in(r.live, reserve=self._watermark)
-        if pairs is None:
-            return False
-        self.swapped.popleft()
-        plan.swap_in.extend(pairs)
-        self._set_running(r)
-        work = self._group_work(r, budget)
-        if work:
-            intros = self._intros(r)
-            changes = self._allocate(work, self._watermark)
-            if changes is not None:
-                self._emit(work, changes, intros, plan, budget)
-        return True
-
-    def _schedule_waiting(self, plan: BatchPlan, budget: _Budget) -> None:
-        cfg = self.config
-        if not self.waiting or len(self.running) >= cfg.max_num_seqs:
-            return  # (full: every running request holds at least one sequence; skips the O(running) sum)
-        num_live = sum(_footprint(r) for r in self.running)
-        while self.waiting and budget.tokens > 0:
-            r = self.waiting[0]
-            if num_live + _footprint(r) > cfg.max_num_seqs or _awaits_result(r):
-                return
-            try:
-                if not self._admit(r, plan, budget):
-                    return
-            except Exception as exc:  # noqa: BLE001  one request's failure must not reach the others
-                self._isolate(r, plan, exc)
-                continue
-            num_live += _footprint(r)
-
-    def _admit(self, r: Request, plan: BatchPlan, budget: _Budget) -> bool:
-        """Admit the head of the waiting queue with its prefix hits; False (nothing changed) if it
-        does not fit (or its LoRA adapter has no slot: it waits at the head, in arrival order)."""
-        if not self.pin_lora(r, plan.lora_loads):
-            return False
-        hit_tokens = self._take_prefix_hits(r, budget.tokens)
-        if hit_tokens is None:
-            self.unpin_lora(r)  # (a load it caused stays in the plan: the slot holds that adapter now)
-            return False
-        work = self._group_work(r, budget)
-        intros = self._intros(r) if work else []
-        changes = self._allocate(work, self._watermark) if work else None
-        if changes is None:
-            self._unadmit(r)
-            self.unpin_lora(r)
-            return False
-        self.waiting.popleft()
-        self._set_running(r)
-        if r.req.first_scheduled_at is None:  # not after preemption or migration
-            r.req.first_scheduled_at = time.monotonic()
-            self.first_scheduled.append(r.req)
-        self._emit(work, changes, intros, plan, budget)  # type: ignore[arg-type]
-        self._count_prefix(r, hit_tokens)
-        return True
-
-    def _isolate(self, r: Request, plan: BatchPlan, exc: Exception) -> None:
-        """Fail ``r`` alone: take what it put into this plan back out, then release it."""
-        mine = {s.seq_id for s in r.seqs}
-        kept = [(i, n) for i, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True) if i not in mine]
-        plan.scheduled_seq_ids[:] = [i for i, _ in kept]  # (in place: the InFlight record shares it)
-        plan.num_new_tokens[:] = [n for _, n in kept]
-        plan.new_seqs[:] = [x for x in plan.new_seqs if x.seq_id not in mine]
-        plan.forks[:] = [x for x in plan.forks if x.child_seq_id not in mine]
-        plan.block_updates[:] = [x for x in plan.block_updates if x.seq_id not in mine]
-        plan.append_tokens[:] = [x for x in plan.append_tokens if x[0] not in mine]
-        step = self._step
-        for due in (step.sampling, step.beams):
-            for s in due:
-                if s.seq_id in mine:
-                    s.num_placeholders -= 1
-            due[:] = [s for s in due if s.seq_id not in mine]
-        step.to_commit[:] = [x for x in step.to_commit if x[0].seq_id not in mine]
-        self.failures.append(self.fail_request(r, exc))
-
-    # ------------------------------------------------------------------ update
-    def update(self, result: StepResult) -> list[RequestUpdate]:
-        """Apply the result of the oldest plan in flight; returns per-request news.
-
-        ProtocolError (a ValueError) for a result that does not answer that plan, checked before
-        anything changes: the executor broke the contract, and the engine drops it. A refused plan
-        is not a result to apply: the engine takes every request back first (``take_all_requests``),
-        after which the answers to the plans it had in flight are ignored here.
-        """
-        if result.step_id in self._stale_steps:  # a plan dropped by take_all_requests
-            self._stale_steps.discard(result.step_id)
-            return []
-        if not self.in_flight:
-            raise ProtocolError(f"update: no plan in flight (result for step {result.step_id})")
-        step = self.in_flight[0]
-        if result.step_id != step.step_id:
-            raise ProtocolError(f"update: result for step {result.step_id}, the oldest plan in flight is "
-                                f"{step.step_id}")
-        if result.refused:
-            raise RuntimeError(f"update: plan {result.step_id} was refused; take the requests back instead")
-        failed = set(result.failed_seq_ids)
-        due = self._out.check(result, step, failed)  # before anything changes: a bad result changes nothing
-        if len(result.lora_failures) > step.lora_loads:
-            raise ProtocolError(f"update: {len(result.lora_failures)} LoRA load failures for a plan of "
-                                f"{step.lora_loads} loads")
-        self.in_flight.popleft()
-        for f in result.lora_failures:
-            self._lora_failed(f.slot, f.reason)
-        if not failed:
-            self.decode_policy.observe(step, result)
-        if self.spec is not None and (step.proposed_at or result.spec_tokens):
-            self.spec.check(result, step, failed, self._out)
-        if step.decode_steps > 1:  # (its later steps' inputs are its samples: committed with them)
-            updates = self._out.process_steps(result, due, step, failed)
-            return updates + self._fail_dropped(failed) if failed else updates
-        commit = self.kv.commit_computed
-        for seq, residency, computed in step.to_commit:  # computed now: safe to share via the cache
-            if seq.finish_reason is None and seq.residency == residency and seq.seq_id not in failed:
-                commit(seq, computed)  # (before the samples: a sequence they finish frees its blocks)
-        if not failed:
-            updates = self._out.process(result, step.sampling, step.beams)
-            if step.proposed_at:
-                self.spec.apply(result, step, updates, failed, self._out)
-            return updates
-        for s in step.sampling + step.beams:
-            if s.seq_id in failed:
-                s.num_placeholders -= 1  # its sample never comes
-        updates = self._out.process(result, due, [s for s in step.beams if s.seq_id not in failed])
-        if step.proposed_at:
-            self.spec.apply(result, step, updates, failed, self._out)
-        return updates + self._fail_dropped(failed)
-
     def take_all_requests(self):
         if self.spec is not None:
             self.spec.pending.clear()  # (their results will not be applied)
         return super().take_all_requests()
-
-    def _lora_failed(self, slot: int, reason: str) -> None:
-        """The executor could not load ``slot``'s adapter: every request pinned to it fails with the
-        reason (the executor drops their sequences, in this plan and in those behind it, until the
-        slot is loaded again), and the slot is empty."""
-        name = self.lora.held().get(slot)
-        log.error("the executor could not load LoRA adapter %r into slot %d: %s", name, slot, reason)
-        doomed = [r for r in self.requests.values() if r.lora_slot == slot and r.live]
-        dropped = {s.seq_id for r in doomed for s in r.live}
-        for later in self.in_flight:
-            later.forget(set(dropped))
-        self.failures += self._out.fail([r.live[0] for r in doomed], f"LoRA adapter {name!r} could not be "
-                                                                     f"loaded: {reason}")
-        self.lora.unload(slot)
-
-    def _fail_dropped(self, failed: set[int]) -> list[RequestUpdate]:
-        """The executor dropped ``failed`` (its step could not serve them): the plans behind it serve
-        none of them, and the requests that own them fail."""
-        dropped = set(failed)
-        for later in self.in_flight:
-            later.forget(dropped)
-        return self._out.fail([self.seqs[i] for i in failed if i in self.seqs], "the executor failed its step")
-
-    def fail_seqs(self, seq_ids: list[int], error: str) -> list[RequestUpdate]:
-        """Fail the requests that own these sequences (those still here)."""
-        return self._out.fail([self.seqs[i] for i in seq_ids if i in self.seqs], error)
-
-
-def _awaits_result(r: Request) -> bool:
-    """A preempted request whose sample is still in flight: (re)admit it once that result came."""
-    return any(s.num_placeholders for s in r.live)
-
-
-def _footprint(r: Request) -> int:
-    """Sequences a request may hold at once (beams and choices count before they exist)."""
-    p = r.req.params
-    return max(len(r.live), p.beam_width if r.beam is not None else (p.n if not r.forked else 1))

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 
 from pagedserve.engine_api import EngineStats, RequestUpdate
 from pagedserve.wire import BatchPlan, DraftProposal, Proposal, StepResult
-from scheduler_svc.sched.lifecycle import ProtocolError
+from scheduler_svc.sched.in_flight import ProtocolError
 from scheduler_svc.sched.speculation import DraftProposer, NgramProposer, SpeculativeConfig
 from scheduler_svc.sched.speculation_policy import SpeculationPolicy
 from scheduler_svc.sched.step_output import end_reason, token_logprob
 
 if TYPE_CHECKING:
-    from scheduler_svc.sched.lifecycle import InFlight
+    from scheduler_svc.sched.in_flight import InFlight
     from scheduler_svc.sched.request import Request, Sequence
     from scheduler_svc.sched.step_output import OutputProcessor
 

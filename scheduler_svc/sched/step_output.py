@@ -20,7 +20,8 @@ from __future__ import annotations
 from pagedserve.engine_api import FinishReason, PromptScores, RequestUpdate, SeqUpdate, TokenLogprob
 from pagedserve.wire import SeqLogprobs, StepResult
 from scheduler_svc.sched.beam_search import BeamCandidate, BeamLimits, beam_step, final_hypotheses
-from scheduler_svc.sched.lifecycle import InFlight, ProtocolError, RequestLifecycle
+from scheduler_svc.sched.in_flight import InFlight, ProtocolError
+from scheduler_svc.sched.lifecycle import RequestLifecycle
 from scheduler_svc.sched.request import Request, RequestState, Sequence
 
 

@@ -15,7 +15,7 @@ from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.wire import SamplingParams
 from pagedserve.wire.codec import encode
 from scheduler_svc.front.output.deltas import RequestStream
-from scheduler_svc.sched import lifecycle
+from scheduler_svc.sched import admission
 from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.executor_plans import hf_logits, make_runner
@@ -119,7 +119,7 @@ def test_a_prefix_hit_runs_the_cached_positions_again_without_rewriting_them(tin
                                                                             monkeypatch):
     """The executor's side of the contract: a scored sequence registered with computed tokens (a
     scheduler that takes the hit) has those positions run again, their K/V not written."""
-    monkeypatch.setattr(lifecycle, "takes_prefix_hits", lambda req: True)
+    monkeypatch.setattr(admission, "takes_prefix_hits", lambda req: True)
     runner = make_runner(tiny_llama_dir, model=model)
     sched = _scheduler(runner)
     _warm(sched, runner)

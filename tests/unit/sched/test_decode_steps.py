@@ -17,7 +17,7 @@ import pytest
 from pagedserve.engine_api import FinishReason, GenerationRequest, RequestParams
 from pagedserve.wire import BatchPlan, SamplingParams, StepResult
 from scheduler_svc.sched import decode_steps as decode_steps_module
-from scheduler_svc.sched.lifecycle import ProtocolError
+from scheduler_svc.sched.in_flight import ProtocolError
 from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.executor_plans import make_runner
