@@ -58,13 +58,15 @@ class ResultHandling(RequestLifecycle):
         if len(result.lora_failures) > step.lora_loads:
             raise ProtocolError(f"update: {len(result.lora_failures)} LoRA load failures for a plan of "
                                 f"{step.lora_loads} loads")
+        if self.spec is not None and (step.proposed_at or result.spec_tokens):
+            self.spec.check(result, step, failed, self._out)
+        elif result.spec_tokens:
+            raise ProtocolError(f"update: result {result.step_id} has speculative tokens; this scheduler proposes none")
         self.in_flight.popleft()
         for f in result.lora_failures:
             self._lora_failed(f.slot, f.reason)
         if not failed:
             self.decode_policy.observe(step, result)
-        if self.spec is not None and (step.proposed_at or result.spec_tokens):
-            self.spec.check(result, step, failed, self._out)
         if step.decode_steps > 1:  # (its later steps' inputs are its samples: committed with them)
             updates = self._out.process_steps(result, due, step, failed)
             return updates + self._fail_dropped(failed) if failed else updates
