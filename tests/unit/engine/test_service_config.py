@@ -10,12 +10,12 @@ import pytest
 
 from pagedserve.envargs import env_name, parse_bytes
 from scheduler_svc.engine.engine_config import EngineConfig
-from scheduler_svc.entrypoints.service_config import (
+from scheduler_svc.entrypoints.service_config import load_config
+from scheduler_svc.entrypoints.service_flags import (
     FLAG_FIELDS,
     RUNTIME_FIELDS,
     build_arg_parser,
     default,
-    load_config,
 )
 from scheduler_svc.front.grpc.limits import GrpcLimits
 from scheduler_svc.front.http.limits import HttpLimits
