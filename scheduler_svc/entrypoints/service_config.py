@@ -37,7 +37,8 @@ from scheduler_svc.front.grpc.limits import MAX_REQUEST_BYTES, GrpcLimits
 from scheduler_svc.front.guards.admission import sized_for_machine
 from scheduler_svc.front.guards.security import ApiKeys, TlsFiles
 from scheduler_svc.front.http.limits import HttpLimits
-from scheduler_svc.front.input.validation import LOGPROBS_MODES, ServerLimits
+from scheduler_svc.front.input.server_limits import ServerLimits
+from scheduler_svc.front.input.validation import LOGPROBS_MODES
 from scheduler_svc.front.tool_calls import ToolCallOptions
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 

@@ -21,7 +21,8 @@ from scheduler_svc.engine.engine_config import EngineConfig
 from scheduler_svc.engine.link_flags import add_link_flags
 from scheduler_svc.front.grpc.limits import GrpcLimits
 from scheduler_svc.front.http.limits import HttpLimits
-from scheduler_svc.front.input.validation import LOGPROBS_MODES, ServerLimits
+from scheduler_svc.front.input.server_limits import ServerLimits
+from scheduler_svc.front.input.validation import LOGPROBS_MODES
 from scheduler_svc.front.tool_calls import AUTO_PARSERS
 from scheduler_svc.sched.scheduler_config import PREEMPTION_MODES, SchedulerConfig
 from scheduler_svc.sched.speculation import SpeculativeConfig, parse_speculative_config
