@@ -27,7 +27,7 @@ from pagedserve.engine_api import (
     Usage,
 )
 from scheduler_svc.front.grpc.server import ApiServer, start_grpc_server
-from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.front.output.detokenize import IncrementalDetokenizer
 
 CORPUS = [

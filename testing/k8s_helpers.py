@@ -165,7 +165,7 @@ def project_scripts() -> dict[str, str]:
 def parser_for(script: str):
     """Console script -> its service's build_arg_parser, via pyproject's [project.scripts]."""
     package = project_scripts()[script].split(":")[0].split(".")[0]
-    flags = {"scheduler_svc": "scheduler_svc.entrypoints.service_config", "executor_svc": "executor_svc.config"}[package]
+    flags = {"scheduler_svc": "scheduler_svc.entrypoints.service_flags", "executor_svc": "executor_svc.config"}[package]
     return importlib.import_module(flags).build_arg_parser
 
 

@@ -35,7 +35,7 @@ from scheduler_svc.front.grpc.server import start_grpc_server
 from scheduler_svc.front.http.app import OpenAIFront, build_app
 from scheduler_svc.front.http.limits import HttpLimits
 from scheduler_svc.front.http.serve import start_http_server
-from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.front.output.deltas import RequestStream
 from scheduler_svc.front.output.mailbox import Tracked
 from scheduler_svc.front.output.stream import OutputStream

@@ -37,7 +37,8 @@ from pagedserve.engine_api import (
     ModelInfo,
 )
 from scheduler_svc.engine.engine_config import EngineConfig
-from scheduler_svc.engine.executor_link import ExecutorConn, ExecutorHub, ExecutorLost
+from scheduler_svc.engine.executor_conn import ExecutorConn
+from scheduler_svc.engine.executor_link import ExecutorHub, ExecutorLost
 from scheduler_svc.engine.requests import CoreRequests
 from scheduler_svc.engine.state import ExecutorSlot
 from scheduler_svc.sched.in_flight import ProtocolError
@@ -61,7 +62,8 @@ class EngineCore(CoreRequests):
                                step_timeout_s=cfg.step_timeout_s, model_fingerprint=cfg.model_fingerprint,
                                batch_invariant=cfg.batch_invariant)
         spec = cfg.scheduler.speculative
-        self.hub.draft_model = draft_name(Path(spec.model)) if spec is not None and spec.model is not None else None
+        draft = draft_name(Path(spec.model)) if spec is not None and spec.model is not None else None
+        self.hub.admission.draft_model = draft
         self._retired_preemptions = 0  # counters of schedulers of executors now gone
         self._retired_spec = SpecCounters()  # (their speculative decoding counters)
         self._retired_prefix = (0, 0)

@@ -1,12 +1,13 @@
 """ZeroMQ transport to the executors: registry, handshakes, heartbeats, steps.
 
 Executors dial in to one ROUTER socket (their routing id is their executor
-id). The hub accepts or rejects each handshake, keeps a heartbeat both ways,
-declares an executor dead after ``wire.DEAD_AFTER_INTERVALS`` silent intervals or a
-failed send, sends plans and hands their results back in order: with
-asynchronous scheduling an executor has up to two plans outstanding (one
-running, the next queued behind it). It owns no scheduling state: it reports
-joins, drains and deaths through callbacks and lets the engine decide.
+id). The hub answers each handshake (executor_admission.py decides whether it
+is admitted), keeps a heartbeat both ways, declares an executor dead after
+``wire.DEAD_AFTER_INTERVALS`` silent intervals or a failed send, sends plans
+and hands their results back in order: with asynchronous scheduling an
+executor has up to two plans outstanding (one running, the next queued behind
+it). It owns no scheduling state: it reports joins, drains and deaths through
+callbacks and lets the engine decide.
 
 Trust (docs/ARCHITECTURE.md, "Security model"): with keys the socket is a
 CURVE server and its ZAP handler admits only the executor keys the trust store
@@ -31,9 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -42,7 +41,9 @@ from pagedserve import wire
 from pagedserve.ratelog import RateLimitedLog
 from pagedserve.wire.keys import ZAP_DOMAIN, make_server
 from pagedserve.wire.router_socket import RouterSocket
+from scheduler_svc.engine.executor_admission import ExecutorAdmission, identity_rejection
 from scheduler_svc.engine.executor_auth import ExecutorAuth, LinkSecurity
+from scheduler_svc.engine.executor_conn import ExecutorConn, SentPlan
 
 log = logging.getLogger(__name__)
 # What peers send wrong, at most one line per 10 s each: a flood of junk from unregistered peers
@@ -57,34 +58,6 @@ class ExecutorLost(Exception):
     """The executor died (or was replaced) while a step was in flight."""
 
 
-@dataclass(slots=True)
-class SentPlan:
-    """A plan sent to an executor and not yet answered: what its result frame must match."""
-
-    step_id: int
-    max_result_bytes: int  # the largest answer the plan can have (wire.max_result_bytes)
-    result: asyncio.Future  # resolved with the decoded StepResult
-
-
-@dataclass(slots=True, eq=False)
-class ExecutorConn:
-    identity: bytes
-    info: wire.Handshake
-    state: str = "ready"  # "ready" | "draining" | "dead"
-    last_seen: float = field(default_factory=time.monotonic)
-    in_flight: deque[SentPlan] = field(default_factory=deque)  # sent, not yet taken by next_result, oldest first
-    discarded: set[int] = field(default_factory=set)  # step ids sent before a Reset: answers dropped unread
-    oldest_since: float = 0.0  # when the oldest plan in flight started to run (as far as we know)
-    step_seconds: float = 0.0  # moving average of the time between results
-    drain_deadline: float | None = None
-    peer_key: bytes | None = None  # the CURVE key (z85) its connection authenticated with; None without CURVE
-    enrolled: bool = False  # got in with an enrollment proof (else its key is trusted, or there is no CURVE)
-
-    @property
-    def id(self) -> str:
-        return self.info.executor_id
-
-
 class ExecutorHub:
     """Accepts executors and runs steps on them. One per scheduler process."""
 
@@ -95,7 +68,6 @@ class ExecutorHub:
                  keys: LinkSecurity | None = None, step_timeout_s: float = 30.0,
                  model_fingerprint: str | None = None, batch_invariant: bool = False) -> None:
         self.endpoint = endpoint
-        self.block_size = block_size
         self.heartbeat_interval_s = heartbeat_interval_s
         self.keys = keys  # None: no CURVE (the engine allows that on loopback only)
         self.step_timeout_s = step_timeout_s  # ...but never less than this
@@ -110,17 +82,10 @@ class ExecutorHub:
         self._closing = False
         self.failure: str | None = None  # why a transport task ended unasked (liveness reports it)
         self.conns: dict[bytes, ExecutorConn] = {}
-        # The served model: computed from the scheduler's own --model directory when its weights are
-        # there; otherwise fixed by the first accepted executor.
-        self.model_fingerprint = model_fingerprint
-        self.model_vocab_size: int | None = None
         self.bound_port: int | None = None
-        # --batch-invariant: only executors that promise it, all computing as the first one accepted does.
-        self.batch_invariant = batch_invariant
-        self.numerics: tuple[str, str, int] | None = None
-        # Speculative decoding by a draft model: the draft every executor must hold (its name), or None:
-        # then none may hold one (its blocks' memory would be spent on nothing).
-        self.draft_model: str | None = None
+        # What a handshake must agree with (the engine sets its draft_model after construction).
+        self.admission = ExecutorAdmission(block_size, model_fingerprint=model_fingerprint,
+                                           batch_invariant=batch_invariant)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -334,62 +299,14 @@ class ExecutorHub:
         except Exception:  # noqa: BLE001
             log.exception("error in the engine's %s callback", getattr(callback, "__name__", "executor"))
 
-    def _rejection(self, hs: wire.Handshake) -> str | None:
-        if hs.wire_version != wire.WIRE_VERSION:
-            return f"wire version {hs.wire_version}, scheduler speaks {wire.WIRE_VERSION}"
-        if hs.block_size != self.block_size:
-            return f"block size {hs.block_size}, scheduler uses {self.block_size}"
-        if hs.num_device_blocks < 1:
-            return f"num_device_blocks must be >= 1, got {hs.num_device_blocks}"
-        if self.model_fingerprint is not None and hs.model_fingerprint != self.model_fingerprint:
-            return (f"model fingerprint {hs.model_fingerprint[:12]} differs from the served model's "
-                    f"{self.model_fingerprint[:12]}")
-        if self.model_vocab_size is not None and hs.vocab_size != self.model_vocab_size:
-            return f"vocab size {hs.vocab_size} differs from the served model's {self.model_vocab_size}"
-        if (reason := self._draft_rejection(hs)) is not None:
-            return reason
-        return self._variance(hs) if self.batch_invariant else None
-
-    def _draft_rejection(self, hs: wire.Handshake) -> str | None:
-        """Why this executor's draft model (or its lack of one) does not fit the scheduler's
-        --speculative-config (None: it fits)."""
-        if self.draft_model is None:
-            if hs.draft_model:
-                return (f"it holds draft model {hs.draft_model!r} (--speculative-model) and the scheduler's "
-                        f"--speculative-config names no draft model")
-            return None
-        if not hs.draft_model:
-            return (f"the scheduler's --speculative-config names draft model {self.draft_model!r} and this executor "
-                    f"holds none (start it with --speculative-model)")
-        if hs.draft_model != self.draft_model:
-            return f"draft model {hs.draft_model!r}, the scheduler's --speculative-config names {self.draft_model!r}"
-        if hs.draft_vocab_size != hs.vocab_size:
-            return f"draft model {hs.draft_model!r} has a vocabulary of {hs.draft_vocab_size}, the model {hs.vocab_size}"
-        if not hs.speculative:
-            return f"draft model {hs.draft_model!r} on an executor that does not speculate"
-        return None
-
-    def _variance(self, hs: wire.Handshake) -> str | None:
-        """Why this executor cannot serve a --batch-invariant deployment (None: it can): its results
-        would depend on their batch, or it computes other bits than the executors already accepted
-        (a request moved between them, after a failure or a drain, would change its log-probs)."""
-        if not hs.batch_invariant:
-            return ("the scheduler runs --batch-invariant and this executor's results depend on their batch "
-                    "(its log says why: torch attention, or a CUDA device)")
-        ours = (hs.numerics, hs.dtype, hs.tensor_parallel_size)
-        if self.numerics is not None and ours != self.numerics:
-            return (f"the scheduler runs --batch-invariant and this executor computes other bits than those "
-                    f"accepted: {_describe(ours)}, not {_describe(self.numerics)}")
-        return None
-
     async def _handshake(self, identity: bytes, hs: wire.Handshake) -> None:
         key = self._sock.peer_key(identity)  # the CURVE key this very connection authenticated with
         old = self.conns.get(identity)
         if old is not None and old.state != "dead":
             # The same connection handshakes again: that process restarted and lost its KV cache.
             self._declare_dead(old, "executor reconnected (its state is gone)")
-        reason, enrolled = self._identity_rejection(identity, key, hs)
-        reason = reason or self._rejection(hs)
+        reason, enrolled = identity_rejection(self.conns.values(), self.trust, identity, key, hs)
+        reason = reason or self.admission.rejection(hs)
         if reason is None and (port := self.director(hs)) is not None:
             # Several engine cores: this port is their directory, and another core is to schedule it.
             self._reply(identity, wire.HandshakeReply(False, "", self.heartbeat_interval_s, redirect_port=port))
@@ -405,27 +322,13 @@ class ExecutorHub:
             peer_warning("refused executor %r (connection %r%s): %s", hs.executor_id, identity[:64],
                          f", key {key.decode()}" if key else "", reason)
             return
-        self.model_fingerprint = self.model_fingerprint or hs.model_fingerprint
-        self.model_vocab_size = self.model_vocab_size or hs.vocab_size
-        if self.batch_invariant:
-            self.numerics = self.numerics or (hs.numerics, hs.dtype, hs.tensor_parallel_size)
+        self.admission.accepted(hs)
         conn = ExecutorConn(identity, hs, peer_key=key, enrolled=enrolled)
         self.conns[identity] = conn
         log.info("executor %s joined: %d device blocks, %d cpu blocks, %s/%s%s",
                  hs.executor_id, hs.num_device_blocks, hs.num_cpu_blocks, hs.device, hs.dtype,
                  "" if key is None else f", key {key.decode()} ({'enrolled' if enrolled else 'trusted'})")
         self._on_join(conn)
-
-    def _identity_rejection(self, identity: bytes, key: bytes | None, hs: wire.Handshake) -> tuple[str | None, bool]:
-        """Whether this connection may register as ``hs.executor_id``: its key must be admitted, and
-        no other live connection may hold that id, whatever its routing id or key (the live executor
-        keeps serving). Returns (why not, or None; whether it enrolled)."""
-        holder = next((c for c in self.conns.values() if c.id == hs.executor_id and c.state != "dead"), None)
-        if holder is not None and holder.identity != identity:
-            return f"executor id {hs.executor_id!r} is held by another live connection", False
-        if key is None:  # no CURVE: loopback only; the connection is the identity
-            return None, False
-        return self.trust.rejection(key, hs)
 
     def _drop_untrusted(self) -> None:
         """After the trust store changed: drop each live executor whose key it no longer admits (its
@@ -476,8 +379,3 @@ class ExecutorHub:
                                      f"{self.step_timeout(conn):.0f}s (--step-timeout)")
         else:
             await self._send(conn, wire.Heartbeat(time.time()))
-
-
-def _describe(numerics: tuple[str, str, int]) -> str:
-    what, dtype, ranks = numerics
-    return f"{what or 'unnamed numerics'} (KV {dtype}, {ranks} rank{'s' if ranks > 1 else ''})"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.engine_api import GenerationRequest
-from scheduler_svc.engine.executor_link import ExecutorConn
+from scheduler_svc.engine.executor_conn import ExecutorConn
 from scheduler_svc.sched.request import MigratedRequest
 from scheduler_svc.sched.scheduler import Scheduler
 

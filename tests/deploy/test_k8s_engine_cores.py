@@ -51,9 +51,10 @@ def rendered(tmp_path_factory) -> dict[str, list[Doc]]:
 def _scheduler_args(docs: list[Doc]) -> argparse.Namespace:
     """The scheduler's rendered command, parsed and held to the parser's own port-range check."""
     from scheduler_svc.entrypoints import service_config as sc
+    from scheduler_svc.entrypoints.service_flags import build_arg_parser
 
     args, _ = parse_container(docs, container(find(docs, "Deployment", SCHED)))
-    sc._check_port_ranges(sc.build_arg_parser(), args)  # (argparse exits on a clash)
+    sc._check_port_ranges(build_arg_parser(), args)  # (argparse exits on a clash)
     return args
 
 

@@ -232,7 +232,7 @@ def test_checkov_passes_the_dockerfiles_with_reasoned_skips_only(checkov_reports
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_scheduler_command_parses_and_matches_ports_and_probes(rendered, overlay):
     from pagedserve import wire
-    from scheduler_svc.entrypoints import service_config as sc
+    from scheduler_svc.entrypoints import service_flags as flags
 
     docs = rendered[overlay]
     deploy = find(docs, "Deployment", SCHED)
@@ -242,7 +242,7 @@ def test_scheduler_command_parses_and_matches_ports_and_probes(rendered, overlay
     assert ports == {"grpc": args.port, "http": args.http_port, "executors": args.executor_port,
                      "metrics": args.metrics_port}
     assert (args.port, args.http_port, args.executor_port, args.metrics_port) == (
-        sc.DEFAULT_GRPC_PORT, sc.DEFAULT_HTTP_PORT, sc.DEFAULT_EXECUTOR_PORT, sc.DEFAULT_METRICS_PORT)
+        flags.DEFAULT_GRPC_PORT, flags.DEFAULT_HTTP_PORT, flags.DEFAULT_EXECUTOR_PORT, flags.DEFAULT_METRICS_PORT)
     # Reachable from other pods.
     assert args.host == "0.0.0.0" and args.http_host == "0.0.0.0"
     # The executor link is keyed by the scheduler's own key pair, from a Secret only it mounts (see
@@ -269,7 +269,7 @@ def test_scheduler_command_parses_and_matches_ports_and_probes(rendered, overlay
     annotations = deploy["spec"]["template"]["metadata"]["annotations"]
     assert int(annotations["prometheus.io/port"]) == args.metrics_port
     # Every PAGEDSERVE_* variable it gets is one of its flags (a typo would be ignored silently).
-    unknown = {k for k in env if k.startswith("PAGEDSERVE_")} - flag_env_names(sc.build_arg_parser)
+    unknown = {k for k in env if k.startswith("PAGEDSERVE_")} - flag_env_names(flags.build_arg_parser)
     assert not unknown
     assert str(args.model).startswith(c["volumeMounts"][0]["mountPath"] + "/")
     # Exactly one scheduler, never two at once (they would split the executors).
@@ -671,9 +671,9 @@ def test_the_scheduler_installs_no_torch_and_its_image_uses_its_extra():
 
 def test_configmaps_split_shared_and_per_service_settings(rendered):
     from executor_svc import config as ec
-    from scheduler_svc.entrypoints import service_config as sc
+    from scheduler_svc.entrypoints import service_flags as flags
 
-    both = flag_env_names(sc.build_arg_parser) & flag_env_names(ec.build_arg_parser)
+    both = flag_env_names(flags.build_arg_parser) & flag_env_names(ec.build_arg_parser)
     for docs in rendered.values():
         common = next(d for d in docs if d["kind"] == "ConfigMap"
                       and d["metadata"]["name"].startswith("pagedserve-common-"))

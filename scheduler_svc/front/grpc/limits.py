@@ -1,6 +1,6 @@
 """How long a gRPC connection, or a call's request, may hold the server without using it.
 
-Each knob has a ``--grpc-*`` flag (scheduler_svc/entrypoints/service_config.py) and becomes grpc core channel
+Each knob has a ``--grpc-*`` flag (scheduler_svc/entrypoints/service_flags.py) and becomes grpc core channel
 arguments here (:func:`server_options`). grpc core ignores arguments it does not know, silently,
 so each of these is exercised against a real client in tests/unit/front/test_grpc_connections.py:
 

@@ -52,11 +52,11 @@ from scheduler_svc.front.guards.request_size import request_bytes_for
 from scheduler_svc.front.guards.security import ApiKeys, TlsFiles
 from scheduler_svc.front.input.offload import token_ids, validate_off_loop
 from scheduler_svc.front.input.parse_pool import REFUSED, shared_worker
+from scheduler_svc.front.input.request_fields import fields_from_proto
+from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.front.input.validation import (
     LOGPROBS_MODES,
-    ServerLimits,
     ValidationError,
-    fields_from_proto,
     validate_request,
     validation_work,
 )

@@ -32,7 +32,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.front.input.server_limits import ServerLimits
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20

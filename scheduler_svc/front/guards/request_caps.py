@@ -33,7 +33,7 @@ from pagedserve.engine_api import ModelInfo
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.wire.protocol import MAX_LOGIT_BIAS, MAX_STRUCTURED_CHARS
 from scheduler_svc.front.api_errors import ApiError, bad_field
-from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.front.input.server_limits import ServerLimits
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,10 +50,10 @@ from scheduler_svc.front.http.openai_types import (
 )
 from scheduler_svc.front.http.responses import ChatRender, CompletionRender, TokenTexts, _Render
 from scheduler_svc.front.input.offload import THREAD_CHARS, token_ids, trim_soon, validate_off_loop
+from scheduler_svc.front.input.request_fields import RequestFields
+from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.front.input.validation import (
     LOGPROBS_MODES,
-    RequestFields,
-    ServerLimits,
     ValidationError,
     validate_request,
     validation_work,

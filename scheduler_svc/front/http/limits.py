@@ -7,7 +7,8 @@ arrive within a time limit, and the counts that make work proportional to themse
 request) are bounded. A connection's time without a request in progress (its TLS handshake, its
 wait for a request, a request's head) is bounded by the protocol itself, whatever bytes trickle
 in (scheduler_svc/front/http/serve.py), and so is the number of connections a front holds
-(:func:`connection_cap`). Built once in ``__main__`` from the flags (scheduler_svc/entrypoints/service_config.py).
+(:func:`connection_cap`). Built once in ``__main__`` from the ``--http-*`` flags
+(scheduler_svc/entrypoints/service_flags.py).
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ import msgspec
 
 from scheduler_svc.front.api_errors import ApiError, bad_field
 from scheduler_svc.front.http.limits import HttpLimits
+from scheduler_svc.front.input.request_fields import RequestFields
 from scheduler_svc.front.input.structured import StructuredFields
-from scheduler_svc.front.input.validation import RequestFields
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -1,35 +1,29 @@
 """Validation at the API edge: a client's request becomes a GenerationRequest.
 
 Both public fronts share it ("one validator, two fronts"): the gRPC servicer reads a
-protobuf ``GenerateRequest`` into :class:`RequestFields` (:func:`fields_from_proto`), the
+protobuf ``GenerateRequest`` into :class:`RequestFields` (request_fields.py), the
 OpenAI-compatible HTTP front reads its JSON body into the same type, and
-:func:`validate_request` checks every field and applies the limits. Every check raises
-:class:`ValidationError` (a ValueError) whose message names the field, the limit and
-the value given; field names are the gRPC API's (``sampling.temperature``), which the
-HTTP front renames to its own. Nothing here touches the engine, so it is pure and runs
-in a worker thread when a prompt is long enough for tokenization to matter.
+:func:`validate_request` checks every field and applies the limits (server_limits.py).
+Every check raises :class:`ValidationError` (a ValueError) whose message names the field,
+the limit and the value given; field names are the gRPC API's (``sampling.temperature``),
+which the HTTP front renames to its own. Nothing here touches the engine, so it is pure and
+runs in a worker thread when a prompt is long enough for tokenization to matter.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import ClassVar
 
 from pagedserve.engine_api import GenerationRequest, ModelInfo, RequestParams
 from pagedserve.kv_blocks import request_blocks
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.wire import GREEDY_TEMPERATURE_EPS, MAX_SEED, SamplingParams
 from pagedserve.wire.protocol import MAX_END_TOKEN_IDS, MAX_INT32, MAX_LOGIT_BIAS
-from scheduler_svc.front.input.structured import (
-    StructuredError,
-    StructuredFields,
-    needs_check,
-    structured_spec,
-)
+from scheduler_svc.front.input.request_fields import RequestFields, fields_from_proto
+from scheduler_svc.front.input.server_limits import ServerLimits
+from scheduler_svc.front.input.structured import StructuredError, needs_check, structured_spec
 
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI presence / frequency penalties
 # Beam scores divide by length ** length_penalty: within this bound that stays a finite float for
@@ -48,121 +42,11 @@ class ValidationError(ValueError):
         self.detail = message
 
 
-@dataclass(frozen=True, slots=True)
-class ServerLimits:
-    """Per-request limits the servicer enforces, and what the fronts of one process hold at once
-    (built once in __main__; the caps are enforced by admission.py and auth_throttle.py)."""
-
-    # Limits that may be 0: that feature is then off (max_logprobs=0 still allows the sampled token's).
-    ZERO_ALLOWED: ClassVar[frozenset[str]] = frozenset({"max_stop_strings", "max_stop_token_ids", "max_logprobs",
-                                                        "max_logit_bias", "max_structured_chars"})
-    # Caps that may be 0: sized for the machine when the server starts (admission.sized_for_machine).
-    MACHINE_SIZED: ClassVar[frozenset[str]] = frozenset({"max_concurrent_calls", "max_in_flight_bytes"})
-
-    max_n: int = 16
-    max_beam_width: int = 8
-    max_stop_strings: int = 16
-    max_stop_string_len: int = 256  # characters
-    max_stop_token_ids: int = 64
-    max_logprobs: int = 20
-    default_max_tokens: int = 16  # when max_tokens is 0/unset (capped by the context left)
-    max_request_id_len: int = 128
-    max_logit_bias: int = 1024  # entries of a request's logit_bias (0: not accepted)
-    max_structured_chars: int = 65536  # characters of a JSON schema, regex or grammar (0: not accepted)
-    # Per process, both fronts together (health checks excepted): calls in progress, and the
-    # request bytes (HTTP bodies, gRPC messages) of those calls; over either, 429 / RESOURCE_EXHAUSTED.
-    max_concurrent_calls: int = 0
-    max_in_flight_bytes: int = 0
-    # Failed API-key attempts per peer (IP address; an IPv6 /64): a burst, then one more every
-    # auth_failure_refill_s seconds; beyond, the peer's calls get 429 / RESOURCE_EXHAUSTED unread.
-    auth_failure_burst: int = 10
-    auth_failure_refill_s: int = 6
-
-    def __post_init__(self) -> None:
-        for name in (f.name for f in dataclasses.fields(self)):
-            value = getattr(self, name)
-            low = 0 if name in self.ZERO_ALLOWED or name in self.MACHINE_SIZED else 1
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"ServerLimits.{name} must be an integer >= {low} (got {value!r})")
-
-    def to_proto(self) -> pb.ServerLimits:
-        return pb.ServerLimits(**{name: getattr(self, name) for name in pb.ServerLimits.DESCRIPTOR.fields_by_name})
-
-
-# The sampling fields that are optional in the API: None (unset) takes the documented default.
-OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "length_penalty", "logprobs",
-                     "repetition_penalty", "presence_penalty", "frequency_penalty")
-
-
-@dataclass(slots=True)
-class RequestFields:
-    """A request as a front read it, before any check; field meanings as in generation.proto.
-
-    None means unset; 0 for ``max_tokens``, ``n`` and ``beam_width`` means the default.
-    """
-
-    request_id: str = ""
-    prompt: str | None = None
-    prompt_token_ids: Sequence[int] = ()
-    max_tokens: int = 0
-    n: int = 0
-    beam_width: int = 0
-    early_stopping: bool = False
-    stop: Sequence[str] = ()
-    stop_token_ids: Sequence[int] = ()
-    ignore_eos: bool = False
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    length_penalty: float | None = None
-    logprobs: int | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: Sequence[tuple[int, float]] = ()  # (token id, bias)
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None
-    structured: StructuredFields | None = None
-
-
 def validation_work(f: RequestFields) -> int:
     """How much validating ``f`` costs, in characters: its text prompt, or past the threshold of
     ``offload.validate_off_loop`` when a grammar engine must check its structured spec."""
     prompt = len(f.prompt) if f.prompt is not None else 0
     return prompt + (1 << 30 if needs_check(f.structured) else 0)
-
-
-def fields_from_proto(req: pb.GenerateRequest) -> RequestFields:
-    """The gRPC front's reading: proto3 presence (HasField) becomes None for unset optionals."""
-    sp = req.sampling
-    return RequestFields(
-        request_id=req.request_id, prompt=req.prompt if req.HasField("prompt") else None,
-        prompt_token_ids=req.prompt_token_ids, max_tokens=sp.max_tokens, n=sp.n, beam_width=sp.beam_width,
-        early_stopping=sp.early_stopping, stop=sp.stop, stop_token_ids=sp.stop_token_ids,
-        ignore_eos=sp.ignore_eos, logit_bias=sorted(sp.logit_bias.items()), min_tokens=sp.min_tokens,
-        include_stop_str_in_output=sp.include_stop_str_in_output,
-        prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
-        structured=_structured_from_proto(sp.structured_outputs) if sp.HasField("structured_outputs") else None,
-        **{name: getattr(sp, name) if sp.HasField(name) else None for name in OPTIONAL_SAMPLING})
-
-
-def _structured_from_proto(so: pb.StructuredOutputs) -> StructuredFields:
-    f = StructuredFields()
-    which = so.WhichOneof("kind")
-    if which == "json_schema":
-        f.json_schema = so.json_schema
-    elif which == "json_object":
-        f.json_object = so.json_object
-    elif which == "regex":
-        f.regex = so.regex
-    elif which == "choice":
-        f.choice = list(so.choice.values)
-    elif which == "grammar":
-        f.grammar = so.grammar
-    return f
 
 
 def validate_generate_request(

@@ -10,16 +10,16 @@ import pytest
 
 from pagedserve.envargs import env_name, parse_bytes
 from scheduler_svc.engine.engine_config import EngineConfig
-from scheduler_svc.entrypoints.service_config import (
+from scheduler_svc.entrypoints.service_config import load_config
+from scheduler_svc.entrypoints.service_flags import (
     FLAG_FIELDS,
     RUNTIME_FIELDS,
     build_arg_parser,
     default,
-    load_config,
 )
 from scheduler_svc.front.grpc.limits import GrpcLimits
 from scheduler_svc.front.http.limits import HttpLimits
-from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.peft_files import write_peft_dir
 
@@ -341,7 +341,7 @@ def test_engine_cores_ports_must_not_meet(model_dir, capsys):
 def test_the_fronts_share_the_machine_sized_caps(model_dir):
     """Each of N fronts sizes its caps for 1/N of the machine (they all run on it)."""
     from scheduler_svc.front.guards.admission import sized_for_machine
-    from scheduler_svc.front.input.validation import ServerLimits
+    from scheduler_svc.front.input.server_limits import ServerLimits
 
     auto = ServerLimits(max_concurrent_calls=0, max_in_flight_bytes=0)
     quarter = sized_for_machine(auto, memory_bytes=16 << 30, cpus=8, share=4)

@@ -27,7 +27,7 @@ from scheduler_svc.front.guards.admission import CallBudget, Shed, Ticket, sized
 from scheduler_svc.front.guards.auth_throttle import AuthThrottle, peer_of_grpc, peer_of_host
 from scheduler_svc.front.guards.security import ApiKeys
 from scheduler_svc.front.http.auth import ApiKeyMiddleware
-from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.telemetry.metrics import Metrics
 from testing import h2_raw
 from testing.grpc_fakes import FakeEngine, ServerThread, make_tokenizer

@@ -16,7 +16,7 @@ import pytest
 from scheduler_svc.front.http.chat_template import ChatTemplate
 from scheduler_svc.front.http.limits import HttpLimits
 from scheduler_svc.front.input import offload
-from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.telemetry.metrics import Metrics
 from testing.grpc_fakes import FakeEngine, make_tokenizer
 from testing.http_fakes import HttpThread

@@ -11,7 +11,7 @@ import pytest
 
 from pagedserve.wire import STRUCTURED_CHOICE, STRUCTURED_GRAMMAR, STRUCTURED_JSON, STRUCTURED_REGEX
 from scheduler_svc.front.http.chat_template import ChatTemplate
-from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.front.tool_calls import ToolCallOptions
 from scheduler_svc.telemetry.metrics import Metrics
 from testing.grpc_fakes import FakeEngine, make_tokenizer

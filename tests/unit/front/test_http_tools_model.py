@@ -27,7 +27,7 @@ from scheduler_svc.front.http.app import OpenAIFront, build_app
 from scheduler_svc.front.http.chat_template import ChatTemplate
 from scheduler_svc.front.http.limits import HttpLimits
 from scheduler_svc.front.http.serve import start_http_server
-from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.front.tool_calls import ToolCallOptions
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from testing.executor_plans import make_runner

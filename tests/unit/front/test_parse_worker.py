@@ -21,7 +21,7 @@ from scheduler_svc.front.http import body_parser
 from scheduler_svc.front.http.body_parser import BodyParser
 from scheduler_svc.front.http.openai_types import ChatRequest, CompletionRequest
 from scheduler_svc.front.input.parse_pool import ParseWorker
-from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.front.input.server_limits import ServerLimits
 
 MODEL = ModelInfo("m", "LlamaForCausalLM", max_model_len=4096, vocab_size=32000, block_size=16, num_executors=1)
 CAPS = RequestCaps.derive(ServerLimits(), MODEL, prompts=64, messages=1024, tools=128)

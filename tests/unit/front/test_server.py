@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from pagedserve.engine_api import FinishReason
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.front.input.validation import ServerLimits
+from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.telemetry.metrics import Metrics
 from testing.grpc_fakes import FakeEngine, ServerThread, example_stats, make_tokenizer
 

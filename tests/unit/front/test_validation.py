@@ -8,14 +8,12 @@ import math
 import pytest
 
 from pagedserve.v1 import generation_pb2 as pb
+from scheduler_svc.front.input.request_fields import OPTIONAL_SAMPLING, RequestFields, fields_from_proto
+from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.front.input.validation import (
     GREEDY_TEMPERATURE_EPS,
     MAX_SEED,
-    OPTIONAL_SAMPLING,
-    RequestFields,
-    ServerLimits,
     ValidationError,
-    fields_from_proto,
     validate_generate_request,
     validate_request,
 )
