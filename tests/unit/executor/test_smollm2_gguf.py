@@ -59,7 +59,8 @@ def reference(request, path) -> dict:
     import transformers
 
     key = f"pagedserve/smollm2/{model_fingerprint(path)[:16]}-{transformers.__version__}-{CACHE_VERSION}"
-    cached = request.config.cache.get(key, None)
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider: computed every run
+    cached = cache.get(key, None) if cache is not None else None
     if cached is not None and cached.get("chats") == CHATS:
         return cached
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -77,7 +78,8 @@ def reference(request, path) -> dict:
         out["rendered"].append(text)
         out["ids"].append(ids)
         out["greedy"].append(gen[0, len(ids):].tolist())
-    request.config.cache.set(key, out)
+    if cache is not None:
+        cache.set(key, out)
     return out
 
 
