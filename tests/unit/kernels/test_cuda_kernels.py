@@ -19,6 +19,7 @@ from cupy_kernels.build import (
     CUDA_TYPES,
     DECODE_KERNELS,
     HEAD_SIZES,
+    PREFILL_MMA_KERNELS,
     KernelKey,
     group_size,
     mma_prefill_supported,
@@ -61,7 +62,8 @@ def _compile_all():
         keys += [KernelKey("decode", d, h, b, g), KernelKey("decode_reduce", d, h),
                  KernelKey("prefill", d, h, b, g, prefill_tokens(g))]
         if mma_prefill_supported(d, h):
-            keys += [KernelKey("prefill_mma", d, h, b, g, prefill_mma_tokens(g), variant=v) for v in ("base", "pipe")]
+            keys += [KernelKey("prefill_mma", d, h, b, g, prefill_mma_tokens(g), variant=v)
+                     for v in PREFILL_MMA_KERNELS]
     for d, h, b, q, kv in VARIANT_CONFIGS:
         keys += [KernelKey("decode", d, h, b, group_size(q // kv), variant=v) for v in DECODE_KERNELS]
         keys.append(KernelKey("decode_reduce", d, h))
