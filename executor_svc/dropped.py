@@ -55,6 +55,18 @@ class DroppedSeqs:
             proposals=[p for p in plan.proposals if p.seq_id not in ids],
             draft_proposals=[d for d in plan.draft_proposals if d.seq_id not in ids])
 
+    def unscheduled(self, plan: BatchPlan) -> BatchPlan | None:
+        """``plan`` (already applied) without the rows and proposals of dropped sequences; None when
+        it schedules none of them."""
+        ids = self.ids
+        if not any(sid in ids for sid in plan.scheduled_seq_ids):
+            return None
+        kept = [(sid, n) for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True)
+                if sid not in ids]
+        return msgspec.structs.replace(plan, scheduled_seq_ids=[s for s, _ in kept],
+                                       num_new_tokens=[n for _, n in kept],
+                                       proposals=[p for p in plan.proposals if p.seq_id not in ids])
+
     def fork_closure(self, plan: BatchPlan) -> set[int]:
         """The children ``plan`` (already applied) forked from dropped sequences: dropped now too."""
         children = set()

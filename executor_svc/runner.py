@@ -31,7 +31,6 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 
-import msgspec
 import torch
 
 from executor_svc.attention import AttentionBackend
@@ -43,12 +42,12 @@ from executor_svc.kv_cache import KVCache
 from executor_svc.lora.served import LoraOutcome, LoraSlotsOfRunner
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.plan_check import PlanChecker, PlanError
-from executor_svc.sampler import SampleOutput, Sampler
+from executor_svc.sampler import Sampler
 from executor_svc.seq_deltas import ExecutorDeltas
 from executor_svc.speculative.draft import DraftModel
 from executor_svc.speculative.plan import append_proposals, draft_into, with_draft_placeholders
-from executor_svc.speculative.verify import report_spec_tokens, speculating_rows, verify_proposals
-from executor_svc.step_report import report_samples, sampling_logits
+from executor_svc.speculative.verify import speculating_rows
+from executor_svc.step_report import report_greedy, sample_rows, sampling_logits, step_masks
 from executor_svc.steps import LaunchedStep, PreparedStep, StepFatal
 from executor_svc.token_chain import Chain, greedy_on_device, leave_out
 from pagedserve.wire import MAX_TEXT_CHARS, BatchPlan, StepResult
@@ -237,7 +236,7 @@ class ModelRunner:
             return self._lora_report(step.lora, self._failure(step.plan, step.plan.scheduled_seq_ids, exc))
         # The grammar masks are computed while the forward runs on the device (an error in one is
         # the sampler's: it fails the step's sampling rows, not the forward's).
-        masks = self._masks(step.batch) if logits is not None else None
+        masks = step_masks(self.grammar, step.batch) if logits is not None else None
         launched = LaunchedStep(step.plan, step.batch, logits, start, masks, step.lora)
         if tokens_on_device and logits is not None:  # (a constrained row keeps the step on the host sampler)
             launched.tokens = greedy_on_device(step.batch, logits)
@@ -338,17 +337,10 @@ class ModelRunner:
         (and the children ``step`` forked from them) out of ``step``'s batch."""
         for child in self.dropped.fork_closure(step.plan):
             self.seqs.pop(child, None)
-        gone = self.dropped.ids
-        plan = step.plan
-        if not any(sid in gone for sid in plan.scheduled_seq_ids):
-            return
-        kept = [(sid, n) for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True)
-                if sid not in gone]
-        step.plan = msgspec.structs.replace(plan, scheduled_seq_ids=[s for s, _ in kept],
-                                            num_new_tokens=[n for _, n in kept],
-                                            proposals=[p for p in plan.proposals if p.seq_id not in gone])
-        # The step before has completed: every token of the sequences left is on the host now.
-        step.batch = self._build(step.plan) if kept else None
+        if (plan := self.dropped.unscheduled(step.plan)) is not None:
+            step.plan = plan
+            # The step before has completed: every token of the sequences left is on the host now.
+            step.batch = self._build(plan) if plan.scheduled_seq_ids else None
 
     def _apply(self, plan: BatchPlan) -> None:
         """The plan's deltas, in the documented order (the walk its check ran dry)."""
@@ -391,42 +383,17 @@ class ModelRunner:
         which hold no LM head, have none)."""
         return sampling_logits(self.model, hidden, batch, step_logits)
 
-    def _masks(self, batch: Batch | None) -> GrammarMasks | None:
-        if batch is None or not any(s.grammar is not None for s in batch.sample_seqs):
-            return None
-        if self.grammar is None:
-            return GrammarMasks.unserved(batch.sample_seqs)
-        return self.grammar.masks(batch.sample_seqs)
-
     def _sample(self, batch: Batch, logits: torch.Tensor, result: StepResult,
                 masks: GrammarMasks | None = None) -> None:
         if self.keep_logits:
             self.last_logits = logits.clone()
-        seqs = batch.sample_seqs
-        failed = masks.failed if masks is not None else {}
-        if not batch.spec:
-            self._report(seqs, self.sampler.sample(logits, seqs, masks), result, failed)
-            return
-        index = {s.seq_id: i for i, s in enumerate(seqs)}
-        last_rows = [logits[index[s.seq_id]].clone() for s, _, _ in batch.spec]  # (the sampler edits logits)
-        out = self.sampler.sample(logits, seqs, masks)  # (speculating rows: replaced below)
-        extras = verify_proposals(self.sampler, batch, last_rows, out, index, self.grammar, frozenset(failed))
-        self._report(seqs, out, result, failed)
-        report_spec_tokens(batch, extras, result)
+        if dropped := sample_rows(self.sampler, batch, logits, result, masks, self.grammar):
+            self._drop(dropped)
 
     def _report_device_tokens(self, step: LaunchedStep, result: StepResult) -> None:
         if self.keep_logits:
             self.last_logits = step.logits
-        seqs = step.batch.sample_seqs
-        self._report(seqs, SampleOutput(step.tokens.tolist(), [None] * len(seqs), [None] * len(seqs)), result)
-
-    def _report(self, seqs: list[SeqState], out: SampleOutput, result: StepResult,
-                failed: dict[int, str] | None = None) -> None:
-        """Append the sampled tokens and report them (``step_report.report_samples``); the rows in
-        ``failed`` (row -> why: their grammar cannot be served) are dropped and reported failed."""
-        if dropped := report_samples(seqs, out, result, failed or {}, self.grammar):
-            self._drop(dropped)
-
+        report_greedy(step.batch, step.tokens.tolist(), result, self.grammar)
 
 def _named(plan: BatchPlan) -> list[int]:
     """Every sequence a plan gives state to (scheduled, registered, forked, extended)."""

@@ -13,9 +13,10 @@ import logging
 import torch
 
 from executor_svc.batch import Batch, SeqState
-from executor_svc.grammar import GrammarBackend
+from executor_svc.grammar import GrammarBackend, GrammarMasks
 from executor_svc.model.llama import LlamaForCausalLM
-from executor_svc.sampler import SampleOutput
+from executor_svc.sampler import SampleOutput, Sampler
+from executor_svc.speculative.verify import report_spec_tokens, verify_proposals
 from pagedserve.wire import MAX_TEXT_CHARS, PromptLogprobs, SeqLogprobs, StepResult
 
 log = logging.getLogger(__name__)
@@ -104,3 +105,36 @@ def report_samples(seqs: list[SeqState], out: SampleOutput, result: StepResult, 
     result.failed_seq_ids.extend(seqs[i].seq_id for i in failed)
     result.error = ("structured outputs: " + "; ".join(reasons))[:MAX_TEXT_CHARS]
     return [seqs[i].seq_id for i in failed]
+
+
+def report_greedy(batch: Batch, tokens: list[int], result: StepResult, grammar: GrammarBackend | None) -> None:
+    """Report a step whose greedy tokens were taken on the device (no row constrained: none fails)."""
+    seqs = batch.sample_seqs
+    report_samples(seqs, SampleOutput(tokens, [None] * len(seqs), [None] * len(seqs)), result, {}, grammar)
+
+
+def step_masks(grammar: GrammarBackend | None, batch: Batch | None) -> GrammarMasks | None:
+    """The grammar masks of a batch's sampling rows (None: no row is constrained); computed while
+    the forward runs on the device."""
+    if batch is None or not any(s.grammar is not None for s in batch.sample_seqs):
+        return None
+    if grammar is None:
+        return GrammarMasks.unserved(batch.sample_seqs)
+    return grammar.masks(batch.sample_seqs)
+
+
+def sample_rows(sampler: Sampler, batch: Batch, logits: torch.Tensor, result: StepResult,
+                masks: GrammarMasks | None, grammar: GrammarBackend | None) -> list[int]:
+    """Sample a step's rows (a speculating sequence's proposals verified against its rows), append
+    and report the tokens (:func:`report_samples`); the sequences the caller must drop."""
+    seqs = batch.sample_seqs
+    failed = masks.failed if masks is not None else {}
+    if not batch.spec:
+        return report_samples(seqs, sampler.sample(logits, seqs, masks), result, failed, grammar)
+    index = {s.seq_id: i for i, s in enumerate(seqs)}
+    last_rows = [logits[index[s.seq_id]].clone() for s, _, _ in batch.spec]  # (the sampler edits logits)
+    out = sampler.sample(logits, seqs, masks)  # (speculating rows: replaced below)
+    extras = verify_proposals(sampler, batch, last_rows, out, index, grammar, frozenset(failed))
+    dropped = report_samples(seqs, out, result, failed, grammar)
+    report_spec_tokens(batch, extras, result)
+    return dropped

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -40,7 +40,7 @@ from scheduler_svc.front.http.budget_middleware import AdmissionMiddleware
 from scheduler_svc.front.http.chat_messages import chat_messages
 from scheduler_svc.front.http.chat_template import ChatTemplate, ChatTemplateError
 from scheduler_svc.front.http.error_responses import from_validation
-from scheduler_svc.front.http.limits import HttpLimits, body_cap
+from scheduler_svc.front.http.limits import HttpLimits, body_cap, read_body
 from scheduler_svc.front.http.openai_types import (
     ChatRequest,
     CompletionRequest,
@@ -185,16 +185,16 @@ class OpenAIFront:
         arrival = time.monotonic()
         info, cap, hl = self._info(), self.body_cap(), self.http_limits
         length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) <= cap:  # (over it, or malformed: _read_body's 413)
+        if length.isdigit() and int(length) <= cap:  # (over it, or malformed: read_body's 413)
             self.parser.check_room(int(length))  # 503 unread when the parse worker's queue is full
-        body = await _read_body(request, cap, hl.body_timeout_s)
+        body = await read_body(request, cap, hl.body_timeout_s)
         req = await self.parser.decode(body, kind, RequestCaps.derive(self.limits, info, hl.max_prompts,
                                                                       hl.max_messages, hl.max_tools))
         return (arrival, body, req, *self._model(req.model))
 
     async def small_body(self, request: Request, kind: type, limit: int) -> Any:
         """A small JSON body (an administrative call) read within ``limit`` bytes, as ``kind`` (its 400s)."""
-        return decode(await _read_body(request, limit, self.http_limits.body_timeout_s), kind)
+        return decode(await read_body(request, limit, self.http_limits.body_timeout_s), kind)
 
     def _info(self) -> ModelInfo:
         if self.shutting_down:
@@ -345,30 +345,6 @@ def _usage_options(req: CompletionRequest | ChatRequest, greqs: list[GenerationR
 
 def _json(body: Any, status: int = 200) -> Response:
     return Response(streams.json_bytes(body), status_code=status, media_type="application/json")
-
-
-async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body, rejected (413) from its Content-Length before reading, or as soon as it passes
-    ``limit``; 408 unless it has all arrived within ``timeout_s``."""
-    length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > limit):
-        raise ApiError(413, f"request body: at most {limit} bytes (Content-Length: {length[:20]})",
-                       code="request_too_large")
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise ApiError(413, f"request body: at most {limit} bytes", code="request_too_large")
-                chunks.append(chunk)
-    except TimeoutError:
-        raise ApiError(408, f"request body: not received within {timeout_s:g}s (received {size} bytes)",
-                       code="request_timeout") from None
-    except ClientDisconnect:  # gone mid-upload: counted as cancelled, not an internal error
-        raise ApiError(499, "the client closed the connection while sending the request",
-                       code="client_closed_request") from None
-    return b"".join(chunks)
 
 
 def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = (), budget: CallBudget | None = None

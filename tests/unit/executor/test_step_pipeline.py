@@ -144,12 +144,12 @@ def test_a_failed_step_leaves_only_its_sequences_out_of_the_step_prepared_on_it(
     on it: step 2 serves seq 3 only, exactly as the sequential runner does. Unchained, step 2 is
     launched without them; chained (step 1's greedy tokens on the device, step 2 launched before
     step 1 completes), their rows ran in step 2 and it reports nothing of them."""
-    import executor_svc.runner as runner_module
+    import executor_svc.step_report as step_report
 
     def run(pipelined: bool) -> list:
         runner = make_runner(tiny_llama_dir, num_blocks=8, model=model)
         _decode_plans(runner)
-        target, name = (runner.sampler, "sample") if fault == "sampler" else (runner_module, "report_samples")
+        target, name = (runner.sampler, "sample") if fault == "sampler" else (step_report, "report_samples")
         real, calls = getattr(target, name), []
 
         def fails_once(*args):
