@@ -26,18 +26,16 @@ from testing.k8s_helpers import (
     SCHED,
     SCHED_LABELS,
     Doc,
-    StandIn,
     connection_allowed,
     container,
     container_env,
     find,
-    generate,
-    operator_objects,
     parse_container,
     pod_spec,
     render_with_components,
     service_target,
 )
+from testing.k8s_standin import StandIn, generate, operator_objects
 
 VARIANTS = {"cpu+cores": ("cpu", ["engine-cores"]), "gpu+fronts+cores": ("gpu", ["fronts", "engine-cores"])}
 

@@ -26,7 +26,6 @@ from testing.k8s_helpers import (
     SCHED,
     SCHED_LABELS,
     Doc,
-    StandIn,
     connection_allowed,
     container,
     container_env,
@@ -40,6 +39,7 @@ from testing.k8s_helpers import (
     service_target,
     workloads,
 )
+from testing.k8s_standin import StandIn
 
 VARIANTS = {"gpu+fronts": "gpu", "cpu+fronts": "cpu"}
 POD = "pagedserve-front-7f6d5c4b3-k9j8h"

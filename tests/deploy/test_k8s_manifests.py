@@ -39,7 +39,6 @@ from testing.k8s_helpers import (
     SCHED,
     SCHED_LABELS,
     Doc,
-    StandIn,
     all_containers,
     configmap_data,
     connection_allowed,
@@ -47,9 +46,7 @@ from testing.k8s_helpers import (
     container_env,
     find,
     flag_env_names,
-    generate,
     mounted,
-    operator_objects,
     parse_container,
     pod_spec,
     pod_template,
@@ -62,6 +59,7 @@ from testing.k8s_helpers import (
     tool,
     workloads,
 )
+from testing.k8s_standin import StandIn, generate, operator_objects
 
 OVERLAYS = ("gpu", "cpu")
 # Overlay + optional components, rendered as a user would add them.
