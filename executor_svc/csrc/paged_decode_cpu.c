@@ -53,27 +53,12 @@ static inline void axpy(float *restrict y, float a, const void *restrict x, int6
     for (int d = 0; d < n; d++) y[d] += a * kv_at(x, off + d, bf16);
 }
 
-/* exp(x) for x <= 0 (a score minus the running max) or NaN, in a form the compiler vectorises
- * (libm's expf is a call per element): x = n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor
- * series to r^7 (truncation < 1e-8 relative; measured max error 1.2 ulp), times 2^n built in
- * the exponent bits. Below -87 (exp < 1.7e-38) it returns 0, as for -inf; NaN stays NaN. */
+/* exp(x) for x <= 0 (a score minus the running max) or NaN: below -87 (exp < 1.7e-38) it
+ * returns 0, as for -inf; NaN stays NaN. */
 static inline float exp_nonpos(float x0) {
     const float x = x0 < -87.0f ? -87.0f : x0;
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f; /* ln2 in two parts */
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t e = (int32_t)(n == n ? n : 0.0f) + 127; /* n in [-126, 0]: a normal float */
-    float scale;
-    const int32_t bits = e << 23;
-    memcpy(&scale, &bits, sizeof scale);
-    return x0 < -87.0f ? 0.0f : p * scale;
+    const float e = ps_exp_clamped(x);
+    return x0 < -87.0f ? 0.0f : e;
 }
 
 static inline void scale_by(float *restrict y, float a, int n) {

@@ -12,26 +12,12 @@
 
 #include "ps_cpu.h"
 
-/* exp(x) for any float in a form the compiler vectorises: x = k ln2 + r, |r| <= ln2/2, exp(r)
- * by its Taylor series to r^7, times 2^k put in the exponent. Clamped to [-87, 88] (the
- * result then underflows to ~1e-38 or stays below FLT_MAX); max error ~2 ulp. NaN stays NaN. */
+/* exp(x) for any float: clamped to [-87, 88] (the result then underflows to ~1e-38 or stays below
+ * FLT_MAX); NaN stays NaN. */
 static inline float exp_any(float x0) {
     float x = x0 < -87.0f ? -87.0f : x0;
     x = x > 88.0f ? 88.0f : x;
-    const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = (x - k * 0.693145751953125f) - k * 1.42860682030941723e-6f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = ((int32_t)(k == k ? k : 0.0f) + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return x0 != x0 ? x0 : p * scale;
+    return x0 != x0 ? x0 : ps_exp_clamped(x);
 }
 
 void ps_rms_norm(const float *x, const float *restrict w, int d, float eps, float *out) {
