@@ -30,8 +30,13 @@ proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. \
 	  proto/pagedserve/v1/*.proto
 
+# The suite in TEST_WORKERS pytest-xdist processes, each test file whole on one (its module fixtures
+# are built once); two suit 2 CPUs, which one pytest process leaves idle much of the time (processes
+# starting, compilers, waits). Each worker picks its servers' ports apart (testing/stack.py).
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 test: setup tools demo-model
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 # The suite on a busy machine: BURNERS (2) busy loops run beside it, as a compiler would, started
 # before and killed after, whatever way pytest ends (failure, Ctrl-C).
@@ -39,7 +44,7 @@ BURNERS ?= 2
 test-busy: setup tools demo-model
 	burners=""; trap 'kill $$burners 2>/dev/null; wait $$burners 2>/dev/null' EXIT; trap 'exit 130' INT TERM; \
 	for i in $$(seq $(BURNERS)); do sh -c 'while :; do :; done' & burners="$$burners $$!"; done; \
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 lint: setup
 	$(PY) -m ruff check .

@@ -32,10 +32,35 @@ from pagedserve.wire.key_files import write_key_pair
 START_TIMEOUT_S = 180.0
 
 
+# make test runs the suite in pytest-xdist workers. A port picked here is free only until its server
+# binds it, so each worker picks from its own slices of PORT_SLICE ports (worker k of n: slices
+# k, k + n, ...), never within RUN_ROOM of a slice's end: two workers never pick the same port, nor
+# one inside the other's runs (an engine core k listens on --executor-port + k).
+PORT_SLICE, RUN_ROOM = 128, 64
+
+
+def _worker_slot() -> tuple[int, int]:
+    """(this worker's index, the number of workers); (0, 1) outside xdist."""
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not count.isdigit() or not name.startswith("gw") or not name[2:].isdigit():
+        return 0, 1
+    return int(name[2:]), max(1, int(count))
+
+
+def port_is_ours(port: int) -> bool:
+    """Whether this worker may pick ``port`` (see PORT_SLICE)."""
+    k, n = _worker_slot()
+    return n == 1 or ((port // PORT_SLICE) % n == k and port % PORT_SLICE < PORT_SLICE - RUN_ROOM)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port_is_ours(port):
+            return port
 
 
 def free_ports(n: int, apart: int = 8) -> list[int]:
@@ -50,7 +75,7 @@ def free_ports(n: int, apart: int = 8) -> list[int]:
         finally:
             for s in socks:
                 s.close()
-        if all(b - a >= apart for a, b in zip(ports, ports[1:], strict=False)):
+        if all(b - a >= apart for a, b in zip(ports, ports[1:], strict=False)) and all(map(port_is_ours, ports)):
             return ports
 
 

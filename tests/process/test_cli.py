@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import pytest
 
 from pagedserve.cli import main
 from testing.grpc_fakes import FakeEngine, ServerThread, example_stats, make_tokenizer
+from testing.stack import free_port
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +100,7 @@ def test_health(server, engine):
 def test_missing_prompt_and_unreachable_server():
     err = io.StringIO()
     assert main(["generate"], out=io.StringIO(), err=err) == 2 and "prompt" in err.getvalue()
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     err = io.StringIO()
     assert main(["--server", f"127.0.0.1:{port}", "info"], out=io.StringIO(), err=err) == 1
     assert "UNAVAILABLE" in err.getvalue()
