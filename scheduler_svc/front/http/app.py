@@ -35,12 +35,12 @@ from scheduler_svc.front.guards.admission import CallBudget
 from scheduler_svc.front.guards.request_caps import RequestCaps
 from scheduler_svc.front.http import lora_routes, streams
 from scheduler_svc.front.http import utility_routes as extras
-from scheduler_svc.front.http.body_parser import BUSY, BodyParser
+from scheduler_svc.front.http.body_parser import BUSY, BodyParser, read_body
 from scheduler_svc.front.http.budget_middleware import AdmissionMiddleware
 from scheduler_svc.front.http.chat_messages import chat_messages
 from scheduler_svc.front.http.chat_template import ChatTemplate, ChatTemplateError
 from scheduler_svc.front.http.error_responses import from_validation
-from scheduler_svc.front.http.limits import HttpLimits, body_cap, read_body
+from scheduler_svc.front.http.limits import HttpLimits, body_cap
 from scheduler_svc.front.http.openai_types import (
     ChatRequest,
     CompletionRequest,

@@ -1,4 +1,5 @@
-"""JSON request bodies decoded without holding the front's event loop.
+"""JSON request bodies read within their bounds (:func:`read_body`) and decoded without holding the
+front's event loop.
 
 A small body (``LARGE_BODY_BYTES`` or less, nearly every request) is decoded at once: at most a
 few milliseconds, whatever it holds. A larger one goes to the parse worker
@@ -14,10 +15,12 @@ its turn, a request gets 503 with ``Retry-After``, its body dropped.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import msgspec
+from starlette.requests import ClientDisconnect, Request
 
 from scheduler_svc.front.api_errors import ApiError
 from scheduler_svc.front.guards.request_caps import RequestCaps, check_openai, error_from_wire
@@ -85,3 +88,27 @@ class BodyParser:
 def _busy(e: ParserBusy) -> ApiError:
     return ApiError(503, f"the server is decoding other large requests ({e}); retry shortly",
                     code=BUSY, headers={"retry-after": str(RETRY_AFTER_S)})
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, rejected (413) from its Content-Length before reading, or as soon as it passes
+    ``limit``; 408 unless it has all arrived within ``timeout_s``."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise ApiError(413, f"request body: at most {limit} bytes (Content-Length: {length[:20]})",
+                       code="request_too_large")
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"request body: at most {limit} bytes", code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"request body: not received within {timeout_s:g}s (received {size} bytes)",
+                       code="request_timeout") from None
+    except ClientDisconnect:  # gone mid-upload: counted as cancelled, not an internal error
+        raise ApiError(499, "the client closed the connection while sending the request",
+                       code="client_closed_request") from None
+    return b"".join(chunks)

@@ -13,15 +13,11 @@ in (scheduler_svc/front/http/serve.py), and so is the number of connections a fr
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from dataclasses import dataclass
 
-from starlette.requests import ClientDisconnect, Request
-
 from pagedserve.fd_limits import CONNECTION_RESERVE  # noqa: F401  (the HTTP front's reserve is this one)
 from pagedserve.fd_limits import connection_cap as fd_connection_cap
-from scheduler_svc.front.api_errors import ApiError
 from scheduler_svc.front.guards.request_size import request_bytes_for
 
 
@@ -62,26 +58,3 @@ def connection_cap(limits: HttpLimits, open_files: int) -> int:
     probes excepted, up to the reserve), never a reset from a process out of descriptors."""
     return fd_connection_cap(limits.max_connections, open_files)
 
-
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body, rejected (413) from its Content-Length before reading, or as soon as it passes
-    ``limit``; 408 unless it has all arrived within ``timeout_s``."""
-    length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > limit):
-        raise ApiError(413, f"request body: at most {limit} bytes (Content-Length: {length[:20]})",
-                       code="request_too_large")
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise ApiError(413, f"request body: at most {limit} bytes", code="request_too_large")
-                chunks.append(chunk)
-    except TimeoutError:
-        raise ApiError(408, f"request body: not received within {timeout_s:g}s (received {size} bytes)",
-                       code="request_timeout") from None
-    except ClientDisconnect:  # gone mid-upload: counted as cancelled, not an internal error
-        raise ApiError(499, "the client closed the connection while sending the request",
-                       code="client_closed_request") from None
-    return b"".join(chunks)
