@@ -57,4 +57,3 @@ def connection_cap(limits: HttpLimits, open_files: int) -> int:
     open-files limit less CONNECTION_RESERVE (at least 16). A connection past it gets 503 (health
     probes excepted, up to the reserve), never a reset from a process out of descriptors."""
     return fd_connection_cap(limits.max_connections, open_files)
-
