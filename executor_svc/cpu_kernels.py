@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -366,8 +367,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     if args.build:
+        start = time.perf_counter()
         b = build_library("portable" if args.portable else "native", args.out)
-        print(f"{'compiled' if b.compiled else 'found'} {b.path} ({' '.join(b.flags)})")
+        took = f" in {time.perf_counter() - start:.2f} s" if b.compiled else ""
+        print(f"{'compiled' if b.compiled else 'found'} {b.path}{took} ({' '.join(b.flags)})")
         DecodeKernel(b)  # it loads
         return
     kernel = load_decode_kernel()
