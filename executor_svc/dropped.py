@@ -44,10 +44,9 @@ class DroppedSeqs:
                 ids.add(f.child_seq_id)
             else:
                 forks.append(f)
-        kept = [(sid, n) for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True)
-                if sid not in ids]
+        scheduled, num_new = _rows_kept(plan, ids)
         return msgspec.structs.replace(
-            plan, scheduled_seq_ids=[sid for sid, _ in kept], num_new_tokens=[n for _, n in kept],
+            plan, scheduled_seq_ids=scheduled, num_new_tokens=num_new,
             free_seq_ids=[sid for sid in plan.free_seq_ids if sid not in freed] if freed else plan.free_seq_ids,
             forks=forks, append_tokens=[(sid, t) for sid, t in plan.append_tokens if sid not in ids],
             block_updates=[u for u in plan.block_updates if u.seq_id not in ids],
@@ -61,10 +60,8 @@ class DroppedSeqs:
         ids = self.ids
         if not any(sid in ids for sid in plan.scheduled_seq_ids):
             return None
-        kept = [(sid, n) for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True)
-                if sid not in ids]
-        return msgspec.structs.replace(plan, scheduled_seq_ids=[s for s, _ in kept],
-                                       num_new_tokens=[n for _, n in kept],
+        scheduled, num_new = _rows_kept(plan, ids)
+        return msgspec.structs.replace(plan, scheduled_seq_ids=scheduled, num_new_tokens=num_new,
                                        proposals=[p for p in plan.proposals if p.seq_id not in ids])
 
     def fork_closure(self, plan: BatchPlan) -> set[int]:
@@ -75,3 +72,9 @@ class DroppedSeqs:
                 children.add(f.child_seq_id)
         self.ids |= children
         return children
+
+
+def _rows_kept(plan: BatchPlan, ids: set[int]) -> tuple[list[int], list[int]]:
+    """The plan's scheduled sequences and their new-token counts, those in ``ids`` left out."""
+    kept = [(sid, n) for sid, n in zip(plan.scheduled_seq_ids, plan.num_new_tokens, strict=True) if sid not in ids]
+    return [sid for sid, _ in kept], [n for _, n in kept]
