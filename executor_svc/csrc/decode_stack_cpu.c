@@ -56,12 +56,18 @@ typedef struct {
 
 #define ALIGN_F 16 /* floats: every buffer of the work area starts on a 64-byte boundary */
 #define PRIVATE_MAX_N 16 /* tokens up to which each thread converts activations on its own */
+#define CLAIM_STRIDE 16 /* int32s between chunk counters: one per 64-byte line, so threads claiming
+                         * chunks of one call do not contend for the line of another's counter */
 
 static inline int64_t up(int64_t v) { return (v + ALIGN_F - 1) / ALIGN_F * ALIGN_F; }
+
+/* Linear calls of a step: four per layer and the LM head. */
+static inline int64_t claim_count(const ps_model_t *M) { return 4 * (int64_t)M->num_layers + 1; }
 
 typedef struct {
     float *qkv, *att, *gu, *cos, *sin, *attn_scratch, *sets;
     int32_t *lora_tiles; /* [n, 2]: ps_lora_tiles of the step */
+    int32_t *claims;     /* the linear calls' chunk counters (ps_linear_compute), CLAIM_STRIDE apart */
     int64_t attn_scratch_floats, set_floats, h_off, act_off, work_off;
     int chunks, private_sets;
 } layout_t;
@@ -88,18 +94,20 @@ static int64_t plan(const ps_model_t *M, int n, int threads, float *base, layout
     lo->act_off = up((int64_t)n * M->hidden);
     lo->work_off = lo->act_off + up((int64_t)n * M->intermediate);
     lo->set_floats = lo->work_off + up((lin + 3) / 4);
-    const int64_t sizes[8] = {up(n * qkv_w), up(n * q_w), up((int64_t)n * 2 * M->intermediate),
+    const int64_t sizes[9] = {up(n * qkv_w), up(n * q_w), up((int64_t)n * 2 * M->intermediate),
                               up((int64_t)n * M->head_dim / 2), up((int64_t)n * M->head_dim / 2),
                               lo->attn_scratch_floats * threads, lo->set_floats * (lo->private_sets ? threads : 1),
-                              up(2 * (int64_t)n)};
-    float *tiles = NULL;
-    float **slots[8] = {&lo->qkv, &lo->att, &lo->gu, &lo->cos, &lo->sin, &lo->attn_scratch, &lo->sets, &tiles};
+                              up(2 * (int64_t)n), claim_count(M) * CLAIM_STRIDE};
+    float *tiles = NULL, *claims = NULL;
+    float **slots[9] = {&lo->qkv, &lo->att, &lo->gu, &lo->cos, &lo->sin, &lo->attn_scratch, &lo->sets, &tiles,
+                        &claims};
     int64_t off = 0;
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < 9; i++) {
         if (base) *slots[i] = base + off;
         off += sizes[i];
     }
     lo->lora_tiles = (int32_t *)tiles; /* (int32 and float are both 4 bytes) */
+    lo->claims = (int32_t *)claims;
     return off;
 }
 
@@ -223,6 +231,7 @@ int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positio
             if (M->lora_order[k] < 0 || M->lora_order[k] >= n) return PS_BAD_ARG;
     layout_t lo;
     plan(M, n, threads, work, &lo);
+    memset(lo.claims, 0, sizeof(int32_t) * CLAIM_STRIDE * (size_t)claim_count(M));
     const int ntiles = M->token_lora ? ps_lora_tiles(M->token_lora, M->lora_order, n, lo.lora_tiles) : 0;
     const int32_t *tiles = lo.lora_tiles;
     const int H = M->hidden, D = M->head_dim, half = D / 2, I = M->intermediate, priv = lo.private_sets;
@@ -242,11 +251,12 @@ int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positio
             ps_rope_cos_sin(positions[t], M->inv_freq, half, lo.cos + (int64_t)t * half, lo.sin + (int64_t)t * half);
         for (int l = 0; l < M->num_layers; l++) {
             const ps_layer_t *L = &M->layers[l];
+            int32_t *claim = lo.claims + 4 * CLAIM_STRIDE * l; /* this layer's four counters */
             FOR_TOKENS(priv, n, t, {
                 ps_rms_norm(x + (int64_t)t * H, L->ln1, H, M->eps, h + (int64_t)t * H);
                 ps_linear_prep(&L->qkv, h, H, t, t + 1, n, lw);
             });
-            ps_linear_compute(&L->qkv, h, H, n, lw, lo.qkv, qkv_w, 0);
+            ps_linear_compute(&L->qkv, h, H, n, lw, lo.qkv, qkv_w, 0, claim);
 #pragma omp barrier
             LORA_DELTAS(M, ntiles, tiles, L->lora_qkv, h, H, lo.qkv, qkv_w);
             if (store_first) {
@@ -266,21 +276,21 @@ int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positio
                 mine = mine != PS_OK ? mine : st;
             }
             FOR_TOKENS(priv, n, t, { ps_linear_prep(&L->o, lo.att, q_w, t, t + 1, n, lw); });
-            ps_linear_compute(&L->o, lo.att, q_w, n, lw, x, H, 1);
+            ps_linear_compute(&L->o, lo.att, q_w, n, lw, x, H, 1, claim + CLAIM_STRIDE);
 #pragma omp barrier
             LORA_DELTAS(M, ntiles, tiles, L->lora_o, lo.att, q_w, x, H);
             FOR_TOKENS(priv, n, t, {
                 ps_rms_norm(x + (int64_t)t * H, L->ln2, H, M->eps, h + (int64_t)t * H);
                 ps_linear_prep(&L->gate_up, h, H, t, t + 1, n, lw);
             });
-            ps_linear_compute(&L->gate_up, h, H, n, lw, lo.gu, 2 * I, 0);
+            ps_linear_compute(&L->gate_up, h, H, n, lw, lo.gu, 2 * I, 0, claim + 2 * CLAIM_STRIDE);
 #pragma omp barrier
             LORA_DELTAS(M, ntiles, tiles, L->lora_gate_up, h, H, lo.gu, 2 * I);
             FOR_TOKENS(priv, n, t, {
                 ps_silu_mul(lo.gu + (int64_t)t * 2 * I, lo.gu + (int64_t)t * 2 * I + I, I, act + (int64_t)t * I);
                 ps_linear_prep(&L->down, act, I, t, t + 1, n, lw);
             });
-            ps_linear_compute(&L->down, act, I, n, lw, x, H, 1);
+            ps_linear_compute(&L->down, act, I, n, lw, x, H, 1, claim + 3 * CLAIM_STRIDE);
 #pragma omp barrier
             LORA_DELTAS(M, ntiles, tiles, L->lora_down, act, I, x, H);
         }
@@ -288,7 +298,8 @@ int ps_decode_stack(const ps_model_t *M, float *x, int n, const int64_t *positio
         for (int t = 0; t < n; t++) ps_rms_norm(x + (int64_t)t * H, M->final_norm, H, M->eps, x + (int64_t)t * H);
         if (M->lm_head.w) {
             FOR_TOKENS(priv, n, t, { ps_linear_prep(&M->lm_head, x, H, t, t + 1, n, lw); });
-            ps_linear_compute(&M->lm_head, x, H, n, lw, logits, M->lm_head.m, 0);
+            ps_linear_compute(&M->lm_head, x, H, n, lw, logits, M->lm_head.m, 0,
+                              lo.claims + 4 * CLAIM_STRIDE * (int64_t)M->num_layers);
         }
         if (mine != PS_OK) {
 #pragma omp critical

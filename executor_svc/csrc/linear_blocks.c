@@ -155,7 +155,7 @@ static void blocks_unit_scalar(int wt, int T, const ps_xblocks_t *x, const uint8
 /* ------------------------------------------------------------------ a layer */
 
 void ps_blocks_compute(const ps_linear_t *L, int n, const void *work, float *y, int64_t ldy, int accumulate,
-                       int isa) {
+                       int isa, int32_t *claim) {
     const int wt = L->wtype, nb = nblocks(L->k);
     const xwork_t xw = xwork((void *)work, n, L->k);
     ps_blocks_unit_fn unit = blocks_unit_scalar;
@@ -167,8 +167,10 @@ void ps_blocks_compute(const ps_linear_t *L, int n, const void *work, float *y, 
 #endif
     const int64_t unit_bytes = 4 * PS_PANEL_BYTES(wt, nb);
     const int units = (L->m + 63) / 64;
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int u = 0; u < units; u++) {
+    for (int u = ps_claim(claim), next; u < units; u = next) {
+        next = ps_claim(claim);
+        if (next < units) /* the next unit's start (its panels are one stream, prefetched ahead as read) */
+            ps_prefetch_streams((const uint8_t *)L->w + next * unit_bytes, 1, 0, PS_PF_BYTES);
         const uint8_t *w = (const uint8_t *)L->w + u * unit_bytes;
         for (int t0 = 0; t0 < n; t0 += 4) {
             const int T = n - t0 < 4 ? n - t0 : 4;

@@ -113,6 +113,6 @@ static inline float ps_unfused(float v) {
 int64_t ps_blocks_work_bytes(int n, int k);
 void ps_blocks_prep(const ps_linear_t *L, const float *x, int64_t ldx, int t0, int t1, int n, void *work);
 void ps_blocks_compute(const ps_linear_t *L, int n, const void *work, float *y, int64_t ldy, int accumulate,
-                       int isa);
+                       int isa, int32_t *claim);
 
 #endif

@@ -20,11 +20,10 @@
 #define INLINE static inline __attribute__((always_inline))
 #define TGT_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define TGT_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512vnni")))
-/* Weights stream once: prefetched into L2 this far ahead (as linear_x86.c's, for its reasons). */
+/* Weights stream once: prefetched into L2 PS_PF_BYTES ahead (as linear_x86.c's, for its reasons). */
 #ifndef PS_PF_HINT
 #define PS_PF_HINT _MM_HINT_T1
 #endif
-#define PF_AHEAD 1024
 #define PREFETCH(p) _mm_prefetch((const char *)(p), PS_PF_HINT)
 
 /* ------------------------------------------------------------------ AVX-512 VNNI */
@@ -49,7 +48,7 @@ TGT_512 INLINE void panel_512(const int wt, const int T, const ps_xblocks_t *x, 
         if (wt == PS_W_Q8_0) {
 #pragma GCC unroll 8
             for (int v = 0; v < 8; v++) {
-                PREFETCH(blk + v * 64 + PF_AHEAD);
+                PREFETCH(blk + v * 64 + PS_PF_BYTES);
                 const __m512i q = _mm512_xor_si512(_mm512_loadu_si512((const void *)(blk + v * 64)), flip);
 #pragma GCC unroll 4
                 for (int t = 0; t < T; t++) {
@@ -60,7 +59,7 @@ TGT_512 INLINE void panel_512(const int wt, const int T, const ps_xblocks_t *x, 
         } else {
 #pragma GCC unroll 4
             for (int v = 0; v < 4; v++) {
-                PREFETCH(blk + v * 64 + PF_AHEAD);
+                PREFETCH(blk + v * 64 + PS_PF_BYTES);
                 const __m512i raw = _mm512_loadu_si512((const void *)(blk + v * 64));
                 const __m512i ql = _mm512_and_si512(raw, m4), qh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
 #pragma GCC unroll 4
@@ -83,7 +82,7 @@ TGT_512 INLINE void panel_512(const int wt, const int T, const ps_xblocks_t *x, 
             m = _mm512_xor_ps(_mm512_set1_ps(-0.0f),
                               _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + PS_QK_DMIN))), mn));
         } else {
-            if (wt == PS_W_Q4_1) PREFETCH(blk + qbytes + PF_AHEAD);
+            if (wt == PS_W_Q4_1) PREFETCH(blk + qbytes + PS_PF_BYTES);
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes)));
             m = wt == PS_W_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + qbytes + 32))) : d;
         }
@@ -168,7 +167,7 @@ TGT_AVX2 INLINE void half_avx2(const int wt, const int T, const ps_xblocks_t *x,
         if (wt == PS_W_Q8_0) {
 #pragma GCC unroll 8
             for (int v = 0; v < 8; v++) {
-                if (!h) PREFETCH(blk + v * 64 + PF_AHEAD);
+                if (!h) PREFETCH(blk + v * 64 + PS_PF_BYTES);
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + v * 64 + 32 * h));
                 const __m256i aq = _mm256_abs_epi8(q);
 #pragma GCC unroll 4
@@ -185,7 +184,7 @@ TGT_AVX2 INLINE void half_avx2(const int wt, const int T, const ps_xblocks_t *x,
             for (int t = 0; t < T; t++) p1[t] = p2[t] = _mm256_setzero_si256();
 #pragma GCC unroll 4
             for (int v = 0; v < 4; v++) {
-                if (!h) PREFETCH(blk + v * 64 + PF_AHEAD);
+                if (!h) PREFETCH(blk + v * 64 + PS_PF_BYTES);
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk + v * 64 + 32 * h));
                 const __m256i ql = _mm256_and_si256(raw, m4), qh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
 #pragma GCC unroll 4
@@ -213,7 +212,7 @@ TGT_AVX2 INLINE void half_avx2(const int wt, const int T, const ps_xblocks_t *x,
             m = _mm256_xor_ps(_mm256_set1_ps(-0.0f),
                               _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + PS_QK_DMIN + 16 * h))), mn));
         } else {
-            if (wt == PS_W_Q4_1 && !h) PREFETCH(blk + qbytes + PF_AHEAD);
+            if (wt == PS_W_Q4_1 && !h) PREFETCH(blk + qbytes + PS_PF_BYTES);
             d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 16 * h)));
             m = wt == PS_W_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + qbytes + 32 + 16 * h))) : d;
         }

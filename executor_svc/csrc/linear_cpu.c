@@ -32,7 +32,9 @@
 /* Work is handed out in chunks (float32: this many rows; packed: one unit of 64 outputs) from a
  * shared counter rather than split up front: on a machine shared with the scheduler and other
  * processes a thread the OS preempts holds up one chunk, not a whole share of the matrix. */
+#ifndef F32_CHUNK
 #define F32_CHUNK 16
+#endif
 /* Past this many tokens (prefills) a float32 chunk is F32_CHUNK_WIDE rows, its weights kept in L2,
  * and each 4-token tile of x is used by every row of the chunk before the next is loaded: x is
  * then read from memory once per chunk instead of once per 4 rows. Only the loop order changes,
@@ -227,8 +229,11 @@ static inline void f32_row_ptrs(const ps_linear_t *L, int r, const float **w) {
         w[i] = (const float *)L->w + (int64_t)(r + i < L->m ? r + i : L->m - 1) * L->ldw;
 }
 
+/* Rows [r0, r1) against all n tokens. next_r: the first row of the chunk this thread computes
+ * next (< 0: none), whose first tile the last tile here prefetches instead of the rows after r1,
+ * which another thread may be reading already. */
 static void f32_rows(const ps_linear_t *L, const float *x, int64_t ldx, int n, float *y, int64_t ldy, int accumulate,
-                     int r0, int r1, int isa) {
+                     int r0, int r1, int next_r, int isa) {
     const int k = L->k;
     ps_f32_tile_fn tile = f32_tile_scalar;
 #ifdef PS_X86
@@ -240,9 +245,10 @@ static void f32_rows(const ps_linear_t *L, const float *x, int64_t ldx, int n, f
     if (n <= F32_WIDE_FROM) { /* decode: 4 weight rows against every token, the next rows prefetched */
         for (int r = r0; r < r1; r += 4) {
             f32_row_ptrs(L, r, w);
+            const int64_t ahead = r + 4 < r1 ? 4 * L->ldw : next_r >= 0 ? (int64_t)(next_r - r) * L->ldw : 0;
             for (int t0 = 0; t0 < n; t0 += 4) {
                 const int T = n - t0 < 4 ? n - t0 : 4;
-                tile(T, x + (int64_t)t0 * ldx, ldx, w, 4 * L->ldw, k, res);
+                tile(T, x + (int64_t)t0 * ldx, ldx, w, ahead, k, res);
                 f32_store(L, y, ldy, accumulate, t0, T, r, res);
             }
         }
@@ -266,6 +272,12 @@ static void f32_rows(const ps_linear_t *L, const float *x, int64_t ldx, int n, f
         }
         t0 += T;
     }
+}
+
+/* Bytes of one panel (16 outputs) of a bfloat16 or int8 layer. */
+static int64_t padded_panel_bytes(const ps_linear_t *L) {
+    const int q8 = L->wtype == PS_W_Q8, g = q8 ? 4 : 2;
+    return (int64_t)(L->k + g - 1) / g * g * 16 * (q8 ? 1 : 2);
 }
 
 static void packed_units(const ps_linear_t *L, const void *xp, int64_t ldxp, const float *sx, int n, float *y,
@@ -325,37 +337,42 @@ void ps_linear_prep(const ps_linear_t *L, const float *x, int64_t ldx, int t0, i
 }
 
 void ps_linear_compute(const ps_linear_t *L, const float *x, int64_t ldx, int n, const void *work, float *y,
-                       int64_t ldy, int accumulate) {
+                       int64_t ldy, int accumulate, int32_t *claim) {
     const int wt = L->wtype, isa = ps_isa_level(wt);
     if (PS_IS_BLOCKS(wt)) {
-        ps_blocks_compute(L, n, work, y, ldy, accumulate, isa);
+        ps_blocks_compute(L, n, work, y, ldy, accumulate, isa, claim);
         return;
     }
     if (wt == PS_W_F32) {
         const int rows = n > F32_WIDE_FROM ? F32_CHUNK_WIDE : F32_CHUNK;
         const int chunks = (L->m + rows - 1) / rows;
-#pragma omp for schedule(dynamic, 1) nowait
-        for (int c = 0; c < chunks; c++) {
+        for (int c = ps_claim(claim), next; c < chunks; c = next) { /* (the last tile prefetches `next`) */
+            next = ps_claim(claim);
             const int r1 = (c + 1) * rows < L->m ? (c + 1) * rows : L->m;
-            f32_rows(L, x, ldx, n, y, ldy, accumulate, c * rows, r1, isa);
+            f32_rows(L, x, ldx, n, y, ldy, accumulate, c * rows, r1, next < chunks ? next * rows : -1, isa);
         }
         return;
     }
     const void *rows = prepped_rows(wt, (void *)work, n);
     const float *sx = wt == PS_W_Q8 ? q8_scales((void *)work) : NULL;
     const int units = (L->m + 63) / 64;
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int u = 0; u < units; u++) packed_units(L, rows, padded(L->k), sx, n, y, ldy, accumulate, u, u + 1, isa);
+    const int64_t pbytes = padded_panel_bytes(L);
+    for (int u = ps_claim(claim), next; u < units; u = next) {
+        next = ps_claim(claim);
+        if (next < units) /* the start of each of the next unit's 4 panels (the kernels prefetch the rest) */
+            ps_prefetch_streams((const char *)L->w + (int64_t)next * 4 * pbytes, 4, pbytes, PS_PF_BYTES);
+        packed_units(L, rows, padded(L->k), sx, n, y, ldy, accumulate, u, u + 1, isa);
+    }
 }
 
 void ps_linear_region(const ps_linear_t *L, const float *x, int64_t ldx, int n, float *y, int64_t ldy,
-                      int accumulate, void *work) {
+                      int accumulate, void *work, int32_t *claim) {
     if (L->wtype != PS_W_F32) {
 #pragma omp for schedule(static)
         for (int t = 0; t < n; t++) ps_linear_prep(L, x, ldx, t, t + 1, n, work);
         /* (the loop's barrier: every row is converted before any is read) */
     }
-    ps_linear_compute(L, x, ldx, n, work, y, ldy, accumulate);
+    ps_linear_compute(L, x, ldx, n, work, y, ldy, accumulate, claim);
 }
 
 static int check_linear(const ps_linear_t *L) {
@@ -373,7 +390,8 @@ int ps_linear(const ps_linear_t *L, const float *x, int64_t ldx, int n, float *y
     if (check_linear(L) != PS_OK || n < 0 || ldx < L->k || ldy < L->m) return PS_BAD_ARG;
     if (work_bytes < ps_linear_work_bytes(L->wtype, n, L->k)) return PS_NO_MEMORY;
     if (n == 0) return PS_OK;
+    int32_t claim = 0;
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
-    ps_linear_region(L, x, ldx, n, y, ldy, accumulate, work);
+    ps_linear_region(L, x, ldx, n, y, ldy, accumulate, work, &claim);
     return PS_OK;
 }

@@ -90,6 +90,18 @@ typedef struct {
     int32_t m, k, wtype, reserved;
 } ps_linear_t;
 
+/* A linear call's chunks of outputs are shared by the threads of a region through a counter:
+ * each thread claims the chunk after the one it holds before computing that one, so it knows
+ * where its next weights start and can prefetch them (a chunk is 16-64 rows; without that, each
+ * starts with a stall on memory). The counter is 0 before the region, one per call. */
+static inline int ps_claim(int32_t *counter) { return __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED); }
+
+/* Prefetch into L2 the first `bytes` of `streams` weight streams, `stride` bytes apart. */
+static inline void ps_prefetch_streams(const void *first, int streams, int64_t stride, int bytes) {
+    for (int s = 0; s < streams; s++)
+        for (int b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)first + s * stride + b, 0, 2);
+}
+
 /* Bytes of activation scratch one linear call of n tokens needs (converted/quantised inputs). */
 int64_t ps_linear_work_bytes(int wtype, int n, int k);
 
@@ -98,15 +110,15 @@ int64_t ps_linear_work_bytes(int wtype, int n, int k);
  * quantises each row of x to int8 (symmetric, one scale per row) before the dot products.
  * Called by every thread of a parallel region; ends without a barrier. */
 void ps_linear_region(const ps_linear_t *L, const float *x, int64_t ldx, int n, float *y, int64_t ldy,
-                      int accumulate, void *work);
+                      int accumulate, void *work, int32_t *claim);
 
 /* The two halves of ps_linear_region, for callers that convert the activations themselves:
  * prep converts rows [t0, t1) of n into work (any thread, any split); compute then reads them
  * (float32 reads x itself) from every thread of a region, taking chunks of outputs from a
- * shared counter; it ends without a barrier. */
+ * shared counter (claim: see ps_claim); it ends without a barrier. */
 void ps_linear_prep(const ps_linear_t *L, const float *x, int64_t ldx, int t0, int t1, int n, void *work);
 void ps_linear_compute(const ps_linear_t *L, const float *x, int64_t ldx, int n, const void *work, float *y,
-                       int64_t ldy, int accumulate);
+                       int64_t ldy, int accumulate, int32_t *claim);
 
 /* The instruction-set level the kernels of a weight type use now (the CPU's best unless limited). */
 int ps_isa_level(int wtype);
