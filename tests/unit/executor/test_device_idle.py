@@ -19,7 +19,9 @@ def test_host_work_counts_as_idle_and_the_forward_as_busy(tiny_llama_dir, prepar
         return measure(tiny_llama_dir, "cpu", seqs=8, prompt=32, steps=4, warmup=2, prepare_ahead=prepare_ahead)
 
     run()  # (the first run in a process pays one-time costs: kernel builds, allocator growth)
-    base = run()
+    # The quieter of two runs: a load spike on a shared machine only adds idle time, so it can
+    # hide the added host work only by inflating the baseline.
+    base = min((run() for _ in range(2)), key=lambda r: r["idle_ms_per_step"])
     assert base["prepare_ahead"] is prepare_ahead and base["busy_ms_per_step"] > 0 and 0 < base["idle_frac"] < 1
     apply = ModelRunner._apply
     monkeypatch.setattr(ModelRunner, "_apply", lambda self, plan: (time.sleep(0.02), apply(self, plan))[1])
