@@ -32,7 +32,7 @@
 /* Work is handed out in chunks (float32: this many rows; packed: one unit of 64 outputs) from a
  * shared counter rather than split up front: on a machine shared with the scheduler and other
  * processes a thread the OS preempts holds up one chunk, not a whole share of the matrix. */
-#ifndef F32_CHUNK
+#ifndef F32_CHUNK /* (overridable for a timed variant: executor_cpu roofline --variant NAME=-DF32_CHUNK=32) */
 #define F32_CHUNK 16
 #endif
 /* Past this many tokens (prefills) a float32 chunk is F32_CHUNK_WIDE rows, its weights kept in L2,
@@ -274,7 +274,7 @@ static void f32_rows(const ps_linear_t *L, const float *x, int64_t ldx, int n, f
     }
 }
 
-/* Bytes of one panel (16 outputs) of a bfloat16 or int8 layer. */
+/* Bytes of one panel (16 outputs) of a bfloat16 or int8 layer: its k inputs padded to whole groups. */
 static int64_t padded_panel_bytes(const ps_linear_t *L) {
     const int q8 = L->wtype == PS_W_Q8, g = q8 ? 4 : 2;
     return (int64_t)(L->k + g - 1) / g * g * 16 * (q8 ? 1 : 2);
@@ -282,9 +282,9 @@ static int64_t padded_panel_bytes(const ps_linear_t *L) {
 
 static void packed_units(const ps_linear_t *L, const void *xp, int64_t ldxp, const float *sx, int n, float *y,
                          int64_t ldy, int accumulate, int u0, int u1, int isa) {
-    const int q8 = L->wtype == PS_W_Q8, g = q8 ? 4 : 2;
-    const int kp = (L->k + g - 1) / g * g;
-    const int64_t pstride = (int64_t)kp * 16;          /* elements per panel */
+    const int q8 = L->wtype == PS_W_Q8;
+    const int64_t pbytes = padded_panel_bytes(L), pstride = pbytes / (q8 ? 1 : 2); /* elements per panel */
+    const int kp = (int)(pstride / 16);
     const size_t xb = q8 ? 1 : (isa == PS_ISA_AVX512 ? 2 : 4); /* bytes per converted activation */
     ps_unit_fn unit = q8 ? q8_unit_scalar : bf16_unit_scalar;
     int tmax = PS_UNIT_T_SCALAR;
@@ -298,7 +298,7 @@ static void packed_units(const ps_linear_t *L, const void *xp, int64_t ldxp, con
     }
 #endif
     for (int u = u0; u < u1; u++) {
-        const void *w = (const char *)L->w + (size_t)u * 4 * (size_t)pstride * (q8 ? 1 : 2);
+        const void *w = (const char *)L->w + (int64_t)u * 4 * pbytes;
         for (int t0 = 0; t0 < n; t0 += tmax) {
             const int T = n - t0 < tmax ? n - t0 : tmax;
             const ps_out_t out = {y + (int64_t)t0 * ldy, ldy, accumulate, L->m, u * 64, L->scale, L->wsum, L->bias,
