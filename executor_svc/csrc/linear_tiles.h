@@ -5,6 +5,8 @@
 
 #include <stdint.h>
 
+#include "ps_cpu.h"
+
 #define PS_PF_BYTES 1024 /* software prefetch distance along a weight stream */
 
 /* float32 row-major, dot-product form: res[t * 4 + r] = x row t . w row r, for T <= 4 tokens
@@ -30,8 +32,7 @@ typedef struct {
 typedef void (*ps_unit_fn)(int T, const void *x, int64_t ldx, const void *w, int64_t pstride, int kp,
                            const ps_out_t *out);
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define PS_X86 1
+#ifdef PS_X86
 void ps_f32_tile_avx2(int T, const float *x, int64_t ldx, const float *const *w, int64_t ahead, int k, float *res);
 void ps_f32_tile_512(int T, const float *x, int64_t ldx, const float *const *w, int64_t ahead, int k, float *res);
 void ps_f32_tile6_512(const float *x, int64_t ldx, const float *const *w, int k, float *res); /* 6 tokens */

@@ -6,7 +6,8 @@
  * every cached key against the G query heads that share its KV head (GQA: each K/V row is read
  * once for the whole group), keeps a running max and sum per query head (online softmax, one
  * rescale per block), and accumulates the values. Queries, outputs and all arithmetic are
- * float32; the cache holds float32 or bfloat16 (widened exactly on load).
+ * float32; the cache holds float32 or bfloat16 (widened exactly on load). With AVX-512, head sizes
+ * 64 and 128 and blocks of 16 or 32 tokens go to paged_decode_x86.c's unit: the same bits, faster.
  *
  * Cache layout: [num_blocks, block_size, num_kv_heads, head_size], contiguous. Query and
  * output rows may be strided (row and head strides in elements; the head_size axis is
@@ -19,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ps_cpu.h"
+#include "paged_decode.h"
 
 /* Bumped whenever a C signature changes; checked by the loader. */
 int ps_abi_version(void) { return 5; }
@@ -53,38 +54,18 @@ static inline void axpy(float *restrict y, float a, const void *restrict x, int6
     for (int d = 0; d < n; d++) y[d] += a * kv_at(x, off + d, bf16);
 }
 
-/* exp(x) for x <= 0 (a score minus the running max) or NaN: below -87 (exp < 1.7e-38) it
- * returns 0, as for -inf; NaN stays NaN. */
-static inline float exp_nonpos(float x0) {
-    const float x = x0 < -87.0f ? -87.0f : x0;
-    const float e = ps_exp_clamped(x);
-    return x0 < -87.0f ? 0.0f : e;
-}
-
-static inline void scale_by(float *restrict y, float a, int n) {
-#pragma omp simd
-    for (int d = 0; d < n; d++) y[d] *= a;
-}
-
 /* One sequence, KV heads [h0, h1): the Q = (h1 - h0) * G query heads that read them.
  * Token-major: a block's rows for these heads are read front to back (one contiguous run per
  * token when the chunk is every head), which the hardware prefetcher follows.
- * scratch: qs [Q*D] scaled queries, acc [Q*D], s [Q*B] scores, m [Q], l [Q]. */
+ * scratch: ps_unit_t. */
 static inline __attribute__((always_inline)) int one_unit(float *out, int64_t o_head, const float *q, int64_t q_head,
                     const void *k_cache, const void *v_cache, const int bf16, const int32_t *table, int seq_len,
                     int max_blocks, int h0, int h1, int G, int H_kv, int D, int B, int64_t num_blocks,
                     float scale, float *scratch) {
     const int Q = (h1 - h0) * G, qh0 = h0 * G;
-    float *qs = scratch, *acc = qs + (size_t)Q * D, *s = acc + (size_t)Q * D;
-    float *m = s + (size_t)Q * B, *l = m + Q;
-    if (seq_len < 1 || (int64_t)(seq_len - 1) / B >= max_blocks) return PS_BAD_LEN;
-    for (int h = 0; h < Q; h++) {
-        const float *qh = q + (int64_t)(qh0 + h) * q_head;
-        for (int d = 0; d < D; d++) qs[(size_t)h * D + d] = qh[d] * scale;
-        m[h] = -INFINITY;
-        l[h] = 0.0f;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)Q * D);
+    ps_unit_t u;
+    if (!ps_unit_begin(&u, scratch, q, q_head, qh0, Q, D, B, seq_len, max_blocks, scale)) return PS_BAD_LEN;
+    float *qs = u.qs, *acc = u.acc, *s = u.s;
     const int64_t tok_stride = (int64_t)H_kv * D; /* elements between consecutive slots */
     const int nblocks = (seq_len + B - 1) / B;
     for (int b = 0; b < nblocks; b++) {
@@ -98,20 +79,8 @@ static inline __attribute__((always_inline)) int one_unit(float *out, int64_t o_
                 for (int g = 0; g < G; g++, h++)
                     s[(size_t)h * B + j] = dot(qs + (size_t)h * D, k_cache, kr + kh * D, D, bf16);
         }
-        for (int h = 0; h < Q; h++) {
-            float *sh = s + (size_t)h * B;
-            float bm = -INFINITY;
-            for (int j = 0; j < n; j++) bm = sh[j] > bm ? sh[j] : bm; /* a NaN score never wins... */
-            const float m_new = bm > m[h] ? bm : m[h];
-            /* ...it reaches exp() below and makes l (and so the output) NaN, like torch. */
-            const float corr = (m[h] == -INFINITY) ? 0.0f : expf(m[h] - m_new);
-            for (int j = 0; j < n; j++) sh[j] = exp_nonpos(sh[j] - m_new);
-            float sum = 0.0f;
-            for (int j = 0; j < n; j++) sum += sh[j];
-            if (corr != 1.0f) scale_by(acc + (size_t)h * D, corr, D);
-            l[h] = l[h] * corr + sum;
-            m[h] = m_new;
-        }
+        for (int h = 0; h < Q; h += 4)
+            ps_block_softmax(n, Q - h < 4 ? Q - h : 4, D, B, s + (size_t)h * B, u.m + h, u.l + h, acc + (size_t)h * D);
         for (int j = 0; j < n; j++) {
             const int64_t vr = base + j * tok_stride;
             for (int kh = 0, h = 0; kh < h1 - h0; kh++)
@@ -119,13 +88,10 @@ static inline __attribute__((always_inline)) int one_unit(float *out, int64_t o_
                     axpy(acc + (size_t)h * D, s[(size_t)h * B + j], v_cache, vr + kh * D, D, bf16);
         }
     }
-    for (int h = 0; h < Q; h++) {
-        float *oh = out + (int64_t)(qh0 + h) * o_head;
-        const float inv = 1.0f / l[h];
-        for (int d = 0; d < D; d++) oh[d] = acc[(size_t)h * D + d] * inv;
-    }
+    ps_unit_end(&u, out, o_head, qh0, Q, D);
     return PS_OK;
 }
+
 
 
 /* The common head sizes and both cache types as compile-time constants: the dot products and
@@ -134,6 +100,11 @@ PS_CLONES static int unit_for_head_size(float *out, int64_t o_head, const float 
                               const void *k_cache, const void *v_cache, int kv_type, const int32_t *table,
                               int seq_len, int max_blocks, int h0, int h1, int G, int H_kv, int D, int B,
                               int64_t num_blocks, float scale, float *scratch) {
+#ifdef PS_X86
+    if (B % 16 == 0 && (D == 64 || D == 128) && ps_isa_level(PS_W_F32) == PS_ISA_AVX512)
+        return ps_decode_unit_512(out, o_head, q, q_head, k_cache, v_cache, kv_type == PS_KV_BF16, table, seq_len,
+                                  max_blocks, h0, h1, G, H_kv, D, B, num_blocks, scale, scratch);
+#endif
 #define PS_UNIT(DC, BF) one_unit(out, o_head, q, q_head, k_cache, v_cache, BF, table, seq_len, max_blocks, h0, \
                                  h1, G, H_kv, DC, B, num_blocks, scale, scratch)
     if (kv_type == PS_KV_BF16) {

@@ -8,6 +8,12 @@
 #include <stdint.h>
 #include <string.h>
 
+/* x86-64 with GCC or clang: the AVX2/AVX-512 kernels are built (target attributes) and picked
+ * at run time (ps_isa_level). */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define PS_X86 1
+#endif
+
 #ifdef _OPENMP
 #include <omp.h>
 #define PS_TID() omp_get_thread_num()

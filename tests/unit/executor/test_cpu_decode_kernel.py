@@ -33,15 +33,15 @@ def fresh_loader():
     cpu_kernels.load_decode_kernel.cache_clear()
 
 
-def _case(shapes: list[tuple[int, int]], group: int, head: int, block: int, seed: int = 0):
+def _case(shapes: list[tuple[int, int]], group: int, head: int, block: int, seed: int = 0, kvh: int = KVH):
     """Random caches holding every sequence's context in shuffled blocks; shapes: (context, new tokens)."""
     g = torch.Generator().manual_seed(seed)
     tables = [-(-ctx // block) for ctx, _ in shapes]
     num_blocks = sum(tables) + 3
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables = [[free.pop() for _ in range(n)] for n in tables]
-    k_cache = torch.randn(num_blocks, block, KVH, head, generator=g)
-    v_cache = torch.randn(num_blocks, block, KVH, head, generator=g)
+    k_cache = torch.randn(num_blocks, block, kvh, head, generator=g)
+    v_cache = torch.randn(num_blocks, block, kvh, head, generator=g)
     starts = [0]
     for _, new in shapes:
         starts.append(starts[-1] + new)
@@ -52,7 +52,7 @@ def _case(shapes: list[tuple[int, int]], group: int, head: int, block: int, seed
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         max_query_len=max(n for _, n in shapes), max_seq_len=max(c for c, _ in shapes),
         query_start_loc_host=starts, seq_lens_host=[c for c, _ in shapes])
-    query = torch.randn(starts[-1], KVH * group, head, generator=g)
+    query = torch.randn(starts[-1], kvh * group, head, generator=g)
     return query, k_cache, v_cache, meta
 
 
@@ -70,6 +70,39 @@ def test_decode_matches_torch(kernel, group, head, block):
     lens = [1, block, block + 1, 3 * block - 5, 1000]
     out, ref = _both(kernel, *_case([(n, 1) for n in lens], group, head, block, seed=group + head + block), head)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def isa_levels(kernel):
+    """The instruction-set levels the kernel can use here, best first; the best again afterwards."""
+    best = kernel.lib.ps_isa_level(0)  # PS_W_F32: what picks the decode unit
+    yield list(range(best, -1, -1))
+    kernel.lib.ps_set_isa_limit(2)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("head", [64, 128])
+def test_every_instruction_set_gives_the_same_bits(kernel, isa_levels, head, block, kv_dtype):
+    """The AVX-512 unit (paged_decode_x86.c) against the portable one: every group size (4 query
+    heads per pass and a remainder), partial blocks, units of one KV head and of all three, a NaN."""
+    lens = [1, 15, 16, 17, 3 * block - 5, 700]
+    n = len(lens)
+    for group in range(1, 9):
+        query, k_cache, v_cache, meta = _case([(c, 1) for c in lens], group, head, block, seed=group, kvh=3)
+        k_cache[meta.block_tables[5, 2], 7, 1, 3] = float("nan")  # sequence 5, KV head 1
+        k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+        for threads in (1, 16):  # one unit per sequence; then per KV head (ps_decode_chunks)
+            outs = []
+            for level in isa_levels:
+                kernel.lib.ps_set_isa_limit(level)
+                out = torch.empty_like(query)
+                kernel(out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, torch.arange(n),
+                       torch.arange(n), head ** -0.5, num_threads=threads)
+                outs.append(out.view(torch.int32))
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), f"group {group}, {threads} threads"
+        assert outs[0].view(torch.float32)[5, group:2 * group].isnan().all()
+        assert not outs[0].view(torch.float32)[5, :group].isnan().any()
 
 
 def test_mixed_decode_and_prefill_batch_through_forward(kernel):
