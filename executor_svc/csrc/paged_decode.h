@@ -83,9 +83,10 @@ static inline __attribute__((always_inline)) void ps_block_softmax(int n, const 
 }
 
 #ifdef PS_X86
-/* The portable unit (one_unit) for head_size 64 or 128 and block_size a multiple of 16, with
- * AVX-512: the same bits. Only called when ps_isa_level says AVX-512. */
-int ps_decode_unit_512(float *out, int64_t o_head, const float *q, int64_t q_head, const void *k_cache,
+/* The portable unit (one_unit) for head_size 64 or 128 with AVX-512 (block_size a multiple of 16)
+ * or AVX2 (of 8): the same bits (paged_decode_x86.c). isa: PS_ISA_AVX512 or PS_ISA_AVX2, which the
+ * CPU must have; PS_BAD_ARG for any other shape. */
+int ps_decode_unit_x86(int isa, float *out, int64_t o_head, const float *q, int64_t q_head, const void *k_cache,
                        const void *v_cache, int bf16, const int32_t *table, int seq_len, int max_blocks, int h0,
                        int h1, int G, int H_kv, int D, int B, int64_t num_blocks, float scale, float *scratch);
 #endif

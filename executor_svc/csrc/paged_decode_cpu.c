@@ -6,8 +6,8 @@
  * every cached key against the G query heads that share its KV head (GQA: each K/V row is read
  * once for the whole group), keeps a running max and sum per query head (online softmax, one
  * rescale per block), and accumulates the values. Queries, outputs and all arithmetic are
- * float32; the cache holds float32 or bfloat16 (widened exactly on load). With AVX-512, head sizes
- * 64 and 128 and blocks of 16 or 32 tokens go to paged_decode_x86.c's unit: the same bits, faster.
+ * float32; the cache holds float32 or bfloat16 (widened exactly on load). With AVX2 or AVX-512,
+ * head sizes 64 and 128 go to paged_decode_x86.c's units: the same bits, faster.
  *
  * Cache layout: [num_blocks, block_size, num_kv_heads, head_size], contiguous. Query and
  * output rows may be strided (row and head strides in elements; the head_size axis is
@@ -100,10 +100,16 @@ PS_CLONES static int unit_for_head_size(float *out, int64_t o_head, const float 
                               const void *k_cache, const void *v_cache, int kv_type, const int32_t *table,
                               int seq_len, int max_blocks, int h0, int h1, int G, int H_kv, int D, int B,
                               int64_t num_blocks, float scale, float *scratch) {
-#ifdef PS_X86
-    if (B % 16 == 0 && (D == 64 || D == 128) && ps_isa_level(PS_W_F32) == PS_ISA_AVX512)
-        return ps_decode_unit_512(out, o_head, q, q_head, k_cache, v_cache, kv_type == PS_KV_BF16, table, seq_len,
-                                  max_blocks, h0, h1, G, H_kv, D, B, num_blocks, scale, scratch);
+#if defined(PS_X86) && !defined(PS_NO_DECODE_X86) /* (a timed variant's switch: roofline --variant) */
+    if (D == 64 || D == 128) {
+        const int isa = ps_isa_level(PS_W_F32);
+        const int use = isa == PS_ISA_AVX512 && B % 16 == 0 ? PS_ISA_AVX512
+                        : isa >= PS_ISA_AVX2 && B % 8 == 0  ? PS_ISA_AVX2
+                                                            : -1;
+        if (use >= 0)
+            return ps_decode_unit_x86(use, out, o_head, q, q_head, k_cache, v_cache, kv_type == PS_KV_BF16, table,
+                                      seq_len, max_blocks, h0, h1, G, H_kv, D, B, num_blocks, scale, scratch);
+    }
 #endif
 #define PS_UNIT(DC, BF) one_unit(out, o_head, q, q_head, k_cache, v_cache, BF, table, seq_len, max_blocks, h0, \
                                  h1, G, H_kv, DC, B, num_blocks, scale, scratch)
