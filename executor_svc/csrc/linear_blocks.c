@@ -79,9 +79,14 @@ static void quantize_row(const float *restrict x, int k, int8_t *restrict q, flo
 
 void ps_blocks_prep(const ps_linear_t *L, const float *x, int64_t ldx, int t0, int t1, int n, void *work) {
     const xwork_t w = xwork(work, n, L->k);
+    void (*quantize)(const float *, int, int8_t *, float *, int32_t *, float *) = quantize_row;
+#if defined(PS_X86) && !defined(PS_SCALAR_PREP) /* (a timed variant's switch: roofline --variant) */
+    const int isa = ps_isa_level(L->wtype);
+    if (isa == PS_ISA_AVX512) quantize = ps_blocks_quantize_512;
+    if (isa == PS_ISA_AVX2) quantize = ps_blocks_quantize_avx2;
+#endif
     for (int t = t0; t < t1; t++)
-        quantize_row(x + (int64_t)t * ldx, L->k, w.q + t * w.ldq, w.dx + t * w.lds, w.s + t * w.lds,
-                     w.dxs + t * w.lds);
+        quantize(x + (int64_t)t * ldx, L->k, w.q + t * w.ldq, w.dx + t * w.lds, w.s + t * w.lds, w.dxs + t * w.lds);
 }
 
 /* ------------------------------------------------------------------ scalar kernel */

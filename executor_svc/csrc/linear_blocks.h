@@ -77,6 +77,10 @@ typedef void (*ps_blocks_unit_fn)(int wtype, int T, const ps_xblocks_t *x, const
 #ifdef PS_X86
 void ps_blocks_unit_avx2(int wtype, int T, const ps_xblocks_t *x, const uint8_t *w, int nb, const ps_out_t *out);
 void ps_blocks_unit_512(int wtype, int T, const ps_xblocks_t *x, const uint8_t *w, int nb, const ps_out_t *out);
+/* One token's row of k activations quantised (linear_blocks.c's quantize_row, the same bytes):
+ * q [nb * 64] (q1, q2 of each block), dx, s, dxs [nb]. */
+void ps_blocks_quantize_avx2(const float *x, int k, int8_t *q, float *dx, int32_t *s, float *dxs);
+void ps_blocks_quantize_512(const float *x, int k, int8_t *q, float *dx, int32_t *s, float *dxs);
 #endif
 
 /* float16 bits -> float (exact for every value). */

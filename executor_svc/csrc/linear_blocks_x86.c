@@ -16,6 +16,8 @@
 
 #ifdef PS_X86
 #include <immintrin.h>
+#include <math.h>
+#include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
 #define TGT_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -257,6 +259,106 @@ TGT_AVX2 INLINE void unit_avx2_t(const int wt, const int T, const ps_xblocks_t *
 TGT_AVX2 void ps_blocks_unit_avx2(int wt, int T, const ps_xblocks_t *x, const uint8_t *w, int nb,
                                   const ps_out_t *out) {
     DISPATCH(unit_avx2_t, wt, T, x, w, nb, out)
+}
+
+/* ------------------------------------------------------------------ activations */
+
+/* linear_blocks.c's quantize_row in vectors: per element the same operations (x / d, rint,
+ * (v - q1) * 254, rint), the same rule for NaN and inf, exact integer sums: the same bytes and
+ * scales (the tests compare the layers' outputs on every path bit for bit). Lanes past k load as
+ * zeros, which quantise to 0 as the scalar code's padding does. */
+TGT_512 void ps_blocks_quantize_512(const float *x, int k, int8_t *q, float *dx, int32_t *s, float *dxs) {
+    const __m512 sign = _mm512_set1_ps(-0.0f), k254 = _mm512_set1_ps(254.0f);
+    const __m512i k254i = _mm512_set1_epi32(254);
+    const int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (int b = 0; b < (k + PS_BLK - 1) / PS_BLK; b++) {
+        const int j0 = b * PS_BLK, len = k - j0 < PS_BLK ? k - j0 : PS_BLK;
+        const __mmask16 m0 = len >= 16 ? 0xFFFF : (__mmask16)((1u << len) - 1);
+        const __mmask16 m1 = len >= 32 ? 0xFFFF : len > 16 ? (__mmask16)((1u << (len - 16)) - 1) : 0;
+        const __m512 x0 = _mm512_maskz_loadu_ps(m0, x + j0), x1 = _mm512_maskz_loadu_ps(m1, x + j0 + 16);
+        const int nan = _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q);
+        const float amax =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+        int8_t *q1 = q + 2 * j0, *q2 = q1 + PS_BLK;
+        if (nan || !(amax <= 3.0e38f)) {
+            memset(q1, 0, 2 * PS_BLK);
+            dx[b] = dxs[b] = NAN;
+            s[b] = 0;
+            continue;
+        }
+        const float d = amax / 127.0f;
+        __m512 v0 = _mm512_setzero_ps(), v1 = v0;
+        if (d > 0.0f) {
+            v0 = _mm512_div_ps(x0, _mm512_set1_ps(d));
+            v1 = _mm512_div_ps(x1, _mm512_set1_ps(d));
+        }
+        const __m512 r10 = _mm512_roundscale_ps(v0, R), r11 = _mm512_roundscale_ps(v1, R);
+        const __m512 r20 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v0, r10), k254), R);
+        const __m512 r21 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v1, r11), k254), R);
+        const __m512i a0 = _mm512_cvtps_epi32(r10), a1 = _mm512_cvtps_epi32(r11);
+        const __m512i c0 = _mm512_cvtps_epi32(r20), c1 = _mm512_cvtps_epi32(r21);
+        _mm_storeu_si128((__m128i *)q1, _mm512_cvtepi32_epi8(a0));
+        _mm_storeu_si128((__m128i *)(q1 + 16), _mm512_cvtepi32_epi8(a1));
+        _mm_storeu_si128((__m128i *)q2, _mm512_cvtepi32_epi8(c0));
+        _mm_storeu_si128((__m128i *)(q2 + 16), _mm512_cvtepi32_epi8(c1));
+        const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(_mm512_mullo_epi32(a0, k254i), c0),
+                                             _mm512_add_epi32(_mm512_mullo_epi32(a1, k254i), c1));
+        dx[b] = d / 254.0f;
+        s[b] = _mm512_reduce_add_epi32(sum);
+        dxs[b] = dx[b] * (float)s[b];
+    }
+}
+
+/* 32 int32 in [-127, 127] (four vectors of 8, in order) to 32 bytes. */
+TGT_AVX2 INLINE void store_bytes_avx2(int8_t *dst, const __m256i *v) {
+    /* packs work within 128-bit lanes: bytes come out as 4-groups a0 b0 c0 d0 | a1 b1 c1 d1 */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256((__m256i *)dst, _mm256_permutevar8x32_epi32(bytes, order));
+}
+
+TGT_AVX2 void ps_blocks_quantize_avx2(const float *x, int k, int8_t *q, float *dx, int32_t *s, float *dxs) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), k254 = _mm256_set1_ps(254.0f);
+    const __m256i k254i = _mm256_set1_epi32(254), iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (int b = 0; b < (k + PS_BLK - 1) / PS_BLK; b++) {
+        const int j0 = b * PS_BLK, len = k - j0 < PS_BLK ? k - j0 : PS_BLK;
+        __m256 xv[4], amax8 = _mm256_setzero_ps();
+        int nan = 0;
+        for (int i = 0; i < 4; i++) {
+            const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(len - 8 * i), iota);
+            xv[i] = len == PS_BLK ? _mm256_loadu_ps(x + j0 + 8 * i) : _mm256_maskload_ps(x + j0 + 8 * i, live);
+            nan |= _mm256_movemask_ps(_mm256_cmp_ps(xv[i], xv[i], _CMP_UNORD_Q));
+            amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, xv[i]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+        int8_t *q1 = q + 2 * j0, *q2 = q1 + PS_BLK;
+        if (nan || !(amax <= 3.0e38f)) {
+            memset(q1, 0, 2 * PS_BLK);
+            dx[b] = dxs[b] = NAN;
+            s[b] = 0;
+            continue;
+        }
+        const float d = amax / 127.0f;
+        __m256i i1[4], i2[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            const __m256 v = d > 0.0f ? _mm256_div_ps(xv[i], _mm256_set1_ps(d)) : _mm256_setzero_ps();
+            const __m256 r1 = _mm256_round_ps(v, R);
+            i1[i] = _mm256_cvtps_epi32(r1);
+            i2[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(v, r1), k254), R));
+            sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_mullo_epi32(i1[i], k254i), i2[i]));
+        }
+        store_bytes_avx2(q1, i1);
+        store_bytes_avx2(q2, i2);
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+        dx[b] = d / 254.0f;
+        s[b] = _mm_cvtsi128_si32(t);
+        dxs[b] = dx[b] * (float)s[b];
+    }
 }
 
 #else

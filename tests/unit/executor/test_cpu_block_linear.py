@@ -177,6 +177,33 @@ def test_non_finite_activations_show_in_the_outputs(ops):
     assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
 
 
+def test_every_path_quantises_special_blocks_alike(ops):
+    """The activation quantisation (scalar, AVX2, AVX-512) on the blocks where its branches are:
+    all zeros, an infinity, a NaN, a finite value past its 3e38 limit, subnormals, -0.0 and a
+    ragged last block; the non-finite blocks make their row NaN on every path."""
+    k = 32 * 7 + 9
+    x = np.random.default_rng(3).normal(0, 1, (7, k)).astype(np.float32)
+    x[0, 32:64] = 0.0
+    x[0, 64:96] = -0.0
+    x[1, 40] = np.inf
+    x[2, 100] = np.nan
+    x[3, 5] = np.float32(3.2e38)
+    x[4, 64:96] = np.float32(1e-40)  # subnormal: a tiny but nonzero scale
+    x[5, -9:] = np.float32(1e4)      # the ragged block's outlier
+    x[6] *= np.float32(1e-30)
+    raw = _blocks("q4_1", np.random.default_rng(4).normal(0, 0.05, (40, k)).astype(np.float32),
+                  np.random.default_rng(5))
+    layer = BlockLinear(raw, "q4_1", k, None, ops)
+    outs = []
+    for isa in _isas(ops):
+        ops.limit_isa(isa)
+        outs.append(layer(torch.from_numpy(x)).view(torch.int32))
+    ops.limit_isa("avx512")
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    y = outs[0].view(torch.float32)
+    assert torch.isnan(y[1:4]).all() and torch.isfinite(y[[0, 4, 5, 6]]).all()
+
+
 def test_bad_blocks_are_refused_naming_the_sizes():
     raw = quantize(np.zeros((4, 64), np.float32), Q.Q4_1)
     with pytest.raises(ValueError, match="q4_1 rows of 96 inputs take 60 bytes"):
