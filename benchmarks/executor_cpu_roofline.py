@@ -4,6 +4,7 @@ what the machine measurably does, per weight format, at batch 1, 16 and 48.
     .venv/bin/python -m benchmarks.executor_cpu roofline [--model DIR] [--threads 2] [--batch-sizes 1,16,48]
         [--formats float32,bfloat16,int8] [--prompt-len 128] [--steps 32] [--repeats 3]
         [--variant NAME=FLAGS ...]
+    .venv/bin/python -m benchmarks.executor_cpu roofline --model FILE.gguf --formats gguf   (its own blocks)
 
 For each format and batch size it drives ``ModelRunner`` with plans (no transport: the
 executor's own step, sampling included), prefills ``--prompt-len`` tokens per sequence, then
@@ -45,14 +46,17 @@ from executor_svc.cpu_kernels import build_with_flags
 from executor_svc.cpu_ops import CpuOps, native_ops
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model
+from executor_svc.model.block_weights import BLOCK_FORMATS, BlockLinear
 from executor_svc.model.weights import PackedLinear
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
 
-LOAD = {"float32": {}, "bfloat16": {"dtype": torch.bfloat16}, "int8": {"quantization": "int8"}}
-# int8 with a bfloat16 KV cache: `--quantization int8 --dtype bfloat16`, as cpu_vs_llamacpp runs it
-KV = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.bfloat16}
-WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
+LOAD = {"float32": {}, "bfloat16": {"dtype": torch.bfloat16}, "int8": {"quantization": "int8"},
+        "gguf": {"quantization": "gguf", "dtype": torch.bfloat16}}
+# int8 and gguf with a bfloat16 KV cache: `--quantization int8 --dtype bfloat16`, as cpu_vs_llamacpp
+# runs it, and a GGUF file's blocks as served (`--model FILE.gguf`)
+KV = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.bfloat16, "gguf": torch.bfloat16}
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}  # gguf: the file's blocks as packed
 
 
 def llc_bytes() -> int:
@@ -78,12 +82,25 @@ def variant_builds(specs: list[str]) -> dict[str, CpuOps]:
     return out
 
 
+def block_format(model) -> str:
+    """The block format most of a GGUF model's linear weights are in (``q4_1`` ...)."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, BlockLinear):
+            counts[m.fmt] = counts.get(m.fmt, 0) + m.out_features * m.in_features
+    if not counts:
+        raise SystemExit("--formats gguf needs --model FILE.gguf with block-format weights")
+    return max(counts, key=counts.get)
+
+
 def kernel_rate(ops, fmt: str, threads: int, rows: int = 96, repeats: int = 20) -> float:
     """FLOP/s of the format's fastest linear kernel on a cache-resident 2048 x 512 weight: ours,
-    and for float32 also torch's GEMM (what float32 steps above 64 rows use)."""
+    and for float32 also torch's GEMM (what float32 steps above 64 rows use). ``fmt`` may be a
+    block format (``q4_1``: a GGUF model's)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(2048, 512, generator=g)
-    layer = PackedLinear.from_float(w, None, fmt, ops)
+    cls = BlockLinear if fmt in BLOCK_FORMATS else PackedLinear
+    layer = cls.from_float(w, None, fmt, ops)
     x, y = torch.randn(rows, 512, generator=g), torch.empty(rows, 2048)
     desc = layer.desc()
     calls = [lambda: ops.linear(desc, x, y, threads)]
@@ -106,9 +123,15 @@ def step_cost(model, fmt: str, batch: int, ctx: float) -> tuple[float, float]:
                   and m is not model.embed_tokens)
     if cfg.tie_word_embeddings:
         weights += cfg.vocab_size * cfg.hidden_size  # the LM head is the (shared) table
+    if fmt == "gguf":  # the bytes the kernels stream: the packed blocks (padded rows included)
+        wbytes = sum(m.weight.nbytes for m in model.modules() if isinstance(m, PackedLinear)
+                     and m is not model.embed_tokens)
+        wbytes += model.embed_tokens.weight.nbytes if cfg.tie_word_embeddings else 0
+    else:
+        wbytes = weights * WEIGHT_BYTES[fmt]
     kv_elem = torch.empty((), dtype=KV[fmt]).element_size()
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-    nbytes = weights * WEIGHT_BYTES[fmt] + batch * ctx * kv_per_token * kv_elem
+    nbytes = wbytes + batch * ctx * kv_per_token * kv_elem
     flops = 2 * weights * batch + 4 * batch * ctx * cfg.num_layers * cfg.num_heads * cfg.head_dim
     return nbytes, flops
 
@@ -124,10 +147,12 @@ def time_steps(model, fmt: str, batch: int, prompt: int, steps: int) -> float:
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", type=Path, default=None, help="HF checkpoint (default: the default tiny llama)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="HF checkpoint, or a GGUF file for --formats gguf (default: the default tiny llama)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch-sizes", default="1,16,48")
-    ap.add_argument("--formats", default="float32,bfloat16,int8")
+    ap.add_argument("--formats", default="float32,bfloat16,int8",
+                    help="float32, bfloat16, int8 (--quantization int8), gguf (a GGUF file's own blocks)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
@@ -140,7 +165,6 @@ def run(args: argparse.Namespace) -> dict:
     ops = native_ops()
     bw = ops.read_bandwidth(max(4 * llc_bytes(), 256 << 20), args.threads)
     fmts = args.formats.split(",")
-    rates = {f: kernel_rate(ops, f, args.threads) for f in fmts}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         if model_dir is None:
@@ -151,6 +175,8 @@ def run(args: argparse.Namespace) -> dict:
         for name, vops in variant_builds(args.variant).items():
             with mock.patch("executor_svc.model.loader.load_cpu_ops", return_value=vops):  # pack with the variant
                 models.update({f"{f} ({name})": (f, load_model(model_dir, **LOAD[f])) for f in fmts})
+    # the kernel roof of a GGUF model is its blocks' format's
+    rates = {f: kernel_rate(ops, block_format(models[f][1]) if f == "gguf" else f, args.threads) for f in fmts}
     batches = [int(b) for b in args.batch_sizes.split(",")]
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.repeats):
