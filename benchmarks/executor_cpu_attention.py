@@ -2,6 +2,7 @@
 serve_vs_hf workload.
 
     .venv/bin/python -m benchmarks.executor_cpu attention [--seqs 64] [--min-len 100] [--max-len 400]
+    .venv/bin/python -m benchmarks.executor_cpu attention --units [CASES] [--threads 2]
 
 One decode step of ``--seqs`` sequences on the default tiny Llama's shapes
 (8 q / 4 KV heads of 64, hidden 512, MLP 1408, vocab 8192, 16-token blocks,
@@ -14,6 +15,13 @@ when it cannot be built) and its ratio to the torch backend, and all GEMMs of
 one layer. Then the cost per
 token of all GEMMs of a step (8 layers + lm_head) by batch rows M, which
 shows where CPU GEMMs stop getting cheaper per token.
+
+``--units`` instead times the fused kernel's units against each other on a bfloat16 cache at
+real models' shapes (``smollm2``: 9 query / 3 KV heads of 64; ``llama-8b``: 32 / 8 of 128;
+CASES like ``smollm2:48x512``, sequences x context, blocks shuffled): the unit for this CPU's
+best instruction set (csrc/paged_decode_x86.c) against the portable one (the instruction-set
+limit at scalar), ms per call and K/V bytes per second, median of interleaved rounds, their
+outputs checked bit for bit.
 """
 
 from __future__ import annotations
@@ -120,7 +128,57 @@ def gemm_cost_per_token(rows: list[int]) -> dict[int, float]:
     return out
 
 
+UNIT_SHAPES = {"smollm2": (9, 3, 64), "llama-8b": (32, 8, 128)}  # query heads, KV heads, head size
+UNIT_CASES = "smollm2:1x1024,smollm2:1x4096,smollm2:48x512,llama-8b:1x2048,llama-8b:32x1024"
+
+
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}  # PS_ISA_* (executor_svc/cpu_ops.py)
+
+
+def _unit_case(kernel, case: str, best: int, threads: int, rounds: int) -> dict:
+    shape, _, size = case.partition(":")
+    hq, hkv, d = UNIT_SHAPES[shape]
+    n, ctx = (int(v) for v in size.split("x"))
+    per_seq = -(-ctx // BLOCK)
+    k_cache = torch.randn(n * per_seq + 1, BLOCK, hkv, d).bfloat16()
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.arange(1, n * per_seq + 1, dtype=torch.int32).view(n, per_seq)[torch.randperm(n)].contiguous()
+    lens, q, idx = torch.full((n,), ctx, dtype=torch.int32), torch.randn(n, hq, d), torch.arange(n)
+    outs = {level: torch.empty_like(q) for level in (best, 0)}
+
+    def call(level: int) -> None:
+        kernel.lib.ps_set_isa_limit(level)
+        kernel(outs[level], q, k_cache, v_cache, tables, lens, idx, idx, d ** -0.5, threads, check_indices=False)
+
+    for level in outs:
+        call(level)
+    if not torch.equal(outs[best].view(torch.int32), outs[0].view(torch.int32)):
+        raise AssertionError(f"{case}: the {ISA_NAMES[best]} unit's output differs from the portable one's")
+    times: dict[int, list[float]] = {level: [] for level in outs}
+    for _ in range(rounds):
+        for level in times:
+            times[level].append(_ms(lambda level=level: call(level), reps=10, rounds=1))
+    kv_bytes = 2 * n * ctx * hkv * d * 2
+    fast, slow = statistics.median(times[best]), statistics.median(times[0])
+    return {"case": case, "isa": ISA_NAMES[best], "ms": round(fast, 4), "portable_ms": round(slow, 4),
+            "gbs": round(kv_bytes / fast / 1e6, 1), "portable_gbs": round(kv_bytes / slow / 1e6, 1),
+            "speedup": round(slow / fast, 2)}
+
+
+def unit_speeds(cases: str, threads: int, rounds: int = 9) -> list[dict]:
+    kernel = load_decode_kernel()
+    if kernel is None:
+        raise SystemExit("the fused kernel is unavailable (see the warning above)")
+    best = kernel.lib.ps_isa_level(0)  # PS_W_F32's level: what picks the decode unit
+    try:
+        return [_unit_case(kernel, case, best, threads, rounds) for case in cases.split(",")]
+    finally:
+        kernel.lib.ps_set_isa_limit(2)
+
+
 def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--units", nargs="?", const=UNIT_CASES, default=None, metavar="CASES",
+                    help=f"time the fused kernel's units instead (default cases: {UNIT_CASES})")
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--min-len", type=int, default=100)
     ap.add_argument("--max-len", type=int, default=400)
@@ -130,6 +188,14 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.units:
+        rows = unit_speeds(args.units, args.threads)
+        print(f"fused decode kernel, bfloat16 cache, {args.threads} thread(s): best unit vs portable unit")
+        print("| case | unit | ms | K/V GB/s | portable ms | portable GB/s | speedup |\n|---|---|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['case']} | {r['isa']} | {r['ms']:.3f} | {r['gbs']} | {r['portable_ms']:.3f} | "
+                  f"{r['portable_gbs']} | {r['speedup']:.2f}x |")
+        return {"units": rows, "threads": args.threads}
     with torch.inference_mode():
         per_layer = attention_vs_gemm(args.seqs, args.min_len, args.max_len)
         per_token = gemm_cost_per_token([1, 8, 16, 32, 64, 128, 256])
