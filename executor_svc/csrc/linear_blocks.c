@@ -55,9 +55,7 @@ static void quantize_row(const float *restrict x, int k, int8_t *restrict q, flo
         }
         int8_t *q1 = q + 2 * j0, *q2 = q1 + PS_BLK;
         if (!(amax <= 3.0e38f)) { /* NaN or inf: let it show in the outputs */
-            memset(q1, 0, 2 * PS_BLK);
-            dx[b] = dxs[b] = NAN;
-            s[b] = 0;
+            ps_block_nonfinite(q1, dx + b, s + b, dxs + b);
             continue;
         }
         const float d = amax / 127.0f;
@@ -71,9 +69,7 @@ static void quantize_row(const float *restrict x, int k, int8_t *restrict q, flo
             q2[j] = (int8_t)(int)r2[j];
             sum += 254 * q1[j] + q2[j];
         }
-        dx[b] = d / 254.0f;
-        s[b] = sum;
-        dxs[b] = dx[b] * (float)sum;
+        ps_block_scales(d, sum, dx + b, s + b, dxs + b);
     }
 }
 

@@ -113,6 +113,21 @@ static inline float ps_unfused(float v) {
 #endif
 }
 
+/* A block of activations holding NaN or inf, or a finite value past 3e38 (the quantisers' rule):
+ * quants 0 and NaN scales, so that the value shows in every output it reaches. */
+static inline void ps_block_nonfinite(int8_t *q1, float *dx, int32_t *s, float *dxs) {
+    __builtin_memset(q1, 0, 2 * PS_BLK);
+    *dx = *dxs = __builtin_nanf("");
+    *s = 0;
+}
+
+/* A quantised block's scales from its step d (amax / 127) and the integer sum of 254 q1 + q2. */
+static inline void ps_block_scales(float d, int32_t sum, float *dx, int32_t *s, float *dxs) {
+    *dx = d / 254.0f;
+    *s = sum;
+    *dxs = *dx * (float)sum;
+}
+
 /* The hooks linear_cpu.c calls for the block formats (same contracts as ps_linear_*). */
 int64_t ps_blocks_work_bytes(int n, int k);
 void ps_blocks_prep(const ps_linear_t *L, const float *x, int64_t ldx, int t0, int t1, int n, void *work);

@@ -16,8 +16,6 @@
 
 #ifdef PS_X86
 #include <immintrin.h>
-#include <math.h>
-#include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
 #define TGT_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -281,9 +279,7 @@ TGT_512 void ps_blocks_quantize_512(const float *x, int k, int8_t *q, float *dx,
             _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
         int8_t *q1 = q + 2 * j0, *q2 = q1 + PS_BLK;
         if (nan || !(amax <= 3.0e38f)) {
-            memset(q1, 0, 2 * PS_BLK);
-            dx[b] = dxs[b] = NAN;
-            s[b] = 0;
+            ps_block_nonfinite(q1, dx + b, s + b, dxs + b);
             continue;
         }
         const float d = amax / 127.0f;
@@ -303,9 +299,7 @@ TGT_512 void ps_blocks_quantize_512(const float *x, int k, int8_t *q, float *dx,
         _mm_storeu_si128((__m128i *)(q2 + 16), _mm512_cvtepi32_epi8(c1));
         const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(_mm512_mullo_epi32(a0, k254i), c0),
                                              _mm512_add_epi32(_mm512_mullo_epi32(a1, k254i), c1));
-        dx[b] = d / 254.0f;
-        s[b] = _mm512_reduce_add_epi32(sum);
-        dxs[b] = dx[b] * (float)s[b];
+        ps_block_scales(d, _mm512_reduce_add_epi32(sum), dx + b, s + b, dxs + b);
     }
 }
 
@@ -336,9 +330,7 @@ TGT_AVX2 void ps_blocks_quantize_avx2(const float *x, int k, int8_t *q, float *d
         const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
         int8_t *q1 = q + 2 * j0, *q2 = q1 + PS_BLK;
         if (nan || !(amax <= 3.0e38f)) {
-            memset(q1, 0, 2 * PS_BLK);
-            dx[b] = dxs[b] = NAN;
-            s[b] = 0;
+            ps_block_nonfinite(q1, dx + b, s + b, dxs + b);
             continue;
         }
         const float d = amax / 127.0f;
@@ -355,9 +347,7 @@ TGT_AVX2 void ps_blocks_quantize_avx2(const float *x, int k, int8_t *q, float *d
         __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-        dx[b] = d / 254.0f;
-        s[b] = _mm_cvtsi128_si32(t);
-        dxs[b] = dx[b] * (float)s[b];
+        ps_block_scales(d, _mm_cvtsi128_si32(t), dx + b, s + b, dxs + b);
     }
 }
 
