@@ -1,5 +1,6 @@
 /* What the two files of the CPU paged decode kernel share (paged_decode_cpu.c: the portable unit,
- * the dispatch and the parallel drivers; paged_decode_x86.c: the AVX-512 unit). Private to them. */
+ * the dispatch and the parallel drivers; paged_decode_x86.c: the AVX2 and AVX-512 units). Private to
+ * them. */
 #ifndef PS_PAGED_DECODE_H
 #define PS_PAGED_DECODE_H
 

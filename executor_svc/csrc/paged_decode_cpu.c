@@ -93,7 +93,6 @@ static inline __attribute__((always_inline)) int one_unit(float *out, int64_t o_
 }
 
 
-
 /* The common head sizes and both cache types as compile-time constants: the dot products and
  * updates unroll into whole registers. Any other size takes the same code with a run-time bound. */
 PS_CLONES static int unit_for_head_size(float *out, int64_t o_head, const float *q, int64_t q_head,
