@@ -83,7 +83,15 @@ static inline __attribute__((always_inline)) void ps_block_softmax(int n, const 
     }
 }
 
-#ifdef PS_X86
+/* The x86 units are written with __builtin_shufflevector: GCC 12 or later, or clang. An older
+ * compiler builds the portable unit alone (the same bits, slower). */
+#if defined(PS_X86) && defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define PS_DECODE_X86 1
+#endif
+#endif
+
+#ifdef PS_DECODE_X86
 /* The portable unit (one_unit) for head_size 64 or 128 with AVX-512 (block_size a multiple of 16)
  * or AVX2 (of 8): the same bits (paged_decode_x86.c). isa: PS_ISA_AVX512 or PS_ISA_AVX2, which the
  * CPU must have; PS_BAD_ARG for any other shape. */

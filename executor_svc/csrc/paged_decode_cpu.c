@@ -99,7 +99,7 @@ PS_CLONES static int unit_for_head_size(float *out, int64_t o_head, const float 
                               const void *k_cache, const void *v_cache, int kv_type, const int32_t *table,
                               int seq_len, int max_blocks, int h0, int h1, int G, int H_kv, int D, int B,
                               int64_t num_blocks, float scale, float *scratch) {
-#if defined(PS_X86) && !defined(PS_NO_DECODE_X86) /* (a timed variant's switch: roofline --variant) */
+#if defined(PS_DECODE_X86) && !defined(PS_NO_DECODE_X86) /* (a timed variant's switch: roofline --variant) */
     if (D == 64 || D == 128) {
         const int isa = ps_isa_level(PS_W_F32);
         const int use = isa == PS_ISA_AVX512 && B % 16 == 0 ? PS_ISA_AVX512

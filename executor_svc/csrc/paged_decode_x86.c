@@ -16,7 +16,7 @@
  */
 #include "paged_decode.h"
 
-#ifdef PS_X86
+#ifdef PS_DECODE_X86
 #include <math.h>
 #include <string.h>
 
@@ -322,4 +322,6 @@ int ps_decode_unit_x86(int isa, float *out, int64_t o_head, const float *q, int6
     ps_unit_end(&u, out, o_head, h0 * G, (h1 - h0) * G, D);
     return PS_OK;
 }
+#else
+typedef int ps_paged_decode_x86_unused; /* (ISO C: a translation unit must declare something) */
 #endif
