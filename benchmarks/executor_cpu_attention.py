@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from executor_svc.attention import AttentionMetadata, TorchAttentionBackend
 from executor_svc.cpu_kernels import load_decode_kernel
+from executor_svc.cpu_ops import ISA_NAMES
 
 BLOCK, KV_HEADS, Q_HEADS, HEAD, HIDDEN, MLP, VOCAB, LAYERS = 16, 4, 8, 64, 512, 1408, 8192, 8
 
@@ -130,9 +131,6 @@ def gemm_cost_per_token(rows: list[int]) -> dict[int, float]:
 
 UNIT_SHAPES = {"smollm2": (9, 3, 64), "llama-8b": (32, 8, 128)}  # query heads, KV heads, head size
 UNIT_CASES = "smollm2:1x1024,smollm2:1x4096,smollm2:48x512,llama-8b:1x2048,llama-8b:32x1024"
-
-
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}  # PS_ISA_* (executor_svc/cpu_ops.py)
 
 
 def _unit_case(kernel, case: str, best: int, threads: int, rounds: int) -> dict:

@@ -83,7 +83,7 @@ def variant_builds(specs: list[str]) -> dict[str, CpuOps]:
     return out
 
 
-def block_format(model) -> str:
+def main_block_format(model) -> str:
     """The block format most of a GGUF model's linear weights are in (``q4_1`` ...)."""
     counts: dict[str, int] = {}
     for m in model.modules():
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> dict:
             with mock.patch("executor_svc.model.loader.load_cpu_ops", return_value=vops):  # pack with the variant
                 models.update({f"{f} ({name})": (f, load_model(model_dir, **LOAD[f])) for f in fmts})
     # the kernel roof of a GGUF model is its blocks' format's
-    rates = {f: kernel_rate(ops, block_format(models[f][1]) if f == "gguf" else f, args.threads) for f in fmts}
+    rates = {f: kernel_rate(ops, main_block_format(models[f][1]) if f == "gguf" else f, args.threads) for f in fmts}
     batches = [int(b) for b in args.batch_sizes.split(",")]
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.repeats):

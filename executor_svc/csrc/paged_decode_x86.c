@@ -140,7 +140,8 @@ INLINE void block_values(const void *v_cache, const int bf16, int64_t v, int64_t
 }
 
 /* Prefetch into L2 `rows` rows of `elems` K and V elements each, from element offset `first`,
- * `stride` elements apart. */
+ * `stride` elements apart, a row's K and V lines together: two passes of ps_prefetch_streams (all
+ * K rows, then all V rows) ran up to 1.3x slower on caches that come from memory. */
 static inline void prefetch_block(const void *k_cache, const void *v_cache, const int bf16, int64_t first,
                                   int64_t stride, int rows, int elems) {
     const int esz = bf16 ? 2 : 4;
