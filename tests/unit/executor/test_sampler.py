@@ -227,7 +227,7 @@ def test_raw_logprobs_are_the_models_own_and_processed_ones_what_was_drawn_from(
 
 
 def test_greedy_ids_are_the_argmax_lowest_id_first_nan_included():
-    from executor_svc.sampler import greedy_id_list, greedy_ids
+    from executor_svc.sampler import greedy_ids
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 4, (300, 513), generator=g).float()  # many ties
@@ -242,15 +242,17 @@ def test_greedy_ids_are_the_argmax_lowest_id_first_nan_included():
     assert torch.equal(greedy_ids(x), torch.argmax(x, dim=-1))
     assert greedy_ids(x)[9] == 0 and greedy_ids(x)[7] == 100 and greedy_ids(x)[11] == 512
     assert greedy_ids(x)[12] == 0 and greedy_ids(x)[13] == 5
-    # The host list (numpy's argmax on CPU float32) gives the same ids, on a strided view too,
-    # and over a real vocabulary's width, where numpy's vectorised loop runs.
-    assert greedy_id_list(x) == greedy_ids(x).tolist()
-    assert greedy_id_list(x[::3, 1:]) == greedy_ids(x[::3, 1:]).tolist()
+    # CPU float32 logits take numpy's argmax: the same ids as torch's reductions, on a strided view
+    # too, over a real vocabulary's width (where numpy's vectorised loop runs), and for one row alone.
+    assert greedy_ids(x).dtype == torch.int64
+    assert greedy_ids(x).tolist() == x.max(dim=-1).indices.tolist()
+    assert greedy_ids(x[::3, 1:]).tolist() == x[::3, 1:].max(dim=-1).indices.tolist()
+    assert greedy_ids(x[7]).tolist() == 100
     wide = torch.randint(-40, 40, (6, 49_152), generator=g).float()
     wide[2, 40_000] = float("nan")
     wide[3, 49_151] = float("nan")
     wide[4] = float("-inf")
     wide[5, 17] = float("inf")
     wide[5, 30_000] = float("inf")
-    assert greedy_id_list(wide) == greedy_ids(wide).tolist() == torch.argmax(wide, dim=-1).tolist()
-    assert greedy_id_list(wide.to(torch.bfloat16)) == greedy_ids(wide.to(torch.bfloat16)).tolist()
+    assert greedy_ids(wide).tolist() == wide.max(dim=-1).indices.tolist() == torch.argmax(wide, dim=-1).tolist()
+    assert greedy_ids(wide.to(torch.bfloat16)).tolist() == torch.argmax(wide.to(torch.bfloat16), dim=-1).tolist()
