@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -92,11 +92,14 @@ def read_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
 
 @dataclass(slots=True)
 class PrefillRow:
+    """Milliseconds per call; None for a kernel that raised (its message in ``errors``)."""
+
     case: str  # "<sequences>x<tokens>"
-    ours_ms: float  # the launcher's default kernel (tensor cores for f16/bf16)
+    ours_ms: float | None  # the launcher's default kernel (tensor cores for f16/bf16)
     sdpa_ms: float
-    simt_ms: float  # the SIMT prefill kernel on the same problem (kernel="simt")
-    pipe_ms: float  # the tensor-core kernel with cp.async-pipelined K/V tiles (kernel="mma_pipe")
+    simt_ms: float | None  # the SIMT prefill kernel on the same problem (kernel="simt")
+    pipe_ms: float | None  # the tensor-core kernel with cp.async-pipelined K/V tiles (kernel="mma_pipe")
+    errors: dict[str, str] = field(default_factory=dict)  # kernel -> what it raised
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -119,16 +122,23 @@ def prefill_row(batch: int, tokens: int, num_q_heads: int = 32, num_kv_heads: in
     out = torch.empty_like(query)
     scale = head ** -0.5
 
-    def ours(kernel: str) -> float:
-        return time_us(lambda: paged_attention_prefill(query, k_cache, v_cache, tables, seq_lens, starts, tokens,
-                                                       tokens, scale, out=out, kernel=kernel))
+    errors: dict[str, str] = {}
 
-    ours_us, simt_us, pipe_us = ours("auto"), ours("simt"), ours("mma_pipe")
+    def ours_ms(kernel: str) -> float | None:
+        """One kernel's time; a kernel that raises (one never run on this GPU yet) leaves the others."""
+        try:
+            return time_us(lambda: paged_attention_prefill(query, k_cache, v_cache, tables, seq_lens, starts, tokens,
+                                                           tokens, scale, out=out, kernel=kernel)) / 1e3
+        except Exception as exc:  # noqa: BLE001
+            errors[kernel] = f"{type(exc).__name__}: {exc}"
+            return None
+
+    auto_ms, simt_ms, pipe_ms = ours_ms("auto"), ours_ms("simt"), ours_ms("mma_pipe")
     q = query.view(batch, tokens, num_q_heads, head).transpose(1, 2)
     k = torch.randn(batch, num_kv_heads, tokens, head, device="cuda").to(dtype)
     v = torch.randn_like(k)
     sdpa_us = time_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True))
-    return PrefillRow(f"{batch}x{tokens}", ours_us / 1e3, sdpa_us / 1e3, simt_us / 1e3, pipe_us / 1e3)
+    return PrefillRow(f"{batch}x{tokens}", auto_ms, sdpa_us / 1e3, simt_ms, pipe_ms, errors)
 
 
 def decode_row(batch: int, context: int, read_gbs: float, num_q_heads: int = 32, num_kv_heads: int = 8,

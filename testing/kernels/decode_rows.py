@@ -42,8 +42,9 @@ def fastest(variants_us: dict[str, float]) -> str:
 def time_variants(ours: Callable[..., None], out: torch.Tensor, auto_us: float,
                   time_us: Callable[[Callable[[], object]], float]) -> tuple[dict, list]:
     """({variant: us}, [variants whose output is off]) on the problem ``ours(variant, rotate)`` runs;
-    the one "auto" runs keeps ``auto_us``; ``time_us`` times a call (the benchmark's CUDA events). Each variant's output on one table set is checked against
-    the default's first, so a broken variant cannot win by skipping work."""
+    the one "auto" runs keeps ``auto_us``; ``time_us`` times a call (the benchmark's CUDA events).
+    Each variant's output on one table set is checked against the default's first, so a broken
+    variant cannot win by skipping work; one that raises is listed as wrong too."""
     from cupy_kernels.launchers import DECODE_VARIANTS, decode_variant
 
     times, wrong = {}, []
@@ -54,12 +55,15 @@ def time_variants(ours: Callable[..., None], out: torch.Tensor, auto_us: float,
             times[name] = auto_us
             continue
         out.fill_(float("nan"))
-        ours(name, rotate=False)
-        err = float((out.float() - want).norm() / want.norm())
-        if not err < 2e-2:  # bf16 roundings of two summation orders differ by ~1e-3; NaN fails too
-            wrong.append(f"{name} (rel. error {err:.3g} against auto)")
-            continue
-        times[name] = time_us(lambda name=name: ours(name))
+        try:
+            ours(name, rotate=False)
+            err = float((out.float() - want).norm() / want.norm())
+            if not err < 2e-2:  # bf16 roundings of two summation orders differ by ~1e-3; NaN fails too
+                wrong.append(f"{name} (rel. error {err:.3g} against auto)")
+                continue
+            times[name] = time_us(lambda name=name: ours(name))
+        except Exception as exc:  # noqa: BLE001  a variant that raises is reported; the others are still timed
+            wrong.append(f"{name} (raised {type(exc).__name__}: {exc})")
     return times, wrong
 
 

@@ -16,6 +16,8 @@ reason when the machine has fewer GPUs than ranks.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,13 +50,19 @@ def run_tp_check(timeout_s: int, device_count: int) -> dict:
 
 
 def run_command(cmd: list[str], timeout_s: int) -> dict:
-    """Run ``cmd``: its exit status (124 when it timed out), seconds and the last 40 lines it printed."""
+    """Run ``cmd``: its exit status (124 when it timed out), seconds and the last 40 lines it printed
+    (stdout and stderr as they came). On a timeout its whole process group is killed, so no grandchild (an
+    executor a test started) keeps holding the GPU for what runs next."""
     start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        rc, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc, output = 124, f"timed out after {timeout_s}s\n{exc.stdout or ''}"
+        out, _ = proc.communicate(timeout=timeout_s)
+        rc, head = proc.returncode, ""
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        rc, head = 124, f"timed out after {timeout_s}s\n"
+    output = head + out.decode(errors="replace")
     tail = "\n".join(output.strip().splitlines()[-40:])
     return {"returncode": rc, "seconds": round(time.perf_counter() - start, 1), "tail": tail}
 

@@ -41,3 +41,17 @@ def test_decode_row_dict_and_markdown_carry_every_variant():
     assert "| 1 | 2048 | 16 | 1.0 | 8.0 | 5.0 | 125 | 3% | 1.60x | - (8.0) | 1.60x |" in table
     assert "| batch | context | base | pipe |" in table and "| 64 | 2048 | 40.0 | 30.0 |" in table
     assert "64 x 2048: nt2 (rel. error 1 against auto)" in table
+
+
+def test_a_variant_that_raises_is_listed_and_the_others_are_timed():
+    want = torch.randn(2, 32, 128)
+    out = torch.empty_like(want)
+
+    def ours(variant: str = "auto", rotate: bool = True) -> None:
+        if variant == "pipe":
+            raise RuntimeError("CUDA_ERROR_INVALID_VALUE")
+        out.copy_(want)
+
+    times, wrong = bench.time_variants(ours, out, 7.0, lambda fn: (fn(), 9.0)[1])
+    assert wrong == ["pipe (raised RuntimeError: CUDA_ERROR_INVALID_VALUE)"]
+    assert set(times) == set(DECODE_VARIANTS) - {"pipe"}
