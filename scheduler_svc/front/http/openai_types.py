@@ -14,11 +14,13 @@ Accepted beyond OpenAI's own fields, as vLLM does: ``top_k`` (-1 or 0: off), ``m
 ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``) and, for chat,
 ``add_generation_prompt``. ``user`` and unknown fields are ignored; fields that would change the
 output and are not implemented (``suffix``, ``best_of`` > n, a structural tag, non-text content
-parts) are rejected, never silently dropped.
+parts) are rejected, never silently dropped. ``null`` in any field means its default (OpenAI's
+fields are "<type> or null"), never a 400.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -32,24 +34,42 @@ from scheduler_svc.front.input.structured import StructuredFields
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
+class _Body(msgspec.Struct):
+    """An object of a request body. JSON ``null`` in a field means its default, as in OpenAI's
+    "<type> or null" fields (and vLLM's Optional ones): a field whose default is not None is typed
+    ``X | None`` so that null decodes, and is given its default back here."""
+
+    def __post_init__(self) -> None:
+        for name, default in _defaults(type(self)):
+            if getattr(self, name) is None:
+                setattr(self, name, default)
 
 
-class JsonSchemaFormat(msgspec.Struct):
+@functools.cache
+def _defaults(kind: type[msgspec.Struct]) -> tuple[tuple[str, Any], ...]:
+    """``kind``'s fields whose default is not None, with it (all immutable: bools, ints, strings)."""
+    return tuple((f.name, f.default) for f in msgspec.structs.fields(kind)
+                 if f.default is not None and f.default is not msgspec.NODEFAULT)
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: every chunk carries the usage so far
+
+
+class JsonSchemaFormat(_Body):
     name: str | None = None
     schema: Any = None
     strict: bool | None = None  # always strict here: the grammar enforces the schema
     description: str | None = None
 
 
-class ResponseFormat(msgspec.Struct):
+class ResponseFormat(_Body):
     type: str
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsParams(msgspec.Struct, kw_only=True):
+class StructuredOutputsParams(_Body, kw_only=True):
     """vLLM's ``structured_outputs``: exactly one of these."""
 
     json: Any = None
@@ -60,7 +80,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True):
     structural_tag: Any = None  # rejected: not implemented
 
 
-class _Request(msgspec.Struct, kw_only=True):
+class _Request(_Body, kw_only=True):
     """Fields both endpoints share."""
 
     model: str | None = None
@@ -72,24 +92,24 @@ class _Request(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
     response_format: ResponseFormat | None = None
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
-    min_tokens: int = 0
+    min_tokens: int | None = 0
     repetition_penalty: float | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
     prompt_logprobs: int | None = None
-    use_beam_search: bool = False
+    use_beam_search: bool | None = False
     length_penalty: float | None = None
-    early_stopping: bool = False
-    return_token_ids: bool = False
+    early_stopping: bool | None = False
+    return_token_ids: bool | None = False
     structured_outputs: StructuredOutputsParams | None = None
     guided_json: Any = None
     guided_regex: str | None = None
@@ -103,27 +123,27 @@ class CompletionRequest(_Request, kw_only=True):
     prompt: str | list[str | int | list[int]] | None = None
     max_tokens: int | None = None
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
 
 
-class ContentPart(msgspec.Struct):
+class ContentPart(_Body):
     type: str
     text: str | None = None
 
 
-class FunctionCall(msgspec.Struct):
+class FunctionCall(_Body):
     name: str
-    arguments: str | dict[str, Any] = "{}"
+    arguments: str | dict[str, Any] | None = "{}"
 
 
-class ToolCall(msgspec.Struct):
+class ToolCall(_Body):
     function: FunctionCall
     id: str | None = None
-    type: str = "function"
+    type: str | None = "function"
 
 
-class ChatMessage(msgspec.Struct):
+class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -131,50 +151,50 @@ class ChatMessage(msgspec.Struct):
     tool_call_id: str | None = None
 
 
-class FunctionDef(msgspec.Struct):
+class FunctionDef(_Body):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDef(msgspec.Struct):
+class ToolDef(_Body):
     function: FunctionDef
-    type: str = "function"
+    type: str | None = "function"
 
 
-class NamedFunction(msgspec.Struct):
+class NamedFunction(_Body):
     name: str
 
 
-class NamedToolChoice(msgspec.Struct):
+class NamedToolChoice(_Body):
     function: NamedFunction
-    type: str = "function"
+    type: str | None = "function"
 
 
 class ChatRequest(_Request, kw_only=True):
     messages: list[ChatMessage] | None = None
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = True
     tools: list[ToolDef] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
+class TokenizeRequest(_Body, kw_only=True):
     """vLLM's /tokenize (utility_routes.py)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = True
 
 
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
+class DetokenizeRequest(_Body, kw_only=True):
     """vLLM's /detokenize (utility_routes.py)."""
 
     tokens: list[int]

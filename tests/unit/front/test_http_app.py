@@ -10,11 +10,13 @@ import socket
 import threading
 import time
 
+import msgspec
 import openai
 import pytest
 
 from scheduler_svc.front.http.chat_template import ChatTemplate
 from scheduler_svc.front.http.limits import HttpLimits
+from scheduler_svc.front.http.openai_types import ChatRequest, CompletionRequest
 from scheduler_svc.front.input import offload
 from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.telemetry.metrics import Metrics
@@ -145,6 +147,37 @@ def test_chat_logprobs_form_and_beam_search_mapping(fake):
     fake.client().completions.create(model=MODEL, prompt="Hi", n=3, extra_body={"use_beam_search": True})
     p = fake.engine.requests[-1].params
     assert (p.n, p.beam_width) == (1, 3)
+
+
+@pytest.mark.parametrize("path,kind,body", [
+    ("/v1/completions", CompletionRequest, {"prompt": "Hi"}),
+    ("/v1/chat/completions", ChatRequest, {"messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_null_in_any_optional_field_means_its_default(fake, path, kind, body):
+    """OpenAI's "or null" fields (and vLLM's extensions): null is the default, never a 400."""
+    status, raw = fake.request("POST", path, body)
+    assert status == 200, raw
+    expected = fake.engine.requests[-1]
+    nulls = {f.name: None for f in msgspec.structs.fields(kind) if f.name not in body}
+    assert {"stream", "logprobs", "n", "temperature", "stop", "skip_special_tokens"} <= set(nulls)
+    status, raw = fake.request("POST", path, {**body, **nulls})
+    assert status == 200, raw
+    got = fake.engine.requests[-1]
+    assert got.params == expected.params and got.prompt_token_ids == expected.prompt_token_ids
+    assert json.loads(raw)["object"] in ("text_completion", "chat.completion")  # stream: null is not a stream
+    assert "logprobs" not in json.dumps(json.loads(raw)["choices"][0]).replace('"logprobs": null', "")
+
+
+def test_null_inside_messages_and_stream_options_means_the_default(fake):
+    status, raw = fake.request("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                     {"role": "assistant", "content": "Calling f.", "tool_calls": [
+                         {"id": "c1", "type": None, "function": {"name": "f", "arguments": None}}]},
+                     {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
+        "stream": True, "stream_options": {"include_usage": None, "continuous_usage_stats": None}})
+    assert status == 200, raw
+    events = [json.loads(line[6:]) for line in raw.decode().split("\n\n") if line.startswith("data: {")]
+    assert events and all("usage" not in e for e in events)  # include_usage: null is false
 
 
 def test_batch_of_prompts_runs_one_request_each_with_echo(fake):
