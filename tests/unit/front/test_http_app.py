@@ -180,6 +180,23 @@ def test_null_inside_messages_and_stream_options_means_the_default(fake):
     assert events and all("usage" not in e for e in events)  # include_usage: null is false
 
 
+TOOL_ROUND = [{"role": "user", "content": "weather?"},
+              {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                  "name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+
+
+def test_a_reply_that_called_a_tool_goes_back_in_the_history_with_null_content(fake):
+    """What the openai SDK sends when a client appends ``reply.choices[0].message``: content null."""
+    rendered = ("<|im_start|>user\nweather?<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+                "<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n")
+    expected = make_tokenizer().encode(rendered, add_special_tokens=False).ids
+    r = fake.client().chat.completions.create(model=MODEL, messages=TOOL_ROUND)
+    assert r.choices[0].message.content == FULL and fake.engine.requests[-1].prompt_token_ids == expected
+    status, raw = fake.request("POST", "/tokenize", {"messages": TOOL_ROUND})
+    assert status == 200 and json.loads(raw)["tokens"] == expected
+
+
 def test_batch_of_prompts_runs_one_request_each_with_echo(fake):
     r = fake.client().completions.create(model=MODEL, prompt=["Hi", "Ho"], n=2, echo=True, max_tokens=3)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
