@@ -36,6 +36,7 @@ import functools
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,7 +62,14 @@ CACHE_ENTRIES = 128  # compiled grammars kept (LRU); at a 128K vocabulary a JSON
 
 
 class GrammarError(RuntimeError):
-    """A sequence's grammar cannot be served (it does not compile here, or its tokens do not match it)."""
+    """A sequence's grammar cannot be served (it does not compile here, or its tokens do not match it).
+    ``rejected``: the fault is the request's own (its grammar does not compile on this engine, or
+    this executor serves no structured outputs), so its client is told why and the step is not
+    held against the executor."""
+
+    def __init__(self, message: str, *, rejected: bool = False) -> None:
+        super().__init__(message)
+        self.rejected = rejected
 
 
 def _xgrammar():
@@ -165,6 +173,8 @@ class GrammarBackend:
                 matcher = g.matcher()
             except Exception as exc:  # noqa: BLE001  this row cannot be served: its sequence fails alone
                 masks.failed[i] = str(exc)
+                if isinstance(exc, GrammarError) and exc.rejected:
+                    masks.rejected.add(i)
                 continue
             masks.rows.append(i)
             if g.terminated:  # a step computed past its end token: only end tokens again
@@ -250,9 +260,13 @@ class SeqGrammar:
             try:
                 compiled = self._future.result(timeout=COMPILE_TIMEOUT_S)
             except TimeoutError:
-                raise GrammarError(f"its grammar did not compile within {COMPILE_TIMEOUT_S:g}s") from None
+                raise GrammarError(f"the grammar did not compile within {COMPILE_TIMEOUT_S:g}s",
+                                   rejected=True) from None
+            except GrammarError as exc:
+                raise GrammarError(str(exc), rejected=True) from exc
             except Exception as exc:  # noqa: BLE001  a spec the API edge let through but this engine refuses
-                raise GrammarError(f"its grammar does not compile here: {exc}") from exc
+                raise GrammarError(f"the grammar does not compile here (xgrammar): {_engine_message(exc)}",
+                                   rejected=True) from exc
             m = _xgrammar().GrammarMatcher(compiled, override_stop_tokens=sorted(self.end_token_ids) or None)
             for tok in self._pending:
                 if not m.is_terminated() and not m.accept_token(tok):
@@ -279,10 +293,19 @@ class SeqGrammar:
         return child
 
 
+def _engine_message(exc: Exception) -> str:
+    """xgrammar's error for a client: without the time and C++ source line its messages start with
+    (``[06:45:01] /project/cpp/regex_converter.cc:94: Regex parsing error ...``)."""
+    return _CPP_LOG_PREFIX.sub("", str(exc)).strip()
+
+
+_CPP_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
 def unserved(reason: str) -> SeqGrammar:
     """The grammar of a sequence this executor cannot constrain: its first sample fails, saying why."""
     fut: Future = Future()
-    fut.set_exception(GrammarError(reason))
+    fut.set_exception(GrammarError(reason, rejected=True))
     return SeqGrammar(fut, [], [])
 
 
@@ -300,14 +323,16 @@ def _bit(j: int) -> int:
 class GrammarMasks:
     """One step's bitmask ``[num_rows, ceil(vocab / 32)] int32`` (bit ``t % 32`` of word ``t // 32``
     set: token ``t`` allowed), the rows it constrains, and the constrained rows it cannot serve
-    (``failed``: row -> why). A failed row is left unmasked: the runner drops its sequence and
+    (``failed``: row -> why; ``rejected``: those of them failed for their request's own grammar,
+    :class:`GrammarError`). A failed row is left unmasked: the runner drops its sequence and
     reports it failed instead of appending what it sampled; the step's other rows are served."""
 
-    __slots__ = ("bitmask", "rows", "vocab_size", "failed")
+    __slots__ = ("bitmask", "rows", "vocab_size", "failed", "rejected")
 
     def __init__(self, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
         self.bitmask, self.rows, self.vocab_size = bitmask, rows, vocab_size
         self.failed: dict[int, str] = {}
+        self.rejected: set[int] = set()
 
     @classmethod
     def unserved(cls, seqs: Sequence[Any]) -> GrammarMasks:
@@ -315,6 +340,7 @@ class GrammarMasks:
         masks = cls(torch.empty(0, 0, dtype=torch.int32), [], 0)
         masks.failed = {i: "this executor cannot serve structured outputs (no tokenizer.json)"
                         for i, s in enumerate(seqs) if s.grammar is not None}
+        masks.rejected = set(masks.failed)
         return masks
 
     def apply(self, logits: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ sequence, the one place the executor's state grows by a token it chose itself.
 from __future__ import annotations
 
 import logging
+from collections.abc import Set as AbstractSet
 
 import torch
 
@@ -17,7 +18,14 @@ from executor_svc.grammar import GrammarBackend, GrammarMasks
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.sampler import SampleOutput, Sampler
 from executor_svc.speculative.verify import report_spec_tokens, verify_proposals
-from pagedserve.wire import MAX_TEXT_CHARS, PromptLogprobs, SeqLogprobs, StepResult
+from pagedserve.wire import (
+    MAX_REJECTION_CHARS,
+    MAX_TEXT_CHARS,
+    PromptLogprobs,
+    SeqLogprobs,
+    SeqRejection,
+    StepResult,
+)
 
 log = logging.getLogger(__name__)
 PROMPT_SLICE = 256  # prompt rows scored at once (their logits are [rows, vocab] float32)
@@ -67,11 +75,12 @@ def sampling_logits(model: LlamaForCausalLM, hidden: torch.Tensor, batch: Batch,
 
 
 def report_samples(seqs: list[SeqState], out: SampleOutput, result: StepResult, failed: dict[int, str],
-                   grammar: GrammarBackend | None) -> list[int]:
+                   grammar: GrammarBackend | None, rejected: AbstractSet[int] = frozenset()) -> list[int]:
     """Append the sampled tokens to their sequences and report them in ``result``; the rows in
     ``failed`` (row -> why: their grammar cannot be served; sampled unmasked) are reported failed
-    instead: the sequences the caller must drop. RuntimeError, nothing appended, when a row that
-    should have a token has none."""
+    instead: the sequences the caller must drop; those of them in ``rejected`` (their request's own
+    grammar is at fault) also in ``result.rejected``, with the reason. RuntimeError, nothing
+    appended, when a row that should have a token has none."""
     for i, s in enumerate(seqs):  # every row checked before any is appended: all or nothing
         if out.beam[i] is None and out.token_ids[i] is None and i not in failed:
             raise RuntimeError(f"sampler returned no token for seq {s.seq_id}")
@@ -103,6 +112,7 @@ def report_samples(seqs: list[SeqState], out: SampleOutput, result: StepResult, 
     log.warning("step %d: %d sequences fail, their grammar cannot be served: %s", result.step_id,
                 len(failed), "; ".join(reasons))
     result.failed_seq_ids.extend(seqs[i].seq_id for i in failed)
+    result.rejected.extend(SeqRejection(seqs[i].seq_id, failed[i][:MAX_REJECTION_CHARS]) for i in failed if i in rejected)
     result.error = ("structured outputs: " + "; ".join(reasons))[:MAX_TEXT_CHARS]
     return [seqs[i].seq_id for i in failed]
 
@@ -129,12 +139,13 @@ def sample_rows(sampler: Sampler, batch: Batch, logits: torch.Tensor, result: St
     and report the tokens (:func:`report_samples`); the sequences the caller must drop."""
     seqs = batch.sample_seqs
     failed = masks.failed if masks is not None else {}
+    rejected = masks.rejected if masks is not None else frozenset()
     if not batch.spec:
-        return report_samples(seqs, sampler.sample(logits, seqs, masks), result, failed, grammar)
+        return report_samples(seqs, sampler.sample(logits, seqs, masks), result, failed, grammar, rejected)
     index = {s.seq_id: i for i, s in enumerate(seqs)}
     last_rows = [logits[index[s.seq_id]].clone() for s, _, _ in batch.spec]  # (the sampler edits logits)
     out = sampler.sample(logits, seqs, masks)  # (speculating rows: replaced below)
     extras = verify_proposals(sampler, batch, last_rows, out, index, grammar, frozenset(failed))
-    dropped = report_samples(seqs, out, result, failed, grammar)
+    dropped = report_samples(seqs, out, result, failed, grammar, rejected)
     report_spec_tokens(batch, extras, result)
     return dropped

@@ -129,6 +129,7 @@ class ErrorKind(enum.IntEnum):
     NO_EXECUTOR = 1  # no executor can take it now, or it ran out of migrations (UNAVAILABLE)
     QUEUE_FULL = 2  # more requests queued than the configured limit (RESOURCE_EXHAUSTED)
     NOT_FOUND = 3  # it names a LoRA adapter this deployment does not serve (NOT_FOUND, 404)
+    INVALID = 4  # what it asked for cannot be served as asked: an executor refused its grammar (INVALID_ARGUMENT, 400)
 
 
 class EngineError(Exception):

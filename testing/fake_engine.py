@@ -65,8 +65,9 @@ class FakeRunner:
             return changed
         return res
 
-    def fail_seqs(self, res: wire.StepResult, seq_ids: list[int]) -> wire.StepResult:
-        """``res`` as if the step could not serve ``seq_ids``: dropped, reported failed."""
+    def fail_seqs(self, res: wire.StepResult, seq_ids: list[int], rejected: str | None = None) -> wire.StepResult:
+        """``res`` as if the step could not serve ``seq_ids``: dropped, reported failed; ``rejected``:
+        and each rejected for its request's own grammar, with this reason."""
         for sid in seq_ids:
             self.fake.seqs.pop(sid, None)
         self.dropped.add(seq_ids)
@@ -74,7 +75,8 @@ class FakeRunner:
         return wire.StepResult(res.step_id, [s for s, _ in kept], [t for _, t in kept],
                                [x for x in res.logprobs if x.seq_id not in seq_ids],
                                [x for x in res.beam_candidates if x.seq_id not in seq_ids],
-                               failed_seq_ids=list(seq_ids), error="injected device error")
+                               failed_seq_ids=list(seq_ids), error="injected device error",
+                               rejected=[] if rejected is None else [wire.SeqRejection(s, rejected) for s in seq_ids])
 
 
 class FakeExecutorThread:

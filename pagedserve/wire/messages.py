@@ -205,6 +205,15 @@ class LoraFailure(WireMessage):
     reason: Text
 
 
+class SeqRejection(WireMessage):
+    """A sequence failed for what its request asked, not for anything the executor did: its grammar
+    does not compile on the executor's engine, or the executor serves no structured outputs. The
+    reason goes to that request's client alone."""
+
+    seq_id: Count
+    reason: Annotated[str, Meta(max_length=p.MAX_REJECTION_CHARS)]
+
+
 class BatchPlan(WireMessage):
     """One iteration for one executor. See the module docstring for the order.
 
@@ -319,6 +328,11 @@ class StepResult(WireMessage):
       ``failed_seq_ids`` names the sequences the check found at fault, when it could
       tell. ``error`` says why.
 
+    ``rejected`` names the failed sequences whose own request is at fault (a grammar the
+    executor's engine refuses), each with the reason its client is told: the scheduler fails
+    those requests as invalid and does not hold the step against the executor. (An executor
+    older than the field sends none: its rejections count as failures, as they did.)
+
     Anything else (a step id not sent, another order or set of sequences, a token id
     outside the vocabulary, more log-probs than asked for) breaks the contract: the
     scheduler drops the executor before any of the result is applied.
@@ -344,17 +358,20 @@ class StepResult(WireMessage):
     # The plan's LoRA loads that failed; the sequences that run under those slots are in failed_seq_ids.
     lora_failures: Annotated[list[LoraFailure], Meta(max_length=p.MAX_LORA_SLOTS)] = \
         msgspec.field(default_factory=list)
+    rejected: Annotated[list[SeqRejection], Meta(max_length=p.MAX_SEQS_PER_STEP)] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.sampled_seq_ids) != len(self.sampled_token_ids):
             raise ValueError("sampled_seq_ids and sampled_token_ids differ in length")
+        if self.rejected and not {r.seq_id for r in self.rejected} <= set(self.failed_seq_ids):
+            raise ValueError("rejected names sequences that are not in failed_seq_ids")
 
 
 def max_result_bytes(num_scheduled: int, num_sampled: int, logprobs: int = 0, num_logprob_seqs: int = 0,
                      beam_candidates: int = 0, num_beam_seqs: int = 0, prompt_tokens_scored: int = 0,
                      prompt_logprob_entries: int = 0, num_prompt_logprob_seqs: int = 0,
                      decode_steps: int = 1, proposed: int = 0, num_speculating: int = 0,
-                     lora_loads: int = 0) -> int:
+                     lora_loads: int = 0, num_constrained: int = 0) -> int:
     """The largest encoded StepResult frame (envelope included) a plan can be answered with.
 
     ``num_scheduled`` sequences computed, ``num_sampled`` of them sampling; of those,
@@ -364,7 +381,8 @@ def max_result_bytes(num_scheduled: int, num_sampled: int, logprobs: int = 0, nu
     ``prompt_logprob_entries`` alternatives in all; ``decode_steps``: the plan's; ``proposed``
     tokens proposed to ``num_speculating`` sequences, each of which may come back with its
     log-probs (counted at ``logprobs`` / ``num_logprob_seqs`` per token); ``lora_loads``: the plan's
-    adapter loads, each of which may fail with a reason. A receiver refuses a larger frame before
+    adapter loads, each of which may fail with a reason; ``num_constrained`` sampling sequences
+    under a grammar, each of which may be rejected with a reason. A receiver refuses a larger frame before
     parsing it. msgpack sizes are taken at their largest: 5 bytes for an int or a container
     header, 9 for a float, 4 bytes per character of text.
     """
@@ -380,7 +398,8 @@ def max_result_bytes(num_scheduled: int, num_sampled: int, logprobs: int = 0, nu
             + prompt_logprobs + 9 * prompt_tokens_scored + 14 * prompt_logprob_entries
             + 5 + 20 * num_speculating + 5 * proposed  # spec_tokens: entries, their ids
             + proposed * (seq_logprobs + 14 * (1 + (logprobs // max(num_logprob_seqs, 1))))
-            + 5 + lora_loads * (1 + 5 + 5 + 4 * p.MAX_TEXT_CHARS))  # lora_failures
+            + 5 + lora_loads * (1 + 5 + 5 + 4 * p.MAX_TEXT_CHARS)  # lora_failures
+            + 5 + num_constrained * (1 + 5 + 5 + 4 * p.MAX_REJECTION_CHARS))  # rejected
 
 
 Message = Handshake | HandshakeReply | Heartbeat | BatchPlan | StepResult | Drain | Reset

@@ -34,6 +34,7 @@ MAX_BLOCK_PAIRS = 1 << 20  # swap and copy pairs of one plan
 MAX_TOP_LOGPROBS = 1 << 10  # alternatives reported for one token (logprobs, beam candidates)
 MAX_ID_CHARS = 256  # executor ids, model names, dtypes, devices
 MAX_TEXT_CHARS = 4096  # error and refusal messages
+MAX_REJECTION_CHARS = 1024  # a rejected sequence's reason, which its client is told
 MAX_INT32 = 2**31 - 1  # sequence, token and block ids: the executor indexes with int32
 MAX_SEED = 2**63 - 1  # executors seed int64 generators
 MAX_TENSOR_PARALLEL_SIZE = 1024  # ranks (GPUs) of one executor

@@ -341,11 +341,14 @@ class EngineCore(CoreRequests):
         self._count_failure(slot, "refused a plan")
 
     def _failed_step(self, slot: ExecutorSlot, result) -> None:
-        """The executor could not serve some sequences of a step (their requests have failed)."""
-        whole = not result.sampled_seq_ids and not result.beam_candidates
-        log.warning("executor %s failed %d sequences of step %d: %s", slot.id, len(result.failed_seq_ids),
-                    result.step_id, result.error)
-        if whole:
+        """The executor could not serve some sequences of a step (their requests have failed). A step
+        that served none counts against the executor, unless every sequence it failed was rejected for
+        what its own request asked (a client's bad grammar must not take an executor down)."""
+        log.warning("executor %s failed %d sequences of step %d (%d rejected for their request): %s", slot.id,
+                    len(result.failed_seq_ids), result.step_id, len(result.rejected), result.error)
+        if set(result.failed_seq_ids) <= {r.seq_id for r in result.rejected}:
+            return  # the requests' fault alone: neither a failure of the executor's nor a step it served
+        if not result.sampled_seq_ids and not result.beam_candidates:
             self._count_failure(slot, "failed its step")
         else:
             slot.failed_steps = 0

@@ -43,13 +43,15 @@ class InFlight:
 
     def max_result_bytes(self) -> int:
         """The largest result frame this plan can be answered with (its sequences, their log-probs,
-        the prompt scores of the chunks it computes)."""
-        lp = num_lp = 0
+        the prompt scores of the chunks it computes, the rejections of its constrained ones)."""
+        lp = num_lp = constrained = 0
         for s in self.sampling:
             sp = s.sampling
             if sp.want_logprobs:
                 num_lp += 1
                 lp += sp.logprobs
+            if sp.structured is not None:
+                constrained += 1
         beams = 0
         for s in self.beams:
             beams += s.sampling.beam_candidates
@@ -59,7 +61,8 @@ class InFlight:
             entries += most * s.sampling.prompt_logprobs
         return max_result_bytes(len(self.seq_ids), len(self.sampling), lp, num_lp, beams, len(self.beams),
                                 scored, entries, len(self.scoring), self.decode_steps,
-                                sum(d for _, d, _ in self.proposed_at), len(self.proposed_at), self.lora_loads)
+                                sum(d for _, d, _ in self.proposed_at), len(self.proposed_at), self.lora_loads,
+                                constrained)
 
     def forget(self, dropped: set[int]) -> None:
         """The executor dropped these sequences after an earlier step failed: this plan serves none of

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from pagedserve.engine_api import RequestUpdate
-from pagedserve.wire import StepResult
+from pagedserve.engine_api import ErrorKind, RequestUpdate
+from pagedserve.wire import SeqRejection, StepResult
 from scheduler_svc.sched.in_flight import ProtocolError
 from scheduler_svc.sched.lifecycle import RequestLifecycle
 
@@ -69,7 +69,7 @@ class ResultHandling(RequestLifecycle):
             self.decode_policy.observe(step, result)
         if step.decode_steps > 1:  # (its later steps' inputs are its samples: committed with them)
             updates = self._out.process_steps(result, due, step, failed)
-            return updates + self._fail_dropped(failed) if failed else updates
+            return updates + self._fail_dropped(failed, result.rejected) if failed else updates
         commit = self.kv.commit_computed
         for seq, residency, computed in step.to_commit:  # computed now: safe to share via the cache
             if seq.finish_reason is None and seq.residency == residency and seq.seq_id not in failed:
@@ -85,7 +85,7 @@ class ResultHandling(RequestLifecycle):
         updates = self._out.process(result, due, [s for s in step.beams if s.seq_id not in failed])
         if step.proposed_at:
             self.spec.apply(result, step, updates, failed, self._out)
-        return updates + self._fail_dropped(failed)
+        return updates + self._fail_dropped(failed, result.rejected)
 
     def _lora_failed(self, slot: int, reason: str) -> None:
         """The executor could not load ``slot``'s adapter: every request pinned to it fails with the
@@ -101,13 +101,18 @@ class ResultHandling(RequestLifecycle):
                                                                      f"loaded: {reason}")
         self.lora.unload(slot)
 
-    def _fail_dropped(self, failed: set[int]) -> list[RequestUpdate]:
+    def _fail_dropped(self, failed: set[int], rejected: list[SeqRejection]) -> list[RequestUpdate]:
         """The executor dropped ``failed`` (its step could not serve them): the plans behind it serve
-        none of them, and the requests that own them fail."""
+        none of them, and the requests that own them fail; those ``rejected`` for what they asked
+        as invalid, each told its own reason."""
         dropped = set(failed)
         for later in self.in_flight:
             later.forget(dropped)
-        return self._out.fail([self.seqs[i] for i in failed if i in self.seqs], "the executor failed its step")
+        out: list[RequestUpdate] = []
+        for r in rejected:  # (first: a request with a rejected sequence is told why, not "failed")
+            if r.seq_id in self.seqs:
+                out += self._out.fail([self.seqs[r.seq_id]], f"structured outputs: {r.reason}", ErrorKind.INVALID)
+        return out + self._out.fail([self.seqs[i] for i in failed if i in self.seqs], "the executor failed its step")
 
     def fail_seqs(self, seq_ids: list[int], error: str) -> list[RequestUpdate]:
         """Fail the requests that own these sequences (those still here)."""

@@ -17,7 +17,14 @@ more, and that token never reaches a client.
 
 from __future__ import annotations
 
-from pagedserve.engine_api import FinishReason, PromptScores, RequestUpdate, SeqUpdate, TokenLogprob
+from pagedserve.engine_api import (
+    ErrorKind,
+    FinishReason,
+    PromptScores,
+    RequestUpdate,
+    SeqUpdate,
+    TokenLogprob,
+)
 from pagedserve.wire import SeqLogprobs, StepResult
 from scheduler_svc.sched.beam_search import BeamCandidate, BeamLimits, beam_step, final_hypotheses
 from scheduler_svc.sched.in_flight import InFlight, ProtocolError
@@ -203,8 +210,9 @@ class OutputProcessor:
             return True
         return False
 
-    def fail(self, seqs: list[Sequence], error: str) -> list[RequestUpdate]:
-        """Fail (and free) every request that owns one of ``seqs``; ``error`` is what its client sees."""
+    def fail(self, seqs: list[Sequence], error: str, kind: ErrorKind = ErrorKind.FAILED) -> list[RequestUpdate]:
+        """Fail (and free) every request that owns one of ``seqs``; ``error`` is what its client sees,
+        ``kind`` the status it gets."""
         out, seen = [], set()
         for seq in seqs:
             r = seq.request
@@ -213,7 +221,7 @@ class OutputProcessor:
             seen.add(id(r))
             self.s.release_request(r, FinishReason.ABORTED)
             out.append(RequestUpdate(r.request_id, [], True, r.num_prompt_tokens,
-                                     r.num_cached_prompt_tokens, error=error))
+                                     r.num_cached_prompt_tokens, error=error, error_kind=kind))
         return out
 
     # ------------------------------------------------------------------ beam search

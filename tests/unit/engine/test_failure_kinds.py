@@ -203,6 +203,35 @@ def test_an_executor_whose_every_step_fails_is_dropped_and_its_requests_fail_cle
     run(main())
 
 
+def test_requests_whose_grammar_the_executor_rejects_fail_as_invalid_and_never_count_against_it(tokenizer):
+    """Every step fails every sequence, each rejected for its request's own grammar: the requests fail
+    INVALID (400) with the executor's reason, and the executor, which served them correctly, stays."""
+    def reject(plan, res, runner):
+        if res is None or not plan.scheduled_seq_ids or runner.__dict__.get("serve"):
+            return None
+        return runner.fail_seqs(res, list(plan.scheduled_seq_ids), rejected="the grammar does not compile here: x")
+
+    async def main():
+        metrics = Metrics()
+        async with running(tokenizer, 0, metrics=metrics, max_failed_steps=2) as (engine, execs):
+            execs.append(engine_executor(engine, "ex", fault=reject))
+            while not engine.slots:
+                await asyncio.sleep(0.01)
+            slot = engine.slots["ex"]
+            for i in range(4):  # twice --max-failed-steps, one at a time
+                with pytest.raises(EngineError) as raised:
+                    await collect(engine, req(f"b{i}", [3 + i, 4, 5]))
+                assert raised.value.kind is ErrorKind.INVALID
+                assert str(raised.value) == "structured outputs: the grammar does not compile here: x"
+            assert slot.conn.state == "ready" and slot.failed_steps == 0
+            execs[0].runner.serve = True
+            assert len((await collect(engine, req("ok", [3, 4, 5], 4)))[0][0]) == 4
+            await settle(engine)
+        ends_once(metrics)
+
+    run(main())
+
+
 # ---------------------------------------------------------------- a result that breaks the contract
 
 def test_a_contract_breaking_result_drops_its_executor_before_anything_of_it_is_applied(tokenizer):

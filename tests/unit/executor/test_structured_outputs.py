@@ -22,7 +22,7 @@ from executor_svc.grammar import (
     json_schema_grammar,
 )
 from executor_svc.model import load_model
-from pagedserve.engine_api import FinishReason, GenerationRequest, RequestParams
+from pagedserve.engine_api import ErrorKind, FinishReason, GenerationRequest, RequestParams
 from pagedserve.wire import (
     STRUCTURED_CHOICE,
     STRUCTURED_GRAMMAR,
@@ -288,9 +288,11 @@ def _serve_failing(runner, reqs: dict[str, GenerationRequest]) -> tuple[dict[str
         if result.failed_seq_ids:
             assert result.sampled_seq_ids, "the step's other rows were sampled"
             assert "does not compile here" in result.error
+            assert [r.seq_id for r in result.rejected] == result.failed_seq_ids  # the request's fault
         for upd in sched.update(result):
             if upd.error is not None:
                 errors[upd.request_id] = upd.error
+                assert upd.error_kind is ErrorKind.INVALID
             for seq in upd.seqs:
                 out[upd.request_id].extend(seq.new_token_ids)
         sched.check_integrity()
@@ -326,6 +328,7 @@ def test_a_grammar_this_engine_cannot_compile_fails_its_sequence_alone(tiny_llam
             assert not leader.dropped.ids and not any(f.dropped.ids for f in leader.followers)  # freed everywhere
             alone, _ = _serve_failing(leader, reqs)
     assert list(errors) == ["bad"] and out["bad"] == []
+    assert errors["bad"].startswith("structured outputs: the grammar does not compile here (xgrammar): ")
     assert {rid: out[rid] for rid in reqs} == alone and all(alone.values())
 
 
@@ -344,3 +347,12 @@ def test_bounded_json_strings_cannot_hold_raw_control_characters(backend):
     raw = str(xgr.Grammar.from_json_schema(json.dumps({"type": "string", "maxLength": 3}), any_whitespace=False))
     assert _BOUNDED_STRING_CHARS in raw, "xgrammar changed how it writes bounded strings: drop the mend"
     assert _BOUNDED_STRING_CHARS not in json_schema_grammar(json.dumps({"type": "string", "maxLength": 3}))
+
+
+def test_a_grammar_xgrammar_refuses_is_the_requests_fault_told_without_its_cpp_source_line(backend):
+    with pytest.raises(GrammarError) as raised:
+        backend.track(BAD_SPEC, [EOS], []).matcher()
+    assert raised.value.rejected
+    message = str(raised.value)
+    assert message.startswith("the grammar does not compile here (xgrammar): ") and ".cc:" not in message
+    assert not message.endswith("\n")

@@ -17,6 +17,8 @@ from scheduler_svc.front.output.status_codes import STATUS_OF_KIND, client_statu
     (EngineError(ErrorKind.QUEUE_FULL, "256 queued"), grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "queue_full"),
     (EngineError(ErrorKind.NO_EXECUTOR, "none ready"), grpc.StatusCode.UNAVAILABLE, 503, "no_executor"),
     (EngineError(ErrorKind.FAILED, "executor e1 failed the step"), grpc.StatusCode.INTERNAL, 500, "request_failed"),
+    (EngineError(ErrorKind.INVALID, "structured outputs: the grammar does not compile here"),
+     grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request"),
     (ZeroDivisionError("a bug"), grpc.StatusCode.INTERNAL, 500, "internal_error"),
 ])
 def test_each_engine_error_has_one_answer_on_both_fronts(error, grpc_code, status, code):

@@ -175,6 +175,22 @@ def test_a_result_larger_than_its_plan_allows_is_never_larger_than_the_bound():
     assert len(wire.encode(result)) <= bound < 1.2 * len(wire.encode(result))
 
 
+def test_rejections_fit_the_bound_of_the_constrained_sequences_and_name_failed_ones_only():
+    reason = "\U0001F600" * wire.MAX_REJECTION_CHARS
+    ids = [2**31 - 1 - i for i in range(256)]
+    result = StepResult(1, failed_seq_ids=ids, error="x" * wire.MAX_TEXT_CHARS,
+                        rejected=[wire.SeqRejection(i, reason) for i in ids])
+    bound = wire.max_result_bytes(num_scheduled=256, num_sampled=256, num_constrained=256)
+    assert len(wire.encode(result)) <= bound
+    assert bound - wire.max_result_bytes(num_scheduled=256, num_sampled=256) < 1.1 * 256 * 4 * wire.MAX_REJECTION_CHARS
+    lying = StepResult(1, failed_seq_ids=[1, 2], rejected=[wire.SeqRejection(2, "r")])
+    lying.failed_seq_ids = [1]  # (construction checks it too)
+    with pytest.raises(WireError, match="rejected names sequences that are not in failed_seq_ids"):
+        wire.decode(wire.encode(lying))
+    with pytest.raises(WireError, match=r"rejected\[0\]\.reason"):
+        wire.decode(wire.encode(StepResult(1, failed_seq_ids=[1], rejected=[wire.SeqRejection(1, "r" * 1025)])))
+
+
 def test_a_plain_decode_step_result_is_bounded_tightly():
     bound = wire.max_result_bytes(num_scheduled=256, num_sampled=256)
     assert bound < 16 * 1024 + 256 * 20  # the error text's room, and ~20 bytes a sequence
