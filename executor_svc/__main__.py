@@ -62,19 +62,22 @@ def resolve_dtype(cfg: ExecutorConfig, model_cfg: ModelConfig) -> torch.dtype:
     return _DTYPES.get(model_cfg.torch_dtype, torch.float32)
 
 
-def device_kv_bytes(cfg: ExecutorConfig, model, backend) -> int:
+def device_kv_bytes(cfg: ExecutorConfig, model, backend, graphs: bool) -> int:
     """KV budget: the flag on CPU; on CUDA what is left of the utilisation share after the
-    weights and the activation peak of a profiled worst-case step (executor_svc/gpu_memory.py)."""
+    weights, the activation peak of a profiled worst-case step (executor_svc/gpu_memory.py) and,
+    with ``graphs`` (captured after the pool is sized), the decode graphs' logits buffer."""
     if cfg.device == "cpu":
         return cfg.kv_cache_memory
     from executor_svc.gpu_memory import make_profile_step, profile_kv_budget
 
     step = make_profile_step(model, backend, wire.DEFAULT_MAX_NUM_BATCHED_TOKENS, cfg.block_size)
     prof = profile_kv_budget(step, cfg.gpu_memory_utilization, model.device)
-    log.info("GPU memory: total %.1f GiB, weights %.2f GiB, step peak %.2f GiB, other %.2f GiB -> KV %.2f GiB",
-             *(x / 2**30 for x in (prof.total_bytes, prof.weights_bytes, prof.peak_bytes,
-                                   prof.non_torch_bytes, prof.kv_budget_bytes)))
-    return prof.kv_budget_bytes
+    graph_logits = max(cfg.cuda_graph_sizes) * model.cfg.vocab_size * 4 if graphs else 0
+    kv_bytes = max(0, prof.kv_budget_bytes - graph_logits)
+    log.info("GPU memory: total %.1f GiB, weights %.2f GiB, step peak %.2f GiB, other %.2f GiB, decode graphs' "
+             "logits %.2f GiB -> KV %.2f GiB", *(x / 2**30 for x in (prof.total_bytes, prof.weights_bytes, prof.peak_bytes,
+                                                                      prof.non_torch_bytes, graph_logits, kv_bytes)))
+    return kv_bytes
 
 
 def load_draft(cfg: ExecutorConfig, model, dtype: torch.dtype):
@@ -131,12 +134,11 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
         group.exchange("loaded", "1")  # every shard in place before the profiling step's collectives
         agree = lambda counts: group.min_over_ranks("kv_blocks", counts)  # noqa: E731
     draft = load_draft(cfg, model, dtype) if cfg.speculative_model is not None else None
+    device_bytes = device_kv_bytes(cfg, model, backend, graphs=captures_graphs(cfg, group))
     if draft is None:
-        kv = KVCache.from_budget(model.cfg, cfg.block_size, device_kv_bytes(cfg, model, backend), cfg.swap_space,
-                                 dtype, device, agree=agree)
+        kv = KVCache.from_budget(model.cfg, cfg.block_size, device_bytes, cfg.swap_space, dtype, device, agree=agree)
     else:  # one block table, two pools: a block costs both models' bytes
-        kv, draft_kv = draft_pools(model.cfg, draft.cfg, cfg.block_size, device_kv_bytes(cfg, model, backend),
-                                   cfg.swap_space, dtype, device)
+        kv, draft_kv = draft_pools(model.cfg, draft.cfg, cfg.block_size, device_bytes, cfg.swap_space, dtype, device)
     max_len = min(model_cfg.max_position_embeddings, kv.num_blocks * cfg.block_size)
     if draft is not None:  # (the draft drafts at every position the model serves)
         max_len = min(max_len, draft.cfg.max_position_embeddings)
@@ -182,13 +184,20 @@ def build_runner(cfg: ExecutorConfig, group: TPGroup | None = None) -> tuple[Mod
     return runner, hs
 
 
+def captures_graphs(cfg: ExecutorConfig, group: TPGroup | None) -> bool:
+    """Whether this executor replays its decode steps from CUDA graphs (one device, not --enforce-eager)."""
+    return cfg.device == "cuda" and group is None and not cfg.enforce_eager
+
+
 def capture_decode_graphs(runner: ModelRunner, sizes: tuple[int, ...]) -> None:
     """Capture every decode bucket into a CUDA graph (executor_svc/decode_graphs.py)."""
     start = time.perf_counter()
+    held = torch.cuda.memory_reserved()
     runner.graphs = DecodeGraphs(runner.model, runner.kv, runner.backend, runner.max_model_len, sizes)
     runner.graphs.capture_all()
-    log.info("decode steps of up to %d sequences replay CUDA graphs (%d sizes captured in %.1f s; "
-             "--enforce-eager turns them off)", sizes[-1], len(sizes), time.perf_counter() - start)
+    log.info("decode steps of up to %d sequences replay CUDA graphs (%d sizes captured in %.1f s, holding "
+             "%.0f MiB; --enforce-eager turns them off)", sizes[-1], len(sizes), time.perf_counter() - start,
+             (torch.cuda.memory_reserved() - held) / 2**20)
 
 
 def run(cfg: ExecutorConfig, argv: list[str] | None = None) -> int:
@@ -213,7 +222,7 @@ def run(cfg: ExecutorConfig, argv: list[str] | None = None) -> int:
         runner, hs = compute.call(build_runner, cfg, group)
         if cfg.warmup and cfg.device == "cpu" and group is None:
             compute.call(warm_up, runner)  # before dialling in: the first request must not pay for it
-        if cfg.device == "cuda" and group is None and not cfg.enforce_eager:
+        if captures_graphs(cfg, group):
             compute.call(capture_decode_graphs, runner, cfg.cuda_graph_sizes)  # before any sequence exists
         tune_gc()  # what start-up allocated (torch, the model) is never walked again by the collector
         worker = ExecutorWorker(cfg.scheduler, runner, hs, drain_timeout=cfg.drain_timeout, health=health,

@@ -19,6 +19,12 @@ bucket into a CUDA graph and replayed:
 * **Capture at start, never during a step** (:meth:`DecodeGraphs.capture_all`): every bucket is
   warmed up and captured, largest first in one memory pool, with padding rows only, before the
   executor registers, so capturing writes no KV block a sequence owns.
+* **One logits buffer** ``[largest bucket, vocab]`` float32, outside the pool, that every graph's
+  LM head writes into: what a graph returns is the one tensor that outlives its capture, so with
+  an output of its own each of the 35 default buckets would keep ``size x vocab x 4`` bytes
+  (2.2 GB at a 128K vocabulary) that the KV budget, sized before capture, did not leave. Only
+  one step's logits are live at a time: they are consumed (sampled, or their argmax enqueued)
+  before the next replay is launched.
 
 Without a GPU (tests), the same object runs the same buffers, padding and metadata eagerly
 (``capture=False``): the CPU twin of everything but the capture itself.
@@ -157,6 +163,7 @@ class DecodeGraphs:
         self.width = math.ceil(max_model_len / kv.block_size)
         self.max_seq_len = self.width * kv.block_size
         self.inputs = StaticInputs(self.sizes[-1], self.width, model.device)
+        self.logits = torch.empty(self.sizes[-1], model.cfg.vocab_size, dtype=torch.float32, device=model.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self._pool = None
         self.replays = 0  # steps served from a bucket
@@ -201,7 +208,8 @@ class DecodeGraphs:
         meta = self.inputs.meta(size, self.max_seq_len)
         hidden, logits = self.model.forward_with_logits(d["input_ids"][:size], d["positions"][:size],
                                                         self.kv.layers, meta, self.backend)
-        return logits if logits is not None else self.model.compute_logits(hidden)
+        out = self.logits[:size]
+        return out.copy_(logits) if logits is not None else self.model.compute_logits(hidden, out=out)
 
     def _record(self, size: int) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]:
         self.inputs.fill(None, size)

@@ -182,12 +182,15 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return head if isinstance(head, PackedLinear) and self.with_lm_head else None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] -> logits [n, vocab] float32."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, vocab] float32; into ``out`` when given (a CUDA graph's
+        one logits buffer: the cast to float32 writes there, no copy more)."""
         if not self.with_lm_head:
             raise RuntimeError("compute_logits on a tensor-parallel rank without the LM head (rank 0 samples)")
         head = self.logits_head()
         if head is not None:
-            return head.project(hidden)
+            logits = head.project(hidden)
+            return logits if out is None else out.copy_(logits)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).to(torch.float32)
+        logits = F.linear(hidden, weight)
+        return logits.to(torch.float32) if out is None else out.copy_(logits)

@@ -80,6 +80,20 @@ def test_replayed_decode_equals_eager(tiny_llama_dir, model, cpu_attention, exac
     assert g.padded_rows > 0  # 7 -> bucket 8, 5 -> 8, 3 -> 4
 
 
+def test_every_bucket_writes_its_logits_into_one_buffer(tiny_llama_dir, model, monkeypatch):
+    """What a graph returns outlives its capture: one [largest bucket, vocab] buffer for all of them,
+    not one per bucket (35 of them by default, sized after the KV budget was)."""
+    graphed = _runner(tiny_llama_dir, model)
+    g = graphed.graphs
+    assert g.logits.shape == (8, model.cfg.vocab_size) and g.logits.dtype == torch.float32
+    returned = []
+    run = DecodeGraphs.run
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, *a, **k: returned.append(run(self, *a, **k)) or returned[-1])
+    _serve(graphed, PROMPTS, 6, stagger=True)
+    assert len({len(x) for x in returned}) > 2  # several buckets replayed
+    assert all(x.data_ptr() == g.logits.data_ptr() for x in returned)
+
+
 def test_a_replayed_step_copies_only_its_static_inputs(tiny_llama_dir, model, monkeypatch):
     """A step's layout is built on the host; only an eager forward places it on the device (one
     copy per tensor): the steps the graphs replay move nothing but their one static-input copy."""
