@@ -66,8 +66,11 @@ def _content(i: int, content: str | list[ContentPart] | None) -> str:
         return content
     texts = []
     for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise bad_field(f"messages[{i}].content[{j}]", f"only text parts are supported (got type {part.type[:40]!r})",
                             code="unsupported")
+        if part.text is None:
+            raise bad_field(f"messages[{i}].content[{j}].text", "is required in a part of type 'text'",
+                            code="missing_required_parameter")
         texts.append(part.text)
     return "\n".join(texts)

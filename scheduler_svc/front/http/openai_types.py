@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from typing import Any
 
 import msgspec
@@ -202,6 +203,7 @@ class DetokenizeRequest(_Body, kw_only=True):
 
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
+_OUT_OF_RANGE = "Number out of range"
 
 
 def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
@@ -211,10 +213,13 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
     except msgspec.ValidationError as e:
         m = _PATH.search(str(e))
         path = m.group(1) if m else None
-        message = _PATH.sub("", str(e)).strip(" -")
+        message, code = _PATH.sub("", str(e)).strip(" -"), "invalid_type"
+        if message == _OUT_OF_RANGE:  # msgspec's words for a number past float64 (1e400): say the limit
+            message, code = f"must be a number of at most {sys.float_info.max:.1e} in magnitude (a 64-bit float)", \
+                "invalid_value"
         if not path:
-            raise ApiError(400, f"request body: {message}", code="invalid_type") from None
-        raise bad_field(path, message, code="invalid_type") from None
+            raise ApiError(400, f"request body: {message}", code=code) from None
+        raise bad_field(path, message, code=code) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:  # e.g. [[[[...]]]] in a free-form field: rejected, never a crash

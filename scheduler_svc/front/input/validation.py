@@ -185,14 +185,24 @@ def _max_tokens(max_tokens: int, prompt_len: int, model: ModelInfo, default: int
 
 
 def _n_and_beam_width(f: RequestFields, limits: ServerLimits) -> tuple[int, int]:
-    n = _int_range("sampling.n", f.n, 0, limits.max_n) or 1
-    beam_width = _int_range("sampling.beam_width", f.beam_width, 0, limits.max_beam_width) or 1
+    n = _count("sampling.n", f.n, limits.max_n)
+    beam_width = _count("sampling.beam_width", f.beam_width, limits.max_beam_width)
     if n > 1 and beam_width > 1:
         raise ValidationError(
             "sampling.n",
             f"must be 0 or 1 with beam search (beam_width={beam_width} returns the best beam); got n={n}",
         )
     return n, beam_width
+
+
+def _count(field: str, value: int, hi: int) -> int:
+    """n or beam_width: 0 is unset (1). The range told past ``hi`` is [1, hi]: the HTTP front refuses
+    0, and "[0, hi]" read as if 0 choices could be asked for."""
+    if value < 0:
+        raise ValidationError(field, f"must be >= 1, or 0 for the default of 1 (got {value})")
+    if value > hi:
+        raise ValidationError(field, f"must be in [1, {hi}] (got {value})")
+    return int(value) or 1
 
 
 def _check_blocks(prompt_len: int, max_tokens: int, n: int, beam_width: int, model: ModelInfo) -> None:

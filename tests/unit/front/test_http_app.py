@@ -349,10 +349,30 @@ def test_bad_input_is_400_naming_the_openai_field(fake, path, body, param):
 
 def test_validation_message_names_limit_and_value(fake):
     err = _error(*fake.request("POST", "/v1/completions", {"prompt": "a", "n": 5}))
-    assert err["message"] == "n: must be in [0, 4] (got 5)"
+    assert err["message"] == "n: must be in [1, 4] (got 5)"  # (0 is refused: "n: must be >= 1")
     with pytest.raises(openai.BadRequestError) as e:
         fake.client().completions.create(model=MODEL, prompt="a", temperature=-1)
     assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+
+
+@pytest.mark.parametrize("path,body,message,code", [
+    ("/v1/completions", b'{"prompt": "a", "n": 1000}', "n: must be in [1, 4] (got 1000)", "invalid_value"),
+    ("/v1/completions", b'{"prompt": "a", "n": 0}', "n: must be >= 1 (got 0)", "invalid_value"),
+    ("/v1/completions", b'{"prompt": "a", "n": 9, "use_beam_search": true}', "n: must be in [1, 8] (got 9)",
+     "invalid_value"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text"}]}]}',
+     "messages[0].content[0].text: is required in a part of type 'text'", "missing_required_parameter"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+     "messages[0].content[0]: only text parts are supported (got type 'image_url')", "unsupported"),
+    ("/v1/completions", b'{"prompt": "a", "temperature": 1e400}',
+     "temperature: must be a number of at most 1.8e+308 in magnitude (a 64-bit float)", "invalid_value"),
+    ("/v1/completions", b'{"prompt": "a", "logit_bias": {"5": -1e400}}',
+     "logit_bias[...]: must be a number of at most 1.8e+308 in magnitude (a 64-bit float)", "invalid_value"),
+])
+def test_error_messages_name_the_field_and_its_limit(fake, path, body, message, code):
+    err = _error(*fake.request("POST", path, body))
+    assert (err["message"], err["code"]) == (message, code)
+    assert err["param"] == message.split(":")[0].split("[")[0]
 
 
 def test_malformed_and_oversized_bodies(fake):

@@ -88,7 +88,7 @@ INVALID = [  # (request fields, field named in the message, value shown in the m
     ({"prompt_token_ids": [5, 300]}, "prompt_token_ids[1]", "300"),
     ({"prompt_token_ids": [-1]}, "prompt_token_ids[0]", "-1"),
     ({**P, "sampling": {"n": -1}}, "sampling.n", "-1"),
-    ({**P, "sampling": {"n": 5}}, "sampling.n", "[0, 4]"),
+    ({**P, "sampling": {"n": 5}}, "sampling.n", "[1, 4]"),
     ({**P, "sampling": {"beam_width": -2}}, "sampling.beam_width", "-2"),
     ({**P, "sampling": {"beam_width": 5}}, "sampling.beam_width", "5"),
     ({**P, "sampling": {"n": 2, "beam_width": 2}}, "sampling.n", "beam_width=2"),
