@@ -7,18 +7,21 @@ content, then, for each call whose name is known, a first delta with its ``index
 ``type`` and ``function.name`` (and the arguments so far), and after that only the new text of
 its ``function.arguments``. Concatenating a call's argument deltas gives its arguments' text.
 
-A whole response parses the whole text once. Calls whose arguments are not complete, valid JSON
-(cut short by max_tokens, or a model that wrote something else) are not reported: with none left,
-the whole text is the content, as vLLM does.
+A whole response is what the stream adds up to once the choice ends (one parse of the whole
+text): the calls whose name was read, in order up to the first without one, each with its
+arguments' text as far as it goes, and the content before them. A stream cannot take back a call
+it began, so a call cut short (max_tokens: finish_reason "length") is reported with its partial
+arguments in both, as OpenAI reports one and vLLM a named function's; a call the model wrote
+badly likewise. With no call, the whole text is the content: a stream holds back the text from
+a marker on (``<tool_call>``) while a call may follow, and sends it when the choice ends without one.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from scheduler_svc.front.tool_calls.json_scan import ScanMemo
-from scheduler_svc.front.tool_calls.parsers import ToolParser
+from scheduler_svc.front.tool_calls.parsers import PartialCall, ToolParser
 
 
 class ChoiceToolCalls:
@@ -38,12 +41,12 @@ class ChoiceToolCalls:
         """(new content, tool_calls deltas) after ``new_text``; ``final``: the choice ended."""
         self.text += new_text
         parsed = self.parser.parse(self.text, final, self.memo)
-        content = parsed.content[self.content_sent:]
-        self.content_sent = max(self.content_sent, len(parsed.content))
+        calls = _named(parsed.calls)
+        whole = self.text if final and not calls else parsed.content  # (no call: what was held back too)
+        content = whole[self.content_sent:]
+        self.content_sent = max(self.content_sent, len(whole))
         deltas: list[dict[str, Any]] = []
-        for i, call in enumerate(parsed.calls):
-            if call.name is None:
-                break  # a later call waits for this one's name: deltas go out in order
+        for i, call in enumerate(calls):
             if i == len(self.ids):
                 self.ids.append(self.parser.call_id())
                 self.args_sent.append(len(call.arguments))
@@ -55,22 +58,20 @@ class ChoiceToolCalls:
         return content, deltas
 
     def message(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
-        """(content, tool_calls) of a whole response whose text is ``text``."""
+        """(content, tool_calls) of a whole response whose text is ``text``: what :meth:`delta`
+        sends in all, chunk by chunk, for the same text (the module's docstring)."""
         parsed = self.parser.parse(text, final=True)
-        calls = []
-        for call in parsed.calls:
-            if call.name is None or not call.complete or not _is_json(call.arguments):
-                continue
-            calls.append({"id": self.parser.call_id(), "type": "function",
-                          "function": {"name": call.name, "arguments": call.arguments}})
+        calls = [{"id": self.parser.call_id(), "type": "function",
+                  "function": {"name": call.name, "arguments": call.arguments}} for call in _named(parsed.calls)]
         if not calls:
             return text, None
-        return (parsed.content if parsed.content.strip() else None), calls
+        return parsed.content or None, calls
 
 
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
+def _named(calls: list[PartialCall]) -> list[PartialCall]:
+    """The calls to report: those whose name is known, up to the first without one (a later call
+    waits for that one's name: deltas go out in order, and a whole response says the same)."""
+    for i, call in enumerate(calls):
+        if call.name is None:
+            return calls[:i]
+    return calls
