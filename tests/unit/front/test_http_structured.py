@@ -246,6 +246,22 @@ def test_prompt_logprobs_are_reported_in_vllms_form(fake):
     ids = fake.engine.requests[-1].prompt_token_ids
     assert body[0] is None and len(body) == len(ids)
     assert body[1][str(ids[1])]["logprob"] == -1.0 and body[1]["2"]["rank"] == 1
+    assert ids[1] != 2 and body[1][str(ids[1])]["rank"] is None  # outside the top k: unknown, never a guess
+
+
+def test_a_prompt_tokens_rank_is_given_only_where_the_top_k_make_it_exact():
+    from pagedserve.engine_api import TokenLogprob
+    from scheduler_svc.front.http.logprob_forms import prompt_logprobs_body
+
+    lps = [None,
+           TokenLogprob(7, -20.5),  # k = 0: nothing says where " zebra" ranks (it was reported 1)
+           TokenLogprob(7, -1.5, [3, 7, 9], [-0.2, -1.5, -3.0]),  # among the top k: its rank there
+           TokenLogprob(7, -9.0, [3, 9], [-0.2, -3.0])]  # below them: rank 3 or anything after
+    body = prompt_logprobs_body(str, lps)
+    assert body[0] is None
+    assert body[1] == {"7": {"logprob": -20.5, "rank": None, "decoded_token": "7"}}
+    assert {t: e["rank"] for t, e in body[2].items()} == {"3": 1, "7": 2, "9": 3}
+    assert {t: e["rank"] for t, e in body[3].items()} == {"3": 1, "9": 2, "7": None}
 
 
 def test_a_request_the_server_aborted_is_an_error_never_finish_reason_abort(fake):
