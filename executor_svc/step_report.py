@@ -34,22 +34,25 @@ PROMPT_SLICE = 256  # prompt rows scored at once (their logits are [rows, vocab]
 def score_prompt(model: LlamaForCausalLM, hidden: torch.Tensor, s: SeqState, first: int, row: int,
                  count: int) -> PromptLogprobs:
     """Prompt tokens ``first .. first + count - 1`` of ``s``, scored by the raw log-softmax of the
-    logits of the rows before them, with the top ``prompt_logprobs`` alternatives; in slices, so a
-    long prompt never holds [prompt, vocab] logits at once."""
+    logits of the rows before them, with their ranks and the top ``prompt_logprobs`` alternatives;
+    in slices, so a long prompt never holds [prompt, vocab] logits at once."""
     k = min(s.sampling.prompt_logprobs, model.cfg.vocab_size)
     lps: list[float] = []
+    ranks: list[int] = []
     top_ids: list[int] = []
     top_vals: list[float] = []
     targets = torch.tensor(s.token_ids[first:first + count], dtype=torch.int64, device=hidden.device)
     for at in range(0, count, PROMPT_SLICE):
         n = min(PROMPT_SLICE, count - at)
         lp = torch.log_softmax(model.compute_logits(hidden[row + at:row + at + n]).float(), dim=-1)
-        lps += lp.gather(1, targets[at:at + n, None])[:, 0].tolist()
+        own = lp.gather(1, targets[at:at + n, None])
+        lps += own[:, 0].tolist()
+        ranks += ((lp > own).sum(dim=-1) + 1).tolist()  # (vLLM's rank: 1 + the tokens more likely)
         if k:
             vals, ids = torch.topk(lp, k, dim=-1)
             top_ids += ids.flatten().tolist()
             top_vals += vals.flatten().tolist()
-    return PromptLogprobs(s.seq_id, first, lps, top_ids, top_vals)
+    return PromptLogprobs(s.seq_id, first, lps, top_ids, top_vals, ranks)
 
 
 def sampling_logits(model: LlamaForCausalLM, hidden: torch.Tensor, batch: Batch,

@@ -79,6 +79,7 @@ class TokenLogprob(msgspec.Struct, gc=False):
     logprob: float
     top_token_ids: list[int] = msgspec.field(default_factory=list)
     top_logprobs: list[float] = msgspec.field(default_factory=list)
+    rank: int | None = None  # a prompt token's rank in the vocabulary (1 + the tokens more likely), when known
 
 
 class PromptScores(msgspec.Struct, array_like=True, gc=False):

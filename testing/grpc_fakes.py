@@ -137,7 +137,7 @@ class FakeEngine:
             out = RequestOutput(req.request_id, deltas, usage=usage, finished=usage is not None)
             if p.sampling.prompt_logprobs >= 0 and sum(produced) == len(deltas):  # the first output
                 k = p.sampling.prompt_logprobs
-                out.prompt_logprobs = [None] + [TokenLogprob(t, -1.0 - j / 10, list(range(2, 2 + k)), [-0.5] * k)
+                out.prompt_logprobs = [None] + [TokenLogprob(t, -1.0 - j / 10, list(range(2, 2 + k)), [-0.5] * k, k + 1 + j)
                                                 for j, t in enumerate(req.prompt_token_ids[1:])]
             yield out
 

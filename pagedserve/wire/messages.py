@@ -290,18 +290,24 @@ class PromptLogprobs(WireMessage):
     """Prompt tokens a step scored for one sequence (``SamplingParams.prompt_logprobs``): tokens
     ``start .. start + len(token_logprobs) - 1`` of its prompt, each token's log-prob given the
     tokens before it, and each position's top alternatives, ``top_token_ids`` / ``top_logprobs``
-    holding the same number per token, back to back. A sequence registered again (preemption,
-    migration) is scored again from token 1."""
+    holding the same number per token, back to back; ``token_ranks``: each token's rank in the
+    vocabulary at its position (1 + the log-probs above its own; empty from an executor that
+    predates the field). A sequence registered again (preemption, migration) is scored again from
+    token 1."""
 
     seq_id: Id
     start: Annotated[int, Meta(ge=1, le=p.MAX_SEQ_TOKENS)]
     token_logprobs: Annotated[list[float], Meta(max_length=p.MAX_SEQ_TOKENS)]
     top_token_ids: Annotated[list[Id], Meta(max_length=p.MAX_PROMPT_LOGPROB_ENTRIES)]
     top_logprobs: Annotated[list[float], Meta(max_length=p.MAX_PROMPT_LOGPROB_ENTRIES)]
+    token_ranks: Annotated[list[Annotated[int, Meta(ge=1, le=p.MAX_INT32)]], Meta(max_length=p.MAX_SEQ_TOKENS)] = \
+        msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.top_token_ids) != len(self.top_logprobs):
             raise ValueError("top_token_ids and top_logprobs differ in length")
+        if self.token_ranks and len(self.token_ranks) != len(self.token_logprobs):
+            raise ValueError("token_ranks and token_logprobs differ in length")
 
 
 class StepResult(WireMessage):
@@ -390,12 +396,12 @@ def max_result_bytes(num_scheduled: int, num_sampled: int, logprobs: int = 0, nu
     scalars = 5 + 1 + 9 + 5 + 4 * p.MAX_TEXT_CHARS  # step_id, refused, model_seconds, error
     lists = 5 * 5  # the five list headers
     seq_logprobs = 1 + 5 + 9 + 5 + 5  # header, seq_id, own logprob, the two list headers
-    prompt_logprobs = 5 + (1 + 5 + 5 + 3 * 5) * num_prompt_logprob_seqs  # list; header, seq_id, start, lists
+    prompt_logprobs = 5 + (1 + 5 + 5 + 4 * 5) * num_prompt_logprob_seqs  # list; header, seq_id, start, lists
     return (head + scalars + lists + 5 * num_scheduled  # failed_seq_ids
             + 10 * num_sampled * decode_steps  # sampled ids and tokens
             + seq_logprobs * (num_logprob_seqs + num_beam_seqs)
             + 14 * (logprobs + num_logprob_seqs + beam_candidates)  # an id and a float per entry
-            + prompt_logprobs + 9 * prompt_tokens_scored + 14 * prompt_logprob_entries
+            + prompt_logprobs + 14 * prompt_tokens_scored + 14 * prompt_logprob_entries  # log-prob, rank
             + 5 + 20 * num_speculating + 5 * proposed  # spec_tokens: entries, their ids
             + proposed * (seq_logprobs + 14 * (1 + (logprobs // max(num_logprob_seqs, 1))))
             + 5 + lora_loads * (1 + 5 + 5 + 4 * p.MAX_TEXT_CHARS)  # lora_failures

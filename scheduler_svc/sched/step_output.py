@@ -194,9 +194,10 @@ class OutputProcessor:
             if seq is None:
                 continue
             r, k = seq.request, len(x.top_token_ids) // max(1, len(x.token_logprobs))
-            toks = seq.token_ids
+            toks, ranks = seq.token_ids, x.token_ranks or None
             scores = [TokenLogprob(toks[x.start + i], lp, x.top_token_ids[i * k:(i + 1) * k],
-                                   x.top_logprobs[i * k:(i + 1) * k]) for i, lp in enumerate(x.token_logprobs)]
+                                   x.top_logprobs[i * k:(i + 1) * k], ranks[i] if ranks else None)
+                      for i, lp in enumerate(x.token_logprobs)]
             out.append(RequestUpdate(r.request_id, [], False, seq.num_prompt_tokens, r.num_cached_prompt_tokens,
                                      prompt_logprobs=PromptScores(x.start, scores)))
         return out

@@ -205,6 +205,8 @@ def _response(out: RequestOutput) -> pb.GenerateResponse:
             entry = msg.prompt_logprobs.add()
             if lp is not None:
                 entry.token_id, entry.logprob = lp.token_id, lp.logprob
+                if lp.rank is not None:
+                    entry.rank = lp.rank
                 for tid, tlp in zip(lp.top_token_ids, lp.top_logprobs, strict=True):
                     entry.top_logprobs.add(token_id=tid, logprob=tlp)
     for c in out.choices:

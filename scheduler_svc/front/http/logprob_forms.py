@@ -7,12 +7,9 @@
 - chat: ``content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]``.
 - ``prompt_logprobs`` (vLLM's extension): one entry per prompt token, ``null`` for the first, else
   ``{token_id: {logprob, rank, decoded_token}}`` for the prompt's token and its alternatives. The
-  executor reports the top k and the prompt token's log-prob, not its rank: a prompt token among
-  the top k has its rank there, one outside them ``rank: null`` (vLLM's ``Logprob.rank`` is
-  optional), never a guess (1 + the alternatives above it is only a lower bound: with k = 0, "1"
-  for every token). Exact ranks need the wire's PromptLogprobs to carry each token's rank in the
-  vocabulary (1 + the count of log-probs above its own, computed beside it in
-  executor_svc/step_report.score_prompt) and TokenLogprob to hand it to the front.
+  prompt token's rank is the executor's (``PromptLogprobs.token_ranks``: 1 + the tokens more
+  likely, over the whole vocabulary, as vLLM ranks); from an executor that predates it, its rank
+  among the top k, or ``null`` outside them (vLLM's ``Logprob.rank`` is optional), never a guess.
 
 A token's text is its id decoded alone.
 """
@@ -69,7 +66,9 @@ def prompt_logprobs_body(text: Text, lps: Sequence[TokenLogprob | None]) -> list
             continue
         ranked = sorted(zip(lp.top_token_ids, lp.top_logprobs, strict=True), key=lambda x: -x[1])
         entry = {str(t): {"logprob": v, "rank": r + 1, "decoded_token": text(t)} for r, (t, v) in enumerate(ranked)}
-        if str(lp.token_id) not in entry:  # outside the top k: its rank is not known (above)
+        if lp.rank is not None:  # the executor's: 1 + the tokens more likely, over the whole vocabulary
+            entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": text(lp.token_id)}
+        elif str(lp.token_id) not in entry:  # outside the top k, from an executor that reports no rank
             entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": None, "decoded_token": text(lp.token_id)}
         out.append(entry)
     return out

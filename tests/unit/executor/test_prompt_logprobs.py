@@ -84,6 +84,13 @@ def _check(pieces, reference, k: int = 3) -> None:
     assert [s.token_id for s in scores] == PROMPT[1:]
     expected = reference[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])]
     assert [s.logprob for s in scores] == pytest.approx(expected.tolist(), abs=1e-4)
+    # Each token's rank over the whole vocabulary: 1 + the tokens transformers finds more likely,
+    # up to those within the two models' rounding of its log-prob.
+    surely_above = (reference[:-1] > expected[:, None] + 1e-4).sum(dim=-1) + 1
+    maybe_above = (reference[:-1] > expected[:, None] - 1e-4).sum(dim=-1) + 1
+    for s, low, high in zip(scores, surely_above.tolist(), maybe_above.tolist(), strict=True):
+        assert low <= s.rank <= high
+    assert max(s.rank for s in scores) > k  # (random weights: the prompt holds tokens far below the top k)
     top = torch.topk(reference[:-1], k, dim=-1)
     assert [s.top_token_ids for s in scores] == top.indices.tolist()
     assert [v for s in scores for v in s.top_logprobs] == pytest.approx(top.values.flatten().tolist(), abs=1e-4)

@@ -246,13 +246,18 @@ def test_prompt_logprobs_are_reported_in_vllms_form(fake):
     ids = fake.engine.requests[-1].prompt_token_ids
     assert body[0] is None and len(body) == len(ids)
     assert body[1][str(ids[1])]["logprob"] == -1.0 and body[1]["2"]["rank"] == 1
-    assert ids[1] != 2 and body[1][str(ids[1])]["rank"] is None  # outside the top k: unknown, never a guess
+    assert ids[1] != 2 and body[1][str(ids[1])]["rank"] == 2  # the executor's rank, over the vocabulary
 
 
-def test_a_prompt_tokens_rank_is_given_only_where_the_top_k_make_it_exact():
+def test_a_prompt_tokens_rank_is_the_executors_else_given_only_where_the_top_k_make_it_exact():
     from pagedserve.engine_api import TokenLogprob
     from scheduler_svc.front.http.logprob_forms import prompt_logprobs_body
 
+    ranked = prompt_logprobs_body(str, [TokenLogprob(7, -20.5, rank=4817), TokenLogprob(7, -1.5, [3, 7], [-0.2, -1.5], 2)])
+    assert ranked == [{"7": {"logprob": -20.5, "rank": 4817, "decoded_token": "7"}},
+                      {"3": {"logprob": -0.2, "rank": 1, "decoded_token": "3"},
+                       "7": {"logprob": -1.5, "rank": 2, "decoded_token": "7"}}]
+    # From an executor that reports no rank (older than PromptLogprobs.token_ranks):
     lps = [None,
            TokenLogprob(7, -20.5),  # k = 0: nothing says where " zebra" ranks (it was reported 1)
            TokenLogprob(7, -1.5, [3, 7, 9], [-0.2, -1.5, -3.0]),  # among the top k: its rank there

@@ -354,6 +354,7 @@ def test_structured_outputs_and_prompt_logprobs_over_grpc(stub, engine):
     ids = engine.requests[-1].prompt_token_ids
     assert [p.token_id for p in first[1:]] == ids[1:] and not first[0].HasField("logprob")
     assert first[1].logprob == pytest.approx(-1.0) and len(first[1].top_logprobs) == 1
+    assert [p.rank for p in first[1:3]] == [2, 3] and not first[0].HasField("rank")
     assert all(not r.prompt_logprobs for r in responses[1:])  # on the first message only
 
 
