@@ -123,7 +123,8 @@ def _executor_host(parser: argparse.ArgumentParser, a: argparse.Namespace, keys:
 
 def _check_port_ranges(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """Engine core k listens on --executor-port + k and --front-link-port + k: the ranges must not
-    meet each other or the public ports."""
+    meet each other or the public ports, and no two public ports (0 aside: off, or any free one) may be
+    the same."""
     cores = range(a.engine_cores)
     executor = {a.executor_port + k for k in cores}
     front_link = {a.front_link_port + k for k in cores} if a.front_link_port else set()
@@ -131,9 +132,13 @@ def _check_port_ranges(parser: argparse.ArgumentParser, a: argparse.Namespace) -
         parser.error(f"--front-link-port: {a.front_link_port}..{a.front_link_port + a.engine_cores - 1} meets the "
                      f"engine cores' executor ports {a.executor_port}..{a.executor_port + a.engine_cores - 1} "
                      f"(--executor-port + k for --engine-cores {a.engine_cores}); move one of them")
-    for flag, port in (("--port", a.port), ("--http-port", a.http_port), ("--metrics-port", a.metrics_port)):
+    public = (("--port", a.port), ("--http-port", a.http_port), ("--metrics-port", a.metrics_port))
+    for i, (flag, port) in enumerate(public):
         if port and port in executor | front_link:
             parser.error(f"{flag}: {port} is one of the engine cores' executor or front-link ports")
+        for other, other_port in public[:i]:  # two servers on one port: every call of one of them would fail
+            if port and port == other_port:
+                parser.error(f"{flag}: {port} is also {other}'s port; give each its own")
 
 
 def _front_link_host(parser: argparse.ArgumentParser, a: argparse.Namespace, keys: LinkSecurity | None) -> str:

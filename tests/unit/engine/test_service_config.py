@@ -338,6 +338,24 @@ def test_engine_cores_ports_must_not_meet(model_dir, capsys):
     assert "--port: 5558 is one of the engine cores' executor or front-link ports" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--port", "55051", "--http-port", "55051"], "--http-port: 55051 is also --port's port; give each its own"),
+    (["--port", "55051", "--metrics-port", "55051"], "--metrics-port: 55051 is also --port's port; give each its own"),
+    (["--http-port", "55052", "--metrics-port", "55052"],
+     "--metrics-port: 55052 is also --http-port's port; give each its own"),
+])
+def test_no_two_public_ports_are_the_same(model_dir, capsys, flags, message):
+    with pytest.raises(SystemExit) as e:
+        load_config(["--model", str(model_dir), *flags], {})
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_public_ports_of_zero_may_repeat(model_dir):
+    """0 is "off" (HTTP, metrics) or "any free port" (gRPC): never a collision."""
+    cfg = load_config(["--model", str(model_dir), "--port", "0", "--http-port", "0", "--metrics-port", "0"], {})
+    assert (cfg.port, cfg.http_port, cfg.metrics_port) == (0, 0, 0)
+
+
 def test_the_fronts_share_the_machine_sized_caps(model_dir):
     """Each of N fronts sizes its caps for 1/N of the machine (they all run on it)."""
     from scheduler_svc.front.guards.admission import sized_for_machine
