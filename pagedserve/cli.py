@@ -10,13 +10,15 @@ Generated text goes to stdout; finish reasons and token counts to stderr, so
 ``pagedserve generate ... > out.txt`` keeps only the text. ``--json`` prints
 the server's messages as JSON lines instead. Exit status: 0 on success, 1 when
 the server refused or failed (the gRPC status code and message are printed),
-2 for bad command-line usage, 130 on Ctrl-C (the request is cancelled).
+2 for bad command-line usage (argparse checks each number against its proto field's
+range and reads the TLS files before anything is sent), 130 on Ctrl-C (the request is cancelled).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -32,39 +34,44 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
 DEFAULT_SERVER = "localhost:50051"
+# The ranges of the proto fields the integer flags fill (generation.proto): a value outside them
+# would make protobuf raise, so argparse refuses it first. Ids and counts are never negative.
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
 
 
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedserve", description="Client of a pagedserve server.")
     p.add_argument("--server", default=os.environ.get("PAGEDSERVE_SERVER", DEFAULT_SERVER),
                    help="HOST:PORT of the scheduler (env PAGEDSERVE_SERVER; default %(default)s)")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds for the call")
+    p.add_argument("--timeout", type=_positive_seconds, default=None, help="deadline in seconds for the call (> 0)")
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                    help="API key sent as 'authorization: Bearer <key>' (env PAGEDSERVE_API_KEY)")
-    p.add_argument("--tls-ca", type=Path, default=os.environ.get("PAGEDSERVE_TLS_CA"),
+    p.add_argument("--tls-ca", type=_readable_file, default=os.environ.get("PAGEDSERVE_TLS_CA"),
                    help="PEM CA bundle to verify the server with: connect over TLS (env PAGEDSERVE_TLS_CA)")
-    p.add_argument("--tls-cert", type=Path, default=None, help="client certificate (PEM), for mutual TLS")
-    p.add_argument("--tls-key", type=Path, default=None, help="private key of --tls-cert (PEM)")
+    p.add_argument("--tls-cert", type=_readable_file, default=None, help="client certificate (PEM), for mutual TLS")
+    p.add_argument("--tls-key", type=_readable_file, default=None, help="private key of --tls-cert (PEM)")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print the server's messages as JSON")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", parents=[common], help="generate a completion")
     g.add_argument("prompt", nargs="?", help="text prompt (or use --token-ids)")
-    g.add_argument("--token-ids", type=_int_list, help="comma-separated prompt token ids instead of a prompt")
+    g.add_argument("--token-ids", type=_int_list(0, INT32_MAX), help="comma-separated prompt token ids instead of a prompt")
     g.add_argument("--request-id", default="")
-    g.add_argument("--max-tokens", type=int, default=0, help="0: server default (16, capped by context)")
+    g.add_argument("--max-tokens", type=_int_in(0, INT32_MAX), default=0, help="0: server default (16, capped by context)")
     g.add_argument("--stream", action="store_true", help="print text as it is generated (one choice; with several, each is printed when done)")
-    for flag, typ in (("--temperature", float), ("--top-p", float), ("--top-k", int), ("--min-p", float),
-                      ("--seed", int), ("--length-penalty", float), ("--logprobs", int),
+    for flag, typ in (("--temperature", float), ("--top-p", float), ("--top-k", _int_in(0, INT32_MAX)),
+                      ("--min-p", float), ("--seed", _int_in(0, UINT64_MAX)), ("--length-penalty", float),
+                      ("--logprobs", _int_in(0, INT32_MAX)),
                       ("--repetition-penalty", float), ("--presence-penalty", float),
                       ("--frequency-penalty", float)):
         g.add_argument(flag, type=typ, default=None)
-    g.add_argument("--n", type=int, default=0, help="number of choices")
-    g.add_argument("--beam-width", type=int, default=0, help="> 1: beam search")
+    g.add_argument("--n", type=_int_in(0, INT32_MAX), default=0, help="number of choices")
+    g.add_argument("--beam-width", type=_int_in(0, INT32_MAX), default=0, help="> 1: beam search")
     g.add_argument("--early-stopping", action="store_true")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--stop-token-ids", type=_int_list, default=[])
+    g.add_argument("--stop-token-ids", type=_int_list(0, INT32_MAX), default=[])
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=_cmd_generate)
 
@@ -75,11 +82,50 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _int_list(text: str) -> list[int]:
+# argparse prefixes each ArgumentTypeError with "argument --flag:", so the messages name the range only.
+def _int_in(lo: int, hi: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}], got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {value}")
+        return value
+    return parse
+
+
+def _int_list(lo: int, hi: int):
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        bad = [v for v in values if not lo <= v <= hi]
+        if bad:
+            raise argparse.ArgumentTypeError(f"each must be in [{lo}, {hi}], got {bad[0]}")
+        return values
+    return parse
+
+
+def _positive_seconds(text: str) -> float:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected seconds (a number > 0), got {text!r}") from None
+    # grpc takes a deadline already past (<= 0) and reports DEADLINE_EXCEEDED as if the server were slow.
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
+
+def _readable_file(text: str) -> Path:
+    # Read once here so a missing or unreadable PEM file is a usage error, not a traceback in open_channel.
+    try:
+        Path(text).read_bytes()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {exc.strerror}") from None
+    return Path(text)
 
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:

@@ -112,3 +112,40 @@ def test_runs_as_a_program(server, engine):
                           text=True, env=env, timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["architecture"] == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "hi", "--seed", "-1"], "argument --seed: must be in [0, 18446744073709551615], got -1"),
+    (["generate", "hi", "--seed", "18446744073709551616"],
+     "argument --seed: must be in [0, 18446744073709551615], got 18446744073709551616"),
+    (["generate", "hi", "--max-tokens", "3000000000"], "argument --max-tokens: must be in [0, 2147483647], got 3000000000"),
+    (["generate", "hi", "--top-k", "99999999999"], "argument --top-k: must be in [0, 2147483647], got 99999999999"),
+    (["generate", "hi", "--logprobs", "99999999999"], "argument --logprobs: must be in [0, 2147483647], got 99999999999"),
+    (["generate", "hi", "--n", "-1"], "argument --n: must be in [0, 2147483647], got -1"),
+    (["generate", "hi", "--beam-width", "99999999999"],
+     "argument --beam-width: must be in [0, 2147483647], got 99999999999"),
+    (["generate", "hi", "--stop-token-ids", "5,99999999999"],
+     "argument --stop-token-ids: each must be in [0, 2147483647], got 99999999999"),
+    (["generate", "--token-ids", "99999999999"], "argument --token-ids: each must be in [0, 2147483647], got 99999999999"),
+    (["generate", "hi", "--top-k", "x"], "argument --top-k: expected an integer in [0, 2147483647], got 'x'"),
+    (["--timeout=-1", "info"], "argument --timeout: must be a finite number of seconds > 0, got -1"),
+    (["--timeout", "0", "info"], "argument --timeout: must be a finite number of seconds > 0, got 0"),
+    (["--timeout", "nan", "info"], "argument --timeout: must be a finite number of seconds > 0, got nan"),
+    (["--tls-ca", "/nonexistent", "info"], "argument --tls-ca: cannot read /nonexistent: No such file or directory"),
+    (["--tls-cert", "/nonexistent", "info"], "argument --tls-cert: cannot read /nonexistent: No such file or directory"),
+    (["--tls-key", "/nonexistent", "info"], "argument --tls-key: cannot read /nonexistent: No such file or directory"),
+])
+def test_bad_flags_are_usage_errors_naming_flag_and_range(argv, message, capsys):
+    # Refused by argparse before any server is called (none listens on this address).
+    with pytest.raises(SystemExit) as exc:
+        main(["--server", "127.0.0.1:1", *argv], out=io.StringIO(), err=io.StringIO())
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {message}")
+
+
+def test_largest_values_in_range_reach_the_server(server, engine):
+    engine.completions = ["x"]
+    code, _, err = cli(server, "--timeout", "30", "generate", "--token-ids", "0", "--seed", "0", "--top-k",
+                       str(2**31 - 1))
+    assert code == 0, err
+    assert engine.requests[0].params.sampling.top_k == 2**31 - 1
