@@ -49,6 +49,15 @@ def check_name(name: str) -> str:
     return name
 
 
+def check_not_base_model(name: str, model_name: str) -> str:
+    """``name`` unless it is the served model's own: a request naming it gets the base model (it is
+    looked up first), so an adapter under that name could never be reached."""
+    if name == model_name:
+        raise LoraConfigError(f"LoRA adapter name {name!r} is the served model's name (requests naming it get "
+                              "the base model); choose another")
+    return name
+
+
 def split_lora_modules(values: tuple[str, ...] | list[str]) -> list[str]:
     """The entries of ``--lora-modules``' values: each value one entry, except that a value holding
     several (``PAGEDSERVE_LORA_MODULES``, one environment variable) is split: a JSON list into its

@@ -3,7 +3,8 @@
 
 - ``POST /v1/load_lora_adapter`` ``{"lora_name": ..., "lora_path": ...}``: the PEFT directory, as
   every executor sees it, is checked as at start and served under the name from then on, on every
-  engine core; 400 naming the problem (a bad adapter, a name already served), nothing changed.
+  engine core; 400 naming the problem (a bad adapter, a name already served or the served model's
+  own, which requests could never reach), nothing changed.
 - ``POST /v1/unload_lora_adapter`` ``{"lora_name": ...}``: new requests may no longer name it (404);
   running ones finish under it. 404 for a name not served.
 
@@ -22,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from pagedserve.lora_modules import MAX_NAME_CHARS
+from pagedserve.lora_modules import MAX_NAME_CHARS, LoraConfigError, check_not_base_model
 from pagedserve.wire.protocol import MAX_LORA_PATH_CHARS
 from scheduler_svc.front.api_errors import ApiError
 
@@ -53,6 +54,12 @@ def routes(front: LoraFront) -> list[Route]:
 
 async def load(front: LoraFront, request: Request) -> Response:
     req = await front.small_body(request, LoadLoraRequest, MAX_BODY_BYTES)
+    info = front.engine.model_info()  # (None: no executor yet, and update_lora refuses that itself)
+    if info is not None:
+        try:
+            check_not_base_model(req.lora_name, info.model_name)
+        except LoraConfigError as exc:
+            raise ApiError(400, f"lora_name: {exc}", param="lora_name", code="invalid_lora_adapter") from None
     _check(await front.engine.update_lora(req.lora_name, req.lora_path), "lora_path")
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 

@@ -135,3 +135,25 @@ def test_the_registry_gives_each_load_of_a_name_its_own_key(tmp_path):
     second = reg.ids["chat"]
     assert 0 < first < second and reg.paths == {"sql": str(a), lora_key("chat", second): str(a)}
     assert len({chain_root("chat", first), chain_root("chat", second), chain_root("sql"), chain_root(None)}) == 4
+
+
+def test_an_adapter_may_not_take_the_served_models_name():
+    from pagedserve.lora_modules import check_not_base_model
+
+    assert check_not_base_model("sql", "tiny-llama") == "sql"
+    with pytest.raises(LoraConfigError) as exc:
+        check_not_base_model("tiny-llama", "tiny-llama")
+    assert str(exc.value) == ("LoRA adapter name 'tiny-llama' is the served model's name (requests naming it get "
+                              "the base model); choose another")
+
+
+@pytest.mark.xfail(strict=True, reason="scheduler_svc/entrypoints/service_config.py (_lora_modules) does not call "
+                                       "check_not_base_model yet; its owner wires it")
+def test_the_scheduler_refuses_to_start_with_an_adapter_named_as_the_model(tmp_path, capsys):
+    model_dir = tmp_path / "tiny-llama"  # the served name: the model path's last part (executor_svc)
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    good = write_peft_dir(tmp_path / "good")
+    with pytest.raises(SystemExit):
+        load_config(["--model", str(model_dir), "--enable-lora", "--lora-modules", f"tiny-llama={good}"], {})
+    assert "--lora-modules" in capsys.readouterr().err
