@@ -15,8 +15,8 @@ the same whichever path found it.
 | prompts in one completions request | ``--http-max-prompts`` (64) |
 | chat messages | ``--http-max-messages`` (1024) |
 | tools | ``--http-max-tools`` (128, OpenAI's own limit) |
-| stop strings, their length | ``--max-stop-strings`` (16), ``--max-stop-string-len`` (256 characters) |
-| stop token ids | ``--max-stop-token-ids`` (64) |
+| stop strings as sent, their length | 4 x ``--max-stop-strings`` (16; duplicates collapse, then the validator counts them), ``--max-stop-string-len`` (256 characters) |
+| stop token ids as sent | 4 x ``--max-stop-token-ids`` (64; as stop strings) |
 | logit_bias entries | ``--max-logit-bias`` (1024), at most the vocabulary |
 | a structured-output spec or a tool's parameters | ``--max-structured-chars`` (65,536 characters) |
 """
@@ -33,7 +33,7 @@ from pagedserve.engine_api import ModelInfo
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.wire.protocol import MAX_LOGIT_BIAS, MAX_STRUCTURED_CHARS
 from scheduler_svc.front.api_errors import ApiError, bad_field
-from scheduler_svc.front.input.server_limits import ServerLimits
+from scheduler_svc.front.input.server_limits import ServerLimits, raw_list_problem
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +83,8 @@ def check_openai(req: Any, caps: RequestCaps) -> None:
     stop, stop_ids, bias = (getattr(req, name, None) for name in ("stop", "stop_token_ids", "logit_bias"))
     if isinstance(stop, list):
         _check_stop(stop, caps)
-    if stop_ids is not None and len(stop_ids) > caps.stop_token_ids:
-        raise bad_field("stop_token_ids", f"at most {caps.stop_token_ids} ids (got {len(stop_ids)})")
+    if stop_ids is not None and (problem := raw_list_problem(len(stop_ids), caps.stop_token_ids)) is not None:
+        raise bad_field("stop_token_ids", problem)
     if bias is not None and len(bias) > caps.logit_bias:
         raise bad_field("logit_bias", f"at most {caps.logit_bias} entries (got {len(bias)})")
     for field, spec in _structured_specs(req):
@@ -108,8 +108,8 @@ def _check_ids(field: str, n: int, caps: RequestCaps) -> None:
 
 
 def _check_stop(stop: list[str], caps: RequestCaps) -> None:
-    if len(stop) > caps.stop_strings:
-        raise bad_field("stop", f"at most {caps.stop_strings} stop strings (got {len(stop)})")
+    if (problem := raw_list_problem(len(stop), caps.stop_strings)) is not None:
+        raise bad_field("stop", problem)
     for i, s in enumerate(stop):
         if len(s) > caps.stop_string_chars:
             raise bad_field(f"stop[{i}]", f"must be at most {caps.stop_string_chars} characters (got {len(s)})")
@@ -145,10 +145,10 @@ def check_generate(req: pb.GenerateRequest, caps: RequestCaps) -> str | None:
     n_ids = len(req.prompt_token_ids)
     if n_ids >= caps.max_model_len:
         return f"prompt_token_ids: has {n_ids} tokens; max_model_len is {caps.max_model_len}"
-    if len(sp.stop) > caps.stop_strings:
-        return f"sampling.stop: at most {caps.stop_strings} stop strings (got {len(sp.stop)})"
-    if len(sp.stop_token_ids) > caps.stop_token_ids:
-        return f"sampling.stop_token_ids: at most {caps.stop_token_ids} ids (got {len(sp.stop_token_ids)})"
+    if (problem := raw_list_problem(len(sp.stop), caps.stop_strings)) is not None:
+        return f"sampling.stop: {problem}"
+    if (problem := raw_list_problem(len(sp.stop_token_ids), caps.stop_token_ids)) is not None:
+        return f"sampling.stop_token_ids: {problem}"
     if len(sp.logit_bias) > caps.logit_bias:
         return f"sampling.logit_bias: at most {caps.logit_bias} entries (got {len(sp.logit_bias)})"
     so = sp.structured_outputs

@@ -15,6 +15,17 @@ from typing import ClassVar
 
 from pagedserve.v1 import generation_pb2 as pb
 
+# Duplicate stop strings and stop token ids collapse before their limit counts (naming one string
+# 20 times asks for one), but the list as sent is bounded too, at this many times the limit: a
+# client must not make a front dedupe a million entries.
+RAW_LIST_FACTOR = 4
+
+
+def raw_list_problem(n: int, limit: int) -> str | None:
+    """Why a stop list of ``n`` entries as sent (duplicates included) is refused unread, or None."""
+    cap = RAW_LIST_FACTOR * max(limit, 1)
+    return f"at most {cap} entries as sent, duplicates included (got {n})" if n > cap else None
+
 
 @dataclass(frozen=True, slots=True)
 class ServerLimits:

@@ -22,7 +22,7 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.wire import GREEDY_TEMPERATURE_EPS, MAX_SEED, SamplingParams
 from pagedserve.wire.protocol import MAX_END_TOKEN_IDS, MAX_INT32, MAX_LOGIT_BIAS
 from scheduler_svc.front.input.request_fields import RequestFields, fields_from_proto
-from scheduler_svc.front.input.server_limits import ServerLimits
+from scheduler_svc.front.input.server_limits import ServerLimits, raw_list_problem
 from scheduler_svc.front.input.structured import StructuredError, needs_check, structured_spec
 
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI presence / frequency penalties
@@ -311,8 +311,8 @@ def _logit_bias(bias: Sequence[tuple[int, float]], model: ModelInfo, limits: Ser
 
 
 def _stop_strings(stop: Sequence[str], limits: ServerLimits) -> list[str]:
-    if len(stop) > limits.max_stop_strings:
-        raise ValidationError("sampling.stop", f"at most {limits.max_stop_strings} stop strings (got {len(stop)})")
+    if (problem := raw_list_problem(len(stop), limits.max_stop_strings)) is not None:
+        raise ValidationError("sampling.stop", problem)
     for i, s in enumerate(stop):
         if not s:
             raise ValidationError(f"sampling.stop[{i}]", "must not be empty (got '')")
@@ -320,16 +320,22 @@ def _stop_strings(stop: Sequence[str], limits: ServerLimits) -> list[str]:
             raise ValidationError(
                 f"sampling.stop[{i}]", f"must be at most {limits.max_stop_string_len} characters (got {len(s)})"
             )
-    return list(dict.fromkeys(stop))  # duplicates change nothing
+    unique = list(dict.fromkeys(stop))  # duplicates change nothing, so they do not count
+    if len(unique) > limits.max_stop_strings:
+        raise ValidationError("sampling.stop",
+                              f"at most {limits.max_stop_strings} distinct stop strings (got {len(unique)})")
+    return unique
 
 
 def _stop_token_ids(ids: Sequence[int], model: ModelInfo, limits: ServerLimits) -> list[int]:
-    if len(ids) > limits.max_stop_token_ids:
-        raise ValidationError(
-            "sampling.stop_token_ids", f"at most {limits.max_stop_token_ids} ids (got {len(ids)})"
-        )
+    if (problem := raw_list_problem(len(ids), limits.max_stop_token_ids)) is not None:
+        raise ValidationError("sampling.stop_token_ids", problem)
     _check_vocab("sampling.stop_token_ids", ids, model.vocab_size)
-    return list(dict.fromkeys(ids))
+    unique = list(dict.fromkeys(ids))
+    if len(unique) > limits.max_stop_token_ids:
+        raise ValidationError("sampling.stop_token_ids",
+                              f"at most {limits.max_stop_token_ids} distinct ids (got {len(unique)})")
+    return unique
 
 
 def _finite(field: str, value: float) -> float:

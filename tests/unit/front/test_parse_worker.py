@@ -75,15 +75,15 @@ def test_a_large_body_is_decoded_by_the_worker_and_rebuilt_exactly(monkeypatch):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("stop", ["s"] * 80_000, "stop: at most 16 stop strings (got 80000)"),
+    ("stop", ["s"] * 80_000, "stop: at most 64 entries as sent, duplicates included (got 80000)"),
     ("logit_bias", {str(i): 1.0 for i in range(30_000)}, "logit_bias: at most 1024 entries (got 30000)"),
     ("prompt", [5] * 150_000, "prompt: has 150000 tokens; max_model_len is 4096"),
-    ("stop_token_ids", list(range(60_000)), "stop_token_ids: at most 64 ids (got 60000)"),
+    ("stop_token_ids", list(range(60_000)), "stop_token_ids: at most 256 entries as sent, duplicates included (got 60000)"),
 ])
 def test_counts_over_their_caps_are_refused_the_same_whichever_path(field, value, message):
     """A large body is refused by the worker with the words a small one gets in the front."""
     big = msgspec.json.encode({"prompt": "hi", field: value})
-    over = value[:17] if field == "stop" else None  # a small body over the same cap
+    over = ["s"] * 65 if field == "stop" else None  # a small body over the same cap
     assert len(big) > body_parser.LARGE_BODY_BYTES
 
     async def go(parser, worker):
@@ -92,7 +92,7 @@ def test_counts_over_their_caps_are_refused_the_same_whichever_path(field, value
         if over is not None:
             with pytest.raises(ApiError) as small:
                 await parser.decode(msgspec.json.encode({"prompt": "hi", field: over}), CompletionRequest, CAPS)
-            assert small.value.message == "stop: at most 16 stop strings (got 17)"
+            assert small.value.message == "stop: at most 64 entries as sent, duplicates included (got 65)"
         return e.value, worker.handled
 
     err, handled = _run(go)
@@ -194,11 +194,15 @@ def test_the_loop_keeps_ticking_while_large_bodies_decode():
 def test_a_generate_request_over_its_caps_is_named_from_lengths_alone():
     req = pb.GenerateRequest(prompt_token_ids=[3] * 5000)
     assert check_generate(req, CAPS) == "prompt_token_ids: has 5000 tokens; max_model_len is 4096"
-    req = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(stop=["a"] * 17))
-    assert check_generate(req, CAPS) == "sampling.stop: at most 16 stop strings (got 17)"
+    req = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(stop=["a"] * 65))
+    assert check_generate(req, CAPS) == "sampling.stop: at most 64 entries as sent, duplicates included (got 65)"
+    req = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(stop_token_ids=[1] * 257))
+    assert check_generate(req, CAPS) == \
+        "sampling.stop_token_ids: at most 256 entries as sent, duplicates included (got 257)"
     req = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(logit_bias={i: 1.0 for i in range(1025)}))
     assert check_generate(req, CAPS) == "sampling.logit_bias: at most 1024 entries (got 1025)"
-    ok = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(stop=["a"] * 16, stop_token_ids=[1] * 64))
+    # (the validator counts distinct strings and ids against 16 and 64 afterwards)
+    ok = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(stop=["a"] * 64, stop_token_ids=[1] * 256))
     assert check_generate(ok, CAPS) is None
 
 
@@ -224,7 +228,7 @@ def test_a_large_grpc_message_is_checked_in_the_worker_before_the_front_parses_i
             with pytest.raises(grpc.RpcError) as e:
                 list(stub.Generate(req, timeout=20))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert e.value.details() == "sampling.stop: at most 16 stop strings (got 100000)"
+            assert e.value.details() == "sampling.stop: at most 64 entries as sent, duplicates included (got 100000)"
             padded = pb.GenerateRequest(prompt="hi " * 100_000, sampling=pb.SamplingParams(max_tokens=2))
             assert padded.ByteSize() > LARGE_MESSAGE_BYTES
             with pytest.raises(grpc.RpcError) as e:  # within the counts: the front parses it, and the

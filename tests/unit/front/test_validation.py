@@ -117,6 +117,25 @@ def test_seed_bound_leaves_room_for_n_choices():
 def test_duplicate_stops_collapse_and_request_id_is_kept():
     req = validate(request_id="abc", sampling={"stop": ["x", "x"], "stop_token_ids": [3, 3]})
     assert (req.request_id, req.params.stop, req.params.stop_token_ids) == ("abc", ["x"], [3])
+
+
+def test_duplicates_collapse_before_the_limits_count_them():
+    # LIMITS: 2 stop strings, 2 stop token ids; the raw lists are bounded at 4 x those.
+    req = validate(sampling={"stop": ["x", "y"] * 4, "stop_token_ids": [3, 5] * 4})
+    assert (req.params.stop, req.params.stop_token_ids) == (["x", "y"], [3, 5])
+    assert refused("sampling.stop", sampling={"stop": ["x", "y", "z", "x"]}) == \
+        "sampling.stop: at most 2 distinct stop strings (got 3)"
+    assert refused("sampling.stop_token_ids", sampling={"stop_token_ids": [3, 5, 7, 3]}) == \
+        "sampling.stop_token_ids: at most 2 distinct ids (got 3)"
+    assert refused("sampling.stop", sampling={"stop": ["x"] * 9}) == \
+        "sampling.stop: at most 8 entries as sent, duplicates included (got 9)"
+    assert refused("sampling.stop_token_ids", sampling={"stop_token_ids": [3] * 9}) == \
+        "sampling.stop_token_ids: at most 8 entries as sent, duplicates included (got 9)"
+
+
+def test_the_default_limits_take_the_audits_duplicate_lists():
+    req = validate(limits=ServerLimits(), sampling={"stop": ["x"] * 20, "stop_token_ids": [5] * 100})
+    assert (req.params.stop, req.params.stop_token_ids) == (["x"], [5])
     refused("request_id", request_id="a\nb")
 
 
