@@ -119,7 +119,7 @@ class CoreSet:
         ready = [c for c in self._ready() if c is not exclude]
         fits = [c for c in ready if _fits(c, req)] or ready
         if not fits:
-            raise EngineError(ErrorKind.NO_EXECUTOR, "no engine core is reachable; try again")
+            raise EngineError(ErrorKind.NO_EXECUTOR, _none_ready([c for c in self.cores if c is not exclude]))
         loads = {id(c): self._load(c) for c in fits}
         eligible = [fits[i] for i in within_skew([loads[id(c)] for c in fits])]
         first = (req.prompt_block_hashes or [b""])[0]
@@ -163,6 +163,21 @@ class CoreSet:
                 streams.fail_request(t, err if moves > self.max_migrations or self._ready() else exc)
                 continue
             self.where[rid] = target
+
+
+def _none_ready(cores: list[RemoteCore]) -> str:
+    """Why none of ``cores`` takes a request, as their last Status tells: a core that answers but
+    whose executors all drain is not unreachable, and the client should hear which it is."""
+    up = [c for c in cores if c.connected]
+    if not up:
+        return "no engine core is reachable; try again"
+    states = [e.state for c in up for e in c.stats().executors if e.state != "dead"]
+    if "draining" in states and "ready" not in states:
+        return (f"the executors are all draining ({states.count('draining')}: each finishes its requests, then "
+                "leaves); try again once another has registered")
+    if not states:
+        return "no executor is connected to the engine core; try again once one has registered"
+    return "no engine core is ready (it may be shutting down); try again"
 
 
 def _fits(core: RemoteCore, req: GenerationRequest) -> bool:
