@@ -17,7 +17,7 @@ from collections.abc import Collection, Mapping
 
 import msgspec
 
-from pagedserve.engine_api import FinishReason, GenerationRequest, RequestUpdate
+from pagedserve.engine_api import ErrorKind, FinishReason, GenerationRequest, RequestUpdate
 from pagedserve.kv_blocks import lora_key
 from pagedserve.wire import LoraLoad, SamplingParams
 from scheduler_svc.sched.in_flight import InFlight
@@ -218,9 +218,11 @@ class RequestLifecycle:
             log.error("request %s failed inside the scheduler; failing it alone", r.request_id,
                       exc_info=(type(exc), exc, exc.__traceback__))
         self.release_request(r, FinishReason.ABORTED)
+        if isinstance(exc, LoraUnloaded):  # (NOT_FOUND, as naming an adapter not served: no server fault)
+            return RequestUpdate(r.request_id, [], True, r.num_prompt_tokens, r.num_cached_prompt_tokens,
+                                 error=str(exc), error_kind=ErrorKind.NOT_FOUND)
         return RequestUpdate(r.request_id, [], True, r.num_prompt_tokens, r.num_cached_prompt_tokens,
-                             error=str(exc) if isinstance(exc, LoraUnloaded)
-                             else "internal error while scheduling it")  # (the detail is logged above)
+                             error="internal error while scheduling it")  # (the detail is logged above)
 
     def take_all_requests(self) -> list[MigratedRequest]:
         """Remove every request and free all blocks; return what re-queues each elsewhere."""
