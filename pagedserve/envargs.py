@@ -59,8 +59,27 @@ def parse_with_env(parser: argparse.ArgumentParser, argv: list[str] | None,
             else:
                 parser.error(f"{name}: expected a boolean, got {value!r}")
         else:
+            _check_env_value(parser, action, name, longs[0], value)
             env_args += [longs[0], value]
     return parser.parse_args(args + env_args)
+
+
+def _check_env_value(parser: argparse.ArgumentParser, action: argparse.Action, name: str, flag: str,
+                     value: str) -> None:
+    """Convert and check ``value`` as argparse will, so that a bad one names its variable: argparse
+    names only the flag, which a ConfigMap's reader may not find in the ConfigMap."""
+    convert = parser._registry_get("type", action.type, action.type)  # (as argparse resolves type=)
+    try:
+        converted = convert(value) if callable(convert) else value
+    except argparse.ArgumentTypeError as exc:
+        detail = str(exc)
+    except (TypeError, ValueError):
+        detail = f"invalid {getattr(convert, '__name__', repr(convert))} value: {value!r}"
+    else:
+        if action.choices is None or converted in action.choices:
+            return
+        detail = f"invalid choice: {converted!r} (choose from {', '.join(map(repr, action.choices))})"
+    parser.error(f"{name}: {detail}" if flag in detail else f"{name}: {flag}: {detail}")
 
 
 def _options_in(argv: list[str]) -> list[str]:
@@ -87,7 +106,8 @@ def number(kind: type, name: str, low: float, low_inclusive: bool = False, high:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: expected a {kind.__name__}, got {text!r}") from None
+            expected = "an integer" if kind is int else f"a {kind.__name__}"
+            raise argparse.ArgumentTypeError(f"{name}: expected {expected}, got {text!r}") from None
         if value < low or (value == low and not low_inclusive) or (high is not None and value > high):
             bound = f"{'>=' if low_inclusive else '>'} {low}" + (f" and <= {high}" if high is not None else "")
             raise argparse.ArgumentTypeError(f"{name}: must be {bound}, got {value}")

@@ -60,6 +60,20 @@ def test_bad_values_name_the_flag_and_the_limit(model_dir, capsys, argv, env, me
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("env,message", [
+    ({"PAGEDSERVE_MAX_NUM_SEQS": "abc"}, "error: PAGEDSERVE_MAX_NUM_SEQS: --max-num-seqs: expected an integer, got 'abc'"),
+    ({"PAGEDSERVE_MAX_NUM_SEQS": "-3"}, "error: PAGEDSERVE_MAX_NUM_SEQS: --max-num-seqs: must be > 0, got -3"),
+    ({"PAGEDSERVE_BLOCK_SIZE": "x"}, "error: PAGEDSERVE_BLOCK_SIZE: --block-size: invalid int value: 'x'"),
+    ({"PAGEDSERVE_BLOCK_SIZE": "7"}, "error: PAGEDSERVE_BLOCK_SIZE: --block-size: invalid choice: 7 (choose from "),
+    ({"PAGEDSERVE_PREEMPTION_MODE": "drop"},
+     "error: PAGEDSERVE_PREEMPTION_MODE: --preemption-mode: invalid choice: 'drop' (choose from 'recompute', 'swap')"),
+])
+def test_a_bad_value_from_the_environment_names_the_variable(model_dir, capsys, env, message):
+    with pytest.raises(SystemExit) as exc:
+        load_config(["--model", str(model_dir)], env)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_a_model_directory_without_config_json_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         load_config(["--model", str(tmp_path)], {})
