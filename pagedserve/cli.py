@@ -60,7 +60,9 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--token-ids", type=_int_list(0, INT32_MAX), help="comma-separated prompt token ids instead of a prompt")
     g.add_argument("--request-id", default="")
     g.add_argument("--max-tokens", type=_int_in(0, INT32_MAX), default=0, help="0: server default (16, capped by context)")
-    g.add_argument("--stream", action="store_true", help="print text as it is generated (one choice; with several, each is printed when done)")
+    g.add_argument("--stream", action="store_true",
+                   help="print text as it is generated (one choice; with several, from --n or --beam-width, "
+                        "each is printed when done)")
     for flag, typ in (("--temperature", float), ("--top-p", float), ("--top-k", _int_in(0, INT32_MAX)),
                       ("--min-p", float), ("--seed", _int_in(0, UINT64_MAX)), ("--length-penalty", float),
                       ("--logprobs", _int_in(0, INT32_MAX)),
@@ -154,7 +156,11 @@ def _cmd_generate(channel: grpc.Channel, args: argparse.Namespace, out: TextIO, 
     texts: dict[int, list[str]] = {}
     finish: dict[int, int] = {}
     usage = None
-    inline = args.stream and not args.json and max(args.n, 1) == 1
+    # Text is written as it comes only when one choice is expected: several (n > 1, or the beams of
+    # a beam search) would run together on one line, so each is printed as a block when done. Should
+    # the server still send another choice, only the first is written as it comes.
+    inline = args.stream and not args.json and max(args.n, 1) == 1 and args.beam_width <= 1
+    inline_index: int | None = None
     try:
         for msg in stream:
             if args.json:
@@ -163,7 +169,8 @@ def _cmd_generate(channel: grpc.Channel, args: argparse.Namespace, out: TextIO, 
                 texts.setdefault(c.index, []).append(c.text)
                 if c.finish_reason:
                     finish[c.index] = c.finish_reason
-                if inline:
+                if inline and inline_index in (None, c.index):
+                    inline_index = c.index
                     out.write(c.text)
                     out.flush()
             if msg.HasField("usage"):
@@ -172,16 +179,20 @@ def _cmd_generate(channel: grpc.Channel, args: argparse.Namespace, out: TextIO, 
         stream.cancel()
         raise
     if not args.json:
-        _print_choices(texts, finish, inline, out)
+        _print_choices(texts, finish, inline, inline_index, out)
         _print_summary(finish, usage, err)
     return 0
 
 
-def _print_choices(texts: dict[int, list[str]], finish: dict[int, int], inline: bool, out: TextIO) -> None:
+def _print_choices(texts: dict[int, list[str]], finish: dict[int, int], inline: bool, written: int | None,
+                   out: TextIO) -> None:
+    """Each choice as a block, headed by its index when there are several; ``written``: the choice
+    already written as it came (``inline``: its line is ended here, and it is not printed again)."""
     if inline:
         out.write("\n")
-        return
     for index in sorted(texts):
+        if index == written:
+            continue
         if len(texts) > 1:
             print(f"--- choice {index} ({_reason(finish.get(index, 0))}) ---", file=out)
         print("".join(texts[index]), file=out)

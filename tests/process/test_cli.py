@@ -149,3 +149,31 @@ def test_largest_values_in_range_reach_the_server(server, engine):
                        str(2**31 - 1))
     assert code == 0, err
     assert engine.requests[0].params.sampling.top_k == 2**31 - 1
+
+
+def _two_choices(engine, monkeypatch):
+    """The engine answers with two choices, their deltas interleaved (as beams or n > 1 come)."""
+    from pagedserve.engine_api import ChoiceDelta, FinishReason, RequestOutput, Usage
+
+    async def stream(req):
+        yield RequestOutput(req.request_id, [ChoiceDelta(0, "one"), ChoiceDelta(1, "three")])
+        yield RequestOutput(req.request_id, [ChoiceDelta(0, " two", finish_reason=FinishReason.LENGTH),
+                                             ChoiceDelta(1, " four", finish_reason=FinishReason.EOS)],
+                            usage=Usage(2, 4, 0), finished=True)
+
+    monkeypatch.setattr(engine, "_stream", stream)  # (undone after the test: the server is shared)
+
+
+@pytest.mark.parametrize("stream", [["--stream"], []])
+def test_several_beams_are_printed_apart(server, engine, stream, monkeypatch):
+    _two_choices(engine, monkeypatch)
+    code, out, err = cli(server, "generate", "hello there", "--beam-width", "2", "--max-tokens", "4", *stream)
+    assert code == 0
+    assert out == "--- choice 0 (length) ---\none two\n--- choice 1 (eos) ---\nthree four\n"
+    assert err.startswith("[finish 0: length, 1: eos]")
+
+
+def test_a_choice_the_server_adds_to_a_stream_of_one_is_printed_apart(server, engine, monkeypatch):
+    _two_choices(engine, monkeypatch)
+    code, out, _ = cli(server, "generate", "hello there", "--max-tokens", "4", "--stream")
+    assert code == 0 and out == "one two\n--- choice 1 (eos) ---\nthree four\n"
