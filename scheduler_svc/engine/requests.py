@@ -57,8 +57,11 @@ class CoreRequests:
         if self._closing:
             raise EngineError(ErrorKind.NO_EXECUTOR, "the server is shutting down")
         if not self.is_ready():
-            raise EngineError(ErrorKind.NO_EXECUTOR,
-                              "no executor is connected; try again once one has registered")
+            draining = sum(s.conn.state == "draining" for s in self.slots.values())
+            raise EngineError(ErrorKind.NO_EXECUTOR, (
+                f"the executors are all draining ({draining}: each finishes its requests, then leaves); try again "
+                "once another has registered" if draining else
+                "no executor is connected; try again once one has registered"))
         if self._num_queued() >= self.cfg.max_queued_requests:
             raise EngineError(ErrorKind.QUEUE_FULL, f"{self._num_queued()} requests are queued, the limit "
                                                     f"(max_queued_requests) is {self.cfg.max_queued_requests}")

@@ -165,6 +165,27 @@ def test_a_drain_that_runs_out_of_time_moves_requests_without_a_gap(tokenizer):
     _run(main())
 
 
+def test_a_request_while_every_executor_drains_is_told_so(tokenizer):
+    async def main():
+        async with running(tokenizer, 0) as (engine, execs):
+            execs.append(engine_executor(engine, "leaving", step_s=0.005, drain_timeout=5.0))
+            while len(engine.slots) < 1:
+                await asyncio.sleep(0.01)
+            long = asyncio.create_task(_collect(engine, _req("long", list(range(3, 20)), 60)))
+            while engine.slots["leaving"].scheduler.num_running < 1:
+                await asyncio.sleep(0.005)
+            execs[0].worker.request_drain()
+            while engine.slots["leaving"].conn.state != "draining":
+                await asyncio.sleep(0.005)
+            with pytest.raises(EngineError) as raised:
+                await _collect(engine, _req("late", [3, 4, 5], 4))
+            assert str(raised.value) == ("the executors are all draining (1: each finishes its requests, then leaves); "
+                                         "try again once another has registered")
+            assert len((await long)[0][0]) == 60  # the drain lets it finish
+
+    _run(main())
+
+
 def test_loop_failure_fails_its_requests_and_the_executor_comes_back(tokenizer):
     async def main():
         async with running(tokenizer, 1) as (engine, execs):
