@@ -190,7 +190,7 @@ def _n_and_beam_width(f: RequestFields, limits: ServerLimits) -> tuple[int, int]
     if n > 1 and beam_width > 1:
         raise ValidationError(
             "sampling.n",
-            f"must be 0 or 1 with beam search (beam_width={beam_width} returns the best beam); got n={n}",
+            f"must be 0 or 1 with beam search (beam_width={beam_width} returns that many beams as the choices); got n={n}",
         )
     return n, beam_width
 
