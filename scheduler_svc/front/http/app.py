@@ -141,6 +141,7 @@ class OpenAIFront:
         render = CompletionRender(f"cmpl-{greqs[0].request_id}", lora or info.model_name, _choices(greqs[0]), len(greqs),
                                   self.texts, return_token_ids=req.return_token_ids, echo=echo,
                                   prompt_ids=[g.prompt_token_ids for g in greqs] if echo else None,
+                                  skip_special_tokens=greqs[0].params.skip_special_tokens,
                                   **_usage_options(req, greqs))
         return await self._respond(request, greqs, render, req.stream)
 

@@ -11,30 +11,71 @@
   likely, over the whole vocabulary, as vLLM ranks); from an executor that predates it, its rank
   among the top k, or ``null`` outside them (vLLM's ``Logprob.rank`` is optional), never a guess.
 
-A token's text is its id decoded alone.
+A token's text (``tokens``, ``token``, ``decoded_token``, the keys of ``top_logprobs``) is its id
+decoded alone (``token_texts.py``): a piece of a character split over tokens reads U+FFFD. A token's
+``bytes`` are those it adds to the text, so a choice's tokens' ``bytes``, concatenated, are its
+content's UTF-8 (less a stop string cut off, or an EOS's text). ``text_offset`` is a token's
+position, in characters, in the returned text: the length of the text its preceding tokens decode
+to (a token that starts inside a character: that character's start), special tokens counting
+nothing where the text skips them. Echoed prompt tokens are placed in the prompt's decoded text,
+and the generated ones after the echo.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedserve.engine_api import TokenLogprob
+from scheduler_svc.front.http.token_texts import TokenTexts
 
 Text = Callable[[int], str]
 
 
-def completion_logprobs(text: Text, lps: Sequence[TokenLogprob | None], offset: int,
+class TextOffsets:
+    """Each token's ``text_offset``, token after token (a stream's chunks share one): the characters
+    its preceding tokens' bytes decode to, counted as they come (a whole response's offsets are
+    linear in its length). ``at``: where the first token starts; ``text_start``: the tokens begin
+    the text (the decoder drops its leading spaces); ``skip_special``: the text leaves special tokens
+    out."""
+
+    __slots__ = ("at", "_texts", "_utf8", "_lead", "_skip")
+
+    def __init__(self, texts: TokenTexts, at: int = 0, *, text_start: bool = False,
+                 skip_special: bool = True) -> None:
+        self.at = at
+        self._texts = texts
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # holds an unfinished character back
+        self._lead = texts.lead_spaces if text_start else 0
+        self._skip = texts.special if skip_special else frozenset()
+
+    def take(self, token_id: int) -> int:
+        """Where ``token_id`` starts; then moves past it."""
+        at = self.at
+        if token_id in self._skip:
+            return at
+        raw = self._texts.bytes(token_id)
+        if self._lead:
+            kept = raw.lstrip(b" ")
+            dropped = min(self._lead, len(raw) - len(kept))
+            raw = raw[dropped:]
+            self._lead = 0 if raw else self._lead - dropped
+        self.at += len(self._utf8.decode(raw))
+        return at
+
+
+def completion_logprobs(texts: TokenTexts, lps: Sequence[TokenLogprob | None], offsets: TextOffsets,
                         token_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """The completions form of ``lps`` (None: a position without log-probs, the prompt's first
-    token, whose id is ``token_ids[i]``) starting at text offset ``offset``; ``next_offset`` is
-    where the text after them starts."""
-    tokens, values, tops, offsets = [], [], [], []
+    token, whose id is ``token_ids[i]``), placed in the text by ``offsets`` (which moves past them)."""
+    text = texts.text
+    tokens, values, tops, starts = [], [], [], []
     for i, lp in enumerate(lps):
-        token = text(lp.token_id if lp is not None else token_ids[i])
+        token_id = lp.token_id if lp is not None else token_ids[i]
+        token = text(token_id)
         tokens.append(token)
-        offsets.append(offset)
-        offset += len(token)
+        starts.append(offsets.take(token_id))
         if lp is None:
             values.append(None)
             tops.append(None)
@@ -43,19 +84,17 @@ def completion_logprobs(text: Text, lps: Sequence[TokenLogprob | None], offset: 
         top = {text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
         top.setdefault(token, lp.logprob)  # the sampled token is always listed
         tops.append(top)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets,
-            "next_offset": offset}
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": starts}
 
 
-def chat_logprobs(text: Text, lps: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
-    return [dict(_entry(text, lp.token_id, lp.logprob),
-                 top_logprobs=[_entry(text, t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)])
+def chat_logprobs(texts: TokenTexts, lps: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    return [dict(_entry(texts, lp.token_id, lp.logprob),
+                 top_logprobs=[_entry(texts, t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)])
             for lp in lps]
 
 
-def _entry(text: Text, token_id: int, logprob: float) -> dict[str, Any]:
-    token = text(token_id)
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+def _entry(texts: TokenTexts, token_id: int, logprob: float) -> dict[str, Any]:
+    return {"token": texts.text(token_id), "logprob": logprob, "bytes": list(texts.bytes(token_id))}
 
 
 def prompt_logprobs_body(text: Text, lps: Sequence[TokenLogprob | None]) -> list[dict[str, Any] | None]:

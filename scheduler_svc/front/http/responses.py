@@ -16,27 +16,22 @@ carry tool calls (``scheduler_svc/tool_calls``).
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenizers import Tokenizer
-
 from pagedserve.engine_api import ChoiceDelta, FinishReason, RequestOutput, TokenLogprob, Usage
 from scheduler_svc.front.api_errors import ApiError
-from scheduler_svc.front.http.logprob_forms import chat_logprobs, completion_logprobs, prompt_logprobs_body
+from scheduler_svc.front.http.logprob_forms import (
+    TextOffsets,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_body,
+)
+from scheduler_svc.front.http.token_texts import TokenTexts
 from scheduler_svc.front.tool_calls import ChoiceToolCalls, ToolPlan
 
 FINISH_REASON = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
-
-
-class TokenTexts:
-    """Each token id's own text (cached: logprobs name the same ids over and over)."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.text = functools.lru_cache(maxsize=1 << 16)(
-            lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
 
 
 def finish_reason(reason: FinishReason) -> str:
@@ -55,7 +50,7 @@ class _Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     started: bool = False  # its first delta went out (role / echo are sent once)
-    offset: int = 0  # completions logprobs: text_offset of the next token
+    offsets: TextOffsets | None = None  # completions logprobs: where the next token starts
     tools: ChoiceToolCalls | None = None  # chat with tools: its calls
 
 
@@ -182,21 +177,23 @@ class _Render:
 class CompletionRender(_Render):
     OBJECT = CHUNK_OBJECT = "text_completion"
 
+    def __init__(self, *args: Any, skip_special_tokens: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.skip_special_tokens = skip_special_tokens  # as the engine decodes the text (text_offset follows it)
+
     def _delta(self, index: int, c: _Choice, d: ChoiceDelta, prompt: int) -> dict[str, Any] | None:
         if self._quiet(c, d):
             return None
         text = d.text
         logprobs = None
         if not c.started and self.echo is not None:
-            echoed = self.echo[prompt]
-            text = echoed + text
-            c.offset = len(echoed)
+            text = self.echo[prompt] + text
             if d.logprobs and self.prompt_logprobs[prompt] is not None:
                 logprobs = self._echo_logprobs(prompt)
-                c.offset = logprobs.pop("next_offset")  # (offsets count the prompt's tokens' texts)
         if d.logprobs:
-            body = completion_logprobs(self.texts.text, d.logprobs, c.offset)
-            c.offset = body.pop("next_offset")
+            if c.offsets is None:
+                c.offsets = self._offsets(prompt)
+            body = completion_logprobs(self.texts, d.logprobs, c.offsets)
             logprobs = body if logprobs is None else {k: logprobs[k] + body[k] for k in body}
         out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
         if not c.started and self.prompt_logprobs[prompt] is not None:
@@ -204,19 +201,25 @@ class CompletionRender(_Render):
         return out
 
     def _echo_logprobs(self, prompt: int) -> dict[str, Any]:
-        """The echoed prompt's tokens with their log-probs (the first has none), from text offset 0."""
+        """The echoed prompt's tokens with their log-probs (the first has none), placed in the
+        prompt's text as decoded (an echo of token ids is that text; special tokens left out)."""
         ids = self.prompt_ids[prompt] if self.prompt_ids is not None else None
-        return completion_logprobs(self.texts.text, self.prompt_logprobs[prompt], 0, ids)
+        return completion_logprobs(self.texts, self.prompt_logprobs[prompt], TextOffsets(self.texts, text_start=True),
+                                   ids)
+
+    def _offsets(self, prompt: int) -> TextOffsets:
+        """The generated tokens' offsets: from the end of the echo, in the text the engine decodes."""
+        start = len(self.echo[prompt]) if self.echo is not None else 0
+        return TextOffsets(self.texts, start, skip_special=self.skip_special_tokens)
 
     def _whole(self, index: int, c: _Choice) -> dict[str, Any]:
         prompt = index // self.n
         echo = self.echo[prompt] if self.echo is not None else ""
         logprobs = None
         if c.logprobs:
-            head = self._echo_logprobs(prompt) if echo and self.prompt_logprobs[prompt] is not None else None
-            logprobs = completion_logprobs(self.texts.text, c.logprobs, head.pop("next_offset") if head else len(echo))
-            logprobs.pop("next_offset")
-            if head is not None:
+            logprobs = completion_logprobs(self.texts, c.logprobs, self._offsets(prompt))
+            if self.echo is not None and self.prompt_logprobs[prompt] is not None:
+                head = self._echo_logprobs(prompt)
                 logprobs = {k: head[k] + logprobs[k] for k in logprobs}
         body = {"index": index, "text": echo + "".join(c.text), "logprobs": logprobs,
                 "finish_reason": finish_reason(c.finish_reason) if c.finish_reason else None}
@@ -252,7 +255,7 @@ class ChatRender(_Render):
                 delta["tool_calls"] = calls
             if c.started and not (content or calls or d.finish_reason or d.logprobs or self.return_token_ids):
                 return None
-        lp = {"content": chat_logprobs(self.texts.text, d.logprobs)} if d.logprobs else None
+        lp = {"content": chat_logprobs(self.texts, d.logprobs)} if d.logprobs else None
         return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}
 
     def _finish(self, c: _Choice, reason: FinishReason) -> str:
@@ -273,7 +276,7 @@ class ChatRender(_Render):
                 if word == "stop" and self.tools.finish_reason:
                     word = self.tools.finish_reason
         body = {"index": index, "message": message,
-                "logprobs": {"content": chat_logprobs(self.texts.text, c.logprobs)} if c.logprobs else None,
+                "logprobs": {"content": chat_logprobs(self.texts, c.logprobs)} if c.logprobs else None,
                 "finish_reason": word}
         if self.return_token_ids:
             body["token_ids"] = c.token_ids

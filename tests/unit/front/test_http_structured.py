@@ -237,7 +237,64 @@ def test_echo_with_logprobs_returns_the_prompts_log_probs_first(fake):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes the first token
     assert lp.token_logprobs[1:len(prompt_ids)] == pytest.approx([-1.0 - j / 10 for j in range(len(prompt_ids) - 1)])
     assert lp.tokens[:len(prompt_ids)] == [make_tokenizer().decode([t], skip_special_tokens=False) for t in prompt_ids]
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # Positions in the returned text, which the BOS ("<s>", skipped when decoding) is not part of.
+    assert lp.tokens[0] == "<s>" and lp.text_offset == [sum(len(t) for t in lp.tokens[1:i]) for i in range(len(lp.tokens))]
+    assert all(r.choices[0].text.startswith(t, at) for t, at in zip(lp.tokens[1:-1], lp.text_offset[1:-1], strict=True))
+
+
+SPLIT = "Zaż 😀 gęś café, naïve 🚀!"  # characters the fake engine's tokenizer splits over tokens
+
+
+def _chat_logprobs(fake, stream: bool) -> tuple[str, list]:
+    """(content, logprobs entries) of a chat answer, whole or streamed."""
+    kw = {"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": 1}
+    if not stream:
+        choice = fake.client().chat.completions.create(**kw).choices[0]
+        return choice.message.content, choice.logprobs.content
+    chunks = [c.choices[0] for c in fake.client().chat.completions.create(stream=True, **kw) if c.choices]
+    return ("".join(c.delta.content or "" for c in chunks),
+            [e for c in chunks if c.logprobs is not None for e in c.logprobs.content])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_bytes_concatenate_to_the_contents_utf8(fake, stream):
+    fake.engine.completions = [SPLIT]
+    content, entries = _chat_logprobs(fake, stream)
+    assert content == SPLIT and any("\ufffd" in e.token for e in entries)  # some token is a piece of a character
+    assert entries[-1].token == "</s>" and entries[-1].bytes == list(b"</s>")  # EOS: not part of the content
+    assert b"".join(bytes(e.bytes) for e in entries[:-1]) == SPLIT.encode()
+    assert all(bytes(e.bytes).decode() == e.token for e in entries if "\ufffd" not in e.token)
+
+
+def _completion(fake, stream: bool, **kw) -> tuple[str, list[str], list[int]]:
+    """(text, tokens, text_offset) of a completion, whole or streamed (its chunks' lists joined)."""
+    kw = {"model": MODEL, "max_tokens": 64, "logprobs": 1, **kw}
+    if not stream:
+        choice = fake.client().completions.create(**kw).choices[0]
+        return choice.text, choice.logprobs.tokens, choice.logprobs.text_offset
+    chunks = [c.choices[0] for c in fake.client().completions.create(stream=True, **kw)]
+    lps = [c.logprobs for c in chunks if c.logprobs is not None]
+    return ("".join(c.text for c in chunks), [t for lp in lps for t in lp.tokens],
+            [o for lp in lps for o in lp.text_offset])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("echo", [False, True])
+def test_text_offsets_are_character_positions_in_the_returned_text(fake, stream, echo):
+    fake.engine.completions = [SPLIT]
+    prompt = "Grüße 😀 naïve"
+    text, tokens, offsets = _completion(fake, stream, prompt=prompt, echo=echo)
+    head = prompt if echo else ""
+    assert text == head + SPLIT and any("\ufffd" in t for t in tokens)
+    # Exactly: the length of the text the tokens before decode to (a piece: its character's start).
+    tok = make_tokenizer()
+    prompt_ids = fake.engine.requests[-1].prompt_token_ids if echo else []
+    answer_ids = tok.encode(SPLIT, add_special_tokens=False).ids + [1]
+    expected = [len(tok.decode(prompt_ids[:i]).rstrip("\ufffd")) for i in range(len(prompt_ids))]
+    expected += [len(head) + len(tok.decode(answer_ids[:i]).rstrip("\ufffd")) for i in range(len(answer_ids))]
+    assert offsets == expected and offsets == sorted(offsets) and offsets[-1] == len(text)
+    assert all(text.startswith(t, at) for t, at in zip(tokens, offsets, strict=True)
+               if "\ufffd" not in t and t not in ("<s>", "</s>"))
 
 
 def test_prompt_logprobs_are_reported_in_vllms_form(fake):
