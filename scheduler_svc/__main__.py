@@ -32,8 +32,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from pagedserve.fd_limits import raise_open_files_limit
 from pagedserve.gc_tuning import tune_gc
 from pagedserve.model_dir import eos_token_ids, served_model
+from pagedserve.port_claim import PortUnavailable, claim_port
 from scheduler_svc.engine.core import EngineCore
-from scheduler_svc.entrypoints.children import Children, fixed_port
+from scheduler_svc.entrypoints.children import Children
 from scheduler_svc.entrypoints.core import core_links
 from scheduler_svc.entrypoints.other_cores import OtherCores
 from scheduler_svc.entrypoints.service_config import ServiceConfig, load_config
@@ -44,7 +45,7 @@ log = logging.getLogger("pagedserve.scheduler")
 EXPOSITION_TTL_S = 0.1  # within the gateway picker's staleness limit (200 ms)
 
 
-async def serve(cfg: ServiceConfig, argv: list[str]) -> None:
+async def serve(cfg: ServiceConfig, argv: list[str], public: PublicPorts) -> None:
     metrics = Metrics(part="engine")
     engine_cfg = dataclasses.replace(cfg.engine, model_fingerprint=served_model(cfg.model_dir))
     core = EngineCore(engine_cfg, eos_token_ids(cfg.model_dir), metrics)
@@ -77,17 +78,16 @@ async def serve(cfg: ServiceConfig, argv: list[str]) -> None:
     for link in links:
         await link.start()
     core.on_readiness_change = lambda: [link.broadcast_status() for link in links]
-    metrics_server = (start_metrics_server(cfg.metrics_port, deployment, host=cfg.metrics_host)
-                      if cfg.metrics_port else None)
+    metrics_server = start_metrics(cfg, public.metrics, deployment) if public.metrics else None
     cores = Children("scheduler_svc.entrypoints.core", cfg.engine_cores - 1, name=lambda c: f"engine core {c.index + 1}",
                      args=lambda c: [*argv, "--core-index", str(c.index + 1), "--core-link", local[c.index + 1]],
                      on_exit=lambda name, why: None)  # (its executors and fronts see it go silent)
     cores.start()
     await others.start()
-    # The fronts bind the same ports (a port 0 is fixed here, once for all of them).
-    ports = ["--port", str(fixed_port(cfg.host, cfg.port))]
-    if cfg.http_port:
-        ports += ["--http-port", str(fixed_port(cfg.http_host, cfg.http_port))]
+    # The fronts bind the same ports (claimed in main: free, a port 0 fixed once for all of them).
+    ports = ["--port", str(public.grpc)]
+    if public.http:
+        ports += ["--http-port", str(public.http)]
     to_cores = [arg for endpoint in local for arg in ("--core", endpoint)]
     fronts = Children("scheduler_svc.entrypoints.front", cfg.api_server_count, name=lambda c: f"local-{c.index}.{c.generation}",
                       args=lambda c: [*argv, *ports, *to_cores, "--front-id", c.name],
@@ -97,7 +97,7 @@ async def serve(cfg: ServiceConfig, argv: list[str]) -> None:
     tune_gc()
     log.info("scheduler ready: %d fronts on gRPC :%s, HTTP :%s; %d engine cores; executors dial %s (port %d); "
              "metrics :%s; front link %s", cfg.api_server_count, ports[1], ports[3] if cfg.http_port else "off",
-             cfg.engine_cores, cfg.engine.executor_endpoint, core.hub.bound_port, cfg.metrics_port or "off",
+             cfg.engine_cores, cfg.engine.executor_endpoint, core.hub.bound_port, public.metrics or "off",
              ", ".join(link.endpoint for link in links))
 
     stop = asyncio.Event()
@@ -122,13 +122,42 @@ async def serve(cfg: ServiceConfig, argv: list[str]) -> None:
     log.info("scheduler stopped")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PublicPorts:
+    grpc: int
+    http: int  # 0: no HTTP API
+    metrics: int  # 0: no /metrics
+
+
+def claim_public_ports(cfg: ServiceConfig) -> PublicPorts:
+    """Each public port checked free of any other program (the fronts' SO_REUSEPORT would share it
+    silently: pagedserve/port_claim.py), a port 0 fixed; before anything starts."""
+    return PublicPorts(claim_port(cfg.host, cfg.port, "--host", "--port"),
+                       claim_port(cfg.http_host, cfg.http_port, "--http-host", "--http-port") if cfg.http_port else 0,
+                       claim_port(cfg.metrics_host, cfg.metrics_port, "--metrics-host", "--metrics-port")
+                       if cfg.metrics_port else 0)
+
+
+def start_metrics(cfg: ServiceConfig, port: int, registry: CollectorRegistry):
+    """/metrics on the claimed port (another program may have taken it since: say so, naming the flag)."""
+    try:
+        return start_metrics_server(port, registry, host=cfg.metrics_host)
+    except OSError as exc:
+        raise SystemExit(f"pagedserve-scheduler: --metrics-port {port}: cannot listen on {cfg.metrics_host} "
+                         f"({exc.strerror or exc})") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     faulthandler.enable()  # a fatal signal (SIGSEGV, SIGABRT) prints every thread's traceback
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = load_config(argv)
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise_open_files_limit()  # before any socket: each client connection holds a descriptor
-    uvloop.run(serve(cfg, argv))  # a faster event loop: the core's loop runs every executor's
+    try:
+        public = claim_public_ports(cfg)
+    except PortUnavailable as exc:
+        raise SystemExit(f"pagedserve-scheduler: {exc}") from None
+    uvloop.run(serve(cfg, argv, public))  # a faster event loop: the core's loop runs every executor's
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 Fronts (``--api-server-count``) are ``python -m scheduler_svc.entrypoints.front`` with the scheduler's
 own command line (same flags, same ``PAGEDSERVE_*`` variables) and, added, every engine core's
-local front link and a front id of their own. The public ports are fixed before they start (a
-port 0 becomes one free port, the same for all), and each front binds them with SO_REUSEPORT: the
-kernel spreads new connections among the live fronts. Engine cores beyond the first
+local front link and a front id of their own. The public ports are claimed before they start
+(each checked free of any other program, a port 0 made one free port, the same for all:
+pagedserve/port_claim.py), and each front binds them with SO_REUSEPORT: the kernel spreads new
+connections among the live fronts. Engine cores beyond the first
 (``--engine-cores``) are ``python -m scheduler_svc.entrypoints.core``, likewise.
 
 A child that exits unasked is reported at once (a front's requests are aborted at the core, not
@@ -20,7 +21,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -111,15 +111,6 @@ class Children:
                 self.signal_all(9)
                 break
             await asyncio.sleep(0.05)
-
-
-def fixed_port(host: str, port: int) -> int:
-    """A port the fronts can all bind: ``port``, or a free one when it is 0."""
-    if port:
-        return port
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 EXIT_WITH_PARENT = "PAGEDSERVE_FRONT_EXIT_WITH_PARENT"  # set by the scheduler for the fronts it starts

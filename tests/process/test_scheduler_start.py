@@ -1,0 +1,51 @@
+"""How the scheduler starts, or refuses to: an operator's mistake stops it at once, non-zero, naming the flag."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testing.stack import Stack, free_ports
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]  # (tests/process/)
+
+
+def run_scheduler(model: Path, *flags: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+    """A scheduler that must exit by itself (one that serves instead fails the test on the timeout)."""
+    grpc_port, executor_port = free_ports(2)
+    argv = [sys.executable, "-m", "scheduler_svc", "--model", str(model), "--host", "127.0.0.1", "--port",
+            str(grpc_port), "--executor-port", str(executor_port), "--metrics-port", "0", "--http-host", "127.0.0.1",
+            "--http-port", "0", *flags]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+
+
+def test_a_second_scheduler_on_the_same_public_port_stops_naming_the_flag(tiny_llama_dir, tmp_path):
+    """The fronts share their ports with SO_REUSEPORT; a second scheduler's fronts joined the first's
+    and calls alternated between the two. Now it refuses, and the first one serves alone."""
+    first = Stack(tiny_llama_dir, tmp_path)
+    try:
+        first.start_scheduler()  # (its fronts serve: liveness answers)
+        for flag, port in (("--port", first.port), ("--http-port", first.http_port)):
+            done = run_scheduler(tiny_llama_dir, flag, str(port))
+            assert done.returncode == 1, done.stderr
+            assert f"pagedserve-scheduler: {flag} {port}: address in use on 127.0.0.1" in done.stderr, done.stderr
+            assert "scheduler ready" not in done.stderr
+        assert first.scheduler.poll() is None
+    finally:
+        first.stop()
+
+
+def test_a_public_port_another_program_holds_stops_the_scheduler(tiny_llama_dir):
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # (it would share: the scheduler must not)
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        done = run_scheduler(tiny_llama_dir, "--metrics-port", str(port))
+    assert done.returncode == 1
+    assert f"pagedserve-scheduler: --metrics-port {port}: address in use on 0.0.0.0" in done.stderr, done.stderr
