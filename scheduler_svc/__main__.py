@@ -91,22 +91,29 @@ async def serve(cfg: ServiceConfig, argv: list[str], public: PublicPorts) -> Non
     to_cores = [arg for endpoint in local for arg in ("--core", endpoint)]
     fronts = Children("scheduler_svc.entrypoints.front", cfg.api_server_count, name=lambda c: f"local-{c.index}.{c.generation}",
                       args=lambda c: [*argv, *ports, *to_cores, "--front-id", c.name],
-                      on_exit=lambda front_id, why: links[0].drop_front(front_id, why))
-    fronts.start()
-    watchers = [asyncio.create_task(children.watch(), name=children.module) for children in (cores, fronts)]
-    tune_gc()
-    log.info("scheduler ready: %d fronts on gRPC :%s, HTTP :%s; %d engine cores; executors dial %s (port %d); "
-             "metrics :%s; front link %s", cfg.api_server_count, ports[1], ports[3] if cfg.http_port else "off",
-             cfg.engine_cores, cfg.engine.executor_endpoint, core.hub.bound_port, public.metrics or "off",
-             ", ".join(link.endpoint for link in links))
-
+                      on_exit=lambda front_id, why: links[0].drop_front(front_id, why), ready_pipes=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down: refusing new requests, %.0fs grace for in-flight ones",
-             cfg.shutdown_grace_seconds)
+    fronts.start()
+    watchers = [asyncio.create_task(children.watch(), name=children.module) for children in (cores, fronts)]
+    # Ready once every front serves; a front that cannot start (every restart would fail alike) stops it all.
+    ready, stopped = asyncio.create_task(fronts.wait_ready()), asyncio.create_task(stop.wait())
+    await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+    failure = ready.result() if ready.done() else None
+    if ready.done() and failure is None:
+        tune_gc()
+        log.info("scheduler ready: %d fronts on gRPC :%s, HTTP :%s; %d engine cores; executors dial %s (port %d); "
+                 "metrics :%s; front link %s", cfg.api_server_count, ports[1], ports[3] if cfg.http_port else "off",
+                 cfg.engine_cores, cfg.engine.executor_endpoint, core.hub.bound_port, public.metrics or "off",
+                 ", ".join(link.endpoint for link in links))
+        await stop.wait()
+    ready.cancel()
+    stopped.cancel()
+    if failure is None:
+        log.info("shutting down: refusing new requests, %.0fs grace for in-flight ones",
+                 cfg.shutdown_grace_seconds)
     core.begin_shutdown()
     await fronts.stop(cfg.shutdown_grace_seconds + 10.0)  # each front drains its own requests
     await cores.stop(10.0)
@@ -120,6 +127,8 @@ async def serve(cfg: ServiceConfig, argv: list[str], public: PublicPorts) -> Non
         metrics_server.close()
     shutil.rmtree(runtime, ignore_errors=True)
     log.info("scheduler stopped")
+    if failure is not None:
+        raise SystemExit(f"pagedserve-scheduler: {failure}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

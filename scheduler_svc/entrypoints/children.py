@@ -10,7 +10,9 @@ connections among the live fronts. Engine cores beyond the first
 
 A child that exits unasked is reported at once (a front's requests are aborted at the core, not
 after its silence) and started again, after a backoff when it keeps exiting quickly; the other
-fronts keep serving the ports meanwhile. A child does not outlive the scheduler (Linux's parent
+fronts keep serving the ports meanwhile. A front says when it serves (``front_ready.py``): one that
+exits before it ever did is not started again, and :meth:`Children.wait_ready` gives its reason
+(a bad flag, a port it cannot bind: every try would fail the same way). A child does not outlive the scheduler (Linux's parent
 death signal).
 """
 
@@ -27,6 +29,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from scheduler_svc.entrypoints.front_ready import READY_FD, ReadyPipe
+
 log = logging.getLogger(__name__)
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)  # after consecutive quick exits (one that ran 60 s resets it)
 
@@ -39,6 +43,8 @@ class Child:
     quick_exits: int = 0
     generation: int = 0
     name: str = ""  # what it is called now (a front's id: its generation makes it new to the core)
+    pipe: ReadyPipe | None = None  # what the process now running says (ready_pipes only)
+    ever_ready: bool = False  # this slot has served: an exit is a crash to recover from, not a bad start
 
 
 @dataclass
@@ -48,19 +54,45 @@ class Children:
     args: Callable[[Child], list[str]]  # its command line (the scheduler's, and its own additions)
     name: Callable[[Child], str]
     on_exit: Callable[[str, str], None]  # (name, why)
+    ready_pipes: bool = False  # each says when it serves (front_ready.py); one that never did is not restarted
     children: list[Child] = field(default_factory=list)
     stopping: bool = False
+    failure: str | None = None  # why a child could not start (ready_pipes)
+    _settled: asyncio.Event = field(default_factory=asyncio.Event)  # every child ready, or one failed
 
     def start(self) -> None:
         self.children = [Child(i) for i in range(self.count)]
         for c in self.children:
             self._spawn(c)
+        if not self.ready_pipes:
+            self._settled.set()
+
+    async def wait_ready(self) -> str | None:
+        """Once every child has served (None), or one exited before it did: why (``watch`` must run)."""
+        if self.count:
+            await self._settled.wait()
+        return self.failure
 
     def _spawn(self, c: Child) -> None:
         c.generation += 1
         c.name = self.name(c)
         env = dict(os.environ, **{EXIT_WITH_PARENT: "1"})
-        c.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args(c)], env=env)
+        pipe = ReadyPipe() if self.ready_pipes else None
+        if pipe is not None:
+            env[READY_FD] = str(pipe.fd_for_child)
+        try:
+            c.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args(c)], env=env,
+                                      pass_fds=(pipe.fd_for_child,) if pipe else ())
+        except BaseException:
+            if pipe is not None:
+                pipe.close()
+            raise
+        finally:
+            if pipe is not None:
+                pipe.child_started()  # (its end is the child's alone: its exit closes the pipe)
+        if c.pipe is not None:
+            c.pipe.close()
+        c.pipe = pipe
         c.started_at = time.monotonic()
         log.info("started %s (pid %d)", c.name, c.proc.pid)
 
@@ -69,9 +101,18 @@ class Children:
         while not self.stopping:
             await asyncio.sleep(0.1)
             for c in self.children:
+                if c.pipe is not None and not c.ever_ready:
+                    c.pipe.poll()
+                    if c.pipe.ready:
+                        c.ever_ready = True
+                        if all(child.ever_ready for child in self.children):
+                            self._settled.set()
                 if c.proc is None or c.proc.poll() is None or self.stopping:
                     continue
                 why = f"exited with status {c.proc.returncode}"
+                if self.ready_pipes and not c.ever_ready:
+                    self._failed_to_start(c, why)
+                    continue
                 log.warning("%s %s; starting it again", c.name, why)
                 c.quick_exits = 0 if time.monotonic() - c.started_at > 60 else c.quick_exits + 1
                 c.proc = None
@@ -80,6 +121,18 @@ class Children:
                 except Exception:  # noqa: BLE001  a bug there must not stop this watch (nor the restart)
                     log.exception("handling the exit of %s failed", c.name)
                 self._respawn_later(c)
+
+    def _failed_to_start(self, c: Child, why: str) -> None:
+        """A child that exited before it ever served: not started again (every try would fail alike)."""
+        reason = c.pipe.failure() if c.pipe is not None else None
+        self.failure = f"{c.name} could not start: {reason or why}"
+        log.error("%s", self.failure)
+        c.proc = None
+        try:
+            self.on_exit(c.name, why)
+        except Exception:  # noqa: BLE001  (as in watch)
+            log.exception("handling the exit of %s failed", c.name)
+        self._settled.set()
 
     def _respawn_later(self, c: Child) -> None:
         delay = RESTART_BACKOFF_S[min(c.quick_exits, len(RESTART_BACKOFF_S)) - 1] if c.quick_exits else 0.0
@@ -111,6 +164,9 @@ class Children:
                 self.signal_all(9)
                 break
             await asyncio.sleep(0.05)
+        for c in self.children:
+            if c.pipe is not None:
+                c.pipe.close()
 
 
 EXIT_WITH_PARENT = "PAGEDSERVE_FRONT_EXIT_WITH_PARENT"  # set by the scheduler for the fronts it starts

@@ -36,6 +36,7 @@ from pagedserve.model_dir import max_positions
 from pagedserve.wire.key_files import load_key_pair, load_public_key
 from pagedserve.wire.keys import ClientKeys
 from scheduler_svc.entrypoints.children import EXIT_WITH_PARENT, exit_with_parent
+from scheduler_svc.entrypoints.front_ready import report_failure, report_ready
 from scheduler_svc.entrypoints.service_config import ServiceConfig, load_config
 from scheduler_svc.front.core_link import RemoteCore
 from scheduler_svc.front.core_set import CoreSet
@@ -93,8 +94,12 @@ async def start_http(cfg: ServiceConfig, engine, tokenizer: Tokenizer, metrics: 
     if cfg.api_keys is not None:  # the same keys and TLS files as the gRPC front
         middleware.append(Middleware(ApiKeyMiddleware, keys=cfg.api_keys, throttle=throttle, metrics=metrics))
     ssl = cfg.tls.uvicorn_options() if cfg.tls is not None else None
-    return front, await start_http_server(build_app(front, middleware, budget), cfg.http_host, cfg.http_port, ssl,
-                                          cfg.http_limits, reuse_port=reuse_port)
+    try:
+        return front, await start_http_server(build_app(front, middleware, budget), cfg.http_host, cfg.http_port,
+                                              ssl, cfg.http_limits, reuse_port=reuse_port)
+    except OSError as exc:  # (an ssl.SSLError is one: the TLS files)
+        raise SystemExit(f"--http-port {cfg.http_port} on --http-host {cfg.http_host}: cannot serve there "
+                         f"({exc})") from None
 
 
 async def serve_front(cfg: ServiceConfig, fc: FrontConfig) -> None:
@@ -113,10 +118,13 @@ async def serve_front(cfg: ServiceConfig, fc: FrontConfig) -> None:
     throttle = (AuthThrottle(cfg.limits.auth_failure_burst, cfg.limits.auth_failure_refill_s)
                 if cfg.api_keys is not None else None)
     http = await start_http(cfg, streams, tokenizer, metrics, budget, throttle, fc.reuse_port, core.metrics_text)
-    api = await start_grpc_server(streams, tokenizer, cfg.host, cfg.port, cfg.limits, metrics,
-                                  api_keys=cfg.api_keys, tls=cfg.tls, grpc_limits=cfg.grpc_limits, budget=budget,
-                                  throttle=throttle, reuse_port=fc.reuse_port, logprobs_mode=cfg.logprobs_mode,
-                                  max_message_bytes=max_receive_bytes(max_positions(cfg.model_dir)))
+    try:
+        api = await start_grpc_server(streams, tokenizer, cfg.host, cfg.port, cfg.limits, metrics,
+                                      api_keys=cfg.api_keys, tls=cfg.tls, grpc_limits=cfg.grpc_limits, budget=budget,
+                                      throttle=throttle, reuse_port=fc.reuse_port, logprobs_mode=cfg.logprobs_mode,
+                                      max_message_bytes=max_receive_bytes(max_positions(cfg.model_dir)))
+    except RuntimeError as exc:  # grpc's "Failed to bind to address" (its log line above says why)
+        raise SystemExit(f"--port {cfg.port} on --host {cfg.host}: cannot serve there ({exc})") from None
     parser = shared_worker()
     await parser.start()  # now, not on the first large request: its memory is there from the start
     loop = asyncio.get_running_loop()
@@ -125,6 +133,7 @@ async def serve_front(cfg: ServiceConfig, fc: FrontConfig) -> None:
     tune_gc()
     log.info("front %s ready: gRPC :%d, HTTP :%s, engine cores %s", fc.front_id, api.port,
              http[1].port if http else "off", ", ".join(fc.core_endpoints))
+    report_ready()  # (to the scheduler that started it, if one did)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -187,12 +196,16 @@ def parse_front_args(argv: list[str] | None) -> tuple[ServiceConfig, FrontConfig
 def main(argv: list[str] | None = None) -> None:
     exit_with_parent()
     faulthandler.enable()  # a fatal signal (SIGSEGV, SIGABRT) prints every thread's traceback
-    cfg, fc = parse_front_args(argv)
-    return_large_allocations_to_the_os()  # request messages of megabytes must not stay in RSS
-    logging.basicConfig(level=cfg.log_level, format=f"%(asctime)s %(levelname)s front {fc.front_id} %(name)s: "
-                                                    f"%(message)s")
-    raise_open_files_limit()  # before any socket: each client connection holds a descriptor
-    uvloop.run(serve_front(cfg, fc))
+    try:
+        cfg, fc = parse_front_args(argv)
+        return_large_allocations_to_the_os()  # request messages of megabytes must not stay in RSS
+        logging.basicConfig(level=cfg.log_level, format=f"%(asctime)s %(levelname)s front {fc.front_id} %(name)s: "
+                                                        f"%(message)s")
+        raise_open_files_limit()  # before any socket: each client connection holds a descriptor
+        uvloop.run(serve_front(cfg, fc))
+    except BaseException as exc:
+        report_failure(exc)  # before it was ready: the scheduler stops, saying why (after: nothing)
+        raise
 
 
 if __name__ == "__main__":

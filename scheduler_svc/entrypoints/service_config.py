@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import ipaddress
 import logging
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,15 @@ def _tls(parser: argparse.ArgumentParser, a: argparse.Namespace) -> TlsFiles | N
                        ("--tls-client-ca-file", a.tls_client_ca_file)):
         if path is not None and not path.is_file():
             parser.error(f"{flag}: {path} is not a readable file")
+    try:  # now, not in each front (where grpc says only "Failed to bind to address", the wrong cause)
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(a.tls_cert_file, a.tls_key_file,
+                                                                password=lambda: b"")  # (never a prompt)
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            parser.error(f"--tls-key-file: {a.tls_key_file} is not the private key of the certificate in "
+                         f"--tls-cert-file {a.tls_cert_file}")
+        parser.error(f"--tls-cert-file {a.tls_cert_file}, --tls-key-file {a.tls_key_file}: not a PEM certificate "
+                     f"and its unencrypted private key ({exc})")
     return TlsFiles(a.tls_cert_file, a.tls_key_file, a.tls_client_ca_file)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from testing.stack import Stack, free_ports
+from testing.stack import Stack, free_port, free_ports
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]  # (tests/process/)
@@ -49,3 +50,17 @@ def test_a_public_port_another_program_holds_stops_the_scheduler(tiny_llama_dir)
         done = run_scheduler(tiny_llama_dir, "--metrics-port", str(port))
     assert done.returncode == 1
     assert f"pagedserve-scheduler: --metrics-port {port}: address in use on 0.0.0.0" in done.stderr, done.stderr
+
+
+def test_a_front_that_cannot_start_stops_the_scheduler_with_its_reason(tiny_llama_dir, tmp_path):
+    """A broken chat template stops every front at start, and would on every restart: the scheduler
+    started them again forever ("local-0.1 exited with status 1; starting it again") after logging
+    "scheduler ready". Now it stops with the front's reason, never having said ready."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "chat_template.jinja").write_text("{% if %}")
+    done = run_scheduler(model, "--api-server-count", "2", "--http-port", str(free_port()))  # (HTTP reads it)
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("pagedserve-scheduler: local-") and " could not start: --model: " in last, done.stderr
+    assert "scheduler ready" not in done.stderr and "starting it again" not in done.stderr

@@ -74,7 +74,7 @@ def test_a_child_is_started_again_after_a_failed_start_and_a_failing_exit_hook(m
     monkeypatch.setattr(children_mod, "RESTART_BACKOFF_S", (0.01,))
     starts = [_Proc(0), OSError(11, "Resource temporarily unavailable"), _Proc(None)]
 
-    def popen(cmd, env):
+    def popen(cmd, env, pass_fds=()):
         nxt = starts.pop(0)
         if isinstance(nxt, Exception):
             raise nxt

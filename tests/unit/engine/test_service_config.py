@@ -370,6 +370,24 @@ def test_public_ports_of_zero_may_repeat(model_dir):
     assert (cfg.port, cfg.http_port, cfg.metrics_port) == (0, 0, 0)
 
 
+def test_a_tls_key_that_is_not_the_certificates_is_refused_at_start(model_dir, tmp_path, capsys):
+    """Each front failed to bind instead (grpc: "Failed to bind to address", the wrong cause)."""
+    from testing.tls_certs import make_pki
+
+    pki = make_pki(tmp_path)
+    base = ["--model", str(model_dir), "--tls-cert-file", str(pki["server_cert"])]
+    assert load_config([*base, "--tls-key-file", str(pki["server_key"])], {}).tls is not None
+    with pytest.raises(SystemExit) as e:
+        load_config([*base, "--tls-key-file", str(pki["client_key"])], {})
+    assert e.value.code == 2
+    assert (f"--tls-key-file: {pki['client_key']} is not the private key of the certificate in --tls-cert-file "
+            f"{pki['server_cert']}") in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_config([*base, "--tls-key-file", str(pki["server_cert"])], {})  # a certificate, not a key
+    assert f"--tls-key-file {pki['server_cert']}: not a PEM certificate and its unencrypted private key" \
+        in capsys.readouterr().err
+
+
 def test_the_fronts_share_the_machine_sized_caps(model_dir):
     """Each of N fronts sizes its caps for 1/N of the machine (they all run on it)."""
     from scheduler_svc.front.guards.admission import sized_for_machine
