@@ -24,7 +24,7 @@ from executor_svc import threads
 from executor_svc.attention_cpu import FusedCpuAttentionBackend
 from executor_svc.backends import make_attention_backend
 from executor_svc.batch_invariance import batch_variance, numerics
-from executor_svc.config import ExecutorConfig, parse_config
+from executor_svc.config import ExecutorConfig, parse_config, require_device
 from executor_svc.decode_graphs import DecodeGraphs
 from executor_svc.grammar import GrammarBackend
 from executor_svc.kv_cache import KVCache, bytes_per_block
@@ -243,6 +243,7 @@ def run(cfg: ExecutorConfig, argv: list[str] | None = None) -> int:
 def main(argv: list[str] | None = None) -> None:
     faulthandler.enable()  # a fatal signal (SIGSEGV, SIGABRT) prints every thread's traceback
     cfg = parse_config(argv)
+    require_device(cfg)
     rank = f" rank{cfg.rank_env.rank}" if cfg.rank_env is not None else " rank0" if cfg.tensor_parallel_size > 1 else ""
     logging.basicConfig(level=cfg.log_level, format=f"%(asctime)s %(levelname)s{rank} %(name)s: %(message)s")
     raise_open_files_limit()

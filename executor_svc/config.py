@@ -88,9 +88,27 @@ class ExecutorConfig:
 
 
 def _endpoint(text: str) -> str:
-    if not text.startswith(("tcp://", "ipc://", "inproc://")):
-        raise argparse.ArgumentTypeError(f"--scheduler: expected tcp://HOST:PORT, got {text!r}")
+    """A ZeroMQ endpoint whose form is right now: a wrong one would be dialled (and retried) forever."""
+    if text.startswith("tcp://"):
+        host, _, port = text[len("tcp://"):].rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT with a port in 1..65535, "
+                                             f"got {text!r}")
+    elif not text.startswith(("ipc://", "inproc://")) or text.endswith("//"):
+        raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT, got {text!r}")
     return text
+
+
+def require_device(cfg: ExecutorConfig) -> None:
+    """--device cuda needs a CUDA device (else torch fails deep in loading: "Torch not compiled with CUDA
+    enabled"). Here, not in parse_config: the configs of GPU executors are built on CPU machines too."""
+    import torch
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        why = "torch was built without CUDA" if torch.version.cuda is None else \
+            "no GPU is visible (none installed, CUDA_VISIBLE_DEVICES, or the driver)"
+        raise SystemExit(f"pagedserve-executor: --device cuda: CUDA is not available to this process ({why}); "
+                         f"use --device cpu")
 
 
 def build_arg_parser() -> argparse.ArgumentParser:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import uvloop
+import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pagedserve.fd_limits import raise_open_files_limit
@@ -49,7 +50,11 @@ async def serve(cfg: ServiceConfig, argv: list[str], public: PublicPorts) -> Non
     metrics = Metrics(part="engine")
     engine_cfg = dataclasses.replace(cfg.engine, model_fingerprint=served_model(cfg.model_dir))
     core = EngineCore(engine_cfg, eos_token_ids(cfg.model_dir), metrics)
-    await core.start()
+    try:
+        await core.start()
+    except zmq.ZMQError as exc:  # (claimed free in main: taken since)
+        raise SystemExit(f"pagedserve-scheduler: --executor-port: cannot listen on {cfg.engine.executor_endpoint} "
+                         f"({exc})") from None
     # 0700: only this user reaches the local links. (An ipc:// path must fit a socket address, 107 bytes.)
     runtime = Path(tempfile.mkdtemp(prefix="pagedserve-", dir=None if len(tempfile.gettempdir()) < 60 else "/tmp"))
     local = [f"ipc://{runtime}/core-{k}" for k in range(cfg.engine_cores)]  # each engine core's, for the fronts
@@ -138,9 +143,17 @@ class PublicPorts:
     metrics: int  # 0: no /metrics
 
 
-def claim_public_ports(cfg: ServiceConfig) -> PublicPorts:
+def claim_ports(cfg: ServiceConfig) -> PublicPorts:
     """Each public port checked free of any other program (the fronts' SO_REUSEPORT would share it
-    silently: pagedserve/port_claim.py), a port 0 fixed; before anything starts."""
+    silently: pagedserve/port_claim.py), a port 0 fixed; before anything starts. The engine cores'
+    executor and front-link ports too (core k: + k), which would otherwise fail in ZeroMQ's bind, in
+    core 0 as a traceback and in the others as a restart loop."""
+    executor_host, executor_port = cfg.engine.executor_endpoint[len("tcp://"):].rsplit(":", 1)
+    for k in range(cfg.engine_cores):
+        if int(executor_port):
+            claim_port(executor_host, int(executor_port) + k, "--executor-host", "--executor-port")
+        if cfg.front_link_port:
+            claim_port(cfg.front_link_host, cfg.front_link_port + k, "--front-link-host", "--front-link-port")
     return PublicPorts(claim_port(cfg.host, cfg.port, "--host", "--port"),
                        claim_port(cfg.http_host, cfg.http_port, "--http-host", "--http-port") if cfg.http_port else 0,
                        claim_port(cfg.metrics_host, cfg.metrics_port, "--metrics-host", "--metrics-port")
@@ -163,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise_open_files_limit()  # before any socket: each client connection holds a descriptor
     try:
-        public = claim_public_ports(cfg)
+        public = claim_ports(cfg)
     except PortUnavailable as exc:
         raise SystemExit(f"pagedserve-scheduler: {exc}") from None
     uvloop.run(serve(cfg, argv, public))  # a faster event loop: the core's loop runs every executor's

@@ -64,3 +64,23 @@ def test_a_front_that_cannot_start_stops_the_scheduler_with_its_reason(tiny_llam
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("pagedserve-scheduler: local-") and " could not start: --model: " in last, done.stderr
     assert "scheduler ready" not in done.stderr and "starting it again" not in done.stderr
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--executor-port", "HELD", "pagedserve-scheduler: --executor-port {held}: address in use on 127.0.0.1"),
+    ("--metrics-host", "nosuchhost.invalid",
+     "pagedserve-scheduler: --metrics-host nosuchhost.invalid: not an address this machine can listen on"),
+])
+def test_what_the_scheduler_cannot_bind_is_a_message_naming_the_flag(tiny_llama_dir, flag, value, message):
+    """Tracebacks before: zmq.error.ZMQError (Address already in use), socket.gaierror."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        held = str(s.getsockname()[1])
+        flags = [flag, held if value == "HELD" else value]
+        if flag == "--metrics-host":
+            flags += ["--metrics-port", str(free_port())]
+        done = run_scheduler(tiny_llama_dir, *flags)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].startswith(message.format(held=held)), done.stderr
+    assert "Traceback" not in done.stderr
