@@ -35,6 +35,23 @@ def parse_with_env(parser: argparse.ArgumentParser, argv: list[str] | None,
     Environment values go through the same type conversion and choices checks
     as command-line values, so a bad ConfigMap entry fails with the flag's name.
     """
+    return parser.parse_args(_with_env(parser, argv, environ))
+
+
+def given_dests(parser: argparse.ArgumentParser, argv: list[str] | None,
+                environ: dict[str, str] | None = None) -> set[str]:
+    """The dests of single-value flags that ``argv`` or the environment set (as :func:`parse_with_env`
+    reads them, abbreviations too): the rest hold their defaults, which a check may adjust where an
+    explicit value would be an error. (Appending flags read the value before them: never listed.)"""
+    unset = object()  # argparse sets a default only where the namespace has no such attribute
+    single = (argparse._StoreAction, argparse._StoreConstAction, argparse.BooleanOptionalAction)
+    namespace = argparse.Namespace(**{a.dest: unset for a in parser._actions if isinstance(a, single)})
+    parser.parse_args(_with_env(parser, argv, environ), namespace)
+    return {dest for dest, value in vars(namespace).items() if value is not unset}
+
+
+def _with_env(parser: argparse.ArgumentParser, argv: list[str] | None, environ: dict[str, str] | None) -> list[str]:
+    """``argv`` and, after it, each flag it does not give that the environment does."""
     environ = os.environ if environ is None else environ
     args = list(sys.argv[1:] if argv is None else argv)
     given = set(_options_in(args))
@@ -61,7 +78,7 @@ def parse_with_env(parser: argparse.ArgumentParser, argv: list[str] | None,
         else:
             _check_env_value(parser, action, name, longs[0], value)
             env_args += [longs[0], value]
-    return parser.parse_args(args + env_args)
+    return args + env_args
 
 
 def _check_env_value(parser: argparse.ArgumentParser, action: argparse.Action, name: str, flag: str,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.draft_model import check_draft
-from pagedserve.envargs import parse_with_env
+from pagedserve.envargs import given_dests, parse_with_env
 from pagedserve.lora_modules import (
     LoraConfigError,
     LoraModule,
@@ -194,10 +194,7 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
             check_draft(Path(scheduler.speculative.model), a.model)
         except ValueError as exc:
             parser.error(f"--speculative-config: {exc}")
-    for flag, width in (("--max-n", a.max_n), ("--max-beam-width", a.max_beam_width)):
-        room = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
-        if width > room:  # such a request could never be scheduled: reject the configuration, not it
-            parser.error(f"{flag}: must be <= --max-num-seqs and --max-num-batched-tokens ({room}), got {width}")
+    _fit_widths(parser, a, scheduler, given_dests(parser, argv, environ))
     a.lora_modules = _lora_modules(parser, a)
     keys = _executor_link(parser, a)
     host = _executor_host(parser, a, keys)
@@ -220,6 +217,20 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         front_link_host=_front_link_host(parser, a, keys),
         front_link_port=a.front_link_port, trusted_front_keys=a.trusted_front_keys,
         logprobs_mode=a.logprobs_mode, tool_calls=_tool_calls(parser, a))
+
+
+def _fit_widths(parser: argparse.ArgumentParser, a: argparse.Namespace, scheduler: SchedulerConfig,
+                given: set[str]) -> None:
+    """--max-n and --max-beam-width fit one step: a wider request could never be scheduled. A default
+    shrinks to fit (--max-num-seqs 8 alone must not fail on --max-n's 16); a value given fails."""
+    room = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+    for flag, dest in (("--max-n", "max_n"), ("--max-beam-width", "max_beam_width")):
+        width = getattr(a, dest)
+        if width <= room:
+            continue
+        if dest in given:
+            parser.error(f"{flag}: must be <= --max-num-seqs and --max-num-batched-tokens ({room}), got {width}")
+        setattr(a, dest, room)
 
 
 def _lora_modules(parser: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[LoraModule, ...]:

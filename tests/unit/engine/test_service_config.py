@@ -151,6 +151,32 @@ def test_n_and_beam_width_limits_must_fit_a_step(model_dir, capsys):
     assert "--max-n: must be <= --max-num-seqs and --max-num-batched-tokens (8), got 9" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,env,widths", [
+    (["--max-num-seqs", "8"], {}, (8, 8)),  # --max-n's default 16 was an error
+    (["--max-num-seqs", "1", "--max-n", "1"], {}, (1, 1)),  # then --max-beam-width's 8
+    (["--block-size", "8", "--max-num-batched-tokens", "7"], {}, (7, 7)),
+    ([], {"PAGEDSERVE_MAX_NUM_SEQS": "4"}, (4, 4)),
+    (["--max-num-seqs", "12"], {}, (12, 8)),  # (only what does not fit shrinks)
+])
+def test_n_and_beam_width_defaults_shrink_to_fit_a_step(model_dir, flags, env, widths):
+    limits = load_config(["--model", str(model_dir), *flags], env).limits
+    assert (limits.max_n, limits.max_beam_width) == widths
+
+
+@pytest.mark.parametrize("flags,env,message", [
+    (["--max-num-seqs", "8", "--max-n", "16"], {}, "--max-n: must be <= --max-num-seqs and --max-num-batched-tokens "
+                                                   "(8), got 16"),
+    (["--max-num-seqs", "1", "--max-beam-w", "4"], {}, "--max-beam-width: must be <= --max-num-seqs and "
+                                                       "--max-num-batched-tokens (1), got 4"),  # (an abbreviation)
+    (["--max-num-batched-tokens", "7"], {"PAGEDSERVE_MAX_BEAM_WIDTH": "8"}, "--max-beam-width: must be <= "
+                                                                            "--max-num-seqs and --max-num-batched-tokens (7), got 8"),
+])
+def test_n_and_beam_width_given_that_do_not_fit_are_still_refused(model_dir, capsys, flags, env, message):
+    with pytest.raises(SystemExit) as e:
+        load_config(["--model", str(model_dir), *flags], env)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_the_executor_link_is_loopback_only_without_a_cluster_secret(model_dir, tmp_path, capsys):
     base = ["--model", str(model_dir)]
     assert load_config(base, {}).engine.executor_endpoint == "tcp://127.0.0.1:5556"
