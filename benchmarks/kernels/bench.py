@@ -15,12 +15,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from testing.kernels.decode_rows import DecodeRow, fastest, markdown, time_variants
+from testing.kernels.gpu_report import PrefillRow
 
 CALLS = 10
 SAMPLES = 15
@@ -88,21 +88,6 @@ def read_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     us = time_direct_us(lambda: src.sum(dtype=torch.float32))
     return nbytes / (us * 1e-6) / 1e9
-
-
-@dataclass(slots=True)
-class PrefillRow:
-    """Milliseconds per call; None for a kernel that raised (its message in ``errors``)."""
-
-    case: str  # "<sequences>x<tokens>"
-    ours_ms: float | None  # the launcher's default kernel (tensor cores for f16/bf16)
-    sdpa_ms: float
-    simt_ms: float | None  # the SIMT prefill kernel on the same problem (kernel="simt")
-    pipe_ms: float | None  # the tensor-core kernel with cp.async-pipelined K/V tiles (kernel="mma_pipe")
-    errors: dict[str, str] = field(default_factory=dict)  # kernel -> what it raised
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def prefill_row(batch: int, tokens: int, num_q_heads: int = 32, num_kv_heads: int = 8, head: int = 128,

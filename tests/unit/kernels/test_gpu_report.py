@@ -1,4 +1,4 @@
-"""The Python of ``make gpu-check`` (benchmarks/kernels/gpu_check.py) around the GPU work, on the CPU:
+"""The report of ``make gpu-check`` (testing/kernels/gpu_report.py) around the GPU work, on the CPU:
 a leased GPU runs it once, for minutes, so a section that raises, a budget that runs out or a run
 killed midway must still leave every figure measured before it in gpu_check.json and .md."""
 
@@ -8,9 +8,9 @@ import json
 import sys
 import time
 
-from benchmarks.kernels import gpu_check
-from benchmarks.kernels.bench import PrefillRow
+from testing.kernels import gpu_report
 from testing.kernels.decode_rows import DecodeRow
+from testing.kernels.gpu_report import PrefillRow
 from testing.kernels.tp_check import run_command
 
 
@@ -19,7 +19,7 @@ def _saved(out) -> tuple[dict, str]:
 
 
 def test_a_section_that_raises_is_an_error_and_the_files_keep_the_rest(tmp_path):
-    run = gpu_check.CheckRun(tmp_path)
+    run = gpu_report.CheckRun(tmp_path)
     run.section("info", lambda: {"device": "H200"})
     run.decode_rows.append(DecodeRow(64, 2048, 2, 10 ** 8, 40.0, 32.0, 2500.0, 0.6, 1.25))
     run.report["read_bandwidth_gbs"] = 4000.0
@@ -32,7 +32,7 @@ def test_a_section_that_raises_is_an_error_and_the_files_keep_the_rest(tmp_path)
 
 
 def test_the_budget_skips_what_would_not_finish_and_says_so(tmp_path):
-    run = gpu_check.CheckRun(tmp_path, budget_s=30)
+    run = gpu_report.CheckRun(tmp_path, budget_s=30)
     ran = []
     run.section("prefill", lambda: ran.append("prefill") or [])  # needs ~15 s: runs
     run.section("stack", lambda: ran.append("stack") or [])  # needs ~120 s: skipped
@@ -46,13 +46,13 @@ def test_verdicts_take_failed_sections_and_failed_kernels():
               "prefill_step": {"skipped": "--budget-s"}, "stack": {"error": "y"}}
     prefill = [PrefillRow("1x4096", 0.5, 0.4, 6.0, None, {"mma_pipe": "CUDADriverError: ..."}),
                PrefillRow("8x1024", None, 0.2, 3.0, None)]
-    assert gpu_check.verdicts(report, [], prefill) == [
+    assert gpu_report.verdicts(report, [], prefill) == [
         "MISS prefill attention 1x4096: 1.25x SDPA (target <= 1.2x; pipelined failed, SIMT kernel 15.00x)"]
     report = {"decode_step": [{"seqs": 1, "graphs": True, "wall_ms": 0.9, "busy_ms": 0.8},
                               {"seqs": 64, "graphs": True, "error": "RuntimeError: capture"},
                               {"seqs": 64, "graphs": False, "wall_ms": 9.0, "busy_ms": 2.0}],
               "graphs_greedy_equal": True, "stack": [{"streams": 1, "tok_s": 512.0}, {"streams": 64, "error": "z"}]}
-    assert gpu_check.verdicts(report, [], []) == [
+    assert gpu_report.verdicts(report, [], []) == [
         "PASS decode step llama-1.1b-shape 1 seqs with graphs: 0.9 ms (target <= 1.0 ms)",
         "PASS GPU busy, 1 seqs with graphs: 89% (target >= 85%)",
         "PASS greedy tokens equal with and without graphs",
