@@ -39,6 +39,7 @@ import zmq
 
 from executor_svc.pipeline import StepPipeline
 from executor_svc.runner import ModelRunner
+from executor_svc.unanswered import UnansweredDials
 from pagedserve import wire
 from pagedserve.ratelog import RateLimitedLog
 from pagedserve.wire.enrollment import TokenFile
@@ -191,6 +192,7 @@ class ExecutorWorker:
         self.interval = wire.DEFAULT_HEARTBEAT_INTERVAL_S
         self.inflight = 0
         self.last_recv = self.last_hb = self.last_plan = 0.0
+        self.unanswered = UnansweredDials(handshake.executor_id)  # "id in use?" (unanswered.py)
         self._signals = 0  # SIGTERMs received (set from the signal handler)
         self.draining = False
         self.drain_deadline = 0.0
@@ -210,6 +212,7 @@ class ExecutorWorker:
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
         if self.keys is not None:
             make_client(sock, self.keys)
+        self.unanswered.watch(sock)
         sock.connect(self.endpoint)
         self.sock = sock
         self.accepted = False
@@ -252,6 +255,7 @@ class ExecutorWorker:
         finally:
             self.compute.inbox.put((-1, _STOP))
             self.compute.join(timeout=5.0)
+            self.unanswered.close()
             self.sock.close()
             self._pair.close(linger=0)
 
@@ -337,6 +341,7 @@ class ExecutorWorker:
                 log.error("scheduler refused this executor: %s", msg.reason)
                 return EXIT_REFUSED
             self.accepted = True
+            self.unanswered.answered()
             self.interval = msg.heartbeat_interval_s if msg.heartbeat_interval_s > 0 else wire.DEFAULT_HEARTBEAT_INTERVAL_S
             self.last_hb = 0.0
             if self.health is not None and not self.draining:
@@ -366,6 +371,8 @@ class ExecutorWorker:
             if self.draining:
                 log.info("scheduler gone while draining; exiting")
                 return EXIT_OK
+            if not self.accepted:
+                self.unanswered.silent()
             self._reconnect(f"silent for {now - self.last_recv:.1f}s")
         return None
 

@@ -188,3 +188,29 @@ def test_refused_handshake_exits_with_the_reason(tiny_llama_dir, sched):
             proc.kill()
         out = proc.communicate()[0].decode(errors="replace")
     assert "block size 16, scheduler uses 32" in out
+
+
+def test_an_executor_whose_id_is_in_use_says_so(tiny_llama_dir, sched):
+    """The scheduler keeps the first connection of an id and libzmq holds a second one's messages
+    unread: the second executor reconnected forever saying only "lost the scheduler"."""
+    holder = sched.ctx.socket(zmq.DEALER)
+    holder.setsockopt(zmq.ROUTING_ID, b"exec-test")  # another executor, alive, with the same id
+    holder.setsockopt(zmq.LINGER, 0)
+    holder.connect(f"tcp://127.0.0.1:{sched.port}")
+    holder.send(wire.encode(wire.Heartbeat(time.time())))
+    proc = _spawn(tiny_llama_dir, sched.port, 0)
+    lines: list[str] = []
+    try:
+        reader = threading.Thread(target=lambda: lines.extend(
+            line.decode(errors="replace") for line in proc.stdout), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 90  # (model load, then 3 dials of 5 s silence each)
+        while not any("--executor-id exec-test is probably in use" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            time.sleep(0.2)
+        assert sum("lost the scheduler" in line for line in lines) >= 3
+        assert sched.inbox.empty()  # (nothing of it ever reached the scheduler)
+    finally:
+        proc.kill()
+        proc.wait()
+        holder.close()
