@@ -25,6 +25,7 @@ from pagedserve.envargs import given_dests, parse_with_env
 from pagedserve.lora_modules import (
     LoraConfigError,
     LoraModule,
+    check_not_base_model,
     inspect_adapter,
     parse_lora_module,
     split_lora_modules,
@@ -236,12 +237,14 @@ def _fit_widths(parser: argparse.ArgumentParser, a: argparse.Namespace, schedule
 def _lora_modules(parser: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[LoraModule, ...]:
     """--lora-modules, each adapter's files checked now: a bad one stops the service, saying why."""
     out = []
+    served = Path(a.model).resolve().name  # the model's name, as its executors report it
     try:
         for text in split_lora_modules(a.lora_modules):
             name, path, _base = parse_lora_module(text)  # (the JSON form's base_model_name: display only)
-            out.append(inspect_adapter(name, path, a.max_lora_rank))
+            out.append(inspect_adapter(check_not_base_model(name, served), path, a.max_lora_rank))
     except LoraConfigError as exc:
-        parser.error(str(exc))
+        why = str(exc)  # (the adapter checks are shared with POST /v1/load_lora_adapter: name the flag)
+        parser.error(why if why.startswith("--lora-modules") else f"--lora-modules: {why}")
     return tuple(out)
 
 

@@ -147,8 +147,6 @@ def test_an_adapter_may_not_take_the_served_models_name():
                               "the base model); choose another")
 
 
-@pytest.mark.xfail(strict=True, reason="scheduler_svc/entrypoints/service_config.py (_lora_modules) does not call "
-                                       "check_not_base_model yet; its owner wires it")
 def test_the_scheduler_refuses_to_start_with_an_adapter_named_as_the_model(tmp_path, capsys):
     model_dir = tmp_path / "tiny-llama"  # the served name: the model path's last part (executor_svc)
     model_dir.mkdir()
@@ -156,4 +154,4 @@ def test_the_scheduler_refuses_to_start_with_an_adapter_named_as_the_model(tmp_p
     good = write_peft_dir(tmp_path / "good")
     with pytest.raises(SystemExit):
         load_config(["--model", str(model_dir), "--enable-lora", "--lora-modules", f"tiny-llama={good}"], {})
-    assert "--lora-modules" in capsys.readouterr().err
+    assert "error: --lora-modules: LoRA adapter name 'tiny-llama' is the served model's name" in capsys.readouterr().err
