@@ -106,6 +106,11 @@ def _tls(parser: argparse.ArgumentParser, a: argparse.Namespace) -> TlsFiles | N
                          f"--tls-cert-file {a.tls_cert_file}")
         parser.error(f"--tls-cert-file {a.tls_cert_file}, --tls-key-file {a.tls_key_file}: not a PEM certificate "
                      f"and its unencrypted private key ({exc})")
+    if a.tls_client_ca_file is not None:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(cafile=a.tls_client_ca_file)
+        except ssl.SSLError as exc:
+            parser.error(f"--tls-client-ca-file: {a.tls_client_ca_file} holds no PEM CA certificate ({exc})")
     return TlsFiles(a.tls_cert_file, a.tls_key_file, a.tls_client_ca_file)
 
 

@@ -414,6 +414,19 @@ def test_a_tls_key_that_is_not_the_certificates_is_refused_at_start(model_dir, t
         in capsys.readouterr().err
 
 
+def test_a_client_ca_file_without_a_certificate_is_refused_at_start(model_dir, tmp_path, capsys):
+    from testing.tls_certs import make_pki
+
+    pki = make_pki(tmp_path)
+    base = ["--model", str(model_dir), "--tls-cert-file", str(pki["server_cert"]), "--tls-key-file",
+            str(pki["server_key"])]
+    assert load_config([*base, "--tls-client-ca-file", str(pki["ca"])], {}).tls.client_ca_file == pki["ca"]
+    with pytest.raises(SystemExit) as e:
+        load_config([*base, "--tls-client-ca-file", str(pki["server_key"])], {})  # a key, not a certificate
+    assert e.value.code == 2
+    assert f"--tls-client-ca-file: {pki['server_key']} holds no PEM CA certificate" in capsys.readouterr().err
+
+
 def test_the_fronts_share_the_machine_sized_caps(model_dir):
     """Each of N fronts sizes its caps for 1/N of the machine (they all run on it)."""
     from scheduler_svc.front.guards.admission import sized_for_machine
