@@ -280,11 +280,17 @@ def _reject_unsupported(req: _Request) -> None:
                         code="unsupported")
 
 
+# A logit_bias key (JSON object keys are strings; OpenAI's are token ids): ASCII digits only, as
+# str.isdigit() and int() would take "²" (int() fails: a 500), "٣" (token 3) or 5,000 digits (int() fails).
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")
+
+
 def _logit_bias(bias: dict[str, float] | None) -> list[tuple[int, float]]:
     out = []
     for key, value in (bias or {}).items():
-        if not key.isdigit():  # (JSON object keys are strings: OpenAI's are token ids)
-            raise bad_field("logit_bias", f"keys must be token ids (got {key[:40]!r})")
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise bad_field("logit_bias", f"keys must be token ids, decimal integers of at most 19 digits "
+                                          f"(got {key[:40]!r})")
         out.append((int(key), value))
     return out
 

@@ -375,6 +375,18 @@ def test_error_messages_name_the_field_and_its_limit(fake, path, body, message, 
     assert err["param"] == message.split(":")[0].split("[")[0]
 
 
+@pytest.mark.parametrize("key", ["-1", "²", "٣", "1" * 20, "", " 5", "5e0"])
+def test_a_logit_bias_key_that_is_not_ascii_digits_is_a_400_never_a_500_or_another_token(fake, key):
+    # int() takes "٣" as 3 and raises on "²" (and on 4,301 digits): a 500, which the openai client retries.
+    status, raw = fake.request("POST", "/v1/completions", {"prompt": "a", "logit_bias": {key: 1}})
+    assert (status, json.loads(raw)) == (400, {"error": {
+        "message": f"logit_bias: keys must be token ids, decimal integers of at most 19 digits (got {key[:40]!r})",
+        "type": "invalid_request_error", "param": "logit_bias", "code": "invalid_value"}})
+    assert not fake.engine.requests
+    fake.client().completions.create(model=MODEL, prompt="a", logit_bias={"0000000000000000005": 1})
+    assert fake.engine.requests[-1].params.sampling.logit_bias == [(5, 1.0)]
+
+
 def test_malformed_and_oversized_bodies(fake):
     status, raw = fake.request("POST", "/v1/completions", b'{"prompt": "a",')
     assert status == 400 and _error(status, raw)["code"] == "invalid_json"
