@@ -8,9 +8,11 @@ verifies them (``ModelRunner.launch``), :meth:`DraftModel.propose` runs the draf
 those sequences: the first forward catches the draft up on every committed token it has not seen
 (``SeqState.draft_computed`` up to the last one: the prompt on a sequence's first proposal, the
 last accepted proposal and the bonus token after that) and drafts the first token; each further
-forward decodes the token drafted before. Greedy rows draft the argmax, sampled rows draw from the
-draft's distribution q (the sampler's own processing of the draft's logits), kept for the
-verifier's p/q rule (``verify.py``). Correctness never depends on the draft's KV: the target
+forward decodes the token drafted before. Greedy rows draft the argmax and seeded rows draw with
+the uniform the target draws that position with (both verified "draw, keep while equal", so their
+tokens are those of decoding without speculation); unseeded sampled rows draw from the draft's
+distribution q (the sampler's own processing of the draft's logits), kept for the verifier's p/q
+rule (``verify.py``). Correctness never depends on the draft's KV: the target
 verifies every token; a stale or missing draft K/V only lowers acceptance.
 """
 
@@ -28,7 +30,6 @@ from executor_svc.sampler import Sampler, draw_token
 from pagedserve.wire import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 SHORT_BACKLOG = 4  # tokens a sequence's draft catches up on one decode step at a time (more: one chunk)
-DRAFT_SALT = 0x5D2AF7  # the seeded stream of the draft's own draws (another than the target's)
 
 
 @dataclass(slots=True)
@@ -54,7 +55,7 @@ class DraftModel:
         for s, _ in todo:  # the draft's view: the same tokens and table, its own computed count
             views[s.seq_id] = SeqState(s.seq_id, s.token_ids, s.num_prompt_tokens, s.block_ids,
                                        min(s.draft_computed, base[s.seq_id] - 1), s.sampling)
-            s.draft_q = [] if s.sampling.temperature >= GREEDY_TEMPERATURE_EPS else None
+            s.draft_q = [] if _rejection_sampled(s.sampling) else None
         while active := [s for s, k in todo if drafted[s.seq_id] < k]:
             # Each forward takes a sequence's whole backlog as one chunk when it is long (a prompt),
             # else one token: a short backlog (the last accepted proposal and the bonus token) then
@@ -85,11 +86,22 @@ class DraftModel:
             return self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
 
     def _draw(self, row: torch.Tensor, s: SeqState, at: int) -> int:
-        """The drafted token at position ``at``: the argmax for greedy rows (after the sampler's
-        penalties and bias), a draw from q (kept in ``s.draft_q``) for sampled rows."""
+        """The drafted token at position ``at``: what the sampler draws from the draft's row as it
+        would from the target's (the argmax for greedy rows; for seeded rows a draw with the target's
+        own uniform of that position, so where q is near p the draft draws the token the target
+        will), or for unseeded sampled rows a draw from q (kept in ``s.draft_q``)."""
         ctx = _Context(s.sampling, s.token_ids[:at], s.num_prompt_tokens)
         if s.draft_q is None:
             return int(self.sampler.sample(row[None].clone(), [ctx]).token_ids[0])
         q = self.sampler.probs(row, ctx)
         s.draft_q.append(q)
-        return draw_token(q, self.sampler.uniform(ctx, DRAFT_SALT))
+        return draw_token(q, self.sampler.uniform(ctx))
+
+
+def _rejection_sampled(p: SamplingParams) -> bool:
+    """Whether a sequence's draft proposals are verified by the p/q rule (unseeded sampled rows).
+    Greedy and seeded rows are verified as n-gram proposals are ("draw, keep while equal"), so their
+    tokens are those of decoding without speculation: a seed promises the same tokens whatever k
+    and whatever else shares the steps (the p/q rule's tokens depend on where each proposal round
+    starts, which the batch and the step's budget decide)."""
+    return p.temperature >= GREEDY_TEMPERATURE_EPS and p.seed is None

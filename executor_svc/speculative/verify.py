@@ -21,9 +21,10 @@ the walk is rejection sampling proper (Leviathan et al. 2023): proposal d at pos
 with probability min(1, p(d) / q(d)), p the target's distribution as the sampler processes it;
 on rejection the position emits a draw from norm(max(0, p - q)) and the walk ends; when all are
 accepted the last row samples the bonus token plainly. Every emitted token is then distributed
-as p (the point-mass case above is q = one-hot). Seeded rows draw acceptance and residual from
-(seed, position) streams, so a seeded request is reproducible. Greedy draft rows take the walk
-above (the draft proposed its argmax). Log-probs are always the target's.
+as p (the point-mass case above is q = one-hot). Greedy and seeded draft rows carry no q and take
+the walk above (the draft proposed its argmax, or drew with the target's own uniform of the
+position), so their tokens are those of decoding without speculation whatever k and the batch;
+a row with q and a seed draws acceptance and residual from (seed, position) streams. Log-probs are always the target's.
 
 A constrained sequence (structured outputs) walks under its grammar: each position's row is masked
 by the grammar's state after the tokens emitted before it (a fork of the sequence's matcher, so

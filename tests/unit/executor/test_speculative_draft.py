@@ -99,6 +99,26 @@ def test_seeded_sampling_is_reproducible_and_logprobs_are_the_targets(tiny_llama
         assert max(abs(x - y) for (_, x), y in zip(lps[rid], want, strict=True)) < 1e-3, rid
 
 
+@pytest.mark.parametrize("top_k", [0, 50])
+@pytest.mark.parametrize("which", ["self", "random"])
+def test_seeded_sampling_with_a_draft_equals_decoding_without_speculation(tiny_llama_dir, model, random_draft,
+                                                                          which, top_k):
+    """A seed promises the same tokens whatever else shares the steps: with a draft, the tokens of a
+    seeded request must not depend on k (nor on how many proposals the budget leaves it in a busy
+    batch), so they are those of decoding without speculation."""
+    sampling = SamplingParams(temperature=0.9, top_k=top_k, seed=11, presence_penalty=0.2)
+    params = RequestParams(max_tokens=25, sampling=sampling, ignore_eos=True)
+    plain, _, _, _ = _serve(tiny_llama_dir, model, params)
+    draft = model if which == "self" else random_draft
+    for k in (1, 3):
+        fast, _, sched, _ = _serve(tiny_llama_dir, model, params, draft, k)
+        assert fast == plain, k
+        st = sched.spec.counters
+        assert st.num_draft_tokens > 0
+        if which == "self":  # the draft draws with the target's uniform: nearly every proposal is kept
+            assert st.num_accepted_tokens >= 0.9 * st.num_draft_tokens
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_with_a_draft_keeps_outputs_and_frees_every_block(tiny_llama_dir, model, random_draft, mode):
     params = RequestParams(max_tokens=24, sampling=GREEDY, ignore_eos=True)
