@@ -257,6 +257,7 @@ class EngineCore(CoreRequests):
             if slot.conn.state == "dead" or not self._closing:
                 self._evacuate(slot, "executor lost")  # (hands over what was applied first)
                 self._retire(slot)
+                self._observe(force=True)  # (its requests and blocks left the gauges: no loop may be left to say so)
             else:
                 self._flush(slot)  # shutdown: nothing moves, but what was applied is handed over
 

@@ -86,7 +86,9 @@ class CoreRequests:
         if cr is None:
             return
         cr.ended = True
-        self._unpark(cr)
+        if cr.parked is not None:  # (waiting for an executor: perhaps no loop is left to refresh the gauges)
+            self._unpark(cr)
+            self._observe(force=True)
         slot = cr.slot
         if slot is not None:
             if cr in slot.adds:
@@ -162,6 +164,12 @@ class CoreRequests:
             self.orphans.remove(cr)
             self._fail(cr, ErrorKind.NO_EXECUTOR, f"its executor was lost and no executor registered within "
                                                   f"{self.cfg.orphan_timeout_s:g}s (--orphan-timeout)")
+            self._observe(force=True)
+
+    def _observe(self, force: bool = False) -> None:
+        """Refresh the gauges from the queues (the engine core's, which has metrics). Every executor's
+        loop does it as it goes; what changes the queues while no loop may be left (an executor
+        gone, a request that waited for one failed or aborted) calls it too."""
 
     def _unpark(self, cr: CoreRequest) -> None:
         if cr.parked is not None:

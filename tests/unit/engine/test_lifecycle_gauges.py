@@ -1,0 +1,61 @@
+"""The request gauges (running, waiting, swapped, KV usage) follow the requests to their end, however
+they end: the engine with in-process fake executors, as tests/unit/engine/test_engine.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from tokenizers import Tokenizer
+
+from pagedserve.engine_api import EngineError, ErrorKind
+from scheduler_svc.telemetry.metrics import Metrics
+from testing.fake_engine import collect, engine_executor, req, run, running
+from testing.grpc_fakes import make_tokenizer
+
+GAUGES = ("pagedserve:num_requests_running", "pagedserve:num_requests_waiting", "pagedserve:num_requests_swapped")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return make_tokenizer()
+
+
+async def _until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:g}s waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("end", ["orphan timeout", "client cancel"])
+def test_the_gauges_return_to_zero_when_the_only_executor_dies_and_its_requests_end(tokenizer, end):
+    """No loop is left to refresh the gauges once the last executor is gone: they must not keep
+    reporting the requests it ran (nor its KV usage), neither while those wait for another executor
+    nor after they failed (--orphan-timeout) or their clients left."""
+    async def main():
+        metrics = Metrics()
+        value = metrics.registry.get_sample_value
+        timeout = 0.5 if end == "orphan timeout" else 60.0
+        async with running(tokenizer, 0, metrics=metrics, orphan_timeout_s=timeout) as (engine, execs):
+            execs.append(engine_executor(engine, "only", step_s=0.01))
+            await _until(lambda: "only" in engine.slots, 30, "the executor to register")
+            tasks = [asyncio.create_task(collect(engine, req(f"k{i}", list(range(3, 40)), 500))) for i in range(3)]
+            await _until(lambda: value("pagedserve:num_requests_running") == 3, 30, "the gauges to show 3 running")
+            execs[0].kill()
+            await _until(lambda: value("pagedserve:num_requests_running") == 0
+                         and value("pagedserve:num_requests_waiting") == 3, 10, "3 waiting for an executor")
+            assert value("pagedserve:kv_cache_usage_perc", {"executor": "only"}) is None  # gone with it
+            if end == "client cancel":
+                for t in tasks:
+                    t.cancel()
+            for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+                if end == "client cancel":
+                    assert isinstance(outcome, asyncio.CancelledError), outcome
+                else:
+                    assert isinstance(outcome, EngineError) and outcome.kind is ErrorKind.NO_EXECUTOR, outcome
+            await _until(lambda: all(value(g) == 0 for g in GAUGES), 10, f"{GAUGES} back to 0")
+            assert engine.stats().num_running == engine.stats().num_waiting == 0 and not engine.core.orphans
+
+    run(main())
