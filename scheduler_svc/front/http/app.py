@@ -47,6 +47,7 @@ from scheduler_svc.front.http.openai_types import (
     chat_fields,
     completion_fields,
     decode,
+    echo_only,
 )
 from scheduler_svc.front.http.responses import ChatRender, CompletionRender, TokenTexts, _Render
 from scheduler_svc.front.input.offload import THREAD_CHARS, token_ids, trim_soon, validate_off_loop
@@ -142,6 +143,7 @@ class OpenAIFront:
                                   self.texts, return_token_ids=req.return_token_ids, echo=echo,
                                   prompt_ids=[g.prompt_token_ids for g in greqs] if echo else None,
                                   skip_special_tokens=greqs[0].params.skip_special_tokens,
+                                  echo_only=echo_only(req), want_logprobs=req.logprobs is not None,
                                   **_usage_options(req, greqs))
         return await self._respond(request, greqs, render, req.stream)
 

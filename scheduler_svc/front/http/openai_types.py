@@ -228,15 +228,22 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
 
 def completion_fields(req: CompletionRequest, limits: HttpLimits) -> list[RequestFields]:
     """One RequestFields per prompt of the request (a list of prompts is a batch). ``echo`` with
-    ``logprobs`` asks for the prompt's log-probs too (computed while it is prefilled)."""
+    ``logprobs`` asks for the prompt's log-probs too (computed while it is prefilled); ``echo`` with
+    ``max_tokens`` 0 scores the prompt alone (:func:`echo_only`): one token is generated, and dropped."""
     if req.suffix:
         raise bad_field("suffix", "is not supported", code="unsupported")
-    common = _common(req, req.max_tokens, "max_tokens")
+    common = _common(req, 1 if echo_only(req) else req.max_tokens, "max_tokens")
     common["logprobs"] = req.logprobs
     if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
         common["prompt_logprobs"] = req.logprobs
     return [RequestFields(prompt=p, **common) if isinstance(p, str) else RequestFields(prompt_token_ids=p, **common)
             for p in prompts(req.prompt, limits)]
+
+
+def echo_only(req: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens`` 0: the answer is the prompt (and its log-probs) alone, nothing
+    generated, as OpenAI and vLLM answer it (lm-eval-harness scores prompts so)."""
+    return bool(req.echo) and req.max_tokens == 0
 
 
 def chat_fields(req: ChatRequest) -> RequestFields:

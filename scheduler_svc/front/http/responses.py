@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from pagedserve.engine_api import ChoiceDelta, FinishReason, RequestOutput, TokenLogprob, Usage
 from scheduler_svc.front.api_errors import ApiError
 from scheduler_svc.front.http.logprob_forms import (
@@ -177,9 +179,19 @@ class _Render:
 class CompletionRender(_Render):
     OBJECT = CHUNK_OBJECT = "text_completion"
 
-    def __init__(self, *args: Any, skip_special_tokens: bool = True, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, skip_special_tokens: bool = True, echo_only: bool = False,
+                 want_logprobs: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.skip_special_tokens = skip_special_tokens  # as the engine decodes the text (text_offset follows it)
+        # echo with max_tokens 0 (openai_types.echo_only): the token generated is dropped, from the
+        # text, log-probs, token ids and usage alike; the choice ends by "length".
+        self.echo_only, self.want_logprobs = echo_only, want_logprobs
+
+    def chunk(self, prompt: int, out: RequestOutput) -> list[dict[str, Any]]:
+        return super().chunk(prompt, _nothing_generated(out) if self.echo_only else out)
+
+    def add(self, prompt: int, out: RequestOutput) -> None:
+        super().add(prompt, _nothing_generated(out) if self.echo_only else out)
 
     def _delta(self, index: int, c: _Choice, d: ChoiceDelta, prompt: int) -> dict[str, Any] | None:
         if self._quiet(c, d):
@@ -188,7 +200,7 @@ class CompletionRender(_Render):
         logprobs = None
         if not c.started and self.echo is not None:
             text = self.echo[prompt] + text
-            if d.logprobs and self.prompt_logprobs[prompt] is not None:
+            if (d.logprobs or self.echo_only and self.want_logprobs) and self.prompt_logprobs[prompt] is not None:
                 logprobs = self._echo_logprobs(prompt)
         if d.logprobs:
             if c.offsets is None:
@@ -216,7 +228,7 @@ class CompletionRender(_Render):
         prompt = index // self.n
         echo = self.echo[prompt] if self.echo is not None else ""
         logprobs = None
-        if c.logprobs:
+        if c.logprobs or self.echo_only and self.want_logprobs:
             logprobs = completion_logprobs(self.texts, c.logprobs, self._offsets(prompt))
             if self.echo is not None and self.prompt_logprobs[prompt] is not None:
                 head = self._echo_logprobs(prompt)
@@ -228,6 +240,16 @@ class CompletionRender(_Render):
         if self.return_token_ids:
             body["token_ids"] = c.token_ids
         return body
+
+
+def _nothing_generated(out: RequestOutput) -> RequestOutput:
+    """``out`` without what it generated: each choice's end alone, by "length" (its EOS or stop
+    token was dropped too), and no completion tokens."""
+    usage = msgspec.structs.replace(out.usage, completion_tokens=0) if out.usage is not None else None
+    ended = (FinishReason.EOS, FinishReason.STOP)
+    return msgspec.structs.replace(out, usage=usage, choices=[
+        ChoiceDelta(d.index, finish_reason=FinishReason.LENGTH if d.finish_reason in ended else d.finish_reason)
+        for d in out.choices])
 
 
 class ChatRender(_Render):

@@ -242,6 +242,38 @@ def test_echo_with_logprobs_returns_the_prompts_log_probs_first(fake):
     assert all(r.choices[0].text.startswith(t, at) for t, at in zip(lp.tokens[1:-1], lp.text_offset[1:-1], strict=True))
 
 
+@pytest.mark.parametrize("generated", ["Hello world, the end.", ""])  # "": the one token generated is EOS
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(fake, stream, generated):
+    # OpenAI's and vLLM's prompt scoring (lm-eval-harness's loglikelihood): the echo and its log-probs only.
+    fake.engine.completions = [generated]
+    kw = dict(model=MODEL, prompt="Hello world", max_tokens=0, echo=True, logprobs=1, n=2)
+    if stream:
+        chunks = list(fake.client().completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        usage = chunks[-1].usage
+        parts = {i: [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i] for i in (0, 1)}
+        texts = {i: "".join(p.text for p in ps) for i, ps in parts.items()}
+        tokens = {i: [t for p in ps if p.logprobs for t in p.logprobs.tokens] for i, ps in parts.items()}
+        finish = {i: ps[-1].finish_reason for i, ps in parts.items()}
+    else:
+        r = fake.client().completions.create(**kw)
+        usage = r.usage
+        texts = {c.index: c.text for c in r.choices}
+        tokens = {c.index: c.logprobs.tokens for c in r.choices}
+        finish = {c.index: c.finish_reason for c in r.choices}
+        assert r.choices[0].logprobs.token_logprobs[0] is None
+    (req,) = fake.engine.requests
+    assert (req.params.max_tokens, req.params.sampling.prompt_logprobs) == (1, 1)  # one token, dropped
+    prompt_tokens = [make_tokenizer().decode([t], skip_special_tokens=False) for t in req.prompt_token_ids]
+    assert texts == {0: "Hello world", 1: "Hello world"} and tokens == {0: prompt_tokens, 1: prompt_tokens}
+    assert finish == {0: "length", 1: "length"}
+    n = len(req.prompt_token_ids)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (n, 0, n)
+    # Without echo, max_tokens 0 asks for nothing (vLLM: "max_tokens must be at least 1").
+    err = json.loads(fake.request("POST", "/v1/completions", {"prompt": "a", "max_tokens": 0})[1])["error"]
+    assert (err["message"], err["param"]) == ("max_tokens: must be >= 1 (got 0)", "max_tokens")
+
+
 SPLIT = "Zaż 😀 gęś café, naïve 🚀!"  # characters the fake engine's tokenizer splits over tokens
 
 
