@@ -257,13 +257,15 @@ class Stack:
         return results
 
     def wait_blocks_free(self, timeout_s: float = 20.0) -> float:
-        """Seconds until no executor holds a block and nothing runs or waits (AssertionError after
-        timeout_s). A stream can end at its client before the engine has freed the request (a stop
-        string found by the front is aborted at the core after the client has its last token)."""
+        """Seconds until no executor holds a block (device or CPU swap) and nothing runs, waits or is
+        swapped out (AssertionError after timeout_s). A stream can end at its client before the engine
+        has freed the request (a stop string found by the front is aborted at the core after the
+        client has its last token)."""
         t0 = time.monotonic()
         while True:
             st = self.stats()
-            if all(e.kv_blocks_used == 0 for e in st.executors) and st.num_running == 0 and st.num_waiting == 0:
+            if (all(e.kv_blocks_used == 0 and e.cpu_blocks_used == 0 for e in st.executors)
+                    and st.num_running == st.num_waiting == st.num_swapped == 0):
                 return time.monotonic() - t0
             assert time.monotonic() - t0 < timeout_s, f"blocks still held: {st}"
             time.sleep(0.05)
