@@ -49,6 +49,7 @@ from scheduler_svc.front.http.openai_types import (
     decode,
     echo_only,
 )
+from scheduler_svc.front.http.request_ids import with_request_id
 from scheduler_svc.front.http.responses import ChatRender, CompletionRender, TokenTexts, _Render
 from scheduler_svc.front.input.offload import THREAD_CHARS, token_ids, trim_soon, validate_off_loop
 from scheduler_svc.front.input.request_fields import RequestFields
@@ -393,8 +394,8 @@ def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = (), budget:
 
 class _App(Starlette):
     """Starlette, with the server's own ``send`` in each request's scope: a streamed response's
-    events go to it directly (streams.EventStreamResponse)."""
+    events go to it directly (streams.EventStreamResponse); each response gets an X-Request-Id."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[streams.SERVER_SEND] = send
-        await super().__call__(scope, receive, send)
+        await super().__call__(scope, receive, with_request_id(scope, send) if scope["type"] == "http" else send)

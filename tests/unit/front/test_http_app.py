@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import socket
 import threading
@@ -385,6 +386,39 @@ def test_a_logit_bias_key_that_is_not_ascii_digits_is_a_400_never_a_500_or_anoth
     assert not fake.engine.requests
     fake.client().completions.create(model=MODEL, prompt="a", logit_bias={"0000000000000000005": 1})
     assert fake.engine.requests[-1].params.sampling.logit_bias == [(5, 1.0)]
+
+
+def _response_head(fake, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", fake.server.port, timeout=10)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json", **headers})
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("method,path,body,status", [
+    ("POST", "/v1/completions", b'{"prompt": "Hi"}', 200),
+    ("POST", "/v1/completions", b'{"prompt": "Hi", "stream": true}', 200),
+    ("POST", "/v1/completions", b'{"prompt": "Hi", "n": 0}', 400),
+    ("POST", "/v1/completions", b"x" * 5000, 413),
+    ("GET", "/v1/nothing", None, 404),
+    ("GET", "/v1/models", None, 200),
+])
+def test_every_response_carries_the_clients_x_request_id_or_a_fresh_one(fake, method, path, body, status):
+    # OpenAI answers x-request-id (the openai client's `_request_id`); vLLM echoes the client's X-Request-Id.
+    got, headers = _response_head(fake, method, path, body, {"X-Request-Id": "trace-42/a.b"})
+    assert (got, headers["x-request-id"]) == (status, "trace-42/a.b")
+    fresh = [_response_head(fake, method, path, body, h)[1]["x-request-id"]
+             for h in ({}, {}, {"X-Request-Id": "two words"}, {"X-Request-Id": "x" * 257})]
+    assert all(len(f) == 32 and int(f, 16) >= 0 for f in fresh) and len(set(fresh)) == 4  # never an echo of those
+
+
+def test_the_openai_client_reads_the_request_id_it_sent(fake):
+    r = fake.client().completions.create(model=MODEL, prompt="Hi", extra_headers={"X-Request-Id": "mine-1"})
+    assert r._request_id == "mine-1"
 
 
 def test_malformed_and_oversized_bodies(fake):
