@@ -46,17 +46,38 @@ def chat_messages(req: ChatRequest, limits: HttpLimits) -> list[dict[str, Any]]:
     return out
 
 
+MAX_ARGUMENTS_DEPTH = 64  # as a JSON schema's (input/structured.py): deeper fails json.loads or a template's tojson
+
+
 def _tool_call(i: int, j: int, call: ToolCall) -> dict[str, Any]:
-    args = call.function.arguments
+    args, field = call.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments"
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
         except ValueError as e:
-            raise bad_field(f"messages[{i}].tool_calls[{j}].function.arguments", f"is not valid JSON ({e})") from None
+            raise bad_field(field, f"is not valid JSON ({e})") from None
+        except RecursionError:  # [[[[...]]]]: the client's error, never a 500 (which clients retry)
+            raise bad_field(field, f"is nested more than {MAX_ARGUMENTS_DEPTH} levels deep") from None
+    if _deeper_than(args, MAX_ARGUMENTS_DEPTH):
+        raise bad_field(field, f"is nested more than {MAX_ARGUMENTS_DEPTH} levels deep")
     out: dict[str, Any] = {"type": call.type, "function": {"name": call.function.name, "arguments": args}}
     if call.id is not None:
         out["id"] = call.id
     return out
+
+
+def _deeper_than(node: Any, limit: int) -> bool:
+    """Whether ``node`` nests lists and objects more than ``limit`` levels (walked without recursion)."""
+    todo = [(node, 0)]
+    while todo:
+        n, depth = todo.pop()
+        children = n.values() if isinstance(n, dict) else n if isinstance(n, list) else None
+        if children is None:
+            continue
+        if depth >= limit:
+            return True
+        todo.extend((c, depth + 1) for c in children)
+    return False
 
 
 def _content(i: int, content: str | list[ContentPart] | None) -> str:

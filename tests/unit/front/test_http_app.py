@@ -388,6 +388,25 @@ def test_a_logit_bias_key_that_is_not_ascii_digits_is_a_400_never_a_500_or_anoth
     assert fake.engine.requests[-1].params.sampling.logit_bias == [(5, 1.0)]
 
 
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth  # `depth` levels of lists
+
+
+@pytest.mark.parametrize("arguments", [_nested(1100), _nested(65), json.loads('{"a": ' * 65 + "1" + "}" * 65)])
+def test_tool_call_arguments_nested_too_deeply_are_a_400_never_a_500(fake, arguments):
+    # json.loads raised RecursionError past ~1,000 levels: a 500, which the openai client retries twice.
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    body = {"messages": [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "user", "content": "a"}]}
+    status, raw = fake.request("POST", "/v1/chat/completions", body)
+    assert (status, json.loads(raw)) == (400, {"error": {
+        "message": "messages[0].tool_calls[0].function.arguments: is nested more than 64 levels deep",
+        "type": "invalid_request_error", "param": "messages", "code": "invalid_value"}})
+    assert not fake.engine.requests
+    call["function"]["arguments"] = _nested(64)
+    fake.client().chat.completions.create(model=MODEL, messages=body["messages"])
+    assert len(fake.engine.requests) == 1
+
+
 def _response_head(fake, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", fake.server.port, timeout=10)
     try:
