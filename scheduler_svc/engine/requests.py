@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Protocol
 
-from pagedserve.engine_api import EngineError, ErrorKind, GenerationRequest, RequestUpdate
+from pagedserve.engine_api import EngineError, ErrorKind, FinishReason, GenerationRequest, RequestUpdate
 from pagedserve.kv_blocks import chain_root, hash_blocks, lora_key
 from scheduler_svc.engine.engine_config import EngineConfig
 from scheduler_svc.engine.lora_registry import LoraRegistry
@@ -98,11 +98,23 @@ class CoreRequests:
                 slot.wakeup.set()
 
     def finish_choice(self, request_id: str, index: int) -> None:
-        """A stop string ended choice ``index`` (a front saw it in the text): the scheduler frees it."""
+        """A stop string ended choice ``index`` (a front saw it in the text): the scheduler frees it.
+
+        A request moving to another executor (queued there, or waiting for one) has no scheduler:
+        the choice is marked finished in what it resumes from, so that it is not computed on to
+        max_tokens there (its front drops those tokens, and ends the stream without an abort when
+        the other choices end)."""
         cr = self.requests.get(request_id)
-        if cr is not None and cr.slot is not None and request_id in cr.slot.requests:
+        if cr is None:
+            return
+        if cr.slot is not None and request_id in cr.slot.requests:
             cr.slot.finished_choices.append((request_id, index))
             cr.slot.wakeup.set()
+        elif cr.resume is not None and 0 <= index < len(cr.resume.finish_reasons):
+            reasons = cr.resume.finish_reasons
+            reasons[index] = reasons[index] or FinishReason.STOP
+            if all(reasons):  # (nothing left to resume: it ends here)
+                self.abort(request_id)
 
     def abort_owned_by(self, sink: UpdateSink) -> int:
         """A front went away: free every request it owned; how many there were."""

@@ -1,5 +1,6 @@
-"""The request gauges (running, waiting, swapped, KV usage) follow the requests to their end, however
-they end: the engine with in-process fake executors, as tests/unit/engine/test_engine.py."""
+"""A request's way out of the engine core, however it ends (client gone, executor lost, a stop string
+while it moves): nothing of it is left computing, and the gauges (running, waiting, swapped, KV usage)
+follow. The engine with in-process fake executors, as tests/unit/engine/test_engine.py."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import time
 import pytest
 from tokenizers import Tokenizer
 
-from pagedserve.engine_api import EngineError, ErrorKind
+from pagedserve.engine_api import EngineError, ErrorKind, GenerationRequest, RequestParams
+from pagedserve.wire import SamplingParams
 from scheduler_svc.telemetry.metrics import Metrics
-from testing.fake_engine import collect, engine_executor, req, run, running
+from testing.fake_engine import collect, engine_executor, req, run, running, settle
 from testing.grpc_fakes import make_tokenizer
 
 GAUGES = ("pagedserve:num_requests_running", "pagedserve:num_requests_waiting", "pagedserve:num_requests_swapped")
@@ -57,5 +59,35 @@ def test_the_gauges_return_to_zero_when_the_only_executor_dies_and_its_requests_
                     assert isinstance(outcome, EngineError) and outcome.kind is ErrorKind.NO_EXECUTOR, outcome
             await _until(lambda: all(value(g) == 0 for g in GAUGES), 10, f"{GAUGES} back to 0")
             assert engine.stats().num_running == engine.stats().num_waiting == 0 and not engine.core.orphans
+
+    run(main())
+
+
+def test_a_choice_a_stop_string_ended_while_its_request_moves_is_not_computed_on_elsewhere(tokenizer):
+    """The front's FinishChoice can reach the core while the request waits to be placed again (its
+    executor lost, the flush before the move carried the stop string's tokens): the new executor must
+    not compute that choice on to max_tokens for a client that no longer reads it."""
+    async def main():
+        async with running(tokenizer, 0, orphan_timeout_s=60.0) as (engine, execs):
+            execs.append(engine_executor(engine, "lost", step_s=0.01))
+            await _until(lambda: "lost" in engine.slots, 30, "the executor to register")
+            r = GenerationRequest("two", list(range(3, 30)), RequestParams(
+                max_tokens=400, sampling=SamplingParams(temperature=1.0, seed=7), n=2, ignore_eos=True))
+            task = asyncio.create_task(collect(engine, r))
+            sched = engine.slots["lost"].scheduler
+            await _until(lambda: "two" in sched.requests and len(sched.requests["two"].live) == 2
+                         and sched.requests["two"].live[0].num_output_tokens >= 3, 30, "both choices decoding")
+            execs[0].kill()
+            await _until(lambda: [cr.request_id for cr in engine.core.orphans] == ["two"], 10,
+                         "the request to wait for another executor")
+            engine.core.finish_choice("two", 0)  # as the front does when a stop string ends choice 0
+            execs.append(engine_executor(engine, "next", step_s=0.01))
+            await _until(lambda: "next" in engine.slots and "two" in engine.slots["next"].scheduler.requests, 30,
+                         "the request to resume on the next executor")
+            assert [s.index for s in engine.slots["next"].scheduler.requests["two"].live] == [1]
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await settle(engine)
 
     run(main())
