@@ -75,11 +75,12 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
     unknown = sorted(set(raw) - set(known))
     if unknown:
         raise ValueError(f"unknown field(s) {unknown} for method {raw.get('method', 'ngram')!r}; known: {list(known)}")
-    # vLLM: when only one lookup bound is given, the other equals it
-    if "prompt_lookup_min" in raw and "prompt_lookup_max" not in raw:
-        raw["prompt_lookup_max"] = raw["prompt_lookup_min"]
-    elif "prompt_lookup_max" in raw and "prompt_lookup_min" not in raw:
-        raw["prompt_lookup_min"] = raw["prompt_lookup_max"]
+    # vLLM: when only one lookup bound is given, the other equals it (checked first: a bad value is
+    # named as the field the user wrote, not as the one it was copied to)
+    for given, other in (("prompt_lookup_min", "prompt_lookup_max"), ("prompt_lookup_max", "prompt_lookup_min")):
+        if given in raw and other not in raw:
+            _int_in(given, raw[given], 1, MAX_PROMPT_LOOKUP)
+            raw[other] = raw[given]
     return SpeculativeConfig(**raw)
 
 

@@ -20,6 +20,11 @@ def test_parse_accepts_vllm_ngram_form():
     ('{"method": "ngram", "num_speculative_tokens": 2.5}', "num_speculative_tokens"),
     ('{"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_max"),
     ('{"method": "ngram", "prompt_lookup_min": 0}', "prompt_lookup_min"),
+    # one bound given: the other takes its value, and a bad value is named as the field given
+    ('{"method": "ngram", "prompt_lookup_max": 65}', "prompt_lookup_max"),
+    ('{"method": "ngram", "prompt_lookup_max": 0}', "prompt_lookup_max"),
+    ('{"method": "ngram", "prompt_lookup_max": "3"}', "prompt_lookup_max"),
+    ('{"method": "ngram", "prompt_lookup_min": 65}', "prompt_lookup_min"),
     ('{"method": "ngram", "lookahead": 2}', "lookahead"),
     ('{"model": "/some/draft", "prompt_lookup_max": 2}', "prompt_lookup_max"),  # an n-gram field
     ('{"method": "ngram", "model": "/some/draft"}', "model"),
