@@ -158,7 +158,8 @@ class GrammarBackend:
 
     def masks(self, seqs: Sequence[Any]) -> GrammarMasks | None:
         """The token mask of one step's sampling rows (``seqs``: objects with a ``grammar``
-        attribute, None for unconstrained rows), or None when no row is constrained."""
+        attribute, None for unconstrained rows), or None when no row is constrained. A row whose
+        grammar allows no token fails, rejected (``NO_TOKEN_ALLOWED``)."""
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
             return None
@@ -186,7 +187,17 @@ class GrammarBackend:
             if self._batch is None:
                 self._batch = _xgrammar().BatchGrammarMatcher(max_threads=self._batch_threads)
             self._batch.batch_fill_next_token_bitmask(live, bitmask, live_rows)
+            for i, allows in zip(live_rows, bitmask[live_rows].any(dim=1).tolist(), strict=True):
+                if not allows:  # (sampled anyway, any token would break it: a 500 for the request's fault)
+                    masks.rows.remove(i)
+                    masks.failed[i] = NO_TOKEN_ALLOWED
+                    masks.rejected.add(i)
         return masks
+
+
+# A live matcher whose mask allows no token: its grammar's language is empty (root ::= root) or
+# goes on only with text this vocabulary cannot spell. The request's own fault (a 400 naming it).
+NO_TOKEN_ALLOWED = "its grammar allows no token here (it matches no text, or needs text this model cannot write)"
 
 
 def _compiler(tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int], threads: int):

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from executor_svc.grammar import (
     _BOUNDED_STRING_CHARS,
+    NO_TOKEN_ALLOWED,
     GrammarBackend,
     GrammarError,
     choice_grammar,
@@ -269,6 +270,24 @@ def test_a_terminated_matcher_allows_only_end_tokens(backend, tokenizer):
 
     masks = backend.masks([Row()])
     assert masks.allowed(0).tolist() == [EOS, 7]
+
+
+class _Row:
+    def __init__(self, grammar) -> None:
+        self.grammar, self.seq_id = grammar, 1
+
+
+@pytest.mark.parametrize("spec", ["root ::= root", 'root ::= "a" stuck\nstuck ::= stuck'])
+def test_a_grammar_that_allows_no_token_fails_its_row_as_the_requests_fault(backend, tokenizer, spec):
+    """Its all-zero mask was applied and whatever was sampled broke the grammar: a failed step, which
+    the API answered 500 (the openai client retries it) for a grammar that can never be served."""
+    g = backend.track(Structured(STRUCTURED_GRAMMAR, spec), [EOS], [])
+    if "stuck" in spec:
+        g.accept(tokenizer.token_to_id("a"))
+    good = backend.track(SPECS["choice"], [EOS], [])
+    masks = backend.masks([_Row(None), _Row(g), _Row(good)])
+    assert (masks.rows, masks.failed, masks.rejected) == ([2], {1: NO_TOKEN_ALLOWED}, {1})
+    assert masks.allowed(2).numel() > 0  # the other constrained row is served
 
 
 BAD_SPEC = Structured(STRUCTURED_JSON, json.dumps({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}))
