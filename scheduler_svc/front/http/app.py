@@ -48,6 +48,7 @@ from scheduler_svc.front.http.openai_types import (
     completion_fields,
     decode,
     echo_only,
+    is_batch,
 )
 from scheduler_svc.front.http.request_ids import with_request_id
 from scheduler_svc.front.http.responses import ChatRender, CompletionRender, TokenTexts, _Render
@@ -222,7 +223,7 @@ class OpenAIFront:
     def _completion_requests(self, req: CompletionRequest, fields: list[RequestFields] | None, info: ModelInfo
                              ) -> tuple[list[GenerationRequest], list[str] | None]:
         fields = fields if fields is not None else completion_fields(req, self.http_limits)
-        greqs = self._validate(fields, info, COMPLETION_NAMES, False)
+        greqs = self._validate(fields, info, COMPLETION_NAMES, False, batched=is_batch(req.prompt))
         return greqs, [self._prompt_text(f) for f in fields] if req.echo else None
 
     def _chat_request(self, fields: RequestFields, messages: list[dict[str, Any]], add_generation_prompt: bool,
@@ -235,10 +236,10 @@ class OpenAIFront:
         return self._validate([fields], info, names, True)
 
     def _validate(self, batch: list[RequestFields], info: ModelInfo, names: dict[str, str],
-                  chat: bool) -> list[GenerationRequest]:
+                  chat: bool, batched: bool = False) -> list[GenerationRequest]:
         """Completions add the tokenizer's special tokens (BOS) as gRPC does and default to
         ServerLimits.default_max_tokens; a chat prompt has its special tokens from the template
-        and may use the whole context left (OpenAI's chat default)."""
+        and may use the whole context left (OpenAI's chat default). ``batched``: errors name prompt[i]."""
         tokenize = self._tokenize_plain if chat else self._tokenize
         default_max_tokens = info.max_model_len if chat else None
         out = []
@@ -248,7 +249,7 @@ class OpenAIFront:
                 out.append(validate_request(fields, info, self.limits, tokenize, default_max_tokens,
                                             self.logprobs_mode))
             except ValidationError as e:
-                indexed = {"prompt": f"prompt[{i}]", "prompt_token_ids": f"prompt[{i}]"} if len(batch) > 1 else {}
+                indexed = {"prompt": f"prompt[{i}]", "prompt_token_ids": f"prompt[{i}]"} if batched else {}
                 raise from_validation(e, {**names, **indexed}) from None
         return out
 

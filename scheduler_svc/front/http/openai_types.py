@@ -363,5 +363,10 @@ def prompts(prompt: str | list[str | int | list[int]] | None, limits: HttpLimits
     return batch
 
 
+def is_batch(prompt: str | list[str | int | list[int]] | None) -> bool:
+    """Whether ``prompt`` is a list of prompts (of strings or of token-id lists), even of one."""
+    return isinstance(prompt, list) and bool(prompt) and not all(_is_int(t) for t in prompt)
+
+
 def _is_int(x: Any) -> bool:
     return type(x) is int  # JSON true/false decode to bool, a subclass of int

@@ -388,6 +388,18 @@ def test_a_logit_bias_key_that_is_not_ascii_digits_is_a_400_never_a_500_or_anoth
     assert fake.engine.requests[-1].params.sampling.logit_bias == [(5, 1.0)]
 
 
+@pytest.mark.parametrize("prompt,message", [
+    ([[1, 99999]], "prompt[0][1]: must be a token id in [0, vocab_size=300) (got 99999)"),  # was "prompt[1]"
+    ([[1, 2], [3, 99999]], "prompt[1][1]: must be a token id in [0, vocab_size=300) (got 99999)"),
+    ([1, 99999], "prompt[1]: must be a token id in [0, vocab_size=300) (got 99999)"),
+    (["a", ""], "prompt[1]: must not be empty (got '')"),
+    ([""], "prompt[0]: must not be empty (got '')"),  # was "prompt: ..."
+])
+def test_an_error_in_a_list_of_prompts_names_the_prompt_even_when_there_is_one(fake, prompt, message):
+    err = _error(*fake.request("POST", "/v1/completions", {"prompt": prompt}))
+    assert (err["message"], err["param"]) == (message, "prompt")
+
+
 def _nested(depth: int) -> str:
     return "[" * depth + "]" * depth  # `depth` levels of lists
 
