@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
+from pagedserve.engine_api import FinishReason
 from pagedserve.wire import BatchPlan
 from scheduler_svc.sched.admission import Admission
 from scheduler_svc.sched.decode_steps import DecodeStepPolicy
@@ -54,6 +55,7 @@ from scheduler_svc.sched.introspection import Introspection
 from scheduler_svc.sched.kv_cache_manager import NO_CHANGE, KVCacheManagerBase
 from scheduler_svc.sched.plan_building import StepBudget
 from scheduler_svc.sched.preemption import Preemption
+from scheduler_svc.sched.request import Sequence
 from scheduler_svc.sched.result_handling import ResultHandling
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 from scheduler_svc.sched.speculative_steps import SpeculativeSteps
@@ -167,3 +169,8 @@ class Scheduler(Preemption, Admission, ResultHandling, Introspection):
         if self.spec is not None:
             self.spec.pending.clear()  # (their results will not be applied)
         return super().take_all_requests()
+
+    def finish_seq(self, seq: Sequence, reason: FinishReason) -> None:
+        super().finish_seq(seq, reason)
+        if self.spec is not None:  # (however it ends: by a step that did not speculate, aborted, a stop string)
+            self.spec.policy.forget(seq.seq_id)

@@ -78,6 +78,10 @@ class SpeculationPolicy:
         """The sequence finished or was aborted."""
         self._seqs.pop(seq_id, None)
 
+    def __len__(self) -> int:
+        """Sequences whose acceptance is tracked."""
+        return len(self._seqs)
+
     def acceptance(self, seq_id: int) -> float:
         st = self._seqs.get(seq_id)
         return 1.0 if st is None else st.rate
