@@ -103,8 +103,9 @@ def req(rid: str, prompt: list[int], max_tokens: int = 8, **kw) -> GenerationReq
 @contextlib.asynccontextmanager
 async def running(tokenizer: Tokenizer, n_executors: int, metrics=None, **cfg_kw):
     """An engine with ``n_executors`` fake executors registered; everything stopped after."""
-    cfg = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
-                       executor_endpoint="tcp://127.0.0.1:0", heartbeat_interval_s=0.2, **cfg_kw)
+    scheduler = cfg_kw.pop("scheduler", None) or SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256)
+    cfg = EngineConfig(scheduler=scheduler, executor_endpoint="tcp://127.0.0.1:0", heartbeat_interval_s=0.2,
+                       **cfg_kw)
     engine = Engine(cfg, tokenizer, eos_token_ids=(), metrics=metrics)
     await engine.start()
     execs = [engine_executor(engine, f"fake{i}") for i in range(n_executors)]

@@ -126,7 +126,10 @@ class CoreRequests:
     # ------------------------------------------------------------------ placement
 
     def _num_queued(self) -> int:
-        return len(self.orphans) + sum(s.scheduler.num_waiting + len(s.adds) for s in self.slots.values())
+        """Requests waiting for a seat (what ``max_queued_requests`` bounds): those no executor has,
+        and on each executor those admitted beyond its free seats (``max_num_seqs`` less its running
+        and swapped requests). A burst that free seats will take at the next step is not a queue."""
+        return len(self.orphans) + sum(_beyond_seats(s) for s in self.slots.values())
 
     def _place(self, cr: CoreRequest) -> str | None:
         """Route ``cr`` to a ready executor that can hold it (or park it until one registers).
@@ -234,3 +237,10 @@ class CoreRequests:
             if cr is not None:
                 cr.resume = m
         return taken
+
+
+def _beyond_seats(slot: ExecutorSlot) -> int:
+    sched = slot.scheduler
+    pending = sched.num_waiting + len(slot.adds)
+    free = sched.config.max_num_seqs - sched.num_running - sched.num_swapped
+    return max(0, pending - max(0, free))

@@ -223,14 +223,37 @@ def test_queue_limit_and_no_executor(tokenizer):
             assert raised.value.kind is ErrorKind.NO_EXECUTOR
         finally:
             await engine.shutdown(0)
-        async with running(tokenizer, 1, max_queued_requests=2) as (engine, execs):
-            gens = [engine.generate(_req(f"q{i}", list(range(3, 300)), 50)) for i in range(2)]
+        one_seat = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256)
+        async with running(tokenizer, 1, max_queued_requests=2, scheduler=one_seat) as (engine, execs):
+            gens = [engine.generate(_req(f"q{i}", list(range(3, 300)), 50)) for i in range(3)]
             firsts = [asyncio.ensure_future(g.__anext__()) for g in gens]
-            await asyncio.sleep(0)  # both are admitted (queued), none scheduled yet
-            assert engine.stats().num_waiting == 2
+            await asyncio.sleep(0)  # all admitted, none scheduled yet: one takes the seat, two queue
+            assert engine.stats().num_waiting == 3
             with pytest.raises(EngineError) as raised:
                 await _collect(engine, _req("over", list(range(3, 300))))
             assert raised.value.kind is ErrorKind.QUEUE_FULL
+            await asyncio.gather(*firsts)
+            for g in gens:
+                await g.aclose()
+            await _settle(engine)
+
+    _run(main())
+
+
+def test_a_burst_that_free_seats_take_is_not_refused_as_a_full_queue(tokenizer):
+    """Requests admitted in one burst wait a loop turn before a step takes them: the seats free for
+    them (max_num_seqs) are not a queue, and max_queued_requests counts only those beyond."""
+    async def main():
+        async with running(tokenizer, 1, max_queued_requests=4) as (engine, _):  # 16 seats
+            outs = await asyncio.gather(*(_collect(engine, _req(f"b{i}", list(range(3, 20)), 5)) for i in range(16)))
+            assert all(len(tokens[0]) == 5 for tokens, *_ in outs)
+            gens = [engine.generate(_req(f"q{i}", list(range(3, 20)), 5)) for i in range(20)]
+            firsts = [asyncio.ensure_future(g.__anext__()) for g in gens]
+            await asyncio.sleep(0)  # 16 take the seats, 4 queue
+            with pytest.raises(EngineError) as raised:
+                await _collect(engine, _req("over", list(range(3, 20)), 5))
+            assert raised.value.kind is ErrorKind.QUEUE_FULL
+            assert "4 requests are queued, the limit (max_queued_requests) is 4" in str(raised.value)
             await asyncio.gather(*firsts)
             for g in gens:
                 await g.aclose()
