@@ -58,7 +58,7 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     params: RequestParams
     arrival_time: float = 0.0  # time.monotonic() at the API edge (the engine stamps it if unset)
-    deadline: float | None = None  # time.monotonic() after which the engine aborts it
+    deadline: float | None = None  # time.monotonic() after which the engine core ends it (ErrorKind.DEADLINE)
     first_scheduled_at: float | None = None  # set once, by the first scheduler that admits it
     # The prompt's full-block hash chain (kv_cache_manager.hash_blocks, unsalted): computed once,
     # by the engine for routing, and reused by every scheduler that admits the request.
@@ -131,6 +131,7 @@ class ErrorKind(enum.IntEnum):
     QUEUE_FULL = 2  # more requests queued than the configured limit (RESOURCE_EXHAUSTED)
     NOT_FOUND = 3  # it names a LoRA adapter this deployment does not serve (NOT_FOUND, 404)
     INVALID = 4  # what it asked for cannot be served as asked: an executor refused its grammar (INVALID_ARGUMENT, 400)
+    DEADLINE = 5  # its client's deadline passed before it ended (DEADLINE_EXCEEDED, 408)
 
 
 class EngineError(Exception):

@@ -296,7 +296,7 @@ class EngineCore(CoreRequests):
             return
         if done and (cr := slot.requests.pop(rid, None)) is not None:
             self.requests.pop(rid, None)
-            cr.ended = True  # (its front ended it: every choice stopped)
+            cr.end()  # (its front ended it: every choice stopped)
 
     def _flush(self, slot: ExecutorSlot) -> None:
         """Hand what ``slot``'s scheduler applied to the fronts that own it: after the next plan
@@ -313,7 +313,7 @@ class EngineCore(CoreRequests):
             if upd.finished:
                 del requests[upd.request_id]
                 slot.requests.pop(upd.request_id, None)
-                cr.ended = True
+                cr.end()
             batch = by_sink.get(id(cr.sink))
             if batch is None:
                 by_sink[id(cr.sink)] = batch = (cr.sink, [])

@@ -79,13 +79,16 @@ class CoreRequests:
         if (why := self._place(cr)) is not None:
             raise EngineError(ErrorKind.NO_EXECUTOR, why)
         self.requests[req.request_id] = cr
+        if req.deadline is not None:  # (a front cancels at its client's deadline too; a stuck one would not)
+            cr.expiry = asyncio.get_running_loop().call_later(max(0.0, req.deadline - time.monotonic()),
+                                                              self._deadline_passed, cr)
 
     def abort(self, request_id: str) -> None:
         """Its front ended it (client gone, deadline, shutdown, stop strings): free it (idempotent)."""
         cr = self.requests.pop(request_id, None)
         if cr is None:
             return
-        cr.ended = True
+        cr.end()
         if cr.parked is not None:  # (waiting for an executor: perhaps no loop is left to refresh the gauges)
             self._unpark(cr)
             self._observe(force=True)
@@ -96,6 +99,16 @@ class CoreRequests:
             elif slot.requests.pop(request_id, None) is not None:  # (what its last steps bring is dropped)
                 slot.aborts.append(request_id)
                 slot.wakeup.set()
+
+    def _deadline_passed(self, cr: CoreRequest) -> None:
+        cr.expiry = None
+        if cr.ended:
+            return
+        waited = time.monotonic() - cr.req.arrival_time
+        self.abort(cr.request_id)  # (its blocks are freed as an aborted request's are)
+        cr.sink.deliver([RequestUpdate(cr.request_id, [], True, len(cr.req.prompt_token_ids),
+                                       error=f"its deadline passed {waited:.1f}s after it arrived",
+                                       error_kind=ErrorKind.DEADLINE)])
 
     def finish_choice(self, request_id: str, index: int) -> None:
         """A stop string ended choice ``index`` (a front saw it in the text): the scheduler frees it.
@@ -202,7 +215,7 @@ class CoreRequests:
         if cr.ended:
             return
         self.requests.pop(cr.request_id, None)
-        cr.ended = True
+        cr.end()
         self._unpark(cr)
         cr.sink.deliver([RequestUpdate(cr.request_id, [], True, len(cr.req.prompt_token_ids), error=message,
                                        error_kind=kind)])

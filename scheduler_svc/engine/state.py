@@ -29,11 +29,19 @@ class CoreRequest:
     migrations: int = 0
     resume: MigratedRequest | None = None  # set while waiting to be re-queued elsewhere
     parked: asyncio.TimerHandle | None = None  # waiting for an executor: when it gives up (--orphan-timeout)
+    expiry: asyncio.TimerHandle | None = None  # its client's deadline, when the core ends it
     ended: bool = False  # finished, failed or aborted: nothing more goes to its front
 
     @property
     def request_id(self) -> str:
         return self.req.request_id
+
+    def end(self) -> None:
+        """Nothing more goes to its front; its deadline timer (holding it, prompt and all) goes."""
+        self.ended = True
+        if self.expiry is not None:
+            self.expiry.cancel()
+            self.expiry = None
 
 
 @dataclass(slots=True, eq=False)

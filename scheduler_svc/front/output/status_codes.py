@@ -6,6 +6,7 @@ keyed by the error's kind, so the two fronts cannot drift.
     NO_EXECUTOR     UNAVAILABLE          503   no_executor
     NOT_FOUND       NOT_FOUND            404   model_not_found  (a LoRA adapter not served)
     INVALID         INVALID_ARGUMENT     400   invalid_request  (an executor refused its grammar)
+    DEADLINE        DEADLINE_EXCEEDED    408   deadline_exceeded (its client's deadline passed)
     FAILED          INTERNAL             500   request_failed   (this request only; a warning)
     anything else   INTERNAL             500   internal_error   (a bug: logged with its traceback)
 
@@ -40,6 +41,7 @@ STATUS_OF_KIND: dict[ErrorKind, tuple[str, int, str, str]] = {
     ErrorKind.FAILED: ("INTERNAL", 500, "request_failed", "request failed"),
     ErrorKind.NOT_FOUND: ("NOT_FOUND", 404, "model_not_found", "no such model"),
     ErrorKind.INVALID: ("INVALID_ARGUMENT", 400, "invalid_request", "invalid request"),
+    ErrorKind.DEADLINE: ("DEADLINE_EXCEEDED", 408, "deadline_exceeded", "deadline exceeded"),
 }
 
 

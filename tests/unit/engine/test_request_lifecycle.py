@@ -91,3 +91,27 @@ def test_a_choice_a_stop_string_ended_while_its_request_moves_is_not_computed_on
             await settle(engine)
 
     run(main())
+
+
+def test_a_request_past_its_clients_deadline_is_ended_by_the_core(tokenizer):
+    """A front cancels a gRPC call at its deadline; the core ends the request at the same deadline
+    too, so that a front that no longer does (stuck, or its cancel lost) leaves no request computing
+    for nobody. The others run on; nothing is left behind."""
+    async def main():
+        async with running(tokenizer, 0) as (engine, execs):
+            execs.append(engine_executor(engine, "slow", step_s=0.01))
+            await _until(lambda: "slow" in engine.slots, 30, "the executor to register")
+            late = req("late", list(range(3, 30)), 500)
+            late.deadline = time.monotonic() + 0.3
+            done_in_time = req("in-time", list(range(3, 30)), 3)
+            done_in_time.deadline = time.monotonic() + 60  # its timer goes when it finishes
+            other = asyncio.create_task(collect(engine, req("other", list(range(5, 30)), 60)))
+            assert len((await collect(engine, done_in_time))[0][0]) == 3
+            with pytest.raises(EngineError) as raised:
+                await collect(engine, late)
+            assert raised.value.kind is ErrorKind.DEADLINE
+            assert "its deadline passed" in str(raised.value)
+            assert len((await other)[0][0]) == 60
+            await settle(engine)
+
+    run(main())

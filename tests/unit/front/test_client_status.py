@@ -19,6 +19,8 @@ from scheduler_svc.front.output.status_codes import STATUS_OF_KIND, client_statu
     (EngineError(ErrorKind.FAILED, "executor e1 failed the step"), grpc.StatusCode.INTERNAL, 500, "request_failed"),
     (EngineError(ErrorKind.INVALID, "structured outputs: the grammar does not compile here"),
      grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request"),
+    (EngineError(ErrorKind.DEADLINE, "its deadline passed 2.0s after it arrived"), grpc.StatusCode.DEADLINE_EXCEEDED,
+     408, "deadline_exceeded"),
     (ZeroDivisionError("a bug"), grpc.StatusCode.INTERNAL, 500, "internal_error"),
 ])
 def test_each_engine_error_has_one_answer_on_both_fronts(error, grpc_code, status, code):
