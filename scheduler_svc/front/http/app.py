@@ -341,10 +341,10 @@ def _choices(g: GenerationRequest) -> int:
 
 
 def _usage_options(req: CompletionRequest | ChatRequest, greqs: list[GenerationRequest]) -> dict[str, Any]:
-    """stream_options (include_usage, continuous_usage_stats) and what the usage so far starts from."""
+    """stream_options (continuous_usage_stats only with include_usage, as vLLM) and the usage's start."""
     so = req.stream_options
     return {"include_usage": so is not None and so.include_usage,
-            "continuous_usage": so is not None and so.continuous_usage_stats,
+            "continuous_usage": so is not None and so.include_usage and so.continuous_usage_stats,
             "prompt_tokens": [len(g.prompt_token_ids) for g in greqs]}
 
 

@@ -385,3 +385,11 @@ def test_tokenize_detokenize_version_and_metrics_on_the_api_port(fake):
     assert status == 200 and b"pagedserve:" in raw
     status, raw = fake.request("HEAD", "/metrics")
     assert status == 200 and raw == b""
+
+
+def test_continuous_usage_stats_without_include_usage_adds_no_usage(fake):
+    # vLLM: include_continuous_usage = include_usage and continuous_usage_stats; usage is opted into once.
+    chunks = list(fake.client().completions.create(model=MODEL, prompt="Hi", max_tokens=3, stream=True,
+                                                   stream_options={"continuous_usage_stats": True}))
+    assert chunks and all(c.choices for c in chunks)  # no usage chunk at the end
+    assert all("usage" not in c.model_dump(exclude_unset=True) for c in chunks)
