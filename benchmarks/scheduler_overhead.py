@@ -13,13 +13,15 @@ wall-clock time, which on a loaded machine also counts other processes.
     .venv/bin/python -m benchmarks.scheduler_overhead [--repeats 5] [--steps 64] [--gap-ms 30]
 
 The last line printed is JSON with ``ms_per_step_{N}`` and
-``bytes_per_seq_step_{N}`` for each N.
+``bytes_per_seq_step_{N}`` for each N, ``ms_per_step_blocked_32k`` and ``ms_per_step_ngram_24x8k``
+(n-gram speculation's lookups, below).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import random
 import statistics
@@ -31,6 +33,7 @@ from pagedserve.kv_blocks import hash_blocks
 from pagedserve.wire import BatchPlan, SamplingParams, StepResult
 from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
+from scheduler_svc.sched.speculation import SpeculativeConfig
 
 EOS = 2
 
@@ -135,6 +138,39 @@ def measure_blocked_head(steps: int) -> float:
     return cpu / steps * 1e3
 
 
+def measure_ngram_lookup(steps: int, seqs: int = 24, prompt: int = 8192) -> float:
+    """CPU ms of ``schedule()`` + ``update()`` per step with n-gram speculation on and two plans in
+    flight (asynchronous scheduling), while ``seqs`` sequences of ``prompt`` distinct tokens decode
+    tokens never seen before: nothing matches, so no sequence is ever paused and each looks its
+    whole context up every step (``SpeculativeSteps.waits``): the lookup's worst case."""
+    cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=8192, max_model_len=prompt + 1024,
+                          speculative=SpeculativeConfig(num_speculative_tokens=4))
+    sched = Scheduler(cfg, num_device_blocks=seqs * (prompt // 16 + 80), num_cpu_blocks=0, eos_token_ids=(EOS,),
+                      vocab_size=1 << 30)
+    for i in range(seqs):
+        sched.add_request(GenerationRequest(f"req-{i}", list(range(100 + i * prompt, 100 + (i + 1) * prompt)),
+                                            RequestParams(max_tokens=1000, sampling=SamplingParams(temperature=0.0),
+                                                          ignore_eos=True)))
+    tokens: dict[int, int] = {}
+    computed: dict[int, int] = {}
+    fresh = itertools.count(1 << 24)
+    plans: list[BatchPlan] = []
+
+    def step() -> None:
+        while len(plans) < 2 and (plan := sched.schedule()) is not None:
+            plans.append(plan)
+        done = respond(plans.pop(0), tokens, computed)
+        sched.update(StepResult(done.step_id, done.sampled_seq_ids, [next(fresh) for _ in done.sampled_seq_ids]))
+
+    while sched.num_waiting or any(computed.get(s, 0) < prompt for s in sched.seqs):  # the prefill
+        step()
+    gc.collect()
+    c0 = time.thread_time()
+    for _ in range(steps):
+        step()
+    return (time.thread_time() - c0) / steps * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
@@ -159,6 +195,11 @@ def main() -> None:
     print(f"32K-token prompt waiting for blocks behind 7 running: {blocked:.3f} CPU ms/step "
           f"(runs: {', '.join(f'{r:.3f}' for r in runs)})")
     out["ms_per_step_blocked_32k"] = round(blocked, 4)
+    runs = [measure_ngram_lookup(args.steps) for _ in range(args.repeats)]
+    ngram = statistics.median(runs)
+    print(f"n-gram speculation, 24 sequences of 8K tokens, nothing matching: {ngram:.3f} CPU ms/step "
+          f"(runs: {', '.join(f'{r:.3f}' for r in runs)})")
+    out["ms_per_step_ngram_24x8k"] = round(ngram, 4)
     print(json.dumps(out))
 
 

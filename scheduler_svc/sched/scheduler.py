@@ -173,4 +173,4 @@ class Scheduler(Preemption, Admission, ResultHandling, Introspection):
     def finish_seq(self, seq: Sequence, reason: FinishReason) -> None:
         super().finish_seq(seq, reason)
         if self.spec is not None:  # (however it ends: by a step that did not speculate, aborted, a stop string)
-            self.spec.policy.forget(seq.seq_id)
+            self.spec.forget(seq.seq_id)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from pagedserve.engine_api import EngineStats, RequestUpdate
 from pagedserve.wire import BatchPlan, DraftProposal, Proposal, StepResult
 from scheduler_svc.sched.in_flight import ProtocolError
-from scheduler_svc.sched.speculation import DraftProposer, NgramProposer, SpeculativeConfig
+from scheduler_svc.sched.speculation import DraftProposer, NgramProposer, SpeculativeConfig, TokenMirror
 from scheduler_svc.sched.speculation_policy import SpeculationPolicy
 from scheduler_svc.sched.step_output import end_reason, token_logprob
 
@@ -65,6 +65,7 @@ class SpeculativeSteps:
         self.draft = config.model is not None  # proposals made by the executor's draft model
         self.proposer = DraftProposer(config) if self.draft else NgramProposer(config)
         self.policy = SpeculationPolicy(config.num_speculative_tokens, max_verified_tokens=config.max_verified_tokens)
+        self.mirror = None if self.draft else TokenMirror()  # (the n-gram lookup's view of the tokens)
         self.pending: set[int] = set()  # seq ids whose proposals' result is in flight
         self.counters = SpecCounters()  # (telemetry reads them, summed over the engine's schedulers)
 
@@ -87,7 +88,7 @@ class SpeculativeSteps:
             return False
         if not self.policy.may_propose(seq.seq_id):
             return False
-        return bool(self.proposer.propose(seq.token_ids, 1))
+        return bool(self.proposer.propose(self._tokens(seq), 1))
 
     def propose(self, r: Request, seq: Sequence, total: int, room_tokens: int) -> list[int]:
         """Proposals for ``seq`` (its ``total`` tokens all known, the last one to decode now), at most
@@ -97,7 +98,16 @@ class SpeculativeSteps:
         room = min(self.proposer.k, r.stop_len - total - 1, room_tokens)
         if room <= 0 or not self.policy.wants_proposals(seq.seq_id):
             return []
-        return self.proposer.propose(seq.token_ids, room)
+        return self.proposer.propose(self._tokens(seq), room)
+
+    def _tokens(self, seq: Sequence):
+        return seq.token_ids if self.mirror is None else self.mirror.view(seq.seq_id, seq.token_ids)
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence ended (however: a step, an abort, a stop string): drop what was kept of it."""
+        self.policy.forget(seq_id)
+        if self.mirror is not None:
+            self.mirror.forget(seq_id)
 
     def _excluded(self, r: Request, seq: Sequence) -> bool:
         """Decodes without speculation: beams and n > 1 (their forks share blocks a rollback would
@@ -159,7 +169,7 @@ class SpeculativeSteps:
         if seq.finish_reason is None and toks:
             self._append(seq, toks, x.logprobs, by_request.get(seq.request.request_id), out)
         if seq.finish_reason is not None:  # ended (now or by its first token), or aborted: the rest dropped
-            self.policy.forget(seq.seq_id)
+            self.forget(seq.seq_id)
         elif seq.resident and seq.residency == residency:
             kv = out.s.kv
             seq.num_computed_tokens = len(seq.token_ids) - 1  # the verified tokens: K/V written and kept

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from scheduler_svc.sched.speculation import NgramProposer, SpeculativeConfig, parse_speculative_config
+from scheduler_svc.sched.speculation import (
+    NgramProposer,
+    SpeculativeConfig,
+    TokenMirror,
+    parse_speculative_config,
+)
 
 
 def test_parse_accepts_vllm_ngram_form():
@@ -102,3 +109,41 @@ def test_repeated_text_is_proposed_in_full():
 
 def test_k_override():
     assert _proposer(k=4).propose([1, 2, 3, 4, 1], k=2) == [2, 3]
+
+
+def _by_definition(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """Prompt lookup as specified: for n from the longest down, the most recent earlier n-gram equal
+    to the sequence's last n tokens (not the suffix itself); what followed it."""
+    total = len(tokens)
+    for n in range(min(hi, total - 1), lo - 1, -1):
+        suffix = tokens[total - n:]
+        for start in range(total - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(tokens=st.lists(st.integers(0, 4), max_size=40), k=st.integers(1, 5), room=st.integers(0, 5),
+       lo=st.integers(1, 4), extra=st.integers(0, 3))
+def test_the_lookup_equals_its_definition(tokens, k, room, lo, extra):
+    """A small alphabet makes repeats, ties and overlapping matches common."""
+    proposer = _proposer(k=k, lo=lo, hi=lo + extra)
+    assert proposer.propose(tokens) == _by_definition(tokens, k, lo, lo + extra)
+    assert proposer.propose(tokens, room) == _by_definition(tokens, room, lo, lo + extra)
+
+
+def test_the_mirror_grows_with_the_tokens_and_proposes_as_the_list_does():
+    mirror, proposer = TokenMirror(), _proposer(k=3)
+    tokens = [5, 6, 7, 8, 9]
+    for t in [1, 2, 5, 6, 7] + list(range(100, 300)):  # (past the first buffer: it grows)
+        tokens.append(t)
+        view = mirror.view(0, tokens)
+        assert view.tolist() == tokens
+        assert proposer.propose(view) == proposer.propose(tokens)
+    assert mirror.view(1, [4, 4]).tolist() == [4, 4] and len(mirror) == 2
+    assert mirror.view(1, [3, 9, 4]).tolist() == [3, 9, 4]  # (its last mirrored token differs: rebuilt)
+    assert mirror.view(1, [3]).tolist() == [3]
+    mirror.forget(0)
+    mirror.forget(1)
+    assert len(mirror) == 0

@@ -37,7 +37,7 @@ def _speculated() -> Scheduler:
         max_tokens=8, ignore_eos=True, sampling=SamplingParams(temperature=0.0))))
     assert not _step(sched, 8)  # the prefill
     assert _step(sched, 20)  # proposals "5 6 7", rejected: 20 comes, found nowhere before
-    assert len(sched.spec.policy) == 1  # (its acceptance is tracked)
+    assert len(sched.spec.policy) == 1 and len(sched.spec.mirror) == 1  # (its acceptance and tokens are kept)
     assert "r" in sched.requests
     return sched
 
@@ -56,5 +56,5 @@ def test_a_sequence_that_speculated_leaves_no_speculation_state(end):
         assert sched.finish_sequence("r", 0, FinishReason.STOP)
     assert not sched.requests
     sched.check_integrity()
-    assert len(sched.spec.policy) == 0
+    assert len(sched.spec.policy) == 0 and len(sched.spec.mirror) == 0
     assert not sched.spec.pending
