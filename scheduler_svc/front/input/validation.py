@@ -178,7 +178,8 @@ def _max_tokens(max_tokens: int, prompt_len: int, model: ModelInfo, default: int
     if max_tokens > room:
         raise ValidationError(
             "sampling.max_tokens",
-            f"prompt tokens ({prompt_len}) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
+            # (the field's name is the error's own: the HTTP front names max_completion_tokens for it)
+            f"a prompt of {prompt_len} tokens + {max_tokens} to generate = {prompt_len + max_tokens} "
             f"exceeds max_model_len ({model.max_model_len}); at most {room} allowed",
         )
     return max_tokens

@@ -356,6 +356,14 @@ def test_validation_message_names_limit_and_value(fake):
     assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_length_overflow_names_only_the_field_the_client_sent(fake, field):
+    err = _error(*fake.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                                                field: 999}))
+    assert err["param"] == field and err["message"].startswith(f"{field}: a prompt of "), err
+    assert "to generate = " in err["message"] and ("max_tokens" in err["message"]) == (field == "max_tokens"), err
+
+
 @pytest.mark.parametrize("path,body,message,code", [
     ("/v1/completions", b'{"prompt": "a", "n": 1000}', "n: must be in [1, 4] (got 1000)", "invalid_value"),
     ("/v1/completions", b'{"prompt": "a", "n": 0}', "n: must be >= 1 (got 0)", "invalid_value"),
