@@ -113,7 +113,7 @@ class EngineCore(CoreRequests):
             return None
         ready = [s for s in live if s.conn.state == "ready"] or live
         info = live[0].conn.info
-        return ModelInfo(model_name=info.model_name, architecture=info.architecture,
+        return ModelInfo(model_name=self.cfg.served_model_name or info.model_name, architecture=info.architecture,
                          max_model_len=max(s.scheduler.config.max_model_len for s in ready),
                          vocab_size=info.vocab_size, block_size=self.cfg.scheduler.block_size,
                          num_executors=len(live), eos_token_ids=self.eos_token_ids,
@@ -166,7 +166,8 @@ class EngineCore(CoreRequests):
     def _on_join(self, conn: ExecutorConn) -> None:
         info = conn.info
         if self.metrics:
-            self.metrics.watch_deployment(info.model_name, lambda: self.deployment_stats())
+            self.metrics.watch_deployment(self.cfg.served_model_name or info.model_name,
+                                          lambda: self.deployment_stats())
         cfg = dataclasses.replace(self.cfg.scheduler, max_model_len=info.max_model_len,
                                   decode_steps=info.max_decode_steps,
                                   speculative=self.cfg.scheduler.speculative if info.speculative else None,

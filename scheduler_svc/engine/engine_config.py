@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve import wire
-from pagedserve.lora_modules import MAX_LORA_RANK, LoraModule
+from pagedserve.lora_modules import MAX_LORA_RANK, MAX_NAME_CHARS, LoraModule
 from scheduler_svc.engine.executor_auth import LinkSecurity
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 
@@ -41,6 +41,7 @@ class EngineConfig:
     # executor's own --max-cpu-loras sizes its cache (None: --max-loras)
     max_cpu_loras: int | None = None
     allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's gate)
+    served_model_name: str | None = None  # the model's name in the API (None: the name its executors report)
 
     def __post_init__(self) -> None:
         if (self.lora_modules or self.allow_runtime_lora_updating) and not self.enable_lora:
@@ -55,5 +56,9 @@ class EngineConfig:
         names = [m.name for m in self.lora_modules]
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-modules: a name given twice in {names}")
+        name = self.served_model_name
+        if name is not None and not (0 < len(name) <= MAX_NAME_CHARS and name.isprintable() and name == name.strip()):
+            raise ValueError(f"--served-model-name: 1 to {MAX_NAME_CHARS} printable characters, no leading or "
+                             f"trailing space (got {name[:MAX_NAME_CHARS]!r})")
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
             raise ValueError(f"EngineConfig.stream_interval must be an integer >= 1 (got {self.stream_interval!r})")

@@ -242,7 +242,7 @@ def _fit_widths(parser: argparse.ArgumentParser, a: argparse.Namespace, schedule
 def _lora_modules(parser: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[LoraModule, ...]:
     """--lora-modules, each adapter's files checked now: a bad one stops the service, saying why."""
     out = []
-    served = Path(a.model).resolve().name  # the model's name, as its executors report it
+    served = a.served_model_name or Path(a.model).resolve().name  # (executors report the path's name)
     try:
         for text in split_lora_modules(a.lora_modules):
             name, path, _base = parse_lora_module(text)  # (the JSON form's base_model_name: display only)

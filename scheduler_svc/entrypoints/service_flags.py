@@ -65,6 +65,7 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "--step-timeout": (EngineConfig, "step_timeout_s"),
     "--max-failed-steps": (EngineConfig, "max_failed_steps"),
     "--orphan-timeout": (EngineConfig, "orphan_timeout_s"),
+    "--served-model-name": (EngineConfig, "served_model_name"),
     **{"--" + f.name.replace("_", "-"): (ServerLimits, f.name) for f in dataclasses.fields(ServerLimits)},
     **{"--http-" + f.name.replace("_", "-"): (HttpLimits, f.name) for f in dataclasses.fields(HttpLimits)},
     **{"--grpc-" + f.name.replace("_", "-"): (GrpcLimits, f.name) for f in dataclasses.fields(GrpcLimits)},
@@ -134,6 +135,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, type=Path,
                    help="model directory (config.json and tokenizer.json are read; no weights) or GGUF file "
                         "(its metadata is read: tokenizer, chat template, eos ids)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in the API: what requests' model field names, /v1/models lists and "
+                        "responses carry (default: --model's directory or GGUF file name, as executors report it)")
     p.add_argument("--host", default="0.0.0.0", help="gRPC listen address")
     p.add_argument("--port", type=PORT, default=DEFAULT_GRPC_PORT, help="gRPC port")
     p.add_argument("--executor-host", default=None,

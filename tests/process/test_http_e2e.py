@@ -27,13 +27,15 @@ MESSAGES = [
     {"role": "user", "content": "And how big is a block?"},
 ]
 MAX_NUM_SEQS, MAX_QUEUED = 4, 2  # small, so that a full queue (429) is easy to reach
+SERVED_NAME = "org/tiny-chat"  # --served-model-name: the API's name, not the model directory's
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama_dir, tmp_path_factory):
     with Stack.running(tiny_llama_dir, tmp_path_factory.mktemp("http-e2e"),
                        ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-n", str(MAX_NUM_SEQS), "--max-beam-width",
-                        str(MAX_NUM_SEQS), "--max-queued-requests", str(MAX_QUEUED)]) as s:
+                        str(MAX_NUM_SEQS), "--max-queued-requests", str(MAX_QUEUED),
+                        "--served-model-name", SERVED_NAME]) as s:
         yield s
 
 
@@ -68,9 +70,20 @@ def _greedy(max_tokens: int, **kw) -> pb.SamplingParams:
 def test_models_and_health_describe_the_served_model(stack, client, model):
     info = stack.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
     (card,) = client.models.list().data
-    assert card.id == info.model_name == model and card.max_model_len == info.max_model_len
+    assert card.id == info.model_name == model == SERVED_NAME and card.max_model_len == info.max_model_len
     with urllib.request.urlopen(stack.http_url + "/health", timeout=5) as health:
         assert health.status == 200 and json.loads(health.read()) == {"status": "ok"}
+
+
+def test_requests_name_the_served_model_and_responses_carry_it(stack, client, tiny_llama_dir):
+    r = client.completions.create(model=SERVED_NAME, prompt="a", max_tokens=2)
+    assert r.model == SERVED_NAME and r.usage.completion_tokens == 2
+    with pytest.raises(openai.NotFoundError):  # (the directory's name is not an alias)
+        client.completions.create(model=tiny_llama_dir.name, prompt="a", max_tokens=2)
+    with pytest.raises(grpc.RpcError) as e:
+        next(iter(stack.stub.Generate(pb.GenerateRequest(prompt="a", model=tiny_llama_dir.name,
+                                                         sampling=_greedy(2)), timeout=30)))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

@@ -155,3 +155,9 @@ def test_the_scheduler_refuses_to_start_with_an_adapter_named_as_the_model(tmp_p
     with pytest.raises(SystemExit):
         load_config(["--model", str(model_dir), "--enable-lora", "--lora-modules", f"tiny-llama={good}"], {})
     assert "error: --lora-modules: LoRA adapter name 'tiny-llama' is the served model's name" in capsys.readouterr().err
+    good_name = ["--model", str(model_dir), "--enable-lora", "--lora-modules", f"tiny-llama={good}",
+                 "--served-model-name", "chat"]
+    assert [m.name for m in load_config(good_name, {}).engine.lora_modules] == ["tiny-llama"]  # (not the model's)
+    with pytest.raises(SystemExit):
+        load_config([*good_name[:4], f"chat={good}", *good_name[5:]], {})
+    assert "error: --lora-modules: LoRA adapter name 'chat' is the served model's name" in capsys.readouterr().err

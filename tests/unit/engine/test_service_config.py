@@ -53,6 +53,8 @@ def test_http_api_port_and_host(model_dir):
     ([], {"PAGEDSERVE_PREEMPTION_MODE": "drop"}, "invalid choice: 'drop'"),
     ([], {"PAGEDSERVE_DISABLE_PREFIX_CACHING": "maybe"}, "PAGEDSERVE_DISABLE_PREFIX_CACHING: expected a boolean"),
     (["--stream-interval", "0"], {}, "--stream-interval: must be >= 1, got 0"),
+    (["--served-model-name", " padded"], {}, "--served-model-name: 1 to 128 printable characters, no leading"),
+    (["--served-model-name", "x" * 129], {}, "--served-model-name: 1 to 128 printable characters"),
 ])
 def test_bad_values_name_the_flag_and_the_limit(model_dir, capsys, argv, env, message):
     with pytest.raises(SystemExit):
@@ -113,7 +115,8 @@ def test_every_flag_reaches_the_object_that_uses_it(model_dir, tmp_path):
     values = {"--block-size": "32", "--max-num-seqs": "77", "--max-num-batched-tokens": "999",
               "--preemption-mode": "swap", "--watermark": "0.05", "--heartbeat-interval": "0.25",
               "--max-queued-requests": "11", "--max-migrations": "5", "--step-timeout": "7.5",
-              "--stream-interval": "4", "--max-failed-steps": "5", "--orphan-timeout": "12.5"}
+              "--stream-interval": "4", "--max-failed-steps": "5", "--orphan-timeout": "12.5",
+              "--served-model-name": "chat-model"}
     values.update({flag: str(default(cls, name) + 3) for flag, (cls, name) in FLAG_FIELDS.items()
                    if cls in (ServerLimits, HttpLimits, GrpcLimits)})
     values.update({"--max-loras": "3", "--max-lora-rank": "32", "--max-cpu-loras": "5"})
