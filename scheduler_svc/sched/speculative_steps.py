@@ -101,7 +101,11 @@ class SpeculativeSteps:
         return self.proposer.propose(self._tokens(seq), room)
 
     def _tokens(self, seq: Sequence):
-        return seq.token_ids if self.mirror is None else self.mirror.view(seq.seq_id, seq.token_ids)
+        """What the proposer reads: the n-gram lookup the mirror, any other (the draft's placeholders,
+        a test's oracle) the list."""
+        if self.mirror is None or not isinstance(self.proposer, NgramProposer):
+            return seq.token_ids
+        return self.mirror.view(seq.seq_id, seq.token_ids)
 
     def forget(self, seq_id: int) -> None:
         """The sequence ended (however: a step, an abort, a stop string): drop what was kept of it."""
