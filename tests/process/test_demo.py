@@ -13,17 +13,23 @@ import time
 
 import pytest
 
-from testing.stack import free_port
+from testing.stack import free_ports
 
 
 def _restore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # pytest's runner may have it ignored; a shell would not
 
 
+def _ports() -> list[int]:
+    """gRPC, executor, metrics and HTTP ports, distinct and apart (picks made one by one may repeat a
+    port just released; the scheduler then refuses to start, and the demo with it)."""
+    return free_ports(4)
+
+
 def _start_demo(model, tmp_path, ports: list[int]) -> tuple[subprocess.Popen, object]:
     log_path = tmp_path / "demo.log"
     argv = [sys.executable, "-m", "pagedserve.demo", "--model", str(model), "--port", str(ports[0]),
-            "--executor-port", str(ports[1]), "--metrics-port", str(ports[2]), "--http-port", str(free_port()),
+            "--executor-port", str(ports[1]), "--metrics-port", str(ports[2]), "--http-port", str(ports[3]),
             "--kv-cache-memory", "64MiB"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with open(log_path, "wb") as log:
@@ -31,7 +37,8 @@ def _start_demo(model, tmp_path, ports: list[int]) -> tuple[subprocess.Popen, ob
         demo = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 preexec_fn=_restore_sigint)
     deadline = time.monotonic() + 180
-    while "Press Ctrl-C" not in log_path.read_text() and demo.poll() is None:
+    while "Press Ctrl-C" not in log_path.read_text():
+        assert demo.poll() is None, f"the demo exited ({demo.returncode}) before it served:\n{log_path.read_text()}"
         assert time.monotonic() < deadline, log_path.read_text()
         time.sleep(0.2)
     return demo, log_path
@@ -51,7 +58,7 @@ def _listening(port: int) -> bool:
 def test_the_services_never_outlive_the_demo(tiny_llama_dir, tmp_path, sig):
     """SIGTERM / SIGHUP (a closed terminal) stop the demo like Ctrl-C; SIGKILL cannot be caught, and
     the kernel then sends the services SIGTERM. Either way no service keeps its port."""
-    ports = [free_port(), free_port(), free_port()]
+    ports = _ports()
     demo, log_path = _start_demo(tiny_llama_dir, tmp_path, ports)
     try:
         os.kill(demo.pid, sig)  # the demo alone: the services run in sessions of their own
@@ -68,7 +75,7 @@ def test_the_services_never_outlive_the_demo(tiny_llama_dir, tmp_path, sig):
 
 
 def test_demo_serves_and_stops_in_order_on_ctrl_c(tiny_llama_dir, tmp_path):
-    demo, log_path = _start_demo(tiny_llama_dir, tmp_path, [free_port(), free_port(), free_port()])
+    demo, log_path = _start_demo(tiny_llama_dir, tmp_path, _ports())
     try:
         os.killpg(demo.pid, signal.SIGINT)
         assert demo.wait(timeout=60) == 0, log_path.read_text()
@@ -109,7 +116,7 @@ def test_the_demo_serves_a_gguf_file(tiny_llama_dir, tmp_path):
     template = (tiny_llama_dir / "chat_template.jinja").read_text()
     path = write_gguf(tmp_path / "tiny.gguf", tiny_llama_dir, "llama",
                       edit=lambda meta, _: meta.update({"tokenizer.chat_template": template}))
-    demo, log_path = _start_demo(path, tmp_path, [free_port(), free_port(), free_port()])
+    demo, log_path = _start_demo(path, tmp_path, _ports())
     try:
         os.killpg(demo.pid, signal.SIGINT)
         assert demo.wait(timeout=60) == 0, log_path.read_text()
