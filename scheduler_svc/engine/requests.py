@@ -106,9 +106,7 @@ class CoreRequests:
             return
         waited = time.monotonic() - cr.req.arrival_time
         self.abort(cr.request_id)  # (its blocks are freed as an aborted request's are)
-        cr.sink.deliver([RequestUpdate(cr.request_id, [], True, len(cr.req.prompt_token_ids),
-                                       error=f"its deadline passed {waited:.1f}s after it arrived",
-                                       error_kind=ErrorKind.DEADLINE)])
+        _tell_error(cr, ErrorKind.DEADLINE, f"its deadline passed {waited:.1f}s after it arrived")
 
     def finish_choice(self, request_id: str, index: int) -> None:
         """A stop string ended choice ``index`` (a front saw it in the text): the scheduler frees it.
@@ -217,8 +215,7 @@ class CoreRequests:
         self.requests.pop(cr.request_id, None)
         cr.end()
         self._unpark(cr)
-        cr.sink.deliver([RequestUpdate(cr.request_id, [], True, len(cr.req.prompt_token_ids), error=message,
-                                       error_kind=kind)])
+        _tell_error(cr, kind, message)
 
     def _evacuate(self, slot: ExecutorSlot, why: str) -> None:
         """Move every request of ``slot`` elsewhere (executor dead, drain over, plan refused)."""
@@ -257,3 +254,9 @@ def _beyond_seats(slot: ExecutorSlot) -> int:
     pending = sched.num_waiting + len(slot.adds)
     free = sched.config.max_num_seqs - sched.num_running - sched.num_swapped
     return max(0, pending - max(0, free))
+
+
+def _tell_error(cr: CoreRequest, kind: ErrorKind, message: str) -> None:
+    """The last update of ``cr``, an error: ``kind`` reaches its client's status as it is."""
+    cr.sink.deliver([RequestUpdate(cr.request_id, [], True, len(cr.req.prompt_token_ids), error=message,
+                                   error_kind=kind)])
