@@ -364,8 +364,10 @@ def prompts(prompt: str | list[str | int | list[int]] | None, limits: HttpLimits
 
 
 def is_batch(prompt: str | list[str | int | list[int]] | None) -> bool:
-    """Whether ``prompt`` is a list of prompts (of strings or of token-id lists), even of one."""
-    return isinstance(prompt, list) and bool(prompt) and not all(_is_int(t) for t in prompt)
+    """Whether ``prompt``, one :func:`prompts` took, is a list of prompts (of strings or of token-id
+    lists), even of one. (Its first item tells: :func:`prompts` refused a list of mixed items, so a
+    prompt of token ids, up to max_model_len of them, is not scanned again.)"""
+    return isinstance(prompt, list) and bool(prompt) and not _is_int(prompt[0])
 
 
 def _is_int(x: Any) -> bool:
