@@ -42,8 +42,14 @@ class LoraModule:
     base_model: str | None = None  # base_model_name_or_path, when the adapter says
 
 
+def is_usable_name(name: str) -> bool:
+    """A model's or an adapter's name in the API: 1 to MAX_NAME_CHARS printable characters, no
+    leading or trailing space."""
+    return 0 < len(name) <= MAX_NAME_CHARS and name.isprintable() and name == name.strip()
+
+
 def check_name(name: str) -> str:
-    if not name or len(name) > MAX_NAME_CHARS or not name.isprintable() or name != name.strip():
+    if not is_usable_name(name):
         raise LoraConfigError(f"LoRA adapter name {name[:MAX_NAME_CHARS]!r}: 1 to {MAX_NAME_CHARS} printable "
                               "characters, no leading or trailing space")
     return name

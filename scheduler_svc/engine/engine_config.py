@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve import wire
-from pagedserve.lora_modules import MAX_LORA_RANK, MAX_NAME_CHARS, LoraModule
+from pagedserve.lora_modules import MAX_LORA_RANK, MAX_NAME_CHARS, LoraModule, is_usable_name
 from scheduler_svc.engine.executor_auth import LinkSecurity
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
 
@@ -57,7 +57,7 @@ class EngineConfig:
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-modules: a name given twice in {names}")
         name = self.served_model_name
-        if name is not None and not (0 < len(name) <= MAX_NAME_CHARS and name.isprintable() and name == name.strip()):
+        if name is not None and not is_usable_name(name):
             raise ValueError(f"--served-model-name: 1 to {MAX_NAME_CHARS} printable characters, no leading or "
                              f"trailing space (got {name[:MAX_NAME_CHARS]!r})")
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
