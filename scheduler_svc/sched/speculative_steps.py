@@ -65,7 +65,7 @@ class SpeculativeSteps:
         self.draft = config.model is not None  # proposals made by the executor's draft model
         self.proposer = DraftProposer(config) if self.draft else NgramProposer(config)
         self.policy = SpeculationPolicy(config.num_speculative_tokens, max_verified_tokens=config.max_verified_tokens)
-        self.mirror = None if self.draft else TokenMirror()  # (the n-gram lookup's view of the tokens)
+        self.mirror = TokenMirror()  # (the n-gram lookup's view of the tokens)
         self.pending: set[int] = set()  # seq ids whose proposals' result is in flight
         self.counters = SpecCounters()  # (telemetry reads them, summed over the engine's schedulers)
 
@@ -103,15 +103,14 @@ class SpeculativeSteps:
     def _tokens(self, seq: Sequence):
         """What the proposer reads: the n-gram lookup the mirror, any other (the draft's placeholders,
         a test's oracle) the list."""
-        if self.mirror is None or not isinstance(self.proposer, NgramProposer):
+        if not isinstance(self.proposer, NgramProposer):
             return seq.token_ids
         return self.mirror.view(seq.seq_id, seq.token_ids)
 
     def forget(self, seq_id: int) -> None:
         """The sequence ended (however: a step, an abort, a stop string): drop what was kept of it."""
         self.policy.forget(seq_id)
-        if self.mirror is not None:
-            self.mirror.forget(seq_id)
+        self.mirror.forget(seq_id)
 
     def _excluded(self, r: Request, seq: Sequence) -> bool:
         """Decodes without speculation: beams and n > 1 (their forks share blocks a rollback would
@@ -173,7 +172,7 @@ class SpeculativeSteps:
         if seq.finish_reason is None and toks:
             self._append(seq, toks, x.logprobs, by_request.get(seq.request.request_id), out)
         if seq.finish_reason is not None:  # ended (now or by its first token), or aborted: the rest dropped
-            self.forget(seq.seq_id)
+            self.forget(seq.seq_id)  # (again: observe above re-tracked one finish_seq had forgotten)
         elif seq.resident and seq.residency == residency:
             kv = out.s.kv
             seq.num_computed_tokens = len(seq.token_ids) - 1  # the verified tokens: K/V written and kept
