@@ -29,6 +29,7 @@ from executor_svc.decode_graphs import DecodeGraphs
 from executor_svc.graph_buckets import DEFAULT_SIZES, bucket_for
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import load_model
+from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.pipeline import StepPipeline
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
@@ -54,11 +55,13 @@ def _busy_union_us(events) -> float:
 
 def measure(model_dir: Path, device: str = "cpu", seqs: int = 64, prompt: int = 128, steps: int = 30,
             warmup: int = 4, prepare_ahead: bool = False, graphs: bool = False,
-            dtype: torch.dtype | None = None) -> dict:
+            dtype: torch.dtype | None = None, model: LlamaForCausalLM | None = None) -> dict:
     """``prepare_ahead``: the timed steps go through a StepPipeline with two plans in flight, as the
-    executor runs them on a GPU (executor_svc/pipeline.py); else one plan at a time."""
+    executor runs them on a GPU (executor_svc/pipeline.py); else one plan at a time. ``model``: the
+    model of ``model_dir``, already loaded on ``device`` (a caller measuring several rows loads it
+    once); it is left as it was."""
     dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
-    model = load_model(model_dir, device, dtype)
+    model = model if model is not None else load_model(model_dir, device, dtype)
     bs, blocks = 16, seqs * (-(-(prompt + warmup + 2 * steps + 2) // 16)) + 8
     kv = KVCache(model.cfg, bs, blocks, 0, dtype, device)
     runner = ModelRunner(model, kv, make_attention_backend(device), Sampler(seed=0))
@@ -145,9 +148,12 @@ def measure(model_dir: Path, device: str = "cpu", seqs: int = 64, prompt: int = 
         runner._build = build
         with torch.profiler.profile(activities=activities) as prof:
             run_steps()
-    else:  # the model's compute, its layers and the LM head, timed around its calls
+    else:  # the model's compute, its layers and the LM head, timed around its calls (on the instance)
         model.forward_with_logits, model.compute_logits = timed(model.forward_with_logits), timed(model.compute_logits)
-        wall = run_steps()
+        try:
+            wall = run_steps()
+        finally:
+            del model.forward_with_logits, model.compute_logits  # the class's methods again
     if device == "cuda":
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy = _busy_union_us(kernels) / 1e6

@@ -1,7 +1,7 @@
 """The whole stack serving streams (``make gpu-check``'s ``stack``): a scheduler process and an
 executor process, as deployed, and greedy gRPC streams of 128 tokens at 1, 64 and 256 streams.
 
-On the GPU the model is the 1.1B-shaped Llama of ``benchmarks/kernels/executor_steps.py`` with a
+On the GPU the model is the 1.1B-shaped Llama of ``testing/kernels/executor_steps.py`` with a
 word-level tokenizer of its vocabulary (``testing/shaped_models.py``): random weights, so EOS is
 ignored and every stream runs its full length. The stack has two gRPC fronts (``--api-server-count 2``); the clients are
 grpc.aio (``pagedserve/bench/loadgen.py``) in four processes that start sending together, so that

@@ -9,7 +9,7 @@
    tensor-core kernel as ``ours_ms``, the SIMT kernel as ``simt_ms``, the pipelined tensor-core
    kernel as ``pipe_ms``);
 3. whole executor steps on a 1.1B-shaped Llama written at run time
-   (benchmarks/kernels/executor_steps.py): decode steps at 1/64/256 sequences with CUDA graphs
+   (testing/kernels/executor_steps.py): decode steps at 1/64/256 sequences with CUDA graphs
    off and on, whether graphs keep the greedy tokens, and a 16 x 1024 prefill step against
    transformers' forward;
 4. the whole stack on that model (testing/stack_throughput.py): a scheduler process and an
@@ -118,23 +118,31 @@ def run_executor_sections(run: CheckRun, model_root: Path) -> None:
     """Sections 3 and 4 on the 1.1B-shaped model, written once into ``model_root``."""
     import torch
 
-    from benchmarks.kernels import executor_steps
     from testing import stack_throughput
+    from testing.kernels import executor_steps
     from testing.shaped_models import SHAPES, write_word_tokenizer
 
-    model = run.section("model", lambda: str(executor_steps.write_model(model_root)))
-    if not isinstance(model, str):
+    written = run.section("model", lambda: str(executor_steps.write_model(model_root)))
+    if not isinstance(written, str):
         return
-    model_dir = Path(model)
+    model_dir = Path(written)
+
+    loaded: list = []  # the model, loaded once by the first section that needs it (2.2 GB read each time)
+
+    def model() -> object:
+        if not loaded:
+            loaded.append(executor_steps.load(model_dir))
+        return loaded[0]
 
     def stack() -> list[dict]:
+        loaded.clear()
         torch.cuda.empty_cache()  # the executor process sizes its KV cache from what is free
         write_word_tokenizer(model_dir, SHAPES[MODEL_NAME]["vocab_size"])
         return stack_throughput.measure(model_dir, list(STACK_EXECUTOR_ARGS), model_name=MODEL_NAME)
 
-    run.section("decode_step", lambda: executor_steps.decode_steps(model_dir))
-    run.section("graphs_greedy_equal", lambda: executor_steps.graphs_greedy_equal(model_dir))
-    run.section("prefill_step", lambda: executor_steps.prefill_step(model_dir))
+    run.section("decode_step", lambda: executor_steps.decode_steps(model_dir, model()))
+    run.section("graphs_greedy_equal", lambda: executor_steps.graphs_greedy_equal(model_dir, model()))
+    run.section("prefill_step", lambda: executor_steps.prefill_step(model_dir, model()))
     run.section("stack", stack)
 
 
