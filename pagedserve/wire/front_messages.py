@@ -41,7 +41,10 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024  # a step's updates with log-probs; a request
 MAX_REQUEST_ID_CHARS = 512  # request ids (the front's prefix and the client's id) and front ids
 
 Id = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)]
-Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]
+# Durations on the link (a queue time, a deadline): a sender clamps a longer one to this (31 years, no
+# deadline in effect); a receiver refuses a frame with one past it.
+MAX_SECONDS = 1e9
+Seconds = Annotated[float, Meta(ge=0.0, le=MAX_SECONDS)]
 
 
 class FrontHello(WireMessage):

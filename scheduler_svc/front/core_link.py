@@ -105,7 +105,9 @@ class RemoteCore:
             raise EngineError(ErrorKind.NO_EXECUTOR, "the engine core is not reachable; try again")
         now = time.monotonic()
         queued = max(0.0, now - req.arrival_time) if req.arrival_time else 0.0
-        deadline_in = None if req.deadline is None else max(0.0, req.deadline - now)
+        # (a client's deadline may be 3.6e11 s away, grpc-timeout 99999999H: past the link's bound the
+        # core would refuse the frame and drop this front, every request it holds with it)
+        deadline_in = None if req.deadline is None else min(max(0.0, req.deadline - now), m.MAX_SECONDS)
         outputs, finished = resume if resume is not None else (None, [])
         packed = m.pack_ids(req.prompt_token_ids, "prompt_token_ids")  # (validated ids: in the vocabulary)
         self._send(m.Submit(dataclasses.replace(req, prompt_token_ids=[], arrival_time=0.0, deadline=None), packed,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -15,6 +17,7 @@ from pagedserve.engine_api import EngineStats, ErrorKind, GenerationRequest, Mod
 from pagedserve.wire import MAX_SEQ_TOKENS, WireError
 from pagedserve.wire import front_messages as m
 from scheduler_svc.engine import front_link as core_link
+from scheduler_svc.front.core_link import RemoteCore
 
 MAX_MODEL_LEN = 200_000
 
@@ -237,5 +240,34 @@ def test_an_id_outside_the_vocabulary_fails_its_request_alone(tmp_path, monkeypa
         finally:
             sock.close()
             await link.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ipc:// endpoints")
+def test_a_deadline_past_the_links_bound_reaches_the_core_as_the_longest_it_carries(tmp_path):
+    """grpc core lets a client send ``grpc-timeout: 99999999H`` (3.6e11 s, context.time_remaining()
+    says so): its Submit must still decode on the core, or the core drops the front and with it every
+    other request the front holds."""
+    sent: list[bytes] = []
+    front = RemoteCore("ipc://unused", "f")
+    front.connected, front.status = True, m.Status(True, None, EngineStats())
+    front._sock = SimpleNamespace(send_multipart=lambda frames: sent.append(frames[-1]))  # type: ignore[assignment]
+    req = GenerationRequest("f:far", [5, 6], RequestParams(max_tokens=4))
+    req.deadline = time.monotonic() + 99_999_999 * 3600
+    front.submit(req, None)
+    (frame,) = sent
+    assert m.TIER.decode(frame, accept=m.FROM_FRONT).deadline_in_s == m.MAX_SECONDS
+
+    async def main():
+        core, link, sock = await _linked(tmp_path)
+        try:
+            await sock.send(frame)
+            await _until(lambda: core.calls)
+            assert link.fronts  # the front (and every request it holds) stays
+        finally:
+            sock.close()
+            await link.close()
+        assert core.calls == [("submit", "f:far", [5, 6])]
 
     asyncio.run(main())
