@@ -259,7 +259,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(ServerLimits):
         flag = "--" + f.name.replace("_", "-")
         zero = f.name in ServerLimits.ZERO_ALLOWED or f.name in ServerLimits.MACHINE_SIZED
-        p.add_argument(flag, type=number(int, flag, 0, low_inclusive=zero), default=f.default, help=_LIMIT_HELP[f.name])
+        p.add_argument(flag, type=number(int, flag, 0, low_inclusive=zero, high=ServerLimits.WIRE_MAX.get(f.name)),
+                       default=f.default, help=_LIMIT_HELP[f.name])
     for f in dataclasses.fields(HttpLimits):
         flag = "--http-" + f.name.replace("_", "-")
         p.add_argument(flag, type=number(int, flag, 0), default=f.default, dest=f"http_{f.name}",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.wire.protocol import MAX_TOP_LOGPROBS
 
 # Duplicate stop strings and stop token ids collapse before their limit counts (naming one string
 # 20 times asks for one), but the list as sent is bounded too, at this many times the limit: a
@@ -37,6 +38,10 @@ class ServerLimits:
                                                         "max_logit_bias", "max_structured_chars"})
     # Caps that may be 0: sized for the machine when the server starts (admission.sized_for_machine).
     MACHINE_SIZED: ClassVar[frozenset[str]] = frozenset({"max_concurrent_calls", "max_in_flight_bytes"})
+    # Limits the links bound: a request at a larger one would make a Submit the engine core refuses
+    # (dropping its front, every request on it) or plans every executor refuses. Beam search asks
+    # each beam for 2 x beam_width candidates (sched/lifecycle.py).
+    WIRE_MAX: ClassVar[dict[str, int]] = {"max_logprobs": MAX_TOP_LOGPROBS, "max_beam_width": MAX_TOP_LOGPROBS // 2}
 
     max_n: int = 16
     max_beam_width: int = 8
@@ -63,6 +68,9 @@ class ServerLimits:
             low = 0 if name in self.ZERO_ALLOWED or name in self.MACHINE_SIZED else 1
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"ServerLimits.{name} must be an integer >= {low} (got {value!r})")
+            if (high := self.WIRE_MAX.get(name)) is not None and value > high:
+                raise ValueError(f"ServerLimits.{name} must be an integer in [{low}, {high}], what one sequence's "
+                                 f"log-probs carry on the wire (got {value!r})")
 
     def to_proto(self) -> pb.ServerLimits:
         return pb.ServerLimits(**{name: getattr(self, name) for name in pb.ServerLimits.DESCRIPTOR.fields_by_name})

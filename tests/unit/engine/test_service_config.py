@@ -55,6 +55,9 @@ def test_http_api_port_and_host(model_dir):
     (["--stream-interval", "0"], {}, "--stream-interval: must be >= 1, got 0"),
     (["--served-model-name", " padded"], {}, "--served-model-name: 1 to 128 printable characters, no leading"),
     (["--served-model-name", "x" * 129], {}, "--served-model-name: 1 to 128 printable characters"),
+    # (past what the links carry: a request at the limit would make a frame the receiver refuses)
+    (["--max-logprobs", "1025"], {}, "--max-logprobs: must be >= 0 and <= 1024, got 1025"),
+    (["--max-beam-width", "513"], {}, "--max-beam-width: must be > 0 and <= 512, got 513"),
 ])
 def test_bad_values_name_the_flag_and_the_limit(model_dir, capsys, argv, env, message):
     with pytest.raises(SystemExit):

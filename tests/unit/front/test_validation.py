@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import msgspec
 import pytest
 
 from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.wire import SamplingParams
 from scheduler_svc.front.input.request_fields import OPTIONAL_SAMPLING, RequestFields, fields_from_proto
 from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.front.input.validation import (
@@ -160,6 +162,24 @@ def test_prompt_that_tokenizes_to_nothing_is_refused():
 def test_server_limits_are_checked(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         ServerLimits(**bad)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"max_logprobs": 1025}, "ServerLimits.max_logprobs must be an integer in [0, 1024], what one sequence's "
+                             "log-probs carry on the wire (got 1025)"),
+    ({"max_beam_width": 513}, "ServerLimits.max_beam_width must be an integer in [1, 512], what one sequence's "
+                              "log-probs carry on the wire (got 513)"),
+])
+def test_server_limits_stay_within_what_the_wire_carries(bad, message):
+    """A request at a limit past the wire's bound would make a Submit the engine core refuses (dropping
+    its front, every request on it) or a plan every executor refuses."""
+    with pytest.raises(ValueError) as exc:
+        ServerLimits(**bad)
+    assert str(exc.value) == message
+    at_bound = ServerLimits(max_logprobs=1024, max_beam_width=512)
+    sp = validate(limits=at_bound, sampling={"logprobs": 1024, "prompt_logprobs": 1024}).params.sampling
+    wire_sampling = msgspec.msgpack.decode(msgspec.msgpack.encode(sp), type=SamplingParams)
+    assert (wire_sampling.logprobs, wire_sampling.prompt_logprobs) == (1024, 1024)
 
 
 def test_zero_limits_turn_features_off():
