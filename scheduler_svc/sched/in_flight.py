@@ -35,7 +35,7 @@ class InFlight:
     decode_only: bool = False  # every sequence it computes decodes one token per step (its time says a step's)
     # Speculative decoding: (seq, proposals, its residency) for each sequence the plan gave proposals.
     proposed_at: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
-    lora_loads: int = 0  # the plan's LoRA loads (each may come back as a failure)
+    lora_loads: list[int] = dataclasses.field(default_factory=list)  # the slots the plan loads (each may fail)
 
     @property
     def proposed(self) -> list[tuple[Sequence, int]]:
@@ -61,7 +61,7 @@ class InFlight:
             entries += most * s.sampling.prompt_logprobs
         return max_result_bytes(len(self.seq_ids), len(self.sampling), lp, num_lp, beams, len(self.beams),
                                 scored, entries, len(self.scoring), self.decode_steps,
-                                sum(d for _, d, _ in self.proposed_at), len(self.proposed_at), self.lora_loads,
+                                sum(d for _, d, _ in self.proposed_at), len(self.proposed_at), len(self.lora_loads),
                                 constrained)
 
     def forget(self, dropped: set[int]) -> None:

@@ -55,9 +55,10 @@ class ResultHandling(RequestLifecycle):
             raise RuntimeError(f"update: plan {result.step_id} was refused; take the requests back instead")
         failed = set(result.failed_seq_ids)
         due = self._out.check(result, step, failed)  # before anything changes: a bad result changes nothing
-        if len(result.lora_failures) > step.lora_loads:
-            raise ProtocolError(f"update: {len(result.lora_failures)} LoRA load failures for a plan of "
-                                f"{step.lora_loads} loads")
+        failed_loads = [f.slot for f in result.lora_failures]
+        if len(set(failed_loads)) != len(failed_loads) or not set(failed_loads) <= set(step.lora_loads):
+            raise ProtocolError(f"update: LoRA load failures for slots {failed_loads}; its plan loaded slots "
+                                f"{step.lora_loads}")
         if self.spec is not None and (step.proposed_at or result.spec_tokens):
             self.spec.check(result, step, failed, self._out)
         elif result.spec_tokens:

@@ -94,7 +94,7 @@ class Scheduler(Preemption, Admission, ResultHandling, Introspection):
                 self._schedule_waiting(plan, budget)
         plan.free_seq_ids = self._owed_frees
         self._owed_frees = []
-        step.lora_loads = len(plan.lora_loads)
+        step.lora_loads = [load.slot for load in plan.lora_loads]
         # (each sequence computed one token: nothing but decodes, and its time is a decode step's)
         step.decode_only = (self.config.max_num_batched_tokens - budget.tokens == len(step.seq_ids)
                             == len(step.sampling)) and bool(step.sampling)
