@@ -33,6 +33,7 @@ from pagedserve.fd_limits import raise_open_files_limit
 from pagedserve.gc_tuning import tune_gc
 from pagedserve.model_dir import load_tokenizer as model_tokenizer
 from pagedserve.model_dir import max_positions
+from pagedserve.wire.front_messages import MAX_REQUEST_ID_CHARS
 from pagedserve.wire.key_files import load_key_pair, load_public_key
 from pagedserve.wire.keys import ClientKeys
 from scheduler_svc.entrypoints.children import EXIT_WITH_PARENT, exit_with_parent
@@ -50,7 +51,7 @@ from scheduler_svc.front.http.chat_template import load_chat_template
 from scheduler_svc.front.http.serve import HttpServer, start_http_server
 from scheduler_svc.front.input.offload import return_large_allocations_to_the_os
 from scheduler_svc.front.input.parse_pool import shared_worker
-from scheduler_svc.front.streams import FrontStreams
+from scheduler_svc.front.streams import DUPLICATE_SUFFIX, FrontStreams
 from scheduler_svc.telemetry.families import families_of
 from scheduler_svc.telemetry.metrics import Metrics
 
@@ -188,6 +189,13 @@ def parse_front_args(argv: list[str] | None) -> tuple[ServiceConfig, FrontConfig
         except ValueError as exc:
             p.error(str(exc))
     front_id = own.front_id or f"{socket.gethostname()}-{os.getpid()}"
+    # The core's id of a request is "<front id>:<client's id>[-suffix]" (streams.py); past the link's
+    # bound the core would refuse the request's Abort and drop this front, every request it holds.
+    if len(front_id) + 1 + cfg.limits.max_request_id_len + DUPLICATE_SUFFIX > MAX_REQUEST_ID_CHARS:
+        p.error(f"--front-id and --max-request-id-len: the engine core takes request ids of at most "
+                f"{MAX_REQUEST_ID_CHARS} characters: the front's id ({len(front_id)} characters), ':', a client's "
+                f"of up to --max-request-id-len ({cfg.limits.max_request_id_len}) and '-' with "
+                f"{DUPLICATE_SUFFIX - 1} hex digits for one repeated while in flight; shorten either")
     return cfg, FrontConfig(own.core_endpoints, front_id,
                             own.reuse_port or bool(os.environ.get(EXIT_WITH_PARENT)), keys)
 

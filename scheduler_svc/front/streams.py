@@ -44,6 +44,7 @@ from scheduler_svc.front.output.mailbox import Tracked
 from scheduler_svc.front.output.stream import OutputStream
 
 CHUNK = 64  # updates streamed between yields to the event loop
+DUPLICATE_SUFFIX = 9  # "-" and 8 hex digits: what a request id repeated while in flight gets appended
 log = logging.getLogger(__name__)
 
 
@@ -130,7 +131,7 @@ class FrontStreams:
         if self.closing:
             raise EngineError(ErrorKind.NO_EXECUTOR, "the server is shutting down")
         if not req.request_id or req.request_id in self.tracked:
-            req.request_id = req.request_id + "-" + uuid.uuid4().hex[:8] if req.request_id \
+            req.request_id = req.request_id + "-" + uuid.uuid4().hex[:DUPLICATE_SUFFIX - 1] if req.request_id \
                 else uuid.uuid4().hex
         if not req.arrival_time:
             req.arrival_time = time.monotonic()

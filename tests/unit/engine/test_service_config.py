@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import socket
 
 import pytest
 
@@ -464,3 +465,20 @@ def test_the_speculative_config_also_comes_from_the_environment(model_dir):
     cfg = load_config(["--model", str(model_dir)],
                       {"PAGEDSERVE_SPECULATIVE_CONFIG": '{"method": "ngram", "num_speculative_tokens": 5}'})
     assert cfg.scheduler.speculative.num_speculative_tokens == 5
+
+
+@pytest.mark.parametrize("flags", [["--max-request-id-len", "600"], ["--front-id", "f" * 400]],
+                         ids=["long-request-ids", "long-front-id"])
+def test_a_front_whose_request_ids_the_core_would_refuse_does_not_start(model_dir, capsys, flags):
+    """The core takes request ids of at most 512 characters: the front's id, ':' and the client's (with
+    '-' and 8 hex digits when it repeats one in flight). One longer would make an Abort the core
+    refuses, and the core drops the front that sent it with every request it holds."""
+    from scheduler_svc.entrypoints.front import parse_front_args
+
+    with pytest.raises(SystemExit):
+        parse_front_args(["--core", "tcp://127.0.0.1:5600", "--model", str(model_dir), *flags])
+    front_id = "f" * 400 if "--front-id" in flags else f"{socket.gethostname()}-{os.getpid()}"
+    rid_len = 600 if "--max-request-id-len" in flags else 128
+    assert (f"--front-id and --max-request-id-len: the engine core takes request ids of at most 512 characters: "
+            f"the front's id ({len(front_id)} characters), ':', a client's of up to --max-request-id-len ({rid_len}) "
+            "and '-' with 8 hex digits for one repeated while in flight; shorten either") in capsys.readouterr().err
