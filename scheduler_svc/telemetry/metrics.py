@@ -177,7 +177,7 @@ class Metrics:
         self.finished = Counter(P + "request_finished", "Requests the engine ended, by how: length, stop, eos, "
                                 "aborted (cancelled, deadline, shutdown) or failed.", ["reason"], registry=r)
         self.shed = Counter(P + "request_shed", "Calls refused before they were read, by cap: max_concurrent_calls, "
-                            "max_in_flight_bytes, auth_throttled (also counted in request_rejected as "
+                            "max_in_flight_bytes, auth_throttled, open_reads_per_peer (also counted in request_rejected as "
                             "RESOURCE_EXHAUSTED).", ["reason"], registry=r)
         self.calls_in_progress = Gauge(P + "calls_in_progress", "Calls holding a slot of --max-concurrent-calls "
                                        "(both fronts; health checks not counted).", registry=r)

@@ -23,7 +23,11 @@ headers have arrived and, in order,
 4. runs the method's handler, and gives slot and bytes back when the call ends, however it ends.
 
 Health checks (security.OPEN_METHODS) skip 1 and 2: probes carry no key and must pass under
-load. Request-streaming methods (reflection) get 1, 2 and 4, and each of their messages must
+load. In their place a peer may have at most ``MAX_OPEN_READS_PER_PEER`` of them reading their
+request message at once (RESOURCE_EXHAUSTED past it): a message held up before its last byte keeps
+up to ``max_message_bytes`` in grpc core for ``message_timeout_s``, and a keyless peer must not
+multiply that without end. A probe's message comes with its headers, so probes never meet the cap;
+a ``Watch`` holds no slot once its message is read. Request-streaming methods (reflection) get 1, 2 and 4, and each of their messages must
 arrive within ``message_timeout_s`` of the one before.
 """
 
@@ -46,6 +50,8 @@ from scheduler_svc.telemetry.metrics import Metrics
 RESOURCE_EXHAUSTED, UNAUTHENTICATED = grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED
 AUTH_THROTTLED = "auth_throttled"  # the shed reason counted in metrics
 LARGE_MESSAGE_BYTES = 256 << 10  # parsed on the loop up to this: a few milliseconds at most
+MAX_OPEN_READS_PER_PEER = 8  # keyless calls (health checks) of one peer reading their message at once
+OPEN_READS = "open_reads_per_peer"  # the shed reason counted in metrics
 Precheck = Callable[[bytes], Awaitable[str | None]]  # a message's problem, or None; ParserBusy
 
 
@@ -62,6 +68,7 @@ class CallGate(grpc.aio.ServerInterceptor):
         self.prechecks = prechecks or {}  # by method: a large message's counts, checked off the loop
         self.message_cap = message_cap  # the largest request the model can need (None: max_message_bytes)
         self.budget, self.keys, self.throttle, self.metrics = budget, keys, throttle, metrics
+        self._open_reads: dict[str, int] = {}  # by peer: keyless calls reading their request message
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
@@ -84,7 +91,8 @@ class CallGate(grpc.aio.ServerInterceptor):
             try:
                 # In a list the handler pops: no frame here keeps a prompt of megabytes alive (an
                 # abort's traceback holds these frames in a cycle until a full collection).
-                return await _respond(original, [await self._read_request(context, ticket, deserialize, precheck)], context)
+                read = self._read_request if guarded else self._read_open_request
+                return await _respond(original, [await read(context, ticket, deserialize, precheck)], context)
             finally:
                 if ticket is not None:
                     ticket.release()
@@ -142,6 +150,23 @@ class CallGate(grpc.aio.ServerInterceptor):
         if self.throttle is not None:
             self.throttle.failed(peer)
         await self._end_call(context, UNAUTHENTICATED, "missing or unknown API key: send 'authorization: Bearer <key>'")
+
+    async def _read_open_request(self, context: grpc.aio.ServicerContext, ticket: None,
+                                 deserialize: Callable[[bytes], Any] | None, precheck: Precheck | None = None) -> Any:
+        """Step 3 for a keyless call: a slot among its peer's reads, then the message as any other."""
+        peer = peer_of_grpc(context.peer())
+        reading = self._open_reads.get(peer, 0)
+        if reading >= MAX_OPEN_READS_PER_PEER:
+            await self._shed(context, OPEN_READS, f"{peer} has {reading} keyless calls (health checks) waiting for "
+                                                  f"their request message, at most {MAX_OPEN_READS_PER_PEER} at once")
+        self._open_reads[peer] = reading + 1
+        try:
+            return await self._read_request(context, ticket, deserialize, precheck)
+        finally:
+            if (left := self._open_reads[peer] - 1) > 0:
+                self._open_reads[peer] = left
+            else:
+                del self._open_reads[peer]
 
     async def _read_request(self, context: grpc.aio.ServicerContext, ticket: Ticket | None,
                             deserialize: Callable[[bytes], Any] | None, precheck: Precheck | None = None) -> Any:

@@ -149,3 +149,52 @@ def test_a_peer_that_leaves_pings_unanswered_is_closed_with_its_stream(server, e
     while not engine.closed:  # and the engine was told to abort the request
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_a_peer_may_hold_only_a_few_health_checks_waiting_for_their_message():
+    """Health checks carry no key and take no budget: a peer that opens many and never sends their
+    message is refused past MAX_OPEN_READS_PER_PEER (each would hold up to a whole message in grpc
+    core), while a probe whose message comes at once is served before and after."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from scheduler_svc.front.grpc.call_gate import MAX_OPEN_READS_PER_PEER
+
+    engine = FakeEngine(make_tokenizer())
+    engine.ready = True
+    limits = GrpcLimits(handshake_timeout_s=5, idle_timeout_s=30, message_timeout_s=4, keepalive_s=30,
+                        max_connection_age_s=60)
+    srv = ServerThread(engine, grpc_limits=limits)
+    gate = threading.Event()
+    codes: list[grpc.StatusCode] = []
+
+    def never():
+        gate.wait()
+        yield from ()
+
+    def stalled(ch: grpc.Channel) -> None:
+        try:
+            list(ch.stream_stream("/grpc.health.v1.Health/Check")(never(), timeout=NEVER))
+        except grpc.RpcError as e:
+            codes.append(e.code())
+
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            probe = health_pb2_grpc.HealthStub(ch)
+            assert probe.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+            threads = [threading.Thread(target=stalled, args=(ch,)) for _ in range(MAX_OPEN_READS_PER_PEER)]
+            for t in threads:
+                t.start()
+            time.sleep(1.0)  # every stalled call is waiting for its message by now
+            with pytest.raises(grpc.RpcError) as err:
+                probe.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert f"at most {MAX_OPEN_READS_PER_PEER} at once" in err.value.details()
+            for t in threads:
+                t.join(timeout=limits.message_timeout_s + 5)
+            gate.set()
+            assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * MAX_OPEN_READS_PER_PEER
+            # their slots are free again
+            assert probe.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        gate.set()
+        srv.stop()
