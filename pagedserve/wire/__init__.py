@@ -30,11 +30,11 @@ from pagedserve.wire.messages import (
     SpecTokens,
     StepResult,
     Structured,
-    max_result_bytes,
 )
 from pagedserve.wire.packed import num_packed, pack_ids, unpacked
 from pagedserve.wire.protocol import *  # noqa: F403  (the constants, each defined once there)
 from pagedserve.wire.protocol import MAX_FRAME_BYTES, WIRE_VERSION
+from pagedserve.wire.result_bound import max_result_bytes
 
 __all__ = [
     "KIND_OF", "MAX_FRAME_BYTES", "WIRE_VERSION", "BatchPlan", "BlockUpdate", "Drain", "DraftProposal", "Envelope",
