@@ -186,6 +186,13 @@ def test_the_scheduling_state_loads_where_the_scheduler_extra_is_not_installed()
     ok = subprocess.run([sys.executable, "-c", hide + "import scheduler_svc.sched.scheduler, pagedserve.engine_api"],
                         capture_output=True, text=True, cwd=ROOT)
     assert ok.returncode == 0, ok.stderr
+    # gpu-check and every module its sections import (named as text: the tests import no benchmark)
+    gpu_check = ("benchmarks.kernels.gpu_check", "benchmarks.kernels.bench", "testing.kernels.executor_steps",
+                 "testing.device_idle", "testing.stack_throughput", "testing.kernels.tp_check",
+                 "testing.kernels.gpu_report")
+    ok = subprocess.run([sys.executable, "-c", hide + "import " + ", ".join(gpu_check)],
+                        capture_output=True, text=True, cwd=ROOT)
+    assert ok.returncode == 0, ok.stderr
     refused = subprocess.run([sys.executable, "-c", hide + "import scheduler_svc.entrypoints.core"],
                              capture_output=True, text=True, cwd=ROOT)
     assert "needs the 'scheduler' extra" in refused.stderr and "grpc_reflection" in refused.stderr
