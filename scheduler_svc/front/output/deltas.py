@@ -34,6 +34,8 @@ from scheduler_svc.front.output.detokenize import NO_STANDALONE_TEXTS, Increment
 # RequestStream.apply's ``stopped`` in its decode case: no choice ended, and the output is one
 # token of choice 0 after its first, so the caller can count it without looking (shared: read only).
 DECODE_CASE: list[int] = []
+# Finish reasons the scheduler gives for the token it just appended (an EOS id, a stop_token_ids id).
+_ENDED_BY_TOKEN = (FinishReason.EOS, FinishReason.STOP)
 
 
 @dataclass(slots=True, eq=False)
@@ -154,9 +156,14 @@ class RequestStream:
         detok = self.detoks.get(su.index) or self._detok(su.index)
         streamed = self.outputs[su.index]
         ids = su.new_token_ids
+        # The EOS or stop token that ends the choice is streamed (id, log-prob) without its text,
+        # unless include_stop_str_in_output asks for it (vLLM's rule).
+        silent = ids[-1] if ids and su.finish_reason in _ENDED_BY_TOKEN \
+            and not self.req.params.include_stop_str_in_output else None
         if len(ids) == 1 or not detok.has_stops:  # no token can be cut off by a stop string before it
             step = detok.step
-            text = step(ids[0]) if len(ids) == 1 else "".join([step(tok) for tok in ids])
+            texted = ids if silent is None else ids[:-1]
+            text = step(texted[0]) if len(texted) == 1 else "".join([step(tok) for tok in texted])
             streamed.extend(ids)
             # (a one-token list is the update's own, built for it; a longer one may be a beam's)
             delta = ChoiceDelta(su.index, text, ids if len(ids) == 1 else list(ids))
@@ -165,8 +172,10 @@ class RequestStream:
         else:  # token by token: the tokens after the one that completes a stop string are dropped
             delta = ChoiceDelta(su.index)
             logprobs = su.logprobs or ()
+            last = len(ids) - 1
             for i, tok in enumerate(ids):
-                delta.text += detok.step(tok)
+                if i < last or silent is None:
+                    delta.text += detok.step(tok)
                 delta.token_ids.append(tok)
                 streamed.append(tok)
                 if i < len(logprobs):

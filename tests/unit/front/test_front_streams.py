@@ -27,6 +27,7 @@ from testing.grpc_fakes import make_tokenizer
 
 TEXT = "Grüße aus München 🙂🚀 and 日本語 too; plain words as well."
 TOK = make_tokenizer()
+EOS_ID = 1  # make_tokenizer's </s>
 
 
 class Core:
@@ -43,13 +44,13 @@ class Core:
         self.finished_choices.append((request_id, index))
 
 
-def _front(metrics: Metrics | None = None, n: int = 1, stop: tuple[str, ...] = (), include_stop: bool = False
-           ) -> tuple[FrontStreams, Tracked, Core]:
+def _front(metrics: Metrics | None = None, n: int = 1, stop: tuple[str, ...] = (), include_stop: bool = False,
+           skip_special_tokens: bool = True) -> tuple[FrontStreams, Tracked, Core]:
     core = Core()
     front = FrontStreams(core, TOK, metrics=metrics)  # type: ignore[arg-type]
     req = GenerationRequest("r", TOK.encode("Hi").ids, RequestParams(
         max_tokens=500, sampling=SamplingParams(temperature=0.0), n=n, stop=list(stop),
-        include_stop_str_in_output=include_stop))
+        include_stop_str_in_output=include_stop, skip_special_tokens=skip_special_tokens))
     t = Tracked(RequestStream(req, TOK, num_choices=n, standalone_texts=front.standalone_texts), core_id="r")
     front.by_core_id["r"] = front.tracked["r"] = t
     return front, t, core
@@ -122,9 +123,28 @@ def test_text_that_may_start_a_stop_string_is_held_and_released_at_the_end():
     front.stream_now([RequestUpdate("r", [SeqUpdate(0, _ids("ab"))], False, 2)])
     front.stream_now([RequestUpdate("r", [SeqUpdate(0, _ids(" x"))], False, 2)])
     assert _text(t.outbox) == "ab "  # "x" may begin "xyz"... (held)
-    front.stream_now([RequestUpdate("r", [SeqUpdate(0, _ids("y"), None, FinishReason.EOS)], True, 2)])
+    front.stream_now([RequestUpdate("r", [SeqUpdate(0, [*_ids("y"), EOS_ID], None, FinishReason.EOS)], True, 2)])
     assert _text(t.outbox) == "ab xy"  # ...and the end releases it
     assert t.outbox[-1].choices[-1].finish_reason == FinishReason.EOS
+
+
+@pytest.mark.parametrize("per_update", [1, 3])
+@pytest.mark.parametrize("stop", [(), ("zzz",)])
+@pytest.mark.parametrize("include_stop", [False, True])
+@pytest.mark.parametrize("finish", [FinishReason.STOP, FinishReason.EOS])
+def test_the_token_that_ends_a_choice_is_streamed_without_its_text(per_update, stop, include_stop, finish):
+    """A stop token (stop_token_ids) or EOS ends the choice: its id and log-prob are streamed, its text is
+    not unless include_stop_str_in_output asks for it, as vLLM does (with skip_special_tokens=false an EOS
+    would otherwise show as "</s>"; a stop token id of ordinary text would end the answer with that text)."""
+    front, t, _ = _front(stop=stop, include_stop=include_stop, skip_special_tokens=False)
+    end = EOS_ID if finish == FinishReason.EOS else _ids(",")[0]
+    ids = [*_ids("plain words"), end]
+    _feed(front, ids, per_update, finish=finish, logprobs=True)
+    outs = t.outbox
+    assert _text(outs) == "plain words" + (TOK.decode([end], skip_special_tokens=False) if include_stop else "")
+    assert _tokens(outs) == ids and [lp.token_id for o in outs for c in o.choices for lp in c.logprobs] == ids
+    assert outs[-1].finished and outs[-1].choices[-1].finish_reason == finish
+    assert outs[-1].usage.completion_tokens == len(ids)
 
 
 @pytest.mark.parametrize("per_update", [1, 3])
