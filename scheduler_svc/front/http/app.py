@@ -166,8 +166,7 @@ class OpenAIFront:
         names = dict(CHAT_NAMES, max_tokens="max_completion_tokens" if req.max_completion_tokens is not None
                      else "max_tokens")
         work = len(body) + validation_work(RequestFields(structured=fields.structured))
-        greqs = await validate_off_loop(work, self._chat_request, fields, messages, req.add_generation_prompt,
-                                        tools, info, names)
+        greqs = await validate_off_loop(work, self._chat_request, fields, messages, req, tools, info, names)
         _stamp(greqs, arrival, req.skip_special_tokens and tools.skip_special_tokens, lora)
         render = ChatRender(f"chatcmpl-{greqs[0].request_id}", lora or info.model_name, _choices(greqs[0]), 1,
                             self.texts, return_token_ids=req.return_token_ids, tools=tools,
@@ -226,11 +225,12 @@ class OpenAIFront:
         greqs = self._validate(fields, info, COMPLETION_NAMES, False, batched=is_batch(req.prompt))
         return greqs, [self._prompt_text(f) for f in fields] if req.echo else None
 
-    def _chat_request(self, fields: RequestFields, messages: list[dict[str, Any]], add_generation_prompt: bool,
+    def _chat_request(self, fields: RequestFields, messages: list[dict[str, Any]], req: ChatRequest,
                       tools: ToolPlan, info: ModelInfo, names: dict[str, str]) -> list[GenerationRequest]:
         assert self.chat_template is not None  # checked by chat()
         try:
-            fields.prompt = self.chat_template.render(messages, add_generation_prompt, tools.tools)
+            fields.prompt = self.chat_template.render(messages, req.add_generation_prompt, tools.tools,
+                                                      req.continue_final_message)
         except ChatTemplateError as e:
             raise bad_field("messages", f"the model's chat template refused them: {e}") from e
         return self._validate([fields], info, names, True)

@@ -115,17 +115,30 @@ class ChatTemplate:
         return cls(source, dict(special_tokens or {}), template)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> str:
+               tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False) -> str:
         """The prompt for ``messages`` (plain dicts: role, content, tool_calls, ...) and the request's
         ``tools`` (OpenAI's form: the template decides how the model sees them); ChatTemplateError if
-        it fails."""
+        it fails. ``continue_final_message``: the prompt ends with the last message's content (what
+        follows it, the template's end of turn, is cut), as transformers' apply_chat_template does."""
         try:
-            return self.template.render(messages=messages, tools=tools, documents=None,
-                                        add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            rendered = self.template.render(messages=messages, tools=tools, documents=None,
+                                            add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except jinja2.exceptions.TemplateError as e:  # raise_exception(), sandbox violations, undefined values
             raise ChatTemplateError(str(e)) from e
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise ChatTemplateError(f"the chat template failed on these messages ({type(e).__name__}: {e})") from e
+        return _open_final_message(rendered, messages[-1].get("content") or "") if continue_final_message else rendered
+
+
+def _open_final_message(rendered: str, final: str) -> str:
+    """``rendered`` cut right after the last occurrence of the final message's content (or of it stripped,
+    for templates that trim it)."""
+    for text in (final, final.strip()):
+        at = rendered.rfind(text)
+        if at != -1:
+            return rendered[:at + len(text)]
+    raise ChatTemplateError("continue_final_message: the final message's content does not appear in the "
+                            "prompt the chat template rendered")
 
 
 def load_chat_template(model_dir: Path) -> ChatTemplate | None:

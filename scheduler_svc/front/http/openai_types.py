@@ -12,7 +12,7 @@ Accepted beyond OpenAI's own fields, as vLLM does: ``top_k`` (-1 or 0: off), ``m
 (beam width ``n``, best beam first), ``length_penalty``, ``early_stopping``, ``return_token_ids``
 (each choice also carries its token ids), ``structured_outputs`` (and its older names
 ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``) and, for chat,
-``add_generation_prompt``. ``user`` and unknown fields are ignored; fields that would change the
+``add_generation_prompt`` and ``continue_final_message``. ``user`` and unknown fields are ignored; fields that would change the
 output and are not implemented (``suffix``, ``best_of`` > n, a structural tag, non-text content
 parts) are rejected, never silently dropped. ``null`` in any field means its default (OpenAI's
 fields are "<type> or null"), never a 400.
@@ -180,6 +180,7 @@ class ChatRequest(_Request, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False  # vLLM's: the last message is left open, to be continued
     tools: list[ToolDef] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -251,6 +252,9 @@ def chat_fields(req: ChatRequest) -> RequestFields:
     is the grammar of ``tool_choice`` required or named (``tool_calls.plan_tools``)."""
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_field("top_logprobs", "requires logprobs to be true")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_field("continue_final_message", "cannot be combined with add_generation_prompt=true (its "
+                                                  "default): set add_generation_prompt to false")
     if req.max_completion_tokens is not None:
         common = _common(req, req.max_completion_tokens, "max_completion_tokens")
     else:

@@ -71,13 +71,14 @@ CONVERSATION = [
 ]
 
 
-def _hf_render(template: str, messages: list[dict]) -> str:
+def _hf_render(template: str, messages: list[dict], **kwargs) -> str:
     from transformers import PreTrainedTokenizerFast
 
     from executor_svc.tiny_model import train_tokenizer
 
     tok = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(512), chat_template=template, **SPECIAL)
-    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    kwargs = kwargs or {"add_generation_prompt": True}
+    return tok.apply_chat_template(messages, tokenize=False, **kwargs)
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
@@ -86,6 +87,16 @@ def _hf_render(template: str, messages: list[dict]) -> str:
 def test_renders_exactly_as_transformers(name, messages):
     ours = ChatTemplate.compile(TEMPLATES[name], SPECIAL).render([dict(m) for m in messages])
     assert ours == _hf_render(TEMPLATES[name], messages)
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_continue_final_message_leaves_the_last_message_open_as_transformers_does(name):
+    """The prompt ends with the final message's text (a template that trims it: the trimmed text)."""
+    messages = CONVERSATION[1:3]  # ... the assistant's reply, with spaces around it, is continued
+    ours = ChatTemplate.compile(TEMPLATES[name], SPECIAL).render([dict(m) for m in messages], False,
+                                                                 continue_final_message=True)
+    assert ours == _hf_render(TEMPLATES[name], messages, add_generation_prompt=False, continue_final_message=True)
+    assert ours.rstrip().endswith("on demand.")
 
 
 @pytest.mark.parametrize("where", ["jinja file", "tokenizer_config", "named list"])

@@ -105,6 +105,23 @@ def test_chat_renders_the_template_and_tokenizes_without_adding_bos(fake):
     assert fake.engine.requests[-1].params.max_tokens == 40
 
 
+def test_chat_continue_final_message_renders_the_last_message_open(fake):
+    """vLLM's continue_final_message (an assistant prefill): the prompt ends with the final message's
+    text, without the template's end-of-turn, so the model continues it; with add_generation_prompt
+    true as well it is a 400 naming the field, as in vLLM."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    fake.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=5, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False})
+    rendered = ChatTemplate.compile(CHATML).render(messages, add_generation_prompt=False)
+    prefix = rendered[:rendered.rindex("Hello, I am") + len("Hello, I am")]
+    assert fake.engine.requests[-1].prompt_token_ids == make_tokenizer().encode(prefix, add_special_tokens=False).ids
+    with pytest.raises(openai.BadRequestError) as e:
+        fake.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                              extra_body={"continue_final_message": True})
+    assert "continue_final_message" in e.value.message and "add_generation_prompt" in e.value.message
+    assert e.value.body["param"] == "continue_final_message"
+
+
 def test_chat_stream_role_first_usage_last_then_done(fake):
     stream = fake.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True,
