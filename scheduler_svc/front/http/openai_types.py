@@ -12,10 +12,12 @@ Accepted beyond OpenAI's own fields, as vLLM does: ``top_k`` (-1 or 0: off), ``m
 (beam width ``n``, best beam first), ``length_penalty``, ``early_stopping``, ``return_token_ids``
 (each choice also carries its token ids), ``structured_outputs`` (and its older names
 ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``) and, for chat,
-``add_generation_prompt`` and ``continue_final_message``. ``user`` and unknown fields are ignored; fields that would change the
-output and are not implemented (``suffix``, ``best_of`` > n, a structural tag, non-text content
-parts) are rejected, never silently dropped. ``null`` in any field means its default (OpenAI's
-fields are "<type> or null"), never a 400.
+``add_generation_prompt`` and ``continue_final_message``. ``user`` and unknown fields are ignored;
+fields that would change the output and are not implemented (``suffix``, ``best_of`` > n, a
+structural tag, non-text content parts, vLLM's ``truncate_prompt_tokens``, ``allowed_token_ids``,
+``bad_words``, ``return_tokens_as_token_ids`` and, for chat, ``echo`` and ``chat_template``) are
+rejected, never silently dropped. ``null`` in any field means its default (OpenAI's fields are
+"<type> or null"), never a 400.
 """
 
 from __future__ import annotations
@@ -116,8 +118,12 @@ class _Request(_Body, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # Not implemented; rejected when they would change the output.
+    # Not implemented; rejected when they would change the output (_reject_unsupported).
     best_of: int | None = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    return_tokens_as_token_ids: Any = None
 
 
 class CompletionRequest(_Request, kw_only=True):
@@ -184,6 +190,8 @@ class ChatRequest(_Request, kw_only=True):
     tools: list[ToolDef] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    echo: Any = None  # vLLM's; not implemented (_reject_unsupported)
+    chat_template: Any = None  # vLLM's; not implemented (_reject_unsupported)
 
 
 class TokenizeRequest(_Body, kw_only=True):
@@ -285,7 +293,15 @@ def _common(req: _Request, max_tokens: int | None, max_tokens_name: str) -> dict
     return fields
 
 
+# vLLM's fields whose effect on the output is not implemented: set (truthy), they are a 400, not ignored.
+_UNSUPPORTED = ("truncate_prompt_tokens", "allowed_token_ids", "bad_words", "return_tokens_as_token_ids")
+_UNSUPPORTED_IN_CHAT = ("echo", "chat_template")
+
+
 def _reject_unsupported(req: _Request) -> None:
+    for name in _UNSUPPORTED + (_UNSUPPORTED_IN_CHAT if isinstance(req, ChatRequest) else ()):
+        if getattr(req, name):
+            raise bad_field(name, "is not supported by this server", code="unsupported")
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise bad_field("best_of", f"must equal n when given (got best_of={req.best_of}, n={req.n or 1})",
                         code="unsupported")
