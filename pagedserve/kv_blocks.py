@@ -17,8 +17,12 @@ _ROOT_HASH = b"\x00" * 32
 
 def lora_key(lora: str | None, lora_id: int = 0) -> str | None:
     """What tells one LoRA adapter from another: its name, and for an adapter loaded at run time the
-    id of that load (scheduler_svc/engine/lora_registry.py); None for the base model."""
-    return None if not lora else lora if not lora_id else f"{lora}#{lora_id}"
+    id of that load (scheduler_svc/engine/lora_registry.py); None for the base model. One key per
+    (name, id): ``name#id``, the id after the last ``#``, except that a name without ``#`` given at
+    start is its own key (names may hold ``#``: ``x#1`` given at start is not ``x``'s first load)."""
+    if not lora:
+        return None
+    return lora if not lora_id and "#" not in lora else f"{lora}#{lora_id}"
 
 
 def chain_root(lora: str | None, lora_id: int = 0) -> bytes | None:

@@ -137,6 +137,23 @@ def test_the_registry_gives_each_load_of_a_name_its_own_key(tmp_path):
     assert len({chain_root("chat", first), chain_root("chat", second), chain_root("sql"), chain_root(None)}) == 4
 
 
+def test_a_name_that_looks_like_a_load_at_run_time_keeps_its_own_key(tmp_path):
+    """``x#1`` given at start and ``x`` loaded at run time (id 1): two keys, each with its own files and
+    chain; unloading ``x`` leaves ``x#1`` served from its files."""
+    from pagedserve.kv_blocks import chain_root, lora_key
+    from scheduler_svc.engine.lora_registry import LoraRegistry
+
+    a, b = write_peft_dir(tmp_path / "a"), write_peft_dir(tmp_path / "b", r=4)
+    reg = LoraRegistry((inspect_adapter("x#1", a, 16),), 16)
+    reg.load("x", str(b))
+    assert reg.ids == {"x#1": 0, "x": 1} and lora_key("x#1") != lora_key("x", 1)
+    assert reg.paths == {lora_key("x#1"): str(a), lora_key("x", 1): str(b)}
+    assert chain_root("x#1") != chain_root("x", 1)
+    reg.unload("x")
+    assert reg.paths == {lora_key("x#1"): str(a)}
+    assert lora_key("a#b", 0) != lora_key("a", 0) and len({lora_key("a#2", 3), lora_key("a", 2), lora_key("a#2#3")}) == 3
+
+
 def test_an_adapter_may_not_take_the_served_models_name():
     from pagedserve.lora_modules import check_not_base_model
 

@@ -13,6 +13,7 @@ import random
 import pytest
 
 from pagedserve.engine_api import ErrorKind, GenerationRequest, RequestParams
+from pagedserve.kv_blocks import lora_key
 from pagedserve.wire import SamplingParams
 from scheduler_svc.sched.scheduler import Scheduler
 from scheduler_svc.sched.scheduler_config import SchedulerConfig
@@ -182,3 +183,21 @@ def test_a_waiting_request_whose_adapter_was_unloaded_fails_saying_so_and_runnin
     assert [(u.request_id, u.error, u.error_kind) for u in sched.failures] == \
         [("r1", "the LoRA adapter 'a1' was unloaded before the request could start", ErrorKind.NOT_FOUND)]
     assert sched.num_used_blocks == 0 and not sched.requests
+
+
+def test_an_adapter_named_like_a_load_at_run_time_of_another_name_is_another_adapter():
+    """``x#1`` given at start and ``x`` loaded at run time (its first load, id 1) are two adapters: their
+    own files, slots and prefix-cache chains (a key ``name#id`` for both served x#1's KV and files to x)."""
+    paths = {lora_key("x#1"): "/adapters/start", lora_key("x", 1): "/adapters/run-time"}
+    prompt = list(range(10, 30))  # five full blocks
+    sched, ex = make(slots=2, paths=paths)
+    loads = []
+    sched.add_request(req("s", prompt, "x#1"))
+    drive(sched, ex, on_step=lambda plan, _: loads.extend((x.name, x.path) for x in plan.lora_loads))
+    r = req("r", prompt, "x")
+    r.lora_id = 1
+    sched.add_request(r)
+    drive(sched, ex, on_step=lambda plan, _: loads.extend((x.name, x.path) for x in plan.lora_loads))
+    assert sched.prefix_cache_hit_tokens == 0
+    assert [path for _, path in loads] == ["/adapters/start", "/adapters/run-time"]
+    assert len({name for name, _ in loads}) == 2 and len(set(sched.lora.held().values())) == 2
