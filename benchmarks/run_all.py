@@ -41,6 +41,7 @@ INDEX = (
     Bench("paper_sim", ("--quick",)),
     Bench("sharing_savings", ("--quick",)),
     Bench("scheduler_overhead", ("--repeats", "2", "--steps", "32")),
+    Bench("preemption_recompute"),
     Bench("wire_codec", ("--rounds", "3", "--reps", "500")),
     Bench("step_overlap", ("--quick",)),
     Bench("step_overlap", ("--quick", "--structured"), full=("--structured",), part="--structured"),

@@ -4,7 +4,9 @@ A step admits waiting requests only when nothing is preempted or swapped out, wi
 and sequence budgets, keeping the watermark of blocks free. The head of the queue is admitted
 whole or not at all: its LoRA adapter gets a slot (or it waits, in arrival order), each sequence
 takes its cached prefix blocks (a scored prompt takes none), then its first chunk is allocated;
-when anything does not fit, what it took goes back and it waits at the head of the queue.
+when anything does not fit, what it took goes back and it waits at the head of the queue. A
+one-sequence request coming back (after preemption by recompute, or migration) waits until all it
+must compute fits, not its first chunk alone (``_whole_fits``).
 """
 
 from __future__ import annotations
@@ -77,8 +79,12 @@ class Admission(PlanBuilding):
         hits = []
         known = r.req.prompt_block_hashes or ()  # every seq of r starts with the prompt
         takes_hits = takes_prefix_hits(r.req)
+        back = r.req.first_scheduled_at is not None and len(r.live) == 1  # after preemption or migration
         for seq in r.live:
             hit = self.kv.lookup_prefix(seq, known) if takes_hits else NO_HIT
+            if back and not self._whole_fits(r, seq, hit):
+                self._unadmit(r)
+                return None
             if hit.blocks and len(r.live) == 1 and not self._first_chunk_fits(r, seq, hit, max_tokens):
                 self._unadmit(r)
                 return None
@@ -101,6 +107,19 @@ class Admission(PlanBuilding):
             return True
         n = min(target - hit.num_tokens, max_tokens)
         return self.kv.blocks_needed(seq, n, hit) + self._watermark <= self.kv.num_free_blocks
+
+    def _whole_fits(self, r: Request, seq: Sequence, hit: PrefixHit) -> bool:
+        """Whether all a request coming back must compute again fits now, with the watermark kept.
+
+        Admitting it on its first chunk alone, as a new request is, lets a pool that cannot hold it
+        thrash: it is the latest arrival the moment the running requests grow into the blocks its
+        preemption freed, so it is preempted again, every few steps, each time after recomputing
+        part of itself (``benchmarks/preemption_recompute.py``: 49x the tokens needed without prefix
+        caching, 5.7x with it). Waiting until it fits whole, it comes back when a request has
+        finished, and stays. Its cached blocks (``hit``) count as held: with prefix caching they are
+        most of it."""
+        need = self._prefill_target(r, seq) - hit.num_tokens
+        return need <= 0 or self.kv.blocks_needed(seq, need, hit) + self._watermark <= self.kv.num_free_blocks
 
     def _unadmit(self, r: Request) -> None:
         """Undo a failed admission: hit blocks go back to the cache, nothing was sent."""

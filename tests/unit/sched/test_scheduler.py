@@ -116,6 +116,23 @@ def test_recompute_preemption_gives_identical_outputs(nblocks):
     assert_all_released(sched, ex)
 
 
+@pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_a_pool_too_small_for_its_requests_does_not_thrash(caching):
+    """Four requests whose prompts fill the pool and that grow past it: one is preempted and waits
+    until it fits whole, rather than coming back on its first chunk and being preempted again the
+    moment the others grow (benchmarks/preemption_recompute.py measures what that cost)."""
+    prompt_len, max_tokens = 60, 40
+    reqs = [req(f"r{i}", [(i * 31 + j * 7) % 60 + 4 for j in range(prompt_len)], max_tokens=max_tokens,
+                ignore_eos=True) for i in range(4)]
+    sched, ex = make(58, seqs=8, tokens=16, caching=caching)  # 232 slots for 4 x 100 tokens
+    outs = run_all(sched, ex, reqs)
+    for r in reqs:
+        assert outs[(r.request_id, 0)] == oracle(r)
+    assert 0 < sched.num_preemptions <= 2
+    assert ex.tokens_computed <= 1.5 * len(reqs) * (prompt_len + max_tokens)
+    assert_all_released(sched, ex)
+
+
 def test_swap_preemption_gives_identical_outputs():
     reqs = workload(3)
     sched, ex = make(22, ncpu=64, mode="swap")
