@@ -38,7 +38,7 @@ from scheduler_svc.front.http import utility_routes as extras
 from scheduler_svc.front.http.body_parser import BUSY, BodyParser, read_body
 from scheduler_svc.front.http.budget_middleware import AdmissionMiddleware
 from scheduler_svc.front.http.chat_messages import chat_messages
-from scheduler_svc.front.http.chat_template import ChatTemplate, ChatTemplateError
+from scheduler_svc.front.http.chat_template import ChatTemplate, ChatTemplateError, template_error
 from scheduler_svc.front.http.error_responses import from_validation
 from scheduler_svc.front.http.limits import HttpLimits, body_cap
 from scheduler_svc.front.http.openai_types import (
@@ -230,9 +230,9 @@ class OpenAIFront:
         assert self.chat_template is not None  # checked by chat()
         try:
             fields.prompt = self.chat_template.render(messages, req.add_generation_prompt, tools.tools,
-                                                      req.continue_final_message)
+                                                      req.continue_final_message, req.chat_template_kwargs)
         except ChatTemplateError as e:
-            raise bad_field("messages", f"the model's chat template refused them: {e}") from e
+            raise template_error(e) from e
         return self._validate([fields], info, names, True)
 
     def _validate(self, batch: list[RequestFields], info: ModelInfo, names: dict[str, str],

@@ -30,6 +30,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pagedserve.model_dir import is_gguf, open_gguf
+from scheduler_svc.front.api_errors import ApiError, bad_field
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,25 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 
 
 class ChatTemplateError(ValueError):
-    """The messages cannot be rendered (the template raised, or it failed on their content)."""
+    """The messages cannot be rendered (the template raised, or it failed on their content);
+    ``param``: the request field at fault."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs: variables a request may set (enable_thinking, ...)
+MAX_TEMPLATE_KWARG_CHARS = 64
+# What the server passes itself: a request may not set these through chat_template_kwargs.
+_SERVER_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+def template_error(e: ChatTemplateError) -> ApiError:
+    """The 400 of a request its template cannot render, naming the field at fault."""
+    if e.param == "messages":
+        return bad_field("messages", f"the model's chat template refused them: {e}")
+    return bad_field(e.param, str(e))
 
 
 def _raise_exception(message: str) -> None:
@@ -115,19 +134,39 @@ class ChatTemplate:
         return cls(source, dict(special_tokens or {}), template)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False) -> str:
+               tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+               template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The prompt for ``messages`` (plain dicts: role, content, tool_calls, ...) and the request's
         ``tools`` (OpenAI's form: the template decides how the model sees them); ChatTemplateError if
         it fails. ``continue_final_message``: the prompt ends with the last message's content (what
-        follows it, the template's end of turn, is cut), as transformers' apply_chat_template does."""
+        follows it, the template's end of turn, is cut), as transformers' apply_chat_template does.
+        ``template_kwargs``: the request's ``chat_template_kwargs``, more variables for the template
+        (e.g. ``enable_thinking``), as vLLM passes them to apply_chat_template."""
+        extra = self._checked_kwargs(template_kwargs) if template_kwargs else {}
         try:
             rendered = self.template.render(messages=messages, tools=tools, documents=None,
-                                            add_generation_prompt=add_generation_prompt, **self.special_tokens)
+                                            add_generation_prompt=add_generation_prompt,
+                                            **{**extra, **self.special_tokens})
         except jinja2.exceptions.TemplateError as e:  # raise_exception(), sandbox violations, undefined values
             raise ChatTemplateError(str(e)) from e
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise ChatTemplateError(f"the chat template failed on these messages ({type(e).__name__}: {e})") from e
         return _open_final_message(rendered, messages[-1].get("content") or "") if continue_final_message else rendered
+
+
+    def _checked_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The variables a request adds; none may replace what the server passes (the messages, the
+        tools, the special tokens) or a helper the templates call."""
+        if len(kwargs) > MAX_TEMPLATE_KWARGS:
+            raise ChatTemplateError(f"has {len(kwargs)} entries, at most {MAX_TEMPLATE_KWARGS}", "chat_template_kwargs")
+        for name in kwargs:
+            field = f"chat_template_kwargs.{name[:MAX_TEMPLATE_KWARG_CHARS]}"
+            if len(name) > MAX_TEMPLATE_KWARG_CHARS or not name.isidentifier():
+                raise ChatTemplateError(f"must be a name of at most {MAX_TEMPLATE_KWARG_CHARS} characters "
+                                        "(letters, digits, underscores)", field)
+            if name in _SERVER_VARIABLES or name in self.special_tokens or name in self.template.globals:
+                raise ChatTemplateError("is set by the server and cannot be given in chat_template_kwargs", field)
+        return dict(kwargs)
 
 
 def _open_final_message(rendered: str, final: str) -> str:
@@ -137,8 +176,8 @@ def _open_final_message(rendered: str, final: str) -> str:
         at = rendered.rfind(text)
         if at != -1:
             return rendered[:at + len(text)]
-    raise ChatTemplateError("continue_final_message: the final message's content does not appear in the "
-                            "prompt the chat template rendered")
+    raise ChatTemplateError("the final message's content does not appear in the prompt the chat template "
+                            "rendered", "continue_final_message")
 
 
 def load_chat_template(model_dir: Path) -> ChatTemplate | None:

@@ -12,7 +12,8 @@ Accepted beyond OpenAI's own fields, as vLLM does: ``top_k`` (-1 or 0: off), ``m
 (beam width ``n``, best beam first), ``length_penalty``, ``early_stopping``, ``return_token_ids``
 (each choice also carries its token ids), ``structured_outputs`` (and its older names
 ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``) and, for chat,
-``add_generation_prompt`` and ``continue_final_message``. ``user`` and unknown fields are ignored;
+``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``. ``user`` and
+unknown fields are ignored;
 fields that would change the output and are not implemented (``suffix``, ``best_of`` > n, a
 structural tag, non-text content parts, vLLM's ``truncate_prompt_tokens``, ``allowed_token_ids``,
 ``bad_words``, ``return_tokens_as_token_ids`` and, for chat, ``echo`` and ``chat_template``) are
@@ -187,6 +188,7 @@ class ChatRequest(_Request, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False  # vLLM's: the last message is left open, to be continued
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template
     tools: list[ToolDef] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -202,6 +204,7 @@ class TokenizeRequest(_Body, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
     add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body, kw_only=True):

@@ -26,7 +26,7 @@ from starlette.routing import Route
 from pagedserve import __version__
 from scheduler_svc.front.api_errors import ApiError, bad_field
 from scheduler_svc.front.http.chat_messages import chat_messages
-from scheduler_svc.front.http.chat_template import ChatTemplateError
+from scheduler_svc.front.http.chat_template import ChatTemplateError, template_error
 from scheduler_svc.front.http.openai_types import ChatRequest, DetokenizeRequest, TokenizeRequest
 from scheduler_svc.front.input.offload import token_ids, validate_off_loop
 
@@ -74,9 +74,10 @@ def _render(front: OpenAIFront, req: TokenizeRequest) -> str:
         raise ApiError(400, "the model has no chat template", param="messages", code="no_chat_template")
     messages = chat_messages(ChatRequest(messages=req.messages), front.http_limits)
     try:
-        return front.chat_template.render(messages, req.add_generation_prompt)
+        return front.chat_template.render(messages, req.add_generation_prompt,
+                                          template_kwargs=req.chat_template_kwargs)
     except ChatTemplateError as e:
-        raise bad_field("messages", f"the model's chat template refused them: {e}") from e
+        raise template_error(e) from e
 
 
 async def detokenize(front: OpenAIFront, request: Request) -> Response:

@@ -99,6 +99,33 @@ def test_continue_final_message_leaves_the_last_message_open_as_transformers_doe
     assert ours.rstrip().endswith("on demand.")
 
 
+THINKING = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+            "<think></think>{% endif %}{% endif %}{{ suffix | default('') }}")
+
+
+def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them():
+    """vLLM's chat_template_kwargs are more variables for the template (Qwen3's enable_thinking)."""
+    messages = [{"role": "user", "content": "Hi"}]
+    template = ChatTemplate.compile(THINKING, SPECIAL)
+    for kwargs in ({"enable_thinking": False}, {"enable_thinking": True, "suffix": "!"}, {}):
+        ours = template.render([dict(m) for m in messages], template_kwargs=kwargs)
+        assert ours == _hf_render(THINKING, messages, add_generation_prompt=True, **kwargs)
+    assert template.render(messages, template_kwargs={"enable_thinking": False}).endswith("<think></think>")
+
+
+@pytest.mark.parametrize("kwargs, field", [({"messages": []}, "chat_template_kwargs.messages"),
+                                           ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
+                                           ({"bos_token": "x"}, "chat_template_kwargs.bos_token"),
+                                           ({"raise_exception": 1}, "chat_template_kwargs.raise_exception"),
+                                           ({"not a name": 1}, "chat_template_kwargs.not a name"),
+                                           ({f"k{i}": i for i in range(33)}, "chat_template_kwargs")])
+def test_chat_template_kwargs_may_not_replace_what_the_server_passes(kwargs, field):
+    with pytest.raises(ChatTemplateError) as e:
+        ChatTemplate.compile(THINKING, SPECIAL).render([{"role": "user", "content": "Hi"}], template_kwargs=kwargs)
+    assert e.value.param == field
+
+
 @pytest.mark.parametrize("where", ["jinja file", "tokenizer_config", "named list"])
 def test_loaded_from_the_model_directory_as_transformers_loads_it(tmp_path, where):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast

@@ -122,6 +122,25 @@ def test_chat_continue_final_message_renders_the_last_message_open(fake):
     assert e.value.body["param"] == "continue_final_message"
 
 
+def test_chat_template_kwargs_reach_the_template_and_a_reserved_name_is_a_400(fake):
+    """vLLM's chat_template_kwargs: more variables for the model's template (here one the template
+    does not read, so the prompt is unchanged); one that would replace the server's own is refused."""
+    messages = [{"role": "user", "content": "Hi"}]
+    fake.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    rendered = ChatTemplate.compile(CHATML).render(messages)
+    assert fake.engine.requests[-1].prompt_token_ids == make_tokenizer().encode(rendered, add_special_tokens=False).ids
+    with pytest.raises(openai.BadRequestError) as e:
+        fake.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                              extra_body={"chat_template_kwargs": {"messages": []}})
+    assert e.value.body["param"] == "chat_template_kwargs"
+    assert "chat_template_kwargs.messages: is set by the server" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        fake.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                              extra_body={"chat_template_kwargs": ["enable_thinking"]})
+    assert e.value.body["param"] == "chat_template_kwargs"
+
+
 def test_chat_stream_role_first_usage_last_then_done(fake):
     stream = fake.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True,

@@ -375,6 +375,10 @@ def test_tokenize_detokenize_version_and_metrics_on_the_api_port(fake):
     chat = json.loads(fake.request("POST", "/tokenize", {"messages": USER})[1])["tokens"]
     rendered = ChatTemplate.compile(CHATML).render(USER)
     assert chat == make_tokenizer().encode(rendered, add_special_tokens=False).ids
+    body = {"messages": USER, "chat_template_kwargs": {"enable_thinking": False}}
+    assert json.loads(fake.request("POST", "/tokenize", body)[1])["tokens"] == chat  # (a variable it does not read)
+    status, raw = fake.request("POST", "/tokenize", {"messages": USER, "chat_template_kwargs": {"tools": []}})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "chat_template_kwargs"
     status, raw = fake.request("POST", "/detokenize", {"tokens": tokens[1:]})
     assert status == 200 and json.loads(raw)["prompt"] == "Hello world"
     status, raw = fake.request("POST", "/detokenize", {"tokens": [10**6]})
