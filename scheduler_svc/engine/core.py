@@ -64,6 +64,7 @@ class EngineCore(CoreRequests):
         spec = cfg.scheduler.speculative
         draft = draft_name(Path(spec.model)) if spec is not None and spec.model is not None else None
         self.hub.admission.draft_model = draft
+        self.hub.admission.max_lora_rank = cfg.max_lora_rank if cfg.enable_lora else None
         self._retired_preemptions = 0  # counters of schedulers of executors now gone
         self._retired_spec = SpecCounters()  # (their speculative decoding counters)
         self._retired_prefix = (0, 0)

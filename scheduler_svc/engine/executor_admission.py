@@ -4,7 +4,8 @@ The executor link's admission policy, apart from its transport (executor_link.py
 answers the handshake). Identity (:func:`identity_rejection`): an executor id stays bound to the
 live connection that registered it, and a CURVE key must be admitted by the trust store
 (executor_auth.py). Fit (:class:`ExecutorAdmission`): the wire version, block size, served model,
-draft model and, with --batch-invariant, the numerics must agree with the scheduler's; what the
+draft model, LoRA rank (an executor with adapter slots must take every rank the scheduler does) and,
+with --batch-invariant, the numerics must agree with the scheduler's; what the
 scheduler's own flags do not fix (the model when --model has no weights, its vocabulary size,
 the numerics) is fixed by the first executor accepted.
 """
@@ -48,6 +49,8 @@ class ExecutorAdmission:
         # Speculative decoding by a draft model: the draft every executor must hold (its name), or None:
         # then none may hold one (its blocks' memory would be spent on nothing).
         self.draft_model: str | None = None
+        # LoRA: the highest adapter rank the scheduler accepts (--max-lora-rank with --enable-lora), or None.
+        self.max_lora_rank: int | None = None
 
     def rejection(self, hs: wire.Handshake) -> str | None:
         """Why this executor cannot serve this deployment (None: it can)."""
@@ -64,6 +67,10 @@ class ExecutorAdmission:
             return f"vocab size {hs.vocab_size} differs from the served model's {self.model_vocab_size}"
         if (reason := self._draft_rejection(hs)) is not None:
             return reason
+        if self.max_lora_rank and hs.lora_slots and hs.max_lora_rank < self.max_lora_rank:
+            # (an executor without slots is fine: requests naming an adapter are routed around it)
+            return (f"its --max-lora-rank {hs.max_lora_rank} is below the scheduler's {self.max_lora_rank}: the "
+                    f"adapters of higher rank the scheduler serves would fail on it")
         return self._variance(hs) if self.batch_invariant else None
 
     def _draft_rejection(self, hs: wire.Handshake) -> str | None:
