@@ -209,9 +209,10 @@ class OpenAIFront:
         return info
 
     def _model(self, name: str | None) -> tuple[ModelInfo, str | None]:
-        """The model a request's ``model`` field names: the served one (no LoRA) or one of its adapters."""
+        """The model a request's ``model`` field names: the served one (no LoRA; also when empty, as
+        vLLM reads it) or one of its adapters."""
         info = self._info()
-        if name is None or name == info.model_name:
+        if not name or name == info.model_name:
             return info, None
         if name in info.lora_adapters:
             return info, name
@@ -381,6 +382,7 @@ def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = (), budget:
 
     routes = [
         Route("/health", front.health, methods=["GET"]),
+        Route("/ping", front.health, methods=["GET", "POST"]),  # vLLM's (SageMaker's probe): /health's answer
         Route("/metrics", front.prometheus, methods=["GET"]),
         Route("/v1/models", front.models, methods=["GET"]),
         Route("/v1/models/{model:path}", front.models, methods=["GET"]),

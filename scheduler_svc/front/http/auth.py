@@ -17,7 +17,7 @@ from scheduler_svc.front.guards.security import ApiKeys
 from scheduler_svc.front.http.error_responses import send_error
 from scheduler_svc.telemetry.metrics import Metrics
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes carry no credentials, are never shed
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # probes and scrapes carry no credentials, are never shed
 AUTH_THROTTLED = "auth_throttled"  # the shed reason counted in metrics
 
 

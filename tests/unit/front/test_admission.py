@@ -370,7 +370,7 @@ def test_http_key_guessing_is_throttled_per_peer_while_another_peer_is_served(sl
         status, body, headers = _post(port, _completion(), {"Authorization": f"Bearer {KEY}"})
         assert status == 429 and body["error"]["code"] == "too_many_failed_api_keys"
         assert headers["retry-after"] == "60"
-        assert srv.request("GET", "/health")[0] == 200  # health stays open
+        assert srv.request("GET", "/health")[0] == srv.request("GET", "/ping")[0] == 200  # probes stay open
         status, body, _ = _post(port, _completion(), {"Authorization": f"Bearer {KEY}"}, source="127.0.0.2")
         assert status == 200 and body["usage"]["completion_tokens"] == 16
         assert len(throttle) == 1 and _shed(metrics, "auth_throttled") == 1

@@ -292,8 +292,9 @@ def test_models_and_health(fake):
     assert model.id == MODEL and model.owned_by == "pagedserve"
     assert fake.client().models.retrieve(MODEL).id == MODEL
     assert fake.request("GET", "/health")[0] == 200
+    assert fake.request("GET", "/ping")[0] == fake.request("POST", "/ping")[0] == 200  # vLLM's probe
     fake.engine.ready = False
-    assert fake.request("GET", "/health")[0] == 503
+    assert fake.request("GET", "/health")[0] == fake.request("GET", "/ping")[0] == 503
 
 
 # ------------------------------------------------------------------ errors
@@ -568,6 +569,11 @@ def test_a_large_body_sent_with_its_head_is_not_counted_as_head(fake):
         while chunk := s.recv(65536):
             reply += chunk
     assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+
+
+def test_an_empty_model_names_the_served_one_as_in_vllm(fake):
+    r = fake.client().completions.create(model="", prompt="Hello", max_tokens=3)
+    assert r.model == MODEL and fake.engine.requests[-1].lora is None
 
 
 def test_unknown_model_route_and_method(fake):
