@@ -40,14 +40,16 @@ class Served:
     plans: list[BatchPlan]
     sched: Scheduler
     logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # (token, log-prob) per request
+    errors: dict[str, tuple[int, str]] = field(default_factory=dict)  # request id -> (ErrorKind, message)
 
 
 def serve(runner, params: RequestParams, spec: SpeculativeConfig | None, prompts: dict[str, list[int]], *,
           num_cpu_blocks: int = 0, max_batched: int = 256, mode: str = "recompute", proposer=None,
-          verified: int = 256, eos_token_ids: tuple[int, ...] = ()) -> Served:
+          verified: int = 256, eos_token_ids: tuple[int, ...] = (), allow_errors: bool = False) -> Served:
     """``prompts`` served to the end with ``params``, speculating with ``spec`` (None: not); the
     scheduler's pools are the runner's. Every step must keep the scheduler's invariants, and at the
-    end every block must be free and both sides must hold no sequence."""
+    end every block must be free and both sides must hold no sequence. A request that ends in error
+    fails the call unless ``allow_errors`` (then its error is in ``Served.errors``)."""
     num_blocks = runner.kv.num_blocks
     cfg = SchedulerConfig(block_size=runner.kv.block_size, max_num_seqs=8, max_num_batched_tokens=max_batched,
                           max_model_len=256, speculative=spec, preemption_mode=mode)
@@ -64,7 +66,9 @@ def serve(runner, params: RequestParams, spec: SpeculativeConfig | None, prompts
     def take(plan, result):
         served.plans.append(plan)
         for upd in sched.update(result):
-            assert upd.error is None
+            if upd.error is not None:
+                assert allow_errors, upd.error
+                served.errors[upd.request_id] = (upd.error_kind, upd.error)
             if upd.spec_proposed_tokens:
                 assert upd.spec_accepted_tokens <= upd.spec_proposed_tokens
                 assert upd.spec_proposed_tokens >= spec_usage.get(upd.request_id, (0, 0))[0]  # running totals

@@ -30,6 +30,8 @@ A constrained sequence (structured outputs) walks under its grammar: each positi
 by the grammar's state after the tokens emitted before it (a fork of the sequence's matcher, so
 the sequence's own grammar takes only what is reported), so a proposal the grammar rejects has no
 probability and is cut there, and every emitted token is one plain constrained decoding could emit.
+A position where the grammar allows no token ends the walk before it: the next step meets it and
+rejects the request, as plain decoding does.
 
 The first emitted token is reported like any sampled token; the others in ``StepResult.spec_tokens``.
 """
@@ -70,21 +72,22 @@ class WalkGrammar:
         """The mask of the walk's next position, as the one row of a sample."""
         return self.backend.masks([self])
 
-    def masked(self, row: torch.Tensor) -> torch.Tensor:
-        """A copy of ``row`` [vocab] with what the grammar forbids here at -inf."""
-        out = row[None].clone()
-        if (masks := self.masks()) is not None:
-            masks.apply(out)
-        return out[0]
+    @staticmethod
+    def dead_end(masks: GrammarMasks | None) -> bool:
+        """Whether the grammar allows no token at this position. The walk stops before it: what was
+        emitted is the grammar's, and the sequence's next step meets the dead end and rejects the
+        request (``NO_TOKEN_ALLOWED``), as decoding without speculation does; sampled here unmasked,
+        the token would break the grammar, a failure counted against the executor."""
+        return masks is not None and bool(masks.failed)
 
     def accept(self, token_id: int) -> None:
         self.grammar.accept(token_id)
 
 
-def _sample_row(sampler: Sampler, row: torch.Tensor, s: SeqState, walk: WalkGrammar | None) -> SampleOutput:
+def _sample_row(sampler: Sampler, row: torch.Tensor, s: SeqState, masks: GrammarMasks | None) -> SampleOutput:
     """One position sampled as plain decoding samples it: the sampler applies the walk's mask, after
     taking raw log-probs from the unmasked logits."""
-    return sampler.sample(row[None].clone(), [s], walk.masks() if walk is not None else None)
+    return sampler.sample(row[None].clone(), [s], masks)
 
 
 def _draft_walk(sampler: Sampler, s: SeqState, props: list[int], rows: list[torch.Tensor],
@@ -94,7 +97,15 @@ def _draft_walk(sampler: Sampler, s: SeqState, props: list[int], rows: list[torc
     emitted: list[int] = []
     lps: list[TokenLogprobs | None] = []
     for j, d in enumerate(props):
-        row = rows[j] if walk is None else walk.masked(rows[j])
+        row = rows[j]
+        if walk is not None:
+            masks = walk.masks()
+            if j and walk.dead_end(masks):
+                return emitted, lps
+            if masks is not None:
+                row = row[None].clone()
+                masks.apply(row)
+                row = row[0]
         p = sampler.probs(row, s)
         tok, accepted = rejection_step(p, s.draft_q[j], d, sampler.uniform(s, ACCEPT_SALT), sampler.uniform(s))
         emitted.append(tok)
@@ -104,7 +115,10 @@ def _draft_walk(sampler: Sampler, s: SeqState, props: list[int], rows: list[torc
             walk.accept(tok)
         if not accepted:
             return emitted, lps
-    o = _sample_row(sampler, rows[len(props)], s, walk)
+    masks = walk.masks() if walk is not None else None
+    if props and walk is not None and walk.dead_end(masks):
+        return emitted, lps
+    o = _sample_row(sampler, rows[len(props)], s, masks)
     emitted.append(o.token_ids[0])
     lps.append(o.logprobs[0])
     s.token_ids.append(o.token_ids[0])
@@ -142,7 +156,10 @@ def verify_proposals(sampler: Sampler, batch: Batch, last_rows: list[torch.Tenso
         else:
             emitted, lps = [], []
             for j, row in enumerate(rows):
-                o = _sample_row(sampler, row, s, walk)
+                masks = walk.masks() if walk is not None else None
+                if j and walk is not None and walk.dead_end(masks):
+                    break
+                o = _sample_row(sampler, row, s, masks)
                 tok = o.token_ids[0]
                 emitted.append(tok)
                 lps.append(o.logprobs[0])

@@ -104,3 +104,44 @@ def test_a_draft_s_unconstrained_proposals_are_verified_under_the_grammar(tiny_l
     for rid, (toks,) in fast.outputs.items():
         assert toks[-1] == EOS, rid
         assert pattern.fullmatch(_tokenizer(tiny_llama_dir).decode(toks[:-1])), rid
+
+
+class _Repeat:
+    """Proposes ``k`` copies of one token, whatever came before."""
+
+    def __init__(self, token: int, k: int = K) -> None:
+        self.token, self.k = token, k
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return [self.token] * k
+
+
+def test_a_grammar_that_dead_ends_after_a_proposal_is_the_requests_fault_as_without_speculation(
+        tiny_llama_dir, model, backend):
+    """After "aa" this grammar allows no token (and "a" is the only token "a" starts in this
+    vocabulary). The first "a" comes from the prefill; verifying the proposals "a", "a", ... reaches
+    the dead end midway through the walk, which stops there (it sampled that position unmasked, and
+    the sequence then failed as the executor's fault, "does not match its grammar"), so the next
+    step finds the dead end and rejects the request as invalid, as decoding without speculation does."""
+    from executor_svc.grammar import NO_TOKEN_ALLOWED
+    from pagedserve.engine_api import ErrorKind
+    from pagedserve.wire import STRUCTURED_GRAMMAR, Structured
+
+    a = _tokenizer(tiny_llama_dir).token_to_id("a")
+    sampling = SamplingParams(temperature=0.0, end_token_ids=[EOS],
+                              structured=Structured(STRUCTURED_GRAMMAR, 'root ::= "aa" stuck\nstuck ::= stuck'))
+    runs = [_serve_allowing_errors(tiny_llama_dir, model, backend, sampling),
+            _serve_allowing_errors(tiny_llama_dir, model, backend, sampling, SpeculativeConfig(num_speculative_tokens=K),
+                                   _Repeat(a))]
+    for run in runs:
+        assert set(run.errors) == set(_prompts())
+        assert all(kind == ErrorKind.INVALID and NO_TOKEN_ALLOWED in msg for kind, msg in run.errors.values()), run.errors
+        assert all(out == [[a, a]] for out in run.outputs.values()), run.outputs
+    assert runs[1].sched.spec.counters.num_draft_tokens > 0  # (the proposals were verified)
+
+
+def _serve_allowing_errors(tiny_llama_dir, model, backend, sampling, spec=None, proposer=None):
+    runner = make_runner(tiny_llama_dir, model=model, num_blocks=64)
+    runner.grammar = backend
+    return serve(runner, RequestParams(max_tokens=40, sampling=sampling), spec, _prompts(), proposer=proposer,
+                 eos_token_ids=(EOS,), allow_errors=True)
