@@ -204,7 +204,9 @@ class TokenizeRequest(_Body, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
 
 
 class DetokenizeRequest(_Body, kw_only=True):
@@ -263,15 +265,20 @@ def chat_fields(req: ChatRequest) -> RequestFields:
     is the grammar of ``tool_choice`` required or named (``tool_calls.plan_tools``)."""
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_field("top_logprobs", "requires logprobs to be true")
-    if req.continue_final_message and req.add_generation_prompt:
-        raise bad_field("continue_final_message", "cannot be combined with add_generation_prompt=true (its "
-                                                  "default): set add_generation_prompt to false")
+    check_final_message(req)
     if req.max_completion_tokens is not None:
         common = _common(req, req.max_completion_tokens, "max_completion_tokens")
     else:
         common = _common(req, req.max_tokens, "max_tokens")
     common["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
     return RequestFields(**common)
+
+
+def check_final_message(req: ChatRequest | TokenizeRequest) -> None:
+    """vLLM's rule: the last message is either continued or followed by the assistant's turn."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_field("continue_final_message", "cannot be combined with add_generation_prompt=true (its "
+                                                  "default): set add_generation_prompt to false")
 
 
 def _common(req: _Request, max_tokens: int | None, max_tokens_name: str) -> dict[str, Any]:

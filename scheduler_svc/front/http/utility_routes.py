@@ -1,9 +1,11 @@
 """vLLM's utility endpoints on the HTTP port: /tokenize, /detokenize, /version.
 
 - ``POST /tokenize``: ``{"prompt": text, "add_special_tokens": true}`` or ``{"messages": [...],
-  "add_generation_prompt": true}`` (rendered with the chat template) -> ``{"count", "max_model_len",
-  "tokens"}``; a text longer than any prompt could be is rejected before it is tokenized, and a
-  long one is tokenized off the event loop, as a request's prompt is.
+  "add_generation_prompt": true, "continue_final_message": false, "chat_template_kwargs": {}}``
+  (rendered with the chat template, as a chat request is) -> ``{"count", "max_model_len",
+  "tokens"}``, and ``"token_strs"`` (each id's vocabulary entry) with ``"return_token_strs": true``;
+  a text longer than any prompt could be is rejected before it is tokenized, and a long one is
+  tokenized off the event loop, as a request's prompt is.
 - ``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}``; ids outside the vocabulary
   and more ids than max_model_len are a 400.
 - ``GET /version``: ``{"version"}``.
@@ -27,7 +29,12 @@ from pagedserve import __version__
 from scheduler_svc.front.api_errors import ApiError, bad_field
 from scheduler_svc.front.http.chat_messages import chat_messages
 from scheduler_svc.front.http.chat_template import ChatTemplateError, template_error
-from scheduler_svc.front.http.openai_types import ChatRequest, DetokenizeRequest, TokenizeRequest
+from scheduler_svc.front.http.openai_types import (
+    ChatRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_final_message,
+)
 from scheduler_svc.front.input.offload import token_ids, validate_off_loop
 
 
@@ -66,15 +73,20 @@ async def tokenize(front: OpenAIFront, request: Request) -> Response:
     else:  # the template renders off the loop too, by the body's size, as a chat request's does (app.py)
         special = req.add_special_tokens is True
         ids = await validate_off_loop(len(body), lambda: token_ids(front.tokenizer, _render(front, req), special))
-    return _json({"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids})
+    out = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        out["token_strs"] = [front.tokenizer.id_to_token(i) for i in ids]
+    return _json(out)
 
 
 def _render(front: OpenAIFront, req: TokenizeRequest) -> str:
     if front.chat_template is None:
         raise ApiError(400, "the model has no chat template", param="messages", code="no_chat_template")
+    check_final_message(req)
     messages = chat_messages(ChatRequest(messages=req.messages), front.http_limits)
     try:
         return front.chat_template.render(messages, req.add_generation_prompt,
+                                          continue_final_message=bool(req.continue_final_message),
                                           template_kwargs=req.chat_template_kwargs)
     except ChatTemplateError as e:
         raise template_error(e) from e

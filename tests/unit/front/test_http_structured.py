@@ -379,6 +379,15 @@ def test_tokenize_detokenize_version_and_metrics_on_the_api_port(fake):
     assert json.loads(fake.request("POST", "/tokenize", body)[1])["tokens"] == chat  # (a variable it does not read)
     status, raw = fake.request("POST", "/tokenize", {"messages": USER, "chat_template_kwargs": {"tools": []}})
     assert status == 400 and json.loads(raw)["error"]["param"] == "chat_template_kwargs"
+    strs = json.loads(fake.request("POST", "/tokenize", {"prompt": "Hello world", "return_token_strs": True})[1])
+    assert strs["tokens"] == tokens and strs["token_strs"] == [make_tokenizer().id_to_token(i) for i in tokens]
+    reply = [*USER, {"role": "assistant", "content": "Hello, I"}]
+    body = {"messages": reply, "add_generation_prompt": False, "continue_final_message": True}
+    open_reply = json.loads(fake.request("POST", "/tokenize", body)[1])["tokens"]
+    rendered = ChatTemplate.compile(CHATML).render(reply, False, continue_final_message=True)
+    assert rendered.endswith("Hello, I") and open_reply == make_tokenizer().encode(rendered, add_special_tokens=False).ids
+    status, raw = fake.request("POST", "/tokenize", {"messages": reply, "continue_final_message": True})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "continue_final_message"
     status, raw = fake.request("POST", "/detokenize", {"tokens": tokens[1:]})
     assert status == 200 and json.loads(raw)["prompt"] == "Hello world"
     status, raw = fake.request("POST", "/detokenize", {"tokens": [10**6]})
