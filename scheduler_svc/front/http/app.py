@@ -4,7 +4,7 @@
 It serves the same engine as the gRPC servicer, in the same process and on the same asyncio
 loop (serve.py runs uvicorn there), through the same interface (docs/ARCHITECTURE.md,
 "Engine <-> servicer") and the same validator: a body is decoded (openai_types.py), turned
-into the validator's RequestFields, validated into GenerationRequests (one per prompt), and
+into the validator's RequestFields (openai_fields.py), validated into GenerationRequests (one per prompt), and
 the engine's streams are rendered as OpenAI JSON or server-sent events (responses.py,
 streams.py). Errors get their status in errors.py.
 
@@ -41,15 +41,8 @@ from scheduler_svc.front.http.chat_messages import chat_messages
 from scheduler_svc.front.http.chat_template import ChatTemplate, ChatTemplateError, template_error
 from scheduler_svc.front.http.error_responses import from_validation
 from scheduler_svc.front.http.limits import HttpLimits, body_cap
-from scheduler_svc.front.http.openai_types import (
-    ChatRequest,
-    CompletionRequest,
-    chat_fields,
-    completion_fields,
-    decode,
-    echo_only,
-    is_batch,
-)
+from scheduler_svc.front.http.openai_fields import chat_fields, completion_fields, echo_only, is_batch
+from scheduler_svc.front.http.openai_types import ChatRequest, CompletionRequest, decode
 from scheduler_svc.front.http.request_ids import with_request_id
 from scheduler_svc.front.http.responses import ChatRender, CompletionRender, TokenTexts, _Render
 from scheduler_svc.front.input.offload import THREAD_CHARS, token_ids, trim_soon, validate_off_loop

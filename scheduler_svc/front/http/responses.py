@@ -183,7 +183,7 @@ class CompletionRender(_Render):
                  want_logprobs: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.skip_special_tokens = skip_special_tokens  # as the engine decodes the text (text_offset follows it)
-        # echo with max_tokens 0 (openai_types.echo_only): the token generated is dropped, from the
+        # echo with max_tokens 0 (openai_fields.echo_only): the token generated is dropped, from the
         # text, log-probs, token ids and usage alike; the choice ends by "length".
         self.echo_only, self.want_logprobs = echo_only, want_logprobs
 

@@ -29,12 +29,8 @@ from pagedserve import __version__
 from scheduler_svc.front.api_errors import ApiError, bad_field
 from scheduler_svc.front.http.chat_messages import chat_messages
 from scheduler_svc.front.http.chat_template import ChatTemplateError, template_error
-from scheduler_svc.front.http.openai_types import (
-    ChatRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-    check_final_message,
-)
+from scheduler_svc.front.http.openai_fields import check_final_message
+from scheduler_svc.front.http.openai_types import ChatRequest, DetokenizeRequest, TokenizeRequest
 from scheduler_svc.front.input.offload import token_ids, validate_off_loop
 
 

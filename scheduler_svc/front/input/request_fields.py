@@ -2,7 +2,7 @@
 
 Both public fronts fill it: the gRPC front from its protobuf ``GenerateRequest``
 (:func:`fields_from_proto`, where proto3 presence tells an unset optional from a zero), the HTTP
-front from its JSON body (http/openai_types.py). validation.py checks it.
+front from its JSON body (http/openai_fields.py). validation.py checks it.
 """
 
 from __future__ import annotations
