@@ -253,12 +253,13 @@ class FrontStreams:
                     t.put(out)
                 n = 0
                 for c in out.choices:
-                    n += len(c.token_ids)
+                    k = len(c.token_ids)
+                    n += k
+                    if k and prev is not None:  # (a choice's tokens of several steps at once: spread evenly)
+                        itls += [(now - prev) / k] * k
                 if n:
                     tokens += n
-                    if prev is not None:
-                        itls += [(now - prev) / n] * n  # (several steps at once: spread evenly)
-                    elif self.metrics:
+                    if prev is None and self.metrics:
                         self._first_token(stream)
                 if out.finished and self.metrics:
                     self._finished(stream, out)

@@ -223,3 +223,21 @@ def test_usage_keeps_the_latest_speculative_totals(per_update):
     usage = t.outbox[-1].usage
     want = max(at for at in range(0, len(ids), per_update) if at < len(ids) // 2) + 1
     assert (usage.spec_proposed_tokens, usage.spec_accepted_tokens) == (3 * want, want)
+
+
+@pytest.mark.parametrize("per_update", [1, 2])
+def test_each_choice_of_several_gets_the_whole_gap_as_its_inter_token_latency(monkeypatch, per_update):
+    """n > 1: a step brings each choice its own tokens; a token's latency is the gap since its choice's
+    last one (spread over the tokens a choice got at once), not that gap split among the choices."""
+    clock = iter([10.0, 10.5, 11.5])  # one reading per step
+    monkeypatch.setattr("scheduler_svc.front.streams.time.monotonic", lambda: next(clock))
+    metrics = Metrics()
+    front, t, core = _front(metrics, n=2)
+    ids = _ids("one two three four five six")
+    for step in range(3):
+        chunk = ids[step * per_update:(step + 1) * per_update]
+        front.stream_now([RequestUpdate("r", [SeqUpdate(0, chunk), SeqUpdate(1, chunk)], False, 2)])
+    value = metrics.registry.get_sample_value
+    assert value("pagedserve:inter_token_latency_seconds_count") == 2 * 2 * per_update  # (first step: none)
+    # each choice: gaps of 0.5 s and 1.0 s, each spread over the tokens it brought
+    assert value("pagedserve:inter_token_latency_seconds_sum") == pytest.approx(2 * (0.5 + 1.0))
