@@ -176,6 +176,8 @@ class EngineCore(CoreRequests):
         slot = ExecutorSlot(conn, Scheduler(cfg, info.num_device_blocks, info.num_cpu_blocks,
                                             self.eos_token_ids, vocab_size=info.vocab_size,
                                             lora_paths=self.lora.paths))
+        if (displaced := self.slots.get(conn.id)) is not None:  # (its process restarted: the old loop ends later)
+            self._retire_counters(displaced)
         self.slots[conn.id] = slot
         slot.task = asyncio.create_task(self._run(slot), name=f"engine-{conn.id}")
         slot.task.add_done_callback(self._loop_ended)
@@ -374,13 +376,17 @@ class EngineCore(CoreRequests):
     def _retire(self, slot: ExecutorSlot) -> None:
         if self.slots.get(slot.id) is slot:  # (not a newer executor that registered under the same id)
             self.router.forget(slot.id)
-            s = slot.scheduler
-            self._retired_preemptions += s.num_preemptions
-            if s.spec is not None:
-                self._retired_spec.add(s.spec.counters)
-            q, h = self._retired_prefix
-            self._retired_prefix = (q + s.prefix_cache_query_tokens, h + s.prefix_cache_hit_tokens)
+            self._retire_counters(slot)
             del self.slots[slot.id]
+
+    def _retire_counters(self, slot: ExecutorSlot) -> None:
+        """Keep what the scheduler of ``slot``, leaving ``self.slots``, counted (a counter never goes back)."""
+        s = slot.scheduler
+        self._retired_preemptions += s.num_preemptions
+        if s.spec is not None:
+            self._retired_spec.add(s.spec.counters)
+        q, h = self._retired_prefix
+        self._retired_prefix = (q + s.prefix_cache_query_tokens, h + s.prefix_cache_hit_tokens)
 
     # ------------------------------------------------------------------ observation
 

@@ -379,3 +379,23 @@ def test_a_prompt_is_hashed_once_by_its_front(tokenizer, monkeypatch):
 
     _run(main())
     assert hashed == [4, 4]  # one chain per request (the front's), none at routing, admission or registration
+
+
+def test_an_executor_that_handshakes_again_keeps_its_old_schedulers_counters(tokenizer):
+    """The same connection handshakes again (its process restarted): the new scheduler takes the
+    slot at once, and what the old one counted (prefix lookups, preemptions, speculation) must stay
+    in the engine's totals, or pagedserve:prefix_cache_queries_total and the like go back."""
+    async def main():
+        async with running(tokenizer, 1) as (engine, _):
+            await asyncio.gather(*(_collect(engine, _req(f"c{i}", list(range(3, 40)), 4)) for i in range(3)))
+            before = engine.stats()
+            assert before.prefix_cache_query_tokens > 0
+            old = engine.slots["fake0"]
+            await engine.hub._handshake(old.conn.identity, old.conn.info)  # (as the restarted process would)
+            assert engine.slots["fake0"] is not old
+            await asyncio.wait_for(asyncio.shield(old.task), 5)
+            after = engine.stats()
+            assert (after.prefix_cache_query_tokens, after.prefix_cache_hit_tokens) == \
+                (before.prefix_cache_query_tokens, before.prefix_cache_hit_tokens)
+
+    _run(main())
