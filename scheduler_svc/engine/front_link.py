@@ -46,7 +46,7 @@ from pagedserve.wire.router_socket import RouterSocket
 from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.engine.front_keys import FLAG, ZAP_DOMAIN, FrontKeys
 from scheduler_svc.sched.request import MigratedRequest
-from scheduler_svc.telemetry.families import merge_families
+from scheduler_svc.telemetry.families import CumulativeSources
 
 log = logging.getLogger(__name__)
 front_warning = RateLimitedLog(log)
@@ -61,7 +61,6 @@ class RemoteFront:
     identity: bytes
     front_id: str
     last_seen: float = field(default_factory=time.monotonic)
-    families: list = field(default_factory=list)  # its last FrontMetrics (counters cumulative)
     alive: bool = True
 
     @property
@@ -83,7 +82,7 @@ class FrontLink:
         self.own_families = own_families or list  # this core's own metrics (the first core sums the others')
         self.fronts: dict[bytes, RemoteFront] = {}
         self._lora_tasks: set[asyncio.Task] = set()
-        self.retired: list = []  # the counters of fronts gone (a counter never goes back)
+        self.front_metrics = CumulativeSources()  # by front id (the counters of fronts gone kept)
         self._ctx = zmq.Context.instance()
         if keys is not None:
             if trusted is None:
@@ -225,7 +224,7 @@ class FrontLink:
         elif isinstance(msg, m.FinishChoice):
             self.core.finish_choice(_owned(front, msg.request_id), msg.index)
         elif isinstance(msg, m.FrontMetrics):
-            front.families = msg.families
+            self.front_metrics.update(front.front_id, msg.families)
         elif isinstance(msg, m.Query):
             if msg.what == m.QUERY_STATS:
                 self.send(front, m.Answer(msg.query_id, stats=self.core.stats()))
@@ -295,7 +294,7 @@ class FrontLink:
         front.alive = False
         if self.fronts.get(front.identity) is front:
             del self.fronts[front.identity]
-        self.retired = merge_families([self.retired, front.families], cumulative_only=True)
+        self.front_metrics.gone(front.front_id)
         n = self.core.abort_owned_by(front)
         log.warning("front %s dropped (%s); %d of its requests aborted", front.front_id, why, n)
 
@@ -307,7 +306,7 @@ class FrontLink:
 
     def front_families(self) -> list:
         """Every front's metrics summed, the counters of fronts gone included (for /metrics)."""
-        return merge_families([self.retired, *(f.families for f in self.fronts.values())])
+        return self.front_metrics.total()
 
 
 class _Foreign(ValueError):

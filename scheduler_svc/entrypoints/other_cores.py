@@ -24,7 +24,7 @@ from pagedserve.engine_api import EngineStats
 from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.front.core_link import RemoteCore
 from scheduler_svc.front.core_set import sum_stats
-from scheduler_svc.telemetry.families import merge_families
+from scheduler_svc.telemetry.families import CumulativeSources
 
 log = logging.getLogger(__name__)
 METRICS_EVERY_S = 1.0
@@ -37,7 +37,7 @@ class OtherCores:
         self.executor_port = executor_port  # core k schedules on this port + k
         self.peers = [RemoteCore(e, "core-0", None, None) for e in endpoints]
         self.sent = [0] * (len(endpoints) + 1)  # executors sent to each core since its last Status
-        self._families: list[list] = [[] for _ in endpoints]
+        self._families = CumulativeSources()  # by core (one restarted counts from 0 again)
         self._task: asyncio.Task | None = None
         self._started = time.monotonic()
         for peer in self.peers:
@@ -81,8 +81,7 @@ class OtherCores:
     def families(self) -> list:
         """The other cores' own metrics, summed (their vllm: gauges left out: core 0 computes the
         deployment's from every core's stats)."""
-        merged = merge_families(self._families)
-        return [f for f in merged if not f[0].startswith("vllm:")]
+        return [f for f in self._families.total() if not f[0].startswith("vllm:")]
 
     async def _poll_metrics(self) -> None:
         while True:
@@ -90,7 +89,7 @@ class OtherCores:
             for i, peer in enumerate(self.peers):
                 if peer.connected:
                     with contextlib.suppress(Exception):  # (a lost core keeps its last figures)
-                        self._families[i] = await peer.families(timeout_s=METRICS_EVERY_S)
+                        self._families.update(i, await peer.families(timeout_s=METRICS_EVERY_S))
 
     # ------------------------------------------------------------------ the links' sink (nothing is submitted)
 

@@ -47,6 +47,43 @@ def merge_families(lists: Iterable[list[Family]], cumulative_only: bool = False)
             for name, kind, doc, values in merged.values()]
 
 
+class CumulativeSources:
+    """Families from sources that come, go and restart (fronts, engine cores), summed so that no
+    counter goes back and none is counted twice: a source gone keeps its last counters and
+    histograms; one back under the same key goes on from them (the same process); one whose totals
+    fell (a restarted process, counting from 0 again) has its former ones kept beneath."""
+
+    def __init__(self) -> None:
+        self._base: list[Family] = []  # the totals of sources' earlier lives
+        self._last: dict[object, list[Family]] = {}
+        self._live: set[object] = set()
+
+    def update(self, key: object, families: list[Family]) -> None:
+        if not families:
+            return  # (no figures, e.g. an empty answer: not a restart)
+        old = self._last.get(key)
+        if old is not None and _fell(old, families):
+            self._base = merge_families([self._base, old], cumulative_only=True)
+        self._last[key] = families
+        self._live.add(key)
+
+    def gone(self, key: object) -> None:
+        self._live.discard(key)
+
+    def total(self) -> list[Family]:
+        kept = merge_families([self._base, *(f for k, f in self._last.items() if k not in self._live)],
+                              cumulative_only=True)
+        return merge_families([kept, *(f for k, f in self._last.items() if k in self._live)])
+
+
+def _fell(old: list[Family], new: list[Family]) -> bool:
+    """Whether a counter or histogram sample of ``old`` is smaller (or absent) in ``new``."""
+    now = {(sample, tuple(tuple(kv) for kv in labels)): value for _, kind, _, samples in new
+           if kind in _CUMULATIVE for sample, labels, value in samples}
+    return any(now.get((sample, tuple(tuple(kv) for kv in labels)), 0.0) < value
+               for _, kind, _, samples in old if kind in _CUMULATIVE for sample, labels, value in samples)
+
+
 class FamiliesCollector(Collector):
     """Exposes families that ``source()`` returns (the fronts' sum) in a registry of the core's."""
 

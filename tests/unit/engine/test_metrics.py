@@ -144,3 +144,53 @@ def test_head_on_the_metrics_port_has_a_gets_headers_and_no_body():
         assert abs(len(got.partition(b"\r\n\r\n")[2]) - length) < 200  # (a scrape's timestamps may move)
     finally:
         server.close()
+
+
+def _tokens_family(n: float) -> list:
+    return [("pagedserve:generation_tokens", "counter", "Tokens generated.",
+             [("pagedserve:generation_tokens_total", [], n)])]
+
+
+def _total(families: list) -> float:
+    return sum(v for f in families for _, _, v in f[3])
+
+
+def test_a_front_that_reconnects_is_not_counted_twice_and_one_that_restarted_is_not_forgotten():
+    """The core sums its fronts' counters, keeping those of fronts gone. The same front process
+    dropped for silence and back (a network blip) goes on from its own totals: they must not be
+    added to what was kept of it. One restarted under the same id starts from 0: what it had
+    counted stays."""
+    from pagedserve.wire import front_messages as fm
+    from scheduler_svc.engine.front_link import FrontLink, RemoteFront
+
+    class Core:
+        def abort_owned_by(self, front) -> int:
+            return 0
+
+    link = FrontLink(Core(), "inproc://metrics-test")  # type: ignore[arg-type]
+
+    def join(identity: bytes, counted: float) -> RemoteFront:
+        front = link.fronts[identity] = RemoteFront(link, identity, "front-a")
+        link._dispatch(front, fm.FrontMetrics(_tokens_family(counted)))
+        return front
+
+    link._drop(join(b"1", 5), "silent")
+    assert _total(link.front_families()) == 5  # (gone: its counters kept)
+    again = join(b"2", 7)  # the same process, 2 more tokens since
+    assert _total(link.front_families()) == 7
+    link._drop(again, "exited")
+    join(b"3", 1)  # restarted under the same id
+    assert _total(link.front_families()) == 8
+
+
+def test_sources_keep_a_restarted_sources_counters():
+    from scheduler_svc.telemetry.families import CumulativeSources
+
+    s = CumulativeSources()
+    s.update(1, _tokens_family(10))
+    s.update(2, _tokens_family(3))
+    assert _total(s.total()) == 13
+    s.update(1, _tokens_family(2))  # core 1 restarted: its counters start again
+    assert _total(s.total()) == 15
+    s.update(1, _tokens_family(4))
+    assert _total(s.total()) == 17
