@@ -40,10 +40,9 @@ from scheduler_svc.engine.engine_config import EngineConfig
 from scheduler_svc.engine.executor_conn import ExecutorConn
 from scheduler_svc.engine.executor_link import ExecutorHub, ExecutorLost
 from scheduler_svc.engine.requests import CoreRequests
-from scheduler_svc.engine.state import ExecutorSlot
+from scheduler_svc.engine.state import ExecutorSlot, SchedulerCounters
 from scheduler_svc.sched.in_flight import ProtocolError
 from scheduler_svc.sched.scheduler import Scheduler
-from scheduler_svc.sched.speculative_steps import SpecCounters
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +64,7 @@ class EngineCore(CoreRequests):
         draft = draft_name(Path(spec.model)) if spec is not None and spec.model is not None else None
         self.hub.admission.draft_model = draft
         self.hub.admission.max_lora_rank = cfg.max_lora_rank if cfg.enable_lora else None
-        self._retired_preemptions = 0  # counters of schedulers of executors now gone
-        self._retired_spec = SpecCounters()  # (their speculative decoding counters)
-        self._retired_prefix = (0, 0)
+        self._retired = SchedulerCounters()  # the counters of schedulers of executors now gone
         self._last_observed = 0.0
         self.num_steps = 0  # executor steps planned, all executors (benchmarks read it)
         self.on_readiness_change = lambda: None  # the servicer's health hook
@@ -122,23 +119,15 @@ class EngineCore(CoreRequests):
                          lora_adapters=self.lora.names)
 
     def stats(self) -> EngineStats:
-        st = EngineStats(num_preemptions=self._retired_preemptions,
-                         prefix_cache_query_tokens=self._retired_prefix[0],
-                         prefix_cache_hit_tokens=self._retired_prefix[1],
-                         num_migrations=self._num_migrations)
-        spec = SpecCounters()
-        spec.add(self._retired_spec)
+        st = EngineStats(num_migrations=self._num_migrations)
+        counted = self._retired.copy()
         st.num_waiting = len(self.orphans)
         for slot in self.slots.values():
             s = slot.scheduler
             st.num_running += s.num_running
             st.num_waiting += s.num_waiting + len(slot.adds)
             st.num_swapped += s.num_swapped
-            st.num_preemptions += s.num_preemptions
-            st.prefix_cache_query_tokens += s.prefix_cache_query_tokens
-            st.prefix_cache_hit_tokens += s.prefix_cache_hit_tokens
-            if s.spec is not None:
-                spec.add(s.spec.counters)
+            counted.add(s)
             info = slot.conn.info
             blocks = s.block_stats()
             st.executors.append(ExecutorStats(
@@ -147,7 +136,7 @@ class EngineCore(CoreRequests):
                 kv_blocks_shared=blocks["shared"], cpu_blocks_total=info.num_cpu_blocks,
                 cpu_blocks_used=blocks["cpu_used"], num_running=s.num_running,
                 num_waiting=s.num_waiting + len(slot.adds), tensor_parallel_size=info.tensor_parallel_size))
-        spec.report(st)
+        counted.report(st)
         self._lora_stats(st)
         return st
 
@@ -177,7 +166,7 @@ class EngineCore(CoreRequests):
                                             self.eos_token_ids, vocab_size=info.vocab_size,
                                             lora_paths=self.lora.paths))
         if (displaced := self.slots.get(conn.id)) is not None:  # (its process restarted: the old loop ends later)
-            self._retire_counters(displaced)
+            self._retired.add(displaced.scheduler)
         self.slots[conn.id] = slot
         slot.task = asyncio.create_task(self._run(slot), name=f"engine-{conn.id}")
         slot.task.add_done_callback(self._loop_ended)
@@ -376,17 +365,8 @@ class EngineCore(CoreRequests):
     def _retire(self, slot: ExecutorSlot) -> None:
         if self.slots.get(slot.id) is slot:  # (not a newer executor that registered under the same id)
             self.router.forget(slot.id)
-            self._retire_counters(slot)
+            self._retired.add(slot.scheduler)  # (a counter never goes back)
             del self.slots[slot.id]
-
-    def _retire_counters(self, slot: ExecutorSlot) -> None:
-        """Keep what the scheduler of ``slot``, leaving ``self.slots``, counted (a counter never goes back)."""
-        s = slot.scheduler
-        self._retired_preemptions += s.num_preemptions
-        if s.spec is not None:
-            self._retired_spec.add(s.spec.counters)
-        q, h = self._retired_prefix
-        self._retired_prefix = (q + s.prefix_cache_query_tokens, h + s.prefix_cache_hit_tokens)
 
     # ------------------------------------------------------------------ observation
 

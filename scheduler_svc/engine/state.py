@@ -4,7 +4,8 @@
 it (where its updates go), the executor it runs on and what moves with it when it migrates.
 ``ExecutorSlot`` is one registered executor: its connection, its own Scheduler (its KV pool), the
 inbox of additions, aborts and finished choices that only its engine loop applies, the requests
-it runs and the updates applied but not yet handed to their fronts.
+it runs and the updates applied but not yet handed to their fronts. ``SchedulerCounters`` sums the
+counters of schedulers, those of executors gone included.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.engine_api import GenerationRequest
+from pagedserve.engine_api import EngineStats, GenerationRequest
 from scheduler_svc.engine.executor_conn import ExecutorConn
 from scheduler_svc.sched.request import MigratedRequest
 from scheduler_svc.sched.scheduler import Scheduler
+from scheduler_svc.sched.speculative_steps import SpecCounters
 
 
 @dataclass(slots=True, eq=False)
@@ -76,3 +78,32 @@ class ExecutorSlot:
 
     def _blocks(self, t: CoreRequest) -> int:
         return -(-len(t.req.prompt_token_ids) // self.scheduler.config.block_size)
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    """The counters of schedulers summed: preemptions, prefix-cache lookups and hits (tokens), and
+    speculative decoding's. The engine keeps those of schedulers gone (a counter never goes back)
+    and adds the live ones to them for its stats."""
+
+    preemptions: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    spec: SpecCounters = field(default_factory=SpecCounters)
+
+    def add(self, s: Scheduler) -> None:
+        self.preemptions += s.num_preemptions
+        self.prefix_query_tokens += s.prefix_cache_query_tokens
+        self.prefix_hit_tokens += s.prefix_cache_hit_tokens
+        if s.spec is not None:
+            self.spec.add(s.spec.counters)
+
+    def copy(self) -> SchedulerCounters:
+        spec = SpecCounters()
+        spec.add(self.spec)
+        return SchedulerCounters(self.preemptions, self.prefix_query_tokens, self.prefix_hit_tokens, spec)
+
+    def report(self, st: EngineStats) -> None:
+        st.num_preemptions = self.preemptions
+        st.prefix_cache_query_tokens, st.prefix_cache_hit_tokens = self.prefix_query_tokens, self.prefix_hit_tokens
+        self.spec.report(st)
