@@ -6,7 +6,7 @@ whole or not at all: its LoRA adapter gets a slot (or it waits, in arrival order
 takes its cached prefix blocks (a scored prompt takes none), then its first chunk is allocated;
 when anything does not fit, what it took goes back and it waits at the head of the queue. A
 one-sequence request coming back (after preemption by recompute, or migration) waits until all it
-must compute fits, not its first chunk alone (``_whole_fits``).
+must compute fits, not its first chunk alone (``_fits``).
 """
 
 from __future__ import annotations
@@ -79,13 +79,11 @@ class Admission(PlanBuilding):
         hits = []
         known = r.req.prompt_block_hashes or ()  # every seq of r starts with the prompt
         takes_hits = takes_prefix_hits(r.req)
-        back = r.req.first_scheduled_at is not None and len(r.live) == 1  # after preemption or migration
+        single = len(r.live) == 1
+        back = single and r.req.first_scheduled_at is not None  # after preemption or migration: whole
         for seq in r.live:
             hit = self.kv.lookup_prefix(seq, known) if takes_hits else NO_HIT
-            if back and not self._whole_fits(r, seq, hit):
-                self._unadmit(r)
-                return None
-            if hit.blocks and len(r.live) == 1 and not self._first_chunk_fits(r, seq, hit, max_tokens):
+            if (back or (single and hit.blocks)) and not self._fits(r, seq, hit, None if back else max_tokens):
                 self._unadmit(r)
                 return None
             if self.kv.allocate(seq, 0, hit) is None:
@@ -95,31 +93,28 @@ class Admission(PlanBuilding):
             hits.append(hit.num_tokens)
         return hits
 
-    def _first_chunk_fits(self, r: Request, seq: Sequence, hit: PrefixHit, max_tokens: int) -> bool:
-        """Whether a one-sequence request's hits plus what ``_group_work`` would compute first fit
-        with the watermark kept: the check ``_allocate`` makes after the hits are taken, made
-        before. A request waiting at the head of the queue is retried every step, and taking then
-        returning its hits costs two refcount changes per hit block (a preempted 32K-token
-        request: ~2K blocks, milliseconds per step). True when it cannot tell (an n > 1 request
-        whose hits cover its shared prefill: it forks its choices next)."""
+    def _fits(self, r: Request, seq: Sequence, hit: PrefixHit, max_tokens: int | None) -> bool:
+        """Whether a one-sequence request's hits plus what it computes first (a chunk of at most
+        ``max_tokens``; None: all it must compute) fit with the watermark kept: the check
+        ``_allocate`` makes after the hits are taken, made before. A request waiting at the head of
+        the queue is retried every step, and taking then returning its hits costs two refcount
+        changes per hit block (a preempted 32K-token request: ~2K blocks, milliseconds per step).
+        True when it cannot tell (an n > 1 request whose hits cover its shared prefill: it forks
+        its choices next).
+
+        A request coming back after preemption or migration is checked whole (``max_tokens``
+        None). Admitted on its first chunk, as a new request is, a pool that cannot hold it
+        thrashes: it is the latest arrival the moment the running requests grow into the blocks
+        its preemption freed, so it is preempted again every few steps, each time after
+        recomputing part of itself (``benchmarks/preemption_recompute.py``: 49x the tokens needed
+        without prefix caching, 5.7x with it). Checked whole, it comes back when a request has
+        finished, and stays. Its cached blocks (``hit``) count as held: with prefix caching they
+        are most of it."""
         target = self._prefill_target(r, seq)
         if target <= hit.num_tokens:
             return True
-        n = min(target - hit.num_tokens, max_tokens)
+        n = target - hit.num_tokens if max_tokens is None else min(target - hit.num_tokens, max_tokens)
         return self.kv.blocks_needed(seq, n, hit) + self._watermark <= self.kv.num_free_blocks
-
-    def _whole_fits(self, r: Request, seq: Sequence, hit: PrefixHit) -> bool:
-        """Whether all a request coming back must compute again fits now, with the watermark kept.
-
-        Admitting it on its first chunk alone, as a new request is, lets a pool that cannot hold it
-        thrash: it is the latest arrival the moment the running requests grow into the blocks its
-        preemption freed, so it is preempted again, every few steps, each time after recomputing
-        part of itself (``benchmarks/preemption_recompute.py``: 49x the tokens needed without prefix
-        caching, 5.7x with it). Waiting until it fits whole, it comes back when a request has
-        finished, and stays. Its cached blocks (``hit``) count as held: with prefix caching they are
-        most of it."""
-        need = self._prefill_target(r, seq) - hit.num_tokens
-        return need <= 0 or self.kv.blocks_needed(seq, need, hit) + self._watermark <= self.kv.num_free_blocks
 
     def _unadmit(self, r: Request) -> None:
         """Undo a failed admission: hit blocks go back to the cache, nothing was sent."""
