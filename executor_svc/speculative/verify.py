@@ -72,16 +72,24 @@ class WalkGrammar:
         """The mask of the walk's next position, as the one row of a sample."""
         return self.backend.masks([self])
 
-    @staticmethod
-    def dead_end(masks: GrammarMasks | None) -> bool:
-        """Whether the grammar allows no token at this position. The walk stops before it: what was
-        emitted is the grammar's, and the sequence's next step meets the dead end and rejects the
-        request (``NO_TOKEN_ALLOWED``), as decoding without speculation does; sampled here unmasked,
-        the token would break the grammar, a failure counted against the executor."""
-        return masks is not None and bool(masks.failed)
-
     def accept(self, token_id: int) -> None:
         self.grammar.accept(token_id)
+
+
+_DEAD_END = object()
+
+
+def _position_masks(walk: WalkGrammar | None, j: int) -> GrammarMasks | None | object:
+    """The mask of walk position ``j`` (None: unconstrained), or ``_DEAD_END`` where, past the first
+    position, the grammar allows no token. The walk stops before such a position: what was emitted
+    is the grammar's, and the sequence's next step meets the dead end and rejects the request
+    (``NO_TOKEN_ALLOWED``), as decoding without speculation does; sampled unmasked, the token would
+    break the grammar, a failure counted against the executor. (At the first position the step's
+    own masks already failed such a row: it has no walk.)"""
+    if walk is None:
+        return None
+    masks = walk.masks()
+    return _DEAD_END if j and masks is not None and masks.failed else masks
 
 
 def _sample_row(sampler: Sampler, row: torch.Tensor, s: SeqState, masks: GrammarMasks | None) -> SampleOutput:
@@ -98,14 +106,12 @@ def _draft_walk(sampler: Sampler, s: SeqState, props: list[int], rows: list[torc
     lps: list[TokenLogprobs | None] = []
     for j, d in enumerate(props):
         row = rows[j]
-        if walk is not None:
-            masks = walk.masks()
-            if j and walk.dead_end(masks):
-                return emitted, lps
-            if masks is not None:
-                row = row[None].clone()
-                masks.apply(row)
-                row = row[0]
+        if (masks := _position_masks(walk, j)) is _DEAD_END:
+            return emitted, lps
+        if masks is not None:
+            row = row[None].clone()
+            masks.apply(row)
+            row = row[0]
         p = sampler.probs(row, s)
         tok, accepted = rejection_step(p, s.draft_q[j], d, sampler.uniform(s, ACCEPT_SALT), sampler.uniform(s))
         emitted.append(tok)
@@ -115,8 +121,7 @@ def _draft_walk(sampler: Sampler, s: SeqState, props: list[int], rows: list[torc
             walk.accept(tok)
         if not accepted:
             return emitted, lps
-    masks = walk.masks() if walk is not None else None
-    if props and walk is not None and walk.dead_end(masks):
+    if (masks := _position_masks(walk, len(props))) is _DEAD_END:
         return emitted, lps
     o = _sample_row(sampler, rows[len(props)], s, masks)
     emitted.append(o.token_ids[0])
@@ -156,8 +161,7 @@ def verify_proposals(sampler: Sampler, batch: Batch, last_rows: list[torch.Tenso
         else:
             emitted, lps = [], []
             for j, row in enumerate(rows):
-                masks = walk.masks() if walk is not None else None
-                if j and walk is not None and walk.dead_end(masks):
+                if (masks := _position_masks(walk, j)) is _DEAD_END:
                     break
                 o = _sample_row(sampler, row, s, masks)
                 tok = o.token_ids[0]
