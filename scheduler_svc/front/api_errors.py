@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 GRPC_CODE_OF_STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "UNIMPLEMENTED", 408: "DEADLINE_EXCEEDED",
-                       413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL",
+                       413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL",
                        503: "UNAVAILABLE"}
 
 
 _TYPE_OF_STATUS = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-                   408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                   408: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
                    500: "server_error", 503: "service_unavailable_error"}
 
 

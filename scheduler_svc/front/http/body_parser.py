@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -90,9 +91,28 @@ def _busy(e: ParserBusy) -> ApiError:
                     code=BUSY, headers={"retry-after": str(RETRY_AFTER_S)})
 
 
+def check_media_type(headers: Mapping[str, str]) -> None:
+    """415 (``unsupported_media_type``) for a body that is not plain JSON, before it is read.
+    A missing Content-Type is taken as JSON (clients that send none mean it); any other type than
+    JSON, such as curl's default for ``-d`` (form-encoded), is refused rather than decoded as JSON
+    by guess. A compressed body is refused: decompressing it would take memory its length does not bound."""
+    ctype = headers.get("content-type")
+    if ctype is not None:
+        media = ctype.split(";", 1)[0].strip().lower()
+        if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+            raise ApiError(415, f"Content-Type: only application/json is accepted (got {ctype[:60]!r}; "
+                                "with curl, pass -H 'Content-Type: application/json')",
+                           code="unsupported_media_type", param="content-type")
+    encoding = headers.get("content-encoding")
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise ApiError(415, f"Content-Encoding: only an uncompressed body is accepted (got {encoding[:40]!r})",
+                       code="unsupported_media_type", param="content-encoding")
+
+
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body, rejected (413) from its Content-Length before reading, or as soon as it passes
-    ``limit``; 408 unless it has all arrived within ``timeout_s``."""
+    """The body, rejected before reading when it is not JSON (415) or its Content-Length is over
+    ``limit`` (413), or as soon as it passes ``limit``; 408 unless it has all arrived within ``timeout_s``."""
+    check_media_type(request.headers)
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > limit):
         raise ApiError(413, f"request body: at most {limit} bytes (Content-Length: {length[:20]})",

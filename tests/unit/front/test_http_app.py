@@ -515,6 +515,35 @@ def test_malformed_and_oversized_bodies(fake):
     assert status == 413 and _error(status, raw)["code"] == "request_too_large"
 
 
+@pytest.mark.parametrize("headers,param,got", [
+    ({"Content-Type": "text/plain"}, "content-type", "'text/plain'"),
+    ({"Content-Type": "application/x-www-form-urlencoded"}, "content-type", "'application/x-www-form-urlencoded'"),
+    ({"Content-Type": "application/json", "Content-Encoding": "gzip"}, "content-encoding", "'gzip'"),
+])
+def test_a_body_that_is_not_plain_json_is_415_naming_the_header(fake, headers, param, got):
+    # Decoded as JSON by guess, a gzip body was a confusing "invalid JSON" 400; vLLM refuses any type but JSON.
+    status, raw = fake.request("POST", "/v1/completions", b'{"prompt": "Hi"}', headers)
+    err = _error(status, raw)
+    assert (status, err["param"], err["code"]) == (415, param, "unsupported_media_type")
+    assert got in err["message"] and not fake.engine.requests
+
+
+@pytest.mark.parametrize("headers", [{"Accept": "*/*"},  # (no Content-Type at all)
+                                     {"Content-Type": "application/json; charset=utf-8"},
+                                     {"Content-Type": "Application/JSON"}, {"Content-Encoding": "identity"}])
+def test_json_bodies_are_served_with_or_without_a_content_type(fake, headers):
+    assert fake.request("POST", "/v1/completions", b'{"prompt": "Hi"}', headers)[0] == 200
+    assert len(fake.engine.requests) == 1
+
+
+def test_a_body_of_another_media_type_is_refused_before_it_is_read(fake):
+    with socket.create_connection(("127.0.0.1", fake.server.port), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
+                  b"Content-Length: 100\r\n\r\n{")  # the rest never comes: answered all the same
+        reply = s.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 415")
+
+
 def test_oversized_body_is_refused_from_its_content_length_before_it_is_read(fake):
     with socket.create_connection(("127.0.0.1", fake.server.port), timeout=5) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
