@@ -51,29 +51,63 @@ class CumulativeSources:
     """Families from sources that come, go and restart (fronts, engine cores), summed so that no
     counter goes back and none is counted twice: a source gone keeps its last counters and
     histograms; one back under the same key goes on from them (the same process); one whose totals
-    fell (a restarted process, counting from 0 again) has its former ones kept beneath."""
+    fell (a restarted process, counting from 0 again) has its former ones kept beneath.
 
-    def __init__(self) -> None:
+    Fronts are named by host and pid, so each rollout brings new keys: past ``max_gone`` sources
+    gone, the longest gone is folded into the base for good (memory and the cost of a scrape stay
+    bounded). Should one of those come back after all, it counts from its return: what it counted
+    while away is not seen, and nothing is counted twice."""
+
+    def __init__(self, max_gone: int = 64) -> None:
+        self.max_gone = max_gone
         self._base: list[Family] = []  # the totals of sources' earlier lives
         self._last: dict[object, list[Family]] = {}
         self._live: set[object] = set()
+        self._gone: dict[object, None] = {}  # in the order they went
+        self._retired: dict[object, None] = {}  # folded into the base: their keys (the latest 64 x max_gone)
+        self._offset: dict[object, list[Family]] = {}  # a retired source back: its totals on return
 
     def update(self, key: object, families: list[Family]) -> None:
         if not families:
             return  # (no figures, e.g. an empty answer: not a restart)
         old = self._last.get(key)
-        if old is not None and _fell(old, families):
-            self._base = merge_families([self._base, old], cumulative_only=True)
+        if old is None and key in self._retired:
+            del self._retired[key]
+            self._offset[key] = families  # back after it was folded away: count from here
+        elif old is not None and _fell(old, families):
+            self._base = merge_families([self._base, self._counted(key, old)], cumulative_only=True)
+            self._offset.pop(key, None)  # (a new process: all it counts is new)
         self._last[key] = families
         self._live.add(key)
+        self._gone.pop(key, None)
 
     def gone(self, key: object) -> None:
+        if key not in self._live:
+            return
         self._live.discard(key)
+        self._gone[key] = None
+        while len(self._gone) > self.max_gone:
+            oldest = next(iter(self._gone))
+            del self._gone[oldest]
+            self._base = merge_families([self._base, self._counted(oldest, self._last.pop(oldest))],
+                                        cumulative_only=True)
+            self._offset.pop(oldest, None)
+            self._retired[oldest] = None
+            if len(self._retired) > 64 * self.max_gone:
+                del self._retired[next(iter(self._retired))]
 
     def total(self) -> list[Family]:
-        kept = merge_families([self._base, *(f for k, f in self._last.items() if k not in self._live)],
+        kept = merge_families([self._base, *(self._counted(k, f) for k, f in self._last.items() if k not in self._live)],
                               cumulative_only=True)
-        return merge_families([kept, *(f for k, f in self._last.items() if k in self._live)])
+        return merge_families([kept, *(self._counted(k, f) for k, f in self._last.items() if k in self._live)])
+
+    def _counted(self, key: object, families: list[Family]) -> list[Family]:
+        """What a source's families add to the total: all of them, or past its return if retired."""
+        offset = self._offset.get(key)
+        if offset is None:
+            return families
+        return merge_families([families, [(n, k, d, [(s, lb, -v) for s, lb, v in samples])
+                                          for n, k, d, samples in offset if k in _CUMULATIVE]])
 
 
 def _fell(old: list[Family], new: list[Family]) -> bool:

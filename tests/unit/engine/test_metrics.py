@@ -194,3 +194,24 @@ def test_sources_keep_a_restarted_sources_counters():
     assert _total(s.total()) == 15
     s.update(1, _tokens_family(4))
     assert _total(s.total()) == 17
+
+
+def test_sources_gone_past_the_bound_are_folded_and_one_back_counts_from_its_return():
+    from scheduler_svc.telemetry.families import CumulativeSources
+
+    s = CumulativeSources(max_gone=2)
+    for key in range(5):  # a rollout: five fronts, each gone after counting 10 + key
+        s.update(key, _tokens_family(10 + key))
+        s.gone(key)
+    assert _total(s.total()) == 60  # nothing lost
+    assert len(s._last) == 2  # the three gone longest are in the base, no longer held one by one
+    s.update(0, _tokens_family(15))  # folded away, yet back (the same process): 5 more since it went
+    assert _total(s.total()) == 60  # counts from its return: never twice
+    s.update(0, _tokens_family(18))
+    assert _total(s.total()) == 63
+    s.gone(0)
+    assert _total(s.total()) == 63
+    s.update(4, _tokens_family(20))  # still held: goes on from its last totals
+    assert _total(s.total()) == 69
+    s.update(4, _tokens_family(1))  # restarted
+    assert _total(s.total()) == 70
