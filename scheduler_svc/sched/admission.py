@@ -68,8 +68,8 @@ class Admission(PlanBuilding):
         if r.req.first_scheduled_at is None:  # not after preemption or migration
             r.req.first_scheduled_at = time.monotonic()
             self.first_scheduled.append(r.req)
+        self._count_prefix(r, hit_tokens)  # (before _emit adds the placeholders of samples due)
         self._emit(work, changes, intros, plan, budget)  # type: ignore[arg-type]
-        self._count_prefix(r, hit_tokens)
         return True
 
     def _take_prefix_hits(self, r: Request, max_tokens: int) -> list[int] | None:
@@ -125,6 +125,8 @@ class Admission(PlanBuilding):
             seq.forget_executor_state()  # choices forked during the attempt get NewSeq later
 
     def _count_prefix(self, r: Request, hits: list[int]) -> None:
+        """Count the tokens ``r``'s sequences looked up (their known tokens, as vLLM counts a
+        request's) and found."""
         for seq, h in zip(r.live[: len(hits)], hits, strict=True):  # choices forked at admission share the hit
             self.prefix_cache_query_tokens += seq.num_tokens
             self.prefix_cache_hit_tokens += h

@@ -258,11 +258,12 @@ def test_prefix_cache_hit_skips_computing_the_shared_prompt():
     a = req("a", prompt, max_tokens=3, ignore_eos=True)
     drive_outs = run_all(sched, ex, [a])
     computed_a = ex.tokens_computed
+    assert sched.prefix_cache_query_tokens == 40  # its prompt's tokens, none of its samples in flight
     b = req("b", prompt + [7, 8], max_tokens=3, seed=9)
     sched.add_request(b)
     cached = []
     outs = drive(sched, ex, on_step=lambda _, ups: cached.extend(u.num_cached_prompt_tokens for u in ups))
-    assert sched.prefix_cache_hit_tokens == 40 and sched.prefix_cache_query_tokens >= 82
+    assert sched.prefix_cache_hit_tokens == 40 and sched.prefix_cache_query_tokens == 40 + 42
     assert cached and set(cached) == {40}
     assert ex.tokens_computed - computed_a == 2 + 2  # 2 new prompt tokens + 2 decode steps
     assert outs[("b", 0)] == oracle(b) and drive_outs[("a", 0)] == oracle(a)
