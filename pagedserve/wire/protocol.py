@@ -47,6 +47,18 @@ MAX_LORA_PATH_CHARS = 4096  # an adapter directory as the executor sees it (Lora
 MAX_SPECULATIVE_TOKENS = 16  # tokens proposed to one sequence in one step (BatchPlan.proposals)
 MAX_DECODE_STEPS = 64  # decode steps one plan may ask for (BatchPlan.decode_steps)
 
+# ---- what one request may ask for on the front link (a Submit's GenerationRequest) ---
+# A front's limits (--max-n, ...) may not exceed these: a Submit past one does not decode, and the
+# engine core drops the front that sent it. Within them, the core holds each request to its own
+# limits (pagedserve/request_bounds.py), failing that request alone.
+MAX_REQUEST_ID_CHARS = 512  # request ids (the front's prefix and the client's id) and front ids
+MAX_CHOICES = 1 << 12  # n: choices of one request
+MAX_STOP_STRINGS = 1 << 12  # stop strings of one request (distinct)
+MAX_STOP_STRING_CHARS = 1 << 12  # characters of one stop string
+# Beam scores divide by length ** length_penalty: within this bound that stays a finite float for
+# any length up to MAX_SEQ_TOKENS (2**22 ** 10 ~ 1e66), and it is far beyond any useful value.
+MAX_LENGTH_PENALTY = 10.0
+
 # ---- KV cache layout both sides must agree on ------------------------------------
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block (the paper's default)
 BLOCK_SIZES = (8, 16, 32)  # what the CUDA kernels are built for
@@ -61,11 +73,12 @@ DEAD_AFTER_INTERVALS = 5  # a peer silent this many heartbeat intervals is dead 
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 # ---- structured outputs: SamplingParams.structured.kind (the spec's meaning) -----
-STRUCTURED_JSON = 1  # spec: a JSON schema (JSON text); {"type": "object"} for any JSON object
+STRUCTURED_JSON = 1  # spec: a JSON schema (JSON text); JSON_OBJECT_SCHEMA for any JSON object
 STRUCTURED_REGEX = 2  # spec: a regular expression the whole output matches
 STRUCTURED_CHOICE = 3  # spec: a JSON array of strings; the output is one of them
 STRUCTURED_GRAMMAR = 4  # spec: an EBNF grammar in GBNF notation, rule "root" first
 STRUCTURED_KINDS = (STRUCTURED_JSON, STRUCTURED_REGEX, STRUCTURED_CHOICE, STRUCTURED_GRAMMAR)
+JSON_OBJECT_SCHEMA = '{"type":"object"}'  # (json_object: whatever a front's --max-structured-chars)
 
 # ---- step sizes ---------------------------------------------------------------------
 # The scheduler's default --max-num-batched-tokens: the largest step an executor

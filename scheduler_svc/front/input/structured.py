@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.wire import (
+    JSON_OBJECT_SCHEMA,
     MAX_STRUCTURED_CHARS,
     STRUCTURED_CHOICE,
     STRUCTURED_GRAMMAR,
@@ -38,7 +39,6 @@ from pagedserve.wire import (
     Structured,
 )
 
-JSON_OBJECT_SCHEMA = '{"type":"object"}'
 CACHE_ENTRIES = 4096  # verdicts kept (LRU): the specs of the busiest clients stay checked
 _BOUND_PAIRS = (("minimum", "maximum"), ("exclusiveMinimum", "exclusiveMaximum"), ("minLength", "maxLength"),
                 ("minItems", "maxItems"), ("minProperties", "maxProperties"))

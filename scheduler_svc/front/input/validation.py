@@ -18,28 +18,27 @@ from collections.abc import Callable, Sequence
 
 from pagedserve.engine_api import GenerationRequest, ModelInfo, RequestParams
 from pagedserve.kv_blocks import request_blocks
+from pagedserve.request_bounds import (
+    ValidationError,
+    check_count,
+    check_int_range,
+    check_logit_bias,
+    check_max_tokens,
+    check_n_or_beams,
+    check_prompt_len,
+    check_stop_strings,
+    check_stop_token_ids,
+    check_token_ids,
+)
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.wire import GREEDY_TEMPERATURE_EPS, MAX_SEED, SamplingParams
-from pagedserve.wire.protocol import MAX_END_TOKEN_IDS, MAX_INT32, MAX_LOGIT_BIAS
+from pagedserve.wire.protocol import MAX_END_TOKEN_IDS, MAX_INT32, MAX_LENGTH_PENALTY
 from scheduler_svc.front.input.request_fields import RequestFields, fields_from_proto
 from scheduler_svc.front.input.server_limits import ServerLimits, raw_list_problem
 from scheduler_svc.front.input.structured import StructuredError, needs_check, structured_spec
 
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI presence / frequency penalties
-# Beam scores divide by length ** length_penalty: within this bound that stays a finite float for
-# any length up to the wire's limit (2**22 ** 10 ~ 1e66), and it is far beyond any useful value.
-MAX_LENGTH_PENALTY = 10.0
-LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's --logprobs-mode values (raw: the default)
-
-
-class ValidationError(ValueError):
-    """A client error in one field of a request: ``field`` (the gRPC API's name) and ``detail``."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.detail = message
 
 
 def validation_work(f: RequestFields) -> int:
@@ -137,13 +136,8 @@ def _prompt_token_ids(f: RequestFields, model: ModelInfo, tokenize: Callable[[st
                                                       f"{model.max_model_len}")
         ids = list(f.prompt_token_ids)
         field = "prompt_token_ids"
-    _check_vocab(field, ids, model.vocab_size)
-    if len(ids) >= model.max_model_len:
-        raise ValidationError(
-            field,
-            f"has {len(ids)} tokens; max_model_len is {model.max_model_len}, "
-            "so it must have at most max_model_len - 1 tokens to leave room to generate",
-        )
+    check_token_ids(field, ids, model.vocab_size)
+    check_prompt_len(field, len(ids), model.max_model_len)
     return ids
 
 
@@ -159,14 +153,6 @@ def _check_prompt_chars(chars: int, model: ModelInfo) -> None:
                                         f"{model.max_token_chars} characters)")
 
 
-def _check_vocab(field: str, ids: Sequence[int], vocab_size: int) -> None:
-    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):  # in C: a Python loop over a
-        return  # max_model_len prompt held the event loop for ~10 ms per 131,072 ids
-    for i, tok in enumerate(ids):
-        if not 0 <= tok < vocab_size:
-            raise ValidationError(f"{field}[{i}]", f"must be a token id in [0, vocab_size={vocab_size}) (got {tok})")
-
-
 def _max_tokens(max_tokens: int, prompt_len: int, model: ModelInfo, default: int, width: int) -> int:
     room = model.max_model_len - prompt_len  # >= 1, checked with the prompt
     if max_tokens == 0:  # the default never asks for more than the roomiest pool holds at once
@@ -175,24 +161,14 @@ def _max_tokens(max_tokens: int, prompt_len: int, model: ModelInfo, default: int
         return max(1, min(default, room))  # (below 1 the prompt alone does not fit: rejected next)
     if max_tokens < 1:
         raise ValidationError("sampling.max_tokens", f"must be >= 1, or 0 for the default (got {max_tokens})")
-    if max_tokens > room:
-        raise ValidationError(
-            "sampling.max_tokens",
-            # (the field's name is the error's own: the HTTP front names max_completion_tokens for it)
-            f"a prompt of {prompt_len} tokens + {max_tokens} to generate = {prompt_len + max_tokens} "
-            f"exceeds max_model_len ({model.max_model_len}); at most {room} allowed",
-        )
+    check_max_tokens(max_tokens, prompt_len, model.max_model_len)
     return max_tokens
 
 
 def _n_and_beam_width(f: RequestFields, limits: ServerLimits) -> tuple[int, int]:
     n = _count("sampling.n", f.n, limits.max_n)
     beam_width = _count("sampling.beam_width", f.beam_width, limits.max_beam_width)
-    if n > 1 and beam_width > 1:
-        raise ValidationError(
-            "sampling.n",
-            f"must be 0 or 1 with beam search (beam_width={beam_width} returns that many beams as the choices); got n={n}",
-        )
+    check_n_or_beams(n, beam_width)
     return n, beam_width
 
 
@@ -201,9 +177,9 @@ def _count(field: str, value: int, hi: int) -> int:
     0, and "[0, hi]" read as if 0 choices could be asked for."""
     if value < 0:
         raise ValidationError(field, f"must be >= 1, or 0 for the default of 1 (got {value})")
-    if value > hi:
-        raise ValidationError(field, f"must be in [1, {hi}] (got {value})")
-    return int(value) or 1
+    value = int(value) or 1
+    check_count(field, value, hi)
+    return value
 
 
 def _check_blocks(prompt_len: int, max_tokens: int, n: int, beam_width: int, model: ModelInfo) -> None:
@@ -243,13 +219,13 @@ def _sampling(f: RequestFields, limits: ServerLimits) -> SamplingParams:
             raise ValidationError("sampling.top_p", f"must be in (0, 1] (got {f.top_p:g})")
         out.top_p = float(f.top_p)
     if f.top_k is not None:
-        out.top_k = _int_range("sampling.top_k", f.top_k, 0, MAX_INT32)  # the wire's bound; JSON has none
+        out.top_k = check_int_range("sampling.top_k", f.top_k, 0, MAX_INT32)  # the wire's bound; JSON has none
     if f.min_p is not None:
         if not 0.0 <= f.min_p <= 1.0:
             raise ValidationError("sampling.min_p", f"must be in [0, 1] (got {f.min_p:g})")
         out.min_p = float(f.min_p)
     if f.seed is not None:
-        out.seed = _int_range("sampling.seed", f.seed, 0, MAX_SEED - limits.max_n)
+        out.seed = check_int_range("sampling.seed", f.seed, 0, MAX_SEED - limits.max_n)
     if f.repetition_penalty is not None:
         rp = _finite("sampling.repetition_penalty", f.repetition_penalty)
         if rp <= 0:
@@ -264,7 +240,7 @@ def _sampling(f: RequestFields, limits: ServerLimits) -> SamplingParams:
             setattr(out, name, float(value))
     if f.logprobs is not None:
         out.want_logprobs = True
-        out.logprobs = _int_range("sampling.logprobs", f.logprobs, 0, limits.max_logprobs)
+        out.logprobs = check_int_range("sampling.logprobs", f.logprobs, 0, limits.max_logprobs)
     return out
 
 
@@ -273,9 +249,12 @@ def _extensions(out: SamplingParams, f: RequestFields, model: ModelInfo, limits:
     """logit_bias, min_tokens, prompt_logprobs and structured outputs into ``out``; the ids that end
     a sequence (EOS unless ignored, stop token ids) go along when min_tokens or a grammar needs them."""
     out.logit_bias = _logit_bias(f.logit_bias, model, limits)
-    out.min_tokens = _int_range("sampling.min_tokens", f.min_tokens, 0, max_tokens)
+    if beam_width > 1 and out.want_logprobs:  # refused, never dropped: the answer would lack them
+        raise ValidationError("sampling.logprobs", f"cannot be combined with beam search (beam_width={beam_width}): "
+                                                   "beams report no per-token log-probs")
+    out.min_tokens = check_int_range("sampling.min_tokens", f.min_tokens, 0, max_tokens)
     if f.prompt_logprobs is not None:
-        out.prompt_logprobs = _int_range("sampling.prompt_logprobs", f.prompt_logprobs, 0, limits.max_logprobs)
+        out.prompt_logprobs = check_int_range("sampling.prompt_logprobs", f.prompt_logprobs, 0, limits.max_logprobs)
     if f.structured is not None:
         field = f.structured.field
         if beam_width > 1:
@@ -296,57 +275,25 @@ def _extensions(out: SamplingParams, f: RequestFields, model: ModelInfo, limits:
 
 
 def _logit_bias(bias: Sequence[tuple[int, float]], model: ModelInfo, limits: ServerLimits) -> list[tuple[int, float]]:
-    cap = min(limits.max_logit_bias, MAX_LOGIT_BIAS)
-    if len(bias) > cap:
-        raise ValidationError("sampling.logit_bias", f"at most {cap} entries (got {len(bias)})")
-    lo, hi = LOGIT_BIAS_RANGE
-    out = []
-    for tok, value in bias:
-        if not 0 <= tok < model.vocab_size:
-            raise ValidationError(f"sampling.logit_bias[{tok}]",
-                                  f"must name a token id in [0, vocab_size={model.vocab_size}) (got {tok})")
-        if not lo <= value <= hi:  # (also rejects NaN)
-            raise ValidationError(f"sampling.logit_bias[{tok}]", f"must be in [{lo:g}, {hi:g}] (got {value:g})")
-        out.append((int(tok), float(value)))
-    return out
+    check_logit_bias(bias, model.vocab_size, limits)
+    return [(int(tok), float(value)) for tok, value in bias]
 
 
 def _stop_strings(stop: Sequence[str], limits: ServerLimits) -> list[str]:
     if (problem := raw_list_problem(len(stop), limits.max_stop_strings)) is not None:
         raise ValidationError("sampling.stop", problem)
-    for i, s in enumerate(stop):
-        if not s:
-            raise ValidationError(f"sampling.stop[{i}]", "must not be empty (got '')")
-        if len(s) > limits.max_stop_string_len:
-            raise ValidationError(
-                f"sampling.stop[{i}]", f"must be at most {limits.max_stop_string_len} characters (got {len(s)})"
-            )
-    unique = list(dict.fromkeys(stop))  # duplicates change nothing, so they do not count
-    if len(unique) > limits.max_stop_strings:
-        raise ValidationError("sampling.stop",
-                              f"at most {limits.max_stop_strings} distinct stop strings (got {len(unique)})")
-    return unique
+    check_stop_strings(stop, limits)
+    return list(dict.fromkeys(stop))  # duplicates change nothing, so they do not count
 
 
 def _stop_token_ids(ids: Sequence[int], model: ModelInfo, limits: ServerLimits) -> list[int]:
     if (problem := raw_list_problem(len(ids), limits.max_stop_token_ids)) is not None:
         raise ValidationError("sampling.stop_token_ids", problem)
-    _check_vocab("sampling.stop_token_ids", ids, model.vocab_size)
-    unique = list(dict.fromkeys(ids))
-    if len(unique) > limits.max_stop_token_ids:
-        raise ValidationError("sampling.stop_token_ids",
-                              f"at most {limits.max_stop_token_ids} distinct ids (got {len(unique)})")
-    return unique
+    check_stop_token_ids(ids, model.vocab_size, limits)
+    return list(dict.fromkeys(ids))
 
 
 def _finite(field: str, value: float) -> float:
     if not math.isfinite(value):
         raise ValidationError(field, f"must be finite (got {value:g})")
     return float(value)
-
-
-def _int_range(field: str, value: int, lo: int, hi: int | None) -> int:
-    if value < lo or (hi is not None and value > hi):
-        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValidationError(field, f"must be {bound} (got {value})")
-    return int(value)

@@ -165,10 +165,19 @@ def test_server_limits_are_checked(bad):
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"max_logprobs": 1025}, "ServerLimits.max_logprobs must be an integer in [0, 1024], what one sequence's "
-                             "log-probs carry on the wire (got 1025)"),
-    ({"max_beam_width": 513}, "ServerLimits.max_beam_width must be an integer in [1, 512], what one sequence's "
-                              "log-probs carry on the wire (got 513)"),
+    ({"max_logprobs": 1025}, "ServerLimits.max_logprobs must be an integer in [0, 1024], what the links carry "
+                             "(got 1025)"),
+    ({"max_beam_width": 513}, "ServerLimits.max_beam_width must be an integer in [1, 512], what the links carry "
+                              "(got 513)"),
+    ({"max_n": 4097}, "ServerLimits.max_n must be an integer in [1, 4096], what the links carry (got 4097)"),
+    ({"max_stop_strings": 4097}, "ServerLimits.max_stop_strings must be an integer in [0, 4096], what the links "
+                                 "carry (got 4097)"),
+    ({"max_stop_string_len": 4097}, "ServerLimits.max_stop_string_len must be an integer in [1, 4096], what the "
+                                    "links carry (got 4097)"),
+    ({"max_stop_token_ids": 4097}, "ServerLimits.max_stop_token_ids must be an integer in [0, 4096], what the "
+                                   "links carry (got 4097)"),
+    ({"max_structured_chars": (1 << 20) + 1}, "ServerLimits.max_structured_chars must be an integer in "
+                                              "[0, 1048576], what the links carry (got 1048577)"),
 ])
 def test_server_limits_stay_within_what_the_wire_carries(bad, message):
     """A request at a limit past the wire's bound would make a Submit the engine core refuses (dropping
@@ -296,6 +305,15 @@ def test_structured_outputs_bounds_and_what_they_cannot_be_combined_with():
     off = dataclasses.replace(LIMITS, max_structured_chars=0)
     with pytest.raises(ValidationError, match="at most 0 characters"):
         validate(off, sampling={"structured_outputs": pb.StructuredOutputs(regex="a")})
+
+
+def test_logprobs_with_beam_search_are_refused_not_dropped():
+    """Beams report no per-token log-probs: asked for, they would silently be missing."""
+    msg = refused("sampling.logprobs", sampling={"logprobs": 0, "beam_width": 2})
+    assert msg == ("sampling.logprobs: cannot be combined with beam search (beam_width=2): beams report "
+                   "no per-token log-probs")
+    assert validate(sampling={"logprobs": 2, "beam_width": 1}).params.sampling.logprobs == 2  # (1: no beams)
+    assert validate(sampling={"prompt_logprobs": 1, "beam_width": 2}).params.beam_width == 2  # the prompt's: fine
 
 
 def test_logit_bias_min_tokens_prompt_logprobs_and_stop_strings_in_output():
