@@ -45,6 +45,9 @@ def chat_fields(req: ChatRequest) -> RequestFields:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_field("top_logprobs", "requires logprobs to be true")
     check_final_message(req)
+    if req.logprobs and req.use_beam_search and (req.n or 1) > 1:  # (named here: chat's `logprobs`, a bool)
+        raise bad_field("logprobs", f"cannot be combined with beam search (use_beam_search with n={req.n}): beams "
+                                    "report no per-token log-probs")
     if req.max_completion_tokens is not None:
         common = _common(req, req.max_completion_tokens, "max_completion_tokens")
     else:

@@ -343,6 +343,9 @@ BAD = [
         "a": {"type": "integer", "minimum": 5, "maximum": 1}}}}, "guided_json"),
     ("/v1/completions", {"prompt": "a", "use_beam_search": True, "n": 2, "guided_choice": ["x"]}, "guided_choice"),
     ("/v1/completions", {"prompt": "a", "suffix": "x"}, "suffix"),
+    ("/v1/completions", {"prompt": "a", "use_beam_search": True, "n": 2, "logprobs": 0}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "use_beam_search": True, "n": 2,
+                              "logprobs": True}, "logprobs"),
     # vLLM's fields that would change the output and are not implemented: refused, never dropped
     ("/v1/completions", {"prompt": "a", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "a", "allowed_token_ids": [5]}, "allowed_token_ids"),
