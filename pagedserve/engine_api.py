@@ -15,11 +15,31 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Annotated, Protocol
 
 import msgspec
+from msgspec import Meta
 
+from pagedserve.kv_blocks import BLOCK_HASH_BYTES
+from pagedserve.lora_modules import MAX_NAME_CHARS as MAX_LORA_NAME_CHARS
 from pagedserve.wire import SamplingParams
+from pagedserve.wire import protocol as p
+
+# What a front may send in a Submit (checked when the engine core decodes one, never on construction;
+# a front's limits stay within them, and the core then holds a request to its own limits:
+# pagedserve/request_bounds.py). A request's tokens are a sequence's at most; so are its blocks' hashes.
+RequestId = Annotated[str, Meta(min_length=1, max_length=p.MAX_REQUEST_ID_CHARS)]
+TokenId = Annotated[int, Meta(ge=0, le=p.MAX_INT32)]
+MaxTokens = Annotated[int, Meta(ge=1, le=p.MAX_SEQ_TOKENS)]
+Choices = Annotated[int, Meta(ge=1, le=p.MAX_CHOICES)]
+BeamWidth = Annotated[int, Meta(ge=1, le=p.MAX_TOP_LOGPROBS // 2)]  # (each beam asks for 2 x beam_width candidates)
+LengthPenalty = Annotated[float, Meta(ge=-p.MAX_LENGTH_PENALTY, le=p.MAX_LENGTH_PENALTY)]
+StopStrings = Annotated[list[Annotated[str, Meta(min_length=1, max_length=p.MAX_STOP_STRING_CHARS)]],
+                        Meta(max_length=p.MAX_STOP_STRINGS)]
+StopTokenIds = Annotated[list[TokenId], Meta(max_length=p.MAX_END_TOKEN_IDS)]
+BlockHashes = Annotated[list[Annotated[bytes, Meta(min_length=BLOCK_HASH_BYTES, max_length=BLOCK_HASH_BYTES)]],
+                        Meta(max_length=p.MAX_SEQ_TOKENS)]
+LoraName = Annotated[str, Meta(max_length=MAX_LORA_NAME_CHARS)]
 
 
 class FinishReason(enum.IntEnum):
@@ -39,14 +59,14 @@ class RequestParams:
     choice i samples with seed ``sampling.seed + i`` (when a seed is given).
     """
 
-    max_tokens: int
+    max_tokens: MaxTokens
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    n: int = 1
-    beam_width: int = 1  # > 1: beam search (deterministic, sampling ignored)
-    length_penalty: float = 1.0
+    n: Choices = 1
+    beam_width: BeamWidth = 1  # > 1: beam search (deterministic, sampling ignored)
+    length_penalty: LengthPenalty = 1.0
     early_stopping: bool = False
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: StopStrings = field(default_factory=list)
+    stop_token_ids: StopTokenIds = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text (vLLM's extension)
     skip_special_tokens: bool = True  # special tokens are left out of the text (False: Mistral's tool calls)
@@ -54,15 +74,15 @@ class RequestParams:
 
 @dataclass(slots=True)
 class GenerationRequest:
-    request_id: str
-    prompt_token_ids: list[int]
+    request_id: RequestId
+    prompt_token_ids: Annotated[list[int], Meta(max_length=0)]  # (on the front link: empty, the Submit packs them)
     params: RequestParams
     arrival_time: float = 0.0  # time.monotonic() at the API edge (the engine stamps it if unset)
     deadline: float | None = None  # time.monotonic() after which the engine core ends it (ErrorKind.DEADLINE)
     first_scheduled_at: float | None = None  # set once, by the first scheduler that admits it
     # The prompt's full-block hash chain (kv_cache_manager.hash_blocks, unsalted): computed once,
     # by the engine for routing, and reused by every scheduler that admits the request.
-    prompt_block_hashes: list[bytes] | None = None
+    prompt_block_hashes: BlockHashes | None = None
     # The most tokens (prompt and outputs) it may reach: min(prompt + max_tokens, the longest context
     # of an executor that could take it), fixed by the engine when it is first placed. Every executor
     # it runs on, after a migration too, must hold that many, so where it runs never changes where it
@@ -70,7 +90,7 @@ class GenerationRequest:
     max_total_tokens: int | None = None
     # The LoRA adapter it runs under (--lora-modules, or loaded at run time); None: the base model.
     # lora_id: which load of that name (set by the engine core; 0: an adapter given at start).
-    lora: str | None = None
+    lora: LoraName | None = None
     lora_id: int = 0
 
 

@@ -12,7 +12,8 @@ import hashlib
 from array import array
 from collections.abc import Sequence as Seq
 
-_ROOT_HASH = b"\x00" * 32
+BLOCK_HASH_BYTES = 32  # a block's hash: a sha256 digest
+_ROOT_HASH = b"\x00" * BLOCK_HASH_BYTES
 
 
 def lora_key(lora: str | None, lora_id: int = 0) -> str | None:

@@ -25,22 +25,30 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from pagedserve.engine_api import EngineStats, GenerationRequest, ModelInfo, RequestUpdate
+from pagedserve.engine_api import (
+    EngineStats,
+    FinishReason,
+    GenerationRequest,
+    ModelInfo,
+    RequestUpdate,
+    TokenId,
+)
 from pagedserve.lora_modules import MAX_NAME_CHARS as MAX_LORA_NAME_CHARS
 from pagedserve.wire.codec import Codec
 
 # One message family with the executor link: the same base, heartbeat, text and packed-id types.
 from pagedserve.wire.link_messages import Heartbeat
 from pagedserve.wire.packed import num_packed, pack_ids, unpacked  # noqa: F401  (the front link's helpers)
-from pagedserve.wire.protocol import MAX_LORA_PATH_CHARS
+from pagedserve.wire.protocol import MAX_CHOICES, MAX_LORA_PATH_CHARS, MAX_REQUEST_ID_CHARS, MAX_SEQ_TOKENS
 from pagedserve.wire.schema import PackedTokenIds, Text, WireMessage
 
 TIER_VERSION = 5  # 5: per-request speculative acceptance (RequestUpdate.spec_*); 4: LoRA adapters
 HEARTBEAT_INTERVAL_S = 0.5  # both ways; a peer silent for 5 intervals (2.5 s) is dead
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a step's updates with log-probs; a request at the largest context
-MAX_REQUEST_ID_CHARS = 512  # request ids (the front's prefix and the client's id) and front ids
 
 Id = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)]
+Ended = Annotated[int, Meta(ge=int(FinishReason.LENGTH), le=int(max(FinishReason)))]  # how a resumed choice ended
+ResumedOutput = Annotated[list[TokenId], Meta(max_length=MAX_SEQ_TOKENS)]  # one choice's tokens streamed so far
 # Durations on the link (a queue time, a deadline): a sender clamps a longer one to this (31 years, no
 # deadline in effect); a receiver refuses a frame with one past it.
 MAX_SECONDS = 1e9
@@ -69,8 +77,8 @@ class Submit(WireMessage):
     deadline_in_s: Seconds | None = None  # None: no deadline
     # It ran on an engine core that was lost: each choice's tokens streamed so far, and how each that
     # ended ended (FinishReason values; None: still running). It goes on from there.
-    resume_outputs: list[list[int]] | None = None
-    resume_finished: list[int | None] = msgspec.field(default_factory=list)
+    resume_outputs: Annotated[list[ResumedOutput], Meta(max_length=MAX_CHOICES)] | None = None
+    resume_finished: Annotated[list[Ended | None], Meta(max_length=MAX_CHOICES)] = msgspec.field(default_factory=list)
 
 
 class Abort(WireMessage):

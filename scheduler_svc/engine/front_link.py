@@ -8,8 +8,9 @@ heartbeat and whenever readiness changes; it is also the core's heartbeat.
 
 Trust: the link is local (an ``ipc://`` socket in a directory only the scheduler's user can
 enter) or CURVE-authenticated (fronts of their own Deployment, with keys the core admits, as
-executors). What a front sends is decoded with the bounded codec; a front's malformed frame, or
-one naming a request it did not submit, drops that front. A front silent for
+executors). What a front sends is decoded with the bounded codec; a front's malformed frame (one
+past the link's bounds too), or one naming a request it did not submit, drops that front. A request
+that decodes but breaks the core's own limits (submit_bounds.py) fails alone, INVALID. A front silent for
 ``DEAD_AFTER_INTERVALS`` heartbeats is dead: its requests are aborted and their blocks freed.
 
 A ``Submit``'s prompt comes packed (``messages.PackedIds``): one longer than the longest context (too
@@ -39,12 +40,14 @@ from pagedserve.engine_api import (
 )
 from pagedserve.lora_modules import LoraConfigError, inspect_adapter
 from pagedserve.ratelog import RateLimitedLog
+from pagedserve.request_bounds import RequestLimits, ValidationError, check_token_ids
 from pagedserve.wire import DEAD_AFTER_INTERVALS, MAX_HANDSHAKE_FRAME_BYTES, WireError
 from pagedserve.wire import front_messages as m
 from pagedserve.wire.keys import KeyPair, make_server
 from pagedserve.wire.router_socket import RouterSocket
 from scheduler_svc.engine.core import EngineCore
 from scheduler_svc.engine.front_keys import FLAG, ZAP_DOMAIN, FrontKeys
+from scheduler_svc.engine.submit_bounds import check_submit
 from scheduler_svc.sched.request import MigratedRequest
 from scheduler_svc.telemetry.families import CumulativeSources
 
@@ -74,10 +77,12 @@ class RemoteFront:
 class FrontLink:
     def __init__(self, core: EngineCore, endpoint: str, keys: KeyPair | None = None,
                  exposition: Callable[[], str] | None = None, trusted: Path | None = None,
-                 own_families: Callable[[], list] | None = None) -> None:
+                 own_families: Callable[[], list] | None = None, limits: RequestLimits | None = None) -> None:
         """``keys``: the scheduler's key pair (a CURVE link: fronts of their own); ``trusted``: the
-        front keys it admits (``--trusted-front-keys``)."""
+        front keys it admits (``--trusted-front-keys``); ``limits``: what one request may ask for
+        (the core's own --max-n and the rest; by default, their defaults)."""
         self.core, self.endpoint, self.keys = core, endpoint, keys
+        self.limits = limits if limits is not None else RequestLimits()
         self.exposition = exposition or (lambda: "")  # the deployment's metrics, for a Query
         self.own_families = own_families or list  # this core's own metrics (the first core sums the others')
         self.fronts: dict[bytes, RemoteFront] = {}
@@ -240,34 +245,30 @@ class FrontLink:
             raise _Foreign("a second FrontHello on a live connection")
 
     async def _submit(self, front: RemoteFront, msg: m.Submit) -> None:
+        """Admit a front's request. One out of the core's bounds (submit_bounds.py; its prompt longer
+        than the longest context too, before an int of it is built) fails alone, INVALID, naming
+        the field and the limit: the front's other requests go on. (One past what the link carries
+        did not decode: that front was dropped.)"""
         req = msg.request
         _owned(front, req.request_id)
         received = time.monotonic()
-        if req.prompt_token_ids:
-            raise _Foreign("a Submit whose request carries prompt_token_ids (they travel packed)")
-        resume = None
-        if msg.resume_outputs is not None:  # it ran on an engine core that was lost
-            resume = MigratedRequest(req, msg.resume_outputs, _finish_reasons(msg))
         n, info = m.num_packed(msg.prompt_ids), self.core.model_info()
-        if info is not None and n >= info.max_model_len:  # (too large for any executor: before an int is built)
-            front.deliver([RequestUpdate(req.request_id, [], True, n, error_kind=ErrorKind.FAILED,
-                                         error=f"prompt of {n} tokens must be shorter than max_model_len "
-                                               f"{info.max_model_len}")])
-            return
-        vocab_size = info.vocab_size if info is not None else 1 << 32
         try:
-            req.prompt_token_ids = await _ints(m.unpacked(msg.prompt_ids), vocab_size)
-            for k, outputs in enumerate(msg.resume_outputs or ()):
-                in_vocab(outputs, vocab_size, f"resume_outputs[{k}]")
-        except ValueError as exc:  # (this request fails; nothing of it reaches an executor)
-            front.deliver([RequestUpdate(req.request_id, [], True, n, error=str(exc), error_kind=ErrorKind.FAILED)])
+            check_submit(msg, n, self.limits, info)
+            req.prompt_token_ids = await _ints(m.unpacked(msg.prompt_ids), info.vocab_size if info else 1 << 32)
+        except ValidationError as exc:  # (nothing of it reaches an executor)
+            front.deliver([RequestUpdate(req.request_id, [], True, n, error=str(exc), error_kind=ErrorKind.INVALID)])
             return
         if not front.alive:  # it went away while its prompt was unpacked
             return
+        resume = None
+        if msg.resume_outputs is not None:  # it ran on an engine core that was lost
+            resume = MigratedRequest(req, msg.resume_outputs, _finish_reasons(msg))
         req.arrival_time = received - msg.queued_s  # (the front's times are relative: clocks differ)
         req.deadline = None if msg.deadline_in_s is None else received + msg.deadline_in_s
         req.first_scheduled_at = None
         req.max_total_tokens = None  # fixed here, at its first placement
+        req.lora_id = 0  # (which load of its adapter: the core's to say)
         try:
             self.core.submit(req, front, resume)
         except (EngineError, ValueError) as exc:
@@ -314,36 +315,26 @@ class _Foreign(ValueError):
 
 
 def _finish_reasons(msg: m.Submit) -> list[FinishReason | None]:
-    """How each choice of a resumed Submit ended (None: running), one per output."""
+    """How each choice of a resumed Submit ended (None: running), one per output (their values and
+    count are bounded already: by the link, and by check_submit)."""
     outputs, finished = msg.resume_outputs or [], msg.resume_finished
-    if len(finished) > len(outputs):
-        raise _Foreign(f"resume_finished has {len(finished)} entries for {len(outputs)} resume_outputs")
-    try:
-        reasons = [None if r is None else FinishReason(r) for r in finished]
-    except ValueError as exc:
-        raise _Foreign(f"resume_finished: {exc}") from None
+    reasons = [None if r is None else FinishReason(r) for r in finished]
     return reasons + [None] * (len(outputs) - len(reasons))
 
 
 async def _ints(ids: array, vocab_size: int) -> list[int]:
     """``ids`` as a list of ints, built ``UNPACK_SLICE`` at a time with the loop free between;
-    ValueError naming the first id outside the vocabulary (a front checks them, but the executor
-    would refuse the whole plan carrying one, and every request in it would move)."""
+    ValidationError naming the first id outside the vocabulary (a front checks them, but the executor
+    would refuse the whole plan carrying one, and every request in it would move; the check's cost
+    as the core runs it: docs/PERF.md)."""
     out: list[int] = []
     for start in range(0, len(ids), UNPACK_SLICE):
         if start:
             await asyncio.sleep(0)
-        out += in_vocab(ids[start:start + UNPACK_SLICE].tolist(), vocab_size, "prompt_token_ids", start)
+        part = ids[start:start + UNPACK_SLICE].tolist()
+        check_token_ids("prompt_token_ids", part, vocab_size, start, unsigned=True)  # (uint32s: max alone)
+        out += part
     return out
-
-
-def in_vocab(ids: list[int], vocab_size: int, field: str, offset: int = 0) -> list[int]:
-    """``ids`` when every one is below ``vocab_size``; else ValueError naming ``field[offset + i]``
-    of the first that is not (its cost as the core runs it: docs/PERF.md)."""
-    if ids and max(ids) >= vocab_size:  # (max at C speed; the loop only finds which one)
-        i, tok = next((i, t) for i, t in enumerate(ids) if t >= vocab_size)
-        raise ValueError(f"{field}[{offset + i}]: must be a token id in [0, vocab_size={vocab_size}) (got {tok})")
-    return ids
 
 
 def _owned(front: RemoteFront, request_id: str) -> str:

@@ -51,11 +51,11 @@ def core_links(core: EngineCore, cfg: ServiceConfig, index: int, local: str, met
     def own() -> list:
         return families_of(metrics.registry)
 
-    links = [FrontLink(core, local, exposition=exposition, own_families=own)]
+    links = [FrontLink(core, local, exposition=exposition, own_families=own, limits=cfg.limits)]
     if cfg.front_link_port:
         keys = cfg.engine.executor_link.server if cfg.engine.executor_link is not None else None
         links.append(FrontLink(core, f"tcp://{cfg.front_link_host}:{cfg.front_link_port + index}", keys,
-                               exposition, cfg.trusted_front_keys, own))
+                               exposition, cfg.trusted_front_keys, own, limits=cfg.limits))
     return links
 
 

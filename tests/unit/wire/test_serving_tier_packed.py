@@ -147,8 +147,9 @@ def test_a_prompt_longer_than_the_context_is_refused_unread_and_broken_ids_drop_
             while not isinstance(reply, m.Updates):
                 reply = m.TIER.decode(await sock.recv())
             (u,) = reply.updates
-            assert (u.request_id, u.finished, u.error_kind) == ("f:long", True, ErrorKind.FAILED)
-            assert u.error == f"prompt of {MAX_MODEL_LEN} tokens must be shorter than max_model_len {MAX_MODEL_LEN}"
+            assert (u.request_id, u.finished, u.error_kind) == ("f:long", True, ErrorKind.INVALID)
+            assert u.error == (f"prompt_token_ids: has {MAX_MODEL_LEN} tokens; max_model_len is {MAX_MODEL_LEN}, so it "
+                               "must have at most max_model_len - 1 tokens to leave room to generate")
             assert link.fronts
             odd = m.TIER.encode(_submit("f:odd", [])).replace(b"\xc4\x00", b"\xc4\x03abc")
             assert m.TIER.decode(odd, accept=m.FROM_FRONT).prompt_ids == b"abc"
@@ -203,20 +204,22 @@ def test_a_submit_carrying_its_ids_unpacked_drops_the_front(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ipc:// endpoints")
-@pytest.mark.parametrize("finished", [[99], [None, None]], ids=["not-a-finish-reason", "more-than-outputs"])
-def test_a_resumed_submit_with_broken_finish_reasons_drops_the_front(tmp_path, finished, caplog):
+@pytest.mark.parametrize("finished, where", [([99], "int` <= 4"), ([0], "int` >= 1")],
+                         ids=["not-a-finish-reason", "unspecified"])
+def test_a_resumed_submit_with_a_broken_finish_reason_drops_the_front(tmp_path, finished, where, caplog):
     msg = _submit("f:x", [1, 2])
     msg.resume_outputs, msg.resume_finished = [[3]], finished
     _drops_the_front(tmp_path, msg)
-    assert "front f dropped (broke the front protocol: resume_finished" in caplog.text
+    assert "front f dropped (broke the front protocol: malformed Submit: Expected `" + where in caplog.text
+    assert "(at submit.resume_finished[0])" in caplog.text
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ipc:// endpoints")
 @pytest.mark.parametrize("prompt, resume, error", [
     ([5] * 40_000 + [1 << 17], None, "prompt_token_ids[40000]: must be a token id in [0, vocab_size=131072) "
                                      "(got 131072)"),
-    ([5, 6], [[7], [8, 2**31]], "resume_outputs[1][1]: must be a token id in [0, vocab_size=131072) "
-                                "(got 2147483648)"),
+    ([5, 6], [[7], [8, 1 << 17]], "resume_outputs[1][1]: must be a token id in [0, vocab_size=131072) "
+                                  "(got 131072)"),
 ], ids=["prompt", "resumed-outputs"])
 def test_an_id_outside_the_vocabulary_fails_its_request_alone(tmp_path, monkeypatch, prompt, resume, error):
     """Such an id would have the executor refuse the whole plan carrying it, moving every request in it."""
@@ -227,14 +230,14 @@ def test_an_id_outside_the_vocabulary_fails_its_request_alone(tmp_path, monkeypa
         try:
             bad = _submit("f:bad", prompt)
             if resume is not None:
-                bad.resume_outputs = resume
+                bad.resume_outputs, bad.request.params.n = resume, len(resume)
             for msg in (bad, _submit("f:good", [5, 6])):
                 await sock.send(m.TIER.encode(msg))
             reply = m.TIER.decode(await asyncio.wait_for(sock.recv(), 10))
             while not isinstance(reply, m.Updates):
                 reply = m.TIER.decode(await asyncio.wait_for(sock.recv(), 10))
             (u,) = reply.updates
-            assert (u.request_id, u.finished, u.error_kind, u.error) == ("f:bad", True, ErrorKind.FAILED, error)
+            assert (u.request_id, u.finished, u.error_kind, u.error) == ("f:bad", True, ErrorKind.INVALID, error)
             await _until(lambda: core.calls == [("submit", "f:good", [5, 6])])
             assert link.fronts  # the front stays
         finally:
