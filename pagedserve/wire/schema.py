@@ -19,7 +19,7 @@ from pagedserve.wire import protocol as p
 # Bounded scalar and container types (checked when decoding).
 Id = Annotated[int, Meta(ge=0, le=p.MAX_INT32)]
 Count = Annotated[int, Meta(ge=0, le=p.MAX_INT32)]
-Seed = Annotated[int, Meta(ge=0, le=p.MAX_SEED)]
+Seed = Annotated[int, Meta(ge=0)]  # (at most p.MAX_SEED: msgpack carries no larger integer)
 Ids = Annotated[list[Id], Meta(max_length=p.MAX_SEQS_PER_STEP)]
 Counts = Annotated[list[Count], Meta(max_length=p.MAX_SEQS_PER_STEP)]
 # A sequence's tokens as little-endian uint32s (pagedserve/wire/packed.py): a prompt of 131K ids

@@ -31,7 +31,7 @@ from pagedserve.request_bounds import (
     check_stop_token_ids,
     check_token_ids,
 )
-from pagedserve.wire import JSON_OBJECT_SCHEMA, MAX_INT32, MAX_SEED
+from pagedserve.wire import JSON_OBJECT_SCHEMA, MAX_INT32
 from pagedserve.wire import front_messages as m
 
 
@@ -51,8 +51,6 @@ def check_submit(msg: m.Submit, prompt_len: int, limits: RequestLimits, info: Mo
     if sp.prompt_logprobs >= 0:
         check_int_range("sampling.prompt_logprobs", sp.prompt_logprobs, 0, limits.max_logprobs)
     check_int_range("sampling.min_tokens", sp.min_tokens, 0, p.max_tokens)
-    if sp.seed is not None:  # (choice i samples with seed + i; a front bounds it by its max_n, at least n)
-        check_int_range("sampling.seed", sp.seed, 0, MAX_SEED - p.n)
     if sp.beam_candidates:  # (the scheduler's, for beam search: an executor would report candidates, not sample)
         raise ValidationError("sampling.beam_candidates",
                               f"is the scheduler's to set; must be 0 (got {sp.beam_candidates})")

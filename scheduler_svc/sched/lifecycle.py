@@ -19,7 +19,7 @@ import msgspec
 
 from pagedserve.engine_api import ErrorKind, FinishReason, GenerationRequest, RequestUpdate
 from pagedserve.kv_blocks import lora_key
-from pagedserve.wire import LoraLoad, SamplingParams
+from pagedserve.wire import MAX_SEED, LoraLoad, SamplingParams
 from scheduler_svc.sched.in_flight import InFlight
 from scheduler_svc.sched.kv_cache_manager import KVCacheManager, KVCacheManagerBase
 from scheduler_svc.sched.lora_slots import LoraSlots
@@ -278,7 +278,7 @@ class RequestLifecycle:
 
 
 def seeded(sp: SamplingParams, i: int) -> SamplingParams:
-    """Choice i of a seeded n > 1 request samples with seed + i."""
+    """Choice i of a seeded n > 1 request samples with seed + i (mod 2**64: a seed is 64 bits)."""
     if i == 0 or sp.seed is None:
         return sp
-    return sp.with_seed(sp.seed + i)
+    return sp.with_seed((sp.seed + i) & MAX_SEED)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from pagedserve.wire import MAX_SEED
 from scheduler_svc.front.api_errors import bad_field
 from scheduler_svc.front.http.limits import HttpLimits
 from scheduler_svc.front.http.openai_types import ChatRequest, CompletionRequest, TokenizeRequest, _Request
@@ -73,7 +74,7 @@ def _common(req: _Request, max_tokens: int | None, max_tokens_name: str) -> dict
         n=n or 0, stop=[req.stop] if isinstance(req.stop, str) else req.stop or [],
         stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, early_stopping=req.early_stopping,
         temperature=req.temperature, top_p=req.top_p, top_k=None if req.top_k in (-1, 0) else req.top_k,
-        min_p=req.min_p, seed=req.seed, length_penalty=req.length_penalty,
+        min_p=req.min_p, seed=_seed(req.seed), length_penalty=req.length_penalty,
         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, logit_bias=_logit_bias(req.logit_bias), min_tokens=req.min_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, prompt_logprobs=req.prompt_logprobs,
@@ -142,6 +143,16 @@ def structured_fields(req: _Request) -> StructuredFields | None:
     if len(found) > 1:
         raise bad_field(found[1].field, f"cannot be combined with {found[0].field}: one grammar per request")
     return found[0] if found else None
+
+
+def _seed(seed: int | None) -> int | None:
+    """vLLM takes any int64 seed (UIs send -1); a seed is 64 bits here (gRPC's is a uint64), so a
+    negative one stands for its two's complement: -1 is the seed 2**64 - 1."""
+    if seed is None:
+        return None
+    if not -(2**63) <= seed <= MAX_SEED:
+        raise bad_field("seed", f"must be in [{-(2**63)}, {MAX_SEED}] (got {seed})")
+    return seed & MAX_SEED
 
 
 def _at_least_one(name: str, value: int | None) -> int | None:

@@ -225,7 +225,7 @@ def _sampling(f: RequestFields, limits: ServerLimits) -> SamplingParams:
             raise ValidationError("sampling.min_p", f"must be in [0, 1] (got {f.min_p:g})")
         out.min_p = float(f.min_p)
     if f.seed is not None:
-        out.seed = check_int_range("sampling.seed", f.seed, 0, MAX_SEED - limits.max_n)
+        out.seed = check_int_range("sampling.seed", f.seed, 0, MAX_SEED)
     if f.repetition_penalty is not None:
         rp = _finite("sampling.repetition_penalty", f.repetition_penalty)
         if rp <= 0:

@@ -17,7 +17,6 @@ from pagedserve.engine_api import ErrorKind, FinishReason, GenerationRequest, Mo
 from pagedserve.request_bounds import RequestLimits, ValidationError
 from pagedserve.wire import (
     JSON_OBJECT_SCHEMA,
-    MAX_SEED,
     MAX_SEQ_TOKENS,
     SamplingParams,
     Structured,
@@ -91,8 +90,6 @@ BOUNDS = {
                          "sampling.logit_bias[1]: must be in [-100, 100] (got 100.5)"),
     "min-tokens": (_submit(sampling={"min_tokens": 8}), _submit(sampling={"min_tokens": 9}),
                    "sampling.min_tokens: must be in [0, 8] (got 9)"),
-    "seed": (_submit(n=2, sampling={"seed": MAX_SEED - 2}), _submit(n=2, sampling={"seed": MAX_SEED - 1}),
-             f"sampling.seed: must be in [0, {MAX_SEED - 2}] (got {MAX_SEED - 1})"),
     "beam-candidates": (_submit(), _submit(sampling={"beam_candidates": 2}),
                         "sampling.beam_candidates: is the scheduler's to set; must be 0 (got 2)"),
     "structured-length": (_structured("x" * 40), _structured("x" * 41),

@@ -174,6 +174,13 @@ def test_n_choices_stop_logprobs_and_extensions_reach_the_engine(fake):
     assert s.top_p == pytest.approx(0.9) and s.min_p == pytest.approx(0.1) and s.repetition_penalty == 1.2
 
 
+@pytest.mark.parametrize("seed,sent", [(-1, 2**64 - 1), (-(2**63), 2**63), (2**64 - 1, 2**64 - 1), (0, 0)])
+def test_any_int64_seed_is_taken_as_vllm_takes_it_a_negative_one_as_its_64_bits(fake, seed, sent):
+    # UIs send seed -1; vLLM takes any int64. gRPC's seed is a uint64: -1 is the same 64 bits as 2**64 - 1.
+    fake.client().completions.create(model=MODEL, prompt="Hi", seed=seed)
+    assert fake.engine.requests[-1].params.sampling.seed == sent
+
+
 def test_chat_logprobs_form_and_beam_search_mapping(fake):
     r = fake.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                               logprobs=True, top_logprobs=2)
@@ -311,7 +318,7 @@ BAD = [
     ("/v1/completions", {"prompt": "a", "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": "a", "stop": ["a", "b", "c"]}, "stop"),
     ("/v1/completions", {"prompt": "a", "logprobs": 6}, "logprobs"),
-    ("/v1/completions", {"prompt": "a", "seed": -1}, "seed"),
+    ("/v1/completions", {"prompt": "a", "seed": -(2**63) - 1}, "seed"),
     ("/v1/completions", {"prompt": "a", "top_k": -2}, "top_k"),
     ("/v1/completions", {"prompt": "a", "stop_token_ids": [10**6]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": []}, "prompt"),

@@ -633,3 +633,10 @@ def test_a_request_that_cannot_fit_yet_does_not_take_its_prefix_hits_every_step(
     assert outs[("late", 0)] == oracle(late) and outs[("hog", 0)] == oracle(hog)
     assert sched.prefix_cache_hit_tokens >= 4  # it still started from cached blocks
     assert_all_released(sched, ex)
+
+
+def test_choices_of_a_seed_near_the_top_wrap_around_64_bits():
+    from scheduler_svc.sched.lifecycle import seeded
+
+    sp = SamplingParams(temperature=1.0, seed=2**64 - 2)
+    assert [seeded(sp, i).seed for i in range(4)] == [2**64 - 2, 2**64 - 1, 0, 1]
