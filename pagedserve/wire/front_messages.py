@@ -20,6 +20,7 @@ are aborted and their blocks freed, a dead core's requests fail (or move to anot
 
 from __future__ import annotations
 
+import secrets
 from typing import Annotated
 
 import msgspec
@@ -53,17 +54,23 @@ ResumedOutput = Annotated[list[TokenId], Meta(max_length=MAX_SEQ_TOKENS)]  # one
 # deadline in effect); a receiver refuses a frame with one past it.
 MAX_SECONDS = 1e9
 Seconds = Annotated[float, Meta(ge=0.0, le=MAX_SECONDS)]
+# This process's incarnation, in its hello: a peer back under the same name (a front id, a core) with
+# another one is a new process whose counters start from 0, and not the same one reconnecting.
+INCARNATION = secrets.randbits(63)
+Incarnation = Annotated[int, Meta(ge=0)]  # 0: not said (the counters' fall tells a restart, families.py)
 
 
 class FrontHello(WireMessage):
     front_id: Id  # unique among the core's fronts; its requests' ids start with it
     tier_version: int
+    incarnation: Incarnation = 0
 
 
 class CoreHello(WireMessage):
     accepted: bool
     reason: Text = ""
     heartbeat_interval_s: Seconds = HEARTBEAT_INTERVAL_S
+    incarnation: Incarnation = 0
 
 
 class Submit(WireMessage):

@@ -63,12 +63,17 @@ class RemoteFront:
     link: FrontLink
     identity: bytes
     front_id: str
+    incarnation: int = 0  # (FrontHello's: which process of that front id)
     last_seen: float = field(default_factory=time.monotonic)
     alive: bool = True
 
     @property
     def prefix(self) -> str:
         return self.front_id + ":"
+
+    @property
+    def metrics_key(self) -> tuple[str, int]:
+        return self.front_id, self.incarnation  # (a process of that front id: its counters' own)
 
     def deliver(self, updates: list[RequestUpdate]) -> None:
         self.link.send(self, m.Updates(updates))
@@ -87,7 +92,7 @@ class FrontLink:
         self.own_families = own_families or list  # this core's own metrics (the first core sums the others')
         self.fronts: dict[bytes, RemoteFront] = {}
         self._lora_tasks: set[asyncio.Task] = set()
-        self.front_metrics = CumulativeSources()  # by front id (the counters of fronts gone kept)
+        self.front_metrics = CumulativeSources()  # by front process (the counters of fronts gone kept)
         self._ctx = zmq.Context.instance()
         if keys is not None:
             if trusted is None:
@@ -211,7 +216,7 @@ class FrontLink:
             reason = f"tier version {hello.tier_version}, the core speaks {m.TIER_VERSION}"
         elif any(f.front_id == hello.front_id for f in self.fronts.values()):
             reason = f"front id {hello.front_id!r} is taken by a live front"
-        reply = m.CoreHello(reason is None, reason or "", m.HEARTBEAT_INTERVAL_S)
+        reply = m.CoreHello(reason is None, reason or "", m.HEARTBEAT_INTERVAL_S, m.INCARNATION)
         try:
             self._sock.send_multipart([identity, m.TIER.encode(reply)])
         except zmq.ZMQError:
@@ -219,7 +224,7 @@ class FrontLink:
         if reason is not None:
             front_warning("refused front %r: %s", hello.front_id, reason)
             return
-        front = self.fronts[identity] = RemoteFront(self, identity, hello.front_id)
+        front = self.fronts[identity] = RemoteFront(self, identity, hello.front_id, hello.incarnation)
         log.info("front %s joined", hello.front_id)
         self.send(front, self._status())
 
@@ -229,7 +234,7 @@ class FrontLink:
         elif isinstance(msg, m.FinishChoice):
             self.core.finish_choice(_owned(front, msg.request_id), msg.index)
         elif isinstance(msg, m.FrontMetrics):
-            self.front_metrics.update(front.front_id, msg.families)
+            self.front_metrics.update(front.metrics_key, msg.families)
         elif isinstance(msg, m.Query):
             if msg.what == m.QUERY_STATS:
                 self.send(front, m.Answer(msg.query_id, stats=self.core.stats()))
@@ -295,7 +300,7 @@ class FrontLink:
         front.alive = False
         if self.fronts.get(front.identity) is front:
             del self.fronts[front.identity]
-        self.front_metrics.gone(front.front_id)
+        self.front_metrics.gone(front.metrics_key)
         n = self.core.abort_owned_by(front)
         log.warning("front %s dropped (%s); %d of its requests aborted", front.front_id, why, n)
 

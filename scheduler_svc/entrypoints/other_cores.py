@@ -37,7 +37,8 @@ class OtherCores:
         self.executor_port = executor_port  # core k schedules on this port + k
         self.peers = [RemoteCore(e, "core-0", None, None) for e in endpoints]
         self.sent = [0] * (len(endpoints) + 1)  # executors sent to each core since its last Status
-        self._families = CumulativeSources()  # by core (one restarted counts from 0 again)
+        self._families = CumulativeSources()  # by core process (one restarted counts from 0 again)
+        self._family_keys: dict[int, tuple[int, int]] = {}  # core -> the key of its latest process
         self._task: asyncio.Task | None = None
         self._started = time.monotonic()
         for peer in self.peers:
@@ -86,10 +87,18 @@ class OtherCores:
     async def _poll_metrics(self) -> None:
         while True:
             await asyncio.sleep(METRICS_EVERY_S)
-            for i, peer in enumerate(self.peers):
-                if peer.connected:
-                    with contextlib.suppress(Exception):  # (a lost core keeps its last figures)
-                        self._families.update(i, await peer.families(timeout_s=METRICS_EVERY_S))
+            await self.poll_metrics_once()
+
+    async def poll_metrics_once(self) -> None:
+        for i, peer in enumerate(self.peers):
+            if peer.connected:
+                with contextlib.suppress(Exception):  # (a lost core keeps its last figures)
+                    families = await peer.families(timeout_s=METRICS_EVERY_S)
+                    key = (i, peer.incarnation)  # (read after the answer: the hello came before it)
+                    if self._family_keys.setdefault(i, key) != key:  # it restarted: what it had counted stays
+                        self._families.gone(self._family_keys[i])
+                        self._family_keys[i] = key
+                    self._families.update(key, families)
 
     # ------------------------------------------------------------------ the links' sink (nothing is submitted)
 

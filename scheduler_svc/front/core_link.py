@@ -45,6 +45,7 @@ class RemoteCore:
         self.streams = None  # where the core's updates go (attach(): a CoreSet, or FrontStreams)
         self.status: m.Status | None = None
         self.connected = False  # the core answered our hello and has not gone silent since
+        self.incarnation = 0  # its process's (CoreHello): another after it restarted
         self.on_status_change: Callable[[], None] = lambda: None  # the servicer's health hook
         self._ctx = zmq.Context.instance()
         self._sock: RouterSocket | None = None
@@ -148,7 +149,7 @@ class RemoteCore:
         sock.connect(self.endpoint)
         self._sock = RouterSocket(sock, asyncio.get_running_loop())
         self._last_heard = time.monotonic()
-        self._send(m.FrontHello(self.front_id, m.TIER_VERSION))
+        self._send(m.FrontHello(self.front_id, m.TIER_VERSION, m.INCARNATION))
         self._receiver = asyncio.get_running_loop().create_task(self._recv_loop(self._sock), name="core-link-recv")
 
     def _send(self, msg: m.Message) -> None:
@@ -185,8 +186,11 @@ class RemoteCore:
             fut = self._answers.get(msg.query_id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
-        elif isinstance(msg, m.CoreHello) and not msg.accepted:
-            log.error("the engine core refused this front: %s", msg.reason)
+        elif isinstance(msg, m.CoreHello):
+            if msg.accepted:
+                self.incarnation = msg.incarnation
+            else:
+                log.error("the engine core refused this front: %s", msg.reason)
 
     async def _heartbeat_loop(self) -> None:
         limit = DEAD_AFTER_INTERVALS * m.HEARTBEAT_INTERVAL_S

@@ -56,3 +56,32 @@ def test_a_core_silent_past_the_grace_or_lost_gets_no_executor(monkeypatch):
     assert _send(directory, core0, "ex3") == 1
     directory.peers[0].connected = False  # lost (it answered once, so it is not starting either)
     assert _send(directory, core0, "ex4") == 0
+
+
+def test_a_restarted_core_is_told_by_its_incarnation_and_its_former_counts_stay():
+    """Core 0 sums the other cores' counters. A core restarted (another incarnation in its
+    CoreHello) counts from 0 again: what it had counted stays, even when the new process has
+    already passed its former totals by the first poll (no counter fell to tell it)."""
+    import asyncio
+
+    directory, _ = _directory(2)
+    peer = directory.peers[0]
+    counted = [0.0]
+
+    async def families(timeout_s: float) -> list:
+        return [("pagedserve:generation_tokens", "counter", "Tokens generated.",
+                 [("pagedserve:generation_tokens_total", [], counted[0])])]
+
+    peer.families, peer.connected = families, True
+
+    def total() -> float:
+        return sum(v for f in directory.families() for _, _, v in f[3])
+
+    peer.incarnation, counted[0] = 5, 40.0
+    asyncio.run(directory.poll_metrics_once())
+    peer.incarnation, counted[0] = 5, 50.0  # the same process
+    asyncio.run(directory.poll_metrics_once())
+    assert total() == 50
+    peer.incarnation, counted[0] = 6, 70.0  # restarted, and past its former 50 by the next poll
+    asyncio.run(directory.poll_metrics_once())
+    assert total() == 120

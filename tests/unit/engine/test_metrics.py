@@ -169,8 +169,8 @@ def test_a_front_that_reconnects_is_not_counted_twice_and_one_that_restarted_is_
 
     link = FrontLink(Core(), "inproc://metrics-test")  # type: ignore[arg-type]
 
-    def join(identity: bytes, counted: float) -> RemoteFront:
-        front = link.fronts[identity] = RemoteFront(link, identity, "front-a")
+    def join(identity: bytes, counted: float, incarnation: int = 11) -> RemoteFront:
+        front = link.fronts[identity] = RemoteFront(link, identity, "front-a", incarnation)
         link._dispatch(front, fm.FrontMetrics(_tokens_family(counted)))
         return front
 
@@ -179,8 +179,11 @@ def test_a_front_that_reconnects_is_not_counted_twice_and_one_that_restarted_is_
     again = join(b"2", 7)  # the same process, 2 more tokens since
     assert _total(link.front_families()) == 7
     link._drop(again, "exited")
-    join(b"3", 1)  # restarted under the same id
+    restarted = join(b"3", 1, incarnation=12)  # restarted under the same id
     assert _total(link.front_families()) == 8
+    link._drop(restarted, "exited")
+    join(b"4", 9, incarnation=13)  # restarted again, and already past its former totals when first heard
+    assert _total(link.front_families()) == 17
 
 
 def test_sources_keep_a_restarted_sources_counters():
@@ -215,3 +218,36 @@ def test_sources_gone_past_the_bound_are_folded_and_one_back_counts_from_its_ret
     assert _total(s.total()) == 69
     s.update(4, _tokens_family(1))  # restarted
     assert _total(s.total()) == 70
+
+
+def test_each_hello_carries_its_process_incarnation_and_the_metrics_are_kept_by_it():
+    from pagedserve.engine_api import EngineStats
+    from pagedserve.wire import front_messages as fm
+    from scheduler_svc.engine.front_link import FrontLink
+    from scheduler_svc.front.core_link import RemoteCore
+
+    class Core:
+        failure = None
+
+        def is_ready(self) -> bool:
+            return True
+
+        def model_info(self):
+            return None
+
+        def stats(self) -> EngineStats:
+            return EngineStats()
+
+        def health_problem(self):
+            return None
+
+    sent: list = []
+    link = FrontLink(Core(), "inproc://hello-test")  # type: ignore[arg-type]
+    link._sock = type("Sock", (), {"send_multipart": lambda self, frames: sent.append(frames)})()
+    link._hello(b"1", fm.FrontHello("front-a", fm.TIER_VERSION, 4242))
+    reply = fm.TIER.decode(sent[0][1], accept=fm.FROM_CORE)
+    assert (reply.accepted, reply.incarnation) == (True, fm.INCARNATION) and fm.INCARNATION > 0
+    assert link.fronts[b"1"].metrics_key == ("front-a", 4242)
+    remote = RemoteCore("inproc://unused", "front-a")
+    remote._dispatch(reply)
+    assert remote.incarnation == fm.INCARNATION
