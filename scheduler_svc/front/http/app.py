@@ -136,7 +136,7 @@ class OpenAIFront:
         _stamp(greqs, arrival, req.skip_special_tokens, lora)
         render = CompletionRender(f"cmpl-{greqs[0].request_id}", lora or info.model_name, _choices(greqs[0]), len(greqs),
                                   self.texts, return_token_ids=req.return_token_ids, echo=echo,
-                                  prompt_ids=[g.prompt_token_ids for g in greqs] if echo else None,
+                                  prompt_ids=[g.prompt_token_ids for g in greqs] if echo or req.return_token_ids else None,
                                   skip_special_tokens=greqs[0].params.skip_special_tokens,
                                   echo_only=echo_only(req), want_logprobs=req.logprobs is not None,
                                   **_usage_options(req, greqs))
@@ -163,6 +163,7 @@ class OpenAIFront:
         _stamp(greqs, arrival, req.skip_special_tokens and tools.skip_special_tokens, lora)
         render = ChatRender(f"chatcmpl-{greqs[0].request_id}", lora or info.model_name, _choices(greqs[0]), 1,
                             self.texts, return_token_ids=req.return_token_ids, tools=tools,
+                            prompt_ids=[greqs[0].prompt_token_ids] if req.return_token_ids else None,
                             **_usage_options(req, greqs))
         return await self._respond(request, greqs, render, req.stream)
 

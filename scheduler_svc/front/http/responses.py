@@ -59,6 +59,7 @@ class _Choice:
 class _Render:
     OBJECT = ""
     CHUNK_OBJECT = ""
+    PROMPT_IDS_AT_TOP = False  # return_token_ids: the prompt's ids in the response (chat), else in each choice
 
     def __init__(self, response_id: str, model: str, n: int, num_prompts: int, texts: TokenTexts, *,
                  return_token_ids: bool = False, include_usage: bool = False, continuous_usage: bool = False,
@@ -69,7 +70,7 @@ class _Render:
         self.texts, self.return_token_ids, self.include_usage = texts, return_token_ids, include_usage
         self.continuous_usage = continuous_usage  # every chunk carries the usage so far (vLLM's extension)
         self.echo = echo  # per prompt, prepended to each of its choices (completions only)
-        self.prompt_ids = prompt_ids  # per prompt, its tokens (echo's log-probs name them)
+        self.prompt_ids = prompt_ids  # per prompt, its tokens (echo's log-probs and return_token_ids name them)
         self.choices: dict[int, _Choice] = {}
         self.usage: list[Usage | None] = [None] * num_prompts
         self.prompt_tokens = prompt_tokens or [0] * num_prompts
@@ -123,13 +124,15 @@ class _Render:
             body = self._delta(index, c, d, prompt)
             if body is None:
                 continue  # text held back (a partial UTF-8 character, a stop string, a tool call's markup)
-            c.started = True
+            first, c.started = not c.started, True
             if d.finish_reason:
                 body["finish_reason"] = self._finish(c, d.finish_reason)
-            if self.return_token_ids:
-                body["token_ids"] = d.token_ids
             msg = self._head(self.CHUNK_OBJECT)
             msg["choices"] = [body]
+            if self.return_token_ids:  # (vLLM's: the prompt's ids with each choice's first chunk)
+                if first and self.prompt_ids is not None:
+                    (msg if self.PROMPT_IDS_AT_TOP else body)["prompt_token_ids"] = self.prompt_ids[prompt]
+                body["token_ids"] = d.token_ids
             if self.continuous_usage:
                 msg["usage"] = self._usage_so_far()
             elif self.include_usage:
@@ -238,6 +241,8 @@ class CompletionRender(_Render):
         if self.prompt_logprobs[prompt] is not None:
             body["prompt_logprobs"] = prompt_logprobs_body(self.texts.text, self.prompt_logprobs[prompt])
         if self.return_token_ids:
+            if self.prompt_ids is not None:
+                body["prompt_token_ids"] = self.prompt_ids[prompt]
             body["token_ids"] = c.token_ids
         return body
 
@@ -254,6 +259,7 @@ def _nothing_generated(out: RequestOutput) -> RequestOutput:
 
 class ChatRender(_Render):
     OBJECT, CHUNK_OBJECT = "chat.completion", "chat.completion.chunk"
+    PROMPT_IDS_AT_TOP = True
 
     def __init__(self, *args: Any, tools: ToolPlan | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -308,4 +314,6 @@ class ChatRender(_Render):
         msg = super().response()
         if self.prompt_logprobs[0] is not None:
             msg["prompt_logprobs"] = prompt_logprobs_body(self.texts.text, self.prompt_logprobs[0])
+        if self.return_token_ids and self.prompt_ids is not None:
+            msg["prompt_token_ids"] = self.prompt_ids[0]
         return msg
