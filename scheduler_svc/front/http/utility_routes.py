@@ -6,8 +6,8 @@
   "tokens"}``, and ``"token_strs"`` (each id's vocabulary entry) with ``"return_token_strs": true``;
   a text longer than any prompt could be is rejected before it is tokenized, and a long one is
   tokenized off the event loop, as a request's prompt is.
-- ``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}``; ids outside the vocabulary
-  and more ids than max_model_len are a 400.
+- ``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}``, special tokens included (as
+  vLLM's); ids outside the vocabulary and more ids than max_model_len are a 400.
 - ``GET /version``: ``{"version"}``.
 
 (``/metrics`` on this port is app.py's: the deployment's metrics, whichever front answers.)
@@ -95,7 +95,9 @@ async def detokenize(front: OpenAIFront, request: Request) -> Response:
     for i, tok in enumerate(req.tokens):
         if not 0 <= tok < info.vocab_size:
             raise bad_field(f"tokens[{i}]", f"must be a token id in [0, vocab_size={info.vocab_size}) (got {tok})")
-    text = await validate_off_loop(len(req.tokens), front.tokenizer.decode, req.tokens)
+    # Special tokens kept (tokenizers' decode drops them by default), as vLLM's decode does: the text
+    # of a chat prompt's or a BOS-led prompt's ids then tokenizes back to the same ids.
+    text = await validate_off_loop(len(req.tokens), front.tokenizer.decode, req.tokens, False)
     return _json({"prompt": text})
 
 

@@ -1,6 +1,7 @@
-"""vLLM's ``return_token_ids`` on the HTTP front: the prompt's token ids as well as each choice's,
-in vLLM's places (completions: each choice's ``prompt_token_ids``; chat: the response's), whole
-responses and streams alike; without the flag, neither key appears."""
+"""Token ids on the HTTP front. vLLM's ``return_token_ids``: the prompt's token ids as well as each
+choice's, in vLLM's places (completions: each choice's ``prompt_token_ids``; chat: the response's),
+whole responses and streams alike; without the flag, neither key appears. ``/detokenize`` inverts
+``/tokenize``, special tokens included, as vLLM's does."""
 
 from __future__ import annotations
 
@@ -88,3 +89,13 @@ def test_chat_stream_sends_the_prompts_ids_once_per_choice_in_its_first_chunk(fa
 def test_without_the_flag_no_token_ids_at_all(fake, path, body):
     text = json.dumps(_post(fake, path, body)) + json.dumps(_events(fake, path, body))
     assert "token_ids" not in text
+
+
+
+def test_detokenize_inverts_tokenize_special_tokens_included(fake):
+    """Special tokens dropped, /detokenize gave text that tokenizes to other ids: a prompt's BOS, and a
+    chat prompt's template markers where the model's tokenizer has them as special tokens."""
+    ids = _post(fake, "/tokenize", {"prompt": "Hello world"})["tokens"]
+    text = _post(fake, "/detokenize", {"tokens": ids})["prompt"]
+    assert text == "<s>Hello world"  # (the fake tokenizer's BOS, which /tokenize added)
+    assert _post(fake, "/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"] == ids
