@@ -15,7 +15,9 @@ repeat throughout. First alone (idle), then during each attack in turn:
 * ``grpc_ids``: 10 concurrent gRPC requests of 3.9 M prompt ids;
 * ``grpc_at_cap_stop``: 10 concurrent gRPC requests of stop strings just under the model's
   message cap (parsed in the parse worker, then refused);
-* ``held_connections``: 1,000 kept-alive connections, each ``GET /health`` then a CRLF every 2 s.
+* ``held_connections``: 1,000 kept-alive connections, each ``GET /health`` then a CRLF every 2 s;
+* ``metrics_flood``: 10 clients scraping the scheduler's ``--metrics-port`` (open to the cluster,
+  no key) back to back, each on a new connection, plus 1,000 connections opened there and left silent.
 
 Reports each benign latency (p50, p99, worst) against idle, new clients that failed (reset,
 refused, or no answer), the RSS growth of every process, and whether the benign outputs stayed
@@ -42,7 +44,7 @@ import grpc
 from pagedserve.fd_limits import raise_open_files_limit
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
-from testing.stack import Stack
+from testing.stack import Stack, free_port
 
 SOFT_NOFILE = 1024
 EIGHT_MB = 8 << 20
@@ -156,12 +158,14 @@ def _attack_body(kind: str, model: str, cap: int) -> bytes:
 
 
 def _attacker(kind: str, http_port: int, grpc_target: str, model: str, cap: int, connections: int, stop,
-              ready) -> None:
+              ready, metrics_port: int = 0) -> None:
     """One attacking process (its own GIL: the benign clients' latencies are the server's alone);
     ``ready`` counts the processes set up to attack."""
     if kind == "held_connections":
         raise_open_files_limit()
         _held_connections(http_port, connections, stop, ready)
+    elif kind == "metrics_flood":
+        _metrics_flood(metrics_port, connections // 10, stop, ready)
     elif kind.startswith("grpc_"):
         if kind == "grpc_ids":  # 3.9 M ids of one byte each: just under gRPC's 4 MiB message limit
             req = pb.GenerateRequest(prompt_token_ids=[i % 100 for i in range(3_900_000)],
@@ -204,8 +208,24 @@ def _held_connections(port: int, n: int, stop, ready) -> None:
         s.close()
 
 
+def _metrics_flood(port: int, silent: int, stop, ready) -> None:
+    raise_open_files_limit()
+    held = []
+    for _ in range(silent):
+        with contextlib.suppress(OSError):
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+    _count(ready)
+    while not stop.is_set():
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+            while s.recv(65536):
+                pass
+    for s in held:
+        s.close()
+
+
 ATTACKS = ("ids_8mb", "stop_8mb", "tools_8mb", "text_8mb", "at_cap_ids", "at_cap_stop", "grpc_ids",
-           "grpc_at_cap_stop", "held_connections")
+           "grpc_at_cap_stop", "held_connections", "metrics_flood")
 
 
 def _stats(xs: list[float]) -> dict:
@@ -233,20 +253,21 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory() as d:
         model = build_tiny_model(Path(d) / "model", "llama", "small")
-        stack = Stack(model, Path(d), secure=False, soft_nofile=SOFT_NOFILE)
+        stack = Stack(model, Path(d), secure=False, soft_nofile=SOFT_NOFILE,
+                      scheduler_args=["--metrics-port", str(metrics_port := free_port())])
         try:
             stack.start_scheduler()
             stack.start_executor("ex0")
             stack.wait_health()
             info = stack.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
             stack.model_name = info.model_name
-            print(json.dumps(run_attacks(stack, info.max_model_len, a.seconds, a.connections, attacks)))
+            print(json.dumps(run_attacks(stack, info.max_model_len, a.seconds, a.connections, attacks, metrics_port)))
         finally:
             stack.stop()
 
 
 def run_attacks(stack: Stack, max_model_len: int, seconds: float, connections: int,
-                attacks: tuple[str, ...] = ATTACKS) -> dict:
+                attacks: tuple[str, ...] = ATTACKS, metrics_port: int = 0) -> dict:
     import multiprocessing as mp
 
     from scheduler_svc.front.http.limits import HttpLimits, body_cap
@@ -265,7 +286,7 @@ def run_attacks(stack: Stack, max_model_len: int, seconds: float, connections: i
         benign.phase = "setup"  # (attackers importing and building bodies: not counted)
         stop, ready = ctx.Event(), ctx.Value("i", 0)
         procs = [ctx.Process(target=_attacker, args=(attack, port, f"127.0.0.1:{stack.port}", name, cap, connections,
-                                                      stop, ready), daemon=True)
+                                                      stop, ready, metrics_port), daemon=True)
                  for _ in range(1 if attack == "held_connections" else 10)]
         for p in procs:
             p.start()

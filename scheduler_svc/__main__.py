@@ -23,12 +23,11 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import uvloop
 import zmq
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from pagedserve.fd_limits import raise_open_files_limit
 from pagedserve.gc_tuning import tune_gc
@@ -40,7 +39,8 @@ from scheduler_svc.entrypoints.core import core_links
 from scheduler_svc.entrypoints.other_cores import OtherCores
 from scheduler_svc.entrypoints.service_config import ServiceConfig, load_config
 from scheduler_svc.telemetry.families import FamiliesCollector, families_of, merge_families
-from scheduler_svc.telemetry.metrics import Metrics, start_metrics_server
+from scheduler_svc.telemetry.metrics import Metrics
+from scheduler_svc.telemetry.metrics_server import CachedExposition, start_metrics_server
 
 log = logging.getLogger("pagedserve.scheduler")
 EXPOSITION_TTL_S = 0.1  # within the gateway picker's staleness limit (200 ms)
@@ -65,17 +65,10 @@ async def serve(cfg: ServiceConfig, argv: list[str], public: PublicPorts) -> Non
     deployment.register(FamiliesCollector(lambda: merge_families(
         [families_of(metrics.registry), *(link.front_families() for link in links), others.families()])))
 
-    rendered = ["", 0.0]  # (text, when): a front's /metrics asks for it; rendering costs the loop ~2 ms
-
-    def exposition() -> str:
-        """The deployment's /metrics text, rendered at most every EXPOSITION_TTL_S however many fronts
-        (and their scrapers: the inference gateway's picker polls each every 100 ms) ask."""
-        now = time.monotonic()
-        if now - rendered[1] > EXPOSITION_TTL_S:
-            rendered[:] = [generate_latest(deployment).decode(), now]
-        return rendered[0]
-
-    links = core_links(core, cfg, 0, local[0], metrics, exposition)
+    # Rendered at most every EXPOSITION_TTL_S however many fronts (and their scrapers: the inference
+    # gateway's picker polls each every 100 ms) and --metrics-port scrapers ask.
+    exposition = CachedExposition(deployment, EXPOSITION_TTL_S, asyncio.get_running_loop())
+    links = core_links(core, cfg, 0, local[0], metrics, lambda: exposition().decode())
     others = OtherCores(core, local[1:], core.hub.bound_port)
     if cfg.engine_cores > 1:  # this executor port is the directory; each core schedules on its own
         core.hub.director = others.director
@@ -83,7 +76,7 @@ async def serve(cfg: ServiceConfig, argv: list[str], public: PublicPorts) -> Non
     for link in links:
         await link.start()
     core.on_readiness_change = lambda: [link.broadcast_status() for link in links]
-    metrics_server = start_metrics(cfg, public.metrics, deployment) if public.metrics else None
+    metrics_server = start_metrics(cfg, public.metrics, exposition) if public.metrics else None
     cores = Children("scheduler_svc.entrypoints.core", cfg.engine_cores - 1, name=lambda c: f"engine core {c.index + 1}",
                      args=lambda c: [*argv, "--core-index", str(c.index + 1), "--core-link", local[c.index + 1]],
                      on_exit=lambda name, why: None)  # (its executors and fronts see it go silent)
@@ -160,10 +153,10 @@ def claim_ports(cfg: ServiceConfig) -> PublicPorts:
                        if cfg.metrics_port else 0)
 
 
-def start_metrics(cfg: ServiceConfig, port: int, registry: CollectorRegistry):
+def start_metrics(cfg: ServiceConfig, port: int, exposition: CachedExposition):
     """/metrics on the claimed port (another program may have taken it since: say so, naming the flag)."""
     try:
-        return start_metrics_server(port, registry, host=cfg.metrics_host)
+        return start_metrics_server(port, exposition, host=cfg.metrics_host)
     except OSError as exc:
         raise SystemExit(f"pagedserve-scheduler: --metrics-port {port}: cannot listen on {cfg.metrics_host} "
                          f"({exc.strerror or exc})") from None

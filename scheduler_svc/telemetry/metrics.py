@@ -3,8 +3,8 @@
 One :class:`Metrics` object owns a dedicated ``CollectorRegistry`` (never the
 global default, so tests and several engines in one process do not collide).
 The engine calls its small ``on_*`` methods and :meth:`Metrics.observe_stats`
-once per loop iteration (or on a timer); :func:`start_metrics_server` serves
-``/metrics`` over HTTP on ``--metrics-port``.
+once per loop iteration (or on a timer); metrics_server.py serves ``/metrics``
+over HTTP on ``--metrics-port``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ import threading
 import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Protocol
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -294,46 +292,3 @@ class Metrics:
         last = self._last.get(key, 0)
         counter.inc(total - last if total >= last else total)  # a smaller total: the source restarted
         self._last[key] = total
-
-
-@dataclass(slots=True)
-class MetricsServer:
-    """The running /metrics HTTP server (a daemon thread)."""
-
-    httpd: WSGIServer
-    thread: threading.Thread
-
-    @property
-    def port(self) -> int:
-        return self.httpd.server_address[1]
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
-
-
-def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> MetricsServer:
-    """Serve ``registry`` at http://host:port/metrics (port 0: a free port, see ``.port``). ``HEAD``
-    gets a GET's headers and no body (prometheus_client answers 405 with a body, which HTTP clients
-    that probe with HEAD, aiperf's among them, reject)."""
-    httpd, thread = start_http_server(port, addr=host, registry=registry)
-    httpd.set_app(_head_as_get(httpd.get_app()))
-    return MetricsServer(httpd, thread)
-
-
-def _head_as_get(app):
-    """A WSGI app answering HEAD as it answers GET, without the body."""
-
-    def head_or_get(environ, start_response):
-        if environ.get("REQUEST_METHOD") != "HEAD":
-            return app(environ, start_response)
-        answer = []
-        body = b"".join(app(dict(environ, REQUEST_METHOD="GET"), lambda status, headers, *exc: answer.append(
-            (status, headers))))
-        status, headers = answer[0]
-        headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
-        start_response(status, [*headers, ("Content-Length", str(len(body)))])
-        return [b""]
-
-    return head_or_get

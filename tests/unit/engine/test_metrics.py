@@ -9,7 +9,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.engine_api import EngineStats, ExecutorStats, FinishReason
-from scheduler_svc.telemetry.metrics import Metrics, start_metrics_server
+from scheduler_svc.telemetry.metrics import Metrics
+from scheduler_svc.telemetry.metrics_server import start_metrics_server
 from testing.grpc_fakes import example_stats
 
 REQUIRED = [
