@@ -50,6 +50,7 @@ class Parsed:
 
 class ToolParser:
     name: ClassVar[str] = ""
+    max_calls: int | None = None  # set per request: 1 under parallel_tool_calls false (the first call is kept)
 
     def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> Parsed:
         """The content and calls in ``text``; ``final``: the text is whole (nothing held back);

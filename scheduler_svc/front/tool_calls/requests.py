@@ -6,7 +6,8 @@ As vLLM serves them:
 - ``none`` (the default without tools): the tools are still shown to the model (its template
   renders them); its text is content, nothing is parsed.
 - ``auto`` (the default with tools): the model decides; its text is parsed by the server's
-  ``--tool-call-parser``, which ``--enable-auto-tool-choice`` must have turned on (else 400).
+  ``--tool-call-parser``, which ``--enable-auto-tool-choice`` must have turned on (else 400);
+  with ``parallel_tool_calls: false`` only its first call is reported (whole and streamed).
 - ``required``: a grammar makes the output a JSON array of ``{"name": <one of the tools>,
   "parameters": <its parameters' schema>}`` (one item without ``parallel_tool_calls``).
 - a named function (``{"type": "function", "function": {"name": ...}}``): a grammar makes the
@@ -67,7 +68,7 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
         if rendered is None:
             raise bad_field("tool_choice", f"{choice!r} needs tools")
         if choice == "auto":
-            return _auto(rendered, options, special_tokens)
+            return _auto(rendered, options, special_tokens, parallel_tool_calls is False)
         schema = _required_schema(rendered, parallel_tool_calls is False)
         return ToolPlan(rendered, RequiredParser(), StructuredFields(field="tool_choice", json_schema=schema),
                         "tool_calls")
@@ -83,12 +84,15 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
     return ToolPlan(rendered, NamedParser(name), StructuredFields(field="tool_choice", json_schema=schema), None)
 
 
-def _auto(rendered: list[dict[str, Any]], options: ToolCallOptions, special_tokens: frozenset[str]) -> ToolPlan:
+def _auto(rendered: list[dict[str, Any]], options: ToolCallOptions, special_tokens: frozenset[str],
+          single: bool) -> ToolPlan:
     if not options.enable_auto_tool_choice or options.parser is None:
         raise ApiError(400, 'tool_choice: "auto" needs the server to run with --enable-auto-tool-choice and '
                             "--tool-call-parser (or ask for \"required\" or a named function)",
                        param="tool_choice", code="unsupported")
     parser = AUTO_PARSERS[options.parser]()
+    if single:  # no grammar holds the model to one call: the first is kept, as vLLM keeps it
+        parser.max_calls = 1
     reads_special = isinstance(getattr(parser, "BOT", None), str) and parser.BOT in special_tokens
     return ToolPlan(rendered, parser, None, "tool_calls", skip_special_tokens=not reads_special)
 

@@ -41,7 +41,7 @@ class ChoiceToolCalls:
         """(new content, tool_calls deltas) after ``new_text``; ``final``: the choice ended."""
         self.text += new_text
         parsed = self.parser.parse(self.text, final, self.memo)
-        calls = _named(parsed.calls)
+        calls = _named(parsed.calls)[:self.parser.max_calls]
         whole = self.text if final and not calls else parsed.content  # (no call: what was held back too)
         content = whole[self.content_sent:]
         self.content_sent = max(self.content_sent, len(whole))
@@ -62,7 +62,8 @@ class ChoiceToolCalls:
         sends in all, chunk by chunk, for the same text (the module's docstring)."""
         parsed = self.parser.parse(text, final=True)
         calls = [{"id": self.parser.call_id(), "type": "function",
-                  "function": {"name": call.name, "arguments": call.arguments}} for call in _named(parsed.calls)]
+                  "function": {"name": call.name, "arguments": call.arguments}}
+                 for call in _named(parsed.calls)[:self.parser.max_calls]]
         if not calls:
             return text, None
         return parsed.content or None, calls
