@@ -17,7 +17,9 @@ repeat throughout. First alone (idle), then during each attack in turn:
   message cap (parsed in the parse worker, then refused);
 * ``held_connections``: 1,000 kept-alive connections, each ``GET /health`` then a CRLF every 2 s;
 * ``metrics_flood``: 10 clients scraping the scheduler's ``--metrics-port`` (open to the cluster,
-  no key) back to back, each on a new connection, plus 1,000 connections opened there and left silent.
+  no key) back to back, each on a new connection, plus 1,000 connections opened there and left silent;
+* ``api_metrics_flood``: 10 clients scraping ``/metrics`` on the API's HTTP port (open, like
+  ``/health``) back to back on kept-alive connections.
 
 Reports each benign latency (p50, p99, worst) against idle, new clients that failed (reset,
 refused, or no answer), the RSS growth of every process, and whether the benign outputs stayed
@@ -58,6 +60,18 @@ def _rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def _cpu(pids: dict[str, int]) -> dict[str, float]:
+    from benchmarks.proc_stat import cpu_seconds
+
+    out = {}
+    for name, pid in pids.items():
+        try:
+            out[name] = cpu_seconds(pid)
+        except (FileNotFoundError, ProcessLookupError):
+            out[name] = 0.0
+    return out
 
 
 def _pids(stack: Stack) -> dict[str, int]:
@@ -166,6 +180,16 @@ def _attacker(kind: str, http_port: int, grpc_target: str, model: str, cap: int,
         _held_connections(http_port, connections, stop, ready)
     elif kind == "metrics_flood":
         _metrics_flood(metrics_port, connections // 10, stop, ready)
+    elif kind == "api_metrics_flood":
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=30)
+        _count(ready)
+        while not stop.is_set():
+            try:
+                conn.request("GET", "/metrics")
+                conn.getresponse().read()
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=30)
     elif kind.startswith("grpc_"):
         if kind == "grpc_ids":  # 3.9 M ids of one byte each: just under gRPC's 4 MiB message limit
             req = pb.GenerateRequest(prompt_token_ids=[i % 100 for i in range(3_900_000)],
@@ -225,7 +249,7 @@ def _metrics_flood(port: int, silent: int, stop, ready) -> None:
 
 
 ATTACKS = ("ids_8mb", "stop_8mb", "tools_8mb", "text_8mb", "at_cap_ids", "at_cap_stop", "grpc_ids",
-           "grpc_at_cap_stop", "held_connections", "metrics_flood")
+           "grpc_at_cap_stop", "held_connections", "metrics_flood", "api_metrics_flood")
 
 
 def _stats(xs: list[float]) -> dict:
@@ -281,6 +305,7 @@ def run_attacks(stack: Stack, max_model_len: int, seconds: float, connections: i
     pids = _pids(stack)  # (after the first requests: whatever a front starts lazily is running)
     rss0 = {n: _rss_mb(p) for n, p in pids.items()}
     rss_peak = dict(rss0)
+    cpu: dict[str, dict[str, float]] = {}  # per attack: each process's CPUs used while it ran
     print(f"after the idle phase: RSS MB {({n: round(_rss_mb(p), 1) for n, p in pids.items()})}", flush=True)
     for attack in attacks:
         benign.phase = "setup"  # (attackers importing and building bodies: not counted)
@@ -294,6 +319,7 @@ def run_attacks(stack: Stack, max_model_len: int, seconds: float, connections: i
         while ready.value < len(procs) and time.monotonic() < deadline:  # set up (imports, bodies, sockets)
             time.sleep(0.05)
         benign.phase = attack
+        cpu0 = _cpu(pids)
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             time.sleep(0.25)
@@ -301,13 +327,14 @@ def run_attacks(stack: Stack, max_model_len: int, seconds: float, connections: i
                 with contextlib.suppress(FileNotFoundError):
                     rss_peak[n] = max(rss_peak[n], _rss_mb(p))
         benign.phase = "setup"
+        cpu[attack] = {n: round((c - cpu0[n]) / seconds, 3) for n, c in _cpu(pids).items()}
         stop.set()
         for p in procs:
             p.join(60)
             if p.is_alive():
                 p.kill()
         print(f"{attack}: http {_stats(benign.http.get(attack, []))} grpc {_stats(benign.grpc.get(attack, []))} "
-              f"failed {benign.failures.get(attack, 0)}, peak RSS MB {rss_peak}", flush=True)
+              f"failed {benign.failures.get(attack, 0)}, peak RSS MB {rss_peak}, CPUs {cpu[attack]}", flush=True)
     benign.phase = "after"
     time.sleep(seconds)
     benign.stop()
@@ -321,7 +348,7 @@ def run_attacks(stack: Stack, max_model_len: int, seconds: float, connections: i
         bound_g = max(TARGET_MIN_WORST_S, 4 * idle_grpc.get("p50_s", 0))
         met = h.get("worst_s", 1e9) <= bound_h and g.get("worst_s", 1e9) <= bound_g and fails == 0
         ok &= met
-        report[attack] = {"http": h, "grpc": g, "failed_new_clients": fails, "met": met}
+        report[attack] = {"http": h, "grpc": g, "failed_new_clients": fails, "met": met, "cpus": cpu[attack]}
     growth = {n: round(rss_peak[n] - rss0[n], 1) for n in pids}
     report["rss_growth_mb"] = growth
     report["outputs_unchanged"] = all(len(v) == 1 for v in benign.outputs.values()) and len(benign.outputs) == 2

@@ -17,16 +17,23 @@ between executors), at most ``--max-migrations`` times; with no core left it fai
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
+import math
+import time
 
 from pagedserve.engine_api import EngineError, EngineStats, ErrorKind, GenerationRequest, ModelInfo
 from pagedserve.placement import within_skew
 from scheduler_svc.front.core_link import RemoteCore
 
+METRICS_TTL_S = 0.1  # (the core renders them at most this often: __main__.EXPOSITION_TTL_S)
+
 
 class CoreSet:
     def __init__(self, cores: list[RemoteCore], max_migrations: int = 3, report_core_health: bool = True) -> None:
+        self._metrics: tuple[str, float] = ("", -math.inf)  # (text, when): the deployment's metrics
+        self._metrics_ask: asyncio.Future | None = None
         self.cores = cores
         self.max_migrations = max_migrations
         self.report_core_health = report_core_health
@@ -89,8 +96,24 @@ class CoreSet:
         return next((p for c in self.cores if (p := c.health_problem()) is not None), None)
 
     async def metrics_text(self, timeout_s: float = 5.0) -> str:
-        """The deployment's metrics: the first core sums every core's and every front's."""
-        return await self.cores[0].metrics_text(timeout_s)
+        """The deployment's metrics: the first core sums every core's and every front's. Asked of it
+        at most every ``METRICS_TTL_S``, one ask shared by every scrape meanwhile: ``/metrics`` on the
+        API port is open, and a flood of scrapes must not reach the core's loop one by one."""
+        text, at = self._metrics
+        if time.monotonic() - at <= METRICS_TTL_S:
+            return text
+        if self._metrics_ask is None:
+            self._metrics_ask = asyncio.ensure_future(self._ask_metrics(timeout_s))
+            self._metrics_ask.add_done_callback(lambda f: f.cancelled() or f.exception())  # (its scrapers may be gone)
+        return await asyncio.shield(self._metrics_ask)  # (a scraper gone does not cancel the others' ask)
+
+    async def _ask_metrics(self, timeout_s: float) -> str:
+        try:
+            text = await self.cores[0].metrics_text(timeout_s)
+            self._metrics = (text, time.monotonic())
+            return text
+        finally:
+            self._metrics_ask = None
 
     # ------------------------------------------------------------------ what the front asks
 
