@@ -118,6 +118,9 @@ class ChoiceDelta(msgspec.Struct, gc=False):
     token_ids: list[int] = msgspec.field(default_factory=list)
     logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
     finish_reason: FinishReason = FinishReason.UNSPECIFIED
+    # What ended it by STOP, as vLLM's stop_reason: the stop string matched, or the stop token id
+    # (None for EOS, a length, or while it runs).
+    stop_reason: str | int | None = None
 
 
 class Usage(msgspec.Struct, gc=False):

@@ -155,7 +155,7 @@ class FakeEngine:
         else:
             delta.text = detok.step(tid)
             if detok.stop_matched is not None:
-                delta.finish_reason = FinishReason.STOP
+                delta.finish_reason, delta.stop_reason = FinishReason.STOP, detok.stop_matched
             elif produced[i] == p.max_tokens:
                 delta.text += detok.finish()
                 delta.finish_reason = FinishReason.LENGTH

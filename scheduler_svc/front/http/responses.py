@@ -51,6 +51,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # (vLLM's: the stop string or stop token id that ended it)
     started: bool = False  # its first delta went out (role / echo are sent once)
     offsets: TextOffsets | None = None  # completions logprobs: where the next token starts
     tools: ChoiceToolCalls | None = None  # chat with tools: its calls
@@ -127,6 +128,7 @@ class _Render:
             first, c.started = not c.started, True
             if d.finish_reason:
                 body["finish_reason"] = self._finish(c, d.finish_reason)
+                body["stop_reason"] = d.stop_reason
             msg = self._head(self.CHUNK_OBJECT)
             msg["choices"] = [body]
             if self.return_token_ids:  # (vLLM's: the prompt's ids with each choice's first chunk)
@@ -167,7 +169,7 @@ class _Render:
             c.logprobs.extend(d.logprobs)
             if d.finish_reason:
                 finish_reason(d.finish_reason)  # (an aborted request is an error now)
-                c.finish_reason = d.finish_reason
+                c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
 
     def response(self) -> dict[str, Any]:
         msg = self._head(self.OBJECT)
@@ -237,7 +239,8 @@ class CompletionRender(_Render):
                 head = self._echo_logprobs(prompt)
                 logprobs = {k: head[k] + logprobs[k] for k in logprobs}
         body = {"index": index, "text": echo + "".join(c.text), "logprobs": logprobs,
-                "finish_reason": finish_reason(c.finish_reason) if c.finish_reason else None}
+                "finish_reason": finish_reason(c.finish_reason) if c.finish_reason else None,
+                "stop_reason": c.stop_reason}
         if self.prompt_logprobs[prompt] is not None:
             body["prompt_logprobs"] = prompt_logprobs_body(self.texts.text, self.prompt_logprobs[prompt])
         if self.return_token_ids:
@@ -305,7 +308,7 @@ class ChatRender(_Render):
                     word = self.tools.finish_reason
         body = {"index": index, "message": message,
                 "logprobs": {"content": chat_logprobs(self.texts, c.logprobs)} if c.logprobs else None,
-                "finish_reason": word}
+                "finish_reason": word, "stop_reason": c.stop_reason}
         if self.return_token_ids:
             body["token_ids"] = c.token_ids
         return body

@@ -183,9 +183,11 @@ class RequestStream:
                 if detok.stop_matched is not None:
                     break
         if detok.stop_matched is not None:
-            delta.finish_reason = FinishReason.STOP
+            delta.finish_reason, delta.stop_reason = FinishReason.STOP, detok.stop_matched
         elif su.finish_reason is not None:
             delta.finish_reason = su.finish_reason
+            if su.finish_reason == FinishReason.STOP and streamed:
+                delta.stop_reason = streamed[-1]  # (the stop token id that ended it)
             delta.text += detok.finish()
         return delta
 
@@ -229,7 +231,7 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
             m.token_ids.extend(c.token_ids)
             m.logprobs.extend(c.logprobs)
             if c.finish_reason != FinishReason.UNSPECIFIED:
-                m.finish_reason = c.finish_reason
+                m.finish_reason, m.stop_reason = c.finish_reason, c.stop_reason
     last = outs[-1]
     prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
     return RequestOutput(last.request_id, list(merged.values()), last.usage, last.finished, prompt_logprobs)

@@ -90,6 +90,7 @@ def test_text_usage_and_metrics_of_a_whole_request(per_update, stop):
     assert _text(outs) == TOK.decode(ids)  # multi-byte characters split across tokens included
     assert _tokens(outs) == ids
     assert outs[-1].finished and outs[-1].choices[-1].finish_reason == FinishReason.LENGTH
+    assert outs[-1].choices[-1].stop_reason is None
     assert (outs[-1].usage.completion_tokens, outs[-1].usage.cached_prompt_tokens) == (len(ids), 16)
     assert not any(o.finished for o in outs[:-1]) and "r" not in front.by_core_id
     value = metrics.registry.get_sample_value
@@ -110,6 +111,7 @@ def test_a_stop_string_across_tokens_ends_the_request_and_frees_it(per_update, i
     outs = t.outbox
     assert _text(outs) == "Some text then " + ("STOP here" if include_stop else "")
     assert outs[-1].finished and outs[-1].choices[-1].finish_reason == FinishReason.STOP
+    assert outs[-1].choices[-1].stop_reason == "STOP here"  # (vLLM's stop_reason: the string matched)
     streamed = _tokens(outs)
     assert streamed == ids[:len(streamed)] and len(streamed) < len(ids)  # nothing after the stop
     assert outs[-1].usage.completion_tokens == len(streamed)
@@ -144,6 +146,7 @@ def test_the_token_that_ends_a_choice_is_streamed_without_its_text(per_update, s
     assert _text(outs) == "plain words" + (TOK.decode([end], skip_special_tokens=False) if include_stop else "")
     assert _tokens(outs) == ids and [lp.token_id for o in outs for c in o.choices for lp in c.logprobs] == ids
     assert outs[-1].finished and outs[-1].choices[-1].finish_reason == finish
+    assert outs[-1].choices[-1].stop_reason == (end if finish == FinishReason.STOP else None)  # (EOS: none, as vLLM)
     assert outs[-1].usage.completion_tokens == len(ids)
 
 

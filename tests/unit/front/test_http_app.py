@@ -174,6 +174,22 @@ def test_n_choices_stop_logprobs_and_extensions_reach_the_engine(fake):
     assert s.top_p == pytest.approx(0.9) and s.min_p == pytest.approx(0.1) and s.repetition_penalty == 1.2
 
 
+@pytest.mark.parametrize("path,stop,reason", [
+    ("/v1/completions", ["the"], "the"), ("/v1/completions", [], None),
+    ("/v1/chat/completions", ["the"], "the"), ("/v1/chat/completions", [], None)])
+def test_stop_reason_names_the_stop_string_that_ended_a_choice_as_vllm_does(fake, path, stop, reason):
+    body = {"max_tokens": 50, "stop": stop, **({"prompt": "Hi"} if "chat" not in path else
+                                                {"messages": [{"role": "user", "content": "Hi"}]})}
+    status, raw = fake.request("POST", path, body)
+    choice = json.loads(raw)["choices"][0]
+    assert (status, choice["finish_reason"], choice["stop_reason"]) == (200, "stop", reason)  # (EOS: null)
+    status, raw = fake.request("POST", path, {**body, "stream": True})
+    chunks = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+    ends = [c["choices"][0] for c in chunks if c["choices"][0].get("finish_reason")]
+    assert [(e["finish_reason"], e["stop_reason"]) for e in ends] == [("stop", reason)]
+    assert all("stop_reason" not in c["choices"][0] for c in chunks if not c["choices"][0].get("finish_reason"))
+
+
 @pytest.mark.parametrize("seed,sent", [(-1, 2**64 - 1), (-(2**63), 2**63), (2**64 - 1, 2**64 - 1), (0, 0)])
 def test_any_int64_seed_is_taken_as_vllm_takes_it_a_negative_one_as_its_64_bits(fake, seed, sent):
     # UIs send seed -1; vLLM takes any int64. gRPC's seed is a uint64: -1 is the same 64 bits as 2**64 - 1.
