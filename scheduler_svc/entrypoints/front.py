@@ -91,7 +91,7 @@ async def start_http(cfg: ServiceConfig, engine, tokenizer: Tokenizer, metrics: 
     front = OpenAIFront(engine, tokenizer, template, cfg.limits, cfg.http_limits, metrics, cfg.tool_calls,
                         cfg.logprobs_mode, lora_updates=cfg.engine.enable_lora and cfg.engine.allow_runtime_lora_updating)
     front.metrics_text = metrics_text
-    middleware = []
+    middleware = [cfg.cors.middleware()] if cfg.cors is not None else []  # (outermost: preflights carry no key)
     if cfg.api_keys is not None:  # the same keys and TLS files as the gRPC front
         middleware.append(Middleware(ApiKeyMiddleware, keys=cfg.api_keys, throttle=throttle, metrics=metrics))
     ssl = cfg.tls.uvicorn_options() if cfg.tls is not None else None

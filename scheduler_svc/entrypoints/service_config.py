@@ -38,6 +38,7 @@ from scheduler_svc.entrypoints.service_flags import build_arg_parser
 from scheduler_svc.front.grpc.limits import MAX_REQUEST_BYTES, GrpcLimits
 from scheduler_svc.front.guards.admission import sized_for_machine
 from scheduler_svc.front.guards.security import ApiKeys, TlsFiles
+from scheduler_svc.front.http.cors import CorsOptions
 from scheduler_svc.front.http.limits import HttpLimits
 from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.front.input.validation import LOGPROBS_MODES
@@ -71,6 +72,7 @@ class ServiceConfig:
     trusted_front_keys: Path | None = None  # the keys of fronts of their own (a CURVE front link)
     logprobs_mode: str = LOGPROBS_MODES[0]  # what reported log-probs describe (every executor follows it)
     tool_calls: ToolCallOptions = ToolCallOptions()  # --enable-auto-tool-choice, --tool-call-parser
+    cors: CorsOptions | None = None  # --allowed-origins and the rest (None: no CORS headers)
 
     @property
     def scheduler(self) -> SchedulerConfig:
@@ -222,7 +224,7 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         api_server_count=a.api_server_count, engine_cores=a.engine_cores,
         front_link_host=_front_link_host(parser, a, keys),
         front_link_port=a.front_link_port, trusted_front_keys=a.trusted_front_keys,
-        logprobs_mode=a.logprobs_mode, tool_calls=_tool_calls(parser, a))
+        logprobs_mode=a.logprobs_mode, tool_calls=_tool_calls(parser, a), cors=_cors(parser, a))
 
 
 def _fit_widths(parser: argparse.ArgumentParser, a: argparse.Namespace, scheduler: SchedulerConfig,
@@ -251,6 +253,20 @@ def _lora_modules(parser: argparse.ArgumentParser, a: argparse.Namespace) -> tup
         why = str(exc)  # (the adapter checks are shared with POST /v1/load_lora_adapter: name the flag)
         parser.error(why if why.startswith("--lora-modules") else f"--lora-modules: {why}")
     return tuple(out)
+
+
+def _cors(parser: argparse.ArgumentParser, a: argparse.Namespace) -> CorsOptions | None:
+    if not a.allowed_origins:
+        for flag, given in (("--allowed-methods", a.allowed_methods), ("--allowed-headers", a.allowed_headers),
+                            ("--allow-credentials", a.allow_credentials)):
+            if given:
+                parser.error(f"{flag}: only with --allowed-origins (no browser origin is allowed without it)")
+        return None
+    try:
+        return CorsOptions(a.allowed_origins, a.allowed_methods or ("*",), a.allowed_headers or ("*",),
+                           a.allow_credentials)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def _tool_calls(parser: argparse.ArgumentParser, a: argparse.Namespace) -> ToolCallOptions:

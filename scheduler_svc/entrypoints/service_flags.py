@@ -285,6 +285,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=tuple(AUTO_PARSERS), default=None,
                    help="how the model writes tool calls: hermes (Hermes, Qwen2.5), llama3_json (Llama 3.1-3.3), "
                         "mistral (Mistral v0.3, Nemo)")
+    p.add_argument("--allowed-origins", nargs="+", action=_ExtendTuple, default=(), metavar="ORIGIN",
+                   help="web origins whose pages may call the HTTP API from a browser (CORS), e.g. "
+                        "https://chat.example.com, or * for any; none by default (vLLM's default is *: any web "
+                        "page could then drive a server it can reach, one on localhost included)")
+    p.add_argument("--allowed-methods", nargs="+", action=_ExtendTuple, default=(), metavar="METHOD",
+                   help="with --allowed-origins: the methods allowed (default: all)")
+    p.add_argument("--allowed-headers", nargs="+", action=_ExtendTuple, default=(), metavar="HEADER",
+                   help="with --allowed-origins: the request headers allowed (default: all)")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="with --allowed-origins: browsers may send cookies and credentials")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 

@@ -47,6 +47,14 @@ def test_http_api_port_and_host(model_dir):
     assert (cfg.http_host, cfg.http_port) == ("127.0.0.1", 0)  # 0: the HTTP API is off
 
 
+def test_cors_is_off_unless_origins_are_given(model_dir):
+    assert load_config(["--model", str(model_dir)], {}).cors is None
+    cfg = load_config(["--model", str(model_dir), "--allowed-origins", "https://a.example", "https://b.example",
+                       "--allowed-methods", "POST"], {})
+    assert (cfg.cors.origins, cfg.cors.methods, cfg.cors.headers) == (("https://a.example", "https://b.example"),
+                                                                      ("POST",), ("*",))
+
+
 @pytest.mark.parametrize("argv,env,message", [
     (["--max-num-seqs", "0"], {}, "--max-num-seqs: must be > 0, got 0"),
     (["--port", "70000"], {}, "port: must be >= 0 and <= 65535, got 70000"),
@@ -59,6 +67,8 @@ def test_http_api_port_and_host(model_dir):
     # (past what the links carry: a request at the limit would make a frame the receiver refuses)
     (["--max-logprobs", "1025"], {}, "--max-logprobs: must be >= 0 and <= 1024, got 1025"),
     (["--max-beam-width", "513"], {}, "--max-beam-width: must be > 0 and <= 512, got 513"),
+    (["--allow-credentials"], {}, "--allow-credentials: only with --allowed-origins"),
+    (["--allowed-origins", "*", "--allow-credentials"], {}, "--allow-credentials: name the origins (not *)"),
 ])
 def test_bad_values_name_the_flag_and_the_limit(model_dir, capsys, argv, env, message):
     with pytest.raises(SystemExit):
