@@ -154,6 +154,7 @@ def _cmd_generate(channel: grpc.Channel, args: argparse.Namespace, out: TextIO, 
         return 2
     stream = pb_grpc.GenerationStub(channel).Generate(build_request(args), timeout=args.timeout)
     texts: dict[int, list[str]] = {}
+    logprobs: dict[int, list] = {}  # (--logprobs: each choice's tokens' log-probs, to stderr at the end)
     finish: dict[int, int] = {}
     usage = None
     # Text is written as it comes only when one choice is expected: several (n > 1, or the beams of
@@ -167,6 +168,8 @@ def _cmd_generate(channel: grpc.Channel, args: argparse.Namespace, out: TextIO, 
                 print(_to_json(msg), file=out, flush=True)
             for c in msg.choices:
                 texts.setdefault(c.index, []).append(c.text)
+                if c.logprobs:
+                    logprobs.setdefault(c.index, []).extend(c.logprobs)
                 if c.finish_reason:
                     finish[c.index] = c.finish_reason
                 if inline and inline_index in (None, c.index):
@@ -180,8 +183,18 @@ def _cmd_generate(channel: grpc.Channel, args: argparse.Namespace, out: TextIO, 
         raise
     if not args.json:
         _print_choices(texts, finish, inline, inline_index, out)
+        _print_logprobs(logprobs, err)
         _print_summary(finish, usage, err)
     return 0
+
+
+def _print_logprobs(logprobs: dict[int, list], err: TextIO) -> None:
+    """Each choice's tokens (ids: the client has no tokenizer) with their log-probs and alternatives."""
+    for index in sorted(logprobs):
+        print(f"[logprobs of choice {index}: token id, log-prob, the most likely alternatives]", file=err)
+        for lp in logprobs[index]:
+            top = " ".join(f"{t.token_id}:{t.logprob:.4f}" for t in lp.top_logprobs)
+            print(f"  {lp.token_id:>8} {lp.logprob:9.4f}" + (f"   {top}" if top else ""), file=err)
 
 
 def _print_choices(texts: dict[int, list[str]], finish: dict[int, int], inline: bool, written: int | None,

@@ -43,6 +43,17 @@ def test_generate_stream_prints_text_and_summary(server, engine):
     assert req.params.max_tokens == 30 and req.params.sampling.temperature == 0.0
 
 
+def test_logprobs_asked_for_are_printed_to_stderr_the_text_alone_to_stdout(server, engine):
+    engine.completions = ["ab"]
+    code, out, err = cli(server, "generate", "Hi", "--logprobs", "2", "--temperature", "0")
+    assert code == 0 and out == "ab\n"
+    rows = [line.split() for line in err.splitlines() if line.startswith("  ")]
+    ids = make_tokenizer().encode("ab", add_special_tokens=False).ids + [1]  # (the fake ends with EOS, id 1)
+    assert [int(r[0]) for r in rows] == ids and all(float(r[1]) == -0.5 and len(r) == 4 for r in rows)
+    assert "[logprobs of choice 0" in err
+    assert "logprobs" not in cli(server, "generate", "Hi")[2]
+
+
 def test_generate_options_reach_the_server(server, engine):
     engine.completions = ["one", "two"]
     code, out, err = cli(server, "generate", "--token-ids", "0,5,6", "--n", "2", "--top-p", "0.5",
