@@ -212,6 +212,10 @@ def _response(out: RequestOutput) -> pb.GenerateResponse:
     for c in out.choices:
         choice = msg.choices.add(index=c.index, text=c.text, token_ids=c.token_ids,
                                  finish_reason=int(c.finish_reason))
+        if isinstance(c.stop_reason, str):
+            choice.stop_string = c.stop_reason
+        elif c.stop_reason is not None:
+            choice.stop_token_id = c.stop_reason
         for lp in c.logprobs:
             entry = choice.logprobs.add(token_id=lp.token_id, logprob=lp.logprob)
             for tid, tlp in zip(lp.top_token_ids, lp.top_logprobs, strict=True):

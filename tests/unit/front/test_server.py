@@ -182,6 +182,24 @@ def test_stop_string_and_length_finish(stub, engine):
     assert text == make_tokenizer().decode(ids)
 
 
+def test_the_last_delta_of_a_choice_a_stop_string_ended_names_it():
+    from pagedserve.engine_api import ChoiceDelta, RequestOutput
+    from scheduler_svc.front.grpc.server import _response
+
+    def last(stop_reason, finish=FinishReason.STOP) -> pb.Choice:
+        return _response(RequestOutput("r", [ChoiceDelta(0, finish_reason=finish, stop_reason=stop_reason)])).choices[0]
+
+    assert (last("d, t").WhichOneof("stop_reason"), last("d, t").stop_string) == ("stop_string", "d, t")
+    assert (last(7).WhichOneof("stop_reason"), last(7).stop_token_id) == ("stop_token_id", 7)
+    assert last(None, FinishReason.EOS).WhichOneof("stop_reason") is None
+
+
+def test_stop_reason_reaches_a_grpc_client(stub, engine):
+    engine.completions = ["Hello world, the end."]
+    out = generate(stub, prompt="Hi", sampling={"stop": ["d, t"], "max_tokens": 40})
+    assert [c.stop_string for m in out for c in m.choices if c.finish_reason] == ["d, t"]
+
+
 @pytest.mark.parametrize("mode,code", [
     ("queue_full", grpc.StatusCode.RESOURCE_EXHAUSTED),
     ("no_executor", grpc.StatusCode.UNAVAILABLE),
