@@ -51,6 +51,10 @@ class Parsed:
 class ToolParser:
     name: ClassVar[str] = ""
     max_calls: int | None = None  # set per request: 1 under parallel_tool_calls false (the first call is kept)
+    # The model writes free text, and a text with no call in it is the answer's content. Not so where a
+    # grammar made the text the calls (required, a named function): cut short before a call was named,
+    # it is no content either (vLLM answers content "" there), never JSON markup shown as the answer.
+    free_text: ClassVar[bool] = True
 
     def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> Parsed:
         """The content and calls in ``text``; ``final``: the text is whole (nothing held back);
@@ -173,18 +177,20 @@ class RequiredParser(ToolParser):
     ``{"name": ..., "parameters": {...}}`` (tool_calls/requests.py writes its schema)."""
 
     name = "required"
+    free_text = False
 
     def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> Parsed:
         i = skip_ws(text, 0)
         if i < len(text) and text[i] == "[":
             return Parsed("", _array_calls(text, i, ("parameters",), memo))
-        return Parsed(text if final else "")
+        return Parsed("")  # (the grammar's text starts with its array: no answer text either way)
 
 
 class NamedParser(ToolParser):
     """A named function: the grammar makes the whole text its arguments (a JSON object)."""
 
     name = "named"
+    free_text = False
 
     def __init__(self, function: str) -> None:
         self.function = function

@@ -13,7 +13,8 @@ arguments' text as far as it goes, and the content before them. A stream cannot 
 it began, so a call cut short (max_tokens: finish_reason "length") is reported with its partial
 arguments in both, as OpenAI reports one and vLLM a named function's; a call the model wrote
 badly likewise. With no call, the whole text is the content: a stream holds back the text from
-a marker on (``<tool_call>``) while a call may follow, and sends it when the choice ends without one.
+a marker on (``<tool_call>``) while a call may follow, and sends it when the choice ends without one;
+but where a grammar made the text the calls (``required``), it is no content: "" then, as vLLM has it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class ChoiceToolCalls:
         self.text += new_text
         parsed = self.parser.parse(self.text, final, self.memo)
         calls = _named(parsed.calls)[:self.parser.max_calls]
-        whole = self.text if final and not calls else parsed.content  # (no call: what was held back too)
+        # (no call: what was held back too, where the text is the model's own)
+        whole = self.text if final and not calls and self.parser.free_text else parsed.content
         content = whole[self.content_sent:]
         self.content_sent = max(self.content_sent, len(whole))
         deltas: list[dict[str, Any]] = []
@@ -65,7 +67,7 @@ class ChoiceToolCalls:
                   "function": {"name": call.name, "arguments": call.arguments}}
                  for call in _named(parsed.calls)[:self.parser.max_calls]]
         if not calls:
-            return text, None
+            return (text if self.parser.free_text else ""), None
         return parsed.content or None, calls
 
 

@@ -120,6 +120,16 @@ def test_a_call_cut_short_before_its_name_is_content_and_after_it_a_call_with_pa
     assert len(calls) == 1 and calls[0][0] == "get_weather" and calls[0][1].startswith('{"city": "Par')
 
 
+def test_required_cut_short_before_a_call_is_named_is_no_content_and_no_call():
+    # The grammar's JSON is no answer: it was shown as content ('[{"'); vLLM answers content "".
+    text = SCRIPTS["required"][0]
+    ids = _tok().encode(text, add_special_tokens=False).ids
+    named = next(k for k in range(len(ids)) if '"name": "' in _tok().decode(ids[:k + 1]))
+    for cut in range(1, named + 1):
+        outputs = _outputs(text, cut)
+        assert _whole("required", outputs) == _streamed("required", outputs) == ("", [], "length"), cut
+
+
 def test_a_named_function_cut_short_is_its_call_with_the_arguments_so_far():
     content, calls, reason = _whole("named", _outputs(SCRIPTS["named"][0], 4))
     assert content == "" and reason == "length"
