@@ -55,6 +55,13 @@ class HttpThread:
         finally:
             conn.close()
 
+    def fresh(self) -> HttpThread:
+        """This server as a test finds it: its engine reset and ready, the front not shutting down."""
+        self.engine.reset()
+        self.engine.ready = True
+        self.front.shutting_down = False
+        return self
+
     def stop(self) -> None:
         self.call(self.server.stop(0.5))
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -48,10 +48,7 @@ def server():
 
 @pytest.fixture()
 def fake(server):
-    server.engine.reset()
-    server.engine.ready = True
-    server.front.shutting_down = False
-    return server
+    return server.fresh()
 
 
 def _error(status: int, body: bytes) -> dict:

@@ -35,9 +35,7 @@ def server():
 
 @pytest.fixture()
 def fake(server):
-    server.engine.reset()
-    server.engine.ready = True
-    server.engine.completions = [TWO_CALLS]
+    server.fresh().engine.completions = [TWO_CALLS]
     return server
 
 

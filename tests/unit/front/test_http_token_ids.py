@@ -32,9 +32,7 @@ def server():
 
 @pytest.fixture()
 def fake(server):
-    server.engine.reset()
-    server.engine.ready = True
-    return server
+    return server.fresh()
 
 
 def _post(fake, path: str, body: dict) -> dict:
