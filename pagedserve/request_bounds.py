@@ -30,6 +30,7 @@ from pagedserve.wire.protocol import (
 )
 
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence and frequency penalties
 
 
 class ValidationError(ValueError):
@@ -117,6 +118,21 @@ def check_n_or_beams(n: int, beam_width: int) -> None:
     if n > 1 and beam_width > 1:
         raise ValidationError("sampling.n", f"must be 0 or 1 with beam search (beam_width={beam_width} returns that "
                                             f"many beams as the choices); got n={n}")
+
+
+def check_beam_logprobs(beam_width: int, want_logprobs: bool) -> None:
+    """Refused, never dropped: beams report no per-token log-probs, so the answer would lack them."""
+    if beam_width > 1 and want_logprobs:
+        raise ValidationError("sampling.logprobs", f"cannot be combined with beam search (beam_width={beam_width}): "
+                                                   "beams report no per-token log-probs")
+
+
+def check_penalty(field: str, value: float) -> float:
+    """A presence or frequency penalty (NaN fails the range too)."""
+    lo, hi = PENALTY_RANGE
+    if not lo <= value <= hi:
+        raise ValidationError(field, f"must be in [{lo:g}, {hi:g}] (got {value:g})")
+    return float(value)
 
 
 def check_int_range(field: str, value: int, lo: int, hi: int | None) -> int:

@@ -21,11 +21,13 @@ from pagedserve.engine_api import ModelInfo
 from pagedserve.request_bounds import (
     RequestLimits,
     ValidationError,
+    check_beam_logprobs,
     check_count,
     check_int_range,
     check_logit_bias,
     check_max_tokens,
     check_n_or_beams,
+    check_penalty,
     check_prompt_len,
     check_stop_strings,
     check_stop_token_ids,
@@ -44,6 +46,9 @@ def check_submit(msg: m.Submit, prompt_len: int, limits: RequestLimits, info: Mo
     check_count("sampling.n", p.n, limits.max_n)
     check_count("sampling.beam_width", p.beam_width, limits.max_beam_width)
     check_n_or_beams(p.n, p.beam_width)
+    check_beam_logprobs(p.beam_width, sp.want_logprobs)
+    check_penalty("sampling.presence_penalty", sp.presence_penalty)
+    check_penalty("sampling.frequency_penalty", sp.frequency_penalty)
     check_stop_strings(p.stop, limits)
     check_stop_token_ids(p.stop_token_ids, vocab, limits)
     check_logit_bias(sp.logit_bias, vocab, limits)

@@ -20,11 +20,13 @@ from pagedserve.engine_api import GenerationRequest, ModelInfo, RequestParams
 from pagedserve.kv_blocks import request_blocks
 from pagedserve.request_bounds import (
     ValidationError,
+    check_beam_logprobs,
     check_count,
     check_int_range,
     check_logit_bias,
     check_max_tokens,
     check_n_or_beams,
+    check_penalty,
     check_prompt_len,
     check_stop_strings,
     check_stop_token_ids,
@@ -37,7 +39,6 @@ from scheduler_svc.front.input.request_fields import RequestFields, fields_from_
 from scheduler_svc.front.input.server_limits import ServerLimits, raw_list_problem
 from scheduler_svc.front.input.structured import StructuredError, needs_check, structured_spec
 
-PENALTY_RANGE = (-2.0, 2.0)  # OpenAI presence / frequency penalties
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's --logprobs-mode values (raw: the default)
 
 
@@ -231,13 +232,10 @@ def _sampling(f: RequestFields, limits: ServerLimits) -> SamplingParams:
         if rp <= 0:
             raise ValidationError("sampling.repetition_penalty", f"must be > 0 (got {rp:g})")
         out.repetition_penalty = rp
-    lo, hi = PENALTY_RANGE
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(f, name)
         if value is not None:
-            if not lo <= value <= hi:
-                raise ValidationError(f"sampling.{name}", f"must be in [{lo:g}, {hi:g}] (got {value:g})")
-            setattr(out, name, float(value))
+            setattr(out, name, check_penalty(f"sampling.{name}", value))
     if f.logprobs is not None:
         out.want_logprobs = True
         out.logprobs = check_int_range("sampling.logprobs", f.logprobs, 0, limits.max_logprobs)
@@ -249,9 +247,7 @@ def _extensions(out: SamplingParams, f: RequestFields, model: ModelInfo, limits:
     """logit_bias, min_tokens, prompt_logprobs and structured outputs into ``out``; the ids that end
     a sequence (EOS unless ignored, stop token ids) go along when min_tokens or a grammar needs them."""
     out.logit_bias = _logit_bias(f.logit_bias, model, limits)
-    if beam_width > 1 and out.want_logprobs:  # refused, never dropped: the answer would lack them
-        raise ValidationError("sampling.logprobs", f"cannot be combined with beam search (beam_width={beam_width}): "
-                                                   "beams report no per-token log-probs")
+    check_beam_logprobs(beam_width, out.want_logprobs)
     out.min_tokens = check_int_range("sampling.min_tokens", f.min_tokens, 0, max_tokens)
     if f.prompt_logprobs is not None:
         out.prompt_logprobs = check_int_range("sampling.prompt_logprobs", f.prompt_logprobs, 0, limits.max_logprobs)

@@ -69,6 +69,14 @@ BOUNDS = {
     "beam_width": (_submit(beam_width=3), _submit(beam_width=4), "sampling.beam_width: must be in [1, 3] (got 4)"),
     "n-with-beams": (_submit(n=2), _submit(n=2, beam_width=2), "sampling.n: must be 0 or 1 with beam search "
                      "(beam_width=2 returns that many beams as the choices); got n=2"),
+    "beams-with-logprobs": (_submit(beam_width=2), _submit(beam_width=2, sampling={"want_logprobs": True}),
+                            "sampling.logprobs: cannot be combined with beam search (beam_width=2): beams report "
+                            "no per-token log-probs"),
+    "presence-penalty": (_submit(sampling={"presence_penalty": 2.0}), _submit(sampling={"presence_penalty": 2.5}),
+                         "sampling.presence_penalty: must be in [-2, 2] (got 2.5)"),
+    "frequency-penalty": (_submit(sampling={"frequency_penalty": -2.0}),
+                          _submit(sampling={"frequency_penalty": -1e300}),
+                          "sampling.frequency_penalty: must be in [-2, 2] (got -1e+300)"),
     "stop-count": (_submit(stop=["a", "b"]), _submit(stop=["a", "b", "c"]),
                    "sampling.stop: at most 2 distinct stop strings (got 3)"),
     "stop-length": (_submit(stop=["abcde"]), _submit(stop=["x", "abcdef"]),
