@@ -7,7 +7,8 @@ can hold the core's loop or its memory.
   about 2 ms. The fronts' ``/metrics`` on the HTTP port read the same cache through the front link.
 - At most ``MAX_CONNECTIONS`` connections are served at once, each a thread; one more is closed
   unanswered (a scraper retries at its next interval). A connection must send its request within
-  ``READ_TIMEOUT_S`` of each read, so a silent one frees its thread.
+  ``READ_TIMEOUT_S`` of each read, so a silent one frees its thread, and a whole scrape must be
+  done within ``CONNECTION_DEADLINE_S``, so one trickling its request a byte at a time does too.
 - ``HEAD`` gets a GET's headers and no body (prometheus_client answers 405 with a body, which HTTP
   clients that probe with HEAD, aiperf's among them, reject).
 """
@@ -15,6 +16,7 @@ can hold the core's loop or its memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import socket
@@ -30,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 16  # Prometheus, the gateway's picker and a few people at once
 READ_TIMEOUT_S = 5.0
+CONNECTION_DEADLINE_S = 15.0  # a whole scrape: request in, exposition out
 
 
 class CachedExposition:
@@ -69,6 +72,22 @@ def _on(loop: asyncio.AbstractEventLoop) -> bool:
 
 class _Quiet(WSGIRequestHandler):
     timeout = READ_TIMEOUT_S  # (StreamRequestHandler: the connection's socket timeout)
+    deadline_s = CONNECTION_DEADLINE_S
+
+    def setup(self) -> None:
+        super().setup()
+        # A byte every few seconds never trips the read timeout: the whole exchange has a deadline.
+        self._deadline = threading.Timer(self.deadline_s, self._cut)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _cut(self) -> None:
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        super().finish()
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002  (scrapes are not news)
         pass

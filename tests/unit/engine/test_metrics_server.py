@@ -122,3 +122,25 @@ def test_other_paths_and_methods(request_line, status):
             assert s.recv(100).split()[1] == status
     finally:
         server.close()
+
+
+def test_a_request_trickled_a_byte_at_a_time_is_cut_at_the_connection_deadline(monkeypatch):
+    monkeypatch.setattr(metrics_server._Quiet, "deadline_s", 1.0)
+    reg, _ = _registry()
+    server = start_metrics_server(0, reg, host="127.0.0.1")
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            start, cut = time.monotonic(), None
+            for byte in b"GET /metrics HTTP/1.0\r\nX-Slow: " + b"a" * 100:  # each byte well within the read timeout
+                try:
+                    s.sendall(bytes([byte]))
+                    time.sleep(0.1)
+                except OSError:
+                    cut = time.monotonic() - start
+                    break
+            if cut is None:
+                assert s.recv(10) == b""  # closed by the server, though its client still sends
+                cut = time.monotonic() - start
+        assert 0.9 < cut < 4.0
+    finally:
+        server.close()
