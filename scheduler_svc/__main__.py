@@ -40,10 +40,9 @@ from scheduler_svc.entrypoints.other_cores import OtherCores
 from scheduler_svc.entrypoints.service_config import ServiceConfig, load_config
 from scheduler_svc.telemetry.families import FamiliesCollector, families_of, merge_families
 from scheduler_svc.telemetry.metrics import Metrics
-from scheduler_svc.telemetry.metrics_server import CachedExposition, start_metrics_server
+from scheduler_svc.telemetry.metrics_server import EXPOSITION_TTL_S, CachedExposition, start_metrics_server
 
 log = logging.getLogger("pagedserve.scheduler")
-EXPOSITION_TTL_S = 0.1  # within the gateway picker's staleness limit (200 ms)
 
 
 async def serve(cfg: ServiceConfig, argv: list[str], public: PublicPorts) -> None:

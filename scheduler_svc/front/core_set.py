@@ -26,8 +26,7 @@ import time
 from pagedserve.engine_api import EngineError, EngineStats, ErrorKind, GenerationRequest, ModelInfo
 from pagedserve.placement import within_skew
 from scheduler_svc.front.core_link import RemoteCore
-
-METRICS_TTL_S = 0.1  # (the core renders them at most this often: __main__.EXPOSITION_TTL_S)
+from scheduler_svc.telemetry.metrics_server import EXPOSITION_TTL_S
 
 
 class CoreSet:
@@ -97,10 +96,10 @@ class CoreSet:
 
     async def metrics_text(self, timeout_s: float = 5.0) -> str:
         """The deployment's metrics: the first core sums every core's and every front's. Asked of it
-        at most every ``METRICS_TTL_S``, one ask shared by every scrape meanwhile: ``/metrics`` on the
+        at most every ``EXPOSITION_TTL_S`` (it renders them no more often), one ask shared by every scrape meanwhile: ``/metrics`` on the
         API port is open, and a flood of scrapes must not reach the core's loop one by one."""
         text, at = self._metrics
-        if time.monotonic() - at <= METRICS_TTL_S:
+        if time.monotonic() - at <= EXPOSITION_TTL_S:
             return text
         if self._metrics_ask is None:
             self._metrics_ask = asyncio.ensure_future(self._ask_metrics(timeout_s))

@@ -32,6 +32,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 16  # Prometheus, the gateway's picker and a few people at once
 READ_TIMEOUT_S = 5.0
+# The deployment's /metrics text is this fresh at worst: within the gateway picker's staleness limit
+# (200 ms). Core 0 renders it at most this often, and a front asks core 0 for it at most this often.
+EXPOSITION_TTL_S = 0.1
 CONNECTION_DEADLINE_S = 15.0  # a whole scrape: request in, exposition out
 
 
@@ -157,10 +160,10 @@ class MetricsServer:
 
 
 def start_metrics_server(port: int, text: CachedExposition | CollectorRegistry, host: str = "0.0.0.0") -> MetricsServer:
-    """Serve ``text`` (or a registry's exposition, cached for 0.1 s) at http://host:port/metrics
+    """Serve ``text`` (or a registry's exposition, cached for ``EXPOSITION_TTL_S``) at http://host:port/metrics
     (port 0: a free port, see ``.port``)."""
     if isinstance(text, CollectorRegistry):
-        text = CachedExposition(text, 0.1)
+        text = CachedExposition(text, EXPOSITION_TTL_S)
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     httpd = make_server(host, port, _app(text), server_class=lambda addr, handler: _BoundedServer(addr, handler, family),
                         handler_class=_Quiet)

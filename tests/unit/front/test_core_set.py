@@ -81,7 +81,7 @@ def test_scrapes_of_the_deployments_metrics_share_one_ask_of_the_core_per_ttl(mo
     async def run() -> None:
         assert await scrapes(20) == ["text 1"] * 20 and Answers.asks == 1  # one ask for all in flight
         assert await scrapes(5) == ["text 1"] * 5 and Answers.asks == 1  # fresh: no ask
-        clock[0] += core_set.METRICS_TTL_S + 0.01
+        clock[0] += core_set.EXPOSITION_TTL_S + 0.01
         Answers.fail = True
         got = await scrapes(3)
         assert all(isinstance(g, TimeoutError) for g in got) and Answers.asks == 2  # (the front's 503)
