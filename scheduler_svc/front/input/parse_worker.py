@@ -37,10 +37,12 @@ from scheduler_svc.front.http.openai_types import (
     TokenizeRequest,
     decode,
 )
+from scheduler_svc.front.http.responses_api_types import ResponsesRequest
 
 OK, REFUSED, FAILED = 0, 1, 2
 KINDS: dict[str, type[msgspec.Struct]] = {"completion": CompletionRequest, "chat": ChatRequest,
-                                          "tokenize": TokenizeRequest, "detokenize": DetokenizeRequest}
+                                          "tokenize": TokenizeRequest, "detokenize": DetokenizeRequest,
+                                          "responses": ResponsesRequest}
 HEADER = struct.Struct("<I")
 WORKER_NICENESS = 10
 
