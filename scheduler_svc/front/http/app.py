@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP front: /v1/models, /v1/completions, /v1/chat/completions, /health,
-/metrics (the deployment's), and vLLM's /tokenize, /detokenize and /version (extras.py).
+"""The OpenAI-compatible HTTP front: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses
+(responses_api.py), /health, /metrics (the deployment's), and vLLM's /tokenize, /detokenize and /version (extras.py).
 
 It serves the same engine as the gRPC servicer, in the same process and on the same asyncio
 loop (serve.py runs uvicorn there), through the same interface (docs/ARCHITECTURE.md,
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -33,7 +33,7 @@ from pagedserve.engine_api import EngineApi, EngineError, ErrorKind, GenerationR
 from scheduler_svc.front.api_errors import ApiError, bad_field
 from scheduler_svc.front.guards.admission import CallBudget
 from scheduler_svc.front.guards.request_caps import RequestCaps
-from scheduler_svc.front.http import lora_routes, streams
+from scheduler_svc.front.http import lora_routes, responses_api, streams
 from scheduler_svc.front.http import utility_routes as extras
 from scheduler_svc.front.http.body_parser import BUSY, BodyParser, read_body
 from scheduler_svc.front.http.budget_middleware import AdmissionMiddleware
@@ -58,6 +58,9 @@ from scheduler_svc.front.output.status_codes import client_status
 from scheduler_svc.front.tool_calls import ToolCallOptions, ToolPlan, plan_tools
 from scheduler_svc.telemetry.metrics import Metrics
 
+# A stream's bytes from its first output, the rest, and the maker of an error's body (_respond).
+EventSource = Callable[[streams.Tagged, AsyncIterator[streams.Tagged], Callable[[BaseException], dict[str, Any]]],
+                       AsyncIterator[bytes]]
 NO_AUTO_TOOLS = ToolCallOptions()  # tool_choice auto rejected; required and named functions served
 # The validator's field names -> the OpenAI fields a client sent (errors.from_validation).
 _STRUCTURED_NAMES = {"response_format.json_schema": "response_format.json_schema.schema",
@@ -144,6 +147,18 @@ class OpenAIFront:
 
     async def chat(self, request: Request) -> Response:
         arrival, body, req, info, lora = await self._admit(request, ChatRequest)
+        greqs, tools = await self.chat_requests(req, len(body), info, arrival, lora)
+        render = ChatRender(f"chatcmpl-{greqs[0].request_id}", lora or info.model_name, _choices(greqs[0]), 1,
+                            self.texts, return_token_ids=req.return_token_ids, tools=tools,
+                            prompt_ids=[greqs[0].prompt_token_ids] if req.return_token_ids else None,
+                            **_usage_options(req, greqs))
+        return await self._respond(request, greqs, render, req.stream)
+
+    async def chat_requests(self, req: ChatRequest, body_len: int, info: ModelInfo, arrival: float,
+                            lora: str | None, names: dict[str, str] | None = None
+                            ) -> tuple[list[GenerationRequest], ToolPlan]:
+        """A chat body's engine request (one) and its tool plan, whichever API it came by (the
+        Responses API's too, responses_api.py); ``names``: the validator's fields as that API names them."""
         messages = chat_messages(req, self.http_limits)
         fields = chat_fields(req)
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_options, self.special_tokens)
@@ -156,16 +171,13 @@ class OpenAIFront:
             raise ApiError(400, f"model {info.model_name!r} has no chat template (chat_template.jinja or "
                                 "tokenizer_config.json's chat_template); use /v1/completions",
                            param="messages", code="no_chat_template")
-        names = dict(CHAT_NAMES, max_tokens="max_completion_tokens" if req.max_completion_tokens is not None
-                     else "max_tokens")
-        work = len(body) + validation_work(RequestFields(structured=fields.structured))
+        if names is None:
+            names = dict(CHAT_NAMES, max_tokens="max_completion_tokens" if req.max_completion_tokens is not None
+                         else "max_tokens")
+        work = body_len + validation_work(RequestFields(structured=fields.structured))
         greqs = await validate_off_loop(work, self._chat_request, fields, messages, req, tools, info, names)
         _stamp(greqs, arrival, req.skip_special_tokens and tools.skip_special_tokens, lora)
-        render = ChatRender(f"chatcmpl-{greqs[0].request_id}", lora or info.model_name, _choices(greqs[0]), 1,
-                            self.texts, return_token_ids=req.return_token_ids, tools=tools,
-                            prompt_ids=[greqs[0].prompt_token_ids] if req.return_token_ids else None,
-                            **_usage_options(req, greqs))
-        return await self._respond(request, greqs, render, req.stream)
+        return greqs, tools
 
     # ------------------------------------------------------------------ admission
     def body_cap(self) -> int:
@@ -259,12 +271,16 @@ class OpenAIFront:
 
     # ------------------------------------------------------------------ responses
     async def _respond(self, request: Request, greqs: list[GenerationRequest], render: _Render,
-                       stream: bool) -> Response:
+                       stream: bool, events: EventSource | None = None) -> Response:
+        """``events``: a stream's bytes from (first output, the rest, the error body maker), when not
+        chat's and completions' (``data:`` chunks, then ``[DONE]``)."""
         engine_streams = [self.engine.generate(g) for g in greqs]
         outputs = streams.single(engine_streams[0]) if len(greqs) == 1 else streams.merge(engine_streams)
         try:  # errors before the first output (queue full, no executor) still get their status
             first = await streams.until_disconnect(request, _next(outputs))
             if stream:
+                if events is not None:
+                    return streams.EventStreamResponse(events(first, outputs, self._stream_error))
                 return streams.EventStreamResponse(streams.sse_events(
                     first, outputs, render.chunk, lambda: render.usage_chunk() if render.include_usage else None,
                     self._stream_error))
@@ -382,6 +398,7 @@ def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = (), budget:
         Route("/v1/models/{model:path}", front.models, methods=["GET"]),
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat, methods=["POST"]),
+        *responses_api.routes(front),
         *extras.routes(front),
         *(lora_routes.routes(front) if front.lora_updates else []),
     ]
