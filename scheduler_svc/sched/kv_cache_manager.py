@@ -74,7 +74,8 @@ class KVCacheManagerBase(abc.ABC):
 
         ``known``: the chained hashes of the prompt's full blocks, when the caller has them
         (``hash_blocks`` without salt: a salted manager hashes for itself; so does one given
-        a chain of the wrong length, i.e. for another block size)."""
+        a chain of the wrong length, i.e. for another block size). They serve the lookup only:
+        the blocks the sequence computes are registered under hashes of their own tokens."""
 
     @abc.abstractmethod
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> int:
@@ -174,17 +175,23 @@ class KVCacheManager(KVCacheManagerBase):
     def lookup_prefix(self, seq: Sequence, known: Seq[bytes] = ()) -> PrefixHit:
         if not self.enable_prefix_caching or seq.seq_id in self._tables:
             return NO_HIT
-        if (known and not self._extra and not self._hashes.get(seq.seq_id)
-                and len(known) == seq.num_prompt_tokens // self.block_size):  # (another block size: not ours)
-            self._hashes[seq.seq_id] = list(known)  # (a copy: decode blocks extend it)
         # The last token is always computed: its logits are what we sample from.
         max_blocks = (seq.num_tokens - 1) // self.block_size
+        claimed = (known and not self._extra and not self._hashes.get(seq.seq_id)
+                   and len(known) == seq.num_prompt_tokens // self.block_size)  # (another block size: not ours)
         blocks: list[Block] = []
-        for h in self._hashes_upto(seq, max_blocks)[:max_blocks]:
+        for h in (known if claimed else self._hashes_upto(seq, max_blocks))[:max_blocks]:
             b = self.pool.lookup(h)
             if b is None:
                 break
             blocks.append(b)
+        if claimed:
+            # A front's hashes only find blocks. Past the hit the chain is hashed here, from the
+            # tokens, as blocks are registered: a block enters the cache under the hash of what it
+            # holds, whatever a front claimed. (A hit's hash is the cache's own: whatever a lying
+            # front's tokens say, the blocks after it attend to the hit's K/V, so their chain is
+            # the hit's.) The cost: hashing the blocks this request computes, not those it finds.
+            self._hashes[seq.seq_id] = list(known[:len(blocks)])
         if not blocks:
             return NO_HIT
         return PrefixHit(blocks, len(blocks) * self.block_size)

@@ -350,35 +350,44 @@ def test_a_consumer_that_falls_behind_gets_several_steps_at_once_without_a_token
     assert most_plain == 1 and most_lagged > 1  # merged only when the consumer fell behind
 
 
-def test_a_prompt_is_hashed_once_by_its_front(tokenizer, monkeypatch):
+def test_a_prompt_is_hashed_once_by_its_front_and_the_core_hashes_only_what_it_computes(tokenizer, monkeypatch):
     """The prompt's block hashes (sha256 per block) are computed once, by the front: its chain is
-    what the core's router, the scheduler's prefix lookup and cache registration use."""
+    what the core's router and the scheduler's prefix lookup use. The core hashes only the blocks
+    it computes, as it registers them (a front's hashes never name what the cache holds), never
+    those a hit found."""
     from pagedserve import kv_blocks
     from scheduler_svc.engine import requests as core_requests
     from scheduler_svc.front import streams as front_streams
     from scheduler_svc.sched import kv_cache_manager
 
-    hashed = []
+    hashed: dict[str, list[int]] = {"front": [], "core": []}
 
-    def counting(parent, toks, bs, extra=b""):
-        hashed.append(len(toks) // bs)
-        return real(parent, toks, bs, extra)
+    def counting(side):
+        def count(parent, toks, bs, extra=b""):
+            hashed[side].append(len(toks) // bs)
+            return real(parent, toks, bs, extra)
+        return count
 
     real = kv_blocks.hash_blocks
-    for module in (kv_blocks, kv_cache_manager, core_requests, front_streams):  # every module that calls it
-        monkeypatch.setattr(module, "hash_blocks", counting)
+    for module, side in ((kv_blocks, "core"), (kv_cache_manager, "core"), (core_requests, "core"),
+                         (front_streams, "front")):  # every module that calls it
+        monkeypatch.setattr(module, "hash_blocks", counting(side))
 
     async def main():
         async with running(tokenizer, 1) as (engine, _):
             tokens, _, _, _ = await _collect(engine, _req("h", list(range(100, 164)), 2))  # 4 full blocks
             assert len(tokens[0]) == 2
             await _settle(engine)
+            first = sum(hashed["core"])
             again, _, _, usage = await _collect(engine, _req("h2", list(range(100, 164)), 2))
             assert usage.cached_prompt_tokens == 48  # the first request's blocks were cached under them
             await _settle(engine)
+            return first
 
-    _run(main())
-    assert hashed == [4, 4]  # one chain per request (the front's), none at routing, admission or registration
+    first = _run(main())
+    assert hashed["front"] == [4, 4]  # one chain per request, none at routing or admission
+    assert first == 4  # the first request computed its 4 prompt blocks (its 2 tokens fill none)
+    assert sum(hashed["core"]) - first == 1  # the second found 3 and computed the last
 
 
 def test_an_executor_that_handshakes_again_keeps_its_old_schedulers_counters(tokenizer):

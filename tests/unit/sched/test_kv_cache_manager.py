@@ -12,7 +12,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from pagedserve.engine_api import GenerationRequest, RequestParams
 from pagedserve.kv_blocks import hash_block, hash_blocks
 from pagedserve.wire import SamplingParams
-from scheduler_svc.sched.kv_cache_manager import NO_CHANGE, KVCacheManager
+from scheduler_svc.sched.kv_cache_manager import NO_CHANGE, NO_HIT, KVCacheManager
 from scheduler_svc.sched.request import Request, Sequence
 
 _REQ = Request(GenerationRequest("r", [1], RequestParams(max_tokens=1)), 0)
@@ -346,6 +346,45 @@ def test_known_prompt_hashes_give_the_same_hits_without_hashing_again(prompt_len
     assert from_known.blocks == plain.blocks and from_known.num_tokens == plain.num_tokens
     assert plain.num_tokens == (prompt_len - 1) // 4 * 4  # the last token is always computed
     assert hashed == [(prompt_len - 1) // 4 * 4]  # the plain lookup hashed its prompt; the other, nothing
+
+
+def _admit_and_compute(kv: KVCacheManager, seq: Sequence, known) -> int:
+    """As admission does: the prefix hit found with ``known``, then the rest computed; the hit's tokens."""
+    hit = kv.lookup_prefix(seq, known)
+    assert kv.allocate(seq, 0, hit) is not None
+    seq.num_computed_tokens = hit.num_tokens
+    assert compute(kv, seq, seq.num_tokens - hit.num_tokens) is not None
+    kv.check_integrity()
+    return hit.num_tokens
+
+
+def test_a_front_claiming_other_tokens_hashes_cannot_poison_the_cache():
+    """A front's hashes find blocks; they never name what a sequence computes. A sequence of
+    tokens X sent with the chain of tokens Y registers its blocks under X's hashes: a later Y
+    misses them, a later X finds them."""
+    x, y = list(range(100, 113)), list(range(200, 213))  # 3 full blocks and one token
+    kv = KVCacheManager(4, 32, 0)
+    assert _admit_and_compute(kv, mkseq(0, x), hash_blocks(None, y, 4)) == 0
+    assert kv.lookup_prefix(mkseq(1, y), hash_blocks(None, y, 4)) is NO_HIT
+    assert kv.lookup_prefix(mkseq(2, y)) is NO_HIT
+    assert kv.lookup_prefix(mkseq(3, x), hash_blocks(None, x, 4)).num_tokens == 12
+
+
+def test_blocks_after_a_claimed_hit_are_registered_under_the_hits_chain():
+    """A lying front can make its own sequence reuse another prompt's cached blocks (P's K/V for
+    its tokens X). The blocks it then computes attend to P's K/V, so they are registered under
+    P's chain and its own later tokens T, whatever chain it claimed (P + U): an honest P + T
+    finds K/V of P + T, an honest P + U only P's block, an honest X + T nothing."""
+    p, x = list(range(100, 104)), list(range(300, 304))
+    t, u = list(range(500, 509)), list(range(700, 709))
+    kv = KVCacheManager(4, 32, 0)
+    assert _admit_and_compute(kv, mkseq(0, p + [1]), None) == 0  # P's block cached
+    liar = mkseq(1, x + t)
+    assert _admit_and_compute(kv, liar, hash_blocks(None, p + u, 4)) == 4  # P's block, claimed for X
+    assert kv.lookup_prefix(mkseq(2, x + t)) is NO_HIT
+    assert kv.lookup_prefix(mkseq(4, p + u), hash_blocks(None, p + u, 4)).num_tokens == 4
+    honest = kv.lookup_prefix(mkseq(3, p + t))
+    assert honest.num_tokens == 12 and honest.blocks[1:] == kv._tables[liar.seq_id][1:3]
 
 
 def test_a_salted_manager_hashes_for_itself():
