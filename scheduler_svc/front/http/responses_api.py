@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from pagedserve.engine_api import GenerationRequest
 from scheduler_svc.front.api_errors import ApiError
+from scheduler_svc.front.guards.request_caps import RequestCaps, check_openai
 from scheduler_svc.front.http.responses_api_fields import chat_request
 from scheduler_svc.front.http.responses_api_render import ResponseRender
 from scheduler_svc.front.http.responses_api_types import ResponsesRequest
@@ -27,6 +28,7 @@ class OpenAIFront(Protocol):
     """What this endpoint uses of app.py's front (its bounded read, the chat path, its responses)."""
 
     chat_template: Any
+    limits: Any
     http_limits: Any
     texts: Any
 
@@ -53,21 +55,28 @@ async def create(front: OpenAIFront, request: Request) -> Response:
         raise ApiError(400, f"model {info.model_name!r} has no chat template (chat_template.jinja or "
                             "tokenizer_config.json's chat_template); use /v1/completions",
                        param="input", code="no_chat_template")
-    chat = chat_request(req, front.http_limits)
+    chat, hl = chat_request(req, front.http_limits), front.http_limits
     try:
-        greqs, _ = await front.chat_requests(chat, len(body), info, arrival, lora, NAMES)
+        # (the counts chat's body had checked as it was decoded: its tools' schemas, by size)
+        check_openai(chat, RequestCaps.derive(front.limits, info, hl.max_prompts, hl.max_messages, hl.max_tools))
+        greqs, tools = await front.chat_requests(chat, len(body), info, arrival, lora, NAMES)
     except ApiError as e:
-        raise _as_input(e) from None
+        raise _renamed(e) from None
     g = greqs[0]
     render = ResponseRender(f"resp_{g.request_id}", f"msg_{g.request_id}", lora or info.model_name, front.texts,
-                            prompt_tokens=len(g.prompt_token_ids), echoed=_echoed(req, g))
+                            prompt_tokens=len(g.prompt_token_ids), echoed=_echoed(req, g), tools=tools)
     return await front._respond(request, greqs, render, bool(req.stream), events=render.events)
 
 
-def _as_input(e: ApiError) -> ApiError:
-    """The chat path's errors about its messages (the chat template refused them) name ``input``."""
-    if e.param == "messages" and e.message.startswith("messages"):
-        e.param, e.message = "input", "input" + e.message.removeprefix("messages")
+def _renamed(e: ApiError) -> ApiError:
+    """The chat path's errors in this API's names: its messages are ``input`` (a template refused
+    them), and a tool is flat (``tools[0].name``, not chat's ``tools[0].function.name``)."""
+    field, sep, rest = e.message.partition(": ")
+    if e.param == "messages" and field.startswith("messages"):
+        e.param, field = "input", "input" + field.removeprefix("messages")
+    elif e.param in ("tools", "tool_choice"):
+        field = field.replace(".function.", ".")
+    e.message = field + sep + rest
     return e
 
 
@@ -81,8 +90,10 @@ def _echoed(req: ResponsesRequest, g: GenerationRequest) -> dict[str, Any]:
         if fmt.type == "json_schema":
             fmt_body.update(name=fmt.name, schema=fmt.schema, strict=fmt.strict, description=fmt.description)
     sampling = g.params.sampling
+    tools = [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
+              "strict": t.strict} for t in req.function_tools or []]
     return {"instructions": req.instructions, "metadata": req.metadata or {},
             "max_output_tokens": req.max_output_tokens, "temperature": sampling.temperature,
-            "top_p": sampling.top_p, "text": {"format": fmt_body}, "tools": [], "tool_choice": req.tool_choice or "auto",
+            "top_p": sampling.top_p, "text": {"format": fmt_body}, "tools": tools, "tool_choice": req.tool_choice or "auto",
             "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
             "reasoning": None, "store": False, "truncation": "disabled", "user": req.user, "background": False}

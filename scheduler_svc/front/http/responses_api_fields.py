@@ -9,18 +9,38 @@ checked here first, so a 400 names the field the client sent (``input[2].content
 There is no response store: ``store`` is accepted (OpenAI's default is true, which the openai
 client sends unasked) and nothing is stored; what needs a stored response
 (``previous_response_id``, ``conversation``, ``background``) is refused by name, as is whatever
-else would change the output and is not served (function tools, reasoning, logprobs, ``include``,
-``truncation: "auto"``, reusable prompts).
+else would change the output and is not served (hosted tools, reasoning, logprobs, ``include``,
+``truncation: "auto"``, reusable prompts). Function tools are chat's: ``tools`` in the flat form,
+``function_call`` items as an assistant message's ``tool_calls``, ``function_call_output`` items as
+``tool`` messages.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from scheduler_svc.front.api_errors import bad_field
 from scheduler_svc.front.http.limits import HttpLimits
-from scheduler_svc.front.http.openai_types import ChatMessage, ChatRequest, JsonSchemaFormat, ResponseFormat
-from scheduler_svc.front.http.responses_api_types import InputItem, InputPart, ResponsesRequest, TextFormat
+from scheduler_svc.front.http.openai_types import (
+    ChatMessage,
+    ChatRequest,
+    FunctionCall,
+    FunctionDef,
+    JsonSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    ToolCall,
+    ToolDef,
+)
+from scheduler_svc.front.http.responses_api_types import (
+    FunctionTool,
+    InputItem,
+    InputPart,
+    ResponsesRequest,
+    TextFormat,
+)
 
 INPUT_ROLES = ("system", "developer", "user", "assistant")
 TEXT_PARTS = ("input_text", "output_text")  # output_text: an earlier response's message sent back
@@ -37,7 +57,9 @@ def chat_request(req: ResponsesRequest, limits: HttpLimits) -> ChatRequest:
     messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions is not None else []
     messages += _input_messages(req.input, limits.max_messages - len(messages))
     return ChatRequest(messages=messages, max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
-                       top_p=req.top_p, stream=req.stream, user=req.user, response_format=_response_format(req.text))
+                       top_p=req.top_p, stream=req.stream, user=req.user, response_format=_response_format(req.text),
+                       tools=_tools(req.function_tools, limits.max_tools), tool_choice=_tool_choice(req.tool_choice),
+                       parallel_tool_calls=req.parallel_tool_calls)
 
 
 def _refuse_unserved(req: ResponsesRequest) -> None:
@@ -64,12 +86,6 @@ def _refuse_unserved(req: ResponsesRequest) -> None:
     if req.truncation not in (None, "disabled"):
         raise bad_field("truncation", f"only 'disabled' is supported: a prompt that does not fit is refused "
                                       f"(got {req.truncation[:40]!r})", code="unsupported")
-    if req.function_tools:
-        raise bad_field("tools", "are not supported on /v1/responses by this server (no function calls in its "
-                                 "output); use /v1/chat/completions for tool calls", code="unsupported")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise bad_field("tool_choice", "must be 'none' or 'auto' (tools are not supported on /v1/responses)",
-                        code="unsupported")
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:
@@ -94,13 +110,48 @@ def _input_messages(items: str | list[InputItem] | None, room: int) -> list[Chat
         raise bad_field("input", "must not be empty")
     if len(items) > room:
         raise bad_field("input", f"at most {room} items per request (got {len(items)})")
-    return [_message(i, item) for i, item in enumerate(items)]
+    out: list[ChatMessage] = []
+    for i, item in enumerate(items):
+        kind = item.type or "message"
+        if kind == "message":
+            out.append(_message(i, item))
+        elif kind == "function_call":  # the calls of one turn: one assistant message, as chat sends them
+            call, last = _function_call(i, item), out[-1] if out else None
+            if last is not None and last.role == "assistant":
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                out.append(ChatMessage(role="assistant", tool_calls=[call]))
+        elif kind == "function_call_output":
+            call_id = _required(i, "call_id", item.call_id)
+            output = _required(i, "output", item.output)
+            text = output if isinstance(output, str) else "\n".join(
+                _text(i, j, p, "output") for j, p in enumerate(output))
+            out.append(ChatMessage(role="tool", content=text, tool_call_id=call_id))
+        else:
+            raise bad_field(f"input[{i}].type", f"must be 'message', 'function_call' or 'function_call_output' "
+                                                f"(got {kind[:40]!r})", code="unsupported")
+    return out
+
+
+def _required(i: int, name: str, value: Any) -> Any:
+    if value is None:
+        raise bad_field(f"input[{i}].{name}", "is required", code="missing_required_parameter")
+    return value
+
+
+def _function_call(i: int, item: InputItem) -> ToolCall:
+    call_id, name = _required(i, "call_id", item.call_id), _required(i, "name", item.name)
+    arguments = _required(i, "arguments", item.arguments)
+    try:
+        json.loads(arguments or "{}")
+    except ValueError as e:
+        raise bad_field(f"input[{i}].arguments", f"is not valid JSON ({e})") from None
+    except RecursionError:
+        raise bad_field(f"input[{i}].arguments", "is nested too deeply") from None
+    return ToolCall(function=FunctionCall(name=name, arguments=arguments), id=call_id)
 
 
 def _message(i: int, item: InputItem) -> ChatMessage:
-    if item.type not in (None, "message"):
-        raise bad_field(f"input[{i}].type", f"only 'message' items are supported (got {item.type[:40]!r})",
-                        code="unsupported")
     if item.role is None:
         raise bad_field(f"input[{i}].role", "is required", code="missing_required_parameter")
     if item.role not in INPUT_ROLES:
@@ -112,15 +163,44 @@ def _message(i: int, item: InputItem) -> ChatMessage:
     return ChatMessage(role=item.role, content="\n".join(_text(i, j, p) for j, p in enumerate(item.content)))
 
 
-def _text(i: int, j: int, part: InputPart) -> str:
+def _text(i: int, j: int, part: InputPart, field: str = "content") -> str:
     """A text part's text (joined by newlines, as chat_messages joins chat's text parts)."""
     if part.type not in TEXT_PARTS:
-        raise bad_field(f"input[{i}].content[{j}].type", f"only text parts ({', '.join(TEXT_PARTS)}) are supported "
+        raise bad_field(f"input[{i}].{field}[{j}].type", f"only text parts ({', '.join(TEXT_PARTS)}) are supported "
                                                          f"(got {str(part.type)[:40]!r})", code="unsupported")
     if part.text is None:
-        raise bad_field(f"input[{i}].content[{j}].text", f"is required in a part of type {part.type!r}",
+        raise bad_field(f"input[{i}].{field}[{j}].text", f"is required in a part of type {part.type!r}",
                         code="missing_required_parameter")
     return part.text
+
+
+def _tools(tools: list[FunctionTool] | None, max_tools: int) -> list[ToolDef] | None:
+    """Function tools in chat's form (tool_calls.plan_tools checks them further)."""
+    if not tools:
+        return None
+    if len(tools) > max_tools:
+        raise bad_field("tools", f"at most {max_tools} tools per request (got {len(tools)})")
+    out = []
+    for i, t in enumerate(tools):
+        if t.type != "function":
+            raise bad_field(f"tools[{i}].type", f"only 'function' tools are supported (got {str(t.type)[:40]!r})",
+                            code="unsupported")
+        if t.name is None:
+            raise bad_field(f"tools[{i}].name", "is required", code="missing_required_parameter")
+        out.append(ToolDef(function=FunctionDef(name=t.name, description=t.description, parameters=t.parameters,
+                                                strict=t.strict)))
+    return out
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | NamedToolChoice | None:
+    """A string as chat's; ``{"type": "function", "name": ...}`` as chat's named function."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    name = choice.get("name")
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise bad_field("tool_choice", "must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...} "
+                                       f"(got type {str(choice.get('type'))[:40]!r})", code="unsupported")
+    return NamedToolChoice(function=NamedFunction(name=name))
 
 
 def _response_format(text: Any) -> ResponseFormat | None:

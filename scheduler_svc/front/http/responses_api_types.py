@@ -5,7 +5,7 @@ its path; ``null`` means the default; unknown fields are ignored, as the chat ro
 them). What the fields mean, and which are refused, is responses_api_fields.py's.
 
 Fields that would change the output and are not served here are declared so that they can be
-refused by name rather than silently dropped (``previous_response_id``, ``tools``, ...). ``tools``
+refused by name rather than silently dropped (``previous_response_id``, ``include``, ...). ``tools``
 is decoded under another attribute name: the counts check shared by every body
 (guards/request_caps.check_openai) reads a ``tools`` attribute as chat's ToolDefs.
 """
@@ -28,11 +28,26 @@ class InputPart(_Body, kw_only=True):
 
 
 class InputItem(_Body, kw_only=True):
-    """An item of ``input``: a message (``type`` "message", or no type as the easy form)."""
+    """An item of ``input``: a message (``type`` "message", or no type as the easy form), a
+    ``function_call`` an earlier response made, or the ``function_call_output`` that answers it."""
 
     type: str | None = None
     role: str | None = None
     content: str | list[InputPart] | None = None
+    call_id: str | None = None  # function_call, function_call_output
+    name: str | None = None  # function_call
+    arguments: str | None = None  # function_call
+    output: str | list[InputPart] | None = None  # function_call_output
+
+
+class FunctionTool(_Body, kw_only=True):
+    """A function tool, in the Responses API's flat form (chat nests it under ``function``)."""
+
+    type: str | None = None
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class TextFormat(_Body, kw_only=True):
@@ -63,6 +78,7 @@ class ResponsesRequest(_Body, kw_only=True):
     text: TextConfig | None = None
     store: bool | None = True  # OpenAI's default; nothing is stored here (see responses_api_fields)
     parallel_tool_calls: bool | None = None
+    tool_choice: str | dict[str, Any] | None = None
     # Refused when set (responses_api_fields._refuse_unserved): they would change the output.
     previous_response_id: str | None = None
     conversation: Any = None
@@ -72,5 +88,4 @@ class ResponsesRequest(_Body, kw_only=True):
     reasoning: Any = None
     top_logprobs: int | None = None
     truncation: str | None = None
-    function_tools: list[Any] | None = msgspec.field(default=None, name="tools")
-    tool_choice: Any = None
+    function_tools: list[FunctionTool] | None = msgspec.field(default=None, name="tools")

@@ -1,8 +1,9 @@
 """POST /v1/responses over the fake engine, through the official openai client: the same engine
 request and text as the chat route for the same messages, the whole response and the stream's
 events as the client parses them, status ``incomplete`` at max_output_tokens, text.format as a
-grammar, each refused field named, disconnects and errors, and no engine request left open.
-(The same against a real model: the ``slow`` tests at the end.)"""
+grammar, function tools as chat's (function_call items in and out, parsed and streamed), each
+refused field named, disconnects and errors, and no engine request left open. (Against a real
+model, greedy text equal to chat's, a JSON schema and a forced tool call: the ``slow`` tests at the end.)"""
 
 from __future__ import annotations
 
@@ -18,10 +19,13 @@ from scheduler_svc.front.http.chat_template import ChatTemplate
 from scheduler_svc.front.http.responses_api_fields import METADATA_PAIRS
 from scheduler_svc.front.input.parse_pool import ParseWorker
 from scheduler_svc.front.input.server_limits import ServerLimits
+from scheduler_svc.front.tool_calls import ToolCallOptions
 from scheduler_svc.telemetry.metrics import Metrics
 from testing.grpc_fakes import FakeEngine, make_tokenizer
 from testing.http_fakes import HttpThread
+from testing.tool_templates import QWEN25, TOOLS, history
 
+SPECIAL = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 MODEL = "tiny-test"
@@ -44,7 +48,10 @@ def server():
 def fake(server):
     """The server as a test finds it; after the test, every engine request it made must be closed."""
     yield server.fresh()
-    engine = server.engine
+    _all_closed(server.engine)
+
+
+def _all_closed(engine: FakeEngine) -> None:
     deadline = time.monotonic() + 5
     while len(engine.closed) < len(engine.requests) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -190,13 +197,27 @@ REFUSED = [
     ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
     ({"top_logprobs": 2}, "top_logprobs", "top_logprobs"),
     ({"truncation": "auto"}, "truncation", "truncation"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "tools"),
+    ({"tools": [{"type": "web_search"}]}, "tools", "tools[0].type"),
+    ({"tools": [{"type": "function", "parameters": {}}]}, "tools", "tools[0].name"),
+    ({"tools": [{"type": "function", "name": "a b"}]}, "tools", "tools[0].name"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]}, "tools", "tools[0].parameters"),
+    ({"tools": [{"type": "function", "name": "f"}]}, "tool_choice", "tool_choice"),  # auto: no parser deployed
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "tool_choice", "tool_choice.name"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "allowed_tools"}}, "tool_choice",
+     "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice", "tool_choice"),
     ({"input": ["Hi", {"role": "user", "content": [{"type": "input_text", "text": "a"}, IMAGE]}]}, "input",
      "input[0]"),  # (a bare string item is not an item: msgspec names it)
     ({"input": [{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "input_text", "text": "a"}]},
                 {"role": "user", "content": [IMAGE]}]}, "input", "input[2].content[0].type"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input", "input[0].type"),
+    ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input", "input[0].type"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input", "input[0].call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [IMAGE]}]}, "input",
+     "input[0].output[0].type"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{not json"}]}, "input",
+     "input[0].arguments"),
+    ({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input", "input[0].name"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input", "input[0].role"),
     ({"input": [{"content": "x"}]}, "input", "input[0].role"),
     ({"input": [{"role": "user"}]}, "input", "input[0].content"),
@@ -254,6 +275,109 @@ def test_a_template_refusing_the_messages_is_a_400_naming_input(fake):
         assert "roles must alternate" in err["message"]
     finally:
         srv.stop()
+
+
+# ------------------------------------------------------------------ function tools (chat's machinery)
+
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's form
+HERMES = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+          '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def hermes_server():
+    srv = HttpThread(FakeEngine(make_tokenizer(), 4096), ChatTemplate.compile(QWEN25, SPECIAL), ServerLimits(),
+                     tool_options=ToolCallOptions(True, "hermes"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def hermes(hermes_server):
+    yield hermes_server.fresh()
+    _all_closed(hermes_server.engine)
+
+
+def _history_items(call_id: str) -> list[dict]:
+    """testing.tool_templates.history (a call and its result) as Responses input items."""
+    items = []
+    for m in history(call_id):
+        if m.get("tool_calls"):
+            items += [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
+                       "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+        elif m["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]})
+        else:
+            items.append(m)
+    return items
+
+
+def test_tools_and_function_call_items_render_as_chats_tools_and_messages(hermes):
+    client = hermes.client()
+    client.chat.completions.create(model=MODEL, messages=history("call_1"), tools=TOOLS)
+    expected = hermes.engine.requests[-1].prompt_token_ids
+    client.responses.create(model=MODEL, input=_history_items("call_1"), tools=FLAT_TOOLS)
+    assert hermes.engine.requests[-1].prompt_token_ids == expected
+    assert b"18 degrees" in hermes.engine.tok.decode(expected).encode()  # (the result is in the prompt)
+
+
+def _calls(items) -> list[tuple[str, dict]]:
+    return [(i.name, json.loads(i.arguments)) for i in items if i.type == "function_call"]
+
+
+def test_auto_tool_calls_are_function_call_items_whole_and_streamed(hermes):
+    hermes.engine.completions = [HERMES]
+    client = hermes.client()
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS)
+    want = [(c.function.name, json.loads(c.function.arguments)) for c in chat.choices[0].message.tool_calls]
+    r = client.responses.create(model=MODEL, input="Weather?", tools=FLAT_TOOLS)
+    assert [i.type for i in r.output] == ["message", "function_call", "function_call"] and r.status == "completed"
+    assert r.output_text == chat.choices[0].message.content and _calls(r.output) == want
+    assert all(i.status == "completed" and i.id == f"fc_{i.call_id}" for i in r.output[1:])
+    assert len({i.call_id for i in r.output[1:]}) == 2 and [t.name for t in r.tools] == ["get_weather", "get_time"]
+
+    events = list(client.responses.create(model=MODEL, input="Weather?", tools=FLAT_TOOLS, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = events[-1].response
+    assert events[-1].type == "response.completed" and _calls(done.output) == want
+    assert done.output_text == r.output_text
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [i.type for i in added] == ["message", "function_call", "function_call"]
+    for index, item in enumerate(done.output[1:], 1):
+        pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"
+                  and e.output_index == index]
+        (args_done,) = [e for e in events if e.type == "response.function_call_arguments.done"
+                        and e.output_index == index]
+        assert "".join(pieces) == args_done.arguments == item.arguments and item.id == added[index].id
+    kinds = [e.type for e in events]
+    assert kinds.index("response.output_item.done") > kinds.index("response.output_text.done")
+
+
+def test_required_and_named_tool_choice_are_chats_grammars_and_their_output_the_call(hermes):
+    client = hermes.client()
+    user = [{"role": "user", "content": "Weather?"}]
+    named = {"type": "function", "name": "get_weather"}
+    for chat_choice, choice, script in (("required", "required", '[{"name": "get_time", "parameters": {"tz": "UTC"}}]'),
+                                        ({"type": "function", "function": {"name": "get_weather"}}, named,
+                                         '{"city": "Oslo", "unit": "celsius"}')):
+        hermes.engine.completions = [script]
+        chat = client.chat.completions.create(model=MODEL, messages=user, tools=TOOLS, tool_choice=chat_choice)
+        spec = hermes.engine.requests[-1].params.sampling.structured
+        r = client.responses.create(model=MODEL, input="Weather?", tools=FLAT_TOOLS, tool_choice=choice)
+        assert hermes.engine.requests[-1].params.sampling.structured == spec and spec.kind == STRUCTURED_JSON
+        want = [(c.function.name, json.loads(c.function.arguments)) for c in chat.choices[0].message.tool_calls]
+        assert [i.type for i in r.output] == ["function_call"] and _calls(r.output) == want  # no message: no content
+        events = list(client.responses.create(model=MODEL, input="Weather?", tools=FLAT_TOOLS, tool_choice=choice,
+                                              stream=True))
+        assert _calls(events[-1].response.output) == want and "response.output_text.delta" not in {
+            e.type for e in events}
+
+
+def test_tool_choice_none_renders_the_tools_and_reads_no_call(hermes):
+    hermes.engine.completions = [HERMES]
+    r = hermes.client().responses.create(model=MODEL, input="Weather?", tools=FLAT_TOOLS, tool_choice="none")
+    assert [i.type for i in r.output] == ["message"] and r.output_text == HERMES
+    assert hermes.engine.requests[-1].params.sampling.structured is None
 
 
 # ------------------------------------------------------------------ errors, disconnects
@@ -356,8 +480,7 @@ class RealModel:
         self.worker = ExecutorWorker(f"tcp://127.0.0.1:{self.engine.hub.bound_port}", runner, hs, drain_timeout=1.0)
         threading.Thread(target=self.worker.run, daemon=True).start()
         self.call(self._ready())
-        special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
-        front = OpenAIFront(self.engine, tok, ChatTemplate.compile(QWEN25, special), ServerLimits(), HttpLimits())
+        front = OpenAIFront(self.engine, tok, ChatTemplate.compile(QWEN25, SPECIAL), ServerLimits(), HttpLimits())
         self.server = self.call(start_http_server(build_app(front), "127.0.0.1", 0))
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.server.port}/v1", api_key="unused",
                                     max_retries=0, timeout=60)
@@ -416,3 +539,18 @@ def test_a_real_model_held_to_a_json_schema_writes_json_that_parses(real):
     assert r.status == "completed"
     value = json.loads(r.output_text)
     assert set(value) == {"size"} and 1 <= value["size"] <= 64
+
+
+@pytest.mark.slow
+def test_a_real_model_made_to_call_a_tool_writes_arguments_that_match_its_schema(real):
+    import jsonschema
+
+    schemas = {t["name"]: t["parameters"] for t in FLAT_TOOLS}
+    for choice in ("required", {"type": "function", "name": "get_time"}):
+        r = real.client.responses.create(model="tiny", input=_history_items("call_1"), tools=FLAT_TOOLS,
+                                         tool_choice=choice, temperature=0, max_output_tokens=300)
+        assert r.status == "completed" and r.output and all(i.type == "function_call" for i in r.output)
+        for item in r.output:
+            jsonschema.validate(json.loads(item.arguments), schemas[item.name])
+        if isinstance(choice, dict):
+            assert [i.name for i in r.output] == ["get_time"]
