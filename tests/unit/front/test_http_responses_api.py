@@ -180,6 +180,23 @@ def test_text_format_is_the_chat_routes_structured_output(fake, fmt, spec):
         assert r.text.format.name == "size" and r.text.format.schema_ == SCHEMA
 
 
+def test_the_clients_stream_helper_and_parse_read_what_the_server_sends(fake):
+    from pydantic import BaseModel
+
+    class Size(BaseModel):
+        size: int
+
+    client = fake.client()
+    with client.responses.stream(model=MODEL, input="Hi") as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert final.output_text == deltas and final.status == "completed"
+    fake.engine.completions = ['{"size": 16}']
+    r = client.responses.parse(model=MODEL, input="Block size?", text_format=Size)
+    assert r.output_parsed == Size(size=16)
+    assert json.loads(fake.engine.requests[-1].params.sampling.structured.spec)["required"] == ["size"]
+
+
 def test_text_format_text_asks_for_no_grammar(fake):
     fake.client().responses.create(model=MODEL, input="Hi", text={"format": {"type": "text"}})
     assert fake.engine.requests[-1].params.sampling.structured is None
