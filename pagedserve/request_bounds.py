@@ -33,13 +33,33 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence and frequency penalties
 
 
-class ValidationError(ValueError):
-    """A client error in one field of a request: ``field`` (the gRPC API's name) and ``detail``."""
+INVALID_VALUE = "invalid_value"
+# OpenAI's code for a request past the context; clients (LiteLLM, LangChain, agent loops) read it,
+# or the sentence context_exceeded() starts with, to trim a conversation and retry.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
-    def __init__(self, field: str, message: str) -> None:
+
+class ValidationError(ValueError):
+    """A client error in one field of a request: ``field`` (the gRPC API's name), ``detail``, and
+    the error ``code`` the HTTP front answers with."""
+
+    def __init__(self, field: str, message: str, code: str = INVALID_VALUE) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
         self.detail = message
+        self.code = code
+
+
+def context_exceeded(max_model_len: int, prompt_len: int, max_tokens: int | None = None) -> str:
+    """Why a prompt (and the tokens asked for) does not fit, in the words OpenAI and vLLM use."""
+    if max_tokens is None:
+        return (f"This model's maximum context length is {max_model_len} tokens. However, the prompt has "
+                f"{prompt_len} tokens, which leaves no room to generate: at most {max_model_len - 1} are allowed. "
+                "Please reduce the length of the prompt.")
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion): "
+            f"at most {max(0, max_model_len - prompt_len)} can be generated after this prompt. "
+            "Please reduce the length of the prompt or completion.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,19 +113,15 @@ def check_token_ids(field: str, ids: Sequence[int], vocab_size: int, offset: int
 
 def check_prompt_len(field: str, n: int, max_model_len: int) -> None:
     if n >= max_model_len:
-        raise ValidationError(field, f"has {n} tokens; max_model_len is {max_model_len}, so it must have at most "
-                                     "max_model_len - 1 tokens to leave room to generate")
+        raise ValidationError(field, context_exceeded(max_model_len, n), CONTEXT_LENGTH_EXCEEDED)
 
 
 def check_max_tokens(max_tokens: int, prompt_len: int, max_model_len: int) -> None:
     """The prompt and every token asked for within the longest context (the prompt already fits)."""
-    if max_tokens > (room := max_model_len - prompt_len):
-        raise ValidationError(
-            "sampling.max_tokens",
-            # (the field's name is the error's own: the HTTP front names max_completion_tokens for it)
-            f"a prompt of {prompt_len} tokens + {max_tokens} to generate = {prompt_len + max_tokens} "
-            f"exceeds max_model_len ({max_model_len}); at most {room} allowed",
-        )
+    if max_tokens > max_model_len - prompt_len:
+        # (the field's name is the error's own: the HTTP front names max_completion_tokens for it)
+        raise ValidationError("sampling.max_tokens", context_exceeded(max_model_len, prompt_len, max_tokens),
+                              CONTEXT_LENGTH_EXCEEDED)
 
 
 def check_count(field: str, value: int, hi: int) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 
 from pagedserve.engine_api import ModelInfo
+from pagedserve.request_bounds import CONTEXT_LENGTH_EXCEEDED, context_exceeded
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.wire.protocol import MAX_LOGIT_BIAS, MAX_STRUCTURED_CHARS
 from scheduler_svc.front.api_errors import ApiError, bad_field
@@ -104,7 +105,7 @@ def _check_prompts(prompt: list, caps: RequestCaps) -> None:
 
 def _check_ids(field: str, n: int, caps: RequestCaps) -> None:
     if n >= caps.max_model_len:
-        raise bad_field(field, f"has {n} tokens; max_model_len is {caps.max_model_len}")
+        raise bad_field(field, context_exceeded(caps.max_model_len, n), code=CONTEXT_LENGTH_EXCEEDED)
 
 
 def _check_stop(stop: list[str], caps: RequestCaps) -> None:
@@ -144,7 +145,7 @@ def check_generate(req: pb.GenerateRequest, caps: RequestCaps) -> str | None:
     sp = req.sampling
     n_ids = len(req.prompt_token_ids)
     if n_ids >= caps.max_model_len:
-        return f"prompt_token_ids: has {n_ids} tokens; max_model_len is {caps.max_model_len}"
+        return f"prompt_token_ids: {context_exceeded(caps.max_model_len, n_ids)}"
     if (problem := raw_list_problem(len(sp.stop), caps.stop_strings)) is not None:
         return f"sampling.stop: {problem}"
     if (problem := raw_list_problem(len(sp.stop_token_ids), caps.stop_token_ids)) is not None:

@@ -36,7 +36,7 @@ def from_validation(e: ValidationError, names: Mapping[str, str]) -> ApiError:
     field = e.field.removeprefix("sampling.")
     base, bracket, rest = field.partition("[")
     name = names.get(base, base)
-    return bad_field(name + bracket + rest, e.detail)
+    return bad_field(name + bracket + rest, e.detail, code=e.code)
 
 
 async def send_error(send: Send, err: ApiError, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:

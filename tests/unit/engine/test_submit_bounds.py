@@ -106,10 +106,13 @@ BOUNDS = {
                               "sampling.structured: cannot be combined with beam search (beam_width=2)"),
     "end-token-ids": (_submit(sampling={"end_token_ids": [99]}), _submit(sampling={"end_token_ids": [100]}),
                       "sampling.end_token_ids[0]: must be a token id in [0, vocab_size=100) (got 100)"),
-    "max-tokens": (_submit(max_tokens=44), _submit(max_tokens=45), "sampling.max_tokens: a prompt of 20 tokens + 45 "
-                   "to generate = 65 exceeds max_model_len (64); at most 44 allowed"),
-    "prompt-length": (_prompt(63, max_tokens=1), _prompt(64, max_tokens=1), "prompt_token_ids: has 64 tokens; "
-                      "max_model_len is 64, so it must have at most max_model_len - 1 tokens to leave room to generate"),
+    "max-tokens": (_submit(max_tokens=44), _submit(max_tokens=45), "sampling.max_tokens: This model's maximum context "
+                   "length is 64 tokens. However, you requested 65 tokens (20 in the prompt, 45 in the completion): "
+                   "at most 44 can be generated after this prompt. Please reduce the length of the prompt or "
+                   "completion."),
+    "prompt-length": (_prompt(63, max_tokens=1), _prompt(64, max_tokens=1), "prompt_token_ids: This model's "
+                      "maximum context length is 64 tokens. However, the prompt has 64 tokens, which leaves no room "
+                      "to generate: at most 63 are allowed. Please reduce the length of the prompt."),
     "prompt-empty": (_prompt(1), _prompt(0), "prompt_token_ids: must not be empty"),
     "block-hashes": (_hashes(1), _hashes(2), "prompt_block_hashes: must hold one hash per full block of the prompt: "
                      "1 for 20 tokens in blocks of 16 (got 2)"),

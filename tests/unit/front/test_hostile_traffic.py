@@ -205,7 +205,7 @@ def test_a_grpc_message_larger_than_the_model_can_need_is_refused_unparsed():
             code, details = code_of(cap + 10)  # one byte per id: just over the cap
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and f"at most {cap}" in details
             code, details = code_of(cap // 2)
-            assert code == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in details
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "maximum context length is 64" in details
     finally:
         srv.stop()
 

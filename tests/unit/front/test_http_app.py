@@ -429,13 +429,28 @@ def test_validation_message_names_limit_and_value(fake):
 def test_a_length_overflow_names_only_the_field_the_client_sent(fake, field):
     err = _error(*fake.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
                                                                 field: 999}))
-    assert err["param"] == field and err["message"].startswith(f"{field}: a prompt of "), err
-    assert "to generate = " in err["message"] and ("max_tokens" in err["message"]) == (field == "max_tokens"), err
+    assert err["param"] == field and err["code"] == "context_length_exceeded", err
+    # OpenAI's sentence (clients that trim a conversation look for it), with the field the client sent
+    assert err["message"].startswith(f"{field}: This model's maximum context length is 256 tokens. However, you "
+                                     "requested "), err
+    assert "999 in the completion" in err["message"] and ("max_tokens" in err["message"]) == (field == "max_tokens"), err
+
+
+def test_a_prompt_past_the_context_is_context_length_exceeded_as_openai_says_it(fake):
+    """The code and sentence OpenAI uses (LiteLLM's ContextWindowExceededError, LangChain's trimming
+    read one or the other), for a prompt alone too long and for one too long with its max_tokens."""
+    for body in ({"prompt": [5] * 256}, {"prompt": [5] * 250, "max_tokens": 7}):
+        with pytest.raises(openai.BadRequestError) as e:
+            fake.client().completions.create(model=MODEL, **body)
+        assert e.value.code == "context_length_exceeded", e.value.body
+        assert "This model's maximum context length is 256 tokens" in e.value.message
 
 
 @pytest.mark.parametrize("path,body,message,code", [
     ("/v1/completions", b'{"prompt": "a", "n": 1000}', "n: must be in [1, 4] (got 1000)", "invalid_value"),
     ("/v1/completions", b'{"prompt": "a", "n": 0}', "n: must be >= 1 (got 0)", "invalid_value"),
+    ("/v1/completions", b'{"prompt": "a", "top_k": -2}',
+     "top_k: must be -1 or 0 (off) or in [1, 2147483647] (got -2)", "invalid_value"),
     ("/v1/completions", b'{"prompt": "a", "n": 9, "use_beam_search": true}', "n: must be in [1, 8] (got 9)",
      "invalid_value"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text"}]}]}',

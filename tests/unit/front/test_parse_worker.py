@@ -77,7 +77,9 @@ def test_a_large_body_is_decoded_by_the_worker_and_rebuilt_exactly(monkeypatch):
 @pytest.mark.parametrize("field, value, message", [
     ("stop", ["s"] * 80_000, "stop: at most 64 entries as sent, duplicates included (got 80000)"),
     ("logit_bias", {str(i): 1.0 for i in range(30_000)}, "logit_bias: at most 1024 entries (got 30000)"),
-    ("prompt", [5] * 150_000, "prompt: has 150000 tokens; max_model_len is 4096"),
+    ("prompt", [5] * 150_000, "prompt: This model's maximum context length is 4096 tokens. However, "
+                          "the prompt has 150000 tokens, which leaves no room to generate: at most 4095 are allowed. "
+                          "Please reduce the length of the prompt."),
     ("stop_token_ids", list(range(60_000)), "stop_token_ids: at most 256 entries as sent, duplicates included (got 60000)"),
 ])
 def test_counts_over_their_caps_are_refused_the_same_whichever_path(field, value, message):
@@ -193,7 +195,8 @@ def test_the_loop_keeps_ticking_while_large_bodies_decode():
 
 def test_a_generate_request_over_its_caps_is_named_from_lengths_alone():
     req = pb.GenerateRequest(prompt_token_ids=[3] * 5000)
-    assert check_generate(req, CAPS) == "prompt_token_ids: has 5000 tokens; max_model_len is 4096"
+    assert check_generate(req, CAPS) .startswith("prompt_token_ids: This model's maximum context length is 4096 tokens. "
+                                             "However, the prompt has 5000 tokens")
     req = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(stop=["a"] * 65))
     assert check_generate(req, CAPS) == "sampling.stop: at most 64 entries as sent, duplicates included (got 65)"
     req = pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(stop_token_ids=[1] * 257))

@@ -75,13 +75,13 @@ INVALID = [  # (request fields, field named in the message, value shown in the m
     ({**P, "sampling": {"top_p": 0.0}}, "sampling.top_p", "(0, 1]"),
     ({**P, "sampling": {"top_p": 1.5}}, "sampling.top_p", "1.5"),
     ({**P, "sampling": {"top_p": math.nan}}, "sampling.top_p", "nan"),
-    ({**P, "sampling": {"top_k": -1}}, "sampling.top_k", "-1"),
+    ({**P, "sampling": {"top_k": -2}}, "sampling.top_k", "must be -1 or 0 (off) or in [1, 2147483647] (got -2)"),
     ({**P, "sampling": {"min_p": 1.5}}, "sampling.min_p", "1.5"),
     ({**P, "sampling": {"min_p": -0.25}}, "sampling.min_p", "-0.25"),
     ({**P, "sampling": {"max_tokens": -3}}, "sampling.max_tokens", "-3"),
-    ({**P, "sampling": {"max_tokens": 63}}, "sampling.max_tokens", "max_model_len (64)"),
+    ({**P, "sampling": {"max_tokens": 63}}, "sampling.max_tokens", "maximum context length is 64 tokens"),
     ({"prompt_token_ids": [5] * 64}, "prompt_token_ids", "64 tokens"),
-    ({"prompt": "x " * 3000}, "prompt", "max_model_len is 64"),  # tokenized in a worker thread
+    ({"prompt": "x " * 3000}, "prompt", "maximum context length is 64 tokens"),  # tokenized in a worker thread
     ({"prompt": ""}, "prompt", "empty"),
     ({}, "prompt", "neither"),
     ({"prompt": "Hi", "prompt_token_ids": [5]}, "prompt", "both"),

@@ -148,8 +148,8 @@ def test_a_prompt_longer_than_the_context_is_refused_unread_and_broken_ids_drop_
                 reply = m.TIER.decode(await sock.recv())
             (u,) = reply.updates
             assert (u.request_id, u.finished, u.error_kind) == ("f:long", True, ErrorKind.INVALID)
-            assert u.error == (f"prompt_token_ids: has {MAX_MODEL_LEN} tokens; max_model_len is {MAX_MODEL_LEN}, so it "
-                               "must have at most max_model_len - 1 tokens to leave room to generate")
+            assert u.error.startswith(f"prompt_token_ids: This model's maximum context length is {MAX_MODEL_LEN} "
+                                      f"tokens. However, the prompt has {MAX_MODEL_LEN} tokens")
             assert link.fronts
             odd = m.TIER.encode(_submit("f:odd", [])).replace(b"\xc4\x00", b"\xc4\x03abc")
             assert m.TIER.decode(odd, accept=m.FROM_FRONT).prompt_ids == b"abc"
