@@ -53,6 +53,7 @@ class _Choice:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # (vLLM's: the stop string or stop token id that ended it)
     started: bool = False  # its first delta went out (role / echo are sent once)
+    generated: int = 0  # tokens so far, held-back ones too (a stream's continuous usage, as vLLM counts them)
     offsets: TextOffsets | None = None  # completions logprobs: where the next token starts
     tools: ChoiceToolCalls | None = None  # chat with tools: its calls
 
@@ -75,7 +76,6 @@ class _Render:
         self.choices: dict[int, _Choice] = {}
         self.usage: list[Usage | None] = [None] * num_prompts
         self.prompt_tokens = prompt_tokens or [0] * num_prompts
-        self.completion_tokens = [0] * num_prompts
         self.prompt_logprobs: list[list[TokenLogprob | None] | None] = [None] * num_prompts
 
     # -------------------------------------------------------------- shared
@@ -93,7 +93,6 @@ class _Render:
             self.usage[prompt] = out.usage
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[prompt] = out.prompt_logprobs
-        self.completion_tokens[prompt] += sum(len(d.token_ids) for d in out.choices)
 
     def usage_body(self) -> dict[str, int | dict[str, int]]:
         done = [u for u in self.usage if u is not None]
@@ -107,9 +106,12 @@ class _Render:
                                             "accepted_tokens": sum(u.spec_accepted_tokens for u in done)}
         return body
 
-    def _usage_so_far(self) -> dict[str, int]:
-        prompt, completion = sum(self.prompt_tokens), sum(self.completion_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    def _usage_so_far(self, prompt: int, c: _Choice) -> dict[str, int]:
+        """A chunk's continuous usage: its own prompt and choice, as vLLM's streams count them (the
+        final usage chunk sums every choice)."""
+        prompt_tokens = self.prompt_tokens[prompt]
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": c.generated,
+                "total_tokens": prompt_tokens + c.generated}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -122,6 +124,7 @@ class _Render:
         for d in out.choices:
             index = prompt * self.n + d.index
             c = self._choice(index)
+            c.generated += len(d.token_ids)
             body = self._delta(index, c, d, prompt)
             if body is None:
                 continue  # text held back (a partial UTF-8 character, a stop string, a tool call's markup)
@@ -136,7 +139,7 @@ class _Render:
                     (msg if self.PROMPT_IDS_AT_TOP else body)["prompt_token_ids"] = self.prompt_ids[prompt]
                 body["token_ids"] = d.token_ids
             if self.continuous_usage:
-                msg["usage"] = self._usage_so_far()
+                msg["usage"] = self._usage_so_far(prompt, c)
             elif self.include_usage:
                 msg["usage"] = None  # OpenAI: every chunk has the key, the last one (choices: []) the value
             chunks.append(msg)
