@@ -208,6 +208,15 @@ def _length_penalty(value: float | None) -> float:
     return lp
 
 
+def _top_k(value: int) -> int:
+    """vLLM's -1 and 0 both mean off (the wire's 0); at most the wire's int32 (JSON has no bound)."""
+    if value == -1:
+        return 0
+    if not 0 <= value <= MAX_INT32:
+        raise ValidationError("sampling.top_k", f"must be -1 or 0 (off) or in [1, {MAX_INT32}] (got {value})")
+    return int(value)
+
+
 def _sampling(f: RequestFields, limits: ServerLimits) -> SamplingParams:
     out = SamplingParams()
     if f.temperature is not None:
@@ -220,7 +229,7 @@ def _sampling(f: RequestFields, limits: ServerLimits) -> SamplingParams:
             raise ValidationError("sampling.top_p", f"must be in (0, 1] (got {f.top_p:g})")
         out.top_p = float(f.top_p)
     if f.top_k is not None:
-        out.top_k = check_int_range("sampling.top_k", f.top_k, 0, MAX_INT32)  # the wire's bound; JSON has none
+        out.top_k = _top_k(f.top_k)
     if f.min_p is not None:
         if not 0.0 <= f.min_p <= 1.0:
             raise ValidationError("sampling.min_p", f"must be in [0, 1] (got {f.min_p:g})")

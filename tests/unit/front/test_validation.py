@@ -93,7 +93,7 @@ def test_temperature_near_zero_is_greedy():
     ("frequency_penalty", [-2.0, 0.0, 2.0], [-2.5, math.inf]),
     ("repetition_penalty", [0.01, 1.0, 10.0], [0.0, -1.0, math.inf, math.nan]),
     ("length_penalty", [-1.0, 0.0, 2.0], [math.inf, -math.inf, math.nan]),
-    ("top_k", [0, 1, 100000], [-1]),
+    ("top_k", [-1, 0, 1, 100000], [-2]),
 ])
 def test_range_boundaries(field, ok, bad):
     for value in ok:
@@ -255,6 +255,11 @@ def test_both_fronts_share_the_checks_and_a_front_may_set_its_own_default_max_to
         check(seed=-1)  # a JSON front can send what proto's uint64 could not
     assert (err.value.field, err.value.detail) == ("sampling.seed", f"must be in [0, {MAX_SEED}] (got -1)")
     check(top_k=2**31 - 1)
+    assert check(top_k=-1).params.sampling.top_k == 0  # vLLM's "off", as 0, on both fronts
+    with pytest.raises(ValidationError) as err:
+        check(top_k=-2)
+    assert (err.value.field, err.value.detail) == ("sampling.top_k",
+                                                   "must be -1 or 0 (off) or in [1, 2147483647] (got -2)")
     with pytest.raises(ValidationError, match="sampling.top_k"):
         check(top_k=2**31)  # the executor link carries int32; proto's int32 bounded it before
 
