@@ -20,7 +20,7 @@ from typing import Annotated, Protocol
 import msgspec
 from msgspec import Meta
 
-from pagedserve.kv_blocks import BLOCK_HASH_BYTES
+from pagedserve.kv_blocks import BLOCK_HASH_BYTES, MAX_CACHE_SALT_CHARS
 from pagedserve.lora_modules import MAX_NAME_CHARS as MAX_LORA_NAME_CHARS
 from pagedserve.wire import SamplingParams
 from pagedserve.wire import protocol as p
@@ -40,6 +40,7 @@ StopTokenIds = Annotated[list[TokenId], Meta(max_length=p.MAX_END_TOKEN_IDS)]
 BlockHashes = Annotated[list[Annotated[bytes, Meta(min_length=BLOCK_HASH_BYTES, max_length=BLOCK_HASH_BYTES)]],
                         Meta(max_length=p.MAX_SEQ_TOKENS)]
 LoraName = Annotated[str, Meta(max_length=MAX_LORA_NAME_CHARS)]
+CacheSalt = Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 
 class FinishReason(enum.IntEnum):
@@ -92,6 +93,9 @@ class GenerationRequest:
     # lora_id: which load of that name (set by the engine core; 0: an adapter given at start).
     lora: LoraName | None = None
     lora_id: int = 0
+    # vLLM's cache_salt: the prefix cache shares blocks only among requests of the same salt (it
+    # roots the block hash chain: kv_blocks.chain_root).
+    cache_salt: CacheSalt | None = None
 
 
 class TokenLogprob(msgspec.Struct, gc=False):

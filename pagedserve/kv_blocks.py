@@ -26,11 +26,19 @@ def lora_key(lora: str | None, lora_id: int = 0) -> str | None:
     return lora if not lora_id and "#" not in lora else f"{lora}#{lora_id}"
 
 
-def chain_root(lora: str | None, lora_id: int = 0) -> bytes | None:
+MAX_CACHE_SALT_CHARS = 1024  # a request's cache_salt (vLLM's): 43 base64 characters carry 256 bits
+
+
+def chain_root(lora: str | None, lora_id: int = 0, salt: str | None = None) -> bytes | None:
     """The parent of a prompt's first block: the base model's (None), or for a LoRA adapter one of
-    its own, since the adapter changes every K/V: the same prompt under two adapters shares no block."""
+    its own, since the adapter changes every K/V: the same prompt under two adapters shares no block.
+    ``salt``: a request's ``cache_salt`` (vLLM's), so that only requests with the same salt share
+    blocks: a tenant's prompts cannot be probed by timing another tenant's cache hits."""
     key = lora_key(lora, lora_id)
-    return None if key is None else hashlib.sha256(b"pagedserve-lora\x00" + key.encode()).digest()
+    root = None if key is None else hashlib.sha256(b"pagedserve-lora\x00" + key.encode()).digest()
+    if salt:
+        root = hashlib.sha256(b"pagedserve-salt\x00" + (root or b"") + salt.encode()).digest()
+    return root
 
 
 def hash_block(parent: bytes | None, token_ids: Seq[int], extra: bytes = b"") -> bytes:

@@ -158,8 +158,8 @@ class CoreRequests:
             why = ready[0].scheduler.why_cannot_hold(req, cr.resume)
             return f"no connected executor can hold this request: {why}"
         if req.prompt_block_hashes is None:  # (fronts hash prompts; a request from elsewhere is hashed here)
-            req.prompt_block_hashes = hash_blocks(chain_root(req.lora, req.lora_id), req.prompt_token_ids,
-                                                  self.cfg.scheduler.block_size)
+            root = chain_root(req.lora, req.lora_id, req.cache_salt)
+            req.prompt_block_hashes = hash_blocks(root, req.prompt_token_ids, self.cfg.scheduler.block_size)
         slot = self.router.choose(fits, req.prompt_block_hashes, lora_key(req.lora, req.lora_id))
         if slot is None:
             self._park(cr)

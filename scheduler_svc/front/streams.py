@@ -137,7 +137,8 @@ class FrontStreams:
             req.arrival_time = time.monotonic()
         if req.prompt_block_hashes is None and (info := self.core.model_info()) is not None:
             # Hashed once, here: the core's routing and every scheduler's prefix lookup use this chain.
-            req.prompt_block_hashes = hash_blocks(chain_root(req.lora), req.prompt_token_ids, info.block_size)
+            req.prompt_block_hashes = hash_blocks(chain_root(req.lora, salt=req.cache_salt), req.prompt_token_ids,
+                                                  info.block_size)
         p = req.params
         stream = RequestStream(req, self.tokenizer, num_choices=max(p.n, p.beam_width),
                                standalone_texts=self.standalone_texts)

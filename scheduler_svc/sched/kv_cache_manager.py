@@ -168,8 +168,9 @@ class KVCacheManager(KVCacheManagerBase):
         hashes = self._hashes.setdefault(seq.seq_id, [])
         have, bs = len(hashes), self.block_size
         if have < num_blocks:
-            hashes += hash_blocks(hashes[-1] if hashes else chain_root(seq.request.req.lora, seq.request.req.lora_id), seq.token_ids[have * bs:num_blocks * bs], bs,
-                                  self._extra)
+            req = seq.request.req
+            root = hashes[-1] if hashes else chain_root(req.lora, req.lora_id, req.cache_salt)
+            hashes += hash_blocks(root, seq.token_ids[have * bs:num_blocks * bs], bs, self._extra)
         return hashes
 
     def lookup_prefix(self, seq: Sequence, known: Seq[bytes] = ()) -> PrefixHit:

@@ -229,7 +229,7 @@ class OpenAIFront:
     def _completion_requests(self, req: CompletionRequest, fields: list[RequestFields] | None, info: ModelInfo
                              ) -> tuple[list[GenerationRequest], list[str] | None]:
         fields = fields if fields is not None else completion_fields(req, self.http_limits)
-        greqs = self._validate(fields, info, COMPLETION_NAMES, False, batched=is_batch(req.prompt))
+        greqs = self._validate(fields, info, COMPLETION_NAMES, False, req.add_special_tokens, batched=is_batch(req.prompt))
         return greqs, [self._prompt_text(f) for f in fields] if req.echo else None
 
     def _chat_request(self, fields: RequestFields, messages: list[dict[str, Any]], req: ChatRequest,
@@ -237,17 +237,19 @@ class OpenAIFront:
         assert self.chat_template is not None  # checked by chat()
         try:
             fields.prompt = self.chat_template.render(messages, req.add_generation_prompt, tools.tools,
-                                                      req.continue_final_message, req.chat_template_kwargs)
+                                                      req.continue_final_message, req.chat_template_kwargs,
+                                                      req.documents)
         except ChatTemplateError as e:
             raise template_error(e) from e
-        return self._validate([fields], info, names, True)
+        return self._validate([fields], info, names, True, req.add_special_tokens)
 
     def _validate(self, batch: list[RequestFields], info: ModelInfo, names: dict[str, str],
-                  chat: bool, batched: bool = False) -> list[GenerationRequest]:
-        """Completions add the tokenizer's special tokens (BOS) as gRPC does and default to
-        ServerLimits.default_max_tokens; a chat prompt has its special tokens from the template
-        and may use the whole context left (OpenAI's chat default). ``batched``: errors name prompt[i]."""
-        tokenize = self._tokenize_plain if chat else self._tokenize
+                  chat: bool, add_special_tokens: bool, batched: bool = False) -> list[GenerationRequest]:
+        """Completions default to ServerLimits.default_max_tokens, and by default add the tokenizer's
+        special tokens (BOS) as gRPC does; a chat prompt by default has its special tokens from the
+        template alone, and may use the whole context left (OpenAI's chat default).
+        ``add_special_tokens``: the request's (vLLM's field). ``batched``: errors name prompt[i]."""
+        tokenize = self._tokenize if add_special_tokens else self._tokenize_plain
         default_max_tokens = info.max_model_len if chat else None
         out = []
         for i, fields in enumerate(batch):

@@ -135,16 +135,18 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-               template_kwargs: Mapping[str, Any] | None = None) -> str:
+               template_kwargs: Mapping[str, Any] | None = None,
+               documents: list[dict[str, str]] | None = None) -> str:
         """The prompt for ``messages`` (plain dicts: role, content, tool_calls, ...) and the request's
         ``tools`` (OpenAI's form: the template decides how the model sees them); ChatTemplateError if
         it fails. ``continue_final_message``: the prompt ends with the last message's content (what
         follows it, the template's end of turn, is cut), as transformers' apply_chat_template does.
         ``template_kwargs``: the request's ``chat_template_kwargs``, more variables for the template
-        (e.g. ``enable_thinking``), as vLLM passes them to apply_chat_template."""
+        (e.g. ``enable_thinking``), as vLLM passes them to apply_chat_template. ``documents``: the
+        request's (vLLM's), for templates that ground an answer in them (Command-R's, Granite's)."""
         extra = self._checked_kwargs(template_kwargs) if template_kwargs else {}
         try:
-            rendered = self.template.render(messages=messages, tools=tools, documents=None,
+            rendered = self.template.render(messages=messages, tools=tools, documents=documents,
                                             add_generation_prompt=add_generation_prompt,
                                             **{**extra, **self.special_tokens})
         except jinja2.exceptions.TemplateError as e:  # raise_exception(), sandbox violations, undefined values

@@ -78,7 +78,7 @@ def _common(req: _Request, max_tokens: int | None, max_tokens_name: str) -> dict
         repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, logit_bias=_logit_bias(req.logit_bias), min_tokens=req.min_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, prompt_logprobs=req.prompt_logprobs,
-        structured=structured_fields(req))
+        structured=structured_fields(req), cache_salt=req.cache_salt, truncate_prompt_tokens=req.truncate_prompt_tokens)
     if req.use_beam_search:  # vLLM: n beams, returned best first; width 1 is greedy
         fields["n"], fields["beam_width"] = 0, (n or 1)
         if (n or 1) == 1:
@@ -87,7 +87,8 @@ def _common(req: _Request, max_tokens: int | None, max_tokens_name: str) -> dict
 
 
 # vLLM's fields whose effect on the output is not implemented: set (truthy), they are a 400, not ignored.
-_UNSUPPORTED = ("truncate_prompt_tokens", "allowed_token_ids", "bad_words", "return_tokens_as_token_ids")
+_UNSUPPORTED = ("allowed_token_ids", "bad_words", "return_tokens_as_token_ids", "guided_whitespace_pattern",
+                "logits_processors", "vllm_xargs")
 _UNSUPPORTED_IN_CHAT = ("echo", "chat_template")
 
 
@@ -95,6 +96,9 @@ def _reject_unsupported(req: _Request) -> None:
     for name in _UNSUPPORTED + (_UNSUPPORTED_IN_CHAT if isinstance(req, ChatRequest) else ()):
         if getattr(req, name):
             raise bad_field(name, "is not supported by this server", code="unsupported")
+    if req.priority:
+        raise bad_field("priority", f"must be 0: this server has no priority scheduling (got {req.priority})",
+                        code="unsupported")
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise bad_field("best_of", f"must equal n when given (got best_of={req.best_of}, n={req.n or 1})",
                         code="unsupported")

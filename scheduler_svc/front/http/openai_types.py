@@ -12,12 +12,15 @@ Accepted beyond OpenAI's own fields, as vLLM does: ``top_k`` (-1 or 0: off), ``m
 ``include_stop_str_in_output``, ``skip_special_tokens``, ``prompt_logprobs``, ``use_beam_search``
 (beam width ``n``, best beam first), ``length_penalty``, ``early_stopping``, ``return_token_ids``
 (each choice also carries its token ids), ``structured_outputs`` (and its older names
-``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``) and, for chat,
-``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``. ``user`` and
-unknown fields are ignored;
+``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``), ``cache_salt``,
+``truncate_prompt_tokens``, ``add_special_tokens`` and, for chat, ``add_generation_prompt``,
+``continue_final_message``, ``chat_template_kwargs`` and ``documents``. ``user``, ``priority`` 0,
+``spaces_between_special_tokens``, ``guided_decoding_backend`` and unknown fields are ignored
+(none changes the output here);
 fields that would change the output and are not implemented (``suffix``, ``best_of`` > n, a
-structural tag, non-text content parts, vLLM's ``truncate_prompt_tokens``, ``allowed_token_ids``,
-``bad_words``, ``return_tokens_as_token_ids`` and, for chat, ``echo`` and ``chat_template``) are
+structural tag, non-text content parts, a non-zero ``priority``, vLLM's ``allowed_token_ids``,
+``bad_words``, ``return_tokens_as_token_ids``, ``guided_whitespace_pattern``,
+``logits_processors``, ``vllm_xargs`` and, for chat, ``echo`` and ``chat_template``) are
 rejected, never silently dropped. ``null`` in any field means its default (OpenAI's fields are
 "<type> or null"), never a 400.
 """
@@ -117,16 +120,26 @@ class _Request(_Body, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    cache_salt: str | None = None  # prefix-cache blocks shared only among requests of the same salt
+    truncate_prompt_tokens: int | None = None  # the prompt's last k tokens (-1: all)
+    priority: int | None = 0  # only 0: no priority scheduling here (vLLM refuses others so too)
+    # Accepted with no effect, as vLLM gives them none here: the fast tokenizer's detokenizing
+    # ignores spaces_between_special_tokens (vLLM's too); one grammar engine serves every request.
+    spaces_between_special_tokens: bool | None = True
+    guided_decoding_backend: str | None = None
     # Not implemented; rejected when they would change the output (_reject_unsupported).
     best_of: int | None = None
-    truncate_prompt_tokens: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     return_tokens_as_token_ids: Any = None
+    guided_whitespace_pattern: Any = None
+    logits_processors: Any = None
+    vllm_xargs: Any = None
 
 
 class CompletionRequest(_Request, kw_only=True):
     prompt: str | list[str | int | list[int]] | None = None
+    add_special_tokens: bool | None = True  # vLLM's: the tokenizer's BOS and such, added to a text prompt
     max_tokens: int | None = None
     logprobs: int | None = None
     echo: bool | None = False
@@ -187,6 +200,8 @@ class ChatRequest(_Request, kw_only=True):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False  # vLLM's: the last message is left open, to be continued
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template
+    documents: list[dict[str, str]] | None = None  # vLLM's: for a RAG template's `documents`
+    add_special_tokens: bool | None = False  # vLLM's: the template has them; True adds the tokenizer's too
     tools: list[ToolDef] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

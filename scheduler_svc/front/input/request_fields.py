@@ -50,6 +50,8 @@ class RequestFields:
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     structured: StructuredFields | None = None
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only among requests of one salt
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: no cut)
 
 
 def fields_from_proto(req: pb.GenerateRequest) -> RequestFields:
@@ -63,6 +65,7 @@ def fields_from_proto(req: pb.GenerateRequest) -> RequestFields:
         include_stop_str_in_output=sp.include_stop_str_in_output,
         prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
         structured=_structured_from_proto(sp.structured_outputs) if sp.HasField("structured_outputs") else None,
+        cache_salt=req.cache_salt if req.HasField("cache_salt") else None,
         **{name: getattr(sp, name) if sp.HasField(name) else None for name in OPTIONAL_SAMPLING})
 
 

@@ -17,8 +17,9 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from pagedserve.engine_api import GenerationRequest, ModelInfo, RequestParams
-from pagedserve.kv_blocks import request_blocks
+from pagedserve.kv_blocks import MAX_CACHE_SALT_CHARS, request_blocks
 from pagedserve.request_bounds import (
+    CONTEXT_LENGTH_EXCEEDED,
     ValidationError,
     check_beam_logprobs,
     check_count,
@@ -31,6 +32,7 @@ from pagedserve.request_bounds import (
     check_stop_strings,
     check_stop_token_ids,
     check_token_ids,
+    context_exceeded,
 )
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.wire import GREEDY_TEMPERATURE_EPS, MAX_SEED, SamplingParams
@@ -103,7 +105,15 @@ def validate_request(
         ignore_eos=f.ignore_eos,
         include_stop_str_in_output=f.include_stop_str_in_output,
     )
-    return GenerationRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params)
+    return GenerationRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
+                             cache_salt=_cache_salt(f.cache_salt))
+
+
+def _cache_salt(salt: str | None) -> str | None:
+    if salt is not None and not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise ValidationError("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                                            f"characters when given (got {len(salt)})")
+    return salt
 
 
 def _request_id(request_id: str, limits: ServerLimits) -> str:
@@ -133,13 +143,26 @@ def _prompt_token_ids(f: RequestFields, model: ModelInfo, tokenize: Callable[[st
         field = "prompt"
     else:
         if len(f.prompt_token_ids) >= model.max_model_len:  # before copying or checking a long list
-            raise ValidationError("prompt_token_ids", f"has {len(f.prompt_token_ids)} tokens; max_model_len is "
-                                                      f"{model.max_model_len}")
+            raise ValidationError("prompt_token_ids", context_exceeded(model.max_model_len, len(f.prompt_token_ids)),
+                                  CONTEXT_LENGTH_EXCEEDED)
         ids = list(f.prompt_token_ids)
         field = "prompt_token_ids"
     check_token_ids(field, ids, model.vocab_size)
+    ids = _truncated(ids, f.truncate_prompt_tokens, model)
     check_prompt_len(field, len(ids), model.max_model_len)
     return ids
+
+
+def _truncated(ids: list[int], keep: int | None, model: ModelInfo) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens; -1 (vLLM: "up to
+    max_model_len") keeps them all, as a prompt here fits the context already (a longer one was
+    refused before it was read whole)."""
+    if keep is None or keep == -1:
+        return ids
+    if not 1 <= keep <= model.max_model_len:
+        raise ValidationError("truncate_prompt_tokens", f"must be -1 or in [1, max_model_len={model.max_model_len}] "
+                                                        f"(got {keep})")
+    return ids[-keep:]
 
 
 def _check_prompt_chars(chars: int, model: ModelInfo) -> None:
@@ -149,9 +172,11 @@ def _check_prompt_chars(chars: int, model: ModelInfo) -> None:
         return
     bound = (model.max_model_len - 1) * model.max_token_chars
     if chars > bound:
-        raise ValidationError("prompt", f"has {chars} characters; no prompt longer than {bound} characters can fit "
-                                        f"max_model_len {model.max_model_len} (the longest token has "
-                                        f"{model.max_token_chars} characters)")
+        raise ValidationError("prompt", f"This model's maximum context length is {model.max_model_len} tokens. "
+                                        f"However, the prompt has {chars} characters, more than any "
+                                        f"{model.max_model_len - 1} tokens span (at most {bound}: the longest token "
+                                        f"has {model.max_token_chars}). Please reduce the length of the prompt.",
+                              CONTEXT_LENGTH_EXCEEDED)
 
 
 def _max_tokens(max_tokens: int, prompt_len: int, model: ModelInfo, default: int, width: int) -> int:

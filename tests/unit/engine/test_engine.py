@@ -408,3 +408,28 @@ def test_an_executor_that_handshakes_again_keeps_its_old_schedulers_counters(tok
                 (before.prefix_cache_query_tokens, before.prefix_cache_hit_tokens)
 
     _run(main())
+
+
+def test_a_cache_salt_shares_prefix_blocks_only_among_requests_of_that_salt(tokenizer):
+    """vLLM's cache_salt roots the block hash chain: the same prompt hits the cache under the same
+    salt only; an unsalted request shares nothing with a salted one, and the outputs do not change."""
+    prompt = list(range(100, 164))  # 4 full blocks: a hit finds 3 (the last token is computed)
+
+    def salted(rid: str, salt: str | None) -> GenerationRequest:
+        r = _req(rid, prompt, 2)
+        r.cache_salt = salt
+        return r
+
+    async def main():
+        hits = {}
+        async with running(tokenizer, 1) as (engine, _):
+            for rid, salt in (("a1", "tenant-a"), ("b1", "tenant-b"), ("plain1", None), ("a2", "tenant-a"),
+                              ("b2", "tenant-b"), ("plain2", None)):
+                tokens, _, _, usage = await _collect(engine, salted(rid, salt))
+                hits[rid] = (usage.cached_prompt_tokens, tokens)
+                await _settle(engine)
+        return hits
+
+    hits = _run(main())
+    assert [hits[r][0] for r in ("a1", "b1", "plain1", "a2", "b2", "plain2")] == [0, 0, 0, 48, 48, 48]
+    assert len({str(h[1]) for h in hits.values()}) == 1

@@ -102,6 +102,63 @@ def test_chat_renders_the_template_and_tokenizes_without_adding_bos(fake):
     assert fake.engine.requests[-1].params.max_tokens == 40
 
 
+def test_add_special_tokens_is_the_requests_on_both_endpoints(fake):
+    """vLLM's add_special_tokens: completions add the tokenizer's (BOS) unless told not to (a client
+    that rendered a template itself), chat adds none unless told to."""
+    tok = make_tokenizer()
+    fake.client().completions.create(model=MODEL, prompt="Hi there", max_tokens=2,
+                                     extra_body={"add_special_tokens": False})
+    assert fake.engine.requests[-1].prompt_token_ids == tok.encode("Hi there", add_special_tokens=False).ids
+    fake.client().completions.create(model=MODEL, prompt="Hi there", max_tokens=2)
+    assert fake.engine.requests[-1].prompt_token_ids == tok.encode("Hi there").ids and \
+        fake.engine.requests[-1].prompt_token_ids[0] == 0  # BOS
+    messages = [{"role": "user", "content": "Hi"}]
+    fake.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                          extra_body={"add_special_tokens": True})
+    rendered = ChatTemplate.compile(CHATML).render(messages)
+    assert fake.engine.requests[-1].prompt_token_ids == tok.encode(rendered).ids
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(fake):
+    tok = make_tokenizer()
+    ids = tok.encode("the quick brown fox jumps over the lazy dog").ids
+    fake.client().completions.create(model=MODEL, prompt="the quick brown fox jumps over the lazy dog", max_tokens=2,
+                                     extra_body={"truncate_prompt_tokens": 3})
+    assert fake.engine.requests[-1].prompt_token_ids == ids[-3:]
+    fake.client().completions.create(model=MODEL, prompt=list(range(5, 30)), max_tokens=2,
+                                     extra_body={"truncate_prompt_tokens": -1})  # vLLM's "up to max_model_len"
+    assert fake.engine.requests[-1].prompt_token_ids == list(range(5, 30))
+    with pytest.raises(openai.BadRequestError) as e:
+        fake.client().completions.create(model=MODEL, prompt="a", extra_body={"truncate_prompt_tokens": 257})
+    assert e.value.body["param"] == "truncate_prompt_tokens" and "max_model_len=256" in e.value.message
+
+
+def test_cache_salt_and_the_fields_without_effect_reach_the_engine_as_sent(fake):
+    """cache_salt is carried to the engine (which roots the request's block hashes in it); priority
+    0, spaces_between_special_tokens and guided_decoding_backend change nothing here and are taken."""
+    fake.client().completions.create(model=MODEL, prompt="a", max_tokens=2, extra_body={
+        "cache_salt": "tenant-a-secret", "priority": 0, "spaces_between_special_tokens": False,
+        "guided_decoding_backend": "xgrammar"})
+    assert fake.engine.requests[-1].cache_salt == "tenant-a-secret"
+    fake.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2)
+    assert fake.engine.requests[-1].cache_salt is None
+
+
+def test_documents_reach_the_chat_template(fake, monkeypatch):
+    """vLLM's documents: a RAG template (Command-R's, Granite's) reads them. The fake's ChatML
+    template does not, so what the front hands its template is watched, and the renderer is
+    checked with a template that reads them."""
+    seen, render = [], ChatTemplate.render
+    monkeypatch.setattr(ChatTemplate, "render", lambda self, *a, **kw: seen.append(a[5:]) or render(self, *a, **kw))
+    docs = [{"title": "t", "text": "x"}]
+    fake.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=2,
+                                          extra_body={"documents": docs})
+    assert seen == [(docs,)]
+    rag = ChatTemplate.compile("{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+                               "{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert rag.render([{"role": "user", "content": "q"}], documents=[{"title": "a", "text": "b"}]) == "[a: b]q"
+
+
 def test_chat_continue_final_message_renders_the_last_message_open(fake):
     """vLLM's continue_final_message (an assistant prefill): the prompt ends with the final message's
     text, without the template's end-of-turn, so the model continues it; with add_generation_prompt
@@ -367,7 +424,17 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "use_beam_search": True, "n": 2,
                               "logprobs": True}, "logprobs"),
     # vLLM's fields that would change the output and are not implemented: refused, never dropped
-    ("/v1/completions", {"prompt": "a", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "a", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "a", "priority": 1}, "priority"),
+    ("/v1/completions", {"prompt": "a", "cache_salt": ""}, "cache_salt"),
+    ("/v1/completions", {"prompt": "a", "cache_salt": "s" * 1025}, "cache_salt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "cache_salt": 5}, "cache_salt"),
+    ("/v1/completions", {"prompt": "a", "vllm_xargs": {"k": 1}}, "vllm_xargs"),
+    ("/v1/completions", {"prompt": "a", "logits_processors": ["x"]}, "logits_processors"),
+    ("/v1/completions", {"prompt": "a", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "documents": "notalist"}, "documents"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "documents": [1, 2]}, "documents"),
     ("/v1/completions", {"prompt": "a", "allowed_token_ids": [5]}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "a", "bad_words": ["the"]}, "bad_words"),
     ("/v1/completions", {"prompt": "a", "logprobs": 1, "return_tokens_as_token_ids": True},

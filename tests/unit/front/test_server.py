@@ -106,6 +106,8 @@ INVALID = [  # (request fields, field named in the message, value shown in the m
     ({**P, "sampling": {"frequency_penalty": math.nan}}, "sampling.frequency_penalty", "nan"),
     ({**P, "sampling": {"length_penalty": math.inf}}, "sampling.length_penalty", "inf"),
     ({**P, "request_id": "r" * 129}, "request_id", "129"),
+    ({**P, "cache_salt": ""}, "cache_salt", "non-empty"),
+    ({**P, "cache_salt": "s" * 1025}, "cache_salt", "at most 1024 characters"),
 ]
 
 
@@ -130,9 +132,9 @@ def test_request_fields_reach_the_engine(stub, engine):
     generate(stub, request_id="req-1", prompt="Hello world", sampling=dict(
         max_tokens=5, temperature=0.5, top_p=0.75, top_k=7, min_p=0.125, seed=42, n=2, stop=["END", "END"],
         stop_token_ids=[9], ignore_eos=True, logprobs=3, repetition_penalty=1.25, presence_penalty=0.5,
-        frequency_penalty=-0.5))
+        frequency_penalty=-0.5), cache_salt="tenant-a")
     (req,) = engine.requests
-    assert req.request_id == "req-1"
+    assert req.request_id == "req-1" and req.cache_salt == "tenant-a"
     assert req.prompt_token_ids == tok.encode("Hello world").ids and req.prompt_token_ids[0] == 0  # BOS
     p, s = req.params, req.params.sampling
     assert (p.max_tokens, p.n, p.beam_width, p.stop, p.stop_token_ids, p.ignore_eos, s.logprobs) == (
@@ -150,7 +152,7 @@ def test_defaults_when_fields_are_unset(stub, engine):
     p, s = req.params, req.params.sampling
     assert (p.max_tokens, p.n, p.beam_width, p.stop) == (8, 1, 1, [])  # min(16, room)
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.want_logprobs) == (1.0, 1.0, 0, 0.0, None, False)
-    assert req.deadline is None
+    assert req.deadline is None and req.cache_salt is None
 
 
 def test_streaming_deltas_concatenate_and_usage_is_last(stub, engine):
