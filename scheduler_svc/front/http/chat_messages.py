@@ -87,11 +87,18 @@ def _content(i: int, content: str | list[ContentPart] | None) -> str:
         return content
     texts = []
     for j, part in enumerate(content):
-        if part.type != "text":
-            raise bad_field(f"messages[{i}].content[{j}]", f"only text parts are supported (got type {part.type[:40]!r})",
-                            code="unsupported")
-        if part.text is None:
-            raise bad_field(f"messages[{i}].content[{j}].text", "is required in a part of type 'text'",
+        # OpenAI's text parts, the Responses API's name for them, and an assistant's refusal (a
+        # history replayed as the API returned it), all read as text, as vLLM reads them
+        key = _TEXT_PARTS.get(part.type)
+        if key is None:
+            raise bad_field(f"messages[{i}].content[{j}]", f"only text parts are supported: {', '.join(_TEXT_PARTS)} "
+                                                           f"(got type {part.type[:40]!r})", code="unsupported")
+        text = getattr(part, key)
+        if text is None:
+            raise bad_field(f"messages[{i}].content[{j}].{key}", f"is required in a part of type {part.type!r}",
                             code="missing_required_parameter")
-        texts.append(part.text)
+        texts.append(text)
     return "\n".join(texts)
+
+
+_TEXT_PARTS = {"text": "text", "input_text": "text", "refusal": "refusal"}  # part type -> its text's field

@@ -149,6 +149,7 @@ class CompletionRequest(_Request, kw_only=True):
 class ContentPart(_Body):
     type: str
     text: str | None = None
+    refusal: str | None = None  # a part of type "refusal" (an assistant's, replayed in a history)
 
 
 class FunctionCall(_Body):

@@ -159,6 +159,19 @@ def test_documents_reach_the_chat_template(fake, monkeypatch):
     assert rag.render([{"role": "user", "content": "q"}], documents=[{"title": "a", "text": "b"}]) == "[a: b]q"
 
 
+def test_text_input_text_and_refusal_parts_are_read_as_text(fake):
+    """A history replayed as the API returned it: an assistant's refusal part is its text, and the
+    Responses API's input_text is a text part, as vLLM reads them."""
+    parted = [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+              {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+              {"role": "user", "content": [{"type": "text", "text": "Why"}, {"type": "text", "text": "not?"}]}]
+    plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "I can't."},
+             {"role": "user", "content": "Why\nnot?"}]
+    fake.client().chat.completions.create(model=MODEL, messages=parted, max_tokens=2)
+    fake.client().chat.completions.create(model=MODEL, messages=plain, max_tokens=2)
+    assert fake.engine.requests[-2].prompt_token_ids == fake.engine.requests[-1].prompt_token_ids
+
+
 def test_chat_continue_final_message_renders_the_last_message_open(fake):
     """vLLM's continue_final_message (an assistant prefill): the prompt ends with the final message's
     text, without the template's end-of-turn, so the model continues it; with add_generation_prompt
@@ -523,7 +536,10 @@ def test_a_prompt_past_the_context_is_context_length_exceeded_as_openai_says_it(
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text"}]}]}',
      "messages[0].content[0].text: is required in a part of type 'text'", "missing_required_parameter"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
-     "messages[0].content[0]: only text parts are supported (got type 'image_url')", "unsupported"),
+     "messages[0].content[0]: only text parts are supported: text, input_text, refusal (got type 'image_url')",
+     "unsupported"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "assistant", "content": [{"type": "refusal"}]}]}',
+     "messages[0].content[0].refusal: is required in a part of type 'refusal'", "missing_required_parameter"),
     ("/v1/completions", b'{"prompt": "a", "temperature": 1e400}',
      "temperature: must be a number of at most 1.8e+308 in magnitude (a 64-bit float)", "invalid_value"),
     ("/v1/completions", b'{"prompt": "a", "logit_bias": {"5": -1e400}}',
