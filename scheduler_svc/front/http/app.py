@@ -386,8 +386,11 @@ def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = (), budget:
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return _json(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                              code="not_found" if exc.status_code == 404 else None).body(), exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        response = _json(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                  code=code).body(), exc.status_code)
+        response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110): Starlette lists the route's methods
+        return response
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         return _json(engine_error(exc, "-").body(), 500)

@@ -1,0 +1,47 @@
+"""The headers and codes of the HTTP front's refusals: a 405 lists the route's methods (``Allow``,
+RFC 9110) and has a code as the 404 has."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import pytest
+
+from testing.grpc_fakes import FakeEngine, make_tokenizer
+from testing.http_fakes import HttpThread
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = HttpThread(FakeEngine(make_tokenizer(), 256))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def fake(server):
+    return server.fresh()
+
+
+def _send(srv: HttpThread, method: str, path: str, body: dict | None = None) -> tuple[int, dict[str, str], dict]:
+    """(status, headers by lower-case name, the error body's ``error``, or a success's body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server.port, timeout=10)
+    try:
+        conn.request(method, path, body=json.dumps(body).encode() if body is not None else None,
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, json.loads(raw).get("error", raw)
+    finally:
+        conn.close()
+
+
+def test_a_405_lists_the_routes_methods_and_has_a_code(fake):
+    status, headers, err = _send(fake, "GET", "/v1/completions")
+    assert (status, headers["allow"], err["code"]) == (405, "POST", "method_not_allowed")
+    status, headers, err = _send(fake, "DELETE", "/ping")
+    assert (status, err["code"]) == (405, "method_not_allowed")
+    assert set(headers["allow"].split(", ")) == {"GET", "HEAD", "POST"}  # (Starlette adds HEAD to GET)
+    status, headers, err = _send(fake, "GET", "/v2/nothing")
+    assert (status, err["code"]) == (404, "not_found") and "allow" not in headers
