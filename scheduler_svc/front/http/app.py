@@ -39,7 +39,7 @@ from scheduler_svc.front.http.body_parser import BUSY, BodyParser, read_body
 from scheduler_svc.front.http.budget_middleware import AdmissionMiddleware
 from scheduler_svc.front.http.chat_messages import chat_messages
 from scheduler_svc.front.http.chat_template import ChatTemplate, ChatTemplateError, template_error
-from scheduler_svc.front.http.error_responses import from_validation
+from scheduler_svc.front.http.error_responses import from_engine, from_validation
 from scheduler_svc.front.http.limits import HttpLimits, body_cap
 from scheduler_svc.front.http.openai_fields import chat_fields, completion_fields, echo_only, is_batch
 from scheduler_svc.front.http.openai_types import ChatRequest, CompletionRequest, decode
@@ -325,8 +325,7 @@ def engine_error(e: Exception, request_id: str) -> ApiError:
     """The engine's errors (and anything unexpected) as HTTP statuses (output/status_codes.py)."""
     if isinstance(e, ApiError):
         return e
-    r = client_status(e, request_id)
-    return ApiError(r.http_status, r.message, code=r.api_code)
+    return from_engine(client_status(e, request_id))
 
 
 def _unknown_model(name: str) -> ApiError:

@@ -18,10 +18,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from scheduler_svc.front.api_errors import ApiError
 from scheduler_svc.front.guards.admission import CallBudget, Shed, Ticket
 from scheduler_svc.front.http.auth import OPEN_PATHS
-from scheduler_svc.front.http.error_responses import send_error
+from scheduler_svc.front.http.error_responses import retry_soon, send_error
 from scheduler_svc.telemetry.metrics import Metrics
-
-RETRY_AFTER_S = b"1"  # calls end all the time: a rejected caller may come back soon
 
 
 class AdmissionMiddleware:
@@ -43,7 +41,7 @@ class AdmissionMiddleware:
             self._count(shed.reason)
             if self.metrics is not None:
                 self.metrics.on_rejected("RESOURCE_EXHAUSTED")
-            await send_error(send, _too_much(shed), [(b"retry-after", RETRY_AFTER_S)])
+            await send_error(send, _too_much(shed))
             return
         try:
             await self.app(scope, receive if declared is not None else self._charging(receive, ticket), send)
@@ -72,7 +70,7 @@ class AdmissionMiddleware:
 
 
 def _too_much(shed: Shed) -> ApiError:
-    return ApiError(429, str(shed), code=shed.reason)
+    return retry_soon(429, str(shed), shed.reason)
 
 
 def _content_length(scope: Scope) -> int | None:

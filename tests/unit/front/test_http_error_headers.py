@@ -1,5 +1,6 @@
 """The headers and codes of the HTTP front's refusals: a 405 lists the route's methods (``Allow``,
-RFC 9110) and has a code as the 404 has."""
+RFC 9110) and has a code as the 404 has; a 429 or 503 whose cause passes by itself (a full queue,
+no executor) carries ``Retry-After`` as the call budget's 429 does."""
 
 from __future__ import annotations
 
@@ -45,3 +46,17 @@ def test_a_405_lists_the_routes_methods_and_has_a_code(fake):
     assert set(headers["allow"].split(", ")) == {"GET", "HEAD", "POST"}  # (Starlette adds HEAD to GET)
     status, headers, err = _send(fake, "GET", "/v2/nothing")
     assert (status, err["code"]) == (404, "not_found") and "allow" not in headers
+
+
+@pytest.mark.parametrize("mode,status,code", [("queue_full", 429, "queue_full"), ("no_executor", 503, "no_executor")])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_full_queue_or_no_executor_says_when_to_retry(fake, mode, status, code, stream):
+    fake.engine.mode = mode
+    got, headers, err = _send(fake, "POST", "/v1/completions", {"prompt": "a", "stream": stream})
+    assert (got, headers.get("retry-after"), err["code"]) == (status, "1", code)
+
+
+def test_an_engine_failure_says_nothing_of_retrying(fake):
+    fake.engine.mode = "crash"  # (after the first output: a whole response fails with 500)
+    status, headers, err = _send(fake, "POST", "/v1/completions", {"prompt": "a"})
+    assert (status, err["code"]) == (500, "internal_error") and "retry-after" not in headers
