@@ -39,7 +39,7 @@ from scheduler_svc.front.http.body_parser import BUSY, BodyParser, read_body
 from scheduler_svc.front.http.budget_middleware import AdmissionMiddleware
 from scheduler_svc.front.http.chat_messages import chat_messages
 from scheduler_svc.front.http.chat_template import ChatTemplate, ChatTemplateError, template_error
-from scheduler_svc.front.http.error_responses import from_engine, from_validation
+from scheduler_svc.front.http.error_responses import from_engine, from_validation, no_executor
 from scheduler_svc.front.http.limits import HttpLimits, body_cap
 from scheduler_svc.front.http.openai_fields import chat_fields, completion_fields, echo_only, is_batch
 from scheduler_svc.front.http.openai_types import ChatRequest, CompletionRequest, decode
@@ -88,6 +88,7 @@ class OpenAIFront:
         self.special_tokens = frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
         self.texts = TokenTexts(tokenizer)
         self.shutting_down = False
+        self.served = False  # a model was known: without one now, the last executor left (error_responses.no_executor)
         self.parser = BodyParser()  # JSON bodies: large ones in the parse worker (body_parser.py)
         self.created = int(time.time())
         # The deployment's metrics (a front asks its engine core, which sums every front's): None in a
@@ -211,7 +212,8 @@ class OpenAIFront:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         info = self.engine.model_info()
         if info is None:
-            raise ApiError(503, "no executor has registered yet; retry later", code="no_executor")
+            raise no_executor(self.served)
+        self.served = True
         return info
 
     def _model(self, name: str | None) -> tuple[ModelInfo, str | None]:

@@ -5,7 +5,7 @@
     body not received within --http-body-timeout-s -> 408
     no or unknown API key -> 401                 QUEUE_FULL -> 429 (Retry-After)
     over --max-concurrent-calls or --max-in-flight-bytes, a peer's failed API keys -> 429 (before the body; Retry-After)
-    NO_EXECUTOR (Retry-After), no model yet, shutting down -> 503
+    NO_EXECUTOR, no model yet (Retry-After), shutting down -> 503
     FAILED, anything unexpected -> 500 (this request only; logged)
     (the engine's errors, by ErrorKind: from the table both fronts share, scheduler_svc/front/output/status_codes.py)
     client gone while sending or waiting -> 499 (nginx's "client closed request"; nobody reads it)
@@ -40,6 +40,13 @@ def from_engine(r: ClientStatus) -> ApiError:
     if r.http_status in (429, 503):
         return retry_soon(r.http_status, r.message, r.api_code)
     return ApiError(r.http_status, r.message, code=r.api_code)
+
+
+def no_executor(served_before: bool) -> ApiError:
+    """No model to serve: none has registered yet, or (``served_before``) the last executor left."""
+    why = ("no executor is connected now (the last one left); retry once one has registered" if served_before
+           else "no executor has registered yet; retry later")
+    return retry_soon(503, why, "no_executor")
 
 
 def from_validation(e: ValidationError, names: Mapping[str, str]) -> ApiError:

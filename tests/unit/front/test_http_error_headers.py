@@ -1,6 +1,7 @@
 """The headers and codes of the HTTP front's refusals: a 405 lists the route's methods (``Allow``,
 RFC 9110) and has a code as the 404 has; a 429 or 503 whose cause passes by itself (a full queue,
-no executor) carries ``Retry-After`` as the call budget's 429 does."""
+no executor) carries ``Retry-After`` as the call budget's 429 does; the 503 without a model says
+whether an executor ever came or the last one left."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import pytest
 
 from testing.grpc_fakes import FakeEngine, make_tokenizer
 from testing.http_fakes import HttpThread
+
+NEVER = "no executor has registered yet; retry later"
+LEFT = "no executor is connected now (the last one left); retry once one has registered"
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +64,20 @@ def test_an_engine_failure_says_nothing_of_retrying(fake):
     fake.engine.mode = "crash"  # (after the first output: a whole response fails with 500)
     status, headers, err = _send(fake, "POST", "/v1/completions", {"prompt": "a"})
     assert (status, err["code"]) == (500, "internal_error") and "retry-after" not in headers
+
+
+def test_without_a_model_the_503_says_whether_an_executor_ever_came():
+    engine = FakeEngine(make_tokenizer(), 256)
+    info, engine.info = engine.info, None
+    srv = HttpThread(engine)
+    try:
+        status, headers, err = _send(srv, "POST", "/v1/completions", {"prompt": "a"})
+        assert (status, headers.get("retry-after"), err["code"], err["message"]) == (503, "1", "no_executor", NEVER)
+        engine.info = info  # an executor registers, and the front serves its model
+        assert _send(srv, "POST", "/v1/completions", {"prompt": "a"})[0] == 200
+        engine.info = None  # the last executor left
+        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+            status, headers, err = _send(srv, method, path, {"prompt": "a"} if method == "POST" else None)
+            assert (status, headers.get("retry-after"), err["code"], err["message"]) == (503, "1", "no_executor", LEFT)
+    finally:
+        srv.stop()
