@@ -85,22 +85,17 @@ class StructuredOutputsParams(_Body, kw_only=True):
     structural_tag: Any = None  # rejected: not implemented
 
 
-class _Request(_Body, kw_only=True):
-    """Fields both endpoints share."""
+class SamplingExtras(_Body, kw_only=True):
+    """What every generating endpoint takes beyond its own API's fields: OpenAI's chat and
+    completions sampling fields the Responses API lacks, and vLLM's extensions (vLLM takes them
+    on /v1/responses too). The Responses API passes them on to the chat path as they are
+    (responses_api_fields.py)."""
 
-    model: str | None = None
-    n: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored
-    response_format: ResponseFormat | None = None
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -135,6 +130,19 @@ class _Request(_Body, kw_only=True):
     guided_whitespace_pattern: Any = None
     logits_processors: Any = None
     vllm_xargs: Any = None
+
+
+class _Request(SamplingExtras, kw_only=True):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Request, kw_only=True):

@@ -3,7 +3,8 @@
 The Responses API is served by the chat route's machinery (template, validation, structured
 outputs, streams), so a body becomes a :class:`ChatRequest`: ``instructions`` a system message
 first, each ``input`` item a message, ``max_output_tokens`` chat's ``max_completion_tokens``,
-``text.format`` chat's ``response_format``. Everything the chat path would name differently is
+``text.format`` chat's ``response_format``, and the sampling fields chat takes beyond OpenAI's
+(``SamplingExtras``: seed, stop, vLLM's extensions) as they are. Everything the chat path would name differently is
 checked here first, so a 400 names the field the client sent (``input[2].content[0].type``).
 
 There is no response store: ``store`` is accepted (OpenAI's default is true, which the openai
@@ -20,6 +21,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
+
 from scheduler_svc.front.api_errors import bad_field
 from scheduler_svc.front.http.limits import HttpLimits
 from scheduler_svc.front.http.openai_types import (
@@ -31,6 +34,7 @@ from scheduler_svc.front.http.openai_types import (
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
+    SamplingExtras,
     ToolCall,
     ToolDef,
 )
@@ -56,13 +60,22 @@ def chat_request(req: ResponsesRequest, limits: HttpLimits) -> ChatRequest:
         raise bad_field("max_output_tokens", f"must be >= 1 (got {req.max_output_tokens})")
     messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions is not None else []
     messages += _input_messages(req.input, limits.max_messages - len(messages))
+    extras = {f.name: getattr(req, f.name) for f in msgspec.structs.fields(SamplingExtras)}
     return ChatRequest(messages=messages, max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
                        top_p=req.top_p, stream=req.stream, user=req.user, response_format=_response_format(req.text),
                        tools=_tools(req.function_tools, limits.max_tools), tool_choice=_tool_choice(req.tool_choice),
-                       parallel_tool_calls=req.parallel_tool_calls)
+                       parallel_tool_calls=req.parallel_tool_calls, **extras)
+
+
+# Chat's fields whose answer a response has no place for: refused, never run and dropped.
+CHAT_ONLY = ("prompt_logprobs", "use_beam_search", "return_token_ids")
 
 
 def _refuse_unserved(req: ResponsesRequest) -> None:
+    for name in CHAT_ONLY:
+        if getattr(req, name):
+            raise bad_field(name, "is not served on /v1/responses (a response has no place for it); use "
+                                  "/v1/chat/completions", code="unsupported")
     if req.previous_response_id is not None:
         raise bad_field("previous_response_id", "is not supported: this server stores no responses; send the "
                                                 "whole conversation in input", code="unsupported")

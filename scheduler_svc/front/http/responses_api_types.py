@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from scheduler_svc.front.http.openai_types import _Body
+from scheduler_svc.front.http.openai_types import SamplingExtras, _Body
 
 
 class InputPart(_Body, kw_only=True):
@@ -65,7 +65,10 @@ class TextConfig(_Body, kw_only=True):
     verbosity: str | None = None  # a hint to OpenAI's own models; echoed only
 
 
-class ResponsesRequest(_Body, kw_only=True):
+class ResponsesRequest(SamplingExtras, kw_only=True):
+    """OpenAI's fields, and (from SamplingExtras) the sampling fields chat takes beyond them, vLLM's
+    extensions among them, passed on to the chat path as vLLM takes them here too."""
+
     model: str | None = None
     input: str | list[InputItem] | None = None
     instructions: str | None = None

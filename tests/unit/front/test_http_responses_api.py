@@ -202,6 +202,22 @@ def test_text_format_text_asks_for_no_grammar(fake):
     assert fake.engine.requests[-1].params.sampling.structured is None
 
 
+def test_chats_sampling_fields_beyond_openais_reach_the_engine_as_on_chat(fake):
+    """vLLM takes its sampling extensions (and chat's seed, stop, penalties, logit_bias) on
+    /v1/responses too: each reaches the engine as the chat route sends it, none dropped."""
+    extras = {"seed": 7, "stop": ["END"], "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
+              "presence_penalty": 0.5, "frequency_penalty": 0.25, "logit_bias": {"5": 2.0}, "min_tokens": 2,
+              "stop_token_ids": [9], "cache_salt": "tenant-a",
+              "structured_outputs": {"regex": "[a-z]+"}}
+    fake.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=1,
+                                          max_tokens=30, extra_body=extras)
+    chat_req = fake.engine.requests[-1]
+    fake.client().responses.create(model=MODEL, input="Hi", temperature=1, max_output_tokens=30, extra_body=extras)
+    req = fake.engine.requests[-1]
+    assert req.params == chat_req.params and req.cache_salt == chat_req.cache_salt == "tenant-a"
+    assert req.params.sampling.seed == 7 and req.params.stop == ["END"] and req.params.sampling.structured is not None
+
+
 # ------------------------------------------------------------------ 400s naming the field
 
 IMAGE = {"type": "input_image", "image_url": "https://example.com/a.png"}
@@ -252,6 +268,14 @@ REFUSED = [
     ({"metadata": {str(i): "v" for i in range(METADATA_PAIRS + 1)}}, "metadata", "metadata"),
     ({"metadata": {"k": "v" * 513}}, "metadata", "metadata.k"),
     ({"input": "x" * 20000}, "input", "input"),  # longer than the model
+    ({"priority": 1}, "priority", "priority"),  # chat's extras are chat's rules
+    ({"bad_words": ["x"]}, "bad_words", "bad_words"),
+    ({"stop": [""]}, "stop", "stop[0]"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs", "prompt_logprobs"),  # no place in a response
+    ({"use_beam_search": True}, "use_beam_search", "use_beam_search"),
+    ({"return_token_ids": True}, "return_token_ids", "return_token_ids"),
+    ({"structured_outputs": {"regex": "a+"}, "text": {"format": {"type": "json_object"}}}, "structured_outputs",
+     "structured_outputs"),
 ]
 
 
