@@ -69,7 +69,9 @@ def check_openai(req: Any, caps: RequestCaps) -> None:
     /detokenize) over its cap; fields its kind lacks are skipped."""
     prompt = getattr(req, "prompt", None)
     if isinstance(prompt, list):
-        _check_prompts(prompt, caps)
+        # a prompt cut to its last k tokens is held to the context once cut (validation.py); the
+        # body's cap bounds it until then
+        _check_prompts(prompt, caps, cut=getattr(req, "truncate_prompt_tokens", None) not in (None, -1))
     tokens = getattr(req, "tokens", None)
     if tokens is not None and len(tokens) > caps.max_model_len:
         raise bad_field("tokens", f"at most max_model_len={caps.max_model_len} ids (got {len(tokens)})")
@@ -92,14 +94,15 @@ def check_openai(req: Any, caps: RequestCaps) -> None:
         _bounded(field, spec, caps.structured_chars)
 
 
-def _check_prompts(prompt: list, caps: RequestCaps) -> None:
+def _check_prompts(prompt: list, caps: RequestCaps, cut: bool) -> None:
     if prompt and not isinstance(prompt[0], (str, list)):  # one prompt of token ids
-        _check_ids("prompt", len(prompt), caps)
+        if not cut:
+            _check_ids("prompt", len(prompt), caps)
         return
     if len(prompt) > caps.prompts:
         raise bad_field("prompt", f"at most {caps.prompts} prompts per request (got {len(prompt)})")
     for i, p in enumerate(prompt):
-        if isinstance(p, list):
+        if isinstance(p, list) and not cut:
             _check_ids(f"prompt[{i}]", len(p), caps)
 
 

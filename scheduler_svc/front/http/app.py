@@ -232,7 +232,7 @@ class OpenAIFront:
                              ) -> tuple[list[GenerationRequest], list[str] | None]:
         fields = fields if fields is not None else completion_fields(req, self.http_limits)
         greqs = self._validate(fields, info, COMPLETION_NAMES, False, req.add_special_tokens, batched=is_batch(req.prompt))
-        return greqs, [self._prompt_text(f) for f in fields] if req.echo else None
+        return greqs, [self._prompt_text(f, g) for f, g in zip(fields, greqs, strict=True)] if req.echo else None
 
     def _chat_request(self, fields: RequestFields, messages: list[dict[str, Any]], req: ChatRequest,
                       tools: ToolPlan, info: ModelInfo, names: dict[str, str]) -> list[GenerationRequest]:
@@ -270,8 +270,11 @@ class OpenAIFront:
     def _tokenize_plain(self, text: str) -> list[int]:
         return token_ids(self.tokenizer, text, False)
 
-    def _prompt_text(self, f: RequestFields) -> str:
-        return f.prompt if f.prompt is not None else self.tokenizer.decode(list(f.prompt_token_ids))
+    def _prompt_text(self, f: RequestFields, g: GenerationRequest) -> str:
+        """The prompt an echo repeats: the text sent, or what the model read of it when it was cut
+        (truncate_prompt_tokens), so that the prompt's log-prob offsets fall in the echoed text."""
+        cut = f.truncate_prompt_tokens not in (None, -1)
+        return f.prompt if f.prompt is not None and not cut else self.tokenizer.decode(list(g.prompt_token_ids))
 
     # ------------------------------------------------------------------ responses
     async def _respond(self, request: Request, greqs: list[GenerationRequest], render: _Render,

@@ -142,21 +142,24 @@ def _prompt_token_ids(f: RequestFields, model: ModelInfo, tokenize: Callable[[st
             raise ValidationError("prompt", f"tokenizes to 0 tokens (got {f.prompt[:40]!r})")
         field = "prompt"
     else:
-        if len(f.prompt_token_ids) >= model.max_model_len:  # before copying or checking a long list
-            raise ValidationError("prompt_token_ids", context_exceeded(model.max_model_len, len(f.prompt_token_ids)),
+        given = _truncated(f.prompt_token_ids, f.truncate_prompt_tokens, model)  # (cut first, as vLLM does)
+        if len(given) >= model.max_model_len:  # before copying or checking a long list
+            raise ValidationError("prompt_token_ids", context_exceeded(model.max_model_len, len(given)),
                                   CONTEXT_LENGTH_EXCEEDED)
-        ids = list(f.prompt_token_ids)
+        ids = list(given)
         field = "prompt_token_ids"
     check_token_ids(field, ids, model.vocab_size)
-    ids = _truncated(ids, f.truncate_prompt_tokens, model)
+    if has_text:
+        ids = _truncated(ids, f.truncate_prompt_tokens, model)
     check_prompt_len(field, len(ids), model.max_model_len)
     return ids
 
 
-def _truncated(ids: list[int], keep: int | None, model: ModelInfo) -> list[int]:
-    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens; -1 (vLLM: "up to
-    max_model_len") keeps them all, as a prompt here fits the context already (a longer one was
-    refused before it was read whole)."""
+def _truncated(ids: Sequence[int], keep: int | None, model: ModelInfo) -> Sequence[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (before its length is
+    checked); -1 (vLLM: "up to max_model_len") keeps them all, as what fits the context is all
+    a prompt may hold anyway. A text prompt is still bounded by its characters before it is
+    tokenized (the context's worth of the longest tokens)."""
     if keep is None or keep == -1:
         return ids
     if not 1 <= keep <= model.max_model_len:

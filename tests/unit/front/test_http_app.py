@@ -131,6 +131,25 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(fake):
     with pytest.raises(openai.BadRequestError) as e:
         fake.client().completions.create(model=MODEL, prompt="a", extra_body={"truncate_prompt_tokens": 257})
     assert e.value.body["param"] == "truncate_prompt_tokens" and "max_model_len=256" in e.value.message
+    # token ids past the context are cut first, as vLLM cuts them, then held to it
+    long = [i % 290 + 5 for i in range(400)]  # 400 ids of a 300-token vocabulary, past the 256 of the context
+    fake.client().completions.create(model=MODEL, prompt=long, max_tokens=2, extra_body={"truncate_prompt_tokens": 100})
+    assert fake.engine.requests[-1].prompt_token_ids == long[-100:]
+    fake.client().completions.create(model=MODEL, prompt=[long, [7, 8, 9]], max_tokens=2,
+                                     extra_body={"truncate_prompt_tokens": 2})
+    assert [r.prompt_token_ids for r in fake.engine.requests[-2:]] == [long[-2:], [8, 9]]
+    with pytest.raises(openai.BadRequestError) as e:
+        fake.client().completions.create(model=MODEL, prompt=long, max_tokens=2)
+    assert e.value.code == "context_length_exceeded"
+
+
+def test_an_echo_of_a_cut_prompt_is_what_the_model_read(fake):
+    tok = make_tokenizer()
+    text = "the quick brown fox jumps over the lazy dog"
+    r = fake.client().completions.create(model=MODEL, prompt=text, max_tokens=2, echo=True,
+                                         extra_body={"truncate_prompt_tokens": 3})
+    assert r.choices[0].text.startswith(tok.decode(tok.encode(text).ids[-3:]))
+    assert not r.choices[0].text.startswith("the quick")
 
 
 def test_cache_salt_and_the_fields_without_effect_reach_the_engine_as_sent(fake):
