@@ -38,6 +38,7 @@ from pagedserve.engine_api import (
     EngineApi,
     EngineStats,
     GenerationRequest,
+    ModelInfo,
     RequestOutput,
 )
 from pagedserve.v1 import generation_pb2 as pb
@@ -60,7 +61,7 @@ from scheduler_svc.front.input.validation import (
     validate_request,
     validation_work,
 )
-from scheduler_svc.front.output.status_codes import client_status
+from scheduler_svc.front.output.status_codes import client_status, no_model_message
 from scheduler_svc.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._logprobs_mode = logprobs_mode  # --logprobs-mode: what every request's log-probs describe
         self._in_flight: set[str] = set()
         self.shutting_down = False
+        self._served = False  # a model was known: without one now, the last executor left
+
+    def _model_info(self) -> ModelInfo | None:
+        info = self._engine.model_info()
+        self._served |= info is not None
+        return info
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         # A coroutine writing with context.write (not an async generator): a cancel or deadline
@@ -122,9 +129,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
                            ) -> pb.ModelInfo:
-        info = self._engine.model_info()
+        info = self._model_info()
         if info is None:
-            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "no executor has registered yet")
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, no_model_message(self._served))
         msg = pb.ModelInfo(
             model_name=info.model_name, architecture=info.architecture, max_model_len=info.max_model_len,
             vocab_size=info.vocab_size, block_size=info.block_size, num_executors=info.num_executors,
@@ -146,9 +153,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         """Validate, tokenize and stamp arrival time and deadline; raise _ErrorStatus."""
         if self.shutting_down:
             raise _ErrorStatus(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        info = self._engine.model_info()
+        info = self._model_info()
         if info is None:
-            raise _ErrorStatus(grpc.StatusCode.UNAVAILABLE, "no executor has registered yet; retry later")
+            raise _ErrorStatus(grpc.StatusCode.UNAVAILABLE, no_model_message(self._served))
         arrival = time.monotonic()
         lora = request.model if request.HasField("model") and request.model != info.model_name else None
         if lora is not None and lora not in info.lora_adapters:

@@ -24,7 +24,7 @@ from starlette.types import Send
 
 from scheduler_svc.front.api_errors import ApiError, bad_field
 from scheduler_svc.front.input.validation import ValidationError
-from scheduler_svc.front.output.status_codes import ClientStatus
+from scheduler_svc.front.output.status_codes import ClientStatus, no_model_message
 
 RETRY_AFTER_S = 1  # calls end, queues drain, executors register: a caller turned away may come back soon
 
@@ -44,9 +44,7 @@ def from_engine(r: ClientStatus) -> ApiError:
 
 def no_executor(served_before: bool) -> ApiError:
     """No model to serve: none has registered yet, or (``served_before``) the last executor left."""
-    why = ("no executor is connected now (the last one left); retry once one has registered" if served_before
-           else "no executor has registered yet; retry later")
-    return retry_soon(503, why, "no_executor")
+    return retry_soon(503, no_model_message(served_before), "no_executor")
 
 
 def from_validation(e: ValidationError, names: Mapping[str, str]) -> ApiError:

@@ -45,6 +45,13 @@ STATUS_OF_KIND: dict[ErrorKind, tuple[str, int, str, str]] = {
 }
 
 
+def no_model_message(served_before: bool) -> str:
+    """Why a front has no model to serve (NO_EXECUTOR, on either front): none has registered yet,
+    or (``served_before``) the last executor left."""
+    return ("no executor is connected now (the last one left); retry once one has registered" if served_before
+            else "no executor has registered yet; retry later")
+
+
 def client_status(e: Exception, request_id: str) -> ClientStatus:
     """What the client is told when ``e`` ends request ``request_id``; logs what needs it."""
     if isinstance(e, EngineError):

@@ -242,13 +242,15 @@ def test_concurrent_streams_do_not_mix(stub, engine):
     assert len(engine.closed) == 24 and all(done for _, done in engine.closed)
 
 
-def test_no_model_info_is_unavailable(stub, engine):
+def test_no_model_info_is_unavailable_and_says_the_last_executor_left(stub, engine):
+    stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)  # a model was served
     info, engine.info = engine.info, None
     try:
-        assert status_of(stub, prompt="Hi").code() == grpc.StatusCode.UNAVAILABLE
-        with pytest.raises(grpc.RpcError) as err:
+        err = status_of(stub, prompt="Hi")
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "the last one left" in err.details()
+        with pytest.raises(grpc.RpcError) as e:
             stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "the last one left" in e.value.details()
     finally:
         engine.info = info
 
