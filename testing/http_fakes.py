@@ -11,7 +11,8 @@ import threading
 import time
 from typing import Any
 
-from scheduler_svc.front.http.app import OpenAIFront, build_app
+from scheduler_svc.front.http.app import OpenAIFront
+from scheduler_svc.front.http.asgi_app import build_app
 from scheduler_svc.front.http.chat_template import ChatTemplate
 from scheduler_svc.front.http.limits import HttpLimits
 from scheduler_svc.front.http.serve import HttpServer, start_http_server

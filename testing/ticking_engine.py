@@ -32,7 +32,8 @@ from pagedserve.engine_api import (
 )
 from pagedserve.gc_tuning import tune_gc
 from scheduler_svc.front.grpc.server import start_grpc_server
-from scheduler_svc.front.http.app import OpenAIFront, build_app
+from scheduler_svc.front.http.app import OpenAIFront
+from scheduler_svc.front.http.asgi_app import build_app
 from scheduler_svc.front.http.limits import HttpLimits
 from scheduler_svc.front.http.serve import start_http_server
 from scheduler_svc.front.input.server_limits import ServerLimits

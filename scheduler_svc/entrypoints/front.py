@@ -45,7 +45,8 @@ from scheduler_svc.front.grpc.limits import max_receive_bytes
 from scheduler_svc.front.grpc.server import start_grpc_server
 from scheduler_svc.front.guards.admission import CallBudget
 from scheduler_svc.front.guards.auth_throttle import AuthThrottle
-from scheduler_svc.front.http.app import OpenAIFront, build_app
+from scheduler_svc.front.http.app import OpenAIFront
+from scheduler_svc.front.http.asgi_app import build_app
 from scheduler_svc.front.http.auth import ApiKeyMiddleware
 from scheduler_svc.front.http.chat_template import load_chat_template
 from scheduler_svc.front.http.serve import HttpServer, start_http_server

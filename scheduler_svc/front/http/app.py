@@ -1,14 +1,15 @@
-"""The OpenAI-compatible HTTP front: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses
-(responses_api.py), /health, /metrics (the deployment's), and vLLM's /tokenize, /detokenize and /version (extras.py).
+"""The OpenAI-compatible HTTP front's endpoints: /v1/models, /v1/completions, /v1/chat/completions,
+/health and /metrics (the deployment's); /v1/responses is responses_api.py's, vLLM's /tokenize,
+/detokenize and /version utility_routes.py's.
 
 It serves the same engine as the gRPC servicer, in the same process and on the same asyncio
 loop (serve.py runs uvicorn there), through the same interface (docs/ARCHITECTURE.md,
 "Engine <-> servicer") and the same validator: a body is decoded (openai_types.py), turned
 into the validator's RequestFields (openai_fields.py), validated into GenerationRequests (one per prompt), and
 the engine's streams are rendered as OpenAI JSON or server-sent events (responses.py,
-streams.py). Errors get their status in errors.py.
+streams.py). Errors get their status in error_responses.py.
 
-:func:`build_app` is the one place the ASGI app is assembled; its ``middleware`` is where
+asgi_app.build_app assembles the ASGI app around these handlers: its ``middleware`` is where
 authentication (API keys) plugs in, and inside it the process's call budget (admission.py).
 """
 
@@ -16,36 +17,27 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
 from pagedserve.engine_api import EngineApi, EngineError, ErrorKind, GenerationRequest, ModelInfo
 from scheduler_svc.front.api_errors import ApiError, bad_field
-from scheduler_svc.front.guards.admission import CallBudget
 from scheduler_svc.front.guards.request_caps import RequestCaps
-from scheduler_svc.front.http import lora_routes, responses_api, streams
-from scheduler_svc.front.http import utility_routes as extras
-from scheduler_svc.front.http.body_parser import BUSY, BodyParser, read_body
-from scheduler_svc.front.http.budget_middleware import AdmissionMiddleware
+from scheduler_svc.front.http import streams
+from scheduler_svc.front.http.body_parser import BodyParser, read_body
 from scheduler_svc.front.http.chat_messages import chat_messages
 from scheduler_svc.front.http.chat_template import ChatTemplate, ChatTemplateError, template_error
 from scheduler_svc.front.http.error_responses import from_engine, from_validation, no_executor
 from scheduler_svc.front.http.limits import HttpLimits, body_cap
 from scheduler_svc.front.http.openai_fields import chat_fields, completion_fields, echo_only, is_batch
 from scheduler_svc.front.http.openai_types import ChatRequest, CompletionRequest, decode
-from scheduler_svc.front.http.request_ids import with_request_id
 from scheduler_svc.front.http.responses import ChatRender, CompletionRender, TokenTexts, _Render
-from scheduler_svc.front.input.offload import THREAD_CHARS, token_ids, trim_soon, validate_off_loop
+from scheduler_svc.front.input.offload import THREAD_CHARS, token_ids, validate_off_loop
 from scheduler_svc.front.input.request_fields import RequestFields
 from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.front.input.validation import (
@@ -99,10 +91,10 @@ class OpenAIFront:
     async def health(self, request: Request) -> Response:
         """200 once an executor is ready, 503 before and during shutdown (not counted as a rejection)."""
         if self.shutting_down:
-            return _json(ApiError(503, "the server is shutting down", code="shutting_down").body(), 503)
+            return json_response(ApiError(503, "the server is shutting down", code="shutting_down").body(), 503)
         if not self.engine.is_ready():
-            return _json(ApiError(503, "no executor is ready", code="no_executor").body(), 503)
-        return _json({"status": "ok"})
+            return json_response(ApiError(503, "no executor is ready", code="no_executor").body(), 503)
+        return json_response({"status": "ok"})
 
     async def prometheus(self, request: Request) -> Response:
         """/metrics on the API port: the deployment's metrics, whichever front answers (the
@@ -111,7 +103,7 @@ class OpenAIFront:
             try:
                 text = await self.metrics_text()
             except (TimeoutError, asyncio.TimeoutError):
-                return _json(ApiError(503, "the engine core did not answer", code="no_executor").body(), 503)
+                return json_response(ApiError(503, "the engine core did not answer", code="no_executor").body(), 503)
             body = text.encode()
         else:
             body = generate_latest(self.metrics.registry) if self.metrics is not None else b""
@@ -125,10 +117,10 @@ class OpenAIFront:
         cards = [base] + [{**base, "id": name, "root": name, "parent": info.model_name} for name in info.lora_adapters]
         wanted = request.path_params.get("model")
         if wanted is None:
-            return _json({"object": "list", "data": cards})
+            return json_response({"object": "list", "data": cards})
         for card in cards:
             if card["id"] == wanted:
-                return _json(card)
+                return json_response(card)
         raise _unknown_model(wanted)
 
     async def completions(self, request: Request) -> Response:
@@ -293,7 +285,7 @@ class OpenAIFront:
                     self._stream_error))
             render.add(*first)
             await streams.until_disconnect(request, _drain(outputs, render))
-            return _json(render.response())
+            return json_response(render.response())
         except streams.ClientGone:
             await outputs.aclose()
             self._count("CANCELLED")
@@ -365,60 +357,5 @@ def _usage_options(req: CompletionRequest | ChatRequest, greqs: list[GenerationR
             "prompt_tokens": [len(g.prompt_token_ids) for g in greqs]}
 
 
-def _json(body: Any, status: int = 200) -> Response:
+def json_response(body: Any, status: int = 200) -> Response:
     return Response(streams.json_bytes(body), status_code=status, media_type="application/json")
-
-
-def build_app(front: OpenAIFront, middleware: Sequence[Middleware] = (), budget: CallBudget | None = None
-              ) -> Starlette:
-    """The ASGI app. ``middleware`` (outermost first) wraps every route: API keys go there.
-    ``budget``: the calls and request bytes the process's fronts share (admission.py), taken
-    inside ``middleware``, so a caller without a key never holds any."""
-    if budget is not None:
-        middleware = [*middleware, Middleware(AdmissionMiddleware, budget=budget, body_cap=front.body_cap,
-                                              metrics=front.metrics)]
-
-    async def api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, ApiError)
-        front._count(exc.grpc_code)
-        response = _json(exc.body(), exc.status)
-        response.headers.update(exc.headers or {})
-        if exc.status == 413 or exc.code == BUSY:  # a body perhaps unread: the connection closes after this
-            response.headers["connection"] = "close"
-            trim_soon()
-        return response
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        response = _json(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                  code=code).body(), exc.status_code)
-        response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110): Starlette lists the route's methods
-        return response
-
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        return _json(engine_error(exc, "-").body(), 500)
-
-    routes = [
-        Route("/health", front.health, methods=["GET"]),
-        Route("/ping", front.health, methods=["GET", "POST"]),  # vLLM's (SageMaker's probe): /health's answer
-        Route("/metrics", front.prometheus, methods=["GET"]),
-        Route("/v1/models", front.models, methods=["GET"]),
-        Route("/v1/models/{model:path}", front.models, methods=["GET"]),
-        Route("/v1/completions", front.completions, methods=["POST"]),
-        Route("/v1/chat/completions", front.chat, methods=["POST"]),
-        *responses_api.routes(front),
-        *extras.routes(front),
-        *(lora_routes.routes(front) if front.lora_updates else []),
-    ]
-    return _App(routes=routes, middleware=list(middleware),
-                exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error})
-
-
-class _App(Starlette):
-    """Starlette, with the server's own ``send`` in each request's scope: a streamed response's
-    events go to it directly (streams.EventStreamResponse); each response gets an X-Request-Id."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        scope[streams.SERVER_SEND] = send
-        await super().__call__(scope, receive, with_request_id(scope, send) if scope["type"] == "http" else send)

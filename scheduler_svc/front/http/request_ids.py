@@ -3,7 +3,7 @@ fresh id, as OpenAI's API (``x-request-id``, which the openai client reads as ``
 and vLLM's ``XRequestIdMiddleware`` answer. A client's value is echoed only when it is 1 to 256
 visible ASCII characters; anything else gets a fresh id, never an echo of what it sent.
 
-Wrapped around the ASGI ``send`` once per request (``app._App``), outside every middleware, so
+Wrapped around the ASGI ``send`` once per request (``asgi_app._App``), outside every middleware, so
 401, 413, 429 and 404 carry it too; a stream's events go past it (``streams.SERVER_SEND``), its
 start does not.
 """

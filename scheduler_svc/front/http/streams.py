@@ -111,7 +111,7 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[Ta
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-SERVER_SEND = "pagedserve.server_send"  # scope key: the server's own ``send`` (set by the app, build_app)
+SERVER_SEND = "pagedserve.server_send"  # scope key: the server's own ``send`` (set by the app: asgi_app.build_app)
 
 
 class EventStreamResponse(StreamingResponse):

@@ -498,7 +498,8 @@ class RealModel:
         from executor_svc.worker import ExecutorWorker
         from pagedserve import wire
         from scheduler_svc.engine.engine_config import EngineConfig
-        from scheduler_svc.front.http.app import OpenAIFront, build_app
+        from scheduler_svc.front.http.app import OpenAIFront
+        from scheduler_svc.front.http.asgi_app import build_app
         from scheduler_svc.front.http.limits import HttpLimits
         from scheduler_svc.front.http.serve import start_http_server
         from scheduler_svc.sched.scheduler_config import SchedulerConfig
