@@ -38,7 +38,7 @@ from scheduler_svc.entrypoints.children import Children
 from scheduler_svc.entrypoints.core import core_links
 from scheduler_svc.entrypoints.other_cores import OtherCores
 from scheduler_svc.entrypoints.service_config import ServiceConfig, load_config
-from scheduler_svc.telemetry.families import FamiliesCollector, families_of, merge_families
+from scheduler_svc.telemetry.families import FamiliesCollector, families_of, merge_families, with_vllm_names
 from scheduler_svc.telemetry.metrics import Metrics
 from scheduler_svc.telemetry.metrics_server import EXPOSITION_TTL_S, CachedExposition, start_metrics_server
 
@@ -59,10 +59,12 @@ async def serve(cfg: ServiceConfig, argv: list[str], public: PublicPorts) -> Non
     local = [f"ipc://{runtime}/core-{k}" for k in range(cfg.engine_cores)]  # each engine core's, for the fronts
 
     # What /metrics shows: this core's metrics, its fronts' and the other cores', summed (one family
-    # per name; the vllm: gauges are this core's, computed from every core's stats).
+    # per name; the vllm: gauges are this core's, computed from every core's stats), and the sums
+    # vLLM's dashboards read copied under vLLM's names.
     deployment = CollectorRegistry()
-    deployment.register(FamiliesCollector(lambda: merge_families(
-        [families_of(metrics.registry), *(link.front_families() for link in links), others.families()])))
+    deployment.register(FamiliesCollector(lambda: with_vllm_names(merge_families(
+        [families_of(metrics.registry), *(link.front_families() for link in links), others.families()]),
+        metrics.model_name)))
 
     # Rendered at most every EXPOSITION_TTL_S however many fronts (and their scrapers: the inference
     # gateway's picker polls each every 100 ms) and --metrics-port scrapers ask.

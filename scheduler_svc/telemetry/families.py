@@ -47,6 +47,27 @@ def merge_families(lists: Iterable[list[Family]], cumulative_only: bool = False)
             for name, kind, doc, values in merged.values()]
 
 
+# The deployment's families vLLM's dashboards and alerts read, under vLLM's names too (with its
+# model_name label): what a Grafana board or an autoscaler written for vLLM finds. The gauges the
+# inference gateway reads are vllm: families of their own (metrics.py).
+VLLM_NAMES = {f"pagedserve:{name}": f"vllm:{name}" for name in (
+    "prompt_tokens", "generation_tokens", "request_success", "num_preemptions", "prefix_cache_queries",
+    "prefix_cache_hits", "time_to_first_token_seconds", "inter_token_latency_seconds",
+    "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
+    "request_generation_tokens")}
+
+
+def with_vllm_names(families: list[Family], model_name: str | None) -> list[Family]:
+    """``families`` and, once the model is known, a copy of each of VLLM_NAMES' under vLLM's name."""
+    if model_name is None:
+        return families
+    label = ("model_name", model_name)
+    copies = [(VLLM_NAMES[name], kind, doc, [(VLLM_NAMES[name] + sample[len(name):], [label, *labels], value)
+                                             for sample, labels, value in samples])
+              for name, kind, doc, samples in families if name in VLLM_NAMES]
+    return families + copies
+
+
 class CumulativeSources:
     """Families from sources that come, go and restart (fronts, engine cores), summed so that no
     counter goes back and none is counted twice: a source gone keeps its last counters and

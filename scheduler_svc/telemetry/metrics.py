@@ -123,6 +123,7 @@ class Metrics:
         self._executors: set[str] = set()
         self._states: set[str] = set()
         self._lora_info: _LoraInfo | None = None
+        self.model_name: str | None = None  # the served model's name, once known (the vllm: families' label)
 
     def _engine_metrics(self, r: CollectorRegistry) -> None:
         ex = ["executor"]
@@ -236,6 +237,7 @@ class Metrics:
             self._lora_info = _LoraInfo(stats)
             self.registry.register(self._lora_info)
         self._lora_info.stats = stats
+        self.model_name = model_name
         self.vllm_running.labels(model_name).set_function(lambda: stats().num_running)
         self.vllm_waiting.labels(model_name).set_function(lambda: stats().num_waiting)
         self.vllm_kv_usage.labels(model_name).set_function(kv_usage)

@@ -9,6 +9,7 @@ adapter only, and no block is leaked at the end."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -120,6 +121,32 @@ def test_metrics_name_the_adapters_of_running_requests(served):
         call.cancel()
     line = next(x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{"))
     assert 'max_lora="2"' in line and 'running_lora_adapters="poet"' in line, line
+
+
+def test_the_deployments_metrics_are_also_under_vllms_names(served):
+    """What a dashboard written for vLLM reads: the same values under vllm: names, with the
+    served model's name as model_name, in one scrape of the whole deployment."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    stack, _ = served
+    greedy_tokens(stack, PROMPTS[0], None, 4)
+
+    def scrape() -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/metrics", timeout=30) as r:
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for fam in text_string_to_metric_families(r.read().decode()) for s in fam.samples}
+
+    deadline = time.monotonic() + 20  # (a front sends its counts to the core every second)
+    while (samples := scrape()).get(("pagedserve:e2e_request_latency_seconds_count", ()), 0) == 0:
+        assert time.monotonic() < deadline, "no request counted"
+        time.sleep(0.2)
+    for ours, theirs in (("pagedserve:prompt_tokens_total", "vllm:prompt_tokens_total"),
+                         ("pagedserve:generation_tokens_total", "vllm:generation_tokens_total"),
+                         ("pagedserve:prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
+                         ("pagedserve:e2e_request_latency_seconds_count", "vllm:e2e_request_latency_seconds_count")):
+        value = samples[(ours, ())]
+        (model_label, copy), = [(labels, v) for (name, labels), v in samples.items() if name == theirs]
+        assert value > 0 and copy == value and dict(model_label)["model_name"], (ours, value, copy, model_label)
 
 
 def _post(stack: Stack, path: str, body: dict) -> tuple[int, str]:

@@ -252,3 +252,25 @@ def test_each_hello_carries_its_process_incarnation_and_the_metrics_are_kept_by_
     remote = RemoteCore("inproc://unused", "front-a")
     remote._dispatch(reply)
     assert remote.incarnation == fm.INCARNATION
+
+
+def test_the_families_vllms_dashboards_read_are_also_under_vllms_names_with_the_model():
+    """with_vllm_names: each of VLLM_NAMES' families is copied under vLLM's name (sample names
+    and all, the model_name label added), the rest untouched; before a model is known, nothing."""
+    from scheduler_svc.telemetry.families import VLLM_NAMES, families_of, with_vllm_names
+
+    m = Metrics()
+    m.on_prompt_tokens(7)
+    m.on_finish(FinishReason.STOP, 0.5, 7, 3)
+    families = families_of(m.registry)
+    assert with_vllm_names(families, None) == families
+    named = {f[0]: f for f in with_vllm_names(families, "tiny")}
+    assert set(named) == {f[0] for f in families} | set(VLLM_NAMES.values())
+    ours, theirs = named["pagedserve:prompt_tokens"], named["vllm:prompt_tokens"]
+    assert theirs[1] == ours[1] == "counter"
+    assert [(s, [tuple(kv) for kv in labels], v) for s, labels, v in theirs[3]] == [
+        ("vllm:prompt_tokens_total", [("model_name", "tiny")], 7.0)]
+    e2e = {s: v for s, labels, v in named["vllm:e2e_request_latency_seconds"][3] if s.endswith("_count")}
+    assert e2e == {"vllm:e2e_request_latency_seconds_count": 1.0}
+    success = [(s, [tuple(kv) for kv in labels], v) for s, labels, v in named["vllm:request_success"][3]]
+    assert success == [("vllm:request_success_total", [("model_name", "tiny"), ("finished_reason", "stop")], 1.0)]
