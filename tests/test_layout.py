@@ -168,6 +168,7 @@ def test_an_engine_core_starts_without_the_web_stack():
     heavy = sorted(m for m in loaded if m.split(".")[0] in ("uvicorn", "starlette", "jinja2", "grpc", "grpc_reflection"))
     assert not heavy, f"an engine core imports {heavy}"
     servers = ("scheduler_svc.front.http.app", "scheduler_svc.front.http.serve", "scheduler_svc.front.grpc.server",
+               "scheduler_svc.front.grpc.servicer", "scheduler_svc.front.http.asgi_app",
                "scheduler_svc.front.streams")
     assert not loaded & set(servers), f"an engine core imports a front's servers: {sorted(loaded & set(servers))}"
 

@@ -186,7 +186,7 @@ def test_stop_string_and_length_finish(stub, engine):
 
 def test_the_last_delta_of_a_choice_a_stop_string_ended_names_it():
     from pagedserve.engine_api import ChoiceDelta, RequestOutput
-    from scheduler_svc.front.grpc.server import _response
+    from scheduler_svc.front.grpc.servicer import _response
 
     def last(stop_reason, finish=FinishReason.STOP) -> pb.Choice:
         return _response(RequestOutput("r", [ChoiceDelta(0, finish_reason=finish, stop_reason=stop_reason)])).choices[0]
