@@ -47,7 +47,8 @@ from scheduler_svc.front.http.responses_api_types import (
 )
 
 INPUT_ROLES = ("system", "developer", "user", "assistant")
-TEXT_PARTS = ("input_text", "output_text")  # output_text: an earlier response's message sent back
+# part type -> the field holding its text; output_text and refusal: an earlier response's message sent back
+TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 # OpenAI's bounds on metadata (echoed back, so held to them: a client cannot make a response huge).
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 
@@ -181,10 +182,12 @@ def _text(i: int, j: int, part: InputPart, field: str = "content") -> str:
     if part.type not in TEXT_PARTS:
         raise bad_field(f"input[{i}].{field}[{j}].type", f"only text parts ({', '.join(TEXT_PARTS)}) are supported "
                                                          f"(got {str(part.type)[:40]!r})", code="unsupported")
-    if part.text is None:
-        raise bad_field(f"input[{i}].{field}[{j}].text", f"is required in a part of type {part.type!r}",
+    key = TEXT_PARTS[part.type]
+    text = getattr(part, key)
+    if text is None:
+        raise bad_field(f"input[{i}].{field}[{j}].{key}", f"is required in a part of type {part.type!r}",
                         code="missing_required_parameter")
-    return part.text
+    return text
 
 
 def _tools(tools: list[FunctionTool] | None, max_tools: int) -> list[ToolDef] | None:

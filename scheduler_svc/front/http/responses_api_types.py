@@ -25,6 +25,7 @@ class InputPart(_Body, kw_only=True):
 
     type: str | None = None
     text: str | None = None
+    refusal: str | None = None  # a part of type "refusal" (an earlier response's, sent back)
 
 
 class InputItem(_Body, kw_only=True):

@@ -96,6 +96,19 @@ def test_a_response_is_the_chat_routes_request_and_text_for_the_same_messages(fa
     assert (r.temperature, r.top_p, r.max_output_tokens) == (0.0, 0.5, 40)
 
 
+def test_an_earlier_responses_refusal_sent_back_is_its_text(fake):
+    client = fake.client()
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"},
+                                                          {"role": "assistant", "content": "I can't."},
+                                                          {"role": "user", "content": "Why?"}])
+    expected = fake.engine.requests[-1].prompt_token_ids
+    client.responses.create(model=MODEL, input=[
+        {"role": "user", "content": "Hi"},
+        {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+        {"role": "user", "content": "Why?"}])
+    assert fake.engine.requests[-1].prompt_token_ids == expected
+
+
 def test_a_string_input_is_one_user_message_and_instructions_a_system_message_first(fake):
     client = fake.client()
     client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Only French."},
