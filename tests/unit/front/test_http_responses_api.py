@@ -497,87 +497,28 @@ def test_a_large_body_is_decoded_by_the_parse_worker(fake):
 
 # ------------------------------------------------------------------ a real model (slow)
 
-class RealModel:
-    """The engine, one executor thread running the tiny random-weight model (a grammar on its
-    sampler), and the HTTP front with a ChatML template, on one loop (as test_http_tools_model.py)."""
-
-    def __init__(self, model_dir) -> None:
-        import asyncio
-        import threading
-
-        from tokenizers import Tokenizer
-
-        from executor_svc.grammar import GrammarBackend
-        from executor_svc.worker import ExecutorWorker
-        from pagedserve import wire
-        from scheduler_svc.engine.engine_config import EngineConfig
-        from scheduler_svc.front.http.app import OpenAIFront
-        from scheduler_svc.front.http.asgi_app import build_app
-        from scheduler_svc.front.http.limits import HttpLimits
-        from scheduler_svc.front.http.serve import start_http_server
-        from scheduler_svc.sched.scheduler_config import SchedulerConfig
-        from testing.executor_plans import make_runner
-        from testing.in_process_engine import Engine
-        from testing.tool_templates import QWEN25
-
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        cfg = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024),
-                           executor_endpoint="tcp://127.0.0.1:0", heartbeat_interval_s=0.5)
-        self.engine = Engine(cfg, tok, (0,))
-        self.call(self.engine.start())
-        runner = make_runner(model_dir, num_blocks=256)
-        runner.grammar = GrammarBackend.for_model(model_dir, runner.model.cfg.vocab_size)
-        hs = wire.Handshake("real0", wire.WIRE_VERSION, "tiny", "tiny", "LlamaForCausalLM", runner.model.cfg.vocab_size,
-                            16, 256, 16, 4096, "float32", "cpu")
-        self.worker = ExecutorWorker(f"tcp://127.0.0.1:{self.engine.hub.bound_port}", runner, hs, drain_timeout=1.0)
-        threading.Thread(target=self.worker.run, daemon=True).start()
-        self.call(self._ready())
-        front = OpenAIFront(self.engine, tok, ChatTemplate.compile(QWEN25, SPECIAL), ServerLimits(), HttpLimits())
-        self.server = self.call(start_http_server(build_app(front), "127.0.0.1", 0))
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.server.port}/v1", api_key="unused",
-                                    max_retries=0, timeout=60)
-
-    async def _ready(self) -> None:
-        import asyncio
-
-        while not self.engine.is_ready():
-            await asyncio.sleep(0.02)
-
-    def call(self, coro, timeout: float = 30.0):
-        import asyncio
-
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.call(self.server.stop(0.5))
-        self.call(self.engine.shutdown(0))
-        self.worker._signals = 2
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def real(tiny_llama_dir):
     import torch
 
     torch.set_num_threads(1)
-    r = RealModel(tiny_llama_dir)
+    from scheduler_svc.front.tool_calls import ToolCallOptions
+    from testing.real_model_front import RealModelFront
+
+    r = RealModelFront(tiny_llama_dir, {"qwen": (QWEN25, ToolCallOptions())})
     yield r
     r.stop()
 
 
 @pytest.mark.slow
 def test_a_real_model_answers_a_response_with_the_chat_routes_greedy_tokens(real):
-    chat = real.client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=24)
-    r = real.client.responses.create(model="tiny", input=_as_items(MESSAGES), temperature=0, max_output_tokens=24)
+    chat = real.client("qwen").chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=24)
+    r = real.client("qwen").responses.create(model="tiny", input=_as_items(MESSAGES), temperature=0, max_output_tokens=24)
     text = chat.choices[0].message.content
     assert r.output_text == text and r.usage.output_tokens == chat.usage.completion_tokens
     assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
-    events = list(real.client.responses.create(model="tiny", input=_as_items(MESSAGES), temperature=0,
+    events = list(real.client("qwen").responses.create(model="tiny", input=_as_items(MESSAGES), temperature=0,
                                                max_output_tokens=24, stream=True))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
     assert events[-1].response.output_text == text and events[-1].type == f"response.{r.status}"
@@ -588,7 +529,7 @@ def test_a_real_model_answers_a_response_with_the_chat_routes_greedy_tokens(real
 def test_a_real_model_held_to_a_json_schema_writes_json_that_parses(real):
     schema = {"type": "object", "properties": {"size": {"type": "integer", "minimum": 1, "maximum": 64}},
               "required": ["size"], "additionalProperties": False}
-    r = real.client.responses.create(model="tiny", input="Block size?", temperature=0, max_output_tokens=60,
+    r = real.client("qwen").responses.create(model="tiny", input="Block size?", temperature=0, max_output_tokens=60,
                                      text={"format": {"type": "json_schema", "name": "size", "schema": schema,
                                                       "strict": True}})
     assert r.status == "completed"
@@ -602,7 +543,7 @@ def test_a_real_model_made_to_call_a_tool_writes_arguments_that_match_its_schema
 
     schemas = {t["name"]: t["parameters"] for t in FLAT_TOOLS}
     for choice in ("required", {"type": "function", "name": "get_time"}):
-        r = real.client.responses.create(model="tiny", input=_history_items("call_1"), tools=FLAT_TOOLS,
+        r = real.client("qwen").responses.create(model="tiny", input=_history_items("call_1"), tools=FLAT_TOOLS,
                                          tool_choice=choice, temperature=0, max_output_tokens=300)
         assert r.status == "completed" and r.output and all(i.type == "function_call" for i in r.output)
         for item in r.output:

@@ -9,91 +9,30 @@ function, which a grammar enforces: the arguments must always parse and match th
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 
 import jsonschema
-import openai
 import pytest
 import torch
 from tokenizers import Tokenizer
 
-from executor_svc.grammar import GrammarBackend
-from executor_svc.worker import ExecutorWorker
-from pagedserve import wire
-from scheduler_svc.engine.engine_config import EngineConfig
-from scheduler_svc.front.http.app import OpenAIFront
-from scheduler_svc.front.http.asgi_app import build_app
-from scheduler_svc.front.http.chat_template import ChatTemplate
-from scheduler_svc.front.http.limits import HttpLimits
-from scheduler_svc.front.http.serve import start_http_server
-from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.front.tool_calls import ToolCallOptions
-from scheduler_svc.sched.scheduler_config import SchedulerConfig
-from testing.executor_plans import make_runner
-from testing.in_process_engine import Engine
+from testing.real_model_front import RealModelFront
 from testing.tool_templates import TEMPLATES, TOOLS, history
 
 pytestmark = pytest.mark.slow
 EOS = 0
-SPECIAL = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 50},
                                            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
           "required": ["name", "n", "tags"], "additionalProperties": False}
 
 
-class Served:
-    """An engine, one real executor thread, and an HTTP front per chat template, on one loop."""
-
-    def __init__(self, model_dir) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        cfg = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024),
-                           executor_endpoint="tcp://127.0.0.1:0", heartbeat_interval_s=0.5)
-        self.engine = Engine(cfg, tok, (EOS,))
-        self.call(self.engine.start())
-        runner = make_runner(model_dir, num_blocks=512)
-        runner.grammar = GrammarBackend.for_model(model_dir, runner.model.cfg.vocab_size)
-        hs = wire.Handshake("real0", wire.WIRE_VERSION, "tiny", "tiny", "LlamaForCausalLM", runner.model.cfg.vocab_size,
-                            16, 512, 16, 4096, "float32", "cpu")
-        self.worker = ExecutorWorker(f"tcp://127.0.0.1:{self.engine.hub.bound_port}", runner, hs, drain_timeout=1.0)
-        threading.Thread(target=self.worker.run, daemon=True).start()
-        self.call(self._ready())
-        self.servers, self.urls = [], {}
-        for family, source in TEMPLATES.items():
-            front = OpenAIFront(self.engine, tok, ChatTemplate.compile(source, SPECIAL), ServerLimits(), HttpLimits(),
-                                tool_options=ToolCallOptions(True, family))
-            server = self.call(start_http_server(build_app(front), "127.0.0.1", 0))
-            self.servers.append(server)
-            self.urls[family] = f"http://127.0.0.1:{server.port}/v1"
-
-    async def _ready(self) -> None:
-        while not self.engine.is_ready():
-            await asyncio.sleep(0.02)
-
-    def call(self, coro, timeout: float = 30.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def client(self, family: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.urls[family], api_key="unused", max_retries=0, timeout=60)
-
-    def stop(self) -> None:
-        for s in self.servers:
-            self.call(s.stop(0.5))
-        self.call(self.engine.shutdown(0))
-        self.worker._signals = 2
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):
     torch.set_num_threads(1)
-    s = Served(tiny_llama_dir)
+    s = RealModelFront(tiny_llama_dir, {family: (source, ToolCallOptions(True, family))
+                                        for family, source in TEMPLATES.items()}, (EOS,), max_num_seqs=32, num_blocks=512)
     yield s
     s.stop()
 
