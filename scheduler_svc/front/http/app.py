@@ -80,7 +80,9 @@ class OpenAIFront:
         self.special_tokens = frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
         self.texts = TokenTexts(tokenizer)
         self.shutting_down = False
-        self.served = False  # a model was known: without one now, the last executor left (error_responses.no_executor)
+        # The model last served: without one now, the last executor left (error_responses.no_executor);
+        # /v1/models still lists it meanwhile (a client's model picker across an executors' restart).
+        self.last_info: ModelInfo | None = None
         self.parser = BodyParser()  # JSON bodies: large ones in the parse worker (body_parser.py)
         self.created = int(time.time())
         # The deployment's metrics (a front asks its engine core, which sums every front's): None in a
@@ -110,8 +112,9 @@ class OpenAIFront:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
-        """The model and its LoRA adapters (each with the model as its ``parent``, as vLLM lists them)."""
-        info = self._info()
+        """The model and its LoRA adapters (each with the model as its ``parent``, as vLLM lists them):
+        the last served while no executor is connected (503 before any was, or shutting down)."""
+        info = self.engine.model_info() or (self.last_info if not self.shutting_down else None) or self._info()
         base = {"id": info.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve",
                 "root": info.model_name, "parent": None, "max_model_len": info.max_model_len}
         cards = [base] + [{**base, "id": name, "root": name, "parent": info.model_name} for name in info.lora_adapters]
@@ -204,8 +207,8 @@ class OpenAIFront:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         info = self.engine.model_info()
         if info is None:
-            raise no_executor(self.served)
-        self.served = True
+            raise no_executor(self.last_info is not None)
+        self.last_info = info
         return info
 
     def _model(self, name: str | None) -> tuple[ModelInfo, str | None]:

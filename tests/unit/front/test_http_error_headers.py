@@ -37,7 +37,8 @@ def _send(srv: HttpThread, method: str, path: str, body: dict | None = None) -> 
                      headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         raw = resp.read()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, json.loads(raw).get("error", raw)
+        body = json.loads(raw)
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body.get("error", body)
     finally:
         conn.close()
 
@@ -71,13 +72,16 @@ def test_without_a_model_the_503_says_whether_an_executor_ever_came():
     info, engine.info = engine.info, None
     srv = HttpThread(engine)
     try:
-        status, headers, err = _send(srv, "POST", "/v1/completions", {"prompt": "a"})
-        assert (status, headers.get("retry-after"), err["code"], err["message"]) == (503, "1", "no_executor", NEVER)
+        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+            status, headers, err = _send(srv, method, path, {"prompt": "a"} if method == "POST" else None)
+            assert (status, headers.get("retry-after"), err["code"], err["message"]) == (503, "1", "no_executor", NEVER)
         engine.info = info  # an executor registers, and the front serves its model
         assert _send(srv, "POST", "/v1/completions", {"prompt": "a"})[0] == 200
         engine.info = None  # the last executor left
-        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
-            status, headers, err = _send(srv, method, path, {"prompt": "a"} if method == "POST" else None)
-            assert (status, headers.get("retry-after"), err["code"], err["message"]) == (503, "1", "no_executor", LEFT)
+        status, headers, err = _send(srv, "POST", "/v1/completions", {"prompt": "a"})
+        assert (status, headers.get("retry-after"), err["code"], err["message"]) == (503, "1", "no_executor", LEFT)
+        # /v1/models still lists the model served (a client's model picker across an executors' restart)
+        status, _, body = _send(srv, "GET", "/v1/models")
+        assert status == 200 and [m["id"] for m in body["data"]] == [info.model_name]
     finally:
         srv.stop()
