@@ -890,7 +890,7 @@ def test_a_head_sent_slowly_or_never_is_timed_out_and_the_server_keeps_serving()
 
 
 def test_unavailable_before_an_executor_and_while_shutting_down(fake):
-    fake.engine.info = None
+    fake.engine.info, fake.front.last_info = None, None  # (as before any executor registered)
     try:
         status, raw = fake.request("POST", "/v1/completions", {"prompt": "a"})
         assert status == 503 and _error(status, raw)["code"] == "no_executor"
@@ -901,6 +901,11 @@ def test_unavailable_before_an_executor_and_while_shutting_down(fake):
     status, raw = fake.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})
     assert status == 503 and _error(status, raw)["code"] == "shutting_down"
     assert fake.request("GET", "/health")[0] == 503
+    fake.engine.info = None  # and the model last served is not listed then either
+    try:
+        assert fake.request("GET", "/v1/models")[0] == 503
+    finally:
+        fake.engine.info = FakeEngine(make_tokenizer(), MAX_MODEL_LEN).info
 
 
 def test_chat_without_a_template_is_a_clear_400():
