@@ -243,9 +243,13 @@ _OUT_OF_RANGE = "Number out of range"
 
 
 def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
-    """Bytes -> ``kind``; malformed JSON or a wrong type is a 400 naming the field's path."""
+    """Bytes -> ``kind``; malformed JSON or a wrong type is a 400 naming the field's path.
+
+    Lax, as vLLM's pydantic models are: a whole float where an integer goes (``max_tokens: 5.0``,
+    what a client that keeps numbers as floats sends) and a number or boolean written as a string
+    (``"5"``, ``"true"``) are taken; ``5.5`` for an integer, or a number where text goes, is not."""
     try:
-        return msgspec.json.decode(body, type=kind)
+        return msgspec.json.decode(body, type=kind, strict=False)
     except msgspec.ValidationError as e:
         m = _PATH.search(str(e))
         path = m.group(1) if m else None

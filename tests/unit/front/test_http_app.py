@@ -119,6 +119,20 @@ def test_add_special_tokens_is_the_requests_on_both_endpoints(fake):
     assert fake.engine.requests[-1].prompt_token_ids == tok.encode(rendered).ids
 
 
+def test_numbers_are_read_as_vllms_pydantic_reads_them(fake):
+    """A whole float where an integer goes (clients that keep numbers as floats) and numbers or
+    booleans written as strings are taken, as vLLM's lax pydantic models take them; a fraction
+    where an integer goes, or a number where text goes, is a 400 naming the field."""
+    status, _ = fake.request("POST", "/v1/completions", {"prompt": "a", "max_tokens": 5.0, "temperature": "0.5",
+                                                         "ignore_eos": "true", "n": 2.0})
+    p = fake.engine.requests[-1].params
+    assert status == 200 and (p.max_tokens, p.sampling.temperature, p.ignore_eos, p.n) == (5, 0.5, True, 2)
+    for body, param in (({"prompt": "a", "max_tokens": 5.5}, "max_tokens"), ({"prompt": "a", "stop": 5}, "stop"),
+                        ({"prompt": "a", "n": "two"}, "n")):
+        status, raw = fake.request("POST", "/v1/completions", body)
+        assert status == 400 and _error(status, raw)["param"] == param
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(fake):
     tok = make_tokenizer()
     ids = tok.encode("the quick brown fox jumps over the lazy dog").ids
