@@ -9,9 +9,11 @@ naming the OpenAI field.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
+from pagedserve.request_bounds import LOGIT_BIAS_RANGE
 from pagedserve.wire import MAX_SEED
 from scheduler_svc.front.api_errors import bad_field
 from scheduler_svc.front.http.limits import HttpLimits
@@ -110,12 +112,15 @@ _TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> list[tuple[int, float]]:
+    """Each bias clamped to OpenAI's [-100, 100], as vLLM clamps it (a client sending 1e9 to force
+    a token gets +100, which does); NaN stays, for the shared check to refuse."""
+    lo, hi = LOGIT_BIAS_RANGE
     out = []
     for key, value in (bias or {}).items():
         if not _TOKEN_ID_KEY.fullmatch(key):
             raise bad_field("logit_bias", f"keys must be token ids, decimal integers of at most 19 digits "
                                           f"(got {key[:40]!r})")
-        out.append((int(key), value))
+        out.append((int(key), value if math.isnan(value) else min(hi, max(lo, value))))
     return out
 
 
