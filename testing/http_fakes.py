@@ -19,6 +19,10 @@ from scheduler_svc.front.http.serve import HttpServer, start_http_server
 from scheduler_svc.front.input.server_limits import ServerLimits
 from testing.grpc_fakes import FakeEngine
 
+# A ChatML template as the HTTP tests' fake model's (a message without content renders empty).
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
 
 class HttpThread:
     def __init__(self, engine: FakeEngine, template: ChatTemplate | None = None,

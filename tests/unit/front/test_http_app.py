@@ -22,10 +22,8 @@ from scheduler_svc.front.input import offload
 from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.telemetry.metrics import Metrics
 from testing.grpc_fakes import FakeEngine, make_tokenizer
-from testing.http_fakes import HttpThread
+from testing.http_fakes import CHATML, HttpThread
 
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 LIMITS = ServerLimits(max_n=4, max_logprobs=5, max_stop_strings=2)
 HTTP_LIMITS = HttpLimits(max_body_bytes=4096, max_messages=3, max_prompts=2)
 MODEL = "tiny-test"

@@ -22,12 +22,10 @@ from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.front.tool_calls import ToolCallOptions
 from scheduler_svc.telemetry.metrics import Metrics
 from testing.grpc_fakes import FakeEngine, make_tokenizer
-from testing.http_fakes import HttpThread
+from testing.http_fakes import CHATML, HttpThread
 from testing.tool_templates import QWEN25, TOOLS, history
 
 SPECIAL = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') + '<|im_end|>\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 MODEL = "tiny-test"
 MESSAGES = [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "What is paged attention?"},
             {"role": "assistant", "content": "KV cache in blocks."}, {"role": "user", "content": "Block size?"}]

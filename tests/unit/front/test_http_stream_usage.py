@@ -13,10 +13,8 @@ from scheduler_svc.front.http.limits import HttpLimits
 from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.telemetry.metrics import Metrics
 from testing.grpc_fakes import FakeEngine, make_tokenizer
-from testing.http_fakes import HttpThread
+from testing.http_fakes import CHATML, HttpThread
 
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 USAGE = {"include_usage": True, "continuous_usage_stats": True}
 
 

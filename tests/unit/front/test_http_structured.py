@@ -15,11 +15,9 @@ from scheduler_svc.front.input.server_limits import ServerLimits
 from scheduler_svc.front.tool_calls import ToolCallOptions
 from scheduler_svc.telemetry.metrics import Metrics
 from testing.grpc_fakes import FakeEngine, make_tokenizer
-from testing.http_fakes import HttpThread
+from testing.http_fakes import CHATML, HttpThread
 from testing.tool_templates import TOOLS
 
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') + '<|im_end|>\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 MODEL = "tiny-test"
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 SCRIPTS = {  # what a model of each family writes to call get_weather and get_time
