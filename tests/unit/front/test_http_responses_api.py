@@ -283,6 +283,7 @@ REFUSED = [
     ({"bad_words": ["x"]}, "bad_words", "bad_words"),
     ({"stop": [""]}, "stop", "stop[0]"),
     ({"prompt_logprobs": 1}, "prompt_logprobs", "prompt_logprobs"),  # no place in a response
+    ({"prompt_logprobs": 0}, "prompt_logprobs", "prompt_logprobs"),  # (the prompt's own: computed, then dropped)
     ({"use_beam_search": True}, "use_beam_search", "use_beam_search"),
     ({"return_token_ids": True}, "return_token_ids", "return_token_ids"),
     ({"structured_outputs": {"regex": "a+"}, "text": {"format": {"type": "json_object"}}}, "structured_outputs",
