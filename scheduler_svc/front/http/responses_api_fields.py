@@ -74,7 +74,8 @@ CHAT_ONLY = ("prompt_logprobs", "use_beam_search", "return_token_ids")
 
 def _refuse_unserved(req: ResponsesRequest) -> None:
     for name in CHAT_ONLY:
-        if getattr(req, name) not in (None, False):  # (prompt_logprobs 0 asks for them too)
+        value = getattr(req, name)
+        if value is not None and value is not False:  # (prompt_logprobs 0 asks for them too; 0 == False)
             raise bad_field(name, "is not served on /v1/responses (a response has no place for it); use "
                                   "/v1/chat/completions", code="unsupported")
     if req.previous_response_id is not None:
